@@ -1,0 +1,580 @@
+"""Sharded CIFAR-10 loaders for data-parallel JAX: one shard per device.
+
+This module is the data half of the reference. It is pure NumPy plus JAX and
+stands on its own (copy it into another project as it is).
+
+The contract, in the order the pieces are used:
+
+* ``read_cifar10`` reads the CIFAR-10 "binary version" (3073-byte records: one
+  label byte 0..9, then the R, G, B planes of 32x32, row-major).
+* ``shard_bounds`` partitions ``range(N)`` into ``n`` contiguous shards: shard k
+  is ``[N*k//n, N*(k+1)//n)``, the partition rocAL and DALI use. Shard sizes
+  differ by at most one.
+* ``epoch_plan`` turns (N, n, B, epoch, seed, shuffle, last_batch) into the whole
+  epoch as data: which sample sits in which slot of which device's batch at which
+  step, and whether that slot is real (mask True) or padding (mask False).
+  Batches are therefore a pure function of (seed, epoch, step, shard): resuming
+  mid-epoch needs the step number and nothing else.
+* ``crop_mirror_normalize`` is rocAL's per-image arithmetic in NumPy.
+* ``make_loader`` puts it together: one loader for a set of devices whose epoch
+  iterator yields ``{"images", "labels", "mask"}`` as global ``jax.Array``s,
+  row block k on the device at position k of the mesh.
+
+Remainder handling, worked (DALI's LastBatchPolicy table, for shards). Data is
+samples 0..6 (N=7), two shards (n=2), per-device batch B=2, no shuffle.
+Shard 0 is [0, 3) = {0, 1, 2}; shard 1 is [3, 7) = {3, 4, 5, 6}.
+``*`` marks a padding slot (mask False) that repeats the shard's last sample:
+
+    policy | steps                 | step 0 (shard 0, 1) | step 1 (shard 0, 1)
+    -------+-----------------------+---------------------+--------------------
+    fill   | ceil(ceil(7/2)/2) = 2 | [0, 1]  [3, 4]      | [2, 2*]  [5, 6]
+    drop   | (7//2)//2 = 1         | [0, 1]  [3, 4]      | (none: 2, 5, 6 skipped)
+
+Guarantees (each is tested in test_loaders.py):
+
+* Every shard runs the same number of steps in an epoch (SPMD collectives need
+  it: a device with one step fewer would hang the others).
+* fill: over one epoch every sample of range(N) has exactly one mask-True slot.
+  Padding slots repeat a real sample of the same shard and are masked False, so a
+  masked loss or accuracy counts each sample exactly once (rocAL's and DALI's
+  FILL repeat samples but do not say which slots are padding).
+* drop: every sample appears at most once and exactly ``n * steps * B`` appear.
+* shuffle: each shard's order is a permutation of that shard, a deterministic
+  function of (seed, epoch, shard) alone, computed from NumPy's PCG64 raw bit
+  stream and SeedSequence (both specified bit for bit, so stable across NumPy
+  versions). Seeds are mixed by SeedSequence, never added: (seed 1, epoch 0) and
+  (seed 0, epoch 1) give unrelated orders. Shards never exchange samples
+  (rocAL's and DALI's ``stick_to_shard`` behaviour).
+
+Deliberate differences from rocAL and DALI, and why:
+
+* Files are read in sorted name order. rocAL lists a folder in raw ``readdir``
+  order, which depends on the filesystem, so the same folder can give a different
+  sample order on another machine.
+* Shuffle honours ``seed`` and changes every epoch. rocAL seeds its shuffle with
+  the shard index alone; DALI pre-permutes with a fixed seed.
+* A crop larger than the image is an error here; rocAL silently clamps it.
+* The shard of a device is its position in the mesh, never ``device.id``
+  (device ids need not be 0..n-1; see JAX issue 16024).
+
+Supported: JAX 0.6.1 to 0.10.x (``jax.shard_map`` at top level, ``jax.make_mesh``
+with ``devices=`` and ``AxisType``), NumPy >= 1.25.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import tempfile
+import threading
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+RECORD_BYTES = 3073
+IMAGE_SHAPE = (3, 32, 32)
+NUM_CLASSES = 10
+TRAIN_PREFIX = "data_batch_"
+TEST_PREFIX = "test_batch"
+DATA_AXIS = "data"
+LAST_BATCH_POLICIES = ("fill", "drop")
+LAYOUTS = ("sharded", "pmap")
+
+
+# --------------------------------------------------------------------------
+# Reading and writing the CIFAR-10 binary format
+# --------------------------------------------------------------------------
+
+
+def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREFIX):
+    """Reads every file in ``file_root`` whose name starts with ``filename_prefix``.
+
+    Files are read in sorted name order, so the sample order is the same on every
+    filesystem. Returns ``(images_NCHW, labels_N)``: uint8 (N, 3, 32, 32) and
+    int32 (N,). With one matching file the images are a read-only view of a
+    memory map (no copy); with several they are one in-memory copy, never more.
+
+    Raises FileNotFoundError (folder missing, no matching file) or ValueError (a
+    file whose size is not a whole number of 3073-byte records, a label > 9, no
+    records at all); each message names the file and the offending value.
+    """
+    root = os.fspath(file_root)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"read_cifar10: file_root={root!r} is not a directory")
+    names = sorted(
+        name for name in os.listdir(root)
+        if name.startswith(filename_prefix) and os.path.isfile(os.path.join(root, name))
+    )
+    if not names:
+        raise FileNotFoundError(
+            f"read_cifar10: no file in {root!r} starts with filename_prefix={filename_prefix!r}"
+        )
+    records = []
+    for name in names:
+        path = os.path.join(root, name)
+        size = os.path.getsize(path)
+        if size % RECORD_BYTES:
+            raise ValueError(
+                f"{path}: size {size} bytes is not a multiple of the {RECORD_BYTES}-byte "
+                f"CIFAR-10 record ({size % RECORD_BYTES} bytes left over: truncated or not CIFAR-10)"
+            )
+        if size == 0:
+            continue  # np.memmap cannot map an empty file; it holds no record anyway.
+        rows = np.memmap(path, dtype=np.uint8, mode="r").reshape(-1, RECORD_BYTES)
+        bad = np.flatnonzero(rows[:, 0] >= NUM_CLASSES)
+        if bad.size:
+            raise ValueError(
+                f"{path}: record {bad[0]} has label {rows[bad[0], 0]}; CIFAR-10 labels are 0..9"
+            )
+        records.append(rows)
+    if not records:
+        raise ValueError(
+            f"read_cifar10: the files matching {filename_prefix!r} in {root!r} hold no record "
+            f"(all empty: {names})"
+        )
+    rows = records[0] if len(records) == 1 else np.concatenate(records)
+    images = rows[:, 1:].reshape((-1,) + IMAGE_SHAPE)
+    labels = rows[:, 0].astype(np.int32)
+    return images, labels
+
+
+def write_cifar10(path: str | os.PathLike, images_NCHW: np.ndarray, labels_N: np.ndarray) -> None:
+    """Writes one CIFAR-10 binary file, atomically (a reader never sees half a file).
+
+    ``images_NCHW`` must be uint8 (N, 3, 32, 32) and ``labels_N`` integers 0..9.
+    """
+    path = os.fspath(path)
+    images_NCHW = np.asarray(images_NCHW)
+    labels_N = np.asarray(labels_N)
+    if images_NCHW.dtype != np.uint8 or images_NCHW.shape[1:] != IMAGE_SHAPE:
+        raise ValueError(
+            f"write_cifar10({path!r}): images must be uint8 (N, 3, 32, 32), "
+            f"got {images_NCHW.dtype} {images_NCHW.shape}"
+        )
+    if labels_N.shape != images_NCHW.shape[:1]:
+        raise ValueError(
+            f"write_cifar10({path!r}): labels shape {labels_N.shape} does not match "
+            f"{images_NCHW.shape[0]} images"
+        )
+    if labels_N.size and (labels_N.min() < 0 or labels_N.max() >= NUM_CLASSES):
+        raise ValueError(
+            f"write_cifar10({path!r}): labels must be 0..9, got range "
+            f"[{labels_N.min()}, {labels_N.max()}]"
+        )
+    rows = np.empty((len(labels_N), RECORD_BYTES), np.uint8)
+    rows[:, 0] = labels_N
+    rows[:, 1:] = images_NCHW.reshape(len(labels_N), -1)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(rows.tobytes())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000,
+                      num_test: int = 10_000, seed: int = 0) -> str:
+    """Writes a CIFAR-10-format folder: data_batch_1..5.bin and test_batch.bin.
+
+    Each class has a fixed random low-frequency colour pattern; an image is its
+    class pattern at a random contrast, shifted by a random brightness, plus
+    strong per-pixel noise. Classes are learnable by the seed MLP but not
+    separable at a glance (accuracy climbs over several epochs, as with real
+    data). The bytes are a function of (num_train, num_test, seed) alone.
+    Returns ``root``.
+    """
+    for name, value in (("num_train", num_train), ("num_test", num_test)):
+        if value < 0:
+            raise ValueError(f"synthetic_cifar10: {name} must be >= 0, got {value}")
+    root = os.fspath(root)
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0xC1FA])))
+    coarse = rng.normal(size=(NUM_CLASSES, 3, 4, 4))
+    patterns = np.repeat(np.repeat(coarse, 8, axis=2), 8, axis=3)  # (10, 3, 32, 32)
+
+    def draw(count: int):
+        labels = rng.integers(0, NUM_CLASSES, size=count)
+        contrast = rng.uniform(0.2, 1.0, size=(count, 1, 1, 1))
+        brightness = rng.normal(0.0, 0.5, size=(count, 1, 1, 1))
+        noise = rng.normal(0.0, 1.0, size=(count,) + IMAGE_SHAPE)
+        x = contrast * patterns[labels] + brightness + noise
+        images = np.clip(np.rint(127.5 + 40.0 * x), 0, 255).astype(np.uint8)
+        return images, labels
+
+    images, labels = draw(num_train)
+    for i, part in enumerate(np.array_split(np.arange(num_train), 5), start=1):
+        write_cifar10(os.path.join(root, f"{TRAIN_PREFIX}{i}.bin"), images[part], labels[part])
+    images, labels = draw(num_test)
+    write_cifar10(os.path.join(root, f"{TEST_PREFIX}.bin"), images, labels)
+    return root
+
+
+# --------------------------------------------------------------------------
+# Sharding and the epoch plan
+# --------------------------------------------------------------------------
+
+
+def shard_bounds(num_samples: int, shard_id: int, num_shards: int) -> tuple[int, int]:
+    """Shard ``shard_id`` of ``num_shards`` over ``range(num_samples)``: [N*k//n, N*(k+1)//n).
+
+    Raises ValueError for num_shards < 1, num_shards > num_samples, or shard_id
+    outside [0, num_shards).
+    """
+    if num_shards < 1:
+        raise ValueError(f"shard_bounds: num_shards must be >= 1, got {num_shards}")
+    if num_shards > num_samples:
+        raise ValueError(
+            f"shard_bounds: num_shards={num_shards} is more than num_samples={num_samples}; "
+            f"some shard would be empty"
+        )
+    if not 0 <= shard_id < num_shards:
+        raise ValueError(f"shard_bounds: shard_id={shard_id} is outside [0, {num_shards})")
+    return num_samples * shard_id // num_shards, num_samples * (shard_id + 1) // num_shards
+
+
+class Plan(NamedTuple):
+    """One epoch as data. ``indices`` int64 and ``mask`` bool, both (steps, num_shards, B).
+
+    ``indices[s, k]`` are the sample indices of shard k's batch at step s; ``mask``
+    is False exactly on padding slots.
+    """
+    indices: np.ndarray
+    mask: np.ndarray
+
+
+def num_steps(num_samples: int, num_shards: int, batch_size: int, last_batch: str) -> int:
+    """Steps per epoch, the same for every shard: fill ceil(ceil(N/n)/B), drop (N//n)//B."""
+    if last_batch == "fill":
+        return -(-(-(-num_samples // num_shards)) // batch_size)
+    return (num_samples // num_shards) // batch_size
+
+
+def epoch_plan(num_samples: int, num_shards: int, batch_size: int, *, epoch: int = 0,
+               seed: int = 0, shuffle: bool = False, last_batch: str = "fill") -> Plan:
+    """The sample in every slot of every batch of one epoch; see the module docstring."""
+    _check_policy(last_batch)
+    if batch_size < 1:
+        raise ValueError(f"epoch_plan: batch_size must be >= 1, got {batch_size}")
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"epoch_plan: seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
+    shard_bounds(num_samples, 0, num_shards)  # validates num_shards against num_samples
+    steps = num_steps(num_samples, num_shards, batch_size, last_batch)
+    slots = steps * batch_size
+    indices = np.empty((num_shards, slots), np.int64)
+    mask = np.zeros((num_shards, slots), bool)
+    for k in range(num_shards):
+        start, stop = shard_bounds(num_samples, k, num_shards)
+        order = np.arange(start, stop)
+        if shuffle:
+            order = order[shard_permutation(stop - start, seed=seed, epoch=epoch, shard=k)]
+        real = min(slots, len(order))
+        indices[k, :real] = order[:real]
+        indices[k, real:] = order[real - 1] if real else start
+        mask[k, :real] = True
+    shape = (num_shards, steps, batch_size)
+    return Plan(indices.reshape(shape).swapaxes(0, 1).copy(), mask.reshape(shape).swapaxes(0, 1).copy())
+
+
+def shard_permutation(size: int, *, seed: int, epoch: int, shard: int) -> np.ndarray:
+    """A permutation of range(size) that depends on (seed, epoch, shard) alone.
+
+    Sorting PCG64's raw 64-bit outputs uses only the bit streams that NumPy
+    specifies exactly (SeedSequence and PCG64), not ``Generator.permutation``,
+    whose algorithm NumPy may change between versions.
+    """
+    keys = np.random.PCG64(np.random.SeedSequence([seed, epoch, shard])).random_raw(size)
+    return np.argsort(keys, kind="stable")
+
+
+def _check_policy(last_batch: str) -> None:
+    if last_batch not in LAST_BATCH_POLICIES:
+        raise ValueError(f"last_batch must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}")
+
+
+# --------------------------------------------------------------------------
+# Per-image arithmetic
+# --------------------------------------------------------------------------
+
+
+def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | None = None,
+                          mirror=False, mean: Sequence[float] = (0.0, 0.0, 0.0),
+                          std: Sequence[float] = (1.0, 1.0, 1.0),
+                          crop_pos: tuple[float, float] = (0.5, 0.5)) -> np.ndarray:
+    """rocAL's crop_mirror_normalize on uint8 NCHW images; float32 NCHW out.
+
+    ``out[n, c, y, x] = (in[n, c, y0 + y, x0 + x'] - mean[c]) / std[c]`` with mean
+    and std in pixel units (0..255), ``x' = cw - 1 - x`` where the sample is
+    mirrored (a horizontal flip inside the crop window), else ``x' = x``.
+    ``crop = (ch, cw)`` (default: the whole image), ``crop_pos = (pos_y, pos_x)``
+    in [0, 1], anchor ``y0 = nearbyint(pos_y * (H - ch))`` rounding half to even,
+    likewise x0. ``mirror`` is a bool or a bool array of shape (N,).
+
+    Raises ValueError for mean/std without one entry per channel, a zero std, a
+    crop larger than the image (rocAL clamps it silently), or a crop_pos outside
+    [0, 1].
+    """
+    images_NCHW = np.asarray(images_NCHW)
+    if images_NCHW.ndim != 4:
+        raise ValueError(f"crop_mirror_normalize: images must be NCHW, got shape {images_NCHW.shape}")
+    n, c, h, w = images_NCHW.shape
+    mean = np.asarray(mean, np.float32)
+    std = np.asarray(std, np.float32)
+    if mean.shape != (c,) or std.shape != (c,):
+        raise ValueError(
+            f"crop_mirror_normalize: mean and std need {c} entries (one per channel), "
+            f"got mean={mean.tolist()}, std={std.tolist()}"
+        )
+    if np.any(std == 0):
+        raise ValueError(f"crop_mirror_normalize: std has a zero entry: std={std.tolist()}")
+    ch, cw = (h, w) if crop is None else crop
+    if not (0 < ch <= h and 0 < cw <= w):
+        raise ValueError(f"crop_mirror_normalize: crop={crop} does not fit in images of {h}x{w}")
+    if not all(0.0 <= p <= 1.0 for p in crop_pos):
+        raise ValueError(f"crop_mirror_normalize: crop_pos={crop_pos} must lie in [0, 1]")
+    y0 = int(np.rint(crop_pos[0] * (h - ch)))
+    x0 = int(np.rint(crop_pos[1] * (w - cw)))
+    window = images_NCHW[:, :, y0:y0 + ch, x0:x0 + cw]
+    flip = np.asarray(mirror, bool)
+    if flip.ndim == 0:
+        flip = np.full(n, bool(flip))
+    if flip.shape != (n,):
+        raise ValueError(f"crop_mirror_normalize: mirror must be a bool or shape ({n},), got {flip.shape}")
+    out = np.empty((n, c, ch, cw), np.float32)
+    np.subtract(window, mean[:, None, None], out=out, dtype=np.float32)
+    if flip.any():
+        out[flip] = out[flip][..., ::-1]
+    np.divide(out, std[:, None, None], out=out)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Normalize:
+    """What the loader applies to each image: crop_mirror_normalize's arguments.
+
+    The default is the rocAL notebook's: no crop, no flip, (x - 127.5) / 127.5.
+    """
+    mean: tuple[float, float, float] = (127.5, 127.5, 127.5)
+    std: tuple[float, float, float] = (127.5, 127.5, 127.5)
+    mirror: bool = False
+    crop: tuple[int, int] | None = None
+    crop_pos: tuple[float, float] = (0.5, 0.5)
+
+    def __call__(self, images_NCHW: np.ndarray) -> np.ndarray:
+        return crop_mirror_normalize(images_NCHW, crop=self.crop, mirror=self.mirror,
+                                     mean=self.mean, std=self.std, crop_pos=self.crop_pos)
+
+
+# --------------------------------------------------------------------------
+# Devices, meshes and global arrays
+# --------------------------------------------------------------------------
+
+
+def data_mesh(devices: Sequence[jax.Device] | Mesh) -> Mesh:
+    """A one-axis mesh named 'data' over ``devices`` in the given order.
+
+    A Mesh is returned as it is after checking that it has a 'data' axis holding
+    all its devices. Raises ValueError for no device, a repeated device, or a mesh
+    whose 'data' axis does not span its devices.
+    """
+    if isinstance(devices, Mesh):
+        mesh = devices
+        if DATA_AXIS not in mesh.axis_names or mesh.shape[DATA_AXIS] != mesh.devices.size:
+            raise ValueError(
+                f"mesh: axis {DATA_AXIS!r} must hold every device, got axes {dict(mesh.shape)}"
+            )
+        return mesh
+    devices = list(devices)
+    if not devices:
+        raise ValueError("devices: need at least one device, got none")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"devices: a device is listed twice: {devices}")
+    # Auto axes: jit propagates the batch's sharding, as the notebooks rely on.
+    return jax.make_mesh((len(devices),), (DATA_AXIS,), axis_types=(AxisType.Auto,), devices=devices)
+
+
+def global_batch(blocks: dict[int, dict[str, np.ndarray]], mesh: Mesh, layout: str = "sharded"):
+    """Global ``jax.Array``s from per-shard host blocks: block k goes to mesh position k.
+
+    ``blocks[k]`` maps each name ("images", "labels", "mask") to shard k's rows
+    (B, ...). Only the shards whose device belongs to this process need to be
+    present, so the same call builds the same global batch in every process of
+    a multi-process run. Layouts:
+
+    * "sharded": (n*B, ...) with ``NamedSharding(mesh, P('data'))``; with a single
+      device, plain (B, ...) arrays on that device.
+    * "pmap": (n, B, ...) sharded on axis 0 (what pmap and DALI's devices= give).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    devices = list(mesh.devices.flat)
+    local = [k for k, d in enumerate(devices) if d.process_index == jax.process_index()]
+    missing = [k for k in local if k not in blocks]
+    if missing:
+        raise ValueError(f"global_batch: no block for the local shards {missing}")
+    n = len(devices)
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
+    out = {}
+    for name in blocks[local[0]]:
+        rows = blocks[local[0]][name]
+        if layout == "sharded" and n == 1:
+            out[name] = jax.device_put(rows, devices[0])
+            continue
+        if layout == "sharded":
+            shape = (n * rows.shape[0],) + rows.shape[1:]
+            parts = [jax.device_put(blocks[k][name], devices[k]) for k in local]
+        else:
+            shape = (n,) + rows.shape
+            parts = [jax.device_put(blocks[k][name][None], devices[k]) for k in local]
+        out[name] = jax.make_array_from_single_device_arrays(shape, sharding, parts)
+    return out
+
+
+# --------------------------------------------------------------------------
+# The loader
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Loader:
+    """A sharded epoch iterator over an in-memory (or memory-mapped) dataset.
+
+    Build it with ``make_loader``. ``len(loader)`` is the number of steps in every
+    epoch, equal on every shard. ``loader.epoch(e)`` yields one dict per step with
+    global arrays "images" (float32, normalised), "labels" (int32) and "mask"
+    (bool) in ``layout``; ``loader.batch(e, s)`` is step s alone (random access).
+    ``loader.plan(e)`` is the epoch's ``Plan``. Batches are fully determined by
+    (seed, epoch, step): two loaders with the same arguments yield equal batches.
+    """
+    images: np.ndarray
+    labels: np.ndarray
+    mesh: Mesh
+    batch_size: int
+    layout: str = "sharded"
+    shuffle: bool = False
+    seed: int = 0
+    last_batch: str = "fill"
+    normalize: Normalize = Normalize()
+    prefetch: int = 2
+
+    @property
+    def num_shards(self) -> int:
+        return self.mesh.devices.size
+
+    def __len__(self) -> int:
+        return num_steps(len(self.labels), self.num_shards, self.batch_size, self.last_batch)
+
+    def plan(self, epoch: int) -> Plan:
+        return epoch_plan(len(self.labels), self.num_shards, self.batch_size, epoch=epoch,
+                          seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch)
+
+    def host_blocks(self, plan: Plan, step: int) -> dict[int, dict[str, np.ndarray]]:
+        """Host-side blocks for this process's shards at ``step`` of ``plan``."""
+        blocks = {}
+        for k, device in enumerate(self.mesh.devices.flat):
+            if device.process_index != jax.process_index():
+                continue
+            idx = plan.indices[step, k]
+            blocks[k] = {
+                "images": self.normalize(self.images[idx]),
+                "labels": self.labels[idx],
+                "mask": plan.mask[step, k],
+            }
+        return blocks
+
+    def batch(self, epoch: int, step: int) -> dict[str, jax.Array]:
+        if not 0 <= step < len(self):
+            raise IndexError(f"step={step} is outside [0, {len(self)})")
+        return global_batch(self.host_blocks(self.plan(epoch), step), self.mesh, self.layout)
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
+        """Steps ``start_step .. len-1`` of ``epoch``, prepared ``prefetch`` steps ahead
+        on a background thread. A worker error is raised here in the caller; closing
+        the iterator early (``break``, garbage collection) stops and joins the thread."""
+        plan = self.plan(epoch)
+        make = lambda s: global_batch(self.host_blocks(plan, s), self.mesh, self.layout)
+        return _prefetched(make, range(start_step, len(self)), self.prefetch)
+
+
+def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
+                layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
+                shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
+                normalize: Normalize = Normalize(), prefetch: int = 2) -> Loader:
+    """A ``Loader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``)
+    or an ``(images_NCHW uint8, labels_N)`` pair. ``batch_size`` is per device.
+
+    Raises ValueError for batch_size < 1, a batch larger than the smallest shard
+    (every step would be mostly padding, or with drop there would be no step),
+    more devices than samples, a repeated device, a mesh without a 'data' axis
+    spanning its devices, or an unknown layout or last_batch policy.
+    """
+    if isinstance(data, (str, os.PathLike)):
+        images, labels = read_cifar10(data, filename_prefix)
+    else:
+        images, labels = data
+    mesh = data_mesh(devices)
+    _check_policy(last_batch)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    n = mesh.devices.size
+    if n > len(labels):
+        raise ValueError(f"{n} devices but only {len(labels)} samples: some shard would be empty")
+    if batch_size > len(labels) // n:
+        raise ValueError(
+            f"batch_size={batch_size} per device is larger than the smallest shard "
+            f"({len(labels) // n} samples = {len(labels)} samples / {n} devices)"
+        )
+    return Loader(images, labels, mesh, batch_size, layout, shuffle, seed, last_batch,
+                  normalize, prefetch)
+
+
+def _prefetched(make, steps, depth: int):
+    if depth == 0:
+        return (make(s) for s in steps)
+    return _prefetch_thread(make, steps, depth)
+
+
+def _prefetch_thread(make, steps, depth: int):
+    out: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def work():
+        try:
+            for s in steps:
+                if not put(("batch", make(s))):
+                    return
+            put(("end", None))
+        except BaseException as error:  # handed to the consumer, raised there
+            put(("error", error))
+
+    worker = threading.Thread(target=work, name="loader-prefetch", daemon=True)
+    worker.start()
+    try:
+        while True:
+            kind, value = out.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+        worker.join()

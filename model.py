@@ -1,0 +1,126 @@
+"""The seed notebooks' MLP as pure functions over a list of (w, b) tuples.
+
+Batches are dicts with "images" (B, 3, 32, 32) or (B, 3072) float32, "labels"
+(B,) int, and "mask" (B,) bool; mask False marks a padding slot that must not
+count (see loaders.epoch_plan). With an all-True mask every function here is the
+notebooks' function.
+
+Two SGD steps:
+
+* ``update``: ``jax.jit``. On a batch sharded over devices and replicated params
+  this is the notebooks' "automatic parallelisation": XLA inserts the
+  cross-device sums.
+* ``update_parallel``: ``jax.pmap`` over axis 'data', batches laid out (n, B, ...).
+  pmap is in maintenance mode in current JAX (since 0.10 it is ``jit`` of
+  ``shard_map``); strategies.py also shows the ``jax.shard_map`` form.
+
+Both compute the gradient of the *global* masked loss: the sum of every real
+sample's negative log-likelihood divided by the number of real samples in the
+whole global batch. The notebooks' ``lax.pmean(grads)`` averages per-device
+means, which is that gradient only when every device holds the same number of
+real samples; with padding it weights a device's samples by 1/(its own count).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Params = list  # [(w_IxO, b_O), ...]
+LAYERS = (3072, 1024, 1024, 10)
+AXIS = "data"
+
+
+def init_model(layers: Sequence[int] = LAYERS, rng: np.random.RandomState | None = None) -> Params:
+    """w = 0.1 * randn(in, out), b = 0.1 * randn(out), float32, exactly as the notebooks.
+
+    ``rng`` defaults to a fresh ``RandomState(0)`` on every call (the notebooks'
+    default argument is one shared RandomState, so their second call returns
+    different weights).
+    """
+    rng = np.random.RandomState(0) if rng is None else rng
+    params = []
+    for n_in, n_out in zip(layers[:-1], layers[1:]):
+        w = (0.1 * rng.randn(n_in, n_out)).astype(np.float32)
+        b = (0.1 * rng.randn(n_out)).astype(np.float32)
+        params.append((w, b))
+    return params
+
+
+def predict(params: Params, images: jax.Array) -> jax.Array:
+    """Log-probabilities (B, classes): tanh hidden layers, log-softmax output."""
+    x_BxD = images.reshape(images.shape[0], -1)
+    for w, b in params[:-1]:
+        x_BxD = jnp.tanh(x_BxD @ w + b)
+    w, b = params[-1]
+    logits_BxC = x_BxD @ w + b
+    return logits_BxC - jax.nn.logsumexp(logits_BxC, axis=1, keepdims=True)
+
+
+def loss_terms(params: Params, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(sum of real samples' NLL, number of real samples) over one batch."""
+    logp_BxC = predict(params, batch["images"])
+    nll_B = -jnp.take_along_axis(logp_BxC, batch["labels"].reshape(-1, 1).astype(jnp.int32), axis=1)[:, 0]
+    mask_B = batch["mask"].reshape(-1).astype(logp_BxC.dtype)
+    return jnp.sum(mask_B * nll_B), jnp.sum(mask_B)
+
+
+def loss(params: Params, batch: dict) -> jax.Array:
+    """Masked mean NLL: sum(mask * nll) / max(sum(mask), 1). All-True mask: the notebooks' loss."""
+    total, count = loss_terms(params, batch)
+    return total / jnp.maximum(count, 1.0)
+
+
+def sgd(params: Params, grads: Params, learning_rate) -> Params:
+    return jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
+
+
+@jax.jit
+def update(params: Params, batch: dict, learning_rate=0.001) -> tuple[Params, jax.Array]:
+    """One SGD step on the batch's masked loss; returns (new params, that loss)."""
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    return sgd(params, grads, learning_rate), value
+
+
+def _update_parallel(params: Params, batch: dict, learning_rate=0.001):
+    # The denominator is the real-sample count of the whole global batch; it does
+    # not depend on params, so each device differentiates its own numerator
+    # divided by the global count and the per-device gradients simply add up.
+    count = lax.psum(loss_terms(params, batch)[1], AXIS)
+    local = lambda p: loss_terms(p, batch)[0] / jnp.maximum(count, 1.0)
+    value, grads = jax.value_and_grad(local)(params)
+    grads = lax.psum(grads, AXIS)
+    return sgd(params, grads, learning_rate), lax.psum(value, AXIS)
+
+
+update_parallel = jax.pmap(_update_parallel, axis_name=AXIS, in_axes=(0, 0, None))
+update_parallel.__doc__ = """pmap SGD step: params (n, ...) replicated, batch (n, B, ...).
+
+Returns (new params (n, ...), global masked loss (n,)), every replica equal."""
+
+
+@jax.jit
+def _correct_and_count(params: Params, batch: dict) -> tuple[jax.Array, jax.Array]:
+    predicted_B = jnp.argmax(predict(params, batch["images"]), axis=1)
+    hit_B = (predicted_B == batch["labels"].reshape(-1)) & batch["mask"].reshape(-1)
+    return jnp.sum(hit_B), jnp.sum(batch["mask"])
+
+
+def accuracy(params: Params, batches: Iterable[dict]) -> float:
+    """Fraction of real (mask-True) samples classified correctly over ``batches``.
+
+    Over a fill-policy loader this counts every sample exactly once (the
+    notebooks' drop-policy validation silently skips the tail of the test set).
+    """
+    correct = total = 0
+    for batch in batches:
+        c, t = _correct_and_count(params, batch)
+        correct += int(c)
+        total += int(t)
+    if total == 0:
+        raise ValueError("accuracy: the batches hold no real (mask-True) sample")
+    return correct / total

@@ -1,0 +1,168 @@
+"""Four ways to run the same data-parallel SGD, and the helpers to move params.
+
+Every strategy has one signature::
+
+    strategy(params, batches, learning_rate, mesh) -> (params, losses)
+
+``params`` in and out are host-side (NumPy) ``[(w, b), ...]``, so epochs chain by
+passing the result back in and no strategy keeps hidden state. ``batches`` is
+any iterable of batch dicts ("images", "labels", "mask") in the strategy's
+``LAYOUT``; ``losses`` (steps,) float32 is each step's global masked loss,
+computed before that step's update. The mesh is one axis named 'data'
+(loaders.data_mesh).
+
+* ``sharded``: the notebooks' automatic parallelisation. Params replicated
+  (``NamedSharding(mesh, P())``), the batch sharded on 'data', the plain jit
+  ``model.update``; XLA partitions the computation and adds the sums.
+* ``pmap``: params stacked on a leading device axis, batches (n, B, ...),
+  ``model.update_parallel``. pmap is in maintenance mode in current JAX.
+* ``shard_map``: pmap's modern replacement, ``jax.shard_map`` with explicit
+  collectives.
+* ``single``: the whole global batch on one device each step; the oracle the
+  others are compared with.
+
+Guarantee (test_equivalence.py): on CPU, sharded, pmap and shard_map give
+bit-identical params after the same steps on the same global batches, and each
+matches single to within a few float32 ulps a step (single device sums the batch
+in one pass, the others sum per device and then across devices).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from model import AXIS, Params, loss_terms, sgd, update, update_parallel
+
+LAYOUT = {"sharded": "sharded", "pmap": "pmap", "shard_map": "sharded", "single": "sharded"}
+
+
+# --------------------------------------------------------------------------
+# Moving params between layouts (current APIs only)
+# --------------------------------------------------------------------------
+
+
+def replicate(params: Params, mesh: Mesh) -> Params:
+    """Every leaf on every device of ``mesh``: ``NamedSharding(mesh, P())``.
+
+    Replaces the removed ``jax.device_put_replicated`` for jit code."""
+    return jax.device_put(params, NamedSharding(mesh, P()))
+
+
+def stack_replicas(params: Params, mesh: Mesh) -> Params:
+    """Every leaf as (n, ...) with one copy per device, sharded on axis 0: pmap's layout.
+
+    Built from per-device copies, so in a multi-process run each process supplies
+    only its own devices' copies."""
+    sharding = NamedSharding(mesh, P(AXIS))
+    devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+    def stack(leaf):
+        leaf = np.asarray(leaf)
+        parts = [jax.device_put(leaf[None], d) for d in devices]
+        return jax.make_array_from_single_device_arrays((mesh.devices.size,) + leaf.shape, sharding, parts)
+
+    return jax.tree.map(stack, params)
+
+
+def first_replica(stacked: Params) -> Params:
+    """Host copy of one replica of pmap-layout params (this process's first)."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[0], stacked)
+
+
+def to_host(params: Params) -> Params:
+    """Host (NumPy) copy of replicated or single-device params."""
+    def get(x):
+        if isinstance(x, jax.Array):
+            if not x.sharding.is_fully_replicated:
+                raise ValueError(f"to_host: expected replicated params, got sharding {x.sharding}")
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(x)
+    return jax.tree.map(get, params)
+
+
+def on_device(params: Params, device: jax.Device) -> Params:
+    """Params gathered onto one device (e.g. for single-device validation)."""
+    return jax.device_put(params, device)
+
+
+# --------------------------------------------------------------------------
+# The strategies
+# --------------------------------------------------------------------------
+
+
+def sharded(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
+    params = replicate(params, mesh)
+    losses = []
+    for batch in batches:
+        params, value = update(params, batch, learning_rate)
+        losses.append(value)
+    return to_host(params), _stack(losses)
+
+
+def pmap(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
+    params = stack_replicas(params, mesh)
+    losses = []
+    for batch in batches:
+        params, value = update_parallel(params, batch, learning_rate)
+        losses.append(value)
+    return first_replica(params), _stack([v.addressable_data(0)[0] for v in losses])
+
+
+def shard_map(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
+    step = shard_map_step(mesh)
+    params = replicate(params, mesh)
+    losses = []
+    for batch in batches:
+        params, value = step(params, batch, learning_rate)
+        losses.append(value)
+    return to_host(params), _stack(losses)
+
+
+def single(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
+    device = mesh.devices.flat[0]
+    params = on_device(params, device)
+    losses = []
+    for batch in batches:
+        params, value = update(params, jax.device_put(batch, device), learning_rate)
+        losses.append(value)
+    return to_host(params), _stack(losses)
+
+
+STRATEGIES = {"sharded": sharded, "pmap": pmap, "shard_map": shard_map, "single": single}
+
+
+@functools.lru_cache(maxsize=None)
+def shard_map_step(mesh: Mesh):
+    """The jit-compiled shard_map SGD step for ``mesh``: (params, batch, lr) -> (params, loss).
+
+    Why this form is correct: with ``check_vma=True`` (the default), params enter
+    replicated (``P()``) and JAX knows they are the same on every device. The
+    gradient of a device-varying value with respect to such an input is summed
+    over devices automatically (the transpose of the implicit broadcast is a
+    psum). So we differentiate the *global* loss, psum(numerator) /
+    psum(count), and the automatic sum adds each device's share exactly once.
+    The trap is porting pmap's ``grad(local mean loss)`` then ``pmean(grads)``:
+    the automatic psum has already summed n per-device means, pmean of that
+    replicated sum changes nothing, and training runs with n times the gradient.
+    """
+    def step(params, batch, learning_rate):
+        def global_loss(p):
+            total, count = loss_terms(p, batch)
+            return lax.psum(total, AXIS) / jnp.maximum(lax.psum(count, AXIS), 1.0)
+        value, grads = jax.value_and_grad(global_loss)(params)
+        return sgd(params, grads, learning_rate), value
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS), P()), out_specs=(P(), P())))
+
+
+def _stack(values: list) -> np.ndarray:
+    if not values:
+        return np.zeros((0,), np.float32)
+    return np.asarray([np.asarray(v) for v in values], np.float32)
