@@ -88,13 +88,14 @@ def update(params: Params, batch: dict, learning_rate=0.001) -> tuple[Params, ja
 
 def _update_parallel(params: Params, batch: dict, learning_rate=0.001):
     # The denominator is the real-sample count of the whole global batch; it does
-    # not depend on params, so each device differentiates its own numerator
-    # divided by the global count and the per-device gradients simply add up.
-    count = lax.psum(loss_terms(params, batch)[1], AXIS)
-    local = lambda p: loss_terms(p, batch)[0] / jnp.maximum(count, 1.0)
-    value, grads = jax.value_and_grad(local)(params)
-    grads = lax.psum(grads, AXIS)
-    return sgd(params, grads, learning_rate), lax.psum(value, AXIS)
+    # not depend on params, so each device back-propagates 1/count through its
+    # own numerator and the per-device gradients simply add up (psum). Written
+    # this way the arithmetic matches what XLA does for the sharded jit step,
+    # which keeps the two bit-identical on CPU.
+    (total, count), vjp = jax.vjp(lambda p: loss_terms(p, batch), params)
+    denominator = jnp.maximum(lax.psum(count, AXIS), 1.0)
+    grads = lax.psum(vjp((1.0 / denominator, jnp.zeros_like(count)))[0], AXIS)
+    return sgd(params, grads, learning_rate), lax.psum(total, AXIS) / denominator
 
 
 update_parallel = jax.pmap(_update_parallel, axis_name=AXIS, in_axes=(0, 0, None))
