@@ -19,6 +19,9 @@ The contract, in the order the pieces are used:
 * ``make_loader`` puts it together: one loader for a set of devices whose epoch
   iterator yields ``{"images", "labels", "mask"}`` as global ``jax.Array``s,
   row block k on the device at position k of the mesh.
+* ``make_loader(..., backend="rocal")`` builds the same global batches from AMD
+  rocAL pipelines instead (end of module: what that backend does and does not
+  guarantee).
 
 Remainder handling, worked (DALI's LastBatchPolicy table, for shards). Data is
 samples 0..6 (N=7), two shards (n=2), per-device batch B=2, no shuffle.
@@ -166,7 +169,7 @@ def write_cifar10(path: str | os.PathLike, images_NCHW: np.ndarray, labels_N: np
         )
     rows = np.empty((len(labels_N), RECORD_BYTES), np.uint8)
     rows[:, 0] = labels_N
-    rows[:, 1:] = images_NCHW.reshape(len(labels_N), -1)
+    rows[:, 1:] = images_NCHW.reshape(len(labels_N), RECORD_BYTES - 1)  # not -1: N may be 0
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
     try:
@@ -286,8 +289,14 @@ def shard_permutation(size: int, *, seed: int, epoch: int, shard: int) -> np.nda
 
     Sorting PCG64's raw 64-bit outputs uses only the bit streams that NumPy
     specifies exactly (SeedSequence and PCG64), not ``Generator.permutation``,
-    whose algorithm NumPy may change between versions.
+    whose algorithm NumPy may change between versions. Raises ValueError for a
+    seed, epoch or shard outside [0, 2**32).
     """
+    # SeedSequence splits an int >= 2**32 into several 32-bit words, so a larger
+    # value would alias another triple: (seed 2**32, epoch 0) reads as (0, 1, 0).
+    for name, value in (("seed", seed), ("epoch", epoch), ("shard", shard)):
+        if not 0 <= value < 2**32:
+            raise ValueError(f"shard_permutation: {name}={value} is outside [0, 2**32)")
     keys = np.random.PCG64(np.random.SeedSequence([seed, epoch, shard])).random_raw(size)
     return np.argsort(keys, kind="stable")
 
@@ -402,9 +411,10 @@ def global_batch(blocks: dict[int, dict[str, np.ndarray]], mesh: Mesh, layout: s
     """Global ``jax.Array``s from per-shard host blocks: block k goes to mesh position k.
 
     ``blocks[k]`` maps each name ("images", "labels", "mask") to shard k's rows
-    (B, ...). Only the shards whose device belongs to this process need to be
-    present, so the same call builds the same global batch in every process of
-    a multi-process run. Layouts:
+    (B, ...): NumPy arrays, or jax.Arrays already on device k (the rocAL
+    backend's images), used in place. Only the shards whose device belongs to
+    this process need to be present, so the same call builds the same global
+    batch in every process of a multi-process run. Layouts:
 
     * "sharded": (n*B, ...) with ``NamedSharding(mesh, P('data'))``; with a single
       device, plain (B, ...) arrays on that device.
@@ -496,6 +506,9 @@ class Loader:
         """Steps ``start_step .. len-1`` of ``epoch``, prepared ``prefetch`` steps ahead
         on a background thread. A worker error is raised here in the caller; closing
         the iterator early (``break``, garbage collection) stops and joins the thread."""
+        if not 0 <= start_step <= len(self):
+            # range(-1, len) would yield the last step and then the whole epoch.
+            raise IndexError(f"start_step={start_step} is outside [0, {len(self)}]")
         plan = self.plan(epoch)
         make = lambda s: global_batch(self.host_blocks(plan, s), self.mesh, self.layout)
         return _prefetched(make, range(start_step, len(self)), self.prefetch)
@@ -504,14 +517,21 @@ class Loader:
 def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
                 layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
                 shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
-                normalize: Normalize = Normalize(), prefetch: int = 2) -> Loader:
+                normalize: Normalize = Normalize(), prefetch: int = 2,
+                backend: str = "reference") -> Loader | RocalLoader:
     """A ``Loader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``)
     or an ``(images_NCHW uint8, labels_N)`` pair. ``batch_size`` is per device.
+
+    ``backend``: "reference" (this module, any device), "rocal" (one AMD rocAL
+    pipeline per device, a ``RocalLoader``; see the end of this module) or "auto"
+    (rocal when ``data`` is a folder, ``amd.rocal`` imports and every device is
+    an AMD GPU; else reference). Both loaders have ``len()`` and ``epoch(e)``.
 
     Raises ValueError for batch_size < 1, a batch larger than the smallest shard
     (every step would be mostly padding, or with drop there would be no step),
     more devices than samples, a repeated device, a mesh without a 'data' axis
-    spanning its devices, or an unknown layout or last_batch policy.
+    spanning its devices, or an unknown layout, last_batch policy or backend;
+    ImportError saying how to install rocAL for backend="rocal" without it.
     """
     if isinstance(data, (str, os.PathLike)):
         images, labels = read_cifar10(data, filename_prefix)
@@ -533,6 +553,10 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
             f"batch_size={batch_size} per device is larger than the smallest shard "
             f"({len(labels) // n} samples = {len(labels)} samples / {n} devices)"
         )
+    if _use_rocal(backend, data, mesh):
+        return make_rocal_loader(data, mesh, batch_size, num_samples=len(labels), layout=layout,
+                                 filename_prefix=filename_prefix, shuffle=shuffle, seed=seed,
+                                 last_batch=last_batch, normalize=normalize)
     return Loader(images, labels, mesh, batch_size, layout, shuffle, seed, last_batch,
                   normalize, prefetch)
 
@@ -578,3 +602,238 @@ def _prefetch_thread(make, steps, depth: int):
     finally:
         stop.set()
         worker.join()
+
+
+# --------------------------------------------------------------------------
+# rocAL backend: the same global batches, read and normalised by AMD rocAL
+# --------------------------------------------------------------------------
+# Written against rocAL's Python API as of early 2025 (ROCm/rocAL:
+# rocAL_pybind/amd/rocal/{pipeline,readers,fn,types}.py, plugin/jax.py), not run here.
+# Imported lazily: this module loads on machines without rocAL.
+
+BACKENDS = ("reference", "rocal", "auto")
+ROCAL_INSTALL_HINT = (
+    "backend='rocal' needs AMD rocAL's Python package amd.rocal, which is not on PyPI: on a "
+    "ROCm host install the OS packages 'rocal' and 'rocal-dev' (e.g. `apt install rocal "
+    "rocal-dev`) and run with PYTHONPATH=/opt/rocm/lib, where they put amd.rocal. "
+    "backend='reference' runs anywhere."
+)
+_DL_ROCM = 10  # DLPack's kDLROCM device type
+
+
+@dataclasses.dataclass(eq=False)
+class RocalLoader:
+    """Sharded epochs read by rocAL: one ``Pipeline`` per local device, as in the notebook.
+
+    Pipeline k (k = its device's position in the mesh) runs ``fn.readers.cifar10(
+    shard_id=k, num_shards=n)`` and ``fn.crop_mirror_normalize`` to float32 NCHW on
+    that GPU. Its output becomes a jax.Array on device k through DLPack, its labels
+    come from ``get_image_labels()``, and ``global_batch`` lays them out as ``Loader``
+    does, in both layouts. Interface: ``len()`` and ``epoch(e)`` yielding
+    ``{"images", "labels", "mask"}``; no ``batch``, ``plan`` or ``start_step``.
+
+    Guaranteed here:
+
+    * ``len()`` is the true number of steps, ``num_steps(N, n, B, last_batch)``, not
+      what rocAL's ``get_remaining_images()`` implies (N: the records of the files
+      rocAL reads; a folder where rocAL would read more than ``read_cifar10`` is
+      refused). ``epoch`` stops after ``len()`` steps and raises if a pipeline runs
+      out before.
+    * "mask": drop, all True. fill without shuffle, the reference plan's mask:
+      rocAL pads the tail of each shard with copies of its last sample, the slots
+      the plan masks. fill with shuffle is refused: rocAL does not say which
+      slots are padding, so a mask would be a guess.
+    * Images are copied out of rocAL's output buffers, which its next run reuses.
+
+    Not guaranteed (rocAL's behaviour as read in its source, never observed here;
+    the conformance test in test_rocal.py checks it on an AMD host):
+
+    * The order is rocAL's: files in raw ``readdir`` order; the shuffle seeded by
+      the shard index (newer code also hands the reader the pipeline seed, which
+      rocAL keeps process-wide), never by the epoch. ``epoch(e)`` resets the
+      pipelines and yields rocAL's next pass whatever ``e`` is: batches are not
+      a function of (seed, epoch) as with ``Loader``.
+    * Disjoint shards: rocAL's CIFAR-10 node seems to build one internal loader
+      per shard and overwrite ``shard_id`` (``cifar10_loader_sharded.cpp``), so
+      every device would read the whole dataset.
+    * With drop, rocAL may skip B samples at every reset.
+    """
+    pipelines: dict[int, object]  # mesh position -> built rocAL Pipeline, local devices only
+    mesh: Mesh
+    batch_size: int
+    num_samples: int
+    layout: str = "sharded"
+    last_batch: str = "fill"
+    crop: tuple[int, int] = IMAGE_SHAPE[1:]
+    used: bool = dataclasses.field(default=False, init=False)  # ran since the last reset
+
+    @property
+    def num_shards(self) -> int:
+        return self.mesh.devices.size
+
+    def __len__(self) -> int:
+        return num_steps(self.num_samples, self.num_shards, self.batch_size, self.last_batch)
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
+        """rocAL's next pass, ``len()`` steps; ``epoch`` only has to be >= 0."""
+        if epoch < 0 or start_step != 0:
+            raise ValueError(f"the rocAL backend yields whole epochs: got epoch={epoch}, "
+                             f"start_step={start_step} (rocAL pipelines cannot seek)")
+        if self.used:
+            for pipe in self.pipelines.values():
+                pipe.rocal_reset_loaders()
+            self.used = False
+        return self._steps()
+
+    def close(self) -> None:
+        """Releases the pipelines and their GPU buffers; the loader is unusable after."""
+        for pipe in self.pipelines.values():
+            pipe.rocal_release()
+        self.pipelines.clear()
+
+    def _steps(self):
+        devices = list(self.mesh.devices.flat)
+        if self.last_batch == "fill":
+            mask = epoch_plan(self.num_samples, self.num_shards, self.batch_size).mask
+        else:
+            mask = np.ones((len(self), self.num_shards, self.batch_size), bool)
+        want = (self.batch_size, IMAGE_SHAPE[0]) + tuple(self.crop)
+        for step in range(len(self)):
+            self.used = True
+            blocks = {}
+            for k, pipe in self.pipelines.items():
+                out = rocal_step(pipe, devices[k])
+                if out is None:
+                    raise RuntimeError(f"rocAL pipeline of shard {k} ({devices[k]}) ran out at "
+                                       f"step {step}, but len() is {len(self)}")
+                images, labels = out
+                if images.shape != want or labels.shape != want[:1]:
+                    raise RuntimeError(f"rocAL pipeline of shard {k} gave images {images.shape} "
+                                       f"and labels {labels.shape}; expected {want}, {want[:1]}")
+                blocks[k] = {"images": images, "labels": labels, "mask": mask[step, k]}
+            yield global_batch(blocks, self.mesh, self.layout)
+
+
+def import_rocal():
+    """``(Pipeline, fn, types)`` from amd.rocal; ImportError saying how to install it."""
+    try:
+        from amd.rocal.pipeline import Pipeline
+        import amd.rocal.fn as fn
+        import amd.rocal.types as types
+    except ImportError as error:
+        raise ImportError(f"{ROCAL_INSTALL_HINT} (import failed: {error})") from error
+    return Pipeline, fn, types
+
+
+def rocal_usable(devices: Sequence[jax.Device]) -> bool:
+    """What backend="auto" asks: does amd.rocal import, and is every device an AMD GPU?"""
+    try:
+        import_rocal()
+        amd_gpus = set(jax.devices("rocm"))
+    except (ImportError, RuntimeError):  # RuntimeError: JAX has no ROCm backend
+        return False
+    return all(d in amd_gpus for d in devices)
+
+
+def rocal_pipeline(file_root: str | os.PathLike, *, shard_id: int, num_shards: int,
+                   device: jax.Device, batch_size: int, filename_prefix: str = TRAIN_PREFIX,
+                   shuffle: bool = False, last_batch: str = "fill",
+                   normalize: Normalize = Normalize(), seed: int = 0, num_threads: int = 8):
+    """A built rocAL Pipeline for one shard on ``device``'s GPU, as the notebook builds it.
+
+    Note: rocAL's ``Pipeline.build()`` calls ``exit(0)`` if the graph fails to verify.
+    """
+    Pipeline, fn, types = import_rocal()
+    pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, device_id=_hardware_id(device),
+                    seed=seed, rocal_cpu=False, tensor_layout=types.NCHW,
+                    tensor_dtype=types.FLOAT, output_memory_type=types.DEVICE_MEMORY)
+    crop = normalize.crop or IMAGE_SHAPE[1:]
+    policy = types.LAST_BATCH_FILL if last_batch == "fill" else types.LAST_BATCH_DROP
+    with pipe:
+        raw = fn.readers.cifar10(
+            file_root=os.fspath(file_root), shard_id=shard_id, num_shards=num_shards,
+            filename_prefix=filename_prefix, random_shuffle=shuffle,
+            last_batch_policy=policy, pad_last_batch=last_batch == "fill")
+        images = fn.crop_mirror_normalize(
+            raw, output_layout=types.NCHW, output_dtype=types.FLOAT, crop=tuple(crop),
+            crop_pos_x=normalize.crop_pos[1], crop_pos_y=normalize.crop_pos[0],
+            mirror=int(normalize.mirror),  # explicit: rocAL's default 1 flips every image
+            mean=list(normalize.mean), std=list(normalize.std))
+        pipe.set_outputs(images)
+    pipe.build()
+    return pipe
+
+
+def rocal_step(pipe, device: jax.Device):
+    """Runs ``pipe`` once: ``(images float32 (B, C, H, W) on device, labels int32 (B,))``,
+    or None when rocAL reports the end of its data (``rocal_run()`` status not OK)."""
+    if int(pipe.rocal_run()) != 0:
+        return None
+    tensor = pipe.get_output_tensors()[0]
+    images = jax.dlpack.from_dlpack(_RocalDLPack(tensor, _hardware_id(device)), device=device,
+                                    copy=True)  # rocAL overwrites this buffer on a later run
+    labels = np.asarray(pipe.get_image_labels()).astype(np.int32).reshape(-1)
+    return images, labels
+
+
+class _RocalDLPack:
+    """A rocAL output tensor as ``jax.dlpack.from_dlpack`` wants it.
+
+    rocAL's ``__dlpack__`` takes the GPU id (its plugin/jax.py calls
+    ``tensor.__dlpack__(device_id)``) and JAX calls ``__dlpack__(stream=...)``; JAX
+    also needs ``__dlpack_device__``, whose device id rocAL's binding may leave at 0.
+    """
+
+    def __init__(self, tensor, device_id: int):
+        self.tensor, self.device_id = tensor, device_id
+
+    def __dlpack__(self, stream=None, **_):
+        return self.tensor.__dlpack__(self.device_id)
+
+    def __dlpack_device__(self):
+        kind = int(self.tensor.__dlpack_device__()[0]) if hasattr(
+            self.tensor, "__dlpack_device__") else _DL_ROCM
+        return kind, self.device_id if kind == _DL_ROCM else 0
+
+
+def _hardware_id(device: jax.Device) -> int:
+    return device.id if device.local_hardware_id is None else device.local_hardware_id
+
+
+def _use_rocal(backend: str, data, mesh: Mesh) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return isinstance(data, (str, os.PathLike)) and rocal_usable(list(mesh.devices.flat))
+    return backend == "rocal"
+
+
+def make_rocal_loader(data, mesh: Mesh, batch_size: int, *, num_samples: int, layout: str,
+                      filename_prefix: str, shuffle: bool, seed: int, last_batch: str,
+                      normalize: Normalize) -> RocalLoader:
+    """``make_loader(..., backend="rocal")`` after its own checks. Raises ValueError for
+    arrays instead of a folder, fill with shuffle, or a file rocAL would read that
+    ``read_cifar10`` skips; ImportError (how to install) without amd.rocal."""
+    if not isinstance(data, (str, os.PathLike)):
+        raise ValueError("backend='rocal': rocAL reads the CIFAR-10 files itself; "
+                         "pass the folder, not (images, labels) arrays")
+    import_rocal()
+    if shuffle and last_batch == "fill":
+        raise ValueError("backend='rocal' with shuffle=True needs last_batch='drop': rocAL's fill "
+                         "repeats samples without saying which slots are padding")
+    root = os.fspath(data)
+    # rocAL matches filename_prefix anywhere in a name; read_cifar10, only at its start.
+    extra = sorted(n for n in os.listdir(root) if filename_prefix in n
+                   and not n.startswith(filename_prefix))
+    if extra:
+        raise ValueError(f"{root}: rocAL would also read {extra}, which contain "
+                         f"filename_prefix={filename_prefix!r}; move them out of the folder")
+    normalize(np.zeros((1,) + IMAGE_SHAPE, np.uint8))  # the reference's checks of mean, std, crop
+    pipelines = {
+        k: rocal_pipeline(root, shard_id=k, num_shards=mesh.devices.size, device=d,
+                          batch_size=batch_size, filename_prefix=filename_prefix,
+                          shuffle=shuffle, last_batch=last_batch, normalize=normalize, seed=seed)
+        for k, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()
+    }
+    return RocalLoader(pipelines, mesh, batch_size, num_samples, layout, last_batch,
+                       tuple(normalize.crop or IMAGE_SHAPE[1:]))
