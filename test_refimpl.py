@@ -1,0 +1,106 @@
+"""refimpl.py end to end, as a user runs it: a subprocess, its output and exit code.
+
+Checks that one epoch of every strategy runs and reports, that --metrics-out
+holds the same figures as JSON lines, and that each kind of bad input ends with
+one clear line on stderr, exit status 2 and no traceback.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import loaders
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def refimpl(*args, cwd=HERE):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, os.path.join(HERE, "refimpl.py"), *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return loaders.synthetic_cifar10(tmp_path_factory.mktemp("tiny"), num_train=256, num_test=64, seed=3)
+
+
+def test_one_epoch_of_every_strategy(tiny_dir, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    done = refimpl("--data-dir", tiny_dir, "--epochs", "1", "--batch-size", "8", "--devices", "4",
+                   "--strategies", "all", "--metrics-out", str(metrics))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "4 cpu device(s); 256 training and 64 test images" in out
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["strategy"] for r in rows] == ["sharded", "pmap", "shard_map", "single"]
+    for row in rows:
+        assert row["epoch"] == 1 and row["steps"] == 8 and row["devices"] == 4
+        assert np.isfinite(row["loss"]) and 0 <= row["test_accuracy"] <= 1
+        assert row["seconds"] > 0 and row["images_per_second"] > 0
+        assert f"{row['strategy']:>9} epoch 1/1  loss {row['loss']:.4f}" in out
+    # pmap and shard_map are bit-identical on CPU (test_equivalence.py); the report must say so.
+    assert "final params, sharded vs shard_map" in out
+    assert "final params, sharded vs pmap" in out
+    assert len({r["test_accuracy"] for r in rows if r["strategy"] in ("pmap", "shard_map")}) == 1
+    assert "Traceback" not in done.stderr
+
+
+def test_strategy_order_and_drop_policy(tiny_dir):
+    done = refimpl("--data-dir", tiny_dir, "--epochs", "2", "--batch-size", "24", "--devices", "2",
+                   "--strategies", "pmap", "--last-batch", "drop")
+    assert done.returncode == 0, done.stderr
+    # 256 samples / 2 shards = 128 each; drop: 128 // 24 = 5 steps.
+    assert "5 steps of 2 x 24 per epoch (drop)" in done.stdout
+    assert "pmap epoch 2/2" in done.stdout and "sharded" not in done.stdout.split("---", 1)[1]
+
+
+def _assert_clean_error(done, *fragments):
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [l for l in done.stderr.splitlines() if l.strip()]
+    assert lines, "no error message"
+    for fragment in fragments:
+        assert fragment in done.stderr, (fragment, done.stderr)
+
+
+def test_missing_dataset_folder(tmp_path):
+    missing = tmp_path / "nope"
+    _assert_clean_error(refimpl("--data-dir", str(missing)), str(missing), "not a directory")
+
+
+def test_truncated_dataset_file(tmp_path):
+    folder = loaders.synthetic_cifar10(tmp_path / "bad", num_train=50, num_test=10, seed=0)
+    path = os.path.join(folder, "data_batch_3.bin")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    _assert_clean_error(refimpl("--data-dir", folder), path, "not a multiple of the 3073-byte")
+
+
+def test_batch_larger_than_a_shard(tiny_dir):
+    # 256 samples over 8 devices: shards of 32.
+    _assert_clean_error(refimpl("--data-dir", tiny_dir, "--batch-size", "33", "--devices", "8"),
+                        "batch_size=33", "smallest shard (32 samples")
+
+
+def test_more_devices_than_exist(tiny_dir):
+    _assert_clean_error(refimpl("--data-dir", tiny_dir, "--devices", "4096"), "--devices 4096")
+
+
+def test_unknown_strategy(tiny_dir):
+    _assert_clean_error(refimpl("--data-dir", tiny_dir, "--strategies", "sharded,warp"),
+                        "--strategies", "warp")
+
+
+def test_rocal_backend_without_rocal(tiny_dir):
+    try:
+        import amd.rocal  # noqa: F401
+        pytest.skip("amd.rocal is installed here")
+    except ImportError:
+        pass
+    _assert_clean_error(refimpl("--data-dir", tiny_dir, "--backend", "rocal", "--last-batch", "drop"),
+                        "amd.rocal", "PYTHONPATH=/opt/rocm/lib")
