@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -52,9 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="validation batch on one device (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=0.001, help="SGD learning rate (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="shuffle and synthetic-data seed (default: %(default)s)")
-    parser.add_argument("--strategies", default="sharded,pmap",
+    parser.add_argument("--strategies",
                         help=f"comma-separated, any of {', '.join(STRATEGY_NAMES)}, or 'all' "
-                             f"(default: %(default)s, as the notebooks)")
+                             f"(default: sharded,pmap as the notebooks; sharded,shard_map across "
+                             f"processes)")
     parser.add_argument("--devices", type=int,
                         help=f"use the first N devices; without an accelerator, N virtual CPU devices "
                              f"(default: all accelerators, or {DEFAULT_CPU_DEVICES} CPU devices)")
@@ -65,7 +67,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="training loader: the NumPy reference, rocAL pipelines, or rocAL when "
                              "available (default: %(default)s)")
     parser.add_argument("--metrics-out", help="write every per-epoch figure to this file as JSON lines")
+    multi = parser.add_argument_group(
+        "more than one process (jax.distributed)",
+        "One process per host; --devices is then each process's device count, the mesh spans "
+        "every process's devices, and only process 0 prints. Strategies: sharded, shard_map.")
+    multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, reachable by all")
+    multi.add_argument("--num-processes", type=int, help="how many processes take part")
+    multi.add_argument("--process-id", type=int, help="this process's index, 0..N-1")
+    multi.add_argument("--auto-distributed", action="store_true",
+                       help="let jax.distributed.initialize() detect the cluster (Slurm, Open MPI, ...)")
+    multi.add_argument("--local-processes", type=int, metavar="N",
+                       help="launch N processes on this machine (127.0.0.1) that split --devices "
+                            f"(default {DEFAULT_CPU_DEVICES}) between them")
+    multi.add_argument("--peer-timeout", type=int, default=60,
+                       help="seconds to wait for a missing or silent peer before failing "
+                            "(default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.strategies is None:
+        several = args.coordinator or args.auto_distributed or args.local_processes
+        args.strategies = "sharded,shard_map" if several else "sharded,pmap"
     names = STRATEGY_NAMES if args.strategies == "all" else tuple(
         s.strip() for s in args.strategies.split(",") if s.strip())
     unknown = [s for s in names if s not in STRATEGY_NAMES]
@@ -79,6 +99,22 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
+    explicit = [args.coordinator, args.num_processes, args.process_id]
+    if any(v is not None for v in explicit) and any(v is None for v in explicit):
+        parser.error("--coordinator, --num-processes and --process-id go together")
+    if args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        parser.error(f"--process-id {args.process_id} is outside 0..{args.num_processes - 1}")
+    if args.local_processes is not None:
+        if args.local_processes < 1 or args.coordinator or args.auto_distributed:
+            parser.error("--local-processes N needs N >= 1 and no other multi-process option")
+        total = args.devices or DEFAULT_CPU_DEVICES
+        if total % args.local_processes:
+            parser.error(f"--local-processes {args.local_processes} does not divide --devices {total}")
+    if args.coordinator or args.auto_distributed or args.local_processes:
+        unsupported = [s for s in names if s not in ("sharded", "shard_map")]
+        if unsupported:
+            parser.error(f"--strategies {','.join(unsupported)}: across processes only sharded and "
+                         f"shard_map run (pmap maps over one process's devices; single is one device)")
     return args
 
 
@@ -142,8 +178,11 @@ def run(args: argparse.Namespace) -> dict:
 
     # Virtual CPU devices only exist if asked for before JAX first touches a
     # device; on accelerators this setting changes nothing.
+    distributed = bool(args.coordinator or args.auto_distributed)
     cpu_devices = args.devices if args.devices and args.devices <= MAX_CPU_DEVICES else DEFAULT_CPU_DEVICES
-    jax.config.update("jax_num_cpu_devices", max(cpu_devices, DEFAULT_CPU_DEVICES))
+    jax.config.update("jax_num_cpu_devices", cpu_devices if distributed else max(cpu_devices, DEFAULT_CPU_DEVICES))
+    if distributed:
+        connect(args)
     import numpy as np
     import loaders
     import model
@@ -152,12 +191,13 @@ def run(args: argparse.Namespace) -> dict:
     data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.seed)
     train_data = loaders.read_cifar10(data_dir, loaders.TRAIN_PREFIX)
     test_data = loaders.read_cifar10(data_dir, loaders.TEST_PREFIX)
-    devices = pick_devices(args.devices)
-    mesh = loaders.data_mesh(devices)
+    devices = jax.devices() if distributed else pick_devices(args.devices)
+    mesh = loaders.data_mesh(devices)  # shard k = position k, across every process's devices
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     eval_batch = min(args.eval_batch_size, len(test_data[1]))
     # Validation always uses the reference loader on one device: fill with a mask
     # counts every test sample exactly once, whatever the training backend.
-    test_loader = loaders.make_loader(test_data, devices[:1], eval_batch, last_batch="fill")
+    test_loader = loaders.make_loader(test_data, jax.local_devices()[:1], eval_batch, last_batch="fill")
     # The reference backend reuses the arrays read above; rocAL reads the folder itself.
     train_source = train_data if args.backend == "reference" else data_dir
     loaders_by_layout = {
@@ -166,11 +206,12 @@ def run(args: argparse.Namespace) -> dict:
         for layout in {strategies.LAYOUT[name] for name in args.strategies}
     }
     steps = len(next(iter(loaders_by_layout.values())))
-    print(f"{len(devices)} {devices[0].platform} device(s); {len(train_data[1])} training and "
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    say(f"{len(devices)} {devices[0].platform} device(s){processes}; {len(train_data[1])} training and "
           f"{len(test_data[1])} test images from {data_dir}; {steps} steps of "
           f"{len(devices)} x {args.batch_size} per epoch ({args.last_batch})")
 
-    metrics = open(args.metrics_out, "w") if args.metrics_out else None
+    metrics = open(args.metrics_out, "w") if args.metrics_out and jax.process_index() == 0 else None
     params0 = model.init_model()
     final = {}
     try:
@@ -178,11 +219,13 @@ def run(args: argparse.Namespace) -> dict:
             train = strategies.STRATEGIES[name]
             loader = loaders_by_layout[strategies.LAYOUT[name]]
             params = params0
-            print(f"--- {name} ---")
+            say(f"--- {name} ---")
             for epoch in range(args.epochs):
                 real = []  # per-step real-sample counts, left on device until the epoch ends
                 start = time.perf_counter()
-                batches = with_progress(loader.epoch(epoch), steps, f"{name} epoch {epoch + 1}")
+                batches = loader.epoch(epoch)
+                if jax.process_index() == 0:
+                    batches = with_progress(batches, steps, f"{name} epoch {epoch + 1}")
                 params, losses = train(params, counting(batches, real), args.lr, mesh)
                 seconds = time.perf_counter() - start
                 real = sum(int(r) for r in real)
@@ -191,7 +234,7 @@ def run(args: argparse.Namespace) -> dict:
                        "test_accuracy": accuracy, "seconds": seconds,
                        "images_per_second": real / seconds, "steps": len(losses),
                        "devices": len(devices), "platform": devices[0].platform}
-                print(f"{name:>9} epoch {epoch + 1}/{args.epochs}  loss {row['loss']:.4f}  "
+                say(f"{name:>9} epoch {epoch + 1}/{args.epochs}  loss {row['loss']:.4f}  "
                       f"test accuracy {accuracy:.4f}  {seconds:6.2f} s  "
                       f"{row['images_per_second']:8.0f} images/s"
                       + ("  (includes compilation)" if epoch == 0 else ""))
@@ -202,8 +245,88 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         if metrics:
             metrics.close()
-    report_differences(final)
+    if jax.process_index() == 0:
+        report_differences(final)
     return final
+
+
+def connect(args: argparse.Namespace) -> None:
+    """jax.distributed.initialize with bounded waits: a missing peer fails the start
+    after --peer-timeout seconds, a peer that dies later is detected by heartbeat.
+
+    JAX's runtime ends the process itself in both cases (a C++ abort, SIGABRT,
+    not a Python exception), so the line printed first is what names the process
+    and the wait in the log."""
+    import jax
+
+    who = f"process {args.process_id} of {args.num_processes}" if args.num_processes else "this process"
+    print(f"refimpl.py: {who}: joining coordinator {args.coordinator or '(auto-detected)'}; if a peer "
+          f"has not joined within {args.peer_timeout} s, or stops answering for that long, JAX ends "
+          f"this process", file=sys.stderr, flush=True)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator, num_processes=args.num_processes,
+            process_id=args.process_id, initialization_timeout=args.peer_timeout,
+            heartbeat_timeout_seconds=args.peer_timeout)
+    except Exception as error:  # JAX raises several types here; one clear line is the point
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConnectionError(f"{who}: could not join the other processes at coordinator "
+                              f"{args.coordinator or '(auto-detected)'} within {args.peer_timeout} s: "
+                              f"{first}") from error
+
+
+def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
+    """Runs this program in ``--local-processes`` processes on 127.0.0.1 and waits.
+
+    Process 0's output is shown; the others' only on error. If any process fails,
+    the rest are stopped and its exit status is returned."""
+    import socket
+    import subprocess
+
+    count = args.local_processes
+    per_process = (args.devices or DEFAULT_CPU_DEVICES) // count
+    data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.seed)  # once, not racing
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = [sys.executable, os.path.abspath(__file__), *strip_options(argv, ("--local-processes", "--devices", "--data-dir")),
+            "--data-dir", data_dir, "--devices", str(per_process), "--num-processes", str(count),
+            "--coordinator", f"127.0.0.1:{port}"]
+    children = [subprocess.Popen(base + ["--process-id", str(i)],
+                                 stdout=None if i == 0 else subprocess.DEVNULL)
+                for i in range(count)]
+    try:
+        while True:
+            codes = [child.poll() for child in children]
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                i = failed[0]
+                how = (f"exited with status {codes[i]}" if codes[i] > 0
+                       else f"was killed by signal {signal.Signals(-codes[i]).name}")
+                print(f"refimpl.py: error: local process {i} {how}; stopping the others",
+                      file=sys.stderr)
+                return codes[i] if codes[i] > 0 else 1
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(0.1)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+
+
+def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` without the given options and their values (``--x v`` or ``--x=v``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(name + "=") for name in names):
+            out.append(arg)
+    return out
 
 
 def report_differences(final: dict) -> None:
@@ -219,8 +342,11 @@ def report_differences(final: dict) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     try:
+        if args.local_processes:
+            return launch_local(args, argv)
         run(args)
     except (ValueError, OSError, ImportError) as error:
         print(f"refimpl.py: error: {error}", file=sys.stderr)

@@ -59,8 +59,16 @@ LAYOUT = {"sharded": "sharded", "pmap": "pmap", "shard_map": "sharded", "single"
 def replicate(params: Params, mesh: Mesh) -> Params:
     """Every leaf on every device of ``mesh``: ``NamedSharding(mesh, P())``.
 
-    Replaces the removed ``jax.device_put_replicated`` for jit code."""
-    return jax.device_put(params, NamedSharding(mesh, P()))
+    Replaces the removed ``jax.device_put_replicated`` for jit code. Each process
+    fills only its own devices, so this also works across processes (every
+    process must pass the same values)."""
+    sharding = NamedSharding(mesh, P())
+
+    def put(leaf):
+        leaf = np.asarray(leaf)
+        return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
+
+    return jax.tree.map(put, params)
 
 
 def stack_replicas(params: Params, mesh: Mesh) -> Params:
@@ -115,12 +123,13 @@ def sharded(params: Params, batches: Iterable[dict], learning_rate: float, mesh:
 
 
 def pmap(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
+    _single_process_only("pmap", "pmap maps over this process's devices only")
     params = stack_replicas(params, mesh)
     losses = []
     for batch in batches:
         params, value = update_parallel(params, batch, learning_rate)
         losses.append(value)
-    return first_replica(params), _stack([v.addressable_data(0)[0] for v in losses])
+    return first_replica(params), _stack([v[0] for v in losses])
 
 
 def shard_map(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
@@ -134,6 +143,7 @@ def shard_map(params: Params, batches: Iterable[dict], learning_rate: float, mes
 
 
 def single(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
+    _single_process_only("single", "one device cannot hold another process's rows")
     device = mesh.devices.flat[0]
     params = on_device(params, device)
     losses = []
@@ -171,6 +181,12 @@ def shard_map_step(mesh: Mesh):
 
 
 def _stack(values: list) -> np.ndarray:
-    if not values:
-        return np.zeros((0,), np.float32)
-    return np.asarray([np.asarray(v) for v in values], np.float32)
+    # addressable_data: in a multi-process run a replicated scalar spans devices
+    # of other processes, but this process holds a full copy of it.
+    return np.asarray([np.asarray(v.addressable_data(0)) for v in values], np.float32).reshape(-1)
+
+
+def _single_process_only(name: str, why: str) -> None:
+    if jax.process_count() > 1:
+        raise ValueError(f"strategy {name!r} runs in one process only ({why}); with "
+                         f"{jax.process_count()} processes use 'sharded' or 'shard_map'")

@@ -1,0 +1,155 @@
+"""Two JAX processes (jax.distributed, 4 virtual CPU devices each) train as one.
+
+Guarantees checked:
+
+* both processes end with the same params, for sharded and shard_map;
+* those params equal the single-process 8-device run's, step for step, within
+  MULTIPROCESS_ULPS (cross-process sums go through gloo, which may add the
+  partial gradients in another order than the in-process all-reduce);
+* the samples the two processes read are exactly the dataset's, disjoint: the
+  union of their shards covers range(N) once (fill policy);
+* a process whose peer never arrives fails within --peer-timeout with a line
+  naming the process, instead of hanging;
+* ``refimpl.py --local-processes 2`` runs and prints one report.
+
+Every launched process is killed when its test ends, whatever happens. Select
+these tests with ``-m multiprocess`` or skip them with ``-m "not multiprocess"``.
+This file is also the worker program the first test launches.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYERS = (3072, 64, 32, 10)
+STEPS, B, LR = 3, 8, 0.05
+# Cross-process vs in-process, in float32 ulps of the leaf's largest magnitude
+# per step (the same measure as test_equivalence.py). Measured: 0.5 ulp after 3
+# steps (max |diff| 2.98e-08 in 1562 of 196608 entries of the first weight), so
+# 1 ulp a step, the same bound as sharded vs pmap in one process.
+MULTIPROCESS_ULPS = 1
+
+pytestmark = pytest.mark.multiprocess
+
+
+def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=process_id,
+                               initialization_timeout=60, heartbeat_timeout_seconds=30)
+    import loaders
+    import model
+    import strategies
+
+    mesh = loaders.data_mesh(jax.devices())
+    read = []
+    for name in ("sharded", "shard_map"):
+        loader = loaders.make_loader(data_dir, mesh, B, layout=strategies.LAYOUT[name], shuffle=True,
+                                     seed=5)
+        plan = loader.plan(0)
+        batches = (loader.batch(0, s) for s in range(STEPS))
+        params, losses = strategies.STRATEGIES[name](model.init_model(LAYERS), batches, LR, mesh)
+        np.savez(os.path.join(out_dir, f"{name}-{process_id}.npz"), *jax.tree.leaves(params), losses=losses)
+    # What this process read over a whole epoch: the real slots of its own shards.
+    for step in range(len(loader)):
+        for k in loader.host_blocks(plan, step):
+            read.append(plan.indices[step, k][plan.mask[step, k]])
+    np.save(os.path.join(out_dir, f"read-{process_id}.npy"), np.concatenate(read))
+    jax.distributed.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_all(commands, timeout: float):
+    """Starts every command, waits for all; kills whatever is left, always."""
+    children = [subprocess.Popen(c, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for c in commands]
+    try:
+        return [(child.wait(timeout=timeout), *child.communicate()) for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    import loaders
+    return loaders.synthetic_cifar10(tmp_path_factory.mktemp("mp"), num_train=1000, num_test=100, seed=4)
+
+
+def test_two_processes_train_like_one(dataset, tmp_path, mesh):
+    import jax
+
+    import loaders
+    import model
+    import strategies
+    from test_equivalence import assert_params_close
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    results = run_all([[sys.executable, __file__, dataset, str(tmp_path), coordinator, str(i)]
+                       for i in range(2)], timeout=120)
+    for i, (code, out, err) in enumerate(results):
+        assert code == 0, f"process {i} exited {code}:\n{err[-3000:]}"
+
+    assert mesh.devices.size == 8, "needs the 8 virtual CPU devices of conftest.py"
+    for name in ("sharded", "shard_map"):
+        got = [np.load(tmp_path / f"{name}-{i}.npz") for i in range(2)]
+        leaves = [[g[f"arr_{j}"] for j in range(len(g.files) - 1)] for g in got]
+        for a, b in zip(*leaves):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name}: the two processes disagree")
+        np.testing.assert_array_equal(got[0]["losses"], got[1]["losses"])
+
+        loader = loaders.make_loader(dataset, mesh, B, layout=strategies.LAYOUT[name], shuffle=True, seed=5)
+        expected, losses = strategies.STRATEGIES[name](
+            model.init_model(LAYERS), (loader.batch(0, s) for s in range(STEPS)), LR, mesh)
+        assert_params_close(leaves[0], jax.tree.leaves(expected), ulps_per_step=MULTIPROCESS_ULPS,
+                            steps=STEPS, what=f"{name}: 2 processes vs 1")
+        np.testing.assert_allclose(got[0]["losses"], losses, rtol=1e-5)
+
+    read = [np.load(tmp_path / f"read-{i}.npy") for i in range(2)]
+    assert len(np.intersect1d(read[0], read[1])) == 0, "the processes read common samples"
+    everything = np.sort(np.concatenate(read))
+    np.testing.assert_array_equal(everything, np.arange(1000), err_msg="not every sample read exactly once")
+
+
+def test_missing_peer_fails_within_the_timeout(dataset):
+    # Process 0 of 2 alone: its peer never arrives.
+    command = [sys.executable, os.path.join(HERE, "refimpl.py"), "--data-dir", dataset, "--epochs", "1",
+               "--devices", "4", "--num-processes", "2", "--process-id", "0",
+               "--coordinator", f"127.0.0.1:{free_port()}", "--peer-timeout", "5"]
+    start = time.monotonic()
+    [(code, out, err)] = run_all([command], timeout=90)
+    elapsed = time.monotonic() - start
+    # JAX's runtime aborts the process (SIGABRT) rather than raising; refimpl's own
+    # line before joining is what names the process and the wait.
+    assert code != 0, err[-2000:]
+    assert "process 0 of 2: joining coordinator" in err and "within 5 s" in err
+    assert elapsed < 60, f"took {elapsed:.0f} s to give up on a missing peer"
+
+
+def test_refimpl_local_processes_prints_one_report(dataset):
+    command = [sys.executable, os.path.join(HERE, "refimpl.py"), "--data-dir", dataset, "--epochs", "1",
+               "--batch-size", "16", "--local-processes", "2"]
+    [(code, out, err)] = run_all([command], timeout=180)
+    assert code == 0, err[-3000:]
+    assert "8 cpu device(s) in 2 processes" in out
+    for name in ("sharded", "shard_map"):
+        assert out.count(f"{name:>9} epoch 1/1") == 1, out
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, HERE)
+    worker(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
