@@ -44,21 +44,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                f"timings there show overhead, not speed-up. The defaults finish in under a "
                f"minute on a 2-core machine.",
     )
-    parser.add_argument("--data-dir", help="a cifar-10-batches-bin folder (data_batch_* and test_batch*)")
+    parser.add_argument("--data-dir", metavar="DIR", help="a cifar-10-batches-bin folder (data_batch_* and test_batch*)")
     parser.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "refimpl"),
-                        help="where the synthetic dataset is generated (default: %(default)s)")
-    parser.add_argument("--epochs", type=int, default=5, help="default: %(default)s")
-    parser.add_argument("--batch-size", type=int, default=16, help="per device (default: %(default)s)")
+                        metavar="DIR", help="where the synthetic dataset is generated (default: %(default)s)")
+    parser.add_argument("--epochs", type=int, default=5, metavar="N", help="default: %(default)s")
+    parser.add_argument("--batch-size", type=int, default=16, metavar="B", help="per device (default: %(default)s)")
     parser.add_argument("--eval-batch-size", type=int, default=256,
-                        help="validation batch on one device (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=0.001, help="SGD learning rate (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="shuffle and synthetic-data seed (default: %(default)s)")
+                        metavar="B", help="validation batch on one device (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=0.001, metavar="RATE", help="SGD learning rate (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, metavar="N", help="shuffle and synthetic-data seed (default: %(default)s)")
     parser.add_argument("--strategies",
-                        help=f"comma-separated, any of {', '.join(STRATEGY_NAMES)}, or 'all' "
+                        metavar="LIST", help=f"comma-separated, any of {', '.join(STRATEGY_NAMES)}, or 'all' "
                              f"(default: sharded,pmap as the notebooks; sharded,shard_map across "
                              f"processes)")
     parser.add_argument("--devices", type=int,
-                        help=f"use the first N devices; without an accelerator, N virtual CPU devices "
+                        metavar="N", help=f"use the first N devices; without an accelerator, N virtual CPU devices "
                              f"(default: all accelerators, or {DEFAULT_CPU_DEVICES} CPU devices)")
     parser.add_argument("--last-batch", choices=("fill", "drop"), default="fill",
                         help="fill: pad the last batch and mask the padding, so every sample counts "
@@ -66,21 +66,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=("reference", "rocal", "auto"), default="reference",
                         help="training loader: the NumPy reference, rocAL pipelines, or rocAL when "
                              "available (default: %(default)s)")
-    parser.add_argument("--metrics-out", help="write every per-epoch figure to this file as JSON lines")
+    parser.add_argument("--metrics-out", metavar="FILE", help="write every per-epoch figure to this file as JSON lines")
     multi = parser.add_argument_group(
         "more than one process (jax.distributed)",
         "One process per host; --devices is then each process's device count, the mesh spans "
         "every process's devices, and only process 0 prints. Strategies: sharded, shard_map.")
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, reachable by all")
-    multi.add_argument("--num-processes", type=int, help="how many processes take part")
-    multi.add_argument("--process-id", type=int, help="this process's index, 0..N-1")
+    multi.add_argument("--num-processes", type=int, metavar="N", help="how many processes take part")
+    multi.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
     multi.add_argument("--auto-distributed", action="store_true",
                        help="let jax.distributed.initialize() detect the cluster (Slurm, Open MPI, ...)")
     multi.add_argument("--local-processes", type=int, metavar="N",
                        help="launch N processes on this machine (127.0.0.1) that split --devices "
                             f"(default {DEFAULT_CPU_DEVICES}) between them")
     multi.add_argument("--peer-timeout", type=int, default=60,
-                       help="seconds to wait for a missing or silent peer before failing "
+                       metavar="SECONDS", help="seconds to wait for a missing or silent peer before failing "
                             "(default: %(default)s)")
     args = parser.parse_args(argv)
     if args.strategies is None:
