@@ -114,43 +114,35 @@ def on_device(params: Params, device: jax.Device) -> Params:
 
 
 def sharded(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
-    params = replicate(params, mesh)
-    losses = []
-    for batch in batches:
-        params, value = update(params, batch, learning_rate)
-        losses.append(value)
+    params, losses = _run(update, replicate(params, mesh), batches, learning_rate)
     return to_host(params), _stack(losses)
 
 
 def pmap(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
     _single_process_only("pmap", "pmap maps over this process's devices only")
-    params = stack_replicas(params, mesh)
-    losses = []
-    for batch in batches:
-        params, value = update_parallel(params, batch, learning_rate)
-        losses.append(value)
+    params, losses = _run(update_parallel, stack_replicas(params, mesh), batches, learning_rate)
     return first_replica(params), _stack([v[0] for v in losses])
 
 
 def shard_map(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
-    step = shard_map_step(mesh)
-    params = replicate(params, mesh)
-    losses = []
-    for batch in batches:
-        params, value = step(params, batch, learning_rate)
-        losses.append(value)
+    params, losses = _run(shard_map_step(mesh), replicate(params, mesh), batches, learning_rate)
     return to_host(params), _stack(losses)
 
 
 def single(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
     _single_process_only("single", "one device cannot hold another process's rows")
     device = mesh.devices.flat[0]
-    params = on_device(params, device)
-    losses = []
-    for batch in batches:
-        params, value = update(params, jax.device_put(batch, device), learning_rate)
-        losses.append(value)
+    step = lambda p, batch, lr: update(p, jax.device_put(batch, device), lr)
+    params, losses = _run(step, on_device(params, device), batches, learning_rate)
     return to_host(params), _stack(losses)
+
+
+def _run(step, params: Params, batches: Iterable[dict], learning_rate: float):
+    losses = []  # device scalars: reading them per step would stall the pipeline
+    for batch in batches:
+        params, value = step(params, batch, learning_rate)
+        losses.append(value)
+    return params, losses
 
 
 STRATEGIES = {"sharded": sharded, "pmap": pmap, "shard_map": shard_map, "single": single}
