@@ -115,7 +115,7 @@ def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREF
         raise FileNotFoundError(
             f"read_cifar10: no file in {root!r} starts with filename_prefix={filename_prefix!r}"
         )
-    records = []
+    counts = {}
     for name in names:
         path = os.path.join(root, name)
         size = os.path.getsize(path)
@@ -124,21 +124,31 @@ def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREF
                 f"{path}: size {size} bytes is not a multiple of the {RECORD_BYTES}-byte "
                 f"CIFAR-10 record ({size % RECORD_BYTES} bytes left over: truncated or not CIFAR-10)"
             )
-        if size == 0:
-            continue  # np.memmap cannot map an empty file; it holds no record anyway.
-        rows = np.memmap(path, dtype=np.uint8, mode="r").reshape(-1, RECORD_BYTES)
-        bad = np.flatnonzero(rows[:, 0] >= NUM_CLASSES)
-        if bad.size:
-            raise ValueError(
-                f"{path}: record {bad[0]} has label {rows[bad[0], 0]}; CIFAR-10 labels are 0..9"
-            )
-        records.append(rows)
-    if not records:
+        if size:  # np.memmap cannot map an empty file; it holds no record anyway.
+            counts[name] = size // RECORD_BYTES
+    if not counts:
         raise ValueError(
             f"read_cifar10: the files matching {filename_prefix!r} in {root!r} hold no record "
             f"(all empty: {names})"
         )
-    rows = records[0] if len(records) == 1 else np.concatenate(records)
+    if len(counts) == 1:
+        rows = np.memmap(os.path.join(root, *counts), dtype=np.uint8, mode="r").reshape(-1, RECORD_BYTES)
+    else:
+        # Read into one array, file by file. Concatenating memory maps would hold
+        # every file's mapped pages and the copy at once: twice the dataset.
+        rows = np.empty((sum(counts.values()), RECORD_BYTES), np.uint8)
+        start = 0
+        for name, count in counts.items():
+            with open(os.path.join(root, name), "rb") as f:
+                f.readinto(memoryview(rows[start:start + count]).cast("B"))
+            start += count
+    start = 0
+    for name, count in counts.items():
+        bad = np.flatnonzero(rows[start:start + count, 0] >= NUM_CLASSES)
+        if bad.size:
+            raise ValueError(f"{os.path.join(root, name)}: record {bad[0]} has label "
+                             f"{rows[start + bad[0], 0]}; CIFAR-10 labels are 0..9")
+        start += count
     images = rows[:, 1:].reshape((-1,) + IMAGE_SHAPE)
     labels = rows[:, 0].astype(np.int32)
     return images, labels
@@ -314,7 +324,8 @@ def _check_policy(last_batch: str) -> None:
 def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | None = None,
                           mirror=False, mean: Sequence[float] = (0.0, 0.0, 0.0),
                           std: Sequence[float] = (1.0, 1.0, 1.0),
-                          crop_pos: tuple[float, float] = (0.5, 0.5)) -> np.ndarray:
+                          crop_pos: tuple[float, float] = (0.5, 0.5),
+                          out: np.ndarray | None = None) -> np.ndarray:
     """rocAL's crop_mirror_normalize on uint8 NCHW images; float32 NCHW out.
 
     ``out[n, c, y, x] = (in[n, c, y0 + y, x0 + x'] - mean[c]) / std[c]`` with mean
@@ -326,7 +337,8 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
 
     Raises ValueError for mean/std without one entry per channel, a zero std, a
     crop larger than the image (rocAL clamps it silently), or a crop_pos outside
-    [0, 1].
+    [0, 1]. ``out``: a float32 (N, C, ch, cw) array to write into (default: a new
+    one, 64-byte aligned so that ``jax.device_put`` on CPU can use it in place).
     """
     images_NCHW = np.asarray(images_NCHW)
     if images_NCHW.ndim != 4:
@@ -354,12 +366,32 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
         flip = np.full(n, bool(flip))
     if flip.shape != (n,):
         raise ValueError(f"crop_mirror_normalize: mirror must be a bool or shape ({n},), got {flip.shape}")
-    out = np.empty((n, c, ch, cw), np.float32)
-    np.subtract(window, mean[:, None, None], out=out, dtype=np.float32)
+    if out is None:
+        out = aligned_empty((n, c, ch, cw), np.float32)
+    elif out.shape != (n, c, ch, cw) or out.dtype != np.float32:
+        raise ValueError(f"crop_mirror_normalize: out must be float32 {(n, c, ch, cw)}, "
+                         f"got {out.dtype} {out.shape}")
+    # The same value for every channel (the default): a scalar operand lets NumPy
+    # run one long loop instead of one per image plane, twice as fast, same bits.
+    mean = mean[0] if np.all(mean == mean[0]) else mean[:, None, None]
+    std = std[0] if np.all(std == std[0]) else std[:, None, None]
+    np.subtract(window, mean, out=out, dtype=np.float32)
     if flip.any():
         out[flip] = out[flip][..., ::-1]
-    np.divide(out, std[:, None, None], out=out)
+    np.divide(out, std, out=out)
     return out
+
+
+def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
+    """``np.empty`` whose data starts on an ``align``-byte boundary.
+
+    JAX's CPU client wraps a 64-byte-aligned host buffer without copying it (it
+    copies anything else); NumPy's allocator only promises 16 bytes.
+    """
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,9 +406,9 @@ class Normalize:
     crop: tuple[int, int] | None = None
     crop_pos: tuple[float, float] = (0.5, 0.5)
 
-    def __call__(self, images_NCHW: np.ndarray) -> np.ndarray:
+    def __call__(self, images_NCHW: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         return crop_mirror_normalize(images_NCHW, crop=self.crop, mirror=self.mirror,
-                                     mean=self.mean, std=self.std, crop_pos=self.crop_pos)
+                                     mean=self.mean, std=self.std, crop_pos=self.crop_pos, out=out)
 
 
 # --------------------------------------------------------------------------
@@ -445,6 +477,40 @@ def global_batch(blocks: dict[int, dict[str, np.ndarray]], mesh: Mesh, layout: s
     return out
 
 
+def global_batch_from_rows(rows: dict[str, np.ndarray], mesh: Mesh, layout: str = "sharded"):
+    """``global_batch`` for rows already laid out as this process's part of the batch.
+
+    ``rows[name]`` is (n_local * B, ...): the blocks of this process's shards, in
+    mesh order, one after the other. One ``jax.make_array_from_process_local_data``
+    per name replaces n ``device_put``s (each ~0.1 ms of fixed cost on CPU), and
+    a 64-byte-aligned buffer is used in place, not copied.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    devices = list(mesh.devices.flat)
+    n = len(devices)
+    local = [k for k, d in enumerate(devices) if d.process_index == jax.process_index()]
+    n_local = len(local)
+    if local != list(range(local[0], local[0] + n_local)):
+        # This process's rows are not one contiguous slice of the global batch
+        # (a hand-made mesh that interleaves processes): place block by block.
+        B = len(rows["mask"]) // n_local
+        blocks = {k: {name: x[j * B:(j + 1) * B] for name, x in rows.items()} for j, k in enumerate(local)}
+        return global_batch(blocks, mesh, layout)
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
+    out = {}
+    for name, x in rows.items():
+        if layout == "sharded" and n == 1:
+            out[name] = jax.device_put(x, devices[0])
+            continue
+        block = x.reshape((n_local, -1) + x.shape[1:])
+        if layout == "sharded":
+            out[name] = jax.make_array_from_process_local_data(sharding, x, (n * block.shape[1],) + x.shape[1:])
+        else:
+            out[name] = jax.make_array_from_process_local_data(sharding, block, (n,) + block.shape[1:])
+    return out
+
+
 # --------------------------------------------------------------------------
 # The loader
 # --------------------------------------------------------------------------
@@ -483,24 +549,33 @@ class Loader:
         return epoch_plan(len(self.labels), self.num_shards, self.batch_size, epoch=epoch,
                           seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch)
 
+    def host_rows(self, plan: Plan, step: int) -> dict[str, np.ndarray]:
+        """This process's rows at ``step`` of ``plan``: (n_local * B, ...) per name,
+        its shards' blocks in mesh order, the images in one aligned buffer."""
+        local = [k for k, d in enumerate(self.mesh.devices.flat) if d.process_index == jax.process_index()]
+        idx = plan.indices[step, local]  # (n_local, B)
+        B = self.batch_size
+        if isinstance(self.normalize, Normalize):
+            c, h, w = self.images.shape[1:]
+            images = aligned_empty((idx.size, c) + (self.normalize.crop or (h, w)), np.float32)
+            for j in range(len(local)):
+                self.normalize(self.images[idx[j]], out=images[j * B:(j + 1) * B])
+        else:  # any other callable: its blocks, copied into one array
+            images = np.concatenate([self.normalize(self.images[i]) for i in idx])
+        return {"images": images, "labels": self.labels[idx.reshape(-1)],
+                "mask": plan.mask[step, local].reshape(-1)}
+
     def host_blocks(self, plan: Plan, step: int) -> dict[int, dict[str, np.ndarray]]:
         """Host-side blocks for this process's shards at ``step`` of ``plan``."""
-        blocks = {}
-        for k, device in enumerate(self.mesh.devices.flat):
-            if device.process_index != jax.process_index():
-                continue
-            idx = plan.indices[step, k]
-            blocks[k] = {
-                "images": self.normalize(self.images[idx]),
-                "labels": self.labels[idx],
-                "mask": plan.mask[step, k],
-            }
-        return blocks
+        local = [k for k, d in enumerate(self.mesh.devices.flat) if d.process_index == jax.process_index()]
+        rows = self.host_rows(plan, step)
+        B = self.batch_size
+        return {k: {name: x[j * B:(j + 1) * B] for name, x in rows.items()} for j, k in enumerate(local)}
 
     def batch(self, epoch: int, step: int) -> dict[str, jax.Array]:
         if not 0 <= step < len(self):
             raise IndexError(f"step={step} is outside [0, {len(self)})")
-        return global_batch(self.host_blocks(self.plan(epoch), step), self.mesh, self.layout)
+        return global_batch_from_rows(self.host_rows(self.plan(epoch), step), self.mesh, self.layout)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
         """Steps ``start_step .. len-1`` of ``epoch``, prepared ``prefetch`` steps ahead
@@ -510,7 +585,7 @@ class Loader:
             # range(-1, len) would yield the last step and then the whole epoch.
             raise IndexError(f"start_step={start_step} is outside [0, {len(self)}]")
         plan = self.plan(epoch)
-        make = lambda s: global_batch(self.host_blocks(plan, s), self.mesh, self.layout)
+        make = lambda s: global_batch_from_rows(self.host_rows(plan, s), self.mesh, self.layout)
         return _prefetched(make, range(start_step, len(self)), self.prefetch)
 
 

@@ -2,7 +2,8 @@
 
 Guarantees checked:
 
-* both processes end with the same params, for sharded and shard_map;
+* both processes end with the same params, for sharded and shard_map (the
+  latter on a mesh that interleaves the two processes' devices);
 * those params equal the single-process 8-device run's, step for step, within
   MULTIPROCESS_ULPS (cross-process sums go through gloo, which may add the
   partial gradients in another order than the in-process all-reduce);
@@ -48,9 +49,14 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
     import model
     import strategies
 
-    mesh = loaders.data_mesh(jax.devices())
+    devices = jax.devices()
+    by_process = [[d for d in devices if d.process_index == p] for p in range(2)]
+    # shard_map runs on a mesh that interleaves the processes' devices: the loader
+    # must still put shard k on mesh position k, so results stay the same.
+    meshes = {"sharded": loaders.data_mesh(devices),
+              "shard_map": loaders.data_mesh([d for pair in zip(*by_process) for d in pair])}
     read = []
-    for name in ("sharded", "shard_map"):
+    for name, mesh in meshes.items():
         loader = loaders.make_loader(data_dir, mesh, B, layout=strategies.LAYOUT[name], shuffle=True,
                                      seed=5)
         plan = loader.plan(0)
