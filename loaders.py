@@ -213,11 +213,14 @@ def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000,
 
     def draw(count: int):
         labels = rng.integers(0, NUM_CLASSES, size=count)
-        contrast = rng.uniform(0.2, 1.0, size=(count, 1, 1, 1))
-        brightness = rng.normal(0.0, 0.5, size=(count, 1, 1, 1))
-        noise = rng.normal(0.0, 1.0, size=(count,) + IMAGE_SHAPE)
-        x = contrast * patterns[labels] + brightness + noise
-        images = np.clip(np.rint(127.5 + 40.0 * x), 0, 255).astype(np.uint8)
+        images = np.empty((count,) + IMAGE_SHAPE, np.uint8)
+        for start in range(0, count, 4096):  # float64 temporaries stay ~100 MB
+            part = slice(start, min(start + 4096, count))
+            n = part.stop - part.start
+            contrast = rng.uniform(0.2, 1.0, size=(n, 1, 1, 1))
+            brightness = rng.normal(0.0, 0.5, size=(n, 1, 1, 1))
+            x = contrast * patterns[labels[part]] + brightness + rng.normal(0.0, 1.0, size=(n,) + IMAGE_SHAPE)
+            images[part] = np.clip(np.rint(127.5 + 40.0 * x), 0, 255)
         return images, labels
 
     images, labels = draw(num_train)

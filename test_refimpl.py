@@ -104,3 +104,21 @@ def test_rocal_backend_without_rocal(tiny_dir):
         pass
     _assert_clean_error(refimpl("--data-dir", tiny_dir, "--backend", "rocal", "--last-batch", "drop"),
                         "amd.rocal", "PYTHONPATH=/opt/rocm/lib")
+
+
+def test_full_size_epoch_with_prefetch_does_not_deadlock(tmp_path):
+    # Regression: with unbounded async dispatch, 49 steps of per-device batch 128
+    # on 8 CPU devices, fed by the prefetching loader, deadlocked XLA's all-reduce
+    # rendezvous (the process aborts after 40 s). strategies._run now keeps at most
+    # two steps in flight. 24 steps did not reproduce it; 49 did, every time.
+    small = loaders.synthetic_cifar10(tmp_path / "small", num_train=5_000, num_test=64, seed=1)
+    images, labels = loaders.read_cifar10(small)
+    folder = tmp_path / "big"  # what it holds does not matter, only how many steps
+    folder.mkdir()
+    loaders.write_cifar10(folder / "data_batch_1.bin", np.tile(images, (10, 1, 1, 1)), np.tile(labels, 10))
+    loaders.write_cifar10(folder / "test_batch.bin", images[:64], labels[:64])
+    folder = str(folder)
+    done = refimpl("--data-dir", folder, "--epochs", "1", "--strategies", "sharded",
+                   "--batch-size", "128", "--devices", "8")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "49 steps of 8 x 128" in done.stdout and "sharded epoch 1/1" in done.stdout
