@@ -443,6 +443,18 @@ def data_mesh(devices: Sequence[jax.Device] | Mesh) -> Mesh:
     return jax.make_mesh((len(devices),), (DATA_AXIS,), axis_types=(AxisType.Auto,), devices=devices)
 
 
+def local_positions(mesh: Mesh) -> list[int]:
+    """Mesh positions (= shard indices) of this process's devices, ascending."""
+    return [k for k, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
+
+
+def split_rows(rows: dict[str, np.ndarray], positions: list[int]) -> dict[int, dict[str, np.ndarray]]:
+    """Contiguous per-process rows (len(positions) * B, ...) as per-shard blocks (views)."""
+    size = len(rows["mask"]) // len(positions)
+    return {k: {name: x[j * size:(j + 1) * size] for name, x in rows.items()}
+            for j, k in enumerate(positions)}
+
+
 def global_batch(blocks: dict[int, dict[str, np.ndarray]], mesh: Mesh, layout: str = "sharded"):
     """Global ``jax.Array``s from per-shard host blocks: block k goes to mesh position k.
 
@@ -459,7 +471,7 @@ def global_batch(blocks: dict[int, dict[str, np.ndarray]], mesh: Mesh, layout: s
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     devices = list(mesh.devices.flat)
-    local = [k for k, d in enumerate(devices) if d.process_index == jax.process_index()]
+    local = local_positions(mesh)
     missing = [k for k in local if k not in blocks]
     if missing:
         raise ValueError(f"global_batch: no block for the local shards {missing}")
@@ -493,14 +505,12 @@ def global_batch_from_rows(rows: dict[str, np.ndarray], mesh: Mesh, layout: str 
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     devices = list(mesh.devices.flat)
     n = len(devices)
-    local = [k for k, d in enumerate(devices) if d.process_index == jax.process_index()]
+    local = local_positions(mesh)
     n_local = len(local)
     if local != list(range(local[0], local[0] + n_local)):
         # This process's rows are not one contiguous slice of the global batch
         # (a hand-made mesh that interleaves processes): place block by block.
-        B = len(rows["mask"]) // n_local
-        blocks = {k: {name: x[j * B:(j + 1) * B] for name, x in rows.items()} for j, k in enumerate(local)}
-        return global_batch(blocks, mesh, layout)
+        return global_batch(split_rows(rows, local), mesh, layout)
     sharding = NamedSharding(mesh, P(DATA_AXIS))
     out = {}
     for name, x in rows.items():
@@ -553,10 +563,14 @@ class Loader:
         return epoch_plan(len(self.labels), self.num_shards, self.batch_size, epoch=epoch,
                           seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch)
 
+    def real_samples(self, epoch: int) -> int:
+        """How many mask-True slots ``epoch`` has in the whole global batch."""
+        return int(self.plan(epoch).mask.sum())
+
     def host_rows(self, plan: Plan, step: int) -> dict[str, np.ndarray]:
         """This process's rows at ``step`` of ``plan``: (n_local * B, ...) per name,
         its shards' blocks in mesh order, the images in one aligned buffer."""
-        local = [k for k, d in enumerate(self.mesh.devices.flat) if d.process_index == jax.process_index()]
+        local = local_positions(self.mesh)
         idx = plan.indices[step, local]  # (n_local, B)
         B = self.batch_size
         if isinstance(self.normalize, Normalize):
@@ -571,10 +585,7 @@ class Loader:
 
     def host_blocks(self, plan: Plan, step: int) -> dict[int, dict[str, np.ndarray]]:
         """Host-side blocks for this process's shards at ``step`` of ``plan``."""
-        local = [k for k, d in enumerate(self.mesh.devices.flat) if d.process_index == jax.process_index()]
-        rows = self.host_rows(plan, step)
-        B = self.batch_size
-        return {k: {name: x[j * B:(j + 1) * B] for name, x in rows.items()} for j, k in enumerate(local)}
+        return split_rows(self.host_rows(plan, step), local_positions(self.mesh))
 
     def batch(self, epoch: int, step: int) -> dict[str, jax.Array]:
         if not 0 <= step < len(self):
@@ -770,12 +781,18 @@ class RocalLoader:
             pipe.rocal_release()
         self.pipelines.clear()
 
+    def real_samples(self, epoch: int) -> int:
+        """How many mask-True slots each epoch has in the whole global batch."""
+        return int(self._mask().sum())
+
+    def _mask(self) -> np.ndarray:
+        if self.last_batch == "fill":  # shuffle off (make_rocal_loader refuses fill + shuffle)
+            return epoch_plan(self.num_samples, self.num_shards, self.batch_size).mask
+        return np.ones((len(self), self.num_shards, self.batch_size), bool)
+
     def _steps(self):
         devices = list(self.mesh.devices.flat)
-        if self.last_batch == "fill":
-            mask = epoch_plan(self.num_samples, self.num_shards, self.batch_size).mask
-        else:
-            mask = np.ones((len(self), self.num_shards, self.batch_size), bool)
+        mask = self._mask()
         want = (self.batch_size, IMAGE_SHAPE[0]) + tuple(self.crop)
         for step in range(len(self)):
             self.used = True
@@ -908,11 +925,12 @@ def make_rocal_loader(data, mesh: Mesh, batch_size: int, *, num_samples: int, la
         raise ValueError(f"{root}: rocAL would also read {extra}, which contain "
                          f"filename_prefix={filename_prefix!r}; move them out of the folder")
     normalize(np.zeros((1,) + IMAGE_SHAPE, np.uint8))  # the reference's checks of mean, std, crop
+    devices = list(mesh.devices.flat)
     pipelines = {
-        k: rocal_pipeline(root, shard_id=k, num_shards=mesh.devices.size, device=d,
+        k: rocal_pipeline(root, shard_id=k, num_shards=len(devices), device=devices[k],
                           batch_size=batch_size, filename_prefix=filename_prefix,
                           shuffle=shuffle, last_batch=last_batch, normalize=normalize, seed=seed)
-        for k, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()
+        for k in local_positions(mesh)
     }
     return RocalLoader(pipelines, mesh, batch_size, num_samples, layout, last_batch,
                        tuple(normalize.crop or IMAGE_SHAPE[1:]))

@@ -117,11 +117,8 @@ def accuracy(params: Params, batches: Iterable[dict]) -> float:
     Over a fill-policy loader this counts every sample exactly once (the
     notebooks' drop-policy validation silently skips the tail of the test set).
     """
-    correct = total = 0
-    for batch in batches:
-        c, t = _correct_and_count(params, batch)
-        correct += int(c)
-        total += int(t)
+    counts = [_correct_and_count(params, batch) for batch in batches]  # read once, at the end
+    correct, total = (sum(int(c[i]) for c in counts) for i in (0, 1))
     if total == 0:
         raise ValueError("accuracy: the batches hold no real (mask-True) sample")
     return correct / total

@@ -554,7 +554,12 @@ def test_loader_epoch_length(devices, synthetic_dir, cifar):
     for last_batch in loaders.LAST_BATCH_POLICIES:
         loader = loaders.make_loader(synthetic_dir, devices, B, last_batch=last_batch)
         assert len(loader) == expected_steps(N, n, B, last_batch)
-        assert sum(1 for _ in loader.epoch(0)) == len(loader)
+        delivered = [int(np.asarray(batch["mask"]).sum()) for batch in loader.epoch(0)]
+        assert len(delivered) == len(loader)
+        # real_samples (what refimpl's images/s divides) is what the masks deliver:
+        # every sample once with fill, n * steps * B with drop.
+        assert loader.real_samples(0) == sum(delivered)
+        assert sum(delivered) == (N if last_batch == "fill" else n * len(loader) * B)
 
 
 def test_permuted_mesh_puts_shard_k_on_the_kth_device(devices, synthetic_dir, cifar):

@@ -496,6 +496,7 @@ def test_len_is_the_true_step_count_and_mask_follows_the_policy(small_dir, mesh4
         masks = [np.asarray(b["mask"]).reshape(4, 2) for b in loader.epoch(epoch)]
         assert len(masks) == steps  # the double would run 1000 times: len() decides
         np.testing.assert_array_equal(np.stack(masks), plan.mask)
+        assert loader.real_samples(epoch) == int(np.stack(masks).sum())
         assert [p.runs for p in fake_rocal.pipelines] == [steps * (epoch + 1)] * 4
         assert [p.resets for p in fake_rocal.pipelines] == [epoch] * 4
     if last_batch == "fill":
