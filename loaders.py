@@ -1,12 +1,14 @@
-"""Sharded CIFAR-10 loaders for data-parallel JAX: one shard per device.
+"""Sharded loaders for data-parallel JAX: one shard per device. The reference.
 
-This module is the data half of the reference. It is pure NumPy plus JAX and
-stands on its own (copy it into another project as it is).
+This module is the data half of the reference, and the spec every vendor
+loader (rocal_loader.py, dali_loader.py) is held to. It is pure NumPy plus JAX
+and stands on its own: copy it into another project as it is.
 
 The contract, in the order the pieces are used:
 
 * ``read_cifar10`` reads the CIFAR-10 "binary version" (3073-byte records: one
-  label byte 0..9, then the R, G, B planes of 32x32, row-major).
+  label byte 0..9, then the R, G, B planes of 32x32, row-major); ``read_mnist``
+  reads MNIST's IDX files. Both give ``(images_NCHW uint8, labels_N int32)``.
 * ``shard_bounds`` partitions ``range(N)`` into ``n`` contiguous shards: shard k
   is ``[N*k//n, N*(k+1)//n)``, the partition rocAL and DALI use. Shard sizes
   differ by at most one.
@@ -15,13 +17,16 @@ The contract, in the order the pieces are used:
   step, and whether that slot is real (mask True) or padding (mask False).
   Batches are therefore a pure function of (seed, epoch, step, shard): resuming
   mid-epoch needs the step number and nothing else.
-* ``crop_mirror_normalize`` is rocAL's per-image arithmetic in NumPy.
+* ``Normalize`` is the per-image arithmetic of the vendors' crop_mirror_normalize,
+  specified as a table: over uint8 input, a vendor's formula is one float32 value
+  per (channel, pixel value), ``normalize_table``. Every path that normalises
+  (host, device) looks the table up, so the bits are the same on every device.
 * ``make_loader`` puts it together: one loader for a set of devices whose epoch
-  iterator yields ``{"images", "labels", "mask"}`` as global ``jax.Array``s,
-  row block k on the device at position k of the mesh.
-* ``make_loader(..., backend="rocal")`` builds the same global batches from AMD
-  rocAL pipelines instead (end of module: what that backend does and does not
-  guarantee).
+  iterator yields ``{"images", "labels", "mask"}`` as global ``jax.Array``s, row
+  block k on the device at position k of the mesh. ``placement`` says where the
+  work happens: "host" gathers uint8 rows on the host and normalises on the
+  devices; "device" keeps each shard resident on its device and gathers there;
+  "host_float32" normalises on the host. All three give the same bits.
 
 Remainder handling, worked (DALI's LastBatchPolicy table, for shards). Data is
 samples 0..6 (N=7), two shards (n=2), per-device batch B=2, no shuffle.
@@ -48,6 +53,7 @@ Guarantees (each is tested in test_loaders.py):
   versions). Seeds are mixed by SeedSequence, never added: (seed 1, epoch 0) and
   (seed 0, epoch 1) give unrelated orders. Shards never exchange samples
   (rocAL's and DALI's ``stick_to_shard`` behaviour).
+* The three placements give bit-identical global arrays, in both layouts.
 
 Deliberate differences from rocAL and DALI, and why:
 
@@ -60,32 +66,40 @@ Deliberate differences from rocAL and DALI, and why:
 * The shard of a device is its position in the mesh, never ``device.id``
   (device ids need not be 0..n-1; see JAX issue 16024).
 
-Supported: JAX 0.7 or newer (``jax.shard_map`` at top level, ``jax.make_mesh``
-with ``devices=`` and ``AxisType``); the whole suite was run on 0.7.0 and 0.10.2.
-NumPy >= 1.25.
+Devices: nothing here uses JAX's default device or backend. Every array goes to
+the devices of the mesh it was given, so a mesh of CPU devices on a GPU host
+stays on the CPU. Supported: JAX 0.7 or newer (``jax.shard_map`` at top level,
+``jax.sharding.Mesh`` with ``axis_types``); NumPy >= 1.25.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gzip
 import os
 import queue
 import tempfile
 import threading
-from typing import Iterator, NamedTuple, Sequence
+from fractions import Fraction
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 RECORD_BYTES = 3073
-IMAGE_SHAPE = (3, 32, 32)
+IMAGE_SHAPE = (3, 32, 32)  # CIFAR-10
+MNIST_SHAPE = (1, 28, 28)
 NUM_CLASSES = 10
 TRAIN_PREFIX = "data_batch_"
 TEST_PREFIX = "test_batch"
 DATA_AXIS = "data"
 LAST_BATCH_POLICIES = ("fill", "drop")
 LAYOUTS = ("sharded", "pmap")
+PLACEMENTS = ("host", "device", "host_float32")
+ARITHMETICS = ("rocal", "dali")
 
 
 # --------------------------------------------------------------------------
@@ -161,35 +175,12 @@ def write_cifar10(path: str | os.PathLike, images_NCHW: np.ndarray, labels_N: np
     ``images_NCHW`` must be uint8 (N, 3, 32, 32) and ``labels_N`` integers 0..9.
     """
     path = os.fspath(path)
-    images_NCHW = np.asarray(images_NCHW)
-    labels_N = np.asarray(labels_N)
-    if images_NCHW.dtype != np.uint8 or images_NCHW.shape[1:] != IMAGE_SHAPE:
-        raise ValueError(
-            f"write_cifar10({path!r}): images must be uint8 (N, 3, 32, 32), "
-            f"got {images_NCHW.dtype} {images_NCHW.shape}"
-        )
-    if labels_N.shape != images_NCHW.shape[:1]:
-        raise ValueError(
-            f"write_cifar10({path!r}): labels shape {labels_N.shape} does not match "
-            f"{images_NCHW.shape[0]} images"
-        )
-    if labels_N.size and (labels_N.min() < 0 or labels_N.max() >= NUM_CLASSES):
-        raise ValueError(
-            f"write_cifar10({path!r}): labels must be 0..9, got range "
-            f"[{labels_N.min()}, {labels_N.max()}]"
-        )
+    images_NCHW, labels_N = _check_images_and_labels(f"write_cifar10({path!r})", images_NCHW,
+                                                     labels_N, IMAGE_SHAPE)
     rows = np.empty((len(labels_N), RECORD_BYTES), np.uint8)
     rows[:, 0] = labels_N
     rows[:, 1:] = images_NCHW.reshape(len(labels_N), RECORD_BYTES - 1)  # not -1: N may be 0
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(rows.tobytes())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    _write_atomically(path, rows.tobytes())
 
 
 def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000,
@@ -203,33 +194,173 @@ def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000,
     data). The bytes are a function of (num_train, num_test, seed) alone.
     Returns ``root``.
     """
-    for name, value in (("num_train", num_train), ("num_test", num_test)):
-        if value < 0:
-            raise ValueError(f"synthetic_cifar10: {name} must be >= 0, got {value}")
     root = os.fspath(root)
     os.makedirs(root, exist_ok=True)
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0xC1FA])))
-    coarse = rng.normal(size=(NUM_CLASSES, 3, 4, 4))
-    patterns = np.repeat(np.repeat(coarse, 8, axis=2), 8, axis=3)  # (10, 3, 32, 32)
-
-    def draw(count: int):
-        labels = rng.integers(0, NUM_CLASSES, size=count)
-        images = np.empty((count,) + IMAGE_SHAPE, np.uint8)
-        for start in range(0, count, 4096):  # float64 temporaries stay ~100 MB
-            part = slice(start, min(start + 4096, count))
-            n = part.stop - part.start
-            contrast = rng.uniform(0.2, 1.0, size=(n, 1, 1, 1))
-            brightness = rng.normal(0.0, 0.5, size=(n, 1, 1, 1))
-            x = contrast * patterns[labels[part]] + brightness + rng.normal(0.0, 1.0, size=(n,) + IMAGE_SHAPE)
-            images[part] = np.clip(np.rint(127.5 + 40.0 * x), 0, 255)
-        return images, labels
-
+    draw = _synthetic_images(IMAGE_SHAPE, num_train, num_test, seed, salt=0xC1FA)
     images, labels = draw(num_train)
     for i, part in enumerate(np.array_split(np.arange(num_train), 5), start=1):
         write_cifar10(os.path.join(root, f"{TRAIN_PREFIX}{i}.bin"), images[part], labels[part])
     images, labels = draw(num_test)
     write_cifar10(os.path.join(root, f"{TEST_PREFIX}.bin"), images, labels)
     return root
+
+
+# --------------------------------------------------------------------------
+# Reading and writing MNIST's IDX files (the DALI notebook's dataset)
+# --------------------------------------------------------------------------
+
+MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+               "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+_IDX_MAGIC = {"images": 0x00000803, "labels": 0x00000801}  # uint8 data, 3 or 1 dimensions
+
+
+def read_mnist(folder: str | os.PathLike, split: str = "train"):
+    """MNIST's ``split`` ("train" or "test") from the IDX files users download.
+
+    Looks for ``train-images-idx3-ubyte`` / ``train-labels-idx1-ubyte`` (or
+    ``t10k-*`` for "test"), each optionally gzipped (``.gz``) and also under the
+    ``train-images.idx3-ubyte`` spelling some mirrors use. Returns
+    ``(images_NCHW uint8 (N, 1, 28, 28), labels_N int32)``; uncompressed images
+    are a read-only memory map.
+
+    Raises FileNotFoundError (folder or file missing) or ValueError (a bad magic
+    number, a header that is not 28x28, a file shorter or longer than its header
+    says, image and label counts that differ, a label > 9); each names the file
+    and the value.
+    """
+    if split not in MNIST_FILES:
+        raise ValueError(f"read_mnist: split must be one of {tuple(MNIST_FILES)}, got {split!r}")
+    root = os.fspath(folder)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"read_mnist: folder={root!r} is not a directory")
+    images = _read_idx(_find_idx(root, MNIST_FILES[split][0]), "images")
+    labels_path = _find_idx(root, MNIST_FILES[split][1])
+    labels = _read_idx(labels_path, "labels")
+    if len(images) != len(labels):
+        raise ValueError(f"{labels_path}: {len(labels)} labels, but the images file of split "
+                         f"{split!r} holds {len(images)} images")
+    bad = np.flatnonzero(labels >= NUM_CLASSES)
+    if bad.size:
+        raise ValueError(f"{labels_path}: label {bad[0]} is {labels[bad[0]]}; MNIST labels are 0..9")
+    return images.reshape((-1,) + MNIST_SHAPE), labels.astype(np.int32)
+
+
+def write_mnist(folder: str | os.PathLike, split: str, images_NCHW: np.ndarray,
+                labels_N: np.ndarray) -> None:
+    """Writes ``split``'s two IDX files (uncompressed) into ``folder``, each atomically."""
+    folder = os.fspath(folder)
+    images_NCHW, labels_N = _check_images_and_labels(f"write_mnist({folder!r})", images_NCHW,
+                                                     labels_N, MNIST_SHAPE)
+    count = len(labels_N)
+    header = np.array([_IDX_MAGIC["images"], count, 28, 28], ">u4").tobytes()
+    images_name, labels_name = MNIST_FILES[split]
+    _write_atomically(os.path.join(folder, images_name), header + images_NCHW.tobytes())
+    header = np.array([_IDX_MAGIC["labels"], count], ">u4").tobytes()
+    _write_atomically(os.path.join(folder, labels_name), header + labels_N.astype(np.uint8).tobytes())
+
+
+def synthetic_mnist(root: str | os.PathLike, *, num_train: int = 60_000, num_test: int = 10_000,
+                    seed: int = 0) -> str:
+    """Writes MNIST-format IDX files (train and t10k) of synthetic 28x28 grey images,
+    made like ``synthetic_cifar10``'s; a function of (num_train, num_test, seed). Returns ``root``."""
+    root = os.fspath(root)
+    os.makedirs(root, exist_ok=True)
+    draw = _synthetic_images(MNIST_SHAPE, num_train, num_test, seed, salt=0x3A15)
+    write_mnist(root, "train", *draw(num_train))
+    write_mnist(root, "test", *draw(num_test))
+    return root
+
+
+def _find_idx(root: str, name: str) -> str:
+    dotted = name.replace("-idx", ".idx")  # train-images.idx3-ubyte, as some mirrors name it
+    for candidate in (name, name + ".gz", dotted, dotted + ".gz"):
+        path = os.path.join(root, candidate)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"read_mnist: no {name} (or {name}.gz) in {root!r}")
+
+
+def _read_idx(path: str, kind: str) -> np.ndarray:
+    dims = 3 if kind == "images" else 1
+    header_bytes = 4 * (1 + dims)
+    if path.endswith(".gz"):
+        with gzip.open(path, "rb") as f:
+            raw = f.read()
+        size = len(raw)
+    else:
+        raw, size = None, os.path.getsize(path)
+    head = raw[:header_bytes] if raw is not None else open(path, "rb").read(header_bytes)
+    if len(head) < header_bytes:
+        raise ValueError(f"{path}: {size} bytes, shorter than the {header_bytes}-byte IDX header")
+    magic, *shape = np.frombuffer(head, ">u4").tolist()
+    if magic != _IDX_MAGIC[kind]:
+        raise ValueError(f"{path}: magic number {magic:#010x}, expected {_IDX_MAGIC[kind]:#010x} "
+                         f"for MNIST {kind} (not an MNIST {kind} file, or still compressed)")
+    if kind == "images" and shape[1:] != [28, 28]:
+        raise ValueError(f"{path}: images of {shape[1]}x{shape[2]}, MNIST's are 28x28")
+    want = header_bytes + int(np.prod(shape))
+    if size != want:
+        raise ValueError(f"{path}: {size} bytes, but its header ({shape[0]} {kind}) needs "
+                         f"{want}: {'truncated' if size < want else 'trailing bytes'}")
+    if raw is not None:
+        return np.frombuffer(raw, np.uint8, offset=header_bytes).reshape(shape)
+    if not shape[0]:
+        return np.zeros(shape, np.uint8)
+    return np.memmap(path, np.uint8, mode="r", offset=header_bytes).reshape(shape)
+
+
+# --------------------------------------------------------------------------
+# Shared by the readers and writers
+# --------------------------------------------------------------------------
+
+
+def _check_images_and_labels(where: str, images_NCHW, labels_N, shape: tuple[int, ...]):
+    images_NCHW, labels_N = np.asarray(images_NCHW), np.asarray(labels_N)
+    if images_NCHW.dtype != np.uint8 or images_NCHW.shape[1:] != shape:
+        raise ValueError(f"{where}: images must be uint8 (N, {', '.join(map(str, shape))}), "
+                         f"got {images_NCHW.dtype} {images_NCHW.shape}")
+    if labels_N.shape != images_NCHW.shape[:1]:
+        raise ValueError(f"{where}: labels shape {labels_N.shape} does not match "
+                         f"{images_NCHW.shape[0]} images")
+    if labels_N.size and (labels_N.min() < 0 or labels_N.max() >= NUM_CLASSES):
+        raise ValueError(f"{where}: labels must be 0..9, got range [{labels_N.min()}, {labels_N.max()}]")
+    return images_NCHW, labels_N
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _synthetic_images(shape: tuple[int, ...], num_train: int, num_test: int, seed: int, salt: int):
+    for name, value in (("num_train", num_train), ("num_test", num_test)):
+        if value < 0:
+            raise ValueError(f"synthetic data: {name} must be >= 0, got {value}")
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, salt])))
+    c, h, w = shape
+    coarse = rng.normal(size=(NUM_CLASSES, c, 4, 4))
+    patterns = np.repeat(np.repeat(coarse, -(-h // 4), axis=2), -(-w // 4), axis=3)[:, :, :h, :w]
+
+    def draw(count: int):
+        labels = rng.integers(0, NUM_CLASSES, size=count)
+        images = np.empty((count,) + shape, np.uint8)
+        for start in range(0, count, 4096):  # float64 temporaries stay ~100 MB
+            part = slice(start, min(start + 4096, count))
+            n = part.stop - part.start
+            contrast = rng.uniform(0.2, 1.0, size=(n, 1, 1, 1))
+            brightness = rng.normal(0.0, 0.5, size=(n, 1, 1, 1))
+            x = contrast * patterns[labels[part]] + brightness + rng.normal(0.0, 1.0, size=(n,) + shape)
+            images[part] = np.clip(np.rint(127.5 + 40.0 * x), 0, 255)
+        return images, labels
+
+    return draw
 
 
 # --------------------------------------------------------------------------
@@ -306,13 +437,20 @@ def shard_permutation(size: int, *, seed: int, epoch: int, shard: int) -> np.nda
     whose algorithm NumPy may change between versions. Raises ValueError for a
     seed, epoch or shard outside [0, 2**32).
     """
-    # SeedSequence splits an int >= 2**32 into several 32-bit words, so a larger
-    # value would alias another triple: (seed 2**32, epoch 0) reads as (0, 1, 0).
-    for name, value in (("seed", seed), ("epoch", epoch), ("shard", shard)):
-        if not 0 <= value < 2**32:
-            raise ValueError(f"shard_permutation: {name}={value} is outside [0, 2**32)")
+    check_seed("seed", seed, "shard_permutation")
+    check_seed("epoch", epoch, "shard_permutation")
+    check_seed("shard", shard, "shard_permutation")
     keys = np.random.PCG64(np.random.SeedSequence([seed, epoch, shard])).random_raw(size)
     return np.argsort(keys, kind="stable")
+
+
+def check_seed(name: str, value: int, where: str) -> None:
+    """Raises ValueError unless 0 <= value < 2**32.
+
+    SeedSequence splits an int >= 2**32 into several 32-bit words, so a larger
+    value would alias another triple: (seed 2**32, epoch 0) reads as (0, 1, 0)."""
+    if not 0 <= value < 2**32:
+        raise ValueError(f"{where}: {name}={value} is outside [0, 2**32)")
 
 
 def _check_policy(last_batch: str) -> None:
@@ -321,50 +459,110 @@ def _check_policy(last_batch: str) -> None:
 
 
 # --------------------------------------------------------------------------
-# Per-image arithmetic
+# Per-image arithmetic: the vendors' crop_mirror_normalize, as a table
 # --------------------------------------------------------------------------
+#
+# Read in the vendors' source (ROCm/rocAL develop and rocm-6.4.1, ROCm/rpp,
+# NVIDIA/DALI 2.4):
+#
+# rocAL: rocAL/source/augmentations/.../node_crop_mirror_normalize.cpp computes,
+#   in float32, inv[c] = 1 / std[c] and offset[c] = -(mean[c] * inv[c]) (one
+#   channel: offset = -(mean / std)); RPP applies one fused multiply-add per
+#   pixel, fmaf(x, inv, offset), rounded once (rpp: src/modules/cpu/kernel/
+#   crop_mirror_normalize.hpp, _mm256_fmadd_ps; HIP kernel: pix * inv + offset
+#   in float32, contracted to an FMA). Crop anchor nearbyintf(crop_pos *
+#   (W - cw)) on a float32 product: half to even. Default mirror=1.
+# DALI: dali/kernels/slice/slice_flip_normalize_permute_pad_cpu.h computes
+#   (float(x) - mean[c]) * inv_stddev[c] with inv_stddev = 1 / std in float32:
+#   a subtract and a multiply, two roundings. Crop anchor: std::round (half
+#   away from zero) of crop_pos * (W - cw) (its rounding="round" default).
+#   Default mirror=0.
+#
+# Neither is (x - mean) / std: for mean = std = 127.5 that differs from rocAL's
+# result on 223 of the 256 uint8 values (by 1 ulp).
+
+
+def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str = "rocal") -> np.ndarray:
+    """(C, 256) float32: the vendor's normalised value of each uint8 pixel value, per channel.
+
+    ``table[c, x]`` is, with mean, std, inv and offset first rounded to float32:
+
+    * "rocal": fma(x, inv, offset), inv = 1/std, offset = -(mean*inv) (C == 1:
+      -(mean/std)), the exact x*inv + offset rounded once to float32 (computed
+      here in exact rationals);
+    * "dali": (x - mean) * inv, inv = 1/std, each operation rounded to float32.
+
+    This table is the specification: every path that normalises looks it up.
+    Raises ValueError for an unknown arithmetic, mean and std of different
+    lengths or none, or a std of zero.
+    """
+    mean32, std32 = _mean_std(mean, std)
+    return _table(tuple(mean32.tolist()), tuple(std32.tolist()), _check_arithmetic(arithmetic)).copy()
+
+
+@functools.lru_cache(maxsize=64)
+def _table(mean: tuple, std: tuple, arithmetic: str) -> np.ndarray:
+    mean32, std32 = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+    inv = np.float32(1) / std32
+    x = np.arange(256, dtype=np.float32)
+    if arithmetic == "dali":
+        return ((x[None, :] - mean32[:, None]) * inv[:, None]).astype(np.float32)
+    offset = -(mean32 / std32) if len(mean32) == 1 else -(mean32 * inv)
+    table = np.empty((len(mean32), 256), np.float32)
+    for c in range(len(mean32)):
+        scale, shift = Fraction(float(inv[c])), Fraction(float(offset[c]))
+        table[c] = [_nearest_float32(value * scale + shift) for value in range(256)]
+    table.flags.writeable = False
+    return table
+
+
+def _nearest_float32(exact: Fraction) -> np.float32:
+    """``exact`` rounded once to float32, ties to even."""
+    guess = np.float32(float(exact))  # within one float32 step of the answer
+    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+    return min(candidates, key=lambda c: (abs(Fraction(float(c)) - exact), int(c.view(np.uint32)) & 1))
+
+
+def crop_anchor(pos: float, size: int, crop: int, arithmetic: str = "rocal") -> int:
+    """First row (or column) of a ``crop``-long window in ``size`` at relative ``pos``.
+
+    The vendors compute ``pos * (size - crop)`` as a float32 product and round it:
+    rocAL half to even (nearbyintf), DALI half away from zero (std::round)."""
+    product = float(np.float32(pos) * np.float32(size - crop))  # exact in float64
+    if _check_arithmetic(arithmetic) == "rocal":
+        return int(np.rint(product))
+    return int(np.floor(product + 0.5))  # product >= 0: half away from zero
 
 
 def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | None = None,
                           mirror=False, mean: Sequence[float] = (0.0, 0.0, 0.0),
                           std: Sequence[float] = (1.0, 1.0, 1.0),
-                          crop_pos: tuple[float, float] = (0.5, 0.5),
+                          crop_pos: tuple[float, float] = (0.5, 0.5), arithmetic: str = "rocal",
                           out: np.ndarray | None = None) -> np.ndarray:
-    """rocAL's crop_mirror_normalize on uint8 NCHW images; float32 NCHW out.
+    """A vendor's crop_mirror_normalize on uint8 NCHW images; float32 NCHW out.
 
-    ``out[n, c, y, x] = (in[n, c, y0 + y, x0 + x'] - mean[c]) / std[c]`` with mean
-    and std in pixel units (0..255), ``x' = cw - 1 - x`` where the sample is
-    mirrored (a horizontal flip inside the crop window), else ``x' = x``.
-    ``crop = (ch, cw)`` (default: the whole image), ``crop_pos = (pos_y, pos_x)``
-    in [0, 1], anchor ``y0 = nearbyint(pos_y * (H - ch))`` rounding half to even,
-    likewise x0. ``mirror`` is a bool or a bool array of shape (N,).
+    ``out[n, c, y, x] = normalize_table(mean, std, arithmetic)[c, in[n, c, y0 + y,
+    x0 + x']]``, with mean and std in pixel units (0..255), ``x' = cw - 1 - x``
+    where the sample is mirrored (a horizontal flip inside the crop window), else
+    ``x' = x``. ``crop = (ch, cw)`` (default: the whole image), ``crop_pos =
+    (pos_y, pos_x)`` in [0, 1], anchors ``crop_anchor(pos_y, H, ch, arithmetic)``
+    and likewise x0. ``mirror`` is a bool or a bool array of shape (N,).
 
     Raises ValueError for mean/std without one entry per channel, a zero std, a
     crop larger than the image (rocAL clamps it silently), or a crop_pos outside
     [0, 1]. ``out``: a float32 (N, C, ch, cw) array to write into (default: a new
-    one, 64-byte aligned so that ``jax.device_put`` on CPU can use it in place).
+    one, 64-byte aligned so that JAX on CPU can use it in place).
     """
     images_NCHW = np.asarray(images_NCHW)
-    if images_NCHW.ndim != 4:
-        raise ValueError(f"crop_mirror_normalize: images must be NCHW, got shape {images_NCHW.shape}")
+    if images_NCHW.ndim != 4 or images_NCHW.dtype != np.uint8:
+        raise ValueError(f"crop_mirror_normalize: images must be uint8 NCHW, got "
+                         f"{images_NCHW.dtype} {images_NCHW.shape}")
     n, c, h, w = images_NCHW.shape
-    mean = np.asarray(mean, np.float32)
-    std = np.asarray(std, np.float32)
-    if mean.shape != (c,) or std.shape != (c,):
-        raise ValueError(
-            f"crop_mirror_normalize: mean and std need {c} entries (one per channel), "
-            f"got mean={mean.tolist()}, std={std.tolist()}"
-        )
-    if np.any(std == 0):
-        raise ValueError(f"crop_mirror_normalize: std has a zero entry: std={std.tolist()}")
-    ch, cw = (h, w) if crop is None else crop
-    if not (0 < ch <= h and 0 < cw <= w):
-        raise ValueError(f"crop_mirror_normalize: crop={crop} does not fit in images of {h}x{w}")
-    if not all(0.0 <= p <= 1.0 for p in crop_pos):
-        raise ValueError(f"crop_mirror_normalize: crop_pos={crop_pos} must lie in [0, 1]")
-    y0 = int(np.rint(crop_pos[0] * (h - ch)))
-    x0 = int(np.rint(crop_pos[1] * (w - cw)))
-    window = images_NCHW[:, :, y0:y0 + ch, x0:x0 + cw]
+    table = normalize_table(mean, std, arithmetic)
+    if table.shape[0] != c:
+        raise ValueError(f"crop_mirror_normalize: mean and std need {c} entries (one per channel), "
+                         f"got mean={list(mean)}, std={list(std)}")
+    y0, x0, ch, cw = crop_window((h, w), crop, crop_pos, arithmetic)
     flip = np.asarray(mirror, bool)
     if flip.ndim == 0:
         flip = np.full(n, bool(flip))
@@ -375,15 +573,28 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
     elif out.shape != (n, c, ch, cw) or out.dtype != np.float32:
         raise ValueError(f"crop_mirror_normalize: out must be float32 {(n, c, ch, cw)}, "
                          f"got {out.dtype} {out.shape}")
-    # The same value for every channel (the default): a scalar operand lets NumPy
-    # run one long loop instead of one per image plane, twice as fast, same bits.
-    mean = mean[0] if np.all(mean == mean[0]) else mean[:, None, None]
-    std = std[0] if np.all(std == std[0]) else std[:, None, None]
-    np.subtract(window, mean, out=out, dtype=np.float32)
+    window = images_NCHW[:, :, y0:y0 + ch, x0:x0 + cw]
     if flip.any():
-        out[flip] = out[flip][..., ::-1]
-    np.divide(out, std, out=out)
+        window = np.where(flip[:, None, None, None], window[..., ::-1], window)
+    if (table == table[0]).all():  # one table for every channel: one lookup
+        np.take(table[0], window, out=out, mode="clip")
+    else:
+        for channel in range(c):
+            out[:, channel] = np.take(table[channel], window[:, channel])
     return out
+
+
+def crop_window(image_hw: tuple[int, int], crop: tuple[int, int] | None,
+                crop_pos: tuple[float, float], arithmetic: str = "rocal") -> tuple[int, int, int, int]:
+    """``(y0, x0, ch, cw)``: the crop window in an image of ``image_hw``; ValueError if it does not fit."""
+    h, w = image_hw
+    ch, cw = (h, w) if crop is None else crop
+    if not (0 < ch <= h and 0 < cw <= w):
+        raise ValueError(f"crop_mirror_normalize: crop={crop} does not fit in images of {h}x{w}")
+    if not all(0.0 <= p <= 1.0 for p in crop_pos):
+        raise ValueError(f"crop_mirror_normalize: crop_pos={crop_pos} must lie in [0, 1]")
+    return (crop_anchor(crop_pos[0], h, ch, arithmetic), crop_anchor(crop_pos[1], w, cw, arithmetic),
+            ch, cw)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
@@ -398,21 +609,75 @@ def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def _mean_std(mean, std) -> tuple[np.ndarray, np.ndarray]:
+    mean32, std32 = np.asarray(mean, np.float32).reshape(-1), np.asarray(std, np.float32).reshape(-1)
+    if mean32.shape != std32.shape or not mean32.size:
+        raise ValueError(f"crop_mirror_normalize: mean and std need one entry per channel, "
+                         f"got mean={np.asarray(mean).tolist()}, std={np.asarray(std).tolist()}")
+    if np.any(std32 == 0):
+        raise ValueError(f"crop_mirror_normalize: std has a zero entry: std={std32.tolist()}")
+    return mean32, std32
+
+
+def _check_arithmetic(arithmetic: str) -> str:
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"arithmetic must be one of {ARITHMETICS}, got {arithmetic!r}")
+    return arithmetic
+
+
 @dataclasses.dataclass(frozen=True)
 class Normalize:
-    """What the loader applies to each image: crop_mirror_normalize's arguments.
+    """What the loader applies to each image: a vendor's crop_mirror_normalize.
 
-    The default is the rocAL notebook's: no crop, no flip, (x - 127.5) / 127.5.
+    The default is the rocAL notebook's: no crop, no flip, mean = std = 127.5 per
+    channel, rocAL's arithmetic. ``arithmetic`` picks whose bits ("rocal" or
+    "dali"), also for the crop anchor's rounding; ``table`` is the (C, 256)
+    specification. The DALI notebook's MNIST is ``Normalize(mean=(0.0,),
+    std=(255.0,), arithmetic="dali")``.
     """
-    mean: tuple[float, float, float] = (127.5, 127.5, 127.5)
-    std: tuple[float, float, float] = (127.5, 127.5, 127.5)
+    mean: tuple[float, ...] = (127.5, 127.5, 127.5)
+    std: tuple[float, ...] = (127.5, 127.5, 127.5)
     mirror: bool = False
     crop: tuple[int, int] | None = None
     crop_pos: tuple[float, float] = (0.5, 0.5)
+    arithmetic: str = "rocal"
+
+    def __post_init__(self):
+        _mean_std(self.mean, self.std)
+        _check_arithmetic(self.arithmetic)
+
+    @property
+    def table(self) -> np.ndarray:
+        return normalize_table(self.mean, self.std, self.arithmetic)
+
+    def window(self, image_hw: tuple[int, int]) -> tuple[int, int, int, int]:
+        return crop_window(image_hw, self.crop, self.crop_pos, self.arithmetic)
+
+    def output_shape(self, image_chw: tuple[int, int, int]) -> tuple[int, int, int]:
+        """(C, ch, cw) of a normalised image; ValueError if mean/std or crop do not fit."""
+        c, h, w = image_chw
+        if len(self.mean) != c:
+            raise ValueError(f"Normalize: mean and std need {c} entries (one per channel of "
+                             f"images {tuple(image_chw)}), got mean={list(self.mean)}")
+        return (c,) + self.window((h, w))[2:]
 
     def __call__(self, images_NCHW: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return crop_mirror_normalize(images_NCHW, crop=self.crop, mirror=self.mirror,
-                                     mean=self.mean, std=self.std, crop_pos=self.crop_pos, out=out)
+        return crop_mirror_normalize(images_NCHW, crop=self.crop, mirror=self.mirror, mean=self.mean,
+                                     std=self.std, crop_pos=self.crop_pos, arithmetic=self.arithmetic,
+                                     out=out)
+
+
+def device_normalize(images_u8: jax.Array, table: jax.Array, window: tuple[int, int, int, int],
+                     mirror: bool) -> jax.Array:
+    """The same arithmetic in JAX, for traced uint8 (..., C, H, W): crop, flip, then a
+    gather from ``table`` (C, 256), so the bits are the table's on every device."""
+    y0, x0, ch, cw = window
+    x = images_u8[..., y0:y0 + ch, x0:x0 + cw]
+    if mirror:
+        x = jnp.flip(x, axis=-1)
+    channels = table.shape[0]
+    rows = (256 * jnp.arange(channels, dtype=jnp.int32)).reshape(channels, 1, 1)
+    return jnp.take(table.reshape(-1), x.astype(jnp.int32) + rows, mode="clip")
 
 
 # --------------------------------------------------------------------------
@@ -421,8 +686,10 @@ class Normalize:
 
 
 def data_mesh(devices: Sequence[jax.Device] | Mesh) -> Mesh:
-    """A one-axis mesh named 'data' over ``devices`` in the given order.
+    """A one-axis mesh named 'data' over ``devices``, keeping their order exactly.
 
+    Built with ``jax.sharding.Mesh`` (``jax.make_mesh`` may reorder devices on
+    accelerators), so mesh position k, and with it shard k, is ``devices[k]``.
     A Mesh is returned as it is after checking that it has a 'data' axis holding
     all its devices. Raises ValueError for no device, a repeated device, or a mesh
     whose 'data' axis does not span its devices.
@@ -439,8 +706,10 @@ def data_mesh(devices: Sequence[jax.Device] | Mesh) -> Mesh:
         raise ValueError("devices: need at least one device, got none")
     if len(set(devices)) != len(devices):
         raise ValueError(f"devices: a device is listed twice: {devices}")
+    array = np.empty(len(devices), object)
+    array[:] = devices
     # Auto axes: jit propagates the batch's sharding, as the notebooks rely on.
-    return jax.make_mesh((len(devices),), (DATA_AXIS,), axis_types=(AxisType.Auto,), devices=devices)
+    return Mesh(array, (DATA_AXIS,), axis_types=(AxisType.Auto,))
 
 
 def local_positions(mesh: Mesh) -> list[int]:
@@ -449,27 +718,26 @@ def local_positions(mesh: Mesh) -> list[int]:
 
 
 def split_rows(rows: dict[str, np.ndarray], positions: list[int]) -> dict[int, dict[str, np.ndarray]]:
-    """Contiguous per-process rows (len(positions) * B, ...) as per-shard blocks (views)."""
+    """Rows (len(positions) * B, ...) holding the blocks of ``positions`` one after the
+    other, as {position: block} (views): block j of the rows belongs to positions[j]."""
     size = len(rows["mask"]) // len(positions)
     return {k: {name: x[j * size:(j + 1) * size] for name, x in rows.items()}
             for j, k in enumerate(positions)}
 
 
 def global_batch(blocks: dict[int, dict[str, np.ndarray]], mesh: Mesh, layout: str = "sharded"):
-    """Global ``jax.Array``s from per-shard host blocks: block k goes to mesh position k.
+    """Global ``jax.Array``s from per-shard blocks: block k goes to mesh position k.
 
     ``blocks[k]`` maps each name ("images", "labels", "mask") to shard k's rows
-    (B, ...): NumPy arrays, or jax.Arrays already on device k (the rocAL
-    backend's images), used in place. Only the shards whose device belongs to
-    this process need to be present, so the same call builds the same global
-    batch in every process of a multi-process run. Layouts:
+    (B, ...): NumPy arrays, or jax.Arrays (a vendor's output), copied to device k
+    if they are elsewhere. Only the shards whose device belongs to this process
+    need to be present, so the same call builds the same global batch in every
+    process of a multi-process run. Layouts, both ``NamedSharding(mesh, P('data'))``:
 
-    * "sharded": (n*B, ...) with ``NamedSharding(mesh, P('data'))``; with a single
-      device, plain (B, ...) arrays on that device.
-    * "pmap": (n, B, ...) sharded on axis 0 (what pmap and DALI's devices= give).
+    * "sharded": (n*B, ...), what jit on sharded arrays takes;
+    * "pmap": (n, B, ...), what pmap and DALI's devices= give.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    _check_layout(layout)
     devices = list(mesh.devices.flat)
     local = local_positions(mesh)
     missing = [k for k in local if k not in blocks]
@@ -480,9 +748,6 @@ def global_batch(blocks: dict[int, dict[str, np.ndarray]], mesh: Mesh, layout: s
     out = {}
     for name in blocks[local[0]]:
         rows = blocks[local[0]][name]
-        if layout == "sharded" and n == 1:
-            out[name] = jax.device_put(rows, devices[0])
-            continue
         if layout == "sharded":
             shape = (n * rows.shape[0],) + rows.shape[1:]
             parts = [jax.device_put(blocks[k][name], devices[k]) for k in local]
@@ -501,10 +766,8 @@ def global_batch_from_rows(rows: dict[str, np.ndarray], mesh: Mesh, layout: str 
     per name replaces n ``device_put``s (each ~0.1 ms of fixed cost on CPU), and
     a 64-byte-aligned buffer is used in place, not copied.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    devices = list(mesh.devices.flat)
-    n = len(devices)
+    _check_layout(layout)
+    n = mesh.devices.size
     local = local_positions(mesh)
     n_local = len(local)
     if local != list(range(local[0], local[0] + n_local)):
@@ -514,15 +777,17 @@ def global_batch_from_rows(rows: dict[str, np.ndarray], mesh: Mesh, layout: str 
     sharding = NamedSharding(mesh, P(DATA_AXIS))
     out = {}
     for name, x in rows.items():
-        if layout == "sharded" and n == 1:
-            out[name] = jax.device_put(x, devices[0])
-            continue
         block = x.reshape((n_local, -1) + x.shape[1:])
         if layout == "sharded":
             out[name] = jax.make_array_from_process_local_data(sharding, x, (n * block.shape[1],) + x.shape[1:])
         else:
             out[name] = jax.make_array_from_process_local_data(sharding, block, (n,) + block.shape[1:])
     return out
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 # --------------------------------------------------------------------------
@@ -532,14 +797,27 @@ def global_batch_from_rows(rows: dict[str, np.ndarray], mesh: Mesh, layout: str 
 
 @dataclasses.dataclass(frozen=True)
 class Loader:
-    """A sharded epoch iterator over an in-memory (or memory-mapped) dataset.
+    """A sharded epoch iterator over an in-memory (or memory-mapped) uint8 dataset.
 
     Build it with ``make_loader``. ``len(loader)`` is the number of steps in every
     epoch, equal on every shard. ``loader.epoch(e)`` yields one dict per step with
     global arrays "images" (float32, normalised), "labels" (int32) and "mask"
     (bool) in ``layout``; ``loader.batch(e, s)`` is step s alone (random access).
     ``loader.plan(e)`` is the epoch's ``Plan``. Batches are fully determined by
-    (seed, epoch, step): two loaders with the same arguments yield equal batches.
+    (seed, epoch, step): two loaders with the same arguments yield equal batches,
+    whatever their placement.
+
+    Placements (where the per-step work happens):
+
+    * "host": the host gathers each step's uint8 rows into one buffer, moves
+      uint8 (a quarter of the float32 bytes) to the devices, and each device
+      crops, flips and looks the table up on its own block (jit + shard_map).
+    * "device": shard k's uint8 samples live on device k for the loader's life
+      (about N/n samples per device, padded to the largest shard), the epoch's
+      plan goes to the devices once per epoch, and each step is one dispatch
+      that gathers and normalises on every device: no host work per step.
+    * "host_float32": the host normalises into float32 and moves that; the only
+      placement that accepts any callable as ``normalize``.
     """
     images: np.ndarray
     labels: np.ndarray
@@ -549,8 +827,10 @@ class Loader:
     shuffle: bool = False
     seed: int = 0
     last_batch: str = "fill"
-    normalize: Normalize = Normalize()
+    normalize: Normalize | Callable = Normalize()
     prefetch: int = 2
+    placement: str = "host"
+    resident: dict | None = dataclasses.field(default=None, repr=False)  # placement="device"
 
     @property
     def num_shards(self) -> int:
@@ -568,14 +848,18 @@ class Loader:
         return int(self.plan(epoch).mask.sum())
 
     def host_rows(self, plan: Plan, step: int) -> dict[str, np.ndarray]:
-        """This process's rows at ``step`` of ``plan``: (n_local * B, ...) per name,
-        its shards' blocks in mesh order, the images in one aligned buffer."""
+        """This process's rows at ``step`` of ``plan``: (n_local * B, ...) per name, its
+        shards' blocks in mesh order, the images in one aligned buffer: uint8 for
+        placement "host", normalised float32 for "host_float32"."""
         local = local_positions(self.mesh)
         idx = plan.indices[step, local]  # (n_local, B)
         B = self.batch_size
-        if isinstance(self.normalize, Normalize):
-            c, h, w = self.images.shape[1:]
-            images = aligned_empty((idx.size, c) + (self.normalize.crop or (h, w)), np.float32)
+        if self.placement != "host_float32":
+            images = aligned_empty((idx.size,) + self.images.shape[1:], np.uint8)
+            np.take(self.images, idx.reshape(-1), axis=0, out=images)
+        elif isinstance(self.normalize, Normalize):
+            images = aligned_empty((idx.size,) + self.normalize.output_shape(self.images.shape[1:]),
+                                   np.float32)
             for j in range(len(local)):
                 self.normalize(self.images[idx[j]], out=images[j * B:(j + 1) * B])
         else:  # any other callable: its blocks, copied into one array
@@ -590,51 +874,94 @@ class Loader:
     def batch(self, epoch: int, step: int) -> dict[str, jax.Array]:
         if not 0 <= step < len(self):
             raise IndexError(f"step={step} is outside [0, {len(self)})")
-        return global_batch_from_rows(self.host_rows(self.plan(epoch), step), self.mesh, self.layout)
+        if self.placement == "device":
+            return self._device_step(self._place_plan(self.plan(epoch)), step)
+        return self._host_step(self.plan(epoch), step)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
-        """Steps ``start_step .. len-1`` of ``epoch``, prepared ``prefetch`` steps ahead
-        on a background thread. A worker error is raised here in the caller; closing
-        the iterator early (``break``, garbage collection) stops and joins the thread."""
+        """Steps ``start_step .. len-1`` of ``epoch``. Host placements prepare them
+        ``prefetch`` steps ahead on a background thread: a worker error is raised
+        here in the caller, and closing the iterator early (``break``, garbage
+        collection) stops and joins the thread. "device" needs no thread: each
+        step is one asynchronous dispatch."""
         if not 0 <= start_step <= len(self):
             # range(-1, len) would yield the last step and then the whole epoch.
             raise IndexError(f"start_step={start_step} is outside [0, {len(self)}]")
         plan = self.plan(epoch)
-        make = lambda s: global_batch_from_rows(self.host_rows(plan, s), self.mesh, self.layout)
-        return _prefetched(make, range(start_step, len(self)), self.prefetch)
+        steps = range(start_step, len(self))
+        if self.placement == "device":
+            placed = self._place_plan(plan)
+            return (self._device_step(placed, s) for s in steps)
+        return _prefetched(functools.partial(self._host_step, plan), steps, self.prefetch)
+
+    def _host_step(self, plan: Plan, step: int) -> dict[str, jax.Array]:
+        batch = global_batch_from_rows(self.host_rows(plan, step), self.mesh, self.layout)
+        if self.placement == "host":
+            norm = self.normalize
+            fn = _normalize_fn(self.mesh, norm.window(self.images.shape[2:]), norm.mirror)
+            batch["images"] = fn(batch["images"], _replicated_table(norm, self.mesh))
+        return batch
+
+    def _place_plan(self, plan: Plan) -> dict[str, jax.Array]:
+        """The epoch's plan on the devices: per shard (1, steps, B) local indices and mask."""
+        starts = np.array([shard_bounds(len(self.labels), k, self.num_shards)[0]
+                           for k in range(self.num_shards)])
+        local = (plan.indices - starts[None, :, None]).astype(np.int32).swapaxes(0, 1)
+        mask = plan.mask.swapaxes(0, 1)
+        return {"indices": _by_position(local, self.mesh), "mask": _by_position(mask, self.mesh)}
+
+    def _device_step(self, placed: dict, step: int) -> dict[str, jax.Array]:
+        norm = self.normalize
+        fn = _device_step_fn(self.mesh, self.layout, norm.window(self.images.shape[2:]), norm.mirror)
+        return fn(self.resident, placed, _replicated_table(norm, self.mesh), np.int32(step))
 
 
 def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
                 layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
                 shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
-                normalize: Normalize = Normalize(), prefetch: int = 2,
-                backend: str = "reference") -> Loader | RocalLoader:
+                normalize: Normalize | Callable = Normalize(), prefetch: int = 2,
+                placement: str = "host", device_budget: int | None = None) -> Loader:
     """A ``Loader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``)
-    or an ``(images_NCHW uint8, labels_N)`` pair. ``batch_size`` is per device.
+    or an ``(images_NCHW uint8, labels_N)`` pair (MNIST: ``read_mnist``'s).
+    ``batch_size`` is per device; shard k goes to ``devices[k]`` (or mesh position k).
 
-    ``backend``: "reference" (this module, any device), "rocal" (one AMD rocAL
-    pipeline per device, a ``RocalLoader``; see the end of this module) or "auto"
-    (rocal when ``data`` is a folder, ``amd.rocal`` imports and every device is
-    an AMD GPU; else reference). Both loaders have ``len()`` and ``epoch(e)``.
+    ``placement`` is "host", "device" or "host_float32" (see ``Loader``).
+    "device" keeps about N/n samples on every device and refuses a dataset whose
+    shard does not fit ``device_budget`` bytes per device (default: half of what
+    the device reports free; for CPU devices, half of the host's available
+    memory shared among this process's devices).
 
     Raises ValueError for batch_size < 1, a batch larger than the smallest shard
     (every step would be mostly padding, or with drop there would be no step),
     more devices than samples, a repeated device, a mesh without a 'data' axis
-    spanning its devices, or an unknown layout, last_batch policy or backend;
-    ImportError saying how to install rocAL for backend="rocal" without it.
+    spanning its devices, an unknown layout, last_batch policy or placement, a
+    seed outside [0, 2**32), a callable ``normalize`` with a placement other than
+    "host_float32", a Normalize whose mean/std or crop does not fit the images,
+    or a dataset over the device budget.
     """
     if isinstance(data, (str, os.PathLike)):
         images, labels = read_cifar10(data, filename_prefix)
     else:
         images, labels = data
+    images, labels = np.asarray(images), np.asarray(labels).astype(np.int32, copy=False)
+    if images.dtype != np.uint8 or images.ndim != 4 or labels.shape != images.shape[:1]:
+        raise ValueError(f"make_loader: data must be uint8 images (N, C, H, W) and N labels, got "
+                         f"images {images.dtype} {images.shape}, labels {labels.shape}")
     mesh = data_mesh(devices)
     _check_policy(last_batch)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    _check_layout(layout)
+    check_seed("seed", seed, "make_loader")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    if isinstance(normalize, Normalize):
+        normalize.output_shape(images.shape[1:])
+    elif placement != "host_float32":
+        raise ValueError(f"placement={placement!r} needs a Normalize (its table runs on the devices); "
+                         f"any other callable normalize needs placement='host_float32'")
     n = mesh.devices.size
     if n > len(labels):
         raise ValueError(f"{n} devices but only {len(labels)} samples: some shard would be empty")
@@ -643,12 +970,115 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
             f"batch_size={batch_size} per device is larger than the smallest shard "
             f"({len(labels) // n} samples = {len(labels)} samples / {n} devices)"
         )
-    if _use_rocal(backend, data, mesh):
-        return make_rocal_loader(data, mesh, batch_size, num_samples=len(labels), layout=layout,
-                                 filename_prefix=filename_prefix, shuffle=shuffle, seed=seed,
-                                 last_batch=last_batch, normalize=normalize)
+    resident = _place_dataset(images, labels, mesh, device_budget) if placement == "device" else None
     return Loader(images, labels, mesh, batch_size, layout, shuffle, seed, last_batch,
-                  normalize, prefetch)
+                  normalize, prefetch, placement, resident)
+
+
+# --------------------------------------------------------------------------
+# Device-side work (placements "host" and "device")
+# --------------------------------------------------------------------------
+
+
+def _by_position(per_shard: np.ndarray, mesh: Mesh) -> jax.Array:
+    """(n, ...) host array -> global array sharded on axis 0: row k on mesh position k.
+    Each process fills only its own devices' rows."""
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
+    return jax.make_array_from_callback(per_shard.shape, sharding, lambda index: per_shard[index])
+
+
+def device_fit(num_samples: int, sample_shape: tuple[int, ...], mesh: Mesh,
+               device_budget: int | None = None) -> str | None:
+    """Why a uint8 dataset would not fit placement "device" on ``mesh``, or None if it fits.
+
+    Each device holds the largest shard, ceil(N/n) samples plus their int32
+    labels; the budget is ``device_budget`` bytes per device, by default half of
+    what the device reports free (for CPU devices, which report nothing, half the
+    host's available memory shared among this process's devices)."""
+    n = mesh.devices.size
+    size = -(-num_samples // n)
+    per_device = size * (int(np.prod(sample_shape)) + 4)
+    local = [mesh.devices.flat[k] for k in local_positions(mesh)]
+    limit, where = (device_budget, "device_budget") if device_budget is not None else _default_budget(local)
+    if per_device <= limit:
+        return None
+    return (f"placement='device': each device would hold {size} samples = {per_device / 2**20:.1f} MiB "
+            f"({num_samples} samples / {n} devices), over the budget of {limit / 2**20:.1f} MiB per "
+            f"device ({where}); use placement='host' or more devices")
+
+
+def _place_dataset(images: np.ndarray, labels: np.ndarray, mesh: Mesh, budget: int | None) -> dict:
+    """Shard k's samples on mesh position k, padded to the largest shard: images
+    (n * S, C, H, W) uint8 and labels (n * S,) int32, sharded on 'data'."""
+    too_big = device_fit(len(labels), images.shape[1:], mesh, budget)
+    if too_big:
+        raise ValueError(too_big)
+    n, N = mesh.devices.size, len(labels)
+    size = -(-N // n)  # the largest shard
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
+
+    def rows(source: np.ndarray):
+        def block(index):
+            k = index[0].start // size if index[0].start is not None else 0
+            start, stop = shard_bounds(N, k, n)
+            out = np.zeros((size,) + source.shape[1:], source.dtype)
+            out[:stop - start] = source[start:stop]
+            return out
+        return jax.make_array_from_callback((n * size,) + source.shape[1:], sharding, block)
+
+    return {"images": rows(images), "labels": rows(labels)}
+
+
+def _default_budget(devices: list) -> tuple[int, str]:
+    stats = devices[0].memory_stats() if devices else None
+    if stats and "bytes_limit" in stats:
+        free = min(d.memory_stats()["bytes_limit"] - d.memory_stats().get("bytes_in_use", 0)
+                   for d in devices)
+        return free // 2, f"half the free memory of {devices[0].platform} devices"
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available // 2 // max(len(devices), 1), \
+        f"half the host's available memory over {len(devices)} {devices[0].platform} devices"
+
+
+@functools.lru_cache(maxsize=None)
+def _normalize_fn(mesh: Mesh, window: tuple, mirror: bool):
+    """jit(shard_map) of device_normalize: each device normalises its own rows (no
+    collective), output sharded like the input."""
+    fn = functools.partial(device_normalize, window=window, mirror=mirror)
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(DATA_AXIS), P()), out_specs=P(DATA_AXIS)))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_step_fn(mesh: Mesh, layout: str, window: tuple, mirror: bool):
+    """One step of placement "device": every device gathers its batch from its own
+    resident shard by the plan's local indices, then normalises it."""
+    def step(resident, placed, table, s):
+        idx = placed["indices"][0, s]  # (B,), into this device's shard
+        out = {"images": device_normalize(resident["images"][idx], table, window, mirror),
+               "labels": resident["labels"][idx], "mask": placed["mask"][0, s]}
+        return out if layout == "sharded" else jax.tree.map(lambda x: x[None], out)
+
+    specs = ({"images": P(DATA_AXIS), "labels": P(DATA_AXIS)},
+             {"indices": P(DATA_AXIS), "mask": P(DATA_AXIS)}, P(), P())
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=P(DATA_AXIS)))
+
+
+_TABLES: dict = {}
+
+
+def _replicated_table(norm: Normalize, mesh: Mesh) -> jax.Array:
+    """``norm.table`` on every device of ``mesh`` (cached: placed once per mesh)."""
+    key = (norm.mean, norm.std, norm.arithmetic, mesh)
+    if key not in _TABLES:
+        table = norm.table
+        _TABLES[key] = jax.make_array_from_callback(table.shape, NamedSharding(mesh, P()),
+                                                    lambda index: table[index])
+    return _TABLES[key]
+
+
+# --------------------------------------------------------------------------
+# Prefetching
+# --------------------------------------------------------------------------
 
 
 def _prefetched(make, steps, depth: int):
@@ -692,245 +1122,3 @@ def _prefetch_thread(make, steps, depth: int):
     finally:
         stop.set()
         worker.join()
-
-
-# --------------------------------------------------------------------------
-# rocAL backend: the same global batches, read and normalised by AMD rocAL
-# --------------------------------------------------------------------------
-# Written against rocAL's Python API as of early 2025 (ROCm/rocAL:
-# rocAL_pybind/amd/rocal/{pipeline,readers,fn,types}.py, plugin/jax.py), not run here.
-# Imported lazily: this module loads on machines without rocAL.
-
-BACKENDS = ("reference", "rocal", "auto")
-ROCAL_INSTALL_HINT = (
-    "backend='rocal' needs AMD rocAL's Python package amd.rocal, which is not on PyPI: on a "
-    "ROCm host install the OS packages 'rocal' and 'rocal-dev' (e.g. `apt install rocal "
-    "rocal-dev`) and run with PYTHONPATH=/opt/rocm/lib, where they put amd.rocal. "
-    "backend='reference' runs anywhere."
-)
-_DL_ROCM = 10  # DLPack's kDLROCM device type
-
-
-@dataclasses.dataclass(eq=False)
-class RocalLoader:
-    """Sharded epochs read by rocAL: one ``Pipeline`` per local device, as in the notebook.
-
-    Pipeline k (k = its device's position in the mesh) runs ``fn.readers.cifar10(
-    shard_id=k, num_shards=n)`` and ``fn.crop_mirror_normalize`` to float32 NCHW on
-    that GPU. Its output becomes a jax.Array on device k through DLPack, its labels
-    come from ``get_image_labels()``, and ``global_batch`` lays them out as ``Loader``
-    does, in both layouts. Interface: ``len()`` and ``epoch(e)`` yielding
-    ``{"images", "labels", "mask"}``; no ``batch``, ``plan`` or ``start_step``.
-
-    Guaranteed here:
-
-    * ``len()`` is the true number of steps, ``num_steps(N, n, B, last_batch)``, not
-      what rocAL's ``get_remaining_images()`` implies (N: the records of the files
-      rocAL reads; a folder where rocAL would read more than ``read_cifar10`` is
-      refused). ``epoch`` stops after ``len()`` steps and raises if a pipeline runs
-      out before.
-    * "mask": drop, all True. fill without shuffle, the reference plan's mask:
-      rocAL pads the tail of each shard with copies of its last sample, the slots
-      the plan masks. fill with shuffle is refused: rocAL does not say which
-      slots are padding, so a mask would be a guess.
-    * Images are copied out of rocAL's output buffers, which its next run reuses.
-
-    Not guaranteed (rocAL's behaviour as read in its source, never observed here;
-    the conformance test in test_rocal.py checks it on an AMD host):
-
-    * The order is rocAL's: files in raw ``readdir`` order; the shuffle seeded by
-      the shard index (newer code also hands the reader the pipeline seed, which
-      rocAL keeps process-wide), never by the epoch. ``epoch(e)`` resets the
-      pipelines and yields rocAL's next pass whatever ``e`` is: batches are not
-      a function of (seed, epoch) as with ``Loader``.
-    * Disjoint shards: rocAL's CIFAR-10 node seems to build one internal loader
-      per shard and overwrite ``shard_id`` (``cifar10_loader_sharded.cpp``), so
-      every device would read the whole dataset.
-    * With drop, rocAL may skip B samples at every reset.
-    """
-    pipelines: dict[int, object]  # mesh position -> built rocAL Pipeline, local devices only
-    mesh: Mesh
-    batch_size: int
-    num_samples: int
-    layout: str = "sharded"
-    last_batch: str = "fill"
-    crop: tuple[int, int] = IMAGE_SHAPE[1:]
-    used: bool = dataclasses.field(default=False, init=False)  # ran since the last reset
-
-    @property
-    def num_shards(self) -> int:
-        return self.mesh.devices.size
-
-    def __len__(self) -> int:
-        return num_steps(self.num_samples, self.num_shards, self.batch_size, self.last_batch)
-
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
-        """rocAL's next pass, ``len()`` steps; ``epoch`` only has to be >= 0."""
-        if epoch < 0 or start_step != 0:
-            raise ValueError(f"the rocAL backend yields whole epochs: got epoch={epoch}, "
-                             f"start_step={start_step} (rocAL pipelines cannot seek)")
-        if self.used:
-            for pipe in self.pipelines.values():
-                pipe.rocal_reset_loaders()
-            self.used = False
-        return self._steps()
-
-    def close(self) -> None:
-        """Releases the pipelines and their GPU buffers; the loader is unusable after."""
-        for pipe in self.pipelines.values():
-            pipe.rocal_release()
-        self.pipelines.clear()
-
-    def real_samples(self, epoch: int) -> int:
-        """How many mask-True slots each epoch has in the whole global batch."""
-        return int(self._mask().sum())
-
-    def _mask(self) -> np.ndarray:
-        if self.last_batch == "fill":  # shuffle off (make_rocal_loader refuses fill + shuffle)
-            return epoch_plan(self.num_samples, self.num_shards, self.batch_size).mask
-        return np.ones((len(self), self.num_shards, self.batch_size), bool)
-
-    def _steps(self):
-        devices = list(self.mesh.devices.flat)
-        mask = self._mask()
-        want = (self.batch_size, IMAGE_SHAPE[0]) + tuple(self.crop)
-        for step in range(len(self)):
-            self.used = True
-            blocks = {}
-            for k, pipe in self.pipelines.items():
-                out = rocal_step(pipe, devices[k])
-                if out is None:
-                    raise RuntimeError(f"rocAL pipeline of shard {k} ({devices[k]}) ran out at "
-                                       f"step {step}, but len() is {len(self)}")
-                images, labels = out
-                if images.shape != want or labels.shape != want[:1]:
-                    raise RuntimeError(f"rocAL pipeline of shard {k} gave images {images.shape} "
-                                       f"and labels {labels.shape}; expected {want}, {want[:1]}")
-                blocks[k] = {"images": images, "labels": labels, "mask": mask[step, k]}
-            yield global_batch(blocks, self.mesh, self.layout)
-
-
-def import_rocal():
-    """``(Pipeline, fn, types)`` from amd.rocal; ImportError saying how to install it."""
-    try:
-        from amd.rocal.pipeline import Pipeline
-        import amd.rocal.fn as fn
-        import amd.rocal.types as types
-    except ImportError as error:
-        raise ImportError(f"{ROCAL_INSTALL_HINT} (import failed: {error})") from error
-    return Pipeline, fn, types
-
-
-def rocal_usable(devices: Sequence[jax.Device]) -> bool:
-    """What backend="auto" asks: does amd.rocal import, and is every device an AMD GPU?"""
-    try:
-        import_rocal()
-        amd_gpus = set(jax.devices("rocm"))
-    except (ImportError, RuntimeError):  # RuntimeError: JAX has no ROCm backend
-        return False
-    return all(d in amd_gpus for d in devices)
-
-
-def rocal_pipeline(file_root: str | os.PathLike, *, shard_id: int, num_shards: int,
-                   device: jax.Device, batch_size: int, filename_prefix: str = TRAIN_PREFIX,
-                   shuffle: bool = False, last_batch: str = "fill",
-                   normalize: Normalize = Normalize(), seed: int = 0, num_threads: int = 8):
-    """A built rocAL Pipeline for one shard on ``device``'s GPU, as the notebook builds it.
-
-    Note: rocAL's ``Pipeline.build()`` calls ``exit(0)`` if the graph fails to verify.
-    """
-    Pipeline, fn, types = import_rocal()
-    pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, device_id=_hardware_id(device),
-                    seed=seed, rocal_cpu=False, tensor_layout=types.NCHW,
-                    tensor_dtype=types.FLOAT, output_memory_type=types.DEVICE_MEMORY)
-    crop = normalize.crop or IMAGE_SHAPE[1:]
-    policy = types.LAST_BATCH_FILL if last_batch == "fill" else types.LAST_BATCH_DROP
-    with pipe:
-        raw = fn.readers.cifar10(
-            file_root=os.fspath(file_root), shard_id=shard_id, num_shards=num_shards,
-            filename_prefix=filename_prefix, random_shuffle=shuffle,
-            last_batch_policy=policy, pad_last_batch=last_batch == "fill")
-        images = fn.crop_mirror_normalize(
-            raw, output_layout=types.NCHW, output_dtype=types.FLOAT, crop=tuple(crop),
-            crop_pos_x=normalize.crop_pos[1], crop_pos_y=normalize.crop_pos[0],
-            mirror=int(normalize.mirror),  # explicit: rocAL's default 1 flips every image
-            mean=list(normalize.mean), std=list(normalize.std))
-        pipe.set_outputs(images)
-    pipe.build()
-    return pipe
-
-
-def rocal_step(pipe, device: jax.Device):
-    """Runs ``pipe`` once: ``(images float32 (B, C, H, W) on device, labels int32 (B,))``,
-    or None when rocAL reports the end of its data (``rocal_run()`` status not OK)."""
-    if int(pipe.rocal_run()) != 0:
-        return None
-    tensor = pipe.get_output_tensors()[0]
-    images = jax.dlpack.from_dlpack(_RocalDLPack(tensor, _hardware_id(device)), device=device,
-                                    copy=True)  # rocAL overwrites this buffer on a later run
-    labels = np.asarray(pipe.get_image_labels()).astype(np.int32).reshape(-1)
-    return images, labels
-
-
-class _RocalDLPack:
-    """A rocAL output tensor as ``jax.dlpack.from_dlpack`` wants it.
-
-    rocAL's ``__dlpack__`` takes the GPU id (its plugin/jax.py calls
-    ``tensor.__dlpack__(device_id)``) and JAX calls ``__dlpack__(stream=...)``; JAX
-    also needs ``__dlpack_device__``, whose device id rocAL's binding may leave at 0.
-    """
-
-    def __init__(self, tensor, device_id: int):
-        self.tensor, self.device_id = tensor, device_id
-
-    def __dlpack__(self, stream=None, **_):
-        return self.tensor.__dlpack__(self.device_id)
-
-    def __dlpack_device__(self):
-        kind = int(self.tensor.__dlpack_device__()[0]) if hasattr(
-            self.tensor, "__dlpack_device__") else _DL_ROCM
-        return kind, self.device_id if kind == _DL_ROCM else 0
-
-
-def _hardware_id(device: jax.Device) -> int:
-    return device.id if device.local_hardware_id is None else device.local_hardware_id
-
-
-def _use_rocal(backend: str, data, mesh: Mesh) -> bool:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return isinstance(data, (str, os.PathLike)) and rocal_usable(list(mesh.devices.flat))
-    return backend == "rocal"
-
-
-def make_rocal_loader(data, mesh: Mesh, batch_size: int, *, num_samples: int, layout: str,
-                      filename_prefix: str, shuffle: bool, seed: int, last_batch: str,
-                      normalize: Normalize) -> RocalLoader:
-    """``make_loader(..., backend="rocal")`` after its own checks. Raises ValueError for
-    arrays instead of a folder, fill with shuffle, or a file rocAL would read that
-    ``read_cifar10`` skips; ImportError (how to install) without amd.rocal."""
-    if not isinstance(data, (str, os.PathLike)):
-        raise ValueError("backend='rocal': rocAL reads the CIFAR-10 files itself; "
-                         "pass the folder, not (images, labels) arrays")
-    import_rocal()
-    if shuffle and last_batch == "fill":
-        raise ValueError("backend='rocal' with shuffle=True needs last_batch='drop': rocAL's fill "
-                         "repeats samples without saying which slots are padding")
-    root = os.fspath(data)
-    # rocAL matches filename_prefix anywhere in a name; read_cifar10, only at its start.
-    extra = sorted(n for n in os.listdir(root) if filename_prefix in n
-                   and not n.startswith(filename_prefix))
-    if extra:
-        raise ValueError(f"{root}: rocAL would also read {extra}, which contain "
-                         f"filename_prefix={filename_prefix!r}; move them out of the folder")
-    normalize(np.zeros((1,) + IMAGE_SHAPE, np.uint8))  # the reference's checks of mean, std, crop
-    devices = list(mesh.devices.flat)
-    pipelines = {
-        k: rocal_pipeline(root, shard_id=k, num_shards=len(devices), device=devices[k],
-                          batch_size=batch_size, filename_prefix=filename_prefix,
-                          shuffle=shuffle, last_batch=last_batch, normalize=normalize, seed=seed)
-        for k in local_positions(mesh)
-    }
-    return RocalLoader(pipelines, mesh, batch_size, num_samples, layout, last_batch,
-                       tuple(normalize.crop or IMAGE_SHAPE[1:]))

@@ -33,7 +33,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loaders
@@ -405,6 +405,93 @@ def test_empty_dataset_is_an_error(tmp_path):
 
 
 # --------------------------------------------------------------------------
+# MNIST's IDX files
+# --------------------------------------------------------------------------
+
+
+def random_mnist(seed: int, count: int):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (count,) + loaders.MNIST_SHAPE, dtype=np.uint8), rng.integers(0, 10, count)
+
+
+@pytest.mark.parametrize("compress, dotted", [(False, False), (True, False), (False, True)])
+def test_mnist_round_trip_plain_gzipped_and_dotted_names(tmp_path, compress, dotted):
+    images, labels = random_mnist(1, 7)
+    loaders.write_mnist(tmp_path, "test", images, labels)
+    for name in os.listdir(tmp_path):
+        path = tmp_path / name
+        new = name.replace("-idx", ".idx") if dotted else name
+        if compress:
+            import gzip
+            with gzip.open(tmp_path / (new + ".gz"), "wb") as f:
+                f.write(path.read_bytes())
+            path.unlink()
+        else:
+            path.rename(tmp_path / new)
+    got_images, got_labels = loaders.read_mnist(tmp_path, "test")
+    assert got_images.dtype == np.uint8 and got_images.shape == (7, 1, 28, 28)
+    assert got_labels.dtype == np.int32
+    np.testing.assert_array_equal(got_images, images)
+    np.testing.assert_array_equal(got_labels, labels)
+
+
+def test_synthetic_mnist_is_a_function_of_the_seed(tmp_path):
+    a = loaders.read_mnist(loaders.synthetic_mnist(tmp_path / "a", num_train=9, num_test=3, seed=2))
+    b = loaders.read_mnist(loaders.synthetic_mnist(tmp_path / "b", num_train=9, num_test=3, seed=2))
+    c = loaders.read_mnist(loaders.synthetic_mnist(tmp_path / "c", num_train=9, num_test=3, seed=3))
+    np.testing.assert_array_equal(a[0], b[0])
+    assert not np.array_equal(a[0], c[0])
+    assert loaders.read_mnist(tmp_path / "a", "test")[0].shape == (3, 1, 28, 28)
+
+
+def _corrupt(tmp_path, name: str, edit) -> str:
+    path = tmp_path / name
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(edit(data)))
+    return str(path)
+
+
+def test_mnist_errors_name_the_file_and_the_value(tmp_path):
+    images, labels = random_mnist(2, 5)
+
+    def fresh():
+        for name in os.listdir(tmp_path):
+            os.unlink(tmp_path / name)
+        loaders.write_mnist(tmp_path, "train", images, labels)
+
+    read = lambda: loaders.read_mnist(tmp_path)
+    fresh()
+    path = _corrupt(tmp_path, "train-images-idx3-ubyte", lambda d: d[:4] and b"\x00\x00\x08\x01" + d[4:])
+    assert_raises_naming(ValueError, read, path, "magic number 0x00000801")
+    fresh()
+    path = _corrupt(tmp_path, "train-images-idx3-ubyte", lambda d: d[:-10])
+    assert_raises_naming(ValueError, read, path, "truncated", str(16 + 5 * 784 - 10))
+    fresh()
+    path = _corrupt(tmp_path, "train-labels-idx1-ubyte", lambda d: d[:4] + (4).to_bytes(4, "big") + d[8:-1])
+    assert_raises_naming(ValueError, read, path, "4 labels", "5 images")
+    fresh()
+    path = _corrupt(tmp_path, "train-labels-idx1-ubyte", lambda d: d[:9] + b"\x0c" + d[10:])
+    assert_raises_naming(ValueError, read, path, "label 1 is 12")
+    os.unlink(path)
+    assert_raises_naming(FileNotFoundError, read, "train-labels-idx1-ubyte", str(tmp_path))
+
+
+def test_mnist_through_the_loader_with_the_dali_notebooks_normalisation(devices, tmp_path):
+    images, labels = random_mnist(3, 60)
+    norm = loaders.Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali")
+    loader = loaders.make_loader((images, labels), devices[:3], 4, normalize=norm)
+    batch = loader.batch(0, 1)
+    assert batch["images"].shape == (12, 1, 28, 28)
+    plan = loader.plan(0)
+    want = norm(images[plan.indices[1].reshape(-1)])
+    np.testing.assert_array_equal(np.asarray(batch["images"]), want)
+    # x * float32(1/255), not x / 255: DALI's bits.
+    assert not np.array_equal(want, images[plan.indices[1].reshape(-1)] / np.float32(255))
+    with pytest.raises(ValueError, match="need 1 entries"):
+        loaders.make_loader((images, labels), devices[:3], 4)  # the 3-channel default
+
+
+# --------------------------------------------------------------------------
 # crop_mirror_normalize
 # --------------------------------------------------------------------------
 
@@ -487,6 +574,119 @@ def test_crop_mirror_normalize_errors(kwargs, fragments):
 
 
 # --------------------------------------------------------------------------
+# The vendors' arithmetic as a table
+# --------------------------------------------------------------------------
+
+NOTEBOOK = ((127.5,) * 3, (127.5,) * 3)
+X = np.arange(256)
+
+
+def rocal_formula(mean, std) -> np.ndarray:
+    """rocAL's per-pixel fmaf(x, inv, offset), evaluated independently of loaders'
+    exact rationals: x * inv and the sum are exact in 64-bit-mantissa long double
+    for these magnitudes, so one rounding to float32 is the FMA's."""
+    mean, std = np.float32(mean), np.float32(std)
+    inv = np.float32(1) / std
+    offset = -(mean * inv)
+    exact = X.astype(np.longdouble) * np.longdouble(inv) + np.longdouble(offset)
+    return exact.astype(np.float32)
+
+
+def dali_formula(mean, std) -> np.ndarray:
+    """DALI's (float(x) - mean) * inv_stddev, each step rounded to float32 (float64
+    products of float32 values are exact, so each cast rounds once)."""
+    mean, std = np.float32(mean), np.float32(std)
+    inv = np.float32(1) / std  # IEEE float32 division: 1/std rounded once
+    difference = (X.astype(np.float64) - np.float64(mean)).astype(np.float32)
+    return (difference.astype(np.float64) * np.float64(inv)).astype(np.float32)
+
+
+MEANS = st.sampled_from([0.0, 127.5, 125.3, 0.5 * 255]) | st.floats(0, 255, width=32)
+STDS = st.sampled_from([127.5, 255.0, 63.0, 1.0]) | st.floats(1, 255, width=32)
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).nmant < 63, reason="needs an extended long double")
+@given(st.lists(MEANS, min_size=3, max_size=3), st.lists(STDS, min_size=3, max_size=3))
+def test_each_vendors_formula_equals_its_table_bit_for_bit(means, stds):
+    rocal = loaders.normalize_table(means, stds, "rocal")
+    dali = loaders.normalize_table(means, stds, "dali")
+    assert rocal.shape == dali.shape == (3, 256) and rocal.dtype == dali.dtype == np.float32
+    for c in range(3):
+        np.testing.assert_array_equal(rocal[c], rocal_formula(means[c], stds[c]), err_msg=f"rocal, channel {c}")
+        np.testing.assert_array_equal(dali[c], dali_formula(means[c], stds[c]), err_msg=f"dali, channel {c}")
+
+
+def test_one_channel_rocal_offset_is_minus_mean_over_std():
+    # With one channel rocAL's node computes offset = -(mean / std), not -(mean * (1/std)).
+    mean, std = np.float32(125.3), np.float32(66.7)
+    table = loaders.normalize_table([125.3], [66.7], "rocal")[0]
+    inv, offset = np.float32(1) / std, -(mean / std)
+    exact = X.astype(np.longdouble) * np.longdouble(inv) + np.longdouble(offset)
+    np.testing.assert_array_equal(table, exact.astype(np.float32))
+
+
+def test_the_notebook_values_against_the_naive_arithmetic():
+    # Counted independently from the vendors' source (the issue that specified the
+    # tables): (x - mean) / std is not rocAL's arithmetic on 223 of the 256 values,
+    # and DALI's (x - mean) * (1/std) differs from rocAL's on 254.
+    rocal = loaders.normalize_table(*NOTEBOOK, "rocal")[0]
+    naive = (X.astype(np.float32) - np.float32(127.5)) / np.float32(127.5)
+    assert (rocal != naive).sum() == 223
+    assert (rocal != loaders.normalize_table(*NOTEBOOK, "dali")[0]).sum() == 254
+    # float32(1/127.5) is above 1/127.5, so rocAL maps 255 to 1.0000001, one ulp above
+    # 1 (offset -(127.5 * inv) rounds to exactly -1); (255 - 127.5) / 127.5 is 1.
+    assert rocal[0] == -1.0 and rocal[255] == np.nextafter(np.float32(1), np.float32(2))
+    assert naive[255] == 1.0
+    assert np.abs(rocal - naive).max() <= np.spacing(np.float32(1))  # 1 ulp, never more
+
+
+def test_naive_division_is_caught_as_not_rocals_arithmetic():
+    # Negative control for the equality check above: a loader that divided would fail it.
+    with pytest.raises(AssertionError):
+        np.testing.assert_array_equal(
+            (X.astype(np.float32) - np.float32(127.5)) / np.float32(127.5), rocal_formula(127.5, 127.5))
+
+
+@pytest.mark.parametrize("size, rocal, dali", [(29, 2, 2), (31, 0, 1), (27, 2, 3), (25, 4, 4), (30, 1, 1)])
+def test_crop_anchor_rounding_of_each_vendor(size, rocal, dali):
+    # 0.5 * (32 - size): 1.5, 0.5, 2.5, 3.5, 1.0. rocAL rounds half to even, DALI half away.
+    assert loaders.crop_anchor(0.5, 32, size, "rocal") == rocal
+    assert loaders.crop_anchor(0.5, 32, size, "dali") == dali
+
+
+def test_half_away_anchor_is_caught_as_not_rocals():
+    # Negative control: the .5 cases where the vendors differ are visible in the pixels.
+    image = coordinate_image()
+    rocal = loaders.crop_mirror_normalize(image, crop=(31, 27), crop_pos=(0.5, 0.5), arithmetic="rocal")
+    dali = loaders.crop_mirror_normalize(image, crop=(31, 27), crop_pos=(0.5, 0.5), arithmetic="dali")
+    assert (rocal[0, 0, 0, 0], rocal[0, 1, 0, 0]) == (0, 2)  # rows from 0, columns from 2
+    assert (dali[0, 0, 0, 0], dali[0, 1, 0, 0]) == (1, 3)
+
+
+@given(crop_cases(), st.sampled_from(loaders.ARITHMETICS))
+@settings(max_examples=10)
+def test_host_and_device_paths_give_the_tables_bits(case, arithmetic):
+    images, crop, crop_pos, mirror, mean, std = case
+    flip = bool(mirror[0])
+    norm = loaders.Normalize(mean=tuple(mean), std=tuple(std), mirror=flip, crop=crop,
+                             crop_pos=crop_pos, arithmetic=arithmetic)
+    host = norm(images)
+    y0, x0, ch, cw = norm.window(images.shape[2:])
+    window = images[:, :, y0:y0 + ch, x0:x0 + cw]
+    window = window[..., ::-1] if flip else window
+    lookup = norm.table[np.arange(3)[None, :, None, None], window]
+    np.testing.assert_array_equal(host, lookup)
+    cpu = jax.devices("cpu")[0]
+    device = loaders.device_normalize(jax.device_put(images, cpu), jax.device_put(norm.table, cpu),
+                                      norm.window(images.shape[2:]), flip)
+    np.testing.assert_array_equal(np.asarray(device), host)
+
+
+def test_normalize_rejects_an_unknown_arithmetic():
+    assert_raises_naming(ValueError, lambda: loaders.Normalize(arithmetic="cuda"), "'cuda'")
+
+
+# --------------------------------------------------------------------------
 # The loader: global arrays, one row block per mesh position
 # --------------------------------------------------------------------------
 
@@ -536,17 +736,97 @@ def check_batch(batch, cifar, plan, step, device_order, layout, mirror=False):
 
 
 @given(st.integers(0, 4), st.integers(0, 14), SEEDS, st.booleans(), POLICIES,
-       st.sampled_from(loaders.LAYOUTS), st.booleans())
+       st.sampled_from(loaders.LAYOUTS), st.booleans(), st.sampled_from(loaders.PLACEMENTS))
 def test_loader_blocks_follow_the_plan(devices, synthetic_dir, cifar, epoch, step, seed, shuffle,
-                                       last_batch, layout, mirror):
+                                       last_batch, layout, mirror, placement):
+    # Every placement against the same spec: so the three give bit-identical batches.
     loader = loaders.make_loader(synthetic_dir, devices, B, layout=layout, shuffle=shuffle,
-                                 seed=seed, last_batch=last_batch,
+                                 seed=seed, last_batch=last_batch, placement=placement,
                                  normalize=loaders.Normalize(mirror=mirror))
     plan = loaders.epoch_plan(len(cifar[1]), len(devices), B, epoch=epoch, seed=seed,
                               shuffle=shuffle, last_batch=last_batch)
     assert len(loader) == plan.indices.shape[0]
     step %= len(loader)
     check_batch(loader.batch(epoch, step), cifar, plan, step, devices, layout, mirror)
+
+
+@pytest.mark.parametrize("count", [1, 3, 8])
+@given(seed=SEEDS, epoch=EPOCHS, shuffle=st.booleans(), last_batch=POLICIES,
+       layout=st.sampled_from(loaders.LAYOUTS), size=st.sampled_from([29, 100, 203]))
+@settings(max_examples=8)
+def test_placements_give_bit_identical_epochs(devices, cifar, count, seed, epoch, shuffle,
+                                              last_batch, layout, size):
+    if count > len(devices):
+        pytest.skip(f"needs {count} devices")
+    data = (cifar[0][:size], cifar[1][:size])
+    batch_size = min(3, size // count)
+    norm = loaders.Normalize(crop=(29, 30), crop_pos=(0.5, 0.25), mirror=bool(seed % 2),
+                             arithmetic=("rocal", "dali")[seed % 3 == 0])
+    epochs = {p: [jax.tree.map(np.asarray, b) for b in loaders.make_loader(
+        data, devices[:count], batch_size, layout=layout, shuffle=shuffle, seed=seed,
+        last_batch=last_batch, normalize=norm, placement=p).epoch(epoch)] for p in loaders.PLACEMENTS}
+    steps = loaders.num_steps(size, count, batch_size, last_batch)
+    for p, batches in epochs.items():
+        assert len(batches) == steps, p
+        for s, (got, want) in enumerate(zip(batches, epochs["host_float32"])):
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=f"{p} step {s} {name}")
+
+
+def test_device_placement_holds_shard_k_on_device_k(devices, cifar):
+    images, labels = cifar[0][:203], cifar[1][:203]
+    order = devices[::-1][:3]  # not the default devices, and reversed
+    loader = loaders.make_loader((images, labels), order, 4, placement="device")
+    size = -(-203 // 3)
+    for name, source in (("images", images), ("labels", labels)):
+        array = loader.resident[name]
+        assert array.shape[0] == 3 * size
+        for shard in array.addressable_shards:
+            k = order.index(shard.device)
+            start, stop = loaders.shard_bounds(203, k, 3)
+            np.testing.assert_array_equal(np.asarray(shard.data)[:stop - start], source[start:stop])
+    batch = loader.batch(0, 0)
+    assert {s.device for s in batch["images"].addressable_shards} == set(order)
+
+
+def test_device_placement_refuses_a_dataset_over_the_budget(devices, cifar):
+    per_device = -(-len(cifar[1]) // len(devices)) * (3072 + 4)
+    assert_raises_naming(ValueError, lambda: loaders.make_loader(
+        cifar, devices, B, placement="device", device_budget=per_device - 1),
+        "placement='device'", "over the budget", "placement='host'")
+    loaders.make_loader(cifar, devices, B, placement="device", device_budget=per_device)  # fits exactly
+
+
+def test_data_mesh_keeps_the_given_order(devices):
+    for order in (devices[::-1], devices[1::2] + devices[::2]):
+        assert list(loaders.data_mesh(order).devices.flat) == list(order)
+
+
+def test_split_rows_gives_block_j_to_the_jth_position():
+    rows = {"mask": np.arange(6), "labels": np.arange(6) * 10}
+    blocks = loaders.split_rows(rows, [5, 1, 3])  # a process's positions, as listed
+    assert list(blocks) == [5, 1, 3]
+    assert blocks[5]["mask"].tolist() == [0, 1] and blocks[1]["mask"].tolist() == [2, 3]
+    assert blocks[3]["labels"].tolist() == [40, 50]
+
+
+@given(st.integers(1, 300), st.integers(1, 16), POLICIES)
+def test_every_accepted_batch_size_gives_at_least_one_step(N, n, last_batch):
+    # Shards differ in size: the check is against the smallest shard, N // n. Checked
+    # against the largest instead, N=17, n=8, B=3 with drop would give 0 steps.
+    if n > N:
+        return
+    smallest = min(b - a for a, b in (loaders.shard_bounds(N, k, n) for k in range(n)))
+    assert smallest == N // n
+    for batch_size in (1, smallest):
+        assert loaders.num_steps(N, n, batch_size, last_batch) >= 1
+
+
+def test_uneven_shards_refuse_a_batch_larger_than_the_smallest(devices, cifar):
+    data = (cifar[0][:17], cifar[1][:17])  # shards of 2 and 3 samples on 8 devices
+    assert_raises_naming(ValueError, lambda: loaders.make_loader(data, devices[:8], 3, last_batch="drop"),
+                         "batch_size=3", "smallest shard (2 samples")
+    assert len(loaders.make_loader(data, devices[:8], 2, last_batch="drop")) == 1
 
 
 def test_loader_epoch_length(devices, synthetic_dir, cifar):
@@ -611,7 +891,7 @@ def test_loader_errors(devices, synthetic_dir, cifar):
     assert_raises_naming(ValueError, make(batch_size=smallest + 1),
                          f"batch_size={smallest + 1}", f"({smallest} samples")
     assert_raises_naming(ValueError, make(devices=[devices[0], devices[1], devices[0]]), "twice")
-    grid = jax.sharding.Mesh(np.array(devices).reshape(-1, 2), ("data", "model"))
+    grid = jax.sharding.Mesh(np.array(devices[:2]).reshape(1, 2), ("data", "model"))
     assert_raises_naming(ValueError, make(devices=grid), "'data'")
     assert_raises_naming(ValueError, make(layout="rows"), "'rows'")
     assert_raises_naming(ValueError, make(last_batch="pad"), "'pad'")
@@ -641,7 +921,7 @@ def prefetch_threads() -> list:
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_worker_error_reaches_the_consumer(devices, synthetic_dir, prefetch):
-    loader = loaders.make_loader(synthetic_dir, devices, B, prefetch=prefetch)
+    loader = loaders.make_loader(synthetic_dir, devices, B, prefetch=prefetch, placement="host_float32")
     loader = dataclasses.replace(loader, normalize=FailsAtStep(2, len(devices)))
     received = 0
     with pytest.raises(RuntimeError, match="on purpose"):
