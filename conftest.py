@@ -1,21 +1,52 @@
-"""Test set-up: devices, hypothesis profiles and a small synthetic dataset.
+"""Test set-up: the suite's device policy, hypothesis profiles, a small dataset.
 
-Devices: with two or more accelerators (a multi-GPU host) the tests use them;
-otherwise JAX gets 8 virtual CPU devices. ``jax_num_cpu_devices`` only takes
-effect before JAX first touches a device, which is why it is set here, at import,
-before any test module runs; it changes nothing on the accelerators.
+Device policy, the same for every test, helper and child process:
 
-Hypothesis profiles, chosen with HYPOTHESIS_PROFILE (default ``ci``):
-``ci`` derandomised with modest example counts, ``dev`` random with more
-examples, ``thorough`` for a long soak. All use ``deadline=None``: the first
-example of a jitted test pays for compilation.
+    accelerators on the host | the tests' devices           | JAX's default device
+    -------------------------+------------------------------+---------------------
+    none                     | 8 virtual CPU devices        | CPU 0
+    1                        | 8 virtual CPU devices        | CPU 0 (pinned here)
+    2 or more (odd too)      | every accelerator, in order  | left as it is
+    child processes          | CPU devices (JAX_PLATFORMS=cpu), always
+
+* One accelerator cannot show data parallelism, so a 1-GPU host runs the suite
+  on 8 virtual CPU devices like a laptop. The default device is pinned to CPU 0
+  there as a safety net; the code itself never relies on it: every array goes
+  to the mesh it was given, and tests on meshes of other devices (CPU 4..7,
+  permuted orders) check that.
+* Child processes (refimpl.py runs, the jax.distributed tests) test the program
+  and the multi-process protocol, not the accelerator; two processes must not
+  fight over one GPU. ``child_env()`` gives their environment, and
+  ``run_children`` starts each in its own process group and kills the group
+  whatever happens.
+* GPU memory preallocation is off for this process (set before any backend
+  starts), so it holds only what the tests use.
+* Matmul precision is "highest" for the whole suite: on NVIDIA GPUs a float32
+  matmul is TF32 by default (10-bit mantissas), which the float64 references
+  and the strategies' ulp bounds (strategies.ulp_bound) do not allow. On CPU it
+  changes nothing.
+
+``jax_num_cpu_devices`` only takes effect before JAX first touches a device,
+which is why all of this runs here, at import, before any test module.
+
+Hypothesis profiles, chosen with HYPOTHESIS_PROFILE (default ``ci``): ``ci``
+derandomised with modest example counts, ``dev`` random with more examples,
+``thorough`` for a long soak. All use ``deadline=None``: the first example of a
+jitted test pays for compilation.
 """
 
 import os
+import signal
+import subprocess
+import tempfile
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_default_matmul_precision", "highest")
 
 import numpy as np
 import pytest
@@ -33,21 +64,89 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pick_devices() -> list:
-    """Accelerators when there are at least two, else the 8 virtual CPU devices."""
-    devices = jax.devices()
-    if len(devices) >= 2 and devices[0].platform != "cpu":
-        return devices
+    """The policy above: every accelerator when there are at least two, else the CPU devices."""
+    accelerators = [d for d in jax.devices() if d.platform != "cpu"]
+    if len(accelerators) >= 2:
+        return accelerators
     return jax.devices("cpu")
 
 
+DEVICES = pick_devices()
+if DEVICES[0].platform == "cpu":
+    jax.config.update("jax_default_device", DEVICES[0])
+
+
+def child_env(**extra: str) -> dict:
+    """The environment of a child JAX process: CPU devices only, output unbuffered."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)  # the child sets its own device count
+    env.update(extra)
+    return env
+
+
+def run_children(commands: list[list[str]], timeout: float, cwd: str | None = None):
+    """Runs every command at once, each in its own process group with ``child_env()``;
+    waits for all (at most ``timeout`` seconds in total) and returns
+    ``[(exit status, stdout, stderr)]``. Output goes to files, not pipes, so a
+    chatty child cannot block on a full pipe. Whatever happens (timeout, error,
+    interrupt) every child's whole process group is killed before returning;
+    a child still running at the timeout reports status None."""
+    with tempfile.TemporaryDirectory() as folder:
+        children = []
+        try:
+            for i, command in enumerate(commands):
+                out = open(os.path.join(folder, f"{i}.out"), "w+")
+                err = open(os.path.join(folder, f"{i}.err"), "w+")
+                child = subprocess.Popen(command, cwd=cwd, env=child_env(), stdout=out, stderr=err,
+                                         text=True, start_new_session=True)
+                children.append((child, out, err))
+            deadline = time.monotonic() + timeout
+            for child, _, _ in children:
+                try:
+                    child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            timed_out = [child.poll() is None for child, _, _ in children]
+            for child, _, _ in children:
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                child.wait()
+        results = []
+        for (child, out, err), late in zip(children, timed_out):
+            out.seek(0)
+            err.seek(0)
+            results.append((None if late else child.returncode, out.read(), err.read()))
+            out.close()
+            err.close()
+        return results
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow (about 20 s): run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a long end-to-end regression run; skipped unless --run-slow")
     config.addinivalue_line("markers", "multiprocess: launches several JAX processes (jax.distributed)")
-    config.addinivalue_line("markers", "rocal: needs amd.rocal and at least 2 AMD GPUs")
+    config.addinivalue_line("markers", "rocal: needs amd.rocal (rocAL's CPU or GPU backend)")
+    config.addinivalue_line("markers", "dali: needs nvidia.dali (runs its CPU pipelines)")
 
 
 @pytest.fixture(scope="session")
 def devices():
-    return pick_devices()
+    return DEVICES
 
 
 @pytest.fixture(scope="session")

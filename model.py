@@ -1,7 +1,7 @@
 """The seed notebooks' MLP as pure functions over a list of (w, b) tuples.
 
-Batches are dicts with "images" (B, 3, 32, 32) or (B, 3072) float32, "labels"
-(B,) int, and "mask" (B,) bool; mask False marks a padding slot that must not
+Batches are dicts with "images" (B, C, H, W) or (B, C*H*W) float32 (CIFAR-10:
+(B, 3, 32, 32); MNIST: (B, 1, 28, 28)), "labels" (B,) int, and "mask" (B,) bool; mask False marks a padding slot that must not
 count (see loaders.epoch_plan). With an all-True mask every function here is the
 notebooks' function.
 
@@ -10,9 +10,13 @@ Two SGD steps:
 * ``update``: ``jax.jit``. On a batch sharded over devices and replicated params
   this is the notebooks' "automatic parallelisation": XLA inserts the
   cross-device sums.
-* ``update_parallel``: ``jax.pmap`` over axis 'data', batches laid out (n, B, ...).
-  pmap is in maintenance mode in current JAX (since 0.10 it is ``jit`` of
-  ``shard_map``); strategies.py also shows the ``jax.shard_map`` form.
+* ``update_parallel(devices)``: ``jax.pmap`` over axis 'data' on exactly those
+  devices, batches laid out (n, B, ...). pmap is in maintenance mode in current
+  JAX (since 0.8 it is ``jit`` of ``shard_map``); strategies.py also shows the
+  ``jax.shard_map`` form. A pmap without ``devices=`` maps over the default
+  backend's first n devices, whatever devices its inputs live on: on a GPU host
+  it would move a CPU mesh's batches to the GPU, and on CPU devices [4..7] it
+  would bring the results back on devices [0..3].
 
 Both compute the gradient of the *global* masked loss: the sum of every real
 sample's negative log-likelihood divided by the number of real samples in the
@@ -23,7 +27,8 @@ real samples; with padding it weights a device's samples by 1/(its own count).
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import functools
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import jax
@@ -31,7 +36,8 @@ import jax.numpy as jnp
 from jax import lax
 
 Params = list  # [(w_IxO, b_O), ...]
-LAYERS = (3072, 1024, 1024, 10)
+LAYERS = (3072, 1024, 1024, 10)  # the rocAL notebook's MLP, CIFAR-10
+MNIST_LAYERS = (784, 1024, 1024, 10)  # the DALI notebook's
 AXIS = "data"
 
 
@@ -89,19 +95,22 @@ def update(params: Params, batch: dict, learning_rate=0.001) -> tuple[Params, ja
 def _update_parallel(params: Params, batch: dict, learning_rate=0.001):
     # The denominator is the real-sample count of the whole global batch; it does
     # not depend on params, so each device back-propagates 1/count through its
-    # own numerator and the per-device gradients simply add up (psum). Written
-    # this way the arithmetic matches what XLA does for the sharded jit step,
-    # which keeps the two bit-identical on CPU.
+    # own numerator and the per-device gradients simply add up (psum).
     (total, count), vjp = jax.vjp(lambda p: loss_terms(p, batch), params)
     denominator = jnp.maximum(lax.psum(count, AXIS), 1.0)
     grads = lax.psum(vjp((1.0 / denominator, jnp.zeros_like(count)))[0], AXIS)
     return sgd(params, grads, learning_rate), lax.psum(total, AXIS) / denominator
 
 
-update_parallel = jax.pmap(_update_parallel, axis_name=AXIS, in_axes=(0, 0, None))
-update_parallel.__doc__ = """pmap SGD step: params (n, ...) replicated, batch (n, B, ...).
+@functools.lru_cache(maxsize=None)
+def update_parallel(devices: tuple[jax.Device, ...]) -> Callable:
+    """The pmap SGD step over exactly ``devices``, in that order (one per mesh position).
 
-Returns (new params (n, ...), global masked loss (n,)), every replica equal."""
+    The step takes params (n, ...) replicated, a batch (n, B, ...) and the learning
+    rate, and returns (new params (n, ...), global masked loss (n,)), every replica
+    equal, on the same devices.
+    """
+    return jax.pmap(_update_parallel, axis_name=AXIS, in_axes=(0, 0, None), devices=list(devices))
 
 
 @jax.jit

@@ -22,23 +22,24 @@ computed before that step's update. The mesh is one axis named 'data'
   others are compared with.
 
 Guarantees (test_equivalence.py), after the same steps on the same global
-batches, masks included:
+batches, masks included, at matmul precision "highest": every pair of
+strategies ends within ``ulp_bound`` float32 ulps per step of each other (0:
+bit-identical). The bounds, chosen by platform here and nowhere else, and
+why (``ulp_bound`` says how they are derived).
 
-* pmap and shard_map give bit-identical params on CPU (same per-device program,
-  same explicit psum).
-* sharded stays within 1 float32 ulp (of each leaf's largest magnitude) per step
-  of them on CPU: XLA partitions the jit step itself and picks other local dot
-  kernels, so single gradient entries can round the other way. (The notebooks'
-  unmasked step was measured bit-identical; with masks it is not always.)
-* each matches single within 2 ulps per step: single sums the whole batch in
-  one pass, the others per device and then across devices.
-* On GPUs the cross-device sum may be reordered: n ulps per step.
+Devices: every strategy runs on exactly the mesh's devices, in mesh order
+(pmap is given them explicitly; single uses the mesh's first device), never
+on JAX's default device or backend. Each batch is checked before its step: one in
+the wrong layout, or on other devices than the mesh's, is refused with a
+message naming what the strategy needs.
+
+Needs model.py (the MLP and its update steps); nothing else of this project.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import jax
@@ -114,17 +115,21 @@ def on_device(params: Params, device: jax.Device) -> Params:
 
 
 def sharded(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
+    batches = checked(batches, "sharded", mesh)
     params, losses = _run(update, replicate(params, mesh), batches, learning_rate)
     return to_host(params), _stack(losses)
 
 
 def pmap(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
     _single_process_only("pmap", "pmap maps over this process's devices only")
-    params, losses = _run(update_parallel, stack_replicas(params, mesh), batches, learning_rate)
+    step = update_parallel(tuple(mesh.devices.flat))
+    params, losses = _run(step, stack_replicas(params, mesh), checked(batches, "pmap", mesh),
+                          learning_rate)
     return first_replica(params), _stack([v[0] for v in losses])
 
 
 def shard_map(params: Params, batches: Iterable[dict], learning_rate: float, mesh: Mesh):
+    batches = checked(batches, "shard_map", mesh)
     params, losses = _run(shard_map_step(mesh), replicate(params, mesh), batches, learning_rate)
     return to_host(params), _stack(losses)
 
@@ -133,8 +138,37 @@ def single(params: Params, batches: Iterable[dict], learning_rate: float, mesh: 
     _single_process_only("single", "one device cannot hold another process's rows")
     device = mesh.devices.flat[0]
     step = lambda p, batch, lr: update(p, jax.device_put(batch, device), lr)
-    params, losses = _run(step, on_device(params, device), batches, learning_rate)
+    params, losses = _run(step, on_device(params, device), checked(batches, "single", mesh),
+                          learning_rate)
     return to_host(params), _stack(losses)
+
+
+def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict]:
+    """``batches``, each checked to be in ``strategy``'s layout and on the mesh's devices.
+
+    Raises ValueError naming the layout the strategy needs: "sharded" labels are
+    (n*B,) and "pmap" labels (n, B), n the mesh's device count."""
+    layout, n = LAYOUT[strategy], mesh.devices.size
+    devices = set(mesh.devices.flat)
+    for step, batch in enumerate(batches):
+        labels = batch["labels"]
+        shape = tuple(labels.shape)
+        if layout == "pmap" and (len(shape) != 2 or shape[0] != n):
+            raise ValueError(
+                f"strategy {strategy!r} needs batches in layout 'pmap' (labels (n, B) = ({n}, B), "
+                f"images (n, B, C, H, W); make_loader(..., layout='pmap')), got labels of shape "
+                f"{shape} at step {step}")
+        if layout == "sharded" and len(shape) != 1:
+            raise ValueError(
+                f"strategy {strategy!r} needs batches in layout 'sharded' (labels (n*B,), images "
+                f"(n*B, C, H, W); make_loader(..., layout='sharded')), got labels of shape {shape} "
+                f"at step {step}")
+        if isinstance(labels, jax.Array) and labels.sharding.device_set != devices:
+            raise ValueError(
+                f"strategy {strategy!r}: the batch at step {step} lives on "
+                f"{sorted(str(d) for d in labels.sharding.device_set)}, not on the mesh's devices "
+                f"{[str(d) for d in mesh.devices.flat]}")
+        yield batch
 
 
 def _run(step, params: Params, batches: Iterable[dict], learning_rate: float):
@@ -153,6 +187,67 @@ def _run(step, params: Params, batches: Iterable[dict], learning_rate: float):
 
 
 STRATEGIES = {"sharded": sharded, "pmap": pmap, "shard_map": shard_map, "single": single}
+
+
+# --------------------------------------------------------------------------
+# How far apart the strategies may end: the bounds, in one place
+# --------------------------------------------------------------------------
+
+
+def ulp_bound(a: str, b: str, platform: str, num_devices: int) -> int:
+    """Float32 ulps per training step that strategies ``a`` and ``b`` may end apart.
+
+    The unit is the ulp of each param leaf's largest magnitude (``ulps_apart``):
+    a reordered gradient sum is off relative to the size of its terms, not of
+    its result, so an entry near zero can differ by more than its own ulp. The
+    bounds hold at matmul precision "highest" (what the tests set). At NVIDIA's
+    default for float32 matmuls, TF32, each dot rounds its inputs to 10-bit
+    mantissas and the strategies drift apart by about 1e-3 relative: far more.
+
+    How they are derived. Each step computes p - lr * g from the same global
+    masked gradient g; two strategies differ only in the order in which some
+    stage adds g's terms. The rule used: every stage whose summation order
+    differs can move the once-rounded result p - lr * g to a neighbouring float,
+    1 ulp per stage and step; an all-reduce whose order the collective library
+    chooses (NCCL, RCCL) is n - 1 such stages. This counts roundings: it is a
+    model, checked against measurement below, not a worst-case proof (a
+    worst-case bound for an m-term sum, (m - 1) ulps of its largest partial sum,
+    is tens of ulps here and would hide real bugs). Counting:
+
+    * same program, same kernels (pmap and shard_map: since JAX 0.8 pmap is jit
+      of shard_map, with the same explicit psum): no stage differs, 0 on CPU; on
+      GPUs the all-reduce order may differ between two programs, n.
+    * sharded vs pmap/shard_map: XLA partitions the jit step itself and may pick
+      other local dot kernels, so the per-device B-term sums may be added in
+      another order: 1 on CPU; n on GPUs (the all-reduce as well).
+    * any vs single: single adds the n*B terms in one pass, the others B per
+      device, then n partial sums: two stages differ, 2 on CPU; on GPUs the
+      all-reduce adds n - 1 more, n + 1.
+
+    Measured on CPU (JAX 0.10.2, 30 random runs of 1-8 steps with uneven masks):
+    pmap vs shard_map 0, sharded vs them <= 0.5, any vs single <= 1.0 a step.
+    GPU bounds are derived only; they have not been measured.
+    """
+    pair = frozenset((a, b))
+    cpu = platform == "cpu"
+    n = num_devices
+    if len(pair) == 1:
+        return 0
+    if "single" in pair:
+        return 2 if cpu else n + 1
+    if pair == {"pmap", "shard_map"}:
+        return 0 if cpu else n
+    return 1 if cpu else n
+
+
+def ulps_apart(a: Params, b: Params) -> float:
+    """Largest |a - b| over all leaves, in float32 ulps of each leaf's largest magnitude."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        unit = np.spacing(np.float32(max(np.abs(x).max(), np.abs(y).max())))
+        worst = max(worst, float(np.abs(x.astype(np.float64) - y).max() / unit))
+    return worst
 
 
 @functools.lru_cache(maxsize=None)
