@@ -1,18 +1,21 @@
 """The two notebooks as one program: sharded loaders, an MLP, data-parallel SGD.
 
-    python refimpl.py                 # synthetic CIFAR-10, sharded then pmap, 5 epochs
+    python refimpl.py                    # synthetic CIFAR-10, sharded then pmap, 5 epochs
+    python refimpl.py --dataset mnist    # the DALI notebook's MNIST and MLP
+    python refimpl.py --backend dali     # the training data read by NVIDIA DALI
     python refimpl.py --help
 
 What it does, in the notebooks' order: builds one sharded training loader over
-the devices and a single-device validation loader, trains the seed MLP with each
-chosen strategy from the same initial params, and after every epoch prints the
-mean training loss, the accuracy over every test sample exactly once, the epoch
-time and images per second. At the end it prints the largest difference between
-the strategies' final params.
+the devices and a single-device validation loader, trains the notebook's MLP
+with each chosen strategy from the same initial params, and after every epoch
+prints the mean training loss, the accuracy over every test sample exactly
+once, the epoch time and images per second. At the end it prints how far apart
+the strategies' final params are, against the bound strategies.ulp_bound gives.
 
-Bad input (a missing or malformed dataset, a batch larger than a shard, more
-devices than exist, an unknown strategy) ends with one line on stderr and exit
-status 2.
+Bad input (a malformed dataset, an invalid option, a batch larger than a shard,
+more devices than exist, a platform JAX lacks) ends with one line on stderr
+naming the option or file, and exit status 2, before any data is generated or
+any training starts where the option alone shows it.
 """
 
 from __future__ import annotations
@@ -20,52 +23,87 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 DEFAULT_CPU_DEVICES = 8
 MAX_CPU_DEVICES = 64  # virtual CPU devices are threads on the same cores
 SYNTHETIC = {"num_train": 2048, "num_test": 512}
 STRATEGY_NAMES = ("sharded", "pmap", "shard_map", "single")
+DATASETS = ("cifar10", "mnist")
+BACKENDS = ("reference", "rocal", "dali", "auto")
+PLACEMENTS = ("auto", "host", "device", "host_float32")
+PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+# Each notebook's normalisation: rocAL's CIFAR-10 (x - 127.5) / 127.5, DALI's MNIST x / 255.
+NOTEBOOK_NORMALIZE = {"cifar10": ((127.5,) * 3, (127.5,) * 3), "mnist": ((0.0,), (255.0,))}
+NOTEBOOK_ARITHMETIC = {"cifar10": "rocal", "mnist": "dali"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="refimpl.py",
-        description="Data-parallel training of the rocAL/DALI notebooks' MLP on CIFAR-10, "
-                    "one sharded loader per device, with several parallel strategies.",
-        epilog=f"With no --data-dir a synthetic CIFAR-10-format dataset "
+        description="Data-parallel training of the rocAL/DALI notebooks' MLP, one sharded loader "
+                    "per device, with several parallel strategies.",
+        epilog=f"With no --data-dir a synthetic dataset in the chosen format "
                f"({SYNTHETIC['num_train']} training and {SYNTHETIC['num_test']} test images) is "
-               f"generated once into --cache-dir and reused. Without an accelerator JAX gets "
-               f"{DEFAULT_CPU_DEVICES} virtual CPU devices; they share this machine's cores, so "
-               f"timings there show overhead, not speed-up. The defaults finish in under a "
-               f"minute on a 2-core machine.",
+               f"generated once into --cache-dir and reused. Without an accelerator (or with "
+               f"--platform cpu) JAX gets {DEFAULT_CPU_DEVICES} virtual CPU devices; they share this "
+               f"machine's cores, so timings there show overhead, not speed-up. The defaults finish "
+               f"in under a minute on a 2-core machine.",
     )
-    parser.add_argument("--data-dir", metavar="DIR", help="a cifar-10-batches-bin folder (data_batch_* and test_batch*)")
+    parser.add_argument("--dataset", choices=DATASETS, default="cifar10",
+                        help="cifar10 (the rocAL notebook, MLP 3072-1024-1024-10) or mnist (the DALI "
+                             "notebook, MLP 784-1024-1024-10) (default: %(default)s)")
+    parser.add_argument("--data-dir", metavar="DIR",
+                        help="cifar10: a cifar-10-batches-bin folder (data_batch_* and test_batch*); "
+                             "mnist: a folder with the IDX files (train-images-idx3-ubyte[.gz], ...)")
     parser.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "refimpl"),
-                        metavar="DIR", help="where the synthetic dataset is generated (default: %(default)s)")
+                        metavar="DIR", help="where synthetic data and DALI's per-sample files go "
+                                            "(default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=5, metavar="N", help="default: %(default)s")
     parser.add_argument("--batch-size", type=int, default=16, metavar="B", help="per device (default: %(default)s)")
     parser.add_argument("--eval-batch-size", type=int, default=256,
                         metavar="B", help="validation batch on one device (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=0.001, metavar="RATE", help="SGD learning rate (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, metavar="N", help="shuffle and synthetic-data seed (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=0.001, metavar="RATE",
+                        help="SGD learning rate, > 0 (default: %(default)s, the notebook's)")
+    parser.add_argument("--seed", type=int, default=0, metavar="N",
+                        help="shuffle and synthetic-data seed, 0 <= N < 2**32 (default: %(default)s)")
     parser.add_argument("--strategies",
                         metavar="LIST", help=f"comma-separated, any of {', '.join(STRATEGY_NAMES)}, or 'all' "
                              f"(default: sharded,pmap as the notebooks; sharded,shard_map across "
                              f"processes)")
+    parser.add_argument("--platform", choices=PLATFORMS,
+                        help="the JAX platform to run on (default: JAX's, the accelerators if any); "
+                             f"--platform cpu gives {DEFAULT_CPU_DEVICES} virtual CPU devices on any host")
     parser.add_argument("--devices", type=int,
-                        metavar="N", help=f"use the first N devices; without an accelerator, N virtual CPU devices "
-                             f"(default: all accelerators, or {DEFAULT_CPU_DEVICES} CPU devices)")
+                        metavar="N", help=f"use the first N devices; on CPU, N virtual devices, at most "
+                             f"{MAX_CPU_DEVICES} (default: all accelerators, or {DEFAULT_CPU_DEVICES} CPU devices)")
     parser.add_argument("--last-batch", choices=("fill", "drop"), default="fill",
                         help="fill: pad the last batch and mask the padding, so every sample counts "
                              "exactly once; drop: skip the remainder, as the notebooks (default: %(default)s)")
-    parser.add_argument("--backend", choices=("reference", "rocal", "auto"), default="reference",
-                        help="training loader: the NumPy reference, rocAL pipelines, or rocAL when "
-                             "available (default: %(default)s)")
+    parser.add_argument("--backend", choices=BACKENDS, default="reference",
+                        help="training loader: the NumPy/JAX reference, AMD rocAL (cifar10 only; its "
+                             "files-per-shard sharding, so every device reads its own shard), NVIDIA "
+                             "DALI, or auto: rocal on AMD GPUs and dali on NVIDIA GPUs where installed, "
+                             "else reference (default: %(default)s)")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="auto",
+                        help="reference backend: where the per-step work happens. device: each "
+                             "device holds its shard and gathers there; host: uint8 rows from the "
+                             "host, normalised on the devices; host_float32: normalised on the host. "
+                             "auto: device when the shard fits half of each device's free memory "
+                             "(on CPU: of the host's), else host (default: %(default)s)")
+    parser.add_argument("--normalize", choices=("rocal", "dali"),
+                        help="whose crop_mirror_normalize arithmetic (bits) to use (default: the "
+                             "backend's, else the notebook's: rocal for cifar10, dali for mnist)")
+    parser.add_argument("--matmul-precision", choices=("default", "high", "highest"), default="highest",
+                        help="JAX's float32 matmul precision; 'default' is TF32 on recent NVIDIA GPUs, "
+                             "and the strategies' bounds then no longer hold (default: %(default)s)")
     parser.add_argument("--metrics-out", metavar="FILE", help="write every per-epoch figure to this file as JSON lines")
     multi = parser.add_argument_group(
         "more than one process (jax.distributed)",
@@ -77,14 +115,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     multi.add_argument("--auto-distributed", action="store_true",
                        help="let jax.distributed.initialize() detect the cluster (Slurm, Open MPI, ...)")
     multi.add_argument("--local-processes", type=int, metavar="N",
-                       help="launch N processes on this machine (127.0.0.1) that split --devices "
-                            f"(default {DEFAULT_CPU_DEVICES}) between them")
+                       help="launch N processes on this machine (127.0.0.1), on CPU devices, that split "
+                            f"--devices (default {DEFAULT_CPU_DEVICES}) between them")
     multi.add_argument("--peer-timeout", type=int, default=60,
                        metavar="SECONDS", help="seconds to wait for a missing or silent peer before failing "
                             "(default: %(default)s)")
     args = parser.parse_args(argv)
+    several = args.coordinator or args.auto_distributed or args.local_processes
     if args.strategies is None:
-        several = args.coordinator or args.auto_distributed or args.local_processes
         args.strategies = "sharded,shard_map" if several else "sharded,pmap"
     names = STRATEGY_NAMES if args.strategies == "all" else tuple(
         s.strip() for s in args.strategies.split(",") if s.strip())
@@ -93,12 +131,33 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--strategies: unknown strategy {unknown or args.strategies!r}; "
                      f"choose from {', '.join(STRATEGY_NAMES)} or 'all'")
     args.strategies = names
-    for flag in ("epochs", "batch_size", "eval_batch_size", "devices"):
+    for flag in ("epochs", "batch_size", "eval_batch_size", "devices", "peer_timeout"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if args.seed < 0:
-        parser.error(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed must be in [0, 2**32), got {args.seed} (the shuffle's SeedSequence "
+                     f"would alias larger seeds with other epochs)")
+    if not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
+    if args.devices and args.devices > MAX_CPU_DEVICES and args.platform == "cpu":
+        parser.error(f"--devices {args.devices}: at most {MAX_CPU_DEVICES} virtual CPU devices (they "
+                     f"are threads sharing this machine's {os.cpu_count()} cores; more adds only "
+                     f"overhead)")
+    if args.metrics_out:
+        problem = unwritable(args.metrics_out)
+        if problem:
+            parser.error(f"--metrics-out {args.metrics_out}: {problem}")
+    if args.dataset == "mnist" and args.backend == "rocal":
+        parser.error("--backend rocal reads CIFAR-10 only (rocAL's cifar10 reader); use "
+                     "--dataset cifar10, or --backend dali or reference for mnist")
+    if args.backend in ("rocal", "dali") and args.placement != "auto":
+        parser.error(f"--placement {args.placement}: only the reference backend has placements "
+                     f"(--backend {args.backend} normalises in its own pipelines)")
+    vendor = {"rocal": "rocal", "dali": "dali"}.get(args.backend)
+    if vendor and args.normalize and args.normalize != vendor:
+        parser.error(f"--normalize {args.normalize}: --backend {args.backend} computes {vendor}'s "
+                     f"arithmetic; drop --normalize or use --normalize {vendor}")
     explicit = [args.coordinator, args.num_processes, args.process_id]
     if any(v is not None for v in explicit) and any(v is None for v in explicit):
         parser.error("--coordinator, --num-processes and --process-id go together")
@@ -107,10 +166,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.local_processes is not None:
         if args.local_processes < 1 or args.coordinator or args.auto_distributed:
             parser.error("--local-processes N needs N >= 1 and no other multi-process option")
+        if args.platform not in (None, "cpu"):
+            parser.error(f"--local-processes runs on CPU devices; --platform {args.platform} cannot go with it")
         total = args.devices or DEFAULT_CPU_DEVICES
         if total % args.local_processes:
             parser.error(f"--local-processes {args.local_processes} does not divide --devices {total}")
-    if args.coordinator or args.auto_distributed or args.local_processes:
+    if several:
         unsupported = [s for s in names if s not in ("sharded", "shard_map")]
         if unsupported:
             parser.error(f"--strategies {','.join(unsupported)}: across processes only sharded and "
@@ -118,26 +179,48 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def synthetic_dataset(cache_dir: str, seed: int) -> str:
+def unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written (without creating it), or None."""
+    if os.path.isdir(path):
+        return "is a directory"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "is not writable"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"its folder {folder} does not exist"
+    return None if os.access(folder, os.W_OK) else f"its folder {folder} is not writable"
+
+
+def synthetic_dataset(cache_dir: str, dataset: str, seed: int) -> str:
     """The synthetic dataset's folder, generating it once (atomically) if missing."""
     import loaders
 
-    folder = os.path.join(cache_dir, f"synthetic-cifar10-{SYNTHETIC['num_train']}-"
+    folder = os.path.join(cache_dir, f"synthetic-{dataset}-{SYNTHETIC['num_train']}-"
                                      f"{SYNTHETIC['num_test']}-seed{seed}")
     if os.path.isdir(folder):
         return folder
     os.makedirs(cache_dir, exist_ok=True)
     scratch = tempfile.mkdtemp(dir=cache_dir, prefix=".generating-")
     try:
-        loaders.synthetic_cifar10(scratch, seed=seed, **SYNTHETIC)
+        write = loaders.synthetic_cifar10 if dataset == "cifar10" else loaders.synthetic_mnist
+        write(scratch, seed=seed, **SYNTHETIC)
         os.rename(scratch, folder)
     except OSError:
         if not os.path.isdir(folder):  # not a concurrent run that finished first
             raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"generated synthetic CIFAR-10 in {folder}")
+    print(f"generated synthetic {dataset} in {folder}")
     return folder
+
+
+def read_dataset(dataset: str, folder: str):
+    """((train images, labels), (test images, labels)) of ``dataset`` in ``folder``."""
+    import loaders
+
+    if dataset == "mnist":
+        return loaders.read_mnist(folder, "train"), loaders.read_mnist(folder, "test")
+    return loaders.read_cifar10(folder, loaders.TRAIN_PREFIX), loaders.read_cifar10(folder, loaders.TEST_PREFIX)
 
 
 def pick_devices(requested: int | None) -> list:
@@ -147,10 +230,25 @@ def pick_devices(requested: int | None) -> list:
     if requested is None:
         return devices
     if requested > len(devices):
-        limit = f" (at most {MAX_CPU_DEVICES} virtual CPU devices)" if devices[0].platform == "cpu" else ""
+        why = (f" (virtual CPU devices: at most {MAX_CPU_DEVICES}; they share this machine's "
+               f"{os.cpu_count()} cores)" if devices[0].platform == "cpu" else "")
         raise ValueError(f"--devices {requested}: only {len(devices)} {devices[0].platform} "
-                         f"device(s) exist{limit}")
+                         f"device(s) exist{why}")
     return devices[:requested]
+
+
+def choose_backend(requested: str, dataset: str, devices: list) -> str:
+    """--backend auto: rocal on AMD GPUs (cifar10), dali on NVIDIA GPUs, where each imports."""
+    if requested != "auto":
+        return requested
+    if dataset == "cifar10":
+        import rocal_loader
+        if rocal_loader.usable(devices):
+            return "rocal"
+    import dali_loader
+    if dali_loader.usable(devices):
+        return "dali"
+    return "reference"
 
 
 def with_progress(batches, total: int, label: str):
@@ -167,6 +265,9 @@ def with_progress(batches, total: int, label: str):
 def run(args: argparse.Namespace) -> dict:
     import jax
 
+    if args.platform:
+        jax.config.update("jax_platforms", args.platform)
+    jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     # Virtual CPU devices only exist if asked for before JAX first touches a
     # device; on accelerators this setting changes nothing.
     distributed = bool(args.coordinator or args.auto_distributed)
@@ -174,36 +275,72 @@ def run(args: argparse.Namespace) -> dict:
     jax.config.update("jax_num_cpu_devices", cpu_devices if distributed else max(cpu_devices, DEFAULT_CPU_DEVICES))
     if distributed:
         connect(args)
+    try:
+        jax.devices()
+    except RuntimeError as error:
+        raise ValueError(f"--platform {args.platform or '(default)'}: JAX cannot start it here "
+                         f"({str(error).splitlines()[0]})") from error
     import numpy as np
     import loaders
     import model
     import strategies
 
-    data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.seed)
-    train_data = loaders.read_cifar10(data_dir, loaders.TRAIN_PREFIX)
-    test_data = loaders.read_cifar10(data_dir, loaders.TEST_PREFIX)
     devices = jax.devices() if distributed else pick_devices(args.devices)
     mesh = loaders.data_mesh(devices)  # shard k = position k, across every process's devices
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    backend = choose_backend(args.backend, args.dataset, devices)
+    if args.backend == "auto":
+        say(f"--backend auto chose {backend}")
+    arithmetic = args.normalize or {"rocal": "rocal", "dali": "dali"}.get(backend) or NOTEBOOK_ARITHMETIC[args.dataset]
+    mean, std = NOTEBOOK_NORMALIZE[args.dataset]
+    normalize = loaders.Normalize(mean=mean, std=std, arithmetic=arithmetic)
+    if backend == "rocal":
+        import rocal_loader
+        rocal_loader.import_rocal()  # how to install it, before any data is generated
+    if backend == "dali":
+        import dali_loader
+        dali_loader.import_dali()
+
+    data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.dataset, args.seed)
+    train_data, test_data = read_dataset(args.dataset, data_dir)
     eval_batch = min(args.eval_batch_size, len(test_data[1]))
     # Validation always uses the reference loader on one device: fill with a mask
     # counts every test sample exactly once, whatever the training backend.
-    test_loader = loaders.make_loader(test_data, jax.local_devices()[:1], eval_batch, last_batch="fill")
-    # The reference backend reuses the arrays read above; rocAL reads the folder itself.
-    train_source = train_data if args.backend == "reference" else data_dir
-    loaders_by_layout = {
-        layout: loaders.make_loader(train_source, mesh, args.batch_size, layout=layout, shuffle=True,
-                                    seed=args.seed, last_batch=args.last_batch, backend=args.backend)
-        for layout in {strategies.LAYOUT[name] for name in args.strategies}
-    }
+    first_local = mesh.devices.flat[loaders.local_positions(mesh)[0]]
+    test_loader = loaders.make_loader(test_data, [first_local], eval_batch, last_batch="fill",
+                                      normalize=normalize)
+    layouts = {strategies.LAYOUT[name] for name in args.strategies}
+    placement = args.placement
+    if backend == "reference" and placement == "auto":
+        too_big = loaders.device_fit(len(train_data[1]), train_data[0].shape[1:], mesh)
+        placement = "host" if too_big else "device"
+    last_batch = args.last_batch
+    common = dict(shuffle=True, seed=args.seed, last_batch=last_batch, normalize=normalize)
+    if backend == "reference":
+        loaders_by_layout = {layout: loaders.make_loader(train_data, mesh, args.batch_size, layout=layout,
+                                                         placement=placement, **common)
+                             for layout in layouts}
+        how = f"reference loader, placement {placement}"
+    elif backend == "rocal":
+        loaders_by_layout = {layout: rocal_loader.make_rocal_loader(
+            data_dir, mesh, args.batch_size, layout=layout, cache_dir=args.cache_dir, **common)
+            for layout in layouts}
+        how = next(iter(loaders_by_layout.values())).describe()
+    else:
+        loaders_by_layout = {layout: dali_loader.make_dali_loader(
+            train_data, mesh, args.batch_size, layout=layout, cache_dir=args.cache_dir, **common)
+            for layout in layouts}
+        how = next(iter(loaders_by_layout.values())).describe()
     steps = len(next(iter(loaders_by_layout.values())))
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    say(f"{len(devices)} {devices[0].platform} device(s){processes}; {len(train_data[1])} training and "
-          f"{len(test_data[1])} test images from {data_dir}; {steps} steps of "
-          f"{len(devices)} x {args.batch_size} per epoch ({args.last_batch})")
+    say(f"{len(devices)} {devices[0].platform} device(s){processes}; {args.dataset}: {len(train_data[1])} "
+        f"training and {len(test_data[1])} test images from {data_dir}; {steps} steps of "
+        f"{len(devices)} x {args.batch_size} per epoch ({last_batch}); {how}; "
+        f"{arithmetic}'s arithmetic; matmul precision {args.matmul_precision}")
 
     metrics = open(args.metrics_out, "w") if args.metrics_out and jax.process_index() == 0 else None
-    params0 = model.init_model()
+    layers = model.LAYERS if args.dataset == "cifar10" else model.MNIST_LAYERS
+    params0 = model.init_model(layers)
     final = {}
     try:
         for name in args.strategies:
@@ -223,7 +360,8 @@ def run(args: argparse.Namespace) -> dict:
                 row = {"strategy": name, "epoch": epoch + 1, "loss": float(np.mean(losses)),
                        "test_accuracy": accuracy, "seconds": seconds,
                        "images_per_second": real / seconds, "steps": len(losses),
-                       "devices": len(devices), "platform": devices[0].platform}
+                       "devices": 1 if name == "single" else len(devices),
+                       "platform": devices[0].platform, "backend": backend, "dataset": args.dataset}
                 say(f"{name:>9} epoch {epoch + 1}/{args.epochs}  loss {row['loss']:.4f}  "
                       f"test accuracy {accuracy:.4f}  {seconds:6.2f} s  "
                       f"{row['images_per_second']:8.0f} images/s"
@@ -235,14 +373,18 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         if metrics:
             metrics.close()
+        for loader in loaders_by_layout.values():
+            if hasattr(loader, "close"):
+                loader.close()
     if jax.process_index() == 0:
-        report_differences(final)
+        report_differences(final, steps * args.epochs, devices[0].platform, len(devices))
     return final
 
 
 def connect(args: argparse.Namespace) -> None:
     """jax.distributed.initialize with bounded waits: a missing peer fails the start
     after --peer-timeout seconds, a peer that dies later is detected by heartbeat.
+    A coordinator on a loopback address binds only that address.
 
     JAX's runtime ends the process itself in both cases (a C++ abort, SIGABRT,
     not a Python exception), so the line printed first is what names the process
@@ -250,42 +392,83 @@ def connect(args: argparse.Namespace) -> None:
     import jax
 
     who = f"process {args.process_id} of {args.num_processes}" if args.num_processes else "this process"
-    print(f"refimpl.py: {who}: joining coordinator {args.coordinator or '(auto-detected)'}; if a peer "
-          f"has not joined within {args.peer_timeout} s, or stops answering for that long, JAX ends "
-          f"this process", file=sys.stderr, flush=True)
+    if args.auto_distributed:
+        where = "(auto-detected)"
+    else:
+        where = args.coordinator
+    print(f"refimpl.py: {who}: joining coordinator {where}; if a peer has not joined within "
+          f"{args.peer_timeout} s, or stops answering for that long, JAX ends this process",
+          file=sys.stderr, flush=True)
+    if os.environ.get(LOCAL_CHILD) == "1":
+        hide_native_stdout()
+    host = (args.coordinator or "").rsplit(":", 1)[0]
+    bind = args.coordinator if host in ("127.0.0.1", "localhost", "[::1]") else None
     try:
         jax.distributed.initialize(
             coordinator_address=args.coordinator, num_processes=args.num_processes,
             process_id=args.process_id, initialization_timeout=args.peer_timeout,
-            heartbeat_timeout_seconds=args.peer_timeout)
+            heartbeat_timeout_seconds=args.peer_timeout, coordinator_bind_address=bind)
     except Exception as error:  # JAX raises several types here; one clear line is the point
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if args.auto_distributed and "coordinator_address" in first:
+            raise ConnectionError(
+                "--auto-distributed: no cluster was detected (jax.distributed looks for Slurm, "
+                "Open MPI, Kubernetes and cloud TPU environments); on other machines give "
+                "--coordinator, --num-processes and --process-id, or use --local-processes N "
+                "on one machine") from error
         raise ConnectionError(f"{who}: could not join the other processes at coordinator "
-                              f"{args.coordinator or '(auto-detected)'} within {args.peer_timeout} s: "
-                              f"{first}") from error
+                              f"{where} within {args.peer_timeout} s: {first}") from error
+
+
+LOCAL_CHILD = "REFIMPL_LOCAL_CHILD"  # set by launch_local in the processes it starts
+
+
+def hide_native_stdout() -> None:
+    """Python's prints keep going to stdout; what native code writes to file
+    descriptor 1 (gloo's "[Gloo] Rank N is connected to M peer ranks" notes,
+    several threads at once, so interleaved mid-line) goes to /dev/null."""
+    sys.stdout.flush()
+    python_stdout = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    sys.stdout = os.fdopen(python_stdout, "w", buffering=1)
 
 
 def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
     """Runs this program in ``--local-processes`` processes on 127.0.0.1 and waits.
 
-    Process 0's output is shown; the others' only on error. If any process fails,
-    the rest are stopped and its exit status is returned."""
+    Every child runs on CPU devices (JAX_PLATFORMS=cpu: several processes must
+    not share one accelerator) in its own process group, which is killed
+    whatever happens. Process 0's output is shown, without the collective
+    library's "[Gloo] Rank ... connected" chatter; the others' only on error.
+    If any process fails, the rest are stopped and its exit status is returned."""
     import socket
-    import subprocess
 
     count = args.local_processes
     per_process = (args.devices or DEFAULT_CPU_DEVICES) // count
-    data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.seed)  # once, not racing
+    data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.dataset, args.seed)  # once, not racing
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    base = [sys.executable, os.path.abspath(__file__), *strip_options(argv, ("--local-processes", "--devices", "--data-dir")),
+    base = [sys.executable, os.path.abspath(__file__),
+            *strip_options(argv, ("--local-processes", "--devices", "--data-dir", "--platform")),
             "--data-dir", data_dir, "--devices", str(per_process), "--num-processes", str(count),
             "--coordinator", f"127.0.0.1:{port}"]
-    children = [subprocess.Popen(base + ["--process-id", str(i)],
-                                 stdout=None if i == 0 else subprocess.DEVNULL)
-                for i in range(count)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **{LOCAL_CHILD: "1"})
+    children, errors = [], []
     try:
+        for i in range(count):
+            log = tempfile.TemporaryFile("w+")
+            child = subprocess.Popen(base + ["--process-id", str(i)], env=env, start_new_session=True,
+                                     stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE if i == 0 else log, text=True)
+            children.append(child)
+            errors.append(log)
+        forwards = [threading.Thread(target=forward, args=(stream, target), daemon=True)
+                    for stream, target in ((children[0].stdout, sys.stdout), (children[0].stderr, sys.stderr))]
+        for thread in forwards:
+            thread.start()
         while True:
             codes = [child.poll() for child in children]
             failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
@@ -293,17 +476,47 @@ def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
                 i = failed[0]
                 how = (f"exited with status {codes[i]}" if codes[i] > 0
                        else f"was killed by signal {signal.Signals(-codes[i]).name}")
+                if i:
+                    errors[i].seek(0)
+                    tail = [l for l in map(without_gloo_chatter, errors[i].read().splitlines())
+                            if l.strip()][-5:]
+                    print("\n".join(tail), file=sys.stderr)
                 print(f"refimpl.py: error: local process {i} {how}; stopping the others",
                       file=sys.stderr)
                 return codes[i] if codes[i] > 0 else 1
             if all(code == 0 for code in codes):
+                for thread in forwards:
+                    thread.join()  # the streams end when process 0 has exited
                 return 0
             time.sleep(0.1)
     finally:
         for child in children:
-            if child.poll() is None:
-                child.kill()
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             child.wait()
+        for log in errors:
+            log.close()
+
+
+GLOO_CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+                          r"Expected number of connected peer ranks is : \d+")
+
+
+def without_gloo_chatter(line: str) -> str:
+    """``line`` without the collective library's "[Gloo] Rank N is connected" notes
+    (written by C++ to the same stream, so one can land inside another line)."""
+    return GLOO_CHATTER.sub("", line)
+
+
+def forward(stream, target) -> None:
+    """Copies a child's output to ours, without the collective library's connection notes."""
+    for line in stream:
+        line = without_gloo_chatter(line)
+        if line.strip():
+            target.write(line if line.endswith("\n") else line + "\n")
+            target.flush()
 
 
 def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
@@ -319,15 +532,23 @@ def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def report_differences(final: dict) -> None:
+def report_differences(final: dict, steps: int, platform: str, num_devices: int) -> None:
     import numpy as np
     import jax
+    import strategies
 
     names = list(final)
     for other in names[1:]:
         diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                    for a, b in zip(jax.tree.leaves(final[names[0]]), jax.tree.leaves(final[other])))
-        verdict = "identical" if diff == 0 else "not bit-identical (see strategies.py for the bound)"
+        if diff == 0:
+            verdict = "identical"
+        else:
+            ulps = strategies.ulps_apart(final[names[0]], final[other])
+            allowed = strategies.ulp_bound(names[0], other, platform, num_devices)
+            within = "within" if ulps <= allowed * steps else "OUTSIDE"
+            verdict = (f"not bit-identical: {ulps:.1f} ulps after {steps} steps, {within} the "
+                       f"documented bound of {allowed} ulps a step (strategies.ulp_bound)")
         print(f"final params, {names[0]} vs {other}: max |difference| {diff:.3g}: {verdict}")
 
 

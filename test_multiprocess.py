@@ -2,8 +2,12 @@
 
 Guarantees checked:
 
+* each process's blocks of the global batch are shard k's planned samples on
+  mesh position k, bit for bit, for every placement ("host", "device",
+  "host_float32"), also on a mesh that interleaves the two processes' devices
+  (whose rows are not one contiguous slice of the batch);
 * both processes end with the same params, for sharded and shard_map (the
-  latter on a mesh that interleaves the two processes' devices);
+  latter on the interleaved mesh), trained on device-placed batches;
 * those params equal the single-process 8-device run's, step for step, within
   MULTIPROCESS_ULPS (cross-process sums go through gloo, which may add the
   partial gradients in another order than the in-process all-reduce);
@@ -20,7 +24,6 @@ This file is also the worker program the first test launches.
 
 import os
 import socket
-import subprocess
 import sys
 import time
 
@@ -44,7 +47,8 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
 
     jax.config.update("jax_num_cpu_devices", 4)
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=process_id,
-                               initialization_timeout=60, heartbeat_timeout_seconds=30)
+                               initialization_timeout=60, heartbeat_timeout_seconds=30,
+                               coordinator_bind_address=coordinator)  # loopback only
     import loaders
     import model
     import strategies
@@ -56,11 +60,26 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
     meshes = {"sharded": loaders.data_mesh(devices),
               "shard_map": loaders.data_mesh([d for pair in zip(*by_process) for d in pair])}
     read = []
+    images, labels = loaders.read_cifar10(data_dir)
     for name, mesh in meshes.items():
-        loader = loaders.make_loader(data_dir, mesh, B, layout=strategies.LAYOUT[name], shuffle=True,
-                                     seed=5)
+        layout = strategies.LAYOUT[name]
+        by_placement = {p: loaders.make_loader(data_dir, mesh, B, layout=layout, shuffle=True, seed=5,
+                                               placement=p) for p in loaders.PLACEMENTS}
+        loader = by_placement["host"]
         plan = loader.plan(0)
-        batches = (loader.batch(0, s) for s in range(STEPS))
+        position = {d: k for k, d in enumerate(mesh.devices.flat)}
+        for p, each in by_placement.items():  # this process's blocks, every placement, bit for bit
+            for step in range(STEPS):
+                batch = each.batch(0, step)
+                for field, array in batch.items():
+                    for shard in array.addressable_shards:
+                        k = position[shard.device]
+                        idx = plan.indices[step, k]
+                        want = {"images": loaders.Normalize()(images[idx]), "labels": labels[idx],
+                                "mask": plan.mask[step, k]}[field]
+                        got = np.asarray(shard.data).reshape(want.shape)
+                        assert np.array_equal(got, want), f"{name} mesh, placement {p}: {field} of shard {k}"
+        batches = (by_placement["device"].batch(0, s) for s in range(STEPS))
         params, losses = strategies.STRATEGIES[name](model.init_model(LAYERS), batches, LR, mesh)
         np.savez(os.path.join(out_dir, f"{name}-{process_id}.npz"), *jax.tree.leaves(params), losses=losses)
     # What this process read over a whole epoch: the real slots of its own shards.
@@ -71,23 +90,17 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
     jax.distributed.shutdown()
 
 
+def run_children(commands, timeout: float, cwd: str = HERE):
+    # Imported here, not at the top: this file is also the worker program, and
+    # conftest starts JAX's backends with 8 devices when it is imported.
+    from conftest import run_children as run
+    return run(commands, timeout, cwd)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def run_all(commands, timeout: float):
-    """Starts every command, waits for all; kills whatever is left, always."""
-    children = [subprocess.Popen(c, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for c in commands]
-    try:
-        return [(child.wait(timeout=timeout), *child.communicate()) for child in children]
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +109,7 @@ def dataset(tmp_path_factory):
     return loaders.synthetic_cifar10(tmp_path_factory.mktemp("mp"), num_train=1000, num_test=100, seed=4)
 
 
-def test_two_processes_train_like_one(dataset, tmp_path, mesh):
+def test_two_processes_train_like_one(dataset, tmp_path):
     import jax
 
     import loaders
@@ -105,12 +118,12 @@ def test_two_processes_train_like_one(dataset, tmp_path, mesh):
     from test_equivalence import assert_params_close
 
     coordinator = f"127.0.0.1:{free_port()}"
-    results = run_all([[sys.executable, __file__, dataset, str(tmp_path), coordinator, str(i)]
-                       for i in range(2)], timeout=120)
+    results = run_children([[sys.executable, __file__, dataset, str(tmp_path), coordinator, str(i)]
+                            for i in range(2)], timeout=120, cwd=HERE)
     for i, (code, out, err) in enumerate(results):
         assert code == 0, f"process {i} exited {code}:\n{err[-3000:]}"
 
-    assert mesh.devices.size == 8, "needs the 8 virtual CPU devices of conftest.py"
+    mesh = loaders.data_mesh(jax.devices("cpu"))  # the children's 2 x 4 CPU devices, in one process
     for name in ("sharded", "shard_map"):
         got = [np.load(tmp_path / f"{name}-{i}.npz") for i in range(2)]
         leaves = [[g[f"arr_{j}"] for j in range(len(g.files) - 1)] for g in got]
@@ -135,25 +148,26 @@ def test_missing_peer_fails_within_the_timeout(dataset):
     # Process 0 of 2 alone: its peer never arrives.
     command = [sys.executable, os.path.join(HERE, "refimpl.py"), "--data-dir", dataset, "--epochs", "1",
                "--devices", "4", "--num-processes", "2", "--process-id", "0",
-               "--coordinator", f"127.0.0.1:{free_port()}", "--peer-timeout", "5"]
+               "--coordinator", f"127.0.0.1:{free_port()}", "--peer-timeout", "3"]
     start = time.monotonic()
-    [(code, out, err)] = run_all([command], timeout=90)
+    [(code, out, err)] = run_children([command], timeout=90)
     elapsed = time.monotonic() - start
     # JAX's runtime aborts the process (SIGABRT) rather than raising; refimpl's own
     # line before joining is what names the process and the wait.
     assert code != 0, err[-2000:]
-    assert "process 0 of 2: joining coordinator" in err and "within 5 s" in err
+    assert "process 0 of 2: joining coordinator" in err and "within 3 s" in err
     assert elapsed < 60, f"took {elapsed:.0f} s to give up on a missing peer"
 
 
 def test_refimpl_local_processes_prints_one_report(dataset):
     command = [sys.executable, os.path.join(HERE, "refimpl.py"), "--data-dir", dataset, "--epochs", "1",
                "--batch-size", "16", "--local-processes", "2"]
-    [(code, out, err)] = run_all([command], timeout=180)
+    [(code, out, err)] = run_children([command], timeout=180)
     assert code == 0, err[-3000:]
     assert "8 cpu device(s) in 2 processes" in out
     for name in ("sharded", "shard_map"):
         assert out.count(f"{name:>9} epoch 1/1") == 1, out
+    assert "[Gloo]" not in out + err and "peer ranks" not in out + err, err
 
 
 if __name__ == "__main__":
