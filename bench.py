@@ -1,25 +1,30 @@
-"""Speed of the reference loader and the four strategies, as ratios measured side by side.
+"""Speed of the loaders and the four strategies, as ratios measured side by side.
 
     python bench.py [--quick] [--num-train N] [--json FILE]
 
 Every figure is a median over repeats, and the cases that are compared run in
 interleaved rounds (a, b, c, a, b, c, ...) in one process, so load from other
 processes on a shared machine slows them alike: read the ratios, not the
-absolute times. Sections, on 8 virtual CPU devices and a synthetic CIFAR-10 of
-``--num-train`` images:
+absolute times. Sections, on the default backend's devices (8 virtual CPU
+devices without an accelerator) and a synthetic CIFAR-10 of ``--num-train``
+images:
 
-1. Loader: one shuffled epoch through ``Loader.epoch`` into global sharded arrays,
-   per-device batch 16 and 128, against the memory bandwidth measured in the same
-   run (``np.copyto`` of as many bytes as the epoch outputs, single thread).
-2. Peers, the same work (shuffle, normalise, batch, global arrays) from the same
-   in-memory records: Grain (optional, requirements-bench.txt) as its docs show it
-   and tuned, and the per-sample Python loop most tutorials write.
+1. Loaders: one shuffled epoch into global sharded arrays, per-device batch 16
+   and 128, for each placement of the reference loader ("host": uint8 on the
+   wire, normalised on the devices; "device": the dataset resident on the
+   devices; "host_float32": normalised on the host), NVIDIA DALI's CPU pipelines
+   (optional, requirements-dali.txt), Grain (optional, requirements-bench.txt)
+   and the per-sample Python loop most tutorials write, all doing the same work
+   from the same records (shuffle, normalise, batch, global arrays), against a
+   single-thread memory copy of the bytes the epoch outputs.
+2. Placements against training: for each placement, the loader's time per step
+   over the training step's (``sharded``, prebuilt batches), the share of a
+   training epoch spent waiting for data, and the epoch's slowdown against
+   prebuilt batches, at global batch 1024 and 8192.
 3. Training: per-step time of each strategy at global batch 128 and 1024, its
    ratio to ``single``, and its compile time (first call minus a warm call).
-4. Overlap: the share of a training epoch (``sharded``, global batch 1024) spent
-   waiting for data, prefetch on and off.
-5. Memory: peak RSS while reading and over a loader epoch, in a fresh process,
-   against the raw dataset and the prefetch queue.
+4. Memory: peak RSS while reading and over a loader epoch, in a fresh process,
+   against the raw dataset and the batches the design keeps alive.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import model
 import strategies
 
 GLOBAL_BATCHES = (128, 1024)  # training; per device 16 and 128 on 8 devices
+REFERENCE = "reference, host"  # the row the others are compared with
 LEARNING_RATE = 0.01
 MEAN = STD = np.float32(127.5)  # loaders.Normalize()'s default, written out for the peers
 
@@ -92,7 +98,7 @@ def copy_case(nbytes: int):
 
 
 # --------------------------------------------------------------------------
-# 1-2. The reference loader and its peers
+# 1. The loaders
 # --------------------------------------------------------------------------
 
 
@@ -181,13 +187,19 @@ def loader_section(images, labels, mesh, args) -> dict:
     """Sections 1 and 2: every loader at each per-device batch, plus the copy limit."""
     out = {}
     for batch_size in (16, 128):
-        loader = loaders.make_loader((images, labels), mesh, batch_size, shuffle=True)
-        cases = {"reference": lambda l=loader: l.epoch(0)}
+        by_placement = {p: loaders.make_loader((images, labels), mesh, batch_size, shuffle=True,
+                                               placement=p) for p in loaders.PLACEMENTS}
+        cases = {f"reference, {p}": lambda l=l: l.epoch(0) for p, l in by_placement.items()}
+        dali = dali_loader_or_none(images, labels, mesh, batch_size, args)
+        if dali is not None:
+            cases["dali (CPU pipelines)"] = lambda: dali.epoch(0)
         cases["naive loop"] = lambda b=batch_size: naive_batches(images, labels, mesh, b)
         if grain_version() and not args.no_grain:
             cases.update(grain_cases(images, labels, mesh, batch_size, cap=args.dataloader_cap))
-        drain(loader.epoch(0))  # warm-up: first-call costs of device_put
-        _, epoch_bytes = drain(loader.epoch(0))
+        for name, make in cases.items():
+            if name.startswith(("reference", "dali")):
+                drain(make())  # warm-up: compilation, first-call costs of device_put
+        _, epoch_bytes = drain(by_placement["host"].epoch(0))
         sizes = {}
         timed = {name: (lambda n=name, make=make: sizes.__setitem__(n, drain(make())))
                  for name, make in cases.items()}
@@ -201,8 +213,78 @@ def loader_section(images, labels, mesh, args) -> dict:
                              "gb_per_s": nbytes / seconds[name] / 1e9}
             results[name]["fraction_of_copy"] = results[name]["gb_per_s"] / limit
         for r in results.values():
-            r["reference_speedup"] = results["reference"]["images_per_s"] / r["images_per_s"]
+            r["reference_speedup"] = results[REFERENCE]["images_per_s"] / r["images_per_s"]
         out[f"per_device_{batch_size}"] = {"copy_limit_gb_per_s": limit, "loaders": results}
+    return out
+
+
+def dali_loader_or_none(images, labels, mesh, batch_size: int, args):
+    """DALI's CPU pipelines over the same records (DALI's arithmetic: same work, its
+    own bits), or None without DALI or on accelerators (bench measures CPU here)."""
+    if args.no_dali or mesh.devices.flat[0].platform != "cpu":
+        return None
+    try:
+        import dali_loader
+        dali_loader.import_dali()
+    except ImportError:
+        return None
+    norm = loaders.Normalize(arithmetic="dali")
+    return dali_loader.make_dali_loader((images, labels), mesh, batch_size, shuffle=True, normalize=norm,
+                                        cache_dir=args.cache_dir, num_threads=1)
+
+
+def dali_version() -> str | None:
+    try:
+        from importlib.metadata import version
+        return version("nvidia-dali-cuda130")
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------
+# 2. Placements against the training step
+# --------------------------------------------------------------------------
+
+
+def placement_section(images, labels, mesh, args) -> dict:
+    """Per placement and global batch: loader step / train step, waiting, slowdown.
+
+    loader step: one epoch drained without training, per step. train step:
+    ``strategies.sharded`` on prebuilt batches, per step. waiting: a synchronous
+    loop (each step finished before the next batch is asked for) spends this
+    share of its wall time in next(); "device" hands out a dispatched gather,
+    so its cost shows in the slowdown instead: the epoch fed by the loader
+    against the same epoch on prebuilt batches.
+    """
+    n = mesh.devices.size
+    params = model.init_model()
+    replicated = strategies.replicate(params, mesh)
+    out = {}
+    for global_batch in args.placement_batches:
+        count = min(len(labels), max(args.overlap_images, 2 * global_batch))
+        data = (images[:count], labels[:count])
+        make = {p: loaders.make_loader(data, mesh, global_batch // n, shuffle=True, placement=p)
+                for p in loaders.PLACEMENTS}
+        prebuilt = list(make["host"].epoch(0))
+        strategies.sharded(params, prebuilt[:1], LEARNING_RATE, mesh)  # compile
+        waits = {p: [] for p in make}
+        cases = {"prebuilt": lambda: strategies.sharded(params, prebuilt, LEARNING_RATE, mesh)}
+        for p, loader in make.items():
+            drain(loader.epoch(0))  # compile the placement's device code
+            cases[f"loader {p}"] = lambda l=loader: drain(l.epoch(0))
+            cases[f"fed {p}"] = lambda l=loader: strategies.sharded(params, l.epoch(0), LEARNING_RATE, mesh)
+            cases[f"sync {p}"] = lambda l=loader, p=p: waits[p].append(synchronous_epoch(l, replicated))
+        times = rounds(cases, args.repeats)
+        steps = len(prebuilt)
+        train_step = statistics.median(times["prebuilt"]) / steps
+        row = {"images": count, "steps": steps, "train_step_ms": 1e3 * train_step}
+        for p in make:
+            loader_step = statistics.median(times[f"loader {p}"]) / steps
+            row[p] = {"loader_step_ms": 1e3 * loader_step, "loader_over_train": loader_step / train_step,
+                      "wait_fraction": statistics.median(waits[p]),
+                      "slowdown_fraction": paired(times, f"fed {p}", "prebuilt",
+                                                  lambda fed, pre: (fed - pre) / fed)}
+        out[f"global_{global_batch}"] = row
     return out
 
 
@@ -246,7 +328,7 @@ def training_section(images, labels, mesh, args) -> dict:
 
 
 # --------------------------------------------------------------------------
-# 4. Overlap of loading and training
+# Waiting for data
 # --------------------------------------------------------------------------
 
 
@@ -280,43 +362,8 @@ def synchronous_epoch(loader, params) -> float:
     return batches.wait_s / (time.perf_counter() - start)
 
 
-def overlap_section(images, labels, mesh, args) -> dict:
-    """Input stall of a training epoch (``sharded``, global batch 1024), two ways.
-
-    wait: a synchronous step loop (no async dispatch to hide a late batch), the
-    fraction of wall time blocked in next(). slowdown: ``strategies.sharded``
-    itself, epoch time fed by the loader vs on batches built beforehand; this
-    includes CPU contention between the loader thread and the step, but it is a
-    difference of two noisy times (a small negative value means none).
-    """
-    count = min(len(labels), args.overlap_images)
-    data = (images[:count], labels[:count])
-    batch_size = GLOBAL_BATCHES[-1] // mesh.devices.size
-    make = lambda prefetch: loaders.make_loader(data, mesh, batch_size, shuffle=True, prefetch=prefetch)
-    params = model.init_model()
-    replicated = strategies.replicate(params, mesh)
-    prebuilt = list(make(2).epoch(0))
-    strategies.sharded(params, prebuilt[:1], LEARNING_RATE, mesh)  # compile
-    waits = {2: [], 0: []}
-    cases = {"prebuilt": lambda: strategies.sharded(params, prebuilt, LEARNING_RATE, mesh)}
-    for prefetch in (2, 0):
-        cases[f"prefetch {prefetch}"] = lambda p=prefetch: strategies.sharded(params, make(p).epoch(0),
-                                                                              LEARNING_RATE, mesh)
-        cases[f"sync {prefetch}"] = lambda p=prefetch: waits[p].append(synchronous_epoch(make(p), replicated))
-    times = rounds(cases, args.repeats)
-    out = {"images": count, "steps": len(prebuilt), "prebuilt_s": statistics.median(times["prebuilt"])}
-    for prefetch in (2, 0):
-        name = f"prefetch {prefetch}"
-        out[f"prefetch_{prefetch}"] = {
-            "wait_fraction": statistics.median(waits[prefetch]),
-            "epoch_s": statistics.median(times[name]),
-            "slowdown_fraction": paired(times, name, "prebuilt", lambda fed, pre: (fed - pre) / fed),
-        }
-    return out
-
-
 # --------------------------------------------------------------------------
-# 5. Peak memory, in a fresh process
+# 4. Peak memory, in a fresh process
 # --------------------------------------------------------------------------
 
 
@@ -337,7 +384,7 @@ def reset_peak() -> None:
         pass  # the peaks then include JAX's start-up
 
 
-def memory_child(root: str, batch_size: int, prefetch: int) -> dict:
+def memory_child(root: str, batch_size: int, prefetch: int, placement: str) -> dict:
     """Runs in its own process: the peak RSS while reading, then over one epoch (MiB)."""
     mesh = loaders.data_mesh(jax.devices())
     jax.block_until_ready(jax.device_put(np.zeros(8), NamedSharding(mesh, P())))
@@ -345,7 +392,8 @@ def memory_child(root: str, batch_size: int, prefetch: int) -> dict:
     reset_peak()
     images, labels = loaders.read_cifar10(root)
     read_peak, after_read = rss_mb("VmHWM"), rss_mb()
-    loader = loaders.make_loader((images, labels), mesh, batch_size, shuffle=True, prefetch=prefetch)
+    loader = loaders.make_loader((images, labels), mesh, batch_size, shuffle=True, prefetch=prefetch,
+                                 placement=placement)
     batch_mb = sum(leaf.nbytes for leaf in jax.tree.leaves(loader.batch(0, 0))) / 2**20
     reset_peak()
     drain(loader.epoch(0))
@@ -354,17 +402,24 @@ def memory_child(root: str, batch_size: int, prefetch: int) -> dict:
             "read_peak_mb": read_peak - base, "epoch_peak_mb": rss_mb("VmHWM") - base}
 
 
+MEMORY_CASES = {"host_float32 prefetch 2": ("host_float32", 2), "host_float32 prefetch 0": ("host_float32", 0),
+                "host prefetch 2": ("host", 2), "device": ("device", 0)}
+
+
 def memory_section(root: str, args) -> dict:
     out = {}
-    for prefetch in (2, 0):
+    for name in args.memory_cases:
+        placement, prefetch = MEMORY_CASES[name]
         command = [sys.executable, os.path.abspath(__file__), "--memory-child", root,
-                   str(128), str(prefetch)]
+                   str(128), str(prefetch), placement]
         result = json.loads(subprocess.run(command, check=True, capture_output=True,
                                            text=True).stdout.splitlines()[-1])
         # What the design allows: the dataset, the queue, the batch being built and
-        # the one the consumer holds.
-        result["budget_mb"] = result["raw_mb"] + (prefetch + 2) * result["batch_mb"]
-        out[f"prefetch_{prefetch}"] = result
+        # the one the consumer holds (host placements); for "device", the dataset a
+        # second time as the devices' resident copy (CPU devices live in host memory).
+        alive = (prefetch + 2) * result["batch_mb"]
+        result["budget_mb"] = result["raw_mb"] * (2 if placement == "device" else 1) + alive
+        out[name] = result
     return out
 
 
@@ -376,17 +431,22 @@ def memory_section(root: str, args) -> dict:
 def goals(results: dict) -> list[dict]:
     b128 = results["loader"]["per_device_128"]["loaders"]
     grain = {k: v for k, v in b128.items() if k.startswith("grain")}
-    rows = [("loader at B=128: share of the copy limit", b128["reference"]["fraction_of_copy"], ">=", 0.40)]
+    rows = [("loader at B=128, placement host: share of the copy limit",
+             b128[REFERENCE]["fraction_of_copy"], ">=", 0.40)]
     if grain:
         best = max(grain, key=lambda k: grain[k]["images_per_s"])
         rows.append((f"reference / best Grain ({best}) at B=128",
-                     b128["reference"]["images_per_s"] / grain[best]["images_per_s"], ">=", 2.0))
-    rows.append(("training epoch waiting for data, prefetch on", results["overlap"]["prefetch_2"]["wait_fraction"],
-                 "<", 0.05))
-    memory = results["memory"]["prefetch_2"]
-    rows.append(("epoch peak RSS / (raw dataset + queue)", memory["epoch_peak_mb"] / memory["budget_mb"],
-                 "<=", 1.0))
-    rows.append(("read_cifar10 peak RSS / raw dataset", memory["read_peak_mb"] / memory["raw_mb"], "<=", 1.05))
+                     b128[REFERENCE]["images_per_s"] / grain[best]["images_per_s"], ">=", 2.0))
+    small = results["placements"][f"global_{min(results['placements_batches'])}"]
+    rows.append((f"training epoch waiting for data, placement device, global batch "
+                 f"{min(results['placements_batches'])}", small["device"]["wait_fraction"], "<", 0.05))
+    rows.append((f"epoch slowdown against prebuilt batches, placement device, global batch "
+                 f"{min(results['placements_batches'])}", small["device"]["slowdown_fraction"], "<", 0.05))
+    memory = results["memory"]
+    for name, m in memory.items():
+        rows.append((f"epoch peak RSS / budget, {name}", m["epoch_peak_mb"] / m["budget_mb"], "<=", 1.0))
+    first = next(iter(memory.values()))
+    rows.append(("read_cifar10 peak RSS / raw dataset", first["read_peak_mb"] / first["raw_mb"], "<=", 1.05))
     return [{"goal": g, "measured": m, "target": f"{op} {t}",
              "met": m >= t if op == ">=" else (m < t if op == "<" else m <= t)} for g, m, op, t in rows]
 
@@ -397,11 +457,21 @@ def markdown(results: dict) -> str:
     for key, section in results["loader"].items():
         lines += [f"**Loaders, {key.replace('_', ' ')}** (copy limit "
                   f"{section['copy_limit_gb_per_s']:.1f} GB/s)", "",
-                  "| loader | images/s | output GB/s | share of copy limit | reference / this |",
+                  "| loader | images/s | output GB/s | share of copy limit | reference, host / this |",
                   "| --- | ---: | ---: | ---: | ---: |"]
         for name, r in section["loaders"].items():
             lines.append(f"| {name} | {r['images_per_s']:,.0f} | {r['gb_per_s']:.2f} | "
                          f"{r['fraction_of_copy']:.0%} | {r['reference_speedup']:.2f} |")
+        lines.append("")
+    for key, row in results["placements"].items():
+        lines += [f"**Placements against training**, {key.replace('_', ' ')} ({row['images']:,} images, "
+                  f"{row['steps']} steps; train step {row['train_step_ms']:.1f} ms)", "",
+                  "| placement | loader step ms | loader / train step | waiting for data (sync loop) "
+                  "| epoch slowdown vs prebuilt |", "| --- | ---: | ---: | ---: | ---: |"]
+        for p in loaders.PLACEMENTS:
+            r = row[p]
+            lines.append(f"| {p} | {r['loader_step_ms']:.1f} | {r['loader_over_train']:.2f} | "
+                         f"{r['wait_fraction']:.1%} | {r['slowdown_fraction']:+.1%} |")
         lines.append("")
     lines += ["**Training** (per step, median; compile = first call - warm call)", "",
               "| global batch | strategy | step ms | / single | compile s |",
@@ -410,20 +480,11 @@ def markdown(results: dict) -> str:
         for name, r in row.items():
             lines.append(f"| {key.split('_')[1]} | {name} | {r['step_ms']:.1f} | "
                          f"{r['ratio_to_single']:.2f} | {r['compile_s']:.2f} |")
-    o = results["overlap"]
-    lines += ["", f"**Overlap** (sharded, global batch 1024, {o['images']:,} images, "
-              f"{o['steps']} steps; prebuilt batches {o['prebuilt_s']:.2f} s)", "",
-              "| prefetch | waiting for data (sync loop) | strategies.sharded epoch s | slowdown vs prebuilt |",
-              "| --- | ---: | ---: | ---: |"]
-    for p in (2, 0):
-        r = o[f"prefetch_{p}"]
-        lines.append(f"| {p} | {r['wait_fraction']:.1%} | {r['epoch_s']:.2f} | {r['slowdown_fraction']:+.1%} |")
     lines += ["", "**Memory** (one epoch, per-device batch 128, fresh process; MiB over the RSS before reading)", "",
-              "| prefetch | raw dataset | global batch | peak in read_cifar10 | held after read | peak in epoch | budget |",
+              "| case | raw dataset | global batch | peak in read_cifar10 | held after read | peak in epoch | budget |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for p in (2, 0):
-        m = results["memory"][f"prefetch_{p}"]
-        lines.append(f"| {p} | {m['raw_mb']:.0f} | {m['batch_mb']:.1f} | {m['read_peak_mb']:.0f} | "
+    for name, m in results["memory"].items():
+        lines.append(f"| {name} | {m['raw_mb']:.0f} | {m['batch_mb']:.1f} | {m['read_peak_mb']:.0f} | "
                      f"{m['after_read_mb']:.0f} | {m['epoch_peak_mb']:.0f} | {m['budget_mb']:.0f} |")
     lines += ["", "**Goals**", "", "| goal | measured | target | met |", "| --- | ---: | --- | --- |"]
     for g in results["goals"]:
@@ -439,38 +500,45 @@ def cpu_name() -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller data, fewer repeats (< 60 s)")
+    parser.add_argument("--quick", action="store_true", help="smaller data, fewer repeats (about a minute)")
     parser.add_argument("--num-train", type=int, help="synthetic images (default 50,000; quick 4,096)")
     parser.add_argument("--repeats", type=int, help="rounds per median (default 3; quick 2)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures here")
     parser.add_argument("--no-grain", action="store_true", help="skip Grain even if installed")
-    parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--no-dali", action="store_true", help="skip DALI even if installed")
+    parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
-        root, batch_size, prefetch = args.memory_child
-        print(json.dumps(memory_child(root, int(batch_size), int(prefetch))))
+        root, batch_size, prefetch, placement = args.memory_child
+        print(json.dumps(memory_child(root, int(batch_size), int(prefetch), placement)))
         return {}
     args.num_train = args.num_train or (4_096 if args.quick else 50_000)
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.train_steps = 2 if args.quick else 4
-    args.overlap_images = 4_096 if args.quick else 8_192
+    args.overlap_images = 2_048 if args.quick else 16_384
+    args.placement_batches = (256, 1024) if args.quick else (1024, 8192)
     args.dataloader_cap = 1_024 if args.quick else 4_096
+    args.memory_cases = ("host prefetch 2", "device") if args.quick else tuple(MEMORY_CASES)
     mesh = loaders.data_mesh(jax.devices())
     with tempfile.TemporaryDirectory() as root:
-        loaders.synthetic_cifar10(root, num_train=args.num_train, num_test=16)
+        args.cache_dir = os.path.join(root, "cache")
+        data = os.path.join(root, "cifar10")
+        loaders.synthetic_cifar10(data, num_train=args.num_train, num_test=16)
         start = time.perf_counter()
-        images, labels = loaders.read_cifar10(root)
+        images, labels = loaders.read_cifar10(data)
         read_s = time.perf_counter() - start
         results = {
             "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, "
                        f"{mesh.devices.size} {jax.devices()[0].platform} devices",
             "config": f"{args.num_train:,} images, {args.repeats} rounds, JAX {jax.__version__}, "
-                      f"NumPy {np.__version__}, Grain {grain_version() or 'not installed'}",
+                      f"NumPy {np.__version__}, Grain {grain_version() or 'not installed'}, "
+                      f"DALI {dali_version() or 'not installed'}",
             "read_cifar10_s": read_s,
             "loader": loader_section(images, labels, mesh, args),
+            "placements_batches": list(args.placement_batches),
+            "placements": placement_section(images, labels, mesh, args),
             "training": training_section(images, labels, mesh, args),
-            "overlap": overlap_section(images, labels, mesh, args),
-            "memory": memory_section(root, args),
+            "memory": memory_section(data, args),
         }
     results["goals"] = goals(results)
     print(markdown(results))

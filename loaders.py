@@ -670,14 +670,17 @@ class Normalize:
 def device_normalize(images_u8: jax.Array, table: jax.Array, window: tuple[int, int, int, int],
                      mirror: bool) -> jax.Array:
     """The same arithmetic in JAX, for traced uint8 (..., C, H, W): crop, flip, then a
-    gather from ``table`` (C, 256), so the bits are the table's on every device."""
+    gather from ``table`` (C, 256), or (1, 256) when every channel has the same
+    table, so the bits are the table's on every device."""
     y0, x0, ch, cw = window
-    x = images_u8[..., y0:y0 + ch, x0:x0 + cw]
+    x = images_u8[..., y0:y0 + ch, x0:x0 + cw].astype(jnp.int32)
     if mirror:
         x = jnp.flip(x, axis=-1)
     channels = table.shape[0]
+    if channels == 1:  # one table for every channel: a plain lookup, 1.6x faster on CPU
+        return jnp.take(table[0], x, mode="clip")
     rows = (256 * jnp.arange(channels, dtype=jnp.int32)).reshape(channels, 1, 1)
-    return jnp.take(table.reshape(-1), x.astype(jnp.int32) + rows, mode="clip")
+    return jnp.take(table.reshape(-1), x + rows, mode="clip")
 
 
 # --------------------------------------------------------------------------
@@ -856,7 +859,9 @@ class Loader:
         B = self.batch_size
         if self.placement != "host_float32":
             images = aligned_empty((idx.size,) + self.images.shape[1:], np.uint8)
-            np.take(self.images, idx.reshape(-1), axis=0, out=images)
+            # mode="clip" (the plan's indices are in range): with the default "raise"
+            # NumPy buffers the whole gather when out is a view, 30x slower here.
+            np.take(self.images, idx.reshape(-1), axis=0, out=images, mode="clip")
         elif isinstance(self.normalize, Normalize):
             images = aligned_empty((idx.size,) + self.normalize.output_shape(self.images.shape[1:]),
                                    np.float32)
@@ -1067,10 +1072,13 @@ _TABLES: dict = {}
 
 
 def _replicated_table(norm: Normalize, mesh: Mesh) -> jax.Array:
-    """``norm.table`` on every device of ``mesh`` (cached: placed once per mesh)."""
+    """``norm.table`` on every device of ``mesh`` (cached: placed once per mesh); one
+    row when every channel's is the same."""
     key = (norm.mean, norm.std, norm.arithmetic, mesh)
     if key not in _TABLES:
         table = norm.table
+        if (table == table[:1]).all():
+            table = table[:1]  # one row serves every channel (device_normalize)
         _TABLES[key] = jax.make_array_from_callback(table.shape, NamedSharding(mesh, P()),
                                                     lambda index: table[index])
     return _TABLES[key]

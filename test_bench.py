@@ -7,8 +7,9 @@ exit 0 and its JSON must hold every section with positive figures.
 import json
 import math
 import os
-import subprocess
 import sys
+
+from conftest import run_children
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -20,20 +21,28 @@ def positive(x) -> bool:
 def test_bench_quick_runs_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     command = [sys.executable, os.path.join(HERE, "bench.py"), "--quick", "--num-train", "1024",
-               "--repeats", "1", "--json", str(out)]
-    run = subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "| reference |" in run.stdout
+               "--repeats", "1", "--no-grain", "--json", str(out)]
+    [(code, stdout, stderr)] = run_children([command], timeout=240, cwd=HERE)
+    assert code == 0, stderr[-3000:]
+    assert "| reference, host |" in stdout
     results = json.loads(out.read_text())
-    assert {"machine", "config", "loader", "training", "overlap", "memory", "goals"} <= set(results)
+    assert {"machine", "config", "loader", "placements", "training", "memory", "goals"} <= set(results)
 
     for key in ("per_device_16", "per_device_128"):
         section = results["loader"][key]
         assert positive(section["copy_limit_gb_per_s"])
-        assert {"reference", "naive loop"} <= set(section["loaders"])
+        assert {"reference, host", "reference, device", "reference, host_float32",
+                "naive loop"} <= set(section["loaders"])
         for r in section["loaders"].values():
             assert positive(r["images_per_s"]) and positive(r["gb_per_s"]), r
             assert positive(r["fraction_of_copy"]) and positive(r["reference_speedup"]), r
+
+    for row in results["placements"].values():
+        assert positive(row["train_step_ms"]) and row["steps"] >= 1
+        for p in ("host", "device", "host_float32"):
+            assert positive(row[p]["loader_step_ms"]) and positive(row[p]["loader_over_train"])
+            assert 0.0 <= row[p]["wait_fraction"] < 1.0
+            assert -1.0 < row[p]["slowdown_fraction"] < 1.0
 
     for key in ("global_128", "global_1024"):
         row = results["training"][key]
@@ -42,15 +51,7 @@ def test_bench_quick_runs_and_writes_json(tmp_path):
             assert math.isfinite(r["step_ms"]) and math.isfinite(r["compile_s"]), r
         assert row["single"]["ratio_to_single"] == 1.0
 
-    overlap = results["overlap"]
-    assert positive(overlap["prebuilt_s"]) and overlap["steps"] >= 1
-    for p in ("prefetch_2", "prefetch_0"):
-        assert positive(overlap[p]["epoch_s"])
-        assert 0.0 <= overlap[p]["wait_fraction"] < 1.0
-        assert -1.0 < overlap[p]["slowdown_fraction"] < 1.0
-
-    for p in ("prefetch_2", "prefetch_0"):
-        m = results["memory"][p]
+    for m in results["memory"].values():
         assert positive(m["raw_mb"]) and positive(m["batch_mb"]) and positive(m["budget_mb"])
         assert m["read_peak_mb"] >= 0 and m["epoch_peak_mb"] >= 0
 
