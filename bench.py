@@ -40,6 +40,10 @@ import sys
 import tempfile
 import time
 
+# GPU memory on demand, not 75% up front: the memory section's child process
+# needs some of it too.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -412,8 +416,10 @@ def memory_section(root: str, args) -> dict:
         placement, prefetch = MEMORY_CASES[name]
         command = [sys.executable, os.path.abspath(__file__), "--memory-child", root,
                    str(128), str(prefetch), placement]
-        result = json.loads(subprocess.run(command, check=True, capture_output=True,
-                                           text=True).stdout.splitlines()[-1])
+        # The child runs on this process's platform, without preallocating GPU memory.
+        env = dict(os.environ, JAX_PLATFORMS=jax.devices()[0].platform, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        result = json.loads(subprocess.run(command, check=True, capture_output=True, env=env,
+                                           text=True, timeout=600).stdout.splitlines()[-1])
         # What the design allows: the dataset, the queue, the batch being built and
         # the one the consumer holds (host placements); for "device", the dataset a
         # second time as the devices' resident copy (CPU devices live in host memory).
