@@ -68,8 +68,9 @@ Deliberate differences from rocAL and DALI, and why:
 
 Devices: nothing here uses JAX's default device or backend. Every array goes to
 the devices of the mesh it was given, so a mesh of CPU devices on a GPU host
-stays on the CPU. Supported: JAX 0.7 or newer (``jax.shard_map`` at top level,
-``jax.sharding.Mesh`` with ``axis_types``); NumPy >= 1.25.
+stays on the CPU. Supported: JAX 0.10 or newer (tested on 0.10.2; the module
+itself needs only ``jax.shard_map`` at top level and ``jax.sharding.Mesh`` with
+``axis_types``, so 0.7+); NumPy >= 1.25.
 """
 
 from __future__ import annotations
