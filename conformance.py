@@ -212,7 +212,7 @@ def _order(k: int, got: np.ndarray, want: np.ndarray, found: Findings) -> None:
         return
     B = got.shape[1]
     for shift in range(-4 * B, 4 * B + 1):  # a stream that starts early or late
-        if not shift:
+        if not shift or abs(shift) >= len(flat_got):  # (a shift past the end would wrap the slices)
             continue
         a = flat_got[max(shift, 0):len(flat_got) + min(shift, 0)]
         b = flat_want[max(-shift, 0):len(flat_want) + min(-shift, 0)]
@@ -256,3 +256,23 @@ def describe_content(images_BCHW, labels_B, indices_B, ref_images, ref_labels,
         found.append(f"{bad.sum()} images differ from the {normalize.arithmetic} table of their "
                      f"sample{note}")
     return found
+
+
+def real_first(delivered: list, masks: list) -> tuple[list, list]:
+    """Each shard's slots reordered real first (stable), for ``describe_epoch`` on a
+    shuffled epoch whose padding may sit anywhere in the shard (rocAL shuffles its
+    padding copies in among the real samples).
+
+    With shuffle on, the spec fixes neither the order nor where the padding sits,
+    only how many slots are real: after this, describe_epoch's positional mask
+    check compares each shard's count of real slots with the plan's. Its other
+    checks look at a shard's slots as a whole, except "same batch on several
+    shards" and the step numbers in its examples, which then refer to the
+    reordered slots. Returns new (delivered, masks), each shard (steps, B)."""
+    out_delivered, out_masks = [], []
+    for got, mask in zip(delivered, masks):
+        mask = np.asarray(mask, bool)[:len(got)]
+        order = np.argsort(~mask.ravel(), kind="stable")
+        out_delivered.append(np.asarray(got).ravel()[order].reshape(got.shape))
+        out_masks.append(mask.ravel()[order].reshape(mask.shape))
+    return out_delivered, out_masks

@@ -349,13 +349,15 @@ def run(args: argparse.Namespace) -> dict:
             params = params0
             say(f"--- {name} ---")
             for epoch in range(args.epochs):
-                real = loader.real_samples(epoch)  # from the host-side plan: no device work
                 start = time.perf_counter()
                 batches = loader.epoch(epoch)
                 if jax.process_index() == 0:
                     batches = with_progress(batches, steps, f"{name} epoch {epoch + 1}")
                 params, losses = train(params, batches, args.lr, mesh)
                 seconds = time.perf_counter() - start
+                # After the epoch: a vendor loader may only know then which of its
+                # slots were padding (rocAL's shuffled drop). No device work either way.
+                real = loader.real_samples(epoch)
                 accuracy = model.accuracy(params, test_loader.epoch(0))
                 row = {"strategy": name, "epoch": epoch + 1, "loss": float(np.mean(losses)),
                        "test_accuracy": accuracy, "seconds": seconds,

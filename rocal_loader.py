@@ -1,0 +1,741 @@
+"""AMD rocAL backend: the reference loader's sharded epochs, read and normalised by rocAL.
+
+One rocAL ``Pipeline`` per local device. Pipeline k (k = its device's position
+in the mesh, never ``device.id``) reads shard k with ``fn.readers.cifar10`` and
+runs ``fn.crop_mirror_normalize`` to float32 NCHW. Its outputs become row block
+k of global ``jax.Array``s through ``loaders.global_batch``, in both layouts, as
+``loaders.Loader`` gives them.
+
+What the rocAL notebook's code does on the rocAL that exists. Observed on rocAL
+2.3.0 (RPP 2.0.0, MIVisionX rocm-7.0.0), its CPU backend, built from ROCm's
+release-staging/rocm-rel-7.0 branches. test_rocal.py's conformance test checks
+the sharding, padding, DROP and shuffle facts on a real rocAL and fails when
+one changes; the race, the rotation and the defaults were measured by probes:
+
+* ``fn.readers.cifar10(shard_id=k, num_shards=n)`` ignores ``shard_id``: the
+  node builds one internal loader per shard, overwrites the caller's shard_id
+  and takes turns between them batch by batch. Every pipeline delivers the
+  same stream over the whole dataset, so EVERY DEVICE TRAINS ON THE SAME BATCH,
+  and an epoch is n times too long (3120 steps instead of 390 for the
+  notebook's 50000 samples, 8 GPUs, batch 16). Each stream also starts with a
+  sample from another shard.
+* ``LAST_BATCH_DROP`` (the notebook's policy) and ``pad_last_batch=False``
+  silently lose records; only ``LAST_BATCH_FILL`` with ``pad_last_batch=True``
+  delivers every record, padding with copies of the shard's last record and
+  not saying which slots are copies. DROP also moves the read position on by
+  B at every reset: a shard of whole batches starts its next epoch B late.
+* ``random_shuffle`` shuffles those padding copies in among the real samples;
+  it is seeded by the shard index (``std::mt19937(shard_id)``), not by the
+  Pipeline's seed: the same orders on every run, a new one each epoch.
+* ``rocal_run()`` can return OK once past the end of an epoch with a stale
+  batch, after which ``get_image_labels()`` raises "No meta data has been
+  loaded" (a race in ``MasterGraph::run``); an epoch stopped early and reset
+  restarts wherever the prefetcher had got to, a non-deterministic rotation
+  that stays for every later epoch.
+* ``crop_mirror_normalize`` flips every image unless told ``mirror=0``.
+* Files are read in raw ``readdir`` order. The notebook's ``ROCALJaxIterator``
+  is not in this rocAL (no ``plugin/jax.py``); the one upstream imports
+  ``PositionalSharding``, removed in JAX 0.7.
+
+What this module does about each:
+
+* sharding="files" (the default) writes shard k's records
+  ``[N*k//n, N*(k+1)//n)``, in ``read_cifar10``'s sorted order, as ONE file
+  ``data_batch_1.bin`` in a folder of its own (``shard_folders``: written once,
+  atomically, under a cache keyed by the dataset's content and (N, n)), and
+  pipeline k reads that folder with ``num_shards=1, shard_id=0``: rocAL's
+  sharding is never used. sharding="rocal" passes ``shard_id=k,
+  num_shards=n`` over the original folder, for a fixed rocAL; it checks at
+  build time that every pipeline's ``get_remaining_images()`` is its padded
+  shard's size and refuses otherwise, naming the bug. Nothing here lets two
+  devices receive the same stream silently.
+* Pipelines are always built with ``LAST_BATCH_FILL`` and
+  ``pad_last_batch=True``; the loader's ``last_batch`` is applied on top.
+* Before every run, ``get_remaining_images()`` must be exactly what is left
+  of the pipeline's epoch; a pipeline is never run at 0. After ``len()`` steps
+  the rest of rocAL's epoch is run and discarded (drop), also for an epoch the
+  consumer left early (at the next ``epoch()`` call), and only then is the
+  pipeline reset: every epoch starts at rocAL's true beginning.
+* The mask is found by content: a slot whose image (bit for bit the
+  ``Normalize(arithmetic="rocal")`` table's) and label equal the shard's last
+  record, beyond the number of the shard's records with that content, is
+  padding. At the end of each rocAL epoch the copies found must equal what
+  rocAL padded, or the epoch raises: a mask is never guessed. Shuffle off,
+  the mask is also checked to be the plan's at every step.
+* ``mirror`` is always passed explicitly; output layout, shape and dtype are
+  checked before a byte is copied (``copy_output``; rocAL's ``copy_data`` is a
+  raw memcpy without checks). Every rocAL error is re-raised naming the shard
+  and the step; a build that raises RuntimeError is retried a bounded number
+  of times (``BUILD_ATTEMPTS``).
+
+Worked example, N=9, n=2, B=2 (fill: 3 steps; drop: 2). Shard 0 is {0,1,2,3},
+shard 1 is {4,...,8}. ``*`` marks a padding slot (mask False); rows marked
+"rocAL" are what rocAL 2.3.0 delivered in a probe:
+
+    reader                           | shard 0             | shard 1
+    ---------------------------------+---------------------+-----------------------
+    rocAL, notebook (native, DROP)   | [0 4][0 1][5 6][2 3]| the same: 7, 8 never
+    rocAL, files mode                | [0 1][2 3]          | [4 5][6 7][8 8]
+    loader, fill                     | [0 1][2 3][3* 3*]   | [4 5][6 7][8 8*]
+    loader, drop                     | [0 1][2 3]          | [4 5][6 7], [8 8] run, discarded
+    rocAL, files mode, shuffled      | 2 batches of {0..3} | [6 8][7 4][5 8]; next: [6 7][8 8][4 5]
+    loader, fill, shuffled           | [p p][p p][3* 3*]   | [6 8][7 4][5 8*]; next: [6 7][8 8*][4 5]
+    loader, drop, shuffled           | [p p][p p]          | [6 8][7 4];       next: [6 7][8 8*]
+
+Guaranteed:
+
+* ``len()`` is ``loaders.num_steps(N, n, B, last_batch)`` on every shard, and
+  ``epoch(e)`` yields exactly that many steps.
+* Shard k holds the samples ``[N*k//n, N*(k+1)//n)`` and no other. fill: every
+  sample has exactly one mask-True slot per epoch. drop: no sample twice in a
+  mask-True slot.
+* Shuffle off: the global arrays are bit for bit those of
+  ``loaders.make_loader(..., normalize=Normalize(arithmetic="rocal"))``,
+  images, labels and mask (in files mode; in rocal mode once rocAL is fixed).
+* In files mode a shard of floor(N/n) samples, a multiple of B, gets an epoch
+  of ``ceil(S_k/B)`` rocAL batches, one fewer than ``len()``: that step is
+  filled here with B copies of the shard's last record, mask False.
+
+Not guaranteed (rocAL's, stated): the order with shuffle is rocAL's, a function
+of the shard's size and how many epochs this loader has read, never of
+``seed`` or ``epoch``; in files mode every pipeline is shard 0 of 1, so shards
+of equal size are permuted alike. drop with shuffle: padding copies that rocAL
+shuffled into the first ``len()`` steps are masked, so such an epoch has fewer
+than ``n * len() * B`` real slots (``real_samples`` counts them once read).
+
+How the output reaches JAX:
+
+* CPU devices: rocAL's CPU backend (``rocal_cpu=True``, ``HOST_MEMORY``);
+  ``copy_output`` copies each output into a fresh 64-byte-aligned float32
+  buffer, and ``global_batch`` places block k on device k.
+* AMD GPUs (platform "rocm", or "gpu" on a ROCm JAX): the GPU backend
+  (``rocal_cpu=False``, ``DEVICE_MEMORY``, ``device_id`` = the device's local
+  hardware id). rocAL's tensor offers ``dlpack_device(device_id)`` and
+  ``__dlpack__(device_id)`` (a legacy capsule), not ``__dlpack_device__``;
+  ``RocalDLPack`` adapts it for ``jax.dlpack.from_dlpack``, the imported alias
+  is copied on the device at once (JAX 0.10.2's ``copy=True`` still aliased on
+  CPU) and the copy waited for: rocAL's outputs are views of a ring buffer that
+  its second next run overwrites. NOT RUN: no AMD GPU was available; the
+  adapter is tested on CPU, the GPU path only by its arguments.
+
+Needs loaders.py; amd.rocal is imported lazily (this module loads without it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import glob
+import hashlib
+import io
+import os
+import shutil
+import sys
+import tempfile
+from typing import Iterator, Sequence
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+import loaders
+
+INSTALL_HINT = (
+    "the rocAL backend needs AMD rocAL's Python package amd.rocal, which is not on PyPI: on a "
+    "ROCm host install the OS packages 'rocal' and 'rocal-dev' (e.g. `apt install rocal rocal-dev`) "
+    "and run with PYTHONPATH=/opt/rocm/lib, where they put amd.rocal; or build rocAL for its CPU "
+    "backend and put its lib folder on PYTHONPATH and LD_LIBRARY_PATH"
+)
+SHARDINGS = ("files", "rocal")
+DEFAULT_CACHE = os.path.join("~", ".cache", "refimpl")
+SHARD_FILE = "data_batch_1.bin"  # the only file in a shard's folder
+BUILD_ATTEMPTS = 3
+# What rocAL prints on every pipeline it builds; kept off stdout (anything else is passed on).
+ROCAL_CHATTER = ("Pipeline has been created succesfully", "OK: loaded ")
+ROCAL_SHARDING_BUG = (
+    "rocAL's sharding bug: fn.readers.cifar10 ignores shard_id (rocAL 2.3.0 builds one internal "
+    "loader per shard and overwrites the caller's shard_id, so every pipeline reads the whole "
+    "dataset and every device would train on the same batch)"
+)
+
+
+def import_rocal():
+    """``(Pipeline, fn, types)`` from amd.rocal; ImportError saying how to install it."""
+    try:
+        from amd.rocal.pipeline import Pipeline
+        import amd.rocal.fn as fn
+        import amd.rocal.types as types
+    except ImportError as error:
+        raise ImportError(f"{INSTALL_HINT} (import failed: {error})") from error
+    return Pipeline, fn, types
+
+
+def is_amd_gpu(device: jax.Device) -> bool:
+    """Platform "rocm", or "gpu" on a JAX built for ROCm."""
+    if device.platform == "rocm":
+        return True
+    version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
+    return device.platform == "gpu" and ("rocm" in version or "hip" in version)
+
+
+def usable(devices: Sequence[jax.Device] | Mesh) -> bool:
+    """What ``--backend auto`` asks: is every device an AMD GPU, and does amd.rocal import?
+
+    The notebook's hosts. On CPU devices the CPU backend works too, but only when
+    asked for (``--backend rocal``)."""
+    devices = list(devices.devices.flat) if isinstance(devices, Mesh) else list(devices)
+    if not devices or not all(is_amd_gpu(d) for d in devices):
+        return False
+    try:
+        import_rocal()
+    except ImportError:
+        return False
+    return True
+
+
+def rocal_version() -> str:
+    """rocAL's version from its library's file name (rocAL has no version call), or "?"."""
+    import rocal_pybind
+    names = glob.glob(os.path.join(os.path.dirname(rocal_pybind.__file__), "librocal.so.*.*.*"))
+    return names[0].rsplit(".so.", 1)[1] if names else "?"
+
+
+# --------------------------------------------------------------------------
+# Files mode: one CIFAR-10 file per shard
+# --------------------------------------------------------------------------
+
+
+def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int,
+                  cache_dir: str | os.PathLike) -> list[str]:
+    """Folder k holds shard k's records ``[N*k//n, N*(k+1)//n)``, in order, as one
+    CIFAR-10 file ``data_batch_1.bin``. Returns the n folders.
+
+    They live in ``cache_dir/rocal-shards-<N>-of-<n>-<hash>``, the hash taken over
+    the images' shape and bytes and the labels, so a changed dataset never reuses
+    stale files and the same one is written once. The set is written into a
+    temporary folder and renamed: a reader never sees half of it, and of two
+    concurrent writers the first rename wins. Raises ValueError for images that
+    are not CIFAR-10's uint8 (N, 3, 32, 32), labels outside 0..9, more shards than
+    samples, or a cached file of the wrong size (named).
+    """
+    images_NCHW, labels_N = np.ascontiguousarray(images_NCHW), np.asarray(labels_N)
+    if images_NCHW.dtype != np.uint8 or images_NCHW.shape[1:] != loaders.IMAGE_SHAPE \
+            or labels_N.shape != images_NCHW.shape[:1]:
+        raise ValueError(f"shard_folders: rocAL's cifar10 reader needs uint8 images (N, 3, 32, 32) "
+                         f"and N labels, got images {images_NCHW.dtype} {images_NCHW.shape}, "
+                         f"labels {labels_N.shape}")
+    N = len(labels_N)
+    loaders.shard_bounds(N, 0, num_shards)  # more shards than samples
+    digest = hashlib.blake2b(repr(images_NCHW.shape).encode(), digest_size=16)
+    digest.update(memoryview(images_NCHW).cast("B"))
+    digest.update(labels_N.astype(np.int32).tobytes())
+    cache_dir = os.path.expanduser(os.fspath(cache_dir))
+    top = os.path.join(cache_dir, f"rocal-shards-{N}-of-{num_shards}-{digest.hexdigest()}")
+    folders = [os.path.join(top, f"shard-{k:05d}") for k in range(num_shards)]
+    if not os.path.isdir(top):
+        os.makedirs(cache_dir, exist_ok=True)
+        scratch = tempfile.mkdtemp(dir=cache_dir, prefix=".rocal-shards-writing-")
+        try:
+            for k in range(num_shards):
+                start, stop = loaders.shard_bounds(N, k, num_shards)
+                os.mkdir(os.path.join(scratch, os.path.basename(folders[k])))
+                loaders.write_cifar10(os.path.join(scratch, os.path.basename(folders[k]), SHARD_FILE),
+                                      images_NCHW[start:stop], labels_N[start:stop])
+            os.rename(scratch, top)
+        except OSError:
+            shutil.rmtree(scratch, ignore_errors=True)
+            if not os.path.isdir(top):  # else another process renamed its copy first
+                raise
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+    for k, folder in enumerate(folders):  # a damaged cache is named, never read
+        start, stop = loaders.shard_bounds(N, k, num_shards)
+        path = os.path.join(folder, SHARD_FILE)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else None
+        if size != (stop - start) * loaders.RECORD_BYTES or names != [SHARD_FILE]:
+            raise ValueError(f"{path}: the cached shard should hold {stop - start} records, alone in "
+                             f"its folder (size {size}, folder holds {names}); delete {top} to have "
+                             f"it written again")
+    return folders
+
+
+def rocal_padded_size(num_samples: int, num_shards: int, shard_id: int, batch_size: int) -> int:
+    """What ``get_remaining_images()`` says at the start of an epoch of shard k of n
+    under FILL + pad_last_batch when rocAL's sharding works: rocAL pads every shard
+    with copies of its last record up to a whole number of batches of the largest
+    shard, or not at all when the largest shard is a whole number of batches
+    (``CIFAR10DataReader::subfolder_reading``)."""
+    start, stop = loaders.shard_bounds(num_samples, shard_id, num_shards)
+    largest = -(-num_samples // num_shards)
+    return -(-largest // batch_size) * batch_size if largest % batch_size else stop - start
+
+
+# --------------------------------------------------------------------------
+# The loader
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    """What the loader knows of shard k before reading it: its size and rocAL's
+    epoch over it (batches, padding copies), its last record normalised (the
+    padding's content) and how many of its records have that content."""
+    size: int
+    batches: int
+    padded: int
+    last_image: np.ndarray = dataclasses.field(repr=False)  # float32 (C, ch, cw), the table's bits
+    last_label: int
+    copies: int
+
+
+@dataclasses.dataclass(eq=False)
+class RocalLoader:
+    """Sharded epochs read by rocAL; see the module docstring for what is guaranteed.
+
+    Build it with ``make_rocal_loader``. ``len()`` steps per epoch; ``epoch(e)``
+    yields rocAL's next epoch as ``{"images" float32, "labels" int32, "mask"
+    bool}`` global arrays in ``layout``; ``close()`` releases the pipelines.
+    """
+    pipelines: dict[int, object]  # mesh position -> built rocAL Pipeline, local devices only
+    shards: dict[int, ShardInfo]
+    mesh: Mesh
+    batch_size: int
+    num_samples: int
+    layout: str
+    last_batch: str
+    shuffle: bool
+    sharding: str
+    on_gpu: bool
+    where: str
+    plan_mask: np.ndarray = dataclasses.field(repr=False)  # (steps, n, B)
+    ok_status: object = 0  # rocAL's types.OK
+    runs: dict[int, int] = dataclasses.field(default_factory=dict)  # batches run in rocAL's epoch
+    seen: dict[int, int] = dataclasses.field(default_factory=dict)  # slots holding the last record
+    real: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> real slots (drop+shuffle)
+    generation: int = 0
+
+    @property
+    def num_shards(self) -> int:
+        return self.mesh.devices.size
+
+    def __len__(self) -> int:
+        return loaders.num_steps(self.num_samples, self.num_shards, self.batch_size, self.last_batch)
+
+    def describe(self) -> str:
+        how = ("one CIFAR-10 file per shard, each read by a pipeline as shard 0 of 1 (rocAL's "
+               "sharding bypassed)" if self.sharding == "files" else "rocAL's own sharding")
+        return (f"AMD rocAL {rocal_version()} ({'GPU' if self.on_gpu else 'CPU'} backend): "
+                f"{len(self.pipelines)} pipeline(s), one per local device, shard = mesh position; "
+                f"{how}; FILL + pad_last_batch, padding masked by content; files in {self.where}")
+
+    def real_samples(self, epoch: int) -> int:
+        """Mask-True slots of ``epoch`` in the whole global batch. fill: N; drop without
+        shuffle, or where rocAL pads no shard: n * len() * B. Otherwise (drop with
+        shuffle) it depends on where rocAL shuffled its padding: known once ``epoch``
+        has been read, RuntimeError before."""
+        if self.last_batch == "fill":
+            return self.num_samples
+        if not self.shuffle or (len(self.pipelines) == self.num_shards
+                                and not any(shard.padded for shard in self.shards.values())):
+            return self.num_shards * len(self) * self.batch_size
+        if len(self.pipelines) != self.num_shards:
+            raise RuntimeError("RocalLoader.real_samples: with drop and shuffle the count comes from "
+                               "reading every shard; this process holds only some of them")
+        if epoch not in self.real:
+            raise RuntimeError(f"RocalLoader.real_samples({epoch}): with drop and shuffle, rocAL "
+                               f"shuffles its padding copies into the steps kept, so the count is "
+                               f"known only once epoch {epoch} has been read")
+        return self.real[epoch]
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
+        """rocAL's next epoch, ``len()`` steps; ``epoch`` only has to be >= 0 (it names
+        the epoch for ``real_samples``). An epoch left early is finished first."""
+        if epoch < 0 or start_step != 0:
+            raise ValueError(f"the rocAL backend yields whole epochs in order: got epoch={epoch}, "
+                             f"start_step={start_step} (rocAL pipelines cannot seek; start_step "
+                             f"must be 0)")
+        if not self.pipelines:
+            raise RuntimeError("RocalLoader.epoch: the loader is closed")
+        self._finish_and_reset(f"before epoch {epoch}")
+        self.generation += 1
+        return self._steps(epoch, self.generation)
+
+    def close(self) -> None:
+        """Releases the pipelines; the loader is unusable after."""
+        pipelines, self.pipelines = self.pipelines, {}
+        for pipe in pipelines.values():
+            pipe.rocal_release()
+
+    def _steps(self, epoch: int, generation: int):
+        devices = list(self.mesh.devices.flat)
+        real = 0
+        for step in range(len(self)):
+            if generation != self.generation:
+                raise RuntimeError(f"epoch {epoch}'s iterator was resumed after epoch() started "
+                                   f"another epoch")
+            blocks = {}
+            for k in self.pipelines:
+                where = f"epoch {epoch} step {step}"
+                if self.runs[k] < self.shards[k].batches:
+                    images, labels, mask = self._read(k, devices[k], where)
+                else:  # files mode: this shard's rocAL epoch is a batch short of the plan
+                    images, labels = self._padding(k, devices[k])
+                    mask = np.zeros(self.batch_size, bool)
+                if not self.shuffle and not np.array_equal(mask, self.plan_mask[step, k]):
+                    raise RuntimeError(
+                        f"rocAL, shard {k}, {where}: the shard's last record sits in slots "
+                        f"{np.flatnonzero(~mask).tolist()} as padding, the plan pads slots "
+                        f"{np.flatnonzero(~self.plan_mask[step, k]).tolist()}: rocAL's order is not "
+                        f"the plan's, so the mask cannot be the plan's")
+                real += int(mask.sum())
+                blocks[k] = {"images": images, "labels": labels, "mask": mask}
+            yield loaders.global_batch(blocks, self.mesh, self.layout)
+        self._finish(f"the end of epoch {epoch}")
+        self.real[epoch] = real
+
+    def _read(self, k: int, device: jax.Device, where: str):
+        """One rocAL run of shard k: (images, labels int32 (B,), mask by content)."""
+        pipe, shard, B = self.pipelines[k], self.shards[k], self.batch_size
+        where = f"rocAL, shard {k} on {device}, {where} (batch {self.runs[k] + 1} of its {shard.batches})"
+        remaining = _call(where, "get_remaining_images()", pipe.get_remaining_images)
+        left = (shard.batches - self.runs[k]) * B
+        if remaining != left:
+            raise RuntimeError(f"{where}: get_remaining_images() says {remaining}, but {left} samples "
+                               f"are left of this epoch of {shard.batches} batches of {B}")
+        status = _call(where, "rocal_run()", pipe.rocal_run)
+        if status != self.ok_status:
+            raise RuntimeError(f"{where}: rocal_run() returned {status!r} with {remaining} samples left")
+        self.runs[k] += 1
+        tensor = _call(where, "get_output_tensors()", pipe.get_output_tensors)[0]
+        if self.on_gpu:
+            images = device_images(tensor, device, self.shards[k].last_image.shape, B, where)
+            same = np.asarray(jnp.all(images == jnp.asarray(shard.last_image), axis=(1, 2, 3)))
+        else:
+            images = loaders.aligned_empty((B,) + shard.last_image.shape, np.float32)
+            copy_output(tensor, images, where)
+            same = np.all(images == shard.last_image, axis=(1, 2, 3))
+        labels = np.asarray(_call(where, "get_image_labels()", pipe.get_image_labels))
+        if labels.shape != (B,):
+            raise RuntimeError(f"{where}: get_image_labels() gave shape {labels.shape}, expected ({B},)")
+        mask = np.ones(B, bool)
+        for j in np.flatnonzero(same & (labels == shard.last_label)):
+            mask[j] = self.seen[k] < shard.copies  # the first `copies` are the shard's own records
+            self.seen[k] += 1
+        return images, labels.astype(np.int32), mask
+
+    def _padding(self, k: int, device: jax.Device):
+        shard, B = self.shards[k], self.batch_size
+        images = loaders.aligned_empty((B,) + shard.last_image.shape, np.float32)
+        images[:] = shard.last_image
+        if self.on_gpu:
+            images = jax.device_put(images, device)
+        return images, np.full(B, shard.last_label, np.int32)
+
+    def _finish(self, when: str) -> None:
+        """Runs and discards the rest of each pipeline's rocAL epoch, then checks that the
+        copies of the shard's last record it held are exactly what rocAL padded."""
+        devices = list(self.mesh.devices.flat)
+        for k, shard in self.shards.items():
+            while self.runs[k] < shard.batches:
+                self._read(k, devices[k], f"{when}, running out rocAL's epoch")
+            found = self.seen[k] - shard.copies
+            if found != shard.padded:
+                raise RuntimeError(
+                    f"rocAL, shard {k}, at {when}: its epoch held {self.seen[k]} slots with the content "
+                    f"of the shard's last record, of which {shard.copies} are the shard's own records, "
+                    f"so {found} padding copies; rocAL padded {shard.padded}. The masks of this epoch "
+                    f"cannot be trusted")
+
+    def _finish_and_reset(self, when: str) -> None:
+        started = [k for k in self.pipelines if self.runs[k]]
+        if started:
+            self._finish(when)
+        for k in started:
+            _call(f"rocAL, shard {k}, {when}", "rocal_reset_loaders()", self.pipelines[k].rocal_reset_loaders)
+        for k in self.pipelines:
+            self.runs[k] = self.seen[k] = 0
+
+
+def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
+                      layout: str = "sharded", filename_prefix: str = loaders.TRAIN_PREFIX,
+                      shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
+                      normalize: loaders.Normalize = loaders.Normalize(),
+                      cache_dir: str | os.PathLike | None = None, sharding: str = "files",
+                      num_threads: int = 1) -> RocalLoader:
+    """A ``RocalLoader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``),
+    or, in files mode, an ``(images uint8 (N, 3, 32, 32), labels_N)`` pair. ``batch_size``
+    is per device; shard k goes to ``devices[k]`` (or mesh position k). Shard files go
+    under ``cache_dir`` (default ~/.cache/refimpl). ``seed`` is passed to rocAL but
+    does not change its shuffle (see the module docstring).
+
+    Raises ImportError (how to install rocAL) without amd.rocal; ValueError for
+    everything ``loaders.make_loader`` refuses, a normalize that is not
+    ``Normalize(arithmetic="rocal")`` (rocAL computes rocAL's arithmetic), images
+    that are not CIFAR-10's (rocAL's reader is CIFAR-10 only: no MNIST), an
+    unknown sharding, num_threads < 1, devices that are neither all CPU nor all
+    AMD GPUs, and in rocal mode arrays instead of a folder or a folder rocAL
+    would read differently from ``read_cifar10``; RuntimeError when rocAL's
+    sharding does not work (rocal mode), or a pipeline cannot be built.
+    """
+    if not isinstance(normalize, loaders.Normalize) or normalize.arithmetic != "rocal":
+        raise ValueError(f"make_rocal_loader: normalize={normalize!r}: rocAL computes rocAL's "
+                         f"arithmetic; pass loaders.Normalize(..., arithmetic='rocal'), the spec of its bits")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"make_rocal_loader: sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if num_threads < 1:
+        raise ValueError(f"make_rocal_loader: num_threads must be >= 1, got {num_threads}")
+    is_folder = isinstance(data, (str, os.PathLike))
+    if sharding == "rocal" and not is_folder:
+        raise ValueError("make_rocal_loader: sharding='rocal' reads the CIFAR-10 files itself; "
+                         "pass the folder, not (images, labels) arrays")
+    _, _, types = import_rocal()  # how to install it, before any data is read
+    # The reference loader checks every argument as make_loader does; its plan is
+    # what the epochs are held to (the mask). It does no device work.
+    spec = loaders.make_loader(data, devices, batch_size, layout=layout, filename_prefix=filename_prefix,
+                               shuffle=shuffle, seed=seed, last_batch=last_batch,
+                               normalize=normalize, prefetch=0)
+    images, labels, mesh = spec.images, spec.labels, spec.mesh
+    if images.shape[1:] != loaders.IMAGE_SHAPE:
+        raise ValueError(f"make_rocal_loader: images of shape {images.shape[1:]}; rocAL's reader "
+                         f"is CIFAR-10's, (3, 32, 32) (for MNIST use the dali or reference backend)")
+    device_list = list(mesh.devices.flat)
+    if all(d.platform == "cpu" for d in device_list):
+        on_gpu = False
+    elif all(is_amd_gpu(d) for d in device_list):
+        on_gpu = True
+    else:
+        raise ValueError(f"make_rocal_loader: rocAL runs on CPU devices or AMD GPUs, got platform(s) "
+                         f"{sorted({d.platform for d in device_list})}")
+    n, N, B = len(device_list), len(labels), batch_size
+    if sharding == "files":
+        folders = shard_folders(images, labels, n, cache_dir if cache_dir is not None else DEFAULT_CACHE)
+        where, prefix = os.path.dirname(folders[0]), loaders.TRAIN_PREFIX
+    else:
+        _check_native_folder(os.fspath(data), filename_prefix)
+        folders, where, prefix = [os.fspath(data)] * n, os.fspath(data), filename_prefix
+    pipelines, shards = {}, {}
+    try:
+        for k in loaders.local_positions(mesh):
+            start, stop = loaders.shard_bounds(N, k, n)
+            native = dict(shard_id=k, num_shards=n) if sharding == "rocal" else {}
+            pipelines[k] = rocal_pipeline(
+                folders[k], batch_size=B, normalize=normalize, on_gpu=on_gpu,
+                device_id=device_list[k].local_hardware_id if on_gpu else 0,
+                filename_prefix=prefix, shuffle=shuffle, seed=seed, num_threads=num_threads, **native)
+            remaining = _call(f"rocAL, shard {k}, after build()", "get_remaining_images()",
+                              pipelines[k].get_remaining_images)
+            want = rocal_padded_size(N, n, k, B) if sharding == "rocal" else -(-(stop - start) // B) * B
+            if remaining != want and sharding == "rocal":
+                raise RuntimeError(
+                    f"make_rocal_loader(sharding='rocal'): the pipeline of shard {k} of {n} says "
+                    f"get_remaining_images() = {remaining}; with working sharding it would be {want} "
+                    f"({stop - start} samples, padded). This is {ROCAL_SHARDING_BUG}. Use "
+                    f"sharding='files' (the default)")
+            if remaining != want:
+                raise RuntimeError(f"rocAL, shard {k}: get_remaining_images() = {remaining} for a file "
+                                   f"of {stop - start} records read with FILL + pad_last_batch; "
+                                   f"expected {want}")
+            if want % B:  # rocal mode: rocAL pads no shard when the largest is whole batches
+                raise ValueError(f"make_rocal_loader(sharding='rocal'): rocAL would not pad shard {k} "
+                                 f"({want} samples, batch {B}) and FILL would never deliver its last "
+                                 f"{want % B}; use sharding='files' or another batch size")
+            shards[k] = _shard_info(images, labels, start, stop, B, want // B, normalize)
+    except BaseException:
+        for pipe in pipelines.values():
+            pipe.rocal_release()
+        raise
+    return RocalLoader(pipelines, shards, mesh, B, N, layout, last_batch, shuffle, sharding, on_gpu,
+                       where, spec.plan(0).mask, types.OK, {k: 0 for k in pipelines},
+                       {k: 0 for k in pipelines})
+
+
+def rocal_pipeline(file_root: str, *, batch_size: int, normalize: loaders.Normalize, on_gpu: bool,
+                   device_id: int = 0, shard_id: int = 0, num_shards: int = 1,
+                   filename_prefix: str = loaders.TRAIN_PREFIX, shuffle: bool = False, seed: int = 0,
+                   num_threads: int = 1, last_batch_policy: str = "FILL", pad_last_batch: bool = True):
+    """A built rocAL Pipeline: ``fn.readers.cifar10`` then ``fn.crop_mirror_normalize`` to
+    float32 NCHW, ``mirror`` always explicit. CPU backend (``rocal_cpu=True``,
+    HOST_MEMORY) or, ``on_gpu``, the GPU backend on GPU ``device_id`` (DEVICE_MEMORY).
+    The loader always reads with FILL + pad_last_batch; ``last_batch_policy`` ("FILL",
+    "DROP") and ``pad_last_batch`` are there to show what rocAL does with the others.
+
+    rocAL's ``build()`` calls ``exit(0)`` when its graph does not verify: that is
+    raised here as RuntimeError; a build that raises RuntimeError is retried,
+    ``BUILD_ATTEMPTS`` times in all. The two lines rocAL prints for every pipeline
+    are kept off stdout (and put in the error where the graph does not verify).
+    """
+    Pipeline, fn, types = import_rocal()
+    crop = normalize.crop or loaders.IMAGE_SHAPE[1:]
+    failures = []
+    for _ in range(BUILD_ATTEMPTS):
+        said: list[str] = []
+        pipe = None
+        try:
+            with _rocal_chatter_hidden(said):
+                pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
+                                seed=seed, rocal_cpu=not on_gpu, tensor_layout=types.NCHW,
+                                tensor_dtype=types.FLOAT,
+                                output_memory_type=types.DEVICE_MEMORY if on_gpu else types.HOST_MEMORY)
+                with pipe:
+                    raw = fn.readers.cifar10(
+                        file_root=file_root, shard_id=shard_id, num_shards=num_shards,
+                        filename_prefix=filename_prefix, random_shuffle=shuffle,
+                        last_batch_policy=getattr(types, f"LAST_BATCH_{last_batch_policy}"),
+                        pad_last_batch=pad_last_batch)
+                    out = fn.crop_mirror_normalize(
+                        raw, output_layout=types.NCHW, output_dtype=types.FLOAT, crop=tuple(crop),
+                        crop_pos_x=normalize.crop_pos[1], crop_pos_y=normalize.crop_pos[0],
+                        mirror=int(normalize.mirror),  # explicit: rocAL's default 1 flips every image
+                        mean=list(normalize.mean), std=list(normalize.std))
+                    pipe.set_outputs(out)
+                pipe.build()
+            return pipe
+        except SystemExit as stop:  # rocAL's build() ends the process when its graph does not verify
+            if pipe is not None:
+                pipe.rocal_release()
+            raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): the graph did not "
+                               f"verify, and rocAL called exit({stop.code}); it printed: "
+                               f"{' | '.join(said).strip()!r}") from None
+        except RuntimeError as error:  # seen once in ten builds in an early probe: retried
+            if pipe is not None:
+                pipe.rocal_release()
+            failures.append(f"{error}".strip())
+        except Exception as error:  # anything else would fail again
+            if pipe is not None:
+                pipe.rocal_release()
+            raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): building raised "
+                               f"{type(error).__name__}: {error}") from error
+    raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): building failed "
+                       f"{BUILD_ATTEMPTS} times; rocAL said: {failures}")
+
+
+def copy_output(tensor, out: np.ndarray, where: str = "rocAL") -> None:
+    """``tensor.copy_data(out)`` after checking what rocAL does not: ``out`` must be a
+    C-contiguous, writeable array of the tensor's ``dtype()`` and ``dimensions()``.
+    rocAL's copy_data is a raw memcpy of dimensions x itemsize bytes to ``out``'s
+    first byte, whatever ``out`` is. Raises RuntimeError, writing nothing, otherwise."""
+    dims, dtype = tuple(int(d) for d in tensor.dimensions()), np.dtype(tensor.dtype())
+    problems = [text for bad, text in [
+        (tensor.layout() != "NCHW", f"NCHW, rocAL's output is {tensor.layout()}"),
+        (out.shape != dims, f"shape {out.shape}, rocAL's output is {dims}"),
+        (out.dtype != dtype, f"dtype {out.dtype}, rocAL's output is {dtype}"),
+        (not out.flags.c_contiguous, "not C-contiguous"),
+        (not out.flags.writeable, "read-only")] if bad]
+    if problems:
+        raise RuntimeError(f"{where}: will not copy rocAL's output into a buffer that is "
+                           f"{'; '.join(problems)} (its copy_data would write the raw bytes anyway)")
+    tensor.copy_data(out)
+
+
+class RocalDLPack:
+    """A rocAL output tensor as ``jax.dlpack.from_dlpack`` wants it.
+
+    rocAL's tensor has ``dlpack_device(device_id)`` and ``__dlpack__(device_id)``
+    (both need the GPU id; a legacy "dltensor" capsule), and no ``__dlpack_device__``;
+    JAX calls ``__dlpack_device__()`` and ``__dlpack__(stream=...)``."""
+
+    def __init__(self, tensor, device_id: int):
+        self.tensor, self.device_id = tensor, device_id
+
+    def __dlpack__(self, stream=None, **_):  # rocAL ignores streams
+        return self.tensor.__dlpack__(self.device_id)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        kind, index = self.tensor.dlpack_device(self.device_id)
+        return int(kind), int(index)
+
+
+def device_images(tensor, device: jax.Device, image_shape: tuple, batch_size: int,
+                  where: str = "rocAL") -> jax.Array:
+    """A rocAL output as a jax.Array on ``device``: checked, imported through DLPack, copied
+    on the device, and that copy finished before returning (rocAL reuses the buffer two
+    runs on)."""
+    dims, want = tuple(int(d) for d in tensor.dimensions()), (batch_size,) + tuple(image_shape)
+    if dims != want or np.dtype(tensor.dtype()) != np.float32 or tensor.layout() != "NCHW":
+        raise RuntimeError(f"{where}: rocAL's output is {tensor.dtype()} {dims} {tensor.layout()}, "
+                           f"expected float32 {want} NCHW")
+    hardware_id = device.local_hardware_id if device.local_hardware_id is not None else device.id
+    alias = jax.dlpack.from_dlpack(RocalDLPack(tensor, hardware_id), device=device)
+    # A copy of our own: JAX 0.10.2's from_dlpack(copy=True) returned an alias of the
+    # producer's buffer on CPU (seen here), whatever its docstring says.
+    return jnp.array(alias, copy=True).block_until_ready()
+
+
+@contextlib.contextmanager
+def _rocal_chatter_hidden(said: list):
+    """Runs the block with stdout (Python's and the C library's, fd 1) caught; appends
+    what was printed to ``said`` and passes every line but ``ROCAL_CHATTER`` on.
+    rocAL prints two lines for each pipeline it builds (32 for refimpl's two loaders
+    on 8 devices)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as sink, contextlib.redirect_stdout(io.StringIO()) as python:
+        os.dup2(sink.fileno(), 1)
+        try:
+            yield
+        finally:
+            ctypes.CDLL(None).fflush(None)  # rocAL's C++ output still in the C library's buffer
+            os.dup2(saved, 1)
+            os.close(saved)
+            sink.seek(0)
+            text = python.getvalue() + sink.read().decode(errors="replace")
+            said.append(text)
+            rest = [line for line in text.splitlines() if line.strip() and not line.startswith(ROCAL_CHATTER)]
+            if rest:
+                print("\n".join(rest), flush=True)
+
+
+def _call(where: str, what: str, fn, *args):
+    """``fn(*args)``, with any error re-raised naming the shard, the step and the call."""
+    try:
+        return fn(*args)
+    except Exception as error:
+        raise RuntimeError(f"{where}: {what} raised {type(error).__name__}: {str(error).strip()}") from error
+
+
+def _shard_info(images: np.ndarray, labels: np.ndarray, start: int, stop: int, batch_size: int,
+                batches: int, normalize: loaders.Normalize) -> ShardInfo:
+    """Shard [start, stop)'s last record normalised, and how many of its records
+    normalise to the same image with the same label (found on the uint8 window:
+    two pixel values are alike where the table maps them to the same float)."""
+    last = stop - 1
+    y0, x0, ch, cw = normalize.window(images.shape[2:])
+    # ids[c, x]: pixel values x that channel c's table maps to the same float share an id
+    ids = np.stack([np.unique(row, return_inverse=True)[1] for row in normalize.table]).astype(np.uint8)
+
+    def key(block):  # (count, C, ch, cw) uint8 ids
+        window = block[:, :, y0:y0 + ch, x0:x0 + cw]
+        return np.stack([ids[c][window[:, c]] for c in range(window.shape[1])], axis=1)
+
+    target = key(images[last:last + 1])
+    copies = 0
+    for lo in range(start, stop, 1024):
+        hi = min(lo + 1024, stop)
+        same = np.all(key(images[lo:hi]) == target, axis=(1, 2, 3)) & (labels[lo:hi] == labels[last])
+        copies += int(same.sum())
+    return ShardInfo(size=stop - start, batches=batches, padded=batches * batch_size - (stop - start),
+                     last_image=normalize(images[last:last + 1])[0], last_label=int(labels[last]),
+                     copies=copies)
+
+
+def _check_native_folder(root: str, prefix: str) -> None:
+    """sharding="rocal": rocAL must read the same records in the same order as
+    ``read_cifar10``: it matches ``prefix`` anywhere in a name (read_cifar10: at
+    the start), lists files in readdir order (read_cifar10: sorted), and reads
+    subfolders instead when the first name in sorted order is a folder."""
+    names = os.listdir(root)  # readdir order, what rocAL sees
+    if names and os.path.isdir(os.path.join(root, sorted(names)[0])):
+        raise ValueError(f"{root}: rocAL reads only the subfolders of a folder whose first entry "
+                         f"({sorted(names)[0]!r}) is a folder; move it out")
+    extra = sorted(n for n in names if prefix in n and not n.startswith(prefix))
+    if extra:
+        raise ValueError(f"{root}: rocAL would also read {extra}, which contain filename_prefix="
+                         f"{prefix!r}; move them out of the folder")
+    matching = [n for n in names if n.startswith(prefix) and os.path.isfile(os.path.join(root, n))]
+    if matching != sorted(matching):
+        raise ValueError(f"{root}: rocAL reads files in directory order {matching}, the spec in sorted "
+                         f"order; with sharding='rocal' the shards would differ (use sharding='files')")
