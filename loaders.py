@@ -860,9 +860,14 @@ class Loader:
         B = self.batch_size
         if self.placement != "host_float32":
             images = aligned_empty((idx.size,) + self.images.shape[1:], np.uint8)
-            # mode="clip" (the plan's indices are in range): with the default "raise"
-            # NumPy buffers the whole gather when out is a view, 30x slower here.
-            np.take(self.images, idx.reshape(-1), axis=0, out=images, mode="clip")
+            if self.images.flags.c_contiguous:
+                # mode="clip" (the plan's indices are in range): with the default "raise"
+                # NumPy buffers the whole gather when out is a view, 30x slower here.
+                np.take(self.images, idx.reshape(-1), axis=0, out=images, mode="clip")
+            else:
+                # read_cifar10's images are a strided view (3073-byte records): np.take
+                # would first copy the WHOLE dataset to make it contiguous, every step.
+                np.copyto(images, self.images[idx.reshape(-1)])
         elif isinstance(self.normalize, Normalize):
             images = aligned_empty((idx.size,) + self.normalize.output_shape(self.images.shape[1:]),
                                    np.float32)
