@@ -400,7 +400,12 @@ def memory_child(root: str, batch_size: int, prefetch: int, placement: str) -> d
                                  placement=placement)
     batch_mb = sum(leaf.nbytes for leaf in jax.tree.leaves(loader.batch(0, 0))) / 2**20
     reset_peak()
-    drain(loader.epoch(0))
+    previous = None
+    for batch in loader.epoch(0):  # as a training loop consumes: at most two steps in flight
+        if previous is not None:
+            jax.block_until_ready(previous)
+        previous = batch
+    jax.block_until_ready(previous)
     return {"raw_mb": len(labels) * loaders.RECORD_BYTES / 2**20, "batch_mb": batch_mb,
             "baseline_mb": base, "after_read_mb": after_read - base,
             "read_peak_mb": read_peak - base, "epoch_peak_mb": rss_mb("VmHWM") - base}
