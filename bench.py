@@ -265,7 +265,7 @@ def placement_section(images, labels, mesh, args) -> dict:
     replicated = strategies.replicate(params, mesh)
     out = {}
     for global_batch in args.placement_batches:
-        count = min(len(labels), max(args.overlap_images, 2 * global_batch))
+        count = min(len(labels), max(args.placement_images, 2 * global_batch))
         data = (images[:count], labels[:count])
         make = {p: loaders.make_loader(data, mesh, global_batch // n, shuffle=True, placement=p)
                 for p in loaders.PLACEMENTS}
@@ -526,7 +526,7 @@ def main(argv=None) -> dict:
     args.num_train = args.num_train or (4_096 if args.quick else 50_000)
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.train_steps = 2 if args.quick else 4
-    args.overlap_images = 2_048 if args.quick else 16_384
+    args.placement_images = 2_048 if args.quick else 16_384
     args.placement_batches = (256, 1024) if args.quick else (1024, 8192)
     args.dataloader_cap = 1_024 if args.quick else 4_096
     args.memory_cases = ("host prefetch 2", "device") if args.quick else tuple(MEMORY_CASES)

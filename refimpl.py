@@ -277,9 +277,10 @@ def run(args: argparse.Namespace) -> dict:
         connect(args)
     try:
         jax.devices()
-    except RuntimeError as error:
+    except Exception as error:  # RuntimeError; JAX 0.10.2 raises a bare AssertionError
+        said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"--platform {args.platform or '(default)'}: JAX cannot start it here "
-                         f"({str(error).splitlines()[0]})") from error
+                         f"({said}); is its plugin installed (e.g. jax[cuda13], ROCm's jax wheels)?") from error
     import numpy as np
     import loaders
     import model

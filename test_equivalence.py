@@ -237,8 +237,8 @@ def _notebook_step(params, batch, learning_rate):
 
 
 def notebook_pmap(params, batches, learning_rate, mesh):
-    step = jax.pmap(_notebook_step, axis_name=model.AXIS, in_axes=(0, 0, None),
-                    devices=list(mesh.devices.flat))
+    devices = list(mesh.devices.flat)
+    step = jax.pmap(_notebook_step, axis_name=model.AXIS, in_axes=(0, 0, None), devices=devices)
     params = strategies.stack_replicas(params, mesh)
     for batch in batches:
         params, _ = step(params, batch, learning_rate)

@@ -152,6 +152,13 @@ def test_invalid_options_are_refused_before_any_work(tmp_path, args, fragments):
     assert not cache.exists(), "refused only after generating data"
 
 
+def test_a_platform_jax_cannot_start(tiny_dir, tmp_path):
+    cache = tmp_path / "cache"
+    _assert_clean_error(refimpl("--data-dir", tiny_dir, "--cache-dir", str(cache), "--platform", "tpu"),
+                        "--platform tpu: JAX cannot start it here")
+    assert not cache.exists()
+
+
 def test_auto_distributed_without_a_cluster(tiny_dir):
     _assert_clean_error(refimpl("--data-dir", tiny_dir, "--auto-distributed"),
                         "--auto-distributed: no cluster was detected")
