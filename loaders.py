@@ -646,6 +646,9 @@ class Normalize:
     def __post_init__(self):
         _mean_std(self.mean, self.std)
         _check_arithmetic(self.arithmetic)
+        # Tuples of floats whatever was passed (lists too): a Normalize is a hashable value.
+        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
+        object.__setattr__(self, "std", tuple(float(v) for v in self.std))
 
     @property
     def table(self) -> np.ndarray:
@@ -886,8 +889,8 @@ class Loader:
         if not 0 <= step < len(self):
             raise IndexError(f"step={step} is outside [0, {len(self)})")
         if self.placement == "device":
-            return self._device_step(self._place_plan(self.plan(epoch)), step)
-        return self._host_step(self.plan(epoch), step)
+            return self._device_step(self._device_work(), self._place_plan(self.plan(epoch)), step)
+        return self._host_step(self._device_work(), self.plan(epoch), step)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
         """Steps ``start_step .. len-1`` of ``epoch``. Host placements prepare them
@@ -900,17 +903,28 @@ class Loader:
             raise IndexError(f"start_step={start_step} is outside [0, {len(self)}]")
         plan = self.plan(epoch)
         steps = range(start_step, len(self))
+        work = self._device_work()  # resolved once an epoch, not every step
         if self.placement == "device":
             placed = self._place_plan(plan)
-            return (self._device_step(placed, s) for s in steps)
-        return _prefetched(functools.partial(self._host_step, plan), steps, self.prefetch)
+            return (self._device_step(work, placed, s) for s in steps)
+        return _prefetched(functools.partial(self._host_step, work, plan), steps, self.prefetch)
 
-    def _host_step(self, plan: Plan, step: int) -> dict[str, jax.Array]:
+    def _device_work(self):
+        """(the jitted device function, the table on every device) of placements
+        "host" and "device"; None for "host_float32"."""
+        if self.placement == "host_float32":
+            return None
+        norm = self.normalize
+        window = norm.window(self.images.shape[2:])
+        fn = (_normalize_fn(self.mesh, window, norm.mirror) if self.placement == "host"
+              else _device_step_fn(self.mesh, self.layout, window, norm.mirror))
+        return fn, _replicated_table(norm.mean, norm.std, norm.arithmetic, self.mesh)
+
+    def _host_step(self, work, plan: Plan, step: int) -> dict[str, jax.Array]:
         batch = global_batch_from_rows(self.host_rows(plan, step), self.mesh, self.layout)
-        if self.placement == "host":
-            norm = self.normalize
-            fn = _normalize_fn(self.mesh, norm.window(self.images.shape[2:]), norm.mirror)
-            batch["images"] = fn(batch["images"], _replicated_table(norm, self.mesh))
+        if work is not None:  # placement "host": normalise on the devices
+            fn, table = work
+            batch["images"] = fn(batch["images"], table)
         return batch
 
     def _place_plan(self, plan: Plan) -> dict[str, jax.Array]:
@@ -921,10 +935,9 @@ class Loader:
         mask = plan.mask.swapaxes(0, 1)
         return {"indices": _by_position(local, self.mesh), "mask": _by_position(mask, self.mesh)}
 
-    def _device_step(self, placed: dict, step: int) -> dict[str, jax.Array]:
-        norm = self.normalize
-        fn = _device_step_fn(self.mesh, self.layout, norm.window(self.images.shape[2:]), norm.mirror)
-        return fn(self.resident, placed, _replicated_table(norm, self.mesh), np.int32(step))
+    def _device_step(self, work, placed: dict, step: int) -> dict[str, jax.Array]:
+        fn, table = work
+        return fn(self.resident, placed, table, np.int32(step))
 
 
 def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
@@ -1074,20 +1087,14 @@ def _device_step_fn(mesh: Mesh, layout: str, window: tuple, mirror: bool):
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=P(DATA_AXIS)))
 
 
-_TABLES: dict = {}
-
-
-def _replicated_table(norm: Normalize, mesh: Mesh) -> jax.Array:
-    """``norm.table`` on every device of ``mesh`` (cached: placed once per mesh); one
-    row when every channel's is the same."""
-    key = (norm.mean, norm.std, norm.arithmetic, mesh)
-    if key not in _TABLES:
-        table = norm.table
-        if (table == table[:1]).all():
-            table = table[:1]  # one row serves every channel (device_normalize)
-        _TABLES[key] = jax.make_array_from_callback(table.shape, NamedSharding(mesh, P()),
-                                                    lambda index: table[index])
-    return _TABLES[key]
+@functools.lru_cache(maxsize=64)
+def _replicated_table(mean: tuple, std: tuple, arithmetic: str, mesh: Mesh) -> jax.Array:
+    """The table on every device of ``mesh``, placed once per (table, mesh); one row
+    when every channel's is the same."""
+    table = normalize_table(mean, std, arithmetic)
+    if (table == table[:1]).all():
+        table = table[:1]  # one row serves every channel (device_normalize)
+    return jax.make_array_from_callback(table.shape, NamedSharding(mesh, P()), lambda index: table[index])
 
 
 # --------------------------------------------------------------------------
