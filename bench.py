@@ -232,7 +232,7 @@ def dali_loader_or_none(images, labels, mesh, batch_size: int, args):
         dali_loader.import_dali()
     except ImportError:
         return None
-    norm = loaders.Normalize(arithmetic="dali")
+    norm = loaders.Normalize(arithmetic="dali_cpu")
     return dali_loader.make_dali_loader((images, labels), mesh, batch_size, shuffle=True, normalize=norm,
                                         cache_dir=args.cache_dir, num_threads=1)
 

@@ -16,11 +16,11 @@ Guaranteed (each is checked against real DALI in test_dali.py):
   not. fill: every sample has exactly one mask-True slot per epoch; drop: no
   sample twice, all slots True. The mask is the plan's (``loaders.epoch_plan``).
 * Shuffle off: the global arrays are bit for bit those of ``loaders.make_loader(
-  ..., normalize=Normalize(arithmetic="dali"))``, images, labels and mask.
+  ..., normalize=Normalize(arithmetic="dali_cpu"))``, images, labels and mask.
 * Shuffle on: each shard's real slots are a permutation of that shard, the
   padding repeats the shard's last delivered sample, and the order is a function
   of (seed, shard, how many epochs this loader has read).
-* Pixels are ``Normalize(arithmetic="dali")``'s table bit for bit: that table
+* Pixels are ``Normalize(arithmetic="dali_cpu")``'s table bit for bit: that table
   is the specification of DALI's arithmetic, ``(x - mean) * (1 / std)`` in
   float32 with two roundings, crop anchors rounded half away from zero.
 
@@ -67,7 +67,7 @@ DALI's departures from the spec (loaders.py), and what this module does:
   reader): ``epoch(e)`` yields DALI's next epoch, ``e`` only has to be >= 0,
   and ``start_step`` must be 0.
 * ``crop_mirror_normalize`` defaults to ``mirror=0``; here mirror is always
-  passed explicitly (``int(normalize.mirror)``). Only ``arithmetic="dali"`` is
+  passed explicitly (``int(normalize.mirror)``). Only ``arithmetic="dali_cpu"`` is
   accepted: DALI computes DALI's arithmetic.
 
 How the output reaches JAX:
@@ -301,7 +301,7 @@ class DaliLoader:
 def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
                      layout: str = "sharded", filename_prefix: str = loaders.TRAIN_PREFIX,
                      shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
-                     normalize: loaders.Normalize = loaders.Normalize(arithmetic="dali"),
+                     normalize: loaders.Normalize = loaders.Normalize(arithmetic="dali_cpu"),
                      cache_dir: str | os.PathLike | None = None, num_threads: int = 1) -> DaliLoader:
     """A ``DaliLoader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``) or an
     ``(images_NCHW uint8, labels_N)`` pair (MNIST's (N, 1, 28, 28) too). ``batch_size`` is
@@ -311,12 +311,12 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
     Raises ImportError (how to install DALI) without nvidia.dali; ValueError for
     everything ``loaders.make_loader`` refuses (a batch larger than the smallest
     shard, more devices than samples, an unknown layout or policy, ...), a
-    normalize that is not ``Normalize(arithmetic="dali")``, num_threads < 1, or
+    normalize that is not ``Normalize(arithmetic="dali_cpu")``, num_threads < 1, or
     devices that are neither all CPU nor all NVIDIA GPUs.
     """
-    if not isinstance(normalize, loaders.Normalize) or normalize.arithmetic != "dali":
+    if not isinstance(normalize, loaders.Normalize) or normalize.arithmetic != "dali_cpu":
         raise ValueError(f"make_dali_loader: normalize={normalize!r}: DALI computes DALI's arithmetic; "
-                         f"pass loaders.Normalize(..., arithmetic='dali'), the spec of its bits")
+                         f"pass loaders.Normalize(..., arithmetic='dali_cpu'), the spec of its bits")
     if num_threads < 1:
         raise ValueError(f"make_dali_loader: num_threads must be >= 1, got {num_threads}")
     import_dali()  # how to install it, before any data is read

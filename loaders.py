@@ -100,7 +100,7 @@ DATA_AXIS = "data"
 LAST_BATCH_POLICIES = ("fill", "drop")
 LAYOUTS = ("sharded", "pmap")
 PLACEMENTS = ("host", "device", "host_float32")
-ARITHMETICS = ("rocal", "dali")
+ARITHMETICS = ("rocal", "dali_cpu", "dali_gpu")
 
 
 # --------------------------------------------------------------------------
@@ -491,7 +491,10 @@ def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str
     * "rocal": fma(x, inv, offset), inv = 1/std, offset = -(mean*inv) (C == 1:
       -(mean/std)), the exact x*inv + offset rounded once to float32 (computed
       here in exact rationals);
-    * "dali": (x - mean) * inv, inv = 1/std, each operation rounded to float32.
+    * "dali_cpu": (x - mean) * inv, inv = 1/std, each operation rounded to float32
+      (DALI's CPU kernel);
+    * "dali_gpu": fma(x, inv, add), inv = 1/std, add = -(mean*inv) for every C,
+      rounded once like "rocal" (DALI's GPU kernel).
 
     This table is the specification: every path that normalises looks it up.
     Raises ValueError for an unknown arithmetic, mean and std of different
@@ -506,9 +509,10 @@ def _table(mean: tuple, std: tuple, arithmetic: str) -> np.ndarray:
     mean32, std32 = np.asarray(mean, np.float32), np.asarray(std, np.float32)
     inv = np.float32(1) / std32
     x = np.arange(256, dtype=np.float32)
-    if arithmetic == "dali":
+    if arithmetic == "dali_cpu":
         return ((x[None, :] - mean32[:, None]) * inv[:, None]).astype(np.float32)
-    offset = -(mean32 / std32) if len(mean32) == 1 else -(mean32 * inv)
+    one_channel_rocal = arithmetic == "rocal" and len(mean32) == 1
+    offset = -(mean32 / std32) if one_channel_rocal else -(mean32 * inv)
     table = np.empty((len(mean32), 256), np.float32)
     for c in range(len(mean32)):
         scale, shift = Fraction(float(inv[c])), Fraction(float(offset[c]))
@@ -632,9 +636,9 @@ class Normalize:
 
     The default is the rocAL notebook's: no crop, no flip, mean = std = 127.5 per
     channel, rocAL's arithmetic. ``arithmetic`` picks whose bits ("rocal" or
-    "dali"), also for the crop anchor's rounding; ``table`` is the (C, 256)
+    "dali_cpu" or "dali_gpu"), also for the crop anchor's rounding; ``table`` is the (C, 256)
     specification. The DALI notebook's MNIST is ``Normalize(mean=(0.0,),
-    std=(255.0,), arithmetic="dali")``.
+    std=(255.0,), arithmetic="dali_cpu")``.
     """
     mean: tuple[float, ...] = (127.5, 127.5, 127.5)
     std: tuple[float, ...] = (127.5, 127.5, 127.5)

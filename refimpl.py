@@ -42,7 +42,8 @@ PLACEMENTS = ("auto", "host", "device", "host_float32")
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 # Each notebook's normalisation: rocAL's CIFAR-10 (x - 127.5) / 127.5, DALI's MNIST x / 255.
 NOTEBOOK_NORMALIZE = {"cifar10": ((127.5,) * 3, (127.5,) * 3), "mnist": ((0.0,), (255.0,))}
-NOTEBOOK_ARITHMETIC = {"cifar10": "rocal", "mnist": "dali"}
+ARITHMETICS = ("rocal", "dali_cpu", "dali_gpu")  # loaders.ARITHMETICS (not imported: fast errors)
+NOTEBOOK_ARITHMETIC = {"cifar10": "rocal", "mnist": "dali_cpu"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "host, normalised on the devices; host_float32: normalised on the host. "
                              "auto: device when the shard fits half of each device's free memory "
                              "(on CPU: of the host's), else host (default: %(default)s)")
-    parser.add_argument("--normalize", choices=("rocal", "dali"),
+    parser.add_argument("--normalize", choices=ARITHMETICS,
                         help="whose crop_mirror_normalize arithmetic (bits) to use (default: the "
                              "backend's, else the notebook's: rocal for cifar10, dali for mnist)")
     parser.add_argument("--matmul-precision", choices=("default", "high", "highest"), default="highest",
@@ -154,10 +155,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.backend in ("rocal", "dali") and args.placement != "auto":
         parser.error(f"--placement {args.placement}: only the reference backend has placements "
                      f"(--backend {args.backend} normalises in its own pipelines)")
-    vendor = {"rocal": "rocal", "dali": "dali"}.get(args.backend)
-    if vendor and args.normalize and args.normalize != vendor:
-        parser.error(f"--normalize {args.normalize}: --backend {args.backend} computes {vendor}'s "
-                     f"arithmetic; drop --normalize or use --normalize {vendor}")
+    vendor = {"rocal": ("rocal",), "dali": ("dali_cpu", "dali_gpu")}.get(args.backend)
+    if vendor and args.normalize and args.normalize not in vendor:
+        parser.error(f"--normalize {args.normalize}: --backend {args.backend} computes "
+                     f"{' or '.join(vendor)} arithmetic (by device kind); drop --normalize")
     explicit = [args.coordinator, args.num_processes, args.process_id]
     if any(v is not None for v in explicit) and any(v is None for v in explicit):
         parser.error("--coordinator, --num-processes and --process-id go together")
@@ -292,7 +293,7 @@ def run(args: argparse.Namespace) -> dict:
     backend = choose_backend(args.backend, args.dataset, devices)
     if args.backend == "auto":
         say(f"--backend auto chose {backend}")
-    arithmetic = args.normalize or {"rocal": "rocal", "dali": "dali"}.get(backend) or NOTEBOOK_ARITHMETIC[args.dataset]
+    arithmetic = args.normalize or {"rocal": "rocal", "dali": "dali_gpu" if devices[0].platform != "cpu" else "dali_cpu"}.get(backend) or NOTEBOOK_ARITHMETIC[args.dataset]
     mean, std = NOTEBOOK_NORMALIZE[args.dataset]
     normalize = loaders.Normalize(mean=mean, std=std, arithmetic=arithmetic)
     if backend == "rocal":

@@ -144,6 +144,6 @@ def test_content_names_labels_mirrored_pixels_and_another_arithmetic():
     assert found[0] == ("1 labels differ from the file (slot 1 holds sample 4 with label 9, "
                         "the file says 4)")
     assert "mirror=0 was not honoured" in found[1]
-    dali = loaders.Normalize(arithmetic="dali")(ref_images[indices])
+    dali = loaders.Normalize(arithmetic="dali_cpu")(ref_images[indices])
     [text] = conformance.describe_content(dali, ref_labels[indices], indices, ref_images, ref_labels, norm)
     assert "another arithmetic than the table's" in text

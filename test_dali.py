@@ -10,7 +10,7 @@ GPU test runs where JAX sees an NVIDIA GPU.
   (conformance.py): the report must be empty. Shuffle off, the global arrays
   must equal the reference loader's bit for bit.
 * Pixels: crop, mirror and per-channel mean/std equal Normalize(arithmetic=
-  "dali") bit for bit, and not the rocAL table (negative control).
+  "dali_cpu") bit for bit, and not the rocAL table (negative control).
 * DALI's departures from the spec, each asserted as DALI really behaves, so a
   test fails when DALI changes: the shuffled native sharding, shards moving
   without stick_to_shard, run() not stopping at the epoch end, a reader that
@@ -38,7 +38,7 @@ import loaders  # noqa: E402
 
 pytestmark = pytest.mark.dali
 
-DALI = loaders.Normalize(arithmetic="dali")  # mean = std = 127.5: every index decodes
+DALI = loaders.Normalize(arithmetic="dali_cpu")  # mean = std = 127.5: every index decodes
 CIFAR_MEAN, CIFAR_STD = (125.3, 123.0, 113.9), (63.0, 62.1, 66.7)
 
 
@@ -184,7 +184,7 @@ def test_crop_mirror_normalize_is_the_dali_table(devices, cache, crop, crop_pos,
     images = rng.integers(0, 256, size=(16,) + loaders.IMAGE_SHAPE, dtype=np.uint8)
     labels = rng.integers(0, 10, size=16).astype(np.int32)
     norm = loaders.Normalize(mean=CIFAR_MEAN, std=CIFAR_STD, crop=crop, crop_pos=crop_pos,
-                             mirror=mirror, arithmetic="dali")
+                             mirror=mirror, arithmetic="dali_cpu")
     loader = dali_loader.make_dali_loader((images, labels), devices[:2], 8, normalize=norm, cache_dir=cache)
     (batch,) = list(loader.epoch(0))
     loader.close()
@@ -351,7 +351,7 @@ def test_refusals(devices, cache):
 
     assert_raises_naming(ValueError, make(normalize=loaders.Normalize()), "arithmetic='rocal'",
                          "DALI computes DALI's arithmetic")
-    assert_raises_naming(ValueError, make(normalize=lambda x: x), "normalize=", "arithmetic='dali'")
+    assert_raises_naming(ValueError, make(normalize=lambda x: x), "normalize=", "arithmetic='dali_cpu'")
     assert_raises_naming(ValueError, make(batch_size=6), "batch_size=6", "smallest shard")
     assert_raises_naming(ValueError, make(num_threads=0), "num_threads", "got 0")
     assert_raises_naming(ValueError, make(layout="rows"), "'rows'")
@@ -369,7 +369,7 @@ def test_mnist_shaped_data_equals_the_reference(devices, cache, layout):
     rng = np.random.default_rng(3)
     images = rng.integers(0, 256, size=(50,) + loaders.MNIST_SHAPE, dtype=np.uint8)
     labels = rng.integers(0, 10, size=50).astype(np.int32)
-    norm = loaders.Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali")  # the DALI notebook's
+    norm = loaders.Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu")  # the DALI notebook's
     args = dict(layout=layout, last_batch="fill", normalize=norm)
     loader = dali_loader.make_dali_loader((images, labels), devices[:4], 5, cache_dir=cache, **args)
     reference = loaders.make_loader((images, labels), devices[:4], 5, prefetch=0, **args)

@@ -478,7 +478,7 @@ def test_mnist_errors_name_the_file_and_the_value(tmp_path):
 
 def test_mnist_through_the_loader_with_the_dali_notebooks_normalisation(devices, tmp_path):
     images, labels = random_mnist(3, 60)
-    norm = loaders.Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali")
+    norm = loaders.Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu")
     loader = loaders.make_loader((images, labels), devices[:3], 4, normalize=norm)
     batch = loader.batch(0, 1)
     assert batch["images"].shape == (12, 1, 28, 28)
@@ -609,7 +609,7 @@ STDS = st.sampled_from([127.5, 255.0, 63.0, 1.0]) | st.floats(1, 255, width=32)
 @given(st.lists(MEANS, min_size=3, max_size=3), st.lists(STDS, min_size=3, max_size=3))
 def test_each_vendors_formula_equals_its_table_bit_for_bit(means, stds):
     rocal = loaders.normalize_table(means, stds, "rocal")
-    dali = loaders.normalize_table(means, stds, "dali")
+    dali = loaders.normalize_table(means, stds, "dali_cpu")
     assert rocal.shape == dali.shape == (3, 256) and rocal.dtype == dali.dtype == np.float32
     for c in range(3):
         np.testing.assert_array_equal(rocal[c], rocal_formula(means[c], stds[c]), err_msg=f"rocal, channel {c}")
@@ -632,7 +632,7 @@ def test_the_notebook_values_against_the_naive_arithmetic():
     rocal = loaders.normalize_table(*NOTEBOOK, "rocal")[0]
     naive = (X.astype(np.float32) - np.float32(127.5)) / np.float32(127.5)
     assert (rocal != naive).sum() == 223
-    assert (rocal != loaders.normalize_table(*NOTEBOOK, "dali")[0]).sum() == 254
+    assert (rocal != loaders.normalize_table(*NOTEBOOK, "dali_cpu")[0]).sum() == 254
     # float32(1/127.5) is above 1/127.5, so rocAL maps 255 to 1.0000001, one ulp above
     # 1 (offset -(127.5 * inv) rounds to exactly -1); (255 - 127.5) / 127.5 is 1.
     assert rocal[0] == -1.0 and rocal[255] == np.nextafter(np.float32(1), np.float32(2))
@@ -651,14 +651,14 @@ def test_naive_division_is_caught_as_not_rocals_arithmetic():
 def test_crop_anchor_rounding_of_each_vendor(size, rocal, dali):
     # 0.5 * (32 - size): 1.5, 0.5, 2.5, 3.5, 1.0. rocAL rounds half to even, DALI half away.
     assert loaders.crop_anchor(0.5, 32, size, "rocal") == rocal
-    assert loaders.crop_anchor(0.5, 32, size, "dali") == dali
+    assert loaders.crop_anchor(0.5, 32, size, "dali_cpu") == dali
 
 
 def test_half_away_anchor_is_caught_as_not_rocals():
     # Negative control: the .5 cases where the vendors differ are visible in the pixels.
     image = coordinate_image()
     rocal = loaders.crop_mirror_normalize(image, crop=(31, 27), crop_pos=(0.5, 0.5), arithmetic="rocal")
-    dali = loaders.crop_mirror_normalize(image, crop=(31, 27), crop_pos=(0.5, 0.5), arithmetic="dali")
+    dali = loaders.crop_mirror_normalize(image, crop=(31, 27), crop_pos=(0.5, 0.5), arithmetic="dali_cpu")
     assert (rocal[0, 0, 0, 0], rocal[0, 1, 0, 0]) == (0, 2)  # rows from 0, columns from 2
     assert (dali[0, 0, 0, 0], dali[0, 1, 0, 0]) == (1, 3)
 
@@ -761,7 +761,7 @@ def test_placements_give_bit_identical_epochs(devices, cifar, count, seed, epoch
     data = (cifar[0][:size], cifar[1][:size])
     batch_size = min(3, size // count)
     norm = loaders.Normalize(crop=(29, 30), crop_pos=(0.5, 0.25), mirror=bool(seed % 2),
-                             arithmetic=("rocal", "dali")[seed % 3 == 0])
+                             arithmetic=("rocal", "dali_cpu")[seed % 3 == 0])
     epochs = {p: [jax.tree.map(np.asarray, b) for b in loaders.make_loader(
         data, devices[:count], batch_size, layout=layout, shuffle=shuffle, seed=seed,
         last_batch=last_batch, normalize=norm, placement=p).epoch(epoch)] for p in loaders.PLACEMENTS}

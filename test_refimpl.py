@@ -122,7 +122,7 @@ def test_dali_backend_end_to_end(tiny_dir, tmp_path):
                    "--epochs", "1", "--devices", "3", "--batch-size", "8")
     assert done.returncode == 0, done.stderr
     assert "NVIDIA DALI" in done.stdout and "3 CPU pipeline(s)" in done.stdout
-    assert "dali's arithmetic" in done.stdout
+    assert "dali_cpu's arithmetic" in done.stdout
     assert "final params, sharded vs pmap: max |difference| 0: identical" in done.stdout
 
 
@@ -132,7 +132,7 @@ def test_mnist_the_dali_notebooks_dataset(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "generated synthetic mnist" in done.stdout
     assert "mnist: 2048 training and 512 test images" in done.stdout
-    assert "dali's arithmetic" in done.stdout  # the DALI notebook's normalisation, x / 255
+    assert "dali_cpu's arithmetic" in done.stdout  # the DALI notebook's normalisation, x / 255
     assert "sharded epoch 1/1" in done.stdout
 
 

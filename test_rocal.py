@@ -392,7 +392,7 @@ def test_refusals_build_no_pipeline(monkeypatch, small_dir, mesh4, fake, cache, 
         with pytest.raises(ValueError, match=match):
             rocal_loader.make_rocal_loader(data, mesh4, 2, cache_dir=cache, **kwargs)
 
-    refused("rocAL computes rocAL's arithmetic", normalize=loaders.Normalize(arithmetic="dali"))
+    refused("rocAL computes rocAL's arithmetic", normalize=loaders.Normalize(arithmetic="dali_cpu"))
     refused("rocAL computes rocAL's arithmetic", normalize=lambda x: x)
     refused("sharding must be one of", sharding="dali")
     refused("num_threads must be >= 1", num_threads=0)
