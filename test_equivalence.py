@@ -67,6 +67,36 @@ def linear_features(rng, rows: int) -> np.ndarray:
     return rng.standard_normal((rows, FEATURES), dtype=np.float32)
 
 
+def momentum_update(grads, state, params):
+    """Heavy-ball momentum: v = beta * v + g, p = p - lr * v (stateful, linear in g)."""
+    velocity = jax.tree.map(lambda v, g: state["beta"] * v + g, state["velocity"], grads)
+    params = jax.tree.map(lambda p, v: p - state["learning_rate"] * v, params, velocity)
+    return params, dict(state, velocity=velocity)
+
+
+def momentum(learning_rate: float, beta: float = 0.9) -> strategies.Optimizer:
+    return strategies.Optimizer(
+        lambda p: {"learning_rate": np.float32(learning_rate), "beta": np.float32(beta),
+                   "velocity": jax.tree.map(np.zeros_like, p)}, momentum_update)
+
+
+def adam_update(grads, state, params):
+    """Adam (Kingma and Ba), bias-corrected: non-linear in g (g / sqrt(v))."""
+    b1, b2, count = np.float32(0.9), np.float32(0.999), state["count"] + 1
+    mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["mu"], grads)
+    nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["nu"], grads)
+    scale = state["learning_rate"] * jnp.sqrt(1 - b2 ** count) / (1 - b1 ** count)
+    params = jax.tree.map(lambda p, m, v: p - scale * m / (jnp.sqrt(v) + 1e-8), params, mu, nu)
+    return params, dict(state, mu=mu, nu=nu, count=count)
+
+
+def adam(learning_rate: float) -> strategies.Optimizer:
+    return strategies.Optimizer(
+        lambda p: {"learning_rate": np.float32(learning_rate), "count": np.float32(0),
+                   "mu": jax.tree.map(np.zeros_like, p), "nu": jax.tree.map(np.zeros_like, p)},
+        adam_update)
+
+
 # Fixed shapes (one compilation each): the model is drawn, not its sizes.
 MODELS = {"mlp": (model.loss_terms, lambda: model.init_model(SMALL_LAYERS), mlp_features, 10),
           "linear": (linear_loss_terms, linear_init, linear_features, CLASSES)}
@@ -174,6 +204,42 @@ def test_parallel_strategies_agree_and_match_single(count_mesh, small_params):
             np.testing.assert_allclose(result[name][1], result["single"][1], rtol=1e-5)
 
     check()
+
+
+# --------------------------------------------------------------------------
+# Stateful and non-linear update rules (strategies.ulp_bound: what changes)
+# --------------------------------------------------------------------------
+
+
+def test_momentum_and_adam_drift_as_stated(mesh):
+    n, steps, lr = mesh.devices.size, 4, 0.1
+    counts = [B] + [(0, 1, 3, B)[k % 4] for k in range(1, n)]
+    hosts = host_batches(seed=21, steps=steps, n=n, real_per_device=counts, kind="linear")
+    params0 = linear_init()
+    run = lambda opt, h=hosts: {name: train(name, fn, params0, h, lr, mesh, linear_loss_terms, opt)[0]
+                                for name, fn in strategies.STRATEGIES.items()}
+    moved = run(momentum(lr))
+    names = list(moved)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            # ulp_bound / (1 - beta): a gradient difference keeps acting through the velocity.
+            assert_params_close(moved[a], moved[b], steps=steps, ulps_per_step=bound(a, b, mesh) / 0.1,
+                                what=f"momentum: {a} vs {b}")
+    adam_runs = run(adam(lr))
+    tolerance = 1e-3 * lr * steps  # measured: at most 4.4e-4 * lr a step
+    for a in names[:-1]:
+        off = max(np.abs(x - y).max() for x, y in zip(jax.tree.leaves(adam_runs[a]),
+                                                      jax.tree.leaves(adam_runs["single"])))
+        assert off <= tolerance, f"adam: {a} vs single differ by {off:.3g}"
+    # Control: one real sample with another label is caught by the same tolerance.
+    changed = [dict(h) for h in hosts]
+    changed[0]["labels"] = changed[0]["labels"].copy()
+    changed[0]["labels"][np.flatnonzero(changed[0]["mask"])[0]] += 1
+    changed[0]["labels"] %= CLASSES
+    other = train("single", strategies.single, params0, changed, lr, mesh, linear_loss_terms, adam(lr))[0]
+    off = max(np.abs(x - y).max() for x, y in zip(jax.tree.leaves(other),
+                                                  jax.tree.leaves(adam_runs["single"])))
+    assert off > tolerance, off
 
 
 # --------------------------------------------------------------------------
@@ -373,3 +439,41 @@ def test_one_epoch_end_to_end(synthetic_dir, mesh, devices):
     # An ulp-level difference can flip at most a near-tie prediction.
     for name in ("pmap", "shard_map", "single"):
         assert abs(accuracy[name] - accuracy["sharded"]) <= 1 / 200, (name, accuracy)
+
+
+def measure_drift(runs: int = 42, seed: int = 1) -> dict:
+    """Largest ulps a step (and max |diff| / (lr * steps)) between each pair of strategies,
+    per update rule and model, over ``runs`` random runs on this process's CPU devices."""
+    mesh = loaders.data_mesh(jax.devices("cpu"))
+    n, rng = mesh.devices.size, np.random.default_rng(seed)
+    rules = {"sgd": strategies.sgd, "momentum": momentum, "adam": adam}
+    initial = {"mlp": model.init_model(SMALL_LAYERS), "linear": linear_init()}
+    worst = {}
+    for run in range(runs):
+        kind, steps = ("mlp", "linear")[run % 2], int(rng.integers(1, 9))
+        counts = [max(int(c), k == 0) for k, c in enumerate(rng.integers(0, B + 1, n))]
+        lr = float(rng.choice([1e-3, 1e-2, 0.1]))
+        hosts = host_batches(int(rng.integers(2**31)), steps, n, counts, kind)
+        for rule, make in rules.items():
+            out = {name: train(name, fn, initial[kind], hosts, lr, mesh, MODELS[kind][0], make(lr))[0]
+                   for name, fn in strategies.STRATEGIES.items()}
+            names = list(out)
+            for i, a in enumerate(names):
+                for b in names[i + 1:]:
+                    diff = max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+                               for x, y in zip(jax.tree.leaves(out[a]), jax.tree.leaves(out[b])))
+                    old = worst.get((rule, kind, a, b), (0.0, 0.0))
+                    worst[rule, kind, a, b] = (max(old[0], strategies.ulps_apart(out[a], out[b]) / steps),
+                                               max(old[1], diff / (lr * steps)))
+    return worst
+
+
+if __name__ == "__main__":
+    # python test_equivalence.py drift [runs] [seed]: the figures strategies.ulp_bound quotes.
+    import sys
+    import conftest  # noqa: F401  (8 CPU devices, matmul precision "highest")
+    if sys.argv[1:2] != ["drift"]:
+        sys.exit("usage: python test_equivalence.py drift [runs] [seed]")
+    figures = measure_drift(*(int(a) for a in sys.argv[2:4]))
+    for (rule, kind, a, b), (ulps, relative) in sorted(figures.items()):
+        print(f"{rule:>8} {kind:>6} {a:>9} vs {b:<9} {ulps:8.2f} ulps/step  {relative:.2g} lr/step")
