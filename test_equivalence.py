@@ -185,7 +185,7 @@ def test_parallel_strategies_agree_and_match_single(count_mesh, small_params):
     platform = mesh.devices.flat[0].platform
     initial = {"mlp": small_params, "linear": linear_init()}
 
-    @settings(max_examples=18 if n == 8 else 8)
+    @settings(max_examples=15 if n == 8 else 6)
     @given(seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 8), counts=real_counts(n),
            learning_rate=st.sampled_from([1e-3, 1e-2, 0.1, 0.5]), kind=st.sampled_from(list(MODELS)))
     def check(seed, steps, counts, learning_rate, kind):
@@ -252,14 +252,15 @@ def cpu_mesh(ids) -> jax.sharding.Mesh:
     return loaders.data_mesh([cpus[i] for i in ids])
 
 
-def test_strategies_on_other_devices_give_the_same_params(small_params):
-    # CPU devices 4..7, permuted: neither the default devices nor their order.
+def test_strategies_on_other_devices_give_the_same_params():
+    # CPU devices 4..7, permuted: neither the default devices nor their order. The
+    # linear model (quick to compile): where a strategy runs does not depend on the model.
     ids = (6, 4, 7, 5)
     base, other = cpu_mesh((0, 1, 2, 3)), cpu_mesh(ids)
-    hosts = host_batches(seed=11, steps=2, n=4, real_per_device=[4, 1, 0, 3])
+    hosts = host_batches(seed=11, steps=2, n=4, real_per_device=[4, 1, 0, 3], kind="linear")
     for name, fn in strategies.STRATEGIES.items():
-        want = train(name, fn, small_params, hosts, 0.1, base)[0]
-        got = train(name, fn, small_params, hosts, 0.1, other)[0]
+        want = train(name, fn, linear_init(), hosts, 0.1, base, linear_loss_terms)[0]
+        got = train(name, fn, linear_init(), hosts, 0.1, other, linear_loss_terms)[0]
         assert_params_close(got, want, steps=2, ulps_per_step=0, what=f"{name} on CPU {ids}")
 
 
