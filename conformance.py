@@ -455,8 +455,9 @@ def _order(k: int, got: np.ndarray, want: np.ndarray, found: Findings) -> None:
         b = flat_want[max(-shift, 0):len(flat_want) + min(-shift, 0)]
         if len(a) >= B and np.mean(a == b) > 0.9:
             first = flat_got[0]
-            found.add("order", f"shard {k} is shifted by {shift} slots against the plan (it starts with "
-                      f"sample {first}, the plan with {flat_want[0]})", shards=[k],
+            found.add("order", f"shard {k} is shifted by {shift} slots against the plan from step "
+                      f"{wrong[0] // B} (it starts with sample {first}, the plan with {flat_want[0]})",
+                      shards=[k],
                       steps=wrong // B, samples=[first])
             return
     s, j = divmod(int(wrong[0]), B)

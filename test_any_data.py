@@ -228,7 +228,11 @@ def test_every_finding_names_its_steps():
     masks[3, 1, 1] = False  # a mask unlike the plan's
     found = conformance.describe_epoch(delivered, N, B, shuffle=False, last_batch="fill", length=5,
                                        masks=masks)
-    assert len(found.kinds) >= 7, found.report()
+    shifted = plan.indices.copy()
+    shifted[:, 1] = np.roll(shifted[:, 1].ravel(), 1).reshape(-1, B)  # a stream one slot late
+    found = conformance.describe_epoch(shifted, N, B, shuffle=False, last_batch="fill", length=5,
+                                       masks=masks, findings=found)
+    assert len(found.kinds) >= 7 and "shifted by 1 slots" in found.report(), found.report()
     for kind, items in found.kinds.items():
         for text, shards, steps, samples in items:
             assert steps and "step" in text, f"{kind}: {text!r} names no step"
