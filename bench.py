@@ -270,13 +270,13 @@ def placement_section(images, labels, mesh, args) -> dict:
         make = {p: loaders.make_loader(data, mesh, global_batch // n, shuffle=True, placement=p)
                 for p in loaders.PLACEMENTS}
         prebuilt = list(make["host"].epoch(0))
-        strategies.sharded(params, prebuilt[:1], LEARNING_RATE, mesh)  # compile
+        train(strategies.sharded, params, prebuilt[:1], mesh)  # compile
         waits = {p: [] for p in make}
-        cases = {"prebuilt": lambda: strategies.sharded(params, prebuilt, LEARNING_RATE, mesh)}
+        cases = {"prebuilt": lambda: train(strategies.sharded, params, prebuilt, mesh)}
         for p, loader in make.items():
             drain(loader.epoch(0))  # compile the placement's device code
             cases[f"loader {p}"] = lambda l=loader: drain(l.epoch(0))
-            cases[f"fed {p}"] = lambda l=loader: strategies.sharded(params, l.epoch(0), LEARNING_RATE, mesh)
+            cases[f"fed {p}"] = lambda l=loader: train(strategies.sharded, params, l.epoch(0), mesh)
             cases[f"sync {p}"] = lambda l=loader, p=p: waits[p].append(synchronous_epoch(l, replicated))
         times = rounds(cases, args.repeats)
         steps = len(prebuilt)
@@ -297,6 +297,12 @@ def placement_section(images, labels, mesh, args) -> dict:
 # --------------------------------------------------------------------------
 
 
+def train(strategy, params, batches, mesh):
+    """``strategy`` on ``batches`` with the notebooks' MLP and SGD(LEARNING_RATE)."""
+    return strategy(params, batches, mesh, loss_terms=model.loss_terms,
+                    optimizer=strategies.sgd(LEARNING_RATE))
+
+
 def training_section(images, labels, mesh, args) -> dict:
     params = model.init_model()
     n = mesh.devices.size
@@ -310,12 +316,12 @@ def training_section(images, labels, mesh, args) -> dict:
     compile_s = {}
     for key, (strategy, batches) in calls.items():
         start = time.perf_counter()
-        strategy(params, batches[:1], LEARNING_RATE, mesh)
+        train(strategy, params, batches[:1], mesh)
         compile_s[key] = time.perf_counter() - start
     cases = {}
     for key, (strategy, batches) in calls.items():
-        cases[key, 1] = lambda s=strategy, b=batches: s(params, b[:1], LEARNING_RATE, mesh)
-        cases[key, 0] = lambda s=strategy, b=batches: s(params, b, LEARNING_RATE, mesh)
+        cases[key, 1] = lambda s=strategy, b=batches: train(s, params, b[:1], mesh)
+        cases[key, 0] = lambda s=strategy, b=batches: train(s, params, b, mesh)
     times = rounds(cases, args.repeats)
     out = {}
     for key in calls:

@@ -1,15 +1,25 @@
-"""How a vendor loader's epoch departs from the reference plan, in words.
+"""How a loader's epoch departs from the reference plan, in words. For any loader.
 
-The vendor conformance tests (test_rocal.py, test_dali.py) read a dataset whose
-images encode their own sample index through the real vendor pipelines, decode
-what each shard delivered, and hand it to ``describe_epoch``. It compares
-with ``loaders.epoch_plan`` and returns a report written for the vendor's
-maintainers: one summary line per kind of deviation first (how many shards,
-steps and samples it affects), then a few examples of each. An empty report
-means the epoch conforms. Every check here can fire: test_conformance.py feeds
-each one a wrong epoch.
+The recipe, for your own loader as for the vendors' (test_rocal.py,
+test_dali.py): build a dataset whose samples encode their own index
+(``encoded_images``: uint8 images of any shape, or float/int features),
+run it through the loader, turn each global batch into per-shard blocks
+(``shard_blocks``), decode the indices (``decode_indices``) and hand the epoch
+to ``describe_epoch``. It compares with ``loaders.epoch_plan`` and returns a
+report written for the loader's maintainers: one summary line per kind of
+deviation first (how many shards, steps and samples it affects), then a few
+examples of each; every finding names its step(s). An empty report means the
+epoch conforms. Every check here can fire: test_conformance.py and
+test_any_data.py feed each one a wrong epoch.
 
-Needs loaders.py (the plan and the normalisation tables).
+Two modes: ``partition="contiguous"`` (the default) holds the loader to the
+reference partition and plan (shard k = [N*k//n, N*(k+1)//n), its order when
+not shuffled, its masks); ``partition="any"`` checks only what every sharded
+loader owes, whatever its partition (strided k::n, hashed, ...): the same step
+count on every shard, and every sample of range(N) in exactly one real slot
+across all shards (fill) or at most one (drop).
+
+Needs loaders.py (the plan and the normalisation tables) and NumPy.
 """
 
 from __future__ import annotations
@@ -29,39 +39,144 @@ EXAMPLES = 3  # per kind of deviation
 # --------------------------------------------------------------------------
 
 
-def encoded_images(indices: np.ndarray) -> np.ndarray:
-    """uint8 (N, 3, 32, 32): plane 0 is index % 256, plane 1 is index // 256 (N < 65536),
-    plane 2 a ramp that a horizontal flip changes, so a mirrored image is detectable."""
-    indices = np.asarray(indices, np.int64)
-    images = np.empty((len(indices),) + loaders.IMAGE_SHAPE, np.uint8)
-    images[:, 0] = (indices % 256)[:, None, None]
-    images[:, 1] = (indices // 256)[:, None, None]
-    y, x = np.mgrid[0:32, 0:32]
-    images[:, 2] = (4 * x + 2 * y) % 256
+def index_limit(shape: tuple[int, ...] = loaders.IMAGE_SHAPE, dtype=np.uint8) -> int:
+    """How many samples ``encoded_images`` can number in ``shape`` and ``dtype``: indices
+    0 .. limit - 1. uint8: 65536 (two bytes a sample; needs at least 2 elements);
+    a float dtype: 2**(mantissa bits + 1), where every integer is exact (float32:
+    16,777,216; float16: 2048); another integer dtype: its largest value + 1."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape))
+    if dtype == np.uint8:
+        return 65536 if size >= 2 else 0
+    if np.issubdtype(dtype, np.floating):
+        return 2 ** (np.finfo(dtype).nmant + 1)
+    if np.issubdtype(dtype, np.integer):
+        return int(np.iinfo(dtype).max) + 1
+    raise ValueError(f"index_limit: dtype={dtype} is neither uint8, a float nor an integer dtype")
+
+
+def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = loaders.IMAGE_SHAPE,
+                   dtype=np.uint8) -> np.ndarray:
+    """Samples (N, *shape) of ``dtype`` that encode their own index, for ``decode_indices``.
+
+    * uint8, shape (C, H, W) with C >= 3 (the default, CIFAR-10's (3, 32, 32)):
+      plane 0 is index % 256, plane 1 is index // 256, planes 2.. a ramp that a
+      horizontal flip changes, so a mirrored image is detectable. Flat planes
+      decode after any crop.
+    * uint8, any other shape (one channel (1, 16, 16), (40,), ...): the first
+      ceil(S/2) elements of the flattened sample hold index % 256, the rest
+      index // 256 (S the sample's size, at least 2). Decodes when the sample
+      arrives whole (a mirror of an image keeps its rows, so it decodes too).
+    * any other dtype (float32 features, int16, ...): every element equals the
+      index, exactly.
+
+    Raises ValueError for an index outside [0, index_limit(shape, dtype))."""
+    indices = np.asarray(indices, np.int64).reshape(-1)
+    shape, dtype = tuple(shape), np.dtype(dtype)
+    limit = index_limit(shape, dtype)
+    if indices.size and (indices.min() < 0 or indices.max() >= limit):
+        raise ValueError(f"encoded_images: indices must lie in [0, {limit}) for samples {shape} of "
+                         f"{dtype} (index_limit), got range [{indices.min()}, {indices.max()}]")
+    if dtype != np.uint8:
+        return np.broadcast_to(indices.astype(dtype).reshape((-1,) + (1,) * len(shape)),
+                               (len(indices),) + shape).copy()
+    images = np.empty((len(indices),) + shape, np.uint8)
+    if _planes(shape):
+        images[:, 0] = (indices % 256).reshape((-1, 1, 1))
+        images[:, 1] = (indices // 256).reshape((-1, 1, 1))
+        y, x = np.mgrid[0:shape[1], 0:shape[2]]
+        images[:, 2:] = ((4 * x + 2 * y) % 256)[None, None]
+        return images
+    flat = images.reshape(len(indices), -1)
+    half = -(-flat.shape[1] // 2)
+    flat[:, :half] = (indices % 256)[:, None]
+    flat[:, half:] = (indices // 256)[:, None]
     return images
 
 
-def decode_indices(images_BCHW: np.ndarray, normalize: loaders.Normalize) -> np.ndarray:
-    """The sample index each normalised image encodes; -1 where the pixels encode none.
+def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = None) -> np.ndarray:
+    """The sample index each delivered sample encodes (``encoded_images``); -1 where it
+    encodes none. ``images``: (B, ...) as delivered, one block of one shard.
 
-    Each value is mapped back to the nearest entry of the normalisation table
-    (so a vendor that is an ulp off still decodes); planes 0 and 1 must be flat."""
-    images_BCHW = np.asarray(images_BCHW, np.float32)
-    table = normalize.table.astype(np.float64)
-    pixels, near = [], []
-    for c in (0, 1):
-        values = images_BCHW[:, c].astype(np.float64)
-        step = np.abs(np.diff(table[c])).min()
-        guess = np.rint(np.interp(values, table[c], np.arange(256))) if table[c][1] > table[c][0] \
-            else np.rint(np.interp(-values, -table[c], np.arange(256)))
-        guess = guess.astype(np.int64).clip(0, 255)
-        pixels.append(guess)
-        near.append(np.abs(table[c][guess] - values) < step / 4)
-    planes = np.stack(pixels, axis=1)
-    ok = np.all(np.stack(near, axis=1), axis=(1, 2, 3))
-    flat = np.all(planes == planes[:, :, :1, :1], axis=(1, 2, 3))
-    index = planes[:, 0, 0, 0] + 256 * planes[:, 1, 0, 0]
+    With a ``normalize`` (images (B, C, H, W) float32 from uint8), each value is
+    first mapped back to the nearest entry of its channel's normalisation table
+    (so a vendor that is an ulp off still decodes). Without one, the samples are
+    read as stored: uint8 by the byte scheme, any other dtype by value. The
+    scheme follows the sample shape, as in ``encoded_images``; the parts that
+    carry a digit must be flat (every element equal)."""
+    images = np.asarray(images)
+    if images.ndim < 2:
+        raise ValueError(f"decode_indices: images must be (B, ...) with a batch axis, got shape "
+                         f"{images.shape}")
+    if normalize is None and images.dtype != np.uint8:
+        flat = images.reshape(len(images), -1).astype(np.float64)
+        first = flat[:, 0]
+        ok = np.all(flat == first[:, None], axis=1) & np.isfinite(first) & (first >= 0) \
+            & (first == np.floor(first))
+        return np.where(ok, np.where(ok, first, -1).astype(np.int64), -1)
+    if normalize is None:
+        pixels, near = images.astype(np.int64), np.ones(images.shape, bool)
+    else:
+        pixels, near = _unnormalize(images, normalize)
+    if _planes(images.shape[1:]):
+        planes, near = pixels[:, :2], near[:, :2]
+        flat = np.all(planes == planes[:, :, :1, :1], axis=(1, 2, 3))
+        index = planes[:, 0, 0, 0] + 256 * planes[:, 1, 0, 0]
+    else:
+        values = pixels.reshape(len(pixels), -1)
+        half = -(-values.shape[1] // 2)
+        low, high = values[:, :half], values[:, half:]
+        flat = np.all(low == low[:, :1], axis=1) & np.all(high == high[:, :1], axis=1)
+        index = low[:, 0] + 256 * high[:, 0]
+    ok = np.all(near.reshape(len(near), -1), axis=1)
     return np.where(ok & flat, index, -1)
+
+
+def shard_blocks(array, num_shards: int, layout: str = "sharded") -> np.ndarray:
+    """A global batch array as per-shard blocks (n, B, ...): block k is mesh position k's.
+
+    ``array``: layout "sharded" (n*B, ...) (what ``make_loader`` and jit take) or
+    "pmap" (n, B, ...), a NumPy array or a fully addressable jax.Array. Raises
+    ValueError when the leading axis does not match ``num_shards``."""
+    x = np.asarray(array)
+    if layout not in loaders.LAYOUTS:
+        raise ValueError(f"shard_blocks: layout must be one of {loaders.LAYOUTS}, got {layout!r}")
+    if layout == "pmap":
+        if x.ndim < 2 or x.shape[0] != num_shards:
+            raise ValueError(f"shard_blocks: a 'pmap' batch must be (n, B, ...) with n = "
+                             f"num_shards = {num_shards}, got shape {x.shape}")
+        return x
+    if x.ndim < 1 or x.shape[0] % num_shards:
+        raise ValueError(f"shard_blocks: a 'sharded' batch must be (n*B, ...) with n = num_shards = "
+                         f"{num_shards}, got shape {x.shape}")
+    return x.reshape((num_shards, -1) + x.shape[1:])
+
+
+def _planes(sample_shape: tuple[int, ...]) -> bool:
+    """Whether uint8 samples of this shape use the plane scheme (C, H, W), C >= 3."""
+    return len(sample_shape) == 3 and sample_shape[0] >= 3
+
+
+def _unnormalize(images: np.ndarray, normalize: loaders.Normalize) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 value of the nearest table entry, whether it is within a quarter step) per
+    element of (B, C, H, W) normalised images."""
+    if images.ndim != 4:
+        raise ValueError(f"decode_indices: with a Normalize, images must be (B, C, H, W), got shape "
+                         f"{images.shape}")
+    table = normalize.table.astype(np.float64)
+    if table.shape[0] != images.shape[1]:
+        raise ValueError(f"decode_indices: {images.shape[1]} channels, but normalize has "
+                         f"{table.shape[0]} (mean={list(normalize.mean)})")
+    values = images.astype(np.float32).astype(np.float64)
+    pixels, near = np.empty(images.shape, np.int64), np.empty(images.shape, bool)
+    for c in range(images.shape[1]):
+        row, plane = table[c], values[:, c]
+        step = np.abs(np.diff(row)).min()
+        guess = np.rint(np.interp(plane, row, np.arange(256))) if row[1] > row[0] \
+            else np.rint(np.interp(-plane, -row, np.arange(256)))
+        guess = guess.astype(np.int64).clip(0, 255)
+        pixels[:, c], near[:, c] = guess, np.abs(row[guess] - plane) < step / 4
+    return pixels, near
 
 
 # --------------------------------------------------------------------------
@@ -100,79 +215,197 @@ class Findings:
         return "\n".join(lines)
 
 
-def describe_epoch(delivered: list, num_samples: int, batch_size: int, *, shuffle: bool,
-                   last_batch: str, length: int, masks: list | None = None,
-                   findings: Findings | None = None) -> Findings:
+PARTITIONS = ("contiguous", "any")
+
+
+def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: bool,
+                   last_batch: str, length: int, masks=None, findings: Findings | None = None,
+                   partition: str = "contiguous") -> Findings:
     """How one epoch departs from ``epoch_plan(num_samples, n, batch_size)``.
 
-    ``delivered[k]``: shard k's decoded sample indices, int (batches that arrived, B),
-    -1 where a slot decodes to nothing. ``length``: the step count the loader or
-    the vendor reports (its ``len()``, or its own count of remaining samples / B).
-    ``masks[k]``: the mask the loader gave shard k (None: raw pipelines, no mask;
-    then every delivered slot counts as delivered).
+    ``delivered``: the decoded sample indices (-1 where a slot decodes to
+    nothing), in either layout: one int array (steps, n, B), the plan's own
+    (``Plan.indices``), or a list of n per-shard int arrays (batches that
+    arrived, B), which may differ in length. ``masks``: the loader's masks in
+    the same layout (None: raw pipelines, no mask; then every delivered slot
+    counts as real). ``length``: the step count the loader reports (its
+    ``len()``, or its own count of remaining samples / B).
 
-    Checked: the reported and the arrived step counts against the plan's; slots
-    that decode to no sample; shards delivering the same batches as another;
-    samples delivered by two shards; with shuffle off, the plan's samples in the
-    plan's order (a constant shift is named as one); with shuffle on, only the
-    shard's own samples; fill: every sample of the shard once in a real slot,
-    masks as the plan's, padding slots repeating samples the shard delivers in
-    real slots; drop: no sample twice.
+    Checked in both modes: the reported and arrived step counts; slots that
+    decode to no sample; shards delivering the same batches at a step; samples
+    delivered in real slots of two shards; padding slots repeating samples the
+    shard delivers in real slots. ``partition="contiguous"`` (the reference
+    partition): the counts against the plan's; with shuffle off, the plan's
+    samples in the plan's order (a constant shift is named as one); with
+    shuffle on, only the shard's own samples; masks as the plan's; fill: every
+    sample of the shard once in a real slot; drop: none twice.
+    ``partition="any"``: every shard the same number of batches, equal to
+    ``length``; no sample outside range(N); fill: every sample of range(N) in
+    real slots exactly once across all shards; drop: at most once. Without
+    masks, a repeat within one shard may be padding and is not flagged (in
+    either mode); a sample on two shards always is.
+
+    Every finding names the step(s) it concerns (in its text and its steps).
+    Raises ValueError for input in neither layout, masks that do not match
+    ``delivered``, or an unknown partition or last_batch.
     """
+    if partition not in PARTITIONS:
+        raise ValueError(f"describe_epoch: partition must be one of {PARTITIONS}, got {partition!r}")
+    if last_batch not in loaders.LAST_BATCH_POLICIES:
+        raise ValueError(f"describe_epoch: last_batch must be one of {loaders.LAST_BATCH_POLICIES}, "
+                         f"got {last_batch!r}")
+    delivered = _per_shard(delivered, batch_size, "delivered", np.integer)
+    if masks is not None:
+        masks = _per_shard(masks, batch_size, "masks", np.bool_)
+        if len(masks) != len(delivered):
+            raise ValueError(f"describe_epoch: masks has {len(masks)} shards, delivered {len(delivered)}")
+        for k, (got, mask) in enumerate(zip(delivered, masks)):
+            if len(mask) < len(got):
+                raise ValueError(f"describe_epoch: masks of shard {k} cover {len(mask)} batches, "
+                                 f"delivered has {len(got)}")
+        masks = [mask[:len(got)] for got, mask in zip(delivered, masks)]
     found = findings if findings is not None else Findings()
     n = len(delivered)
-    plan = loaders.epoch_plan(num_samples, n, batch_size, last_batch=last_batch)
-    true_steps = plan.indices.shape[0]
+    reals = [got if masks is None else np.where(masks[k], got, -1) for k, got in enumerate(delivered)]
+    arrived = [len(got) for got in delivered]
+    if partition == "contiguous":
+        plan = loaders.epoch_plan(num_samples, n, batch_size, last_batch=last_batch)
+        true_steps = plan.indices.shape[0]
+        what = f"the plan has {true_steps} (N={num_samples}, {n} shards, batch {batch_size}, {last_batch})"
+    else:
+        plan, true_steps = None, max(arrived)
+        what = f"the longest shard delivered {true_steps}"
     if length != true_steps:
-        found.add("step count", f"the loader reports {length} steps per epoch; the plan has "
-                  f"{true_steps} (N={num_samples}, {n} shards, batch {batch_size}, {last_batch})",
-                  shards=range(n))
+        found.add("step count", f"the loader reports {length} steps per epoch; {what}; steps "
+                  f"{_span(min(length, true_steps), max(length, true_steps))}",
+                  shards=range(n), steps=range(min(length, true_steps), max(length, true_steps)))
     for k, got in enumerate(delivered):
         if len(got) != true_steps:
-            found.add("batches arrived", f"shard {k}: {len(got)} batches arrived, the plan has "
-                      f"{true_steps}", shards=[k], steps=range(min(len(got), true_steps), max(len(got), true_steps)))
+            found.add("batches arrived", f"shard {k}: {len(got)} batches arrived, {what.split(' (')[0]}; "
+                      f"steps {_span(min(len(got), true_steps), max(len(got), true_steps))}", shards=[k],
+                      steps=range(min(len(got), true_steps), max(len(got), true_steps)))
         bad = np.argwhere(got < 0)
         if bad.size:
             found.add("undecodable slots", f"shard {k}: {len(bad)} slots hold no encoded sample (first: "
                       f"step {bad[0][0]} slot {bad[0][1]})", shards=[k], steps=bad[:, 0])
     _same_batches(delivered, found)
-    _overlap(delivered, masks, found)
+    _overlap(reals, found)
+    every_step = f"in any of steps {_span(0, max(arrived, default=0))}"
     for k, got in enumerate(delivered):
-        start, stop = loaders.shard_bounds(num_samples, k, n)
-        real = got if masks is None else np.where(masks[k][:len(got)], got, -1)
+        real = reals[k]
         if masks is not None:
-            want_mask = plan.mask[:len(got), k]
-            wrong = np.argwhere(masks[k][:len(want_mask)] != want_mask)
-            if wrong.size:
-                found.add("mask", f"shard {k}: the mask differs from the plan's in {len(wrong)} slots "
-                          f"(first: step {wrong[0][0]} slot {wrong[0][1]})", shards=[k], steps=wrong[:, 0])
-            padding = got[~masks[k][:len(got)] & (got >= 0)]
+            if plan is not None:
+                want_mask = plan.mask[:len(got), k]
+                wrong = np.argwhere(masks[k][:len(want_mask)] != want_mask)
+                if wrong.size:
+                    found.add("mask", f"shard {k}: the mask differs from the plan's in {len(wrong)} "
+                              f"slots (first: step {wrong[0][0]} slot {wrong[0][1]})", shards=[k],
+                              steps=wrong[:, 0])
+            padding = got[~masks[k] & (got >= 0)]
             stray = np.setdiff1d(padding, real[real >= 0])
             if stray.size:
+                steps = _steps_of(got, stray, ~masks[k])
                 found.add("padding", f"shard {k}: {stray.size} padding slots hold samples that no real "
-                          f"slot of the shard delivers (e.g. {stray[:5].tolist()})", shards=[k],
-                          samples=stray)
+                          f"slot of the shard delivers (e.g. {stray[:5].tolist()}; first at step "
+                          f"{steps[0]})", shards=[k], steps=steps, samples=stray)
+        if plan is None:
+            continue
+        start, stop = loaders.shard_bounds(num_samples, k, n)
         if not shuffle:
             _order(k, got, plan.indices[:, k], found)
         values = real[real >= 0]
         outside = np.unique(values[(values < start) | (values >= stop)])
         if outside.size:
+            steps = _steps_of(real, outside)
             found.add("outside the shard", f"shard {k} delivers {outside.size} samples from outside "
-                      f"its range [{start}, {stop}) (e.g. {outside[:5].tolist()})",
-                      shards=[k], samples=outside)
+                      f"its range [{start}, {stop}) (e.g. {outside[:5].tolist()}; first at step "
+                      f"{steps[0]})", shards=[k], steps=steps, samples=outside)
         counts = np.bincount(values - start, minlength=stop - start) if values.size and not outside.size \
             else None
         if last_batch == "fill" and len(got) >= true_steps:
             missing = np.setdiff1d(np.arange(start, stop), values)
             if missing.size:
                 found.add("missing", f"shard {k} never delivers {missing.size} of its {stop - start} "
-                          f"samples (e.g. {missing[:5].tolist()})", shards=[k], samples=missing)
+                          f"samples {every_step} (e.g. {missing[:5].tolist()})", shards=[k],
+                          steps=range(len(got)), samples=missing)
         if counts is not None and (masks is not None or last_batch == "drop"):
             twice = np.flatnonzero(counts > 1) + start
             if twice.size:
+                steps = _steps_of(real, twice)
                 found.add("repeated", f"shard {k} delivers {twice.size} samples more than once in "
-                          f"real slots (e.g. {twice[:5].tolist()})", shards=[k], samples=twice)
+                          f"real slots (e.g. {twice[:5].tolist()}; at steps {steps[:5].tolist()})",
+                          shards=[k], steps=steps, samples=twice)
+    if plan is None:
+        _exactly_once(reals, num_samples, last_batch, masks is not None, every_step, found)
     return found
+
+
+def _per_shard(value, batch_size: int, name: str, kind) -> list:
+    """``value`` (one array (steps, n, B), or a list of per-shard (steps, B)) as a list of
+    per-shard arrays; ValueError naming the layout otherwise."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 3 or value.shape[2] != batch_size:
+            raise ValueError(f"describe_epoch: {name} as one array must be (steps, n, B) like "
+                             f"Plan.indices with B = batch_size = {batch_size}, got shape {value.shape}; "
+                             f"a list holds one (steps, B) array per shard")
+        value = [value[:, k] for k in range(value.shape[1])]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"describe_epoch: {name} must be an array (steps, n, B) or a non-empty list "
+                         f"of per-shard (steps, B) arrays, got {type(value).__name__}")
+    out = []
+    for k, x in enumerate(value):
+        x = np.asarray(x)
+        if x.size == 0:
+            x = x.reshape(0, batch_size)  # a shard that delivered nothing
+        if x.ndim != 2 or x.shape[1] != batch_size:
+            raise ValueError(f"describe_epoch: {name}[{k}] must be (steps, B) with B = batch_size = "
+                             f"{batch_size}, got shape {x.shape}")
+        if not np.issubdtype(x.dtype, kind):
+            raise ValueError(f"describe_epoch: {name}[{k}] must hold {np.dtype(kind).name if kind is np.bool_ else 'integer'} "
+                             f"values, got dtype {x.dtype}")
+        out.append(x)
+    return out
+
+
+def _steps_of(got: np.ndarray, samples, where: np.ndarray | None = None) -> np.ndarray:
+    """The steps (ascending) at which ``got`` holds any of ``samples`` (where ``where``)."""
+    hit = np.isin(got, np.asarray(list(samples) if isinstance(samples, set) else samples))
+    if where is not None:
+        hit &= where
+    return np.unique(np.argwhere(hit)[:, 0])
+
+
+def _span(first: int, stop: int) -> str:
+    return f"{first}" if stop - first <= 1 else f"{first}-{stop - 1}"
+
+
+def _exactly_once(reals: list, num_samples: int, last_batch: str, masked: bool, every_step: str,
+                  found: Findings) -> None:
+    """partition="any": every sample of range(N) in real slots once (fill) or at most once (drop)."""
+    values = np.concatenate([r[r >= 0].ravel() for r in reals]) if reals else np.zeros(0, np.int64)
+    outside = np.unique(values[values >= num_samples])
+    if outside.size:
+        shards = [k for k, r in enumerate(reals) if np.isin(r, outside).any()]
+        steps = np.unique(np.concatenate([_steps_of(reals[k], outside) for k in shards]))
+        found.add("outside the dataset", f"{outside.size} delivered samples are not in range({num_samples}) "
+                  f"(e.g. {outside[:5].tolist()}; first at step {steps[0]})", shards=shards, steps=steps,
+                  samples=outside)
+    counts = np.bincount(values[values < num_samples], minlength=num_samples)
+    if last_batch == "fill":
+        missing = np.flatnonzero(counts == 0)
+        if missing.size:
+            found.add("missing", f"{missing.size} of the {num_samples} samples are never delivered in a "
+                      f"real slot of any shard, {every_step} (e.g. {missing[:5].tolist()})",
+                      shards=range(len(reals)), steps=range(max(len(r) for r in reals)), samples=missing)
+    if masked or last_batch == "drop":
+        for k, real in enumerate(reals):  # across shards: _overlap; within one shard:
+            values_k = real[real >= 0]
+            twice = np.flatnonzero(np.bincount(values_k, minlength=1) > 1) if values_k.size else values_k
+            if twice.size:
+                steps = _steps_of(real, twice)
+                found.add("repeated", f"shard {k} delivers {twice.size} samples more than once in real "
+                          f"slots (e.g. {twice[:5].tolist()}; at steps {steps[:5].tolist()})", shards=[k],
+                          steps=steps, samples=twice)
 
 
 def _same_batches(delivered: list, found: Findings) -> None:
@@ -189,18 +422,22 @@ def _same_batches(delivered: list, found: Findings) -> None:
                           f"same {len(key)} samples", shards=shards, steps=[s], samples=key)
 
 
-def _overlap(delivered: list, masks: list | None, found: Findings) -> None:
+def _overlap(reals: list, found: Findings) -> None:
+    """Samples that the real slots of two shards both deliver, with the steps where they sit."""
     owner = {}
     shared = defaultdict(set)
-    for k, got in enumerate(delivered):
-        real = got if masks is None else np.where(masks[k][:len(got)], got, -1)
+    for k, real in enumerate(reals):
         for sample in np.unique(real[real >= 0]).tolist():
             if sample in owner and owner[sample] != k:
                 shared[(owner[sample], k)].add(sample)
             owner.setdefault(sample, k)
     for (a, b), samples in shared.items():
+        first = min(samples)
+        at_a, at_b = _steps_of(reals[a], [first])[0], _steps_of(reals[b], [first])[0]
+        steps = np.union1d(_steps_of(reals[a], samples), _steps_of(reals[b], samples))
         found.add("samples on two shards", f"shards {a} and {b} both deliver {len(samples)} samples "
-                  f"(e.g. {sorted(samples)[:5]})", shards=[a, b], samples=list(samples))
+                  f"(e.g. {sorted(samples)[:5]}; sample {first} at step {at_a} of shard {a} and step "
+                  f"{at_b} of shard {b})", shards=[a, b], steps=steps, samples=list(samples))
 
 
 def _order(k: int, got: np.ndarray, want: np.ndarray, found: Findings) -> None:
@@ -218,8 +455,9 @@ def _order(k: int, got: np.ndarray, want: np.ndarray, found: Findings) -> None:
         b = flat_want[max(-shift, 0):len(flat_want) + min(-shift, 0)]
         if len(a) >= B and np.mean(a == b) > 0.9:
             first = flat_got[0]
-            found.add("order", f"shard {k} is shifted by {shift} slots against the plan (it starts with "
-                      f"sample {first}, the plan with {flat_want[0]})", shards=[k],
+            found.add("order", f"shard {k} is shifted by {shift} slots against the plan from step "
+                      f"{wrong[0] // B} (it starts with sample {first}, the plan with {flat_want[0]})",
+                      shards=[k],
                       steps=wrong // B, samples=[first])
             return
     s, j = divmod(int(wrong[0]), B)

@@ -26,7 +26,9 @@ The contract, in the order the pieces are used:
   block k on the device at position k of the mesh. ``placement`` says where the
   work happens: "host" gathers uint8 rows on the host and normalises on the
   devices; "device" keeps each shard resident on its device and gathers there;
-  "host_float32" normalises on the host. All three give the same bits.
+  "host_float32" normalises on the host. All three give the same bits. Any
+  other arrays (float features of any shape, with ``normalize=None``) go
+  through the same plan and placements unchanged, under the key "images".
 
 Remainder handling, worked (DALI's LastBatchPolicy table, for shards). Data is
 samples 0..6 (N=7), two shards (n=2), per-device batch B=2, no shuffle.
@@ -808,12 +810,15 @@ def _check_layout(layout: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Loader:
-    """A sharded epoch iterator over an in-memory (or memory-mapped) uint8 dataset.
+    """A sharded epoch iterator over an in-memory (or memory-mapped) dataset.
 
     Build it with ``make_loader``. ``len(loader)`` is the number of steps in every
     epoch, equal on every shard. ``loader.epoch(e)`` yields one dict per step with
-    global arrays "images" (float32, normalised), "labels" (int32) and "mask"
-    (bool) in ``layout``; ``loader.batch(e, s)`` is step s alone (random access).
+    global arrays "images", "labels" (int32) and "mask" (bool) in ``layout``;
+    ``loader.batch(e, s)`` is step s alone (random access). "images" are the
+    samples normalised to float32 when ``normalize`` is given (uint8 (N, C, H, W)
+    images), or the samples exactly as stored (any shape and dtype: float
+    features, ...) when it is None.
     ``loader.plan(e)`` is the epoch's ``Plan``. Batches are fully determined by
     (seed, epoch, step): two loaders with the same arguments yield equal batches,
     whatever their placement.
@@ -829,6 +834,10 @@ class Loader:
       that gathers and normalises on every device: no host work per step.
     * "host_float32": the host normalises into float32 and moves that; the only
       placement that accepts any callable as ``normalize``.
+
+    With ``normalize=None`` nothing is normalised: "host" and "host_float32"
+    both gather the rows on the host and move them as they are; "device"
+    gathers them on the devices. The three still give the same bits.
     """
     images: np.ndarray
     labels: np.ndarray
@@ -838,7 +847,7 @@ class Loader:
     shuffle: bool = False
     seed: int = 0
     last_batch: str = "fill"
-    normalize: Normalize | Callable = Normalize()
+    normalize: Normalize | Callable | None = Normalize()
     prefetch: int = 2
     placement: str = "host"
     resident: dict | None = dataclasses.field(default=None, repr=False)  # placement="device"
@@ -860,13 +869,14 @@ class Loader:
 
     def host_rows(self, plan: Plan, step: int) -> dict[str, np.ndarray]:
         """This process's rows at ``step`` of ``plan``: (n_local * B, ...) per name, its
-        shards' blocks in mesh order, the images in one aligned buffer: uint8 for
-        placement "host", normalised float32 for "host_float32"."""
+        shards' blocks in mesh order, the images in one aligned buffer: as stored
+        (uint8 images, or any features) for placement "host" or without
+        ``normalize``, normalised float32 for "host_float32"."""
         local = local_positions(self.mesh)
         idx = plan.indices[step, local]  # (n_local, B)
         B = self.batch_size
-        if self.placement != "host_float32":
-            images = aligned_empty((idx.size,) + self.images.shape[1:], np.uint8)
+        if self.placement != "host_float32" or self.normalize is None:
+            images = aligned_empty((idx.size,) + self.images.shape[1:], self.images.dtype)
             if self.images.flags.c_contiguous:
                 # mode="clip" (the plan's indices are in range): with the default "raise"
                 # NumPy buffers the whole gather when out is a view, 30x slower here.
@@ -914,21 +924,25 @@ class Loader:
         return _prefetched(functools.partial(self._host_step, work, plan), steps, self.prefetch)
 
     def _device_work(self):
-        """(the jitted device function, the table on every device) of placements
-        "host" and "device"; None for "host_float32"."""
-        if self.placement == "host_float32":
-            return None
+        """(the jitted device function, its extra arguments) of the placements that
+        work on the devices: "host" normalises there (with a Normalize), "device"
+        gathers (and normalises) there; None when the devices have nothing to do."""
         norm = self.normalize
-        window = norm.window(self.images.shape[2:])
-        fn = (_normalize_fn(self.mesh, window, norm.mirror) if self.placement == "host"
-              else _device_step_fn(self.mesh, self.layout, window, norm.mirror))
-        return fn, _replicated_table(norm.mean, norm.std, norm.arithmetic, self.mesh)
+        if self.placement == "device":
+            if norm is None:
+                return _device_step_fn(self.mesh, self.layout, None, False), ()
+            fn = _device_step_fn(self.mesh, self.layout, norm.window(self.images.shape[2:]), norm.mirror)
+            return fn, (_replicated_table(norm.mean, norm.std, norm.arithmetic, self.mesh),)
+        if self.placement == "host_float32" or norm is None:
+            return None
+        fn = _normalize_fn(self.mesh, norm.window(self.images.shape[2:]), norm.mirror)
+        return fn, (_replicated_table(norm.mean, norm.std, norm.arithmetic, self.mesh),)
 
     def _host_step(self, work, plan: Plan, step: int) -> dict[str, jax.Array]:
         batch = global_batch_from_rows(self.host_rows(plan, step), self.mesh, self.layout)
         if work is not None:  # placement "host": normalise on the devices
-            fn, table = work
-            batch["images"] = fn(batch["images"], table)
+            fn, extra = work
+            batch["images"] = fn(batch["images"], *extra)
         return batch
 
     def _place_plan(self, plan: Plan) -> dict[str, jax.Array]:
@@ -940,18 +954,28 @@ class Loader:
         return {"indices": _by_position(local, self.mesh), "mask": _by_position(mask, self.mesh)}
 
     def _device_step(self, work, placed: dict, step: int) -> dict[str, jax.Array]:
-        fn, table = work
-        return fn(self.resident, placed, table, np.int32(step))
+        fn, extra = work
+        return fn(self.resident, placed, np.int32(step), *extra)
 
 
 def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
                 layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
                 shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
-                normalize: Normalize | Callable = Normalize(), prefetch: int = 2,
+                normalize: Normalize | Callable | None = Normalize(), prefetch: int = 2,
                 placement: str = "host", device_budget: int | None = None) -> Loader:
     """A ``Loader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``)
-    or an ``(images_NCHW uint8, labels_N)`` pair (MNIST: ``read_mnist``'s).
-    ``batch_size`` is per device; shard k goes to ``devices[k]`` (or mesh position k).
+    or a ``(samples, labels_N)`` pair. ``samples`` is any array (N, ...) whose
+    dtype JAX holds as it is: uint8 images (N, C, H, W) (MNIST: ``read_mnist``'s)
+    to normalise, or any features (float32 (N, 40), int8 (N, 16, 16), ...) with
+    ``normalize=None``, delivered bit for bit as stored. ``labels_N`` are
+    integers (N,), delivered as int32. ``batch_size`` is per device; shard k
+    goes to ``devices[k]`` (or mesh position k). The partition, the plan, the
+    mask, resuming at a step and the device order are the same whatever the
+    samples are: they depend on (N, n, B, seed, epoch, shuffle, last_batch) only.
+
+    ``normalize``: a ``Normalize`` (the default, the rocAL notebook's; needs
+    uint8 (N, C, H, W) images), any callable (placement "host_float32" only),
+    or None (no normalisation, every placement).
 
     ``placement`` is "host", "device" or "host_float32" (see ``Loader``).
     "device" keeps about N/n samples on every device and refuses a dataset whose
@@ -963,18 +987,18 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
     (every step would be mostly padding, or with drop there would be no step),
     more devices than samples, a repeated device, a mesh without a 'data' axis
     spanning its devices, an unknown layout, last_batch policy or placement, a
-    seed outside [0, 2**32), a callable ``normalize`` with a placement other than
-    "host_float32", a Normalize whose mean/std or crop does not fit the images,
-    or a dataset over the device budget.
+    seed outside [0, 2**32), samples without a leading N axis or of a dtype JAX
+    would convert (float64 or int64 without ``jax_enable_x64``; object,
+    strings), labels that are not (N,) integers within int32, a Normalize with
+    samples that are not uint8 (N, C, H, W), a callable ``normalize`` with a
+    placement other than "host_float32", a Normalize whose mean/std or crop does
+    not fit the images, or a dataset over the device budget.
     """
     if isinstance(data, (str, os.PathLike)):
         images, labels = read_cifar10(data, filename_prefix)
     else:
         images, labels = data
-    images, labels = np.asarray(images), np.asarray(labels).astype(np.int32, copy=False)
-    if images.dtype != np.uint8 or images.ndim != 4 or labels.shape != images.shape[:1]:
-        raise ValueError(f"make_loader: data must be uint8 images (N, C, H, W) and N labels, got "
-                         f"images {images.dtype} {images.shape}, labels {labels.shape}")
+    images, labels = _check_samples(np.asarray(images), np.asarray(labels), normalize)
     mesh = data_mesh(devices)
     _check_policy(last_batch)
     _check_layout(layout)
@@ -987,7 +1011,7 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if isinstance(normalize, Normalize):
         normalize.output_shape(images.shape[1:])
-    elif placement != "host_float32":
+    elif normalize is not None and placement != "host_float32":
         raise ValueError(f"placement={placement!r} needs a Normalize (its table runs on the devices); "
                          f"any other callable normalize needs placement='host_float32'")
     n = mesh.devices.size
@@ -1003,6 +1027,27 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
                   normalize, prefetch, placement, resident)
 
 
+def _check_samples(images: np.ndarray, labels: np.ndarray, normalize) -> tuple[np.ndarray, np.ndarray]:
+    """make_loader's checks of the data itself; returns (samples, labels as int32)."""
+    if images.ndim < 1 or labels.shape != images.shape[:1]:
+        raise ValueError(f"make_loader: data must be samples (N, ...) and labels (N,), got samples "
+                         f"{images.dtype} {images.shape}, labels {labels.shape}")
+    numeric = jnp.issubdtype(images.dtype, jnp.number) or images.dtype == np.bool_
+    if not numeric or jax.dtypes.canonicalize_dtype(images.dtype) != images.dtype:
+        raise ValueError(f"make_loader: samples of dtype {images.dtype} cannot go to the devices as "
+                         f"they are (JAX would convert or refuse them); convert them first, e.g. "
+                         f"samples.astype(np.float32)")
+    if isinstance(normalize, Normalize) and (images.dtype != np.uint8 or images.ndim != 4):
+        raise ValueError(f"make_loader: normalize={normalize} needs uint8 images (N, C, H, W), got "
+                         f"samples {images.dtype} {images.shape}; pass normalize=None to deliver "
+                         f"them as they are")
+    if labels.dtype.kind not in "biu":
+        raise ValueError(f"make_loader: labels must be integers (N,), got dtype {labels.dtype}")
+    if labels.size and (labels.min() < np.iinfo(np.int32).min or labels.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"make_loader: labels must fit int32, got range [{labels.min()}, {labels.max()}]")
+    return images, labels.astype(np.int32, copy=False)
+
+
 # --------------------------------------------------------------------------
 # Device-side work (placements "host" and "device")
 # --------------------------------------------------------------------------
@@ -1016,16 +1061,17 @@ def _by_position(per_shard: np.ndarray, mesh: Mesh) -> jax.Array:
 
 
 def device_fit(num_samples: int, sample_shape: tuple[int, ...], mesh: Mesh,
-               device_budget: int | None = None) -> str | None:
-    """Why a uint8 dataset would not fit placement "device" on ``mesh``, or None if it fits.
+               device_budget: int | None = None, itemsize: int = 1) -> str | None:
+    """Why a dataset would not fit placement "device" on ``mesh``, or None if it fits.
 
-    Each device holds the largest shard, ceil(N/n) samples plus their int32
+    Each device holds the largest shard, ceil(N/n) samples of ``sample_shape``
+    with ``itemsize`` bytes an element (1: uint8 images) plus their int32
     labels; the budget is ``device_budget`` bytes per device, by default half of
     what the device reports free (for CPU devices, which report nothing, half the
     host's available memory shared among this process's devices)."""
     n = mesh.devices.size
     size = -(-num_samples // n)
-    per_device = size * (int(np.prod(sample_shape)) + 4)
+    per_device = size * (int(np.prod(sample_shape)) * itemsize + 4)
     local = [mesh.devices.flat[k] for k in local_positions(mesh)]
     limit, where = (device_budget, "device_budget") if device_budget is not None else _default_budget(local)
     if per_device <= limit:
@@ -1037,8 +1083,8 @@ def device_fit(num_samples: int, sample_shape: tuple[int, ...], mesh: Mesh,
 
 def _place_dataset(images: np.ndarray, labels: np.ndarray, mesh: Mesh, budget: int | None) -> dict:
     """Shard k's samples on mesh position k, padded to the largest shard: images
-    (n * S, C, H, W) uint8 and labels (n * S,) int32, sharded on 'data'."""
-    too_big = device_fit(len(labels), images.shape[1:], mesh, budget)
+    (n * S, ...) in their dtype and labels (n * S,) int32, sharded on 'data'."""
+    too_big = device_fit(len(labels), images.shape[1:], mesh, budget, images.dtype.itemsize)
     if too_big:
         raise ValueError(too_big)
     n, N = mesh.devices.size, len(labels)
@@ -1077,17 +1123,20 @@ def _normalize_fn(mesh: Mesh, window: tuple, mirror: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _device_step_fn(mesh: Mesh, layout: str, window: tuple, mirror: bool):
+def _device_step_fn(mesh: Mesh, layout: str, window: tuple | None, mirror: bool):
     """One step of placement "device": every device gathers its batch from its own
-    resident shard by the plan's local indices, then normalises it."""
-    def step(resident, placed, table, s):
+    resident shard by the plan's local indices, then normalises it with the
+    table, its last argument (window None: no normalisation, no table)."""
+    def step(resident, placed, s, *table):
         idx = placed["indices"][0, s]  # (B,), into this device's shard
-        out = {"images": device_normalize(resident["images"][idx], table, window, mirror),
-               "labels": resident["labels"][idx], "mask": placed["mask"][0, s]}
+        images = resident["images"][idx]
+        if window is not None:
+            images = device_normalize(images, table[0], window, mirror)
+        out = {"images": images, "labels": resident["labels"][idx], "mask": placed["mask"][0, s]}
         return out if layout == "sharded" else jax.tree.map(lambda x: x[None], out)
 
     specs = ({"images": P(DATA_AXIS), "labels": P(DATA_AXIS)},
-             {"indices": P(DATA_AXIS), "mask": P(DATA_AXIS)}, P(), P())
+             {"indices": P(DATA_AXIS), "mask": P(DATA_AXIS)}, P()) + ((P(),) if window is not None else ())
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=P(DATA_AXIS)))
 
 

@@ -18,6 +18,12 @@ Two SGD steps:
   it would move a CPU mesh's batches to the GPU, and on CPU devices [4..7] it
   would bring the results back on devices [0..3].
 
+strategies.py does not import this module: it takes the model as a function,
+so pass ``loss_terms`` from here (``strategies.sharded(params, batches, mesh,
+loss_terms=model.loss_terms, optimizer=strategies.sgd(0.001))``). ``update``
+and ``update_parallel`` are the notebooks' steps written out for this MLP;
+test_model.py holds them to a float64 reference and to each other.
+
 Both compute the gradient of the *global* masked loss: the sum of every real
 sample's negative log-likelihood divided by the number of real samples in the
 whole global batch. The notebooks' ``lax.pmean(grads)`` averages per-device

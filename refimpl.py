@@ -343,19 +343,21 @@ def run(args: argparse.Namespace) -> dict:
     metrics = open(args.metrics_out, "w") if args.metrics_out and jax.process_index() == 0 else None
     layers = model.LAYERS if args.dataset == "cifar10" else model.MNIST_LAYERS
     params0 = model.init_model(layers)
+    optimizer = strategies.sgd(args.lr)  # the notebooks' plain SGD
     final = {}
     try:
         for name in args.strategies:
             train = strategies.STRATEGIES[name]
             loader = loaders_by_layout[strategies.LAYOUT[name]]
-            params = params0
+            params, opt_state = params0, None
             say(f"--- {name} ---")
             for epoch in range(args.epochs):
                 start = time.perf_counter()
                 batches = loader.epoch(epoch)
                 if jax.process_index() == 0:
                     batches = with_progress(batches, steps, f"{name} epoch {epoch + 1}")
-                params, losses = train(params, batches, args.lr, mesh)
+                params, losses, opt_state = train(params, batches, mesh, loss_terms=model.loss_terms,
+                                                  optimizer=optimizer, opt_state=opt_state)
                 seconds = time.perf_counter() - start
                 # After the epoch: a vendor loader may only know then which of its
                 # slots were padding (rocAL's shuffled drop). No device work either way.

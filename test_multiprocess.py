@@ -80,7 +80,9 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
                         got = np.asarray(shard.data).reshape(want.shape)
                         assert np.array_equal(got, want), f"{name} mesh, placement {p}: {field} of shard {k}"
         batches = (by_placement["device"].batch(0, s) for s in range(STEPS))
-        params, losses = strategies.STRATEGIES[name](model.init_model(LAYERS), batches, LR, mesh)
+        params, losses, _ = strategies.STRATEGIES[name](model.init_model(LAYERS), batches, mesh,
+                                                        loss_terms=model.loss_terms,
+                                                        optimizer=strategies.sgd(LR))
         np.savez(os.path.join(out_dir, f"{name}-{process_id}.npz"), *jax.tree.leaves(params), losses=losses)
     # What this process read over a whole epoch: the real slots of its own shards.
     for step in range(len(loader)):
@@ -132,8 +134,9 @@ def test_two_processes_train_like_one(dataset, tmp_path):
         np.testing.assert_array_equal(got[0]["losses"], got[1]["losses"])
 
         loader = loaders.make_loader(dataset, mesh, B, layout=strategies.LAYOUT[name], shuffle=True, seed=5)
-        expected, losses = strategies.STRATEGIES[name](
-            model.init_model(LAYERS), (loader.batch(0, s) for s in range(STEPS)), LR, mesh)
+        expected, losses, _ = strategies.STRATEGIES[name](
+            model.init_model(LAYERS), (loader.batch(0, s) for s in range(STEPS)), mesh,
+            loss_terms=model.loss_terms, optimizer=strategies.sgd(LR))
         assert_params_close(leaves[0], jax.tree.leaves(expected), ulps_per_step=MULTIPROCESS_ULPS,
                             steps=STEPS, what=f"{name}: 2 processes vs 1")
         np.testing.assert_allclose(got[0]["losses"], losses, rtol=1e-5)

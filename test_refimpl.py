@@ -178,7 +178,7 @@ def test_rocal_backend_without_rocal(tiny_dir):
 def test_full_size_epoch_with_prefetch_does_not_deadlock(tmp_path):
     # Regression: with unbounded async dispatch, 49 steps of per-device batch 128
     # on 8 CPU devices, fed by the prefetching loader, deadlocked XLA's all-reduce
-    # rendezvous (the process aborts after 40 s). strategies._run now keeps at most
+    # rendezvous (the process aborts after 40 s). strategies.train_loop now keeps at most
     # two steps in flight (test_equivalence.py checks that in a second). 24 steps
     # did not reproduce it; 49 did, every time. About 20 s: run with --run-slow.
     small = loaders.synthetic_cifar10(tmp_path / "small", num_train=5_000, num_test=64, seed=1)

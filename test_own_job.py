@@ -1,0 +1,304 @@
+"""Each module copied ALONE into a user's job, with the user's data and model.
+
+The third use this reference exists for: copy a single module into your own
+project. Each test copies one module (loaders.py; strategies.py; conformance.py
+with loaders.py, its stated dependency) into an empty temporary folder, writes
+a user's job there and runs it in a child process (conftest.run_children:
+JAX_PLATFORMS=cpu, 8 virtual CPU devices set by the job itself), whose folder
+holds nothing else of this repository: the job asserts that ``import model``
+fails. The user's data: 10,000 tabular samples of 40 float features with 3
+classes, and 16x16 one-channel uint8 images with 4 classes; their own models
+(a linear softmax, and a one-hidden-layer MLP over pixels).
+
+Each job is a prelude (the user's data, batches and loader: what they would
+already have), a SNIPPET (the README's "use it in your own job" text, run
+exactly as written), and checks of the module's guarantees through its public
+functions only (no name starting with "_" is used in any job):
+
+* loaders.py: every sample exactly once a fill epoch (from the plan's masks),
+  the batches are the plan's rows, resuming at step 30 gives the same steps,
+  shard k lives on devices[k] (devices given reversed), and one-channel images
+  come out normalised by the table;
+* strategies.py: the four strategies train the user's tabular model (a dict
+  of params) to within ``strategies.ulp_bound`` of each other (sharded and
+  single also the image model: fewer compilations), the loss falls, and
+  the user's own loop (``train_loop`` + ``sharded_step``) gives ``sharded``'s
+  params bit for bit;
+* conformance.py: the user's strided loader (shard k = k::n) passes the
+  exactly-once mode and is flagged by the contiguous one; a planted overlap is
+  found at its step; the reference loader over encoded one-channel images
+  conforms in the contiguous mode.
+
+The snippets are read from README.md between ``<!-- own-job: NAME -->`` and the
+end of the next ```python block when the README has those markers; until then
+the copies below (the text proposed for the README) run, and
+test_readme_holds_the_snippets is skipped, saying so.
+"""
+
+import os
+import re
+import shutil
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MARKER = re.compile(r"<!-- own-job: (\w+) -->\s*```python\n(.*?)```", re.S)
+
+SNIPPETS = {
+    "loaders": '''\
+import jax
+import loaders
+
+devices = jax.devices()  # shard k goes to devices[k]
+loader = loaders.make_loader((features, labels), devices, batch_size=32, shuffle=True,
+                             seed=0, normalize=None)  # float features: delivered as stored
+for batch in loader.epoch(0):  # global jax.Arrays, sharded over the devices
+    x, y, mask = batch["images"], batch["labels"], batch["mask"]  # (8*32, 40), (8*32,), (8*32,)
+    # ... your step: weight each sample's loss by mask (False marks padding)
+resumed = loader.epoch(0, start_step=30)  # the same steps 30.. again: resume anywhere
+
+image_loader = loaders.make_loader((images, image_labels), devices, batch_size=32,
+                                   normalize=loaders.Normalize(mean=(127.5,), std=(127.5,)))
+''',
+    "strategies": '''\
+import jax
+import jax.numpy as jnp
+import strategies
+
+def loss_terms(params, batch):  # your model: (sum of the real samples' losses, their count)
+    logits = batch["images"] @ params["w"] + params["b"]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["labels"][:, None], axis=1)[:, 0]
+    mask = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask * nll), jnp.sum(mask)
+
+params = {"w": np.zeros((40, 3), np.float32), "b": np.zeros(3, np.float32)}  # any pytree
+params, losses, opt_state = strategies.sharded(params, my_batches(features, labels), mesh,
+                                               loss_terms=loss_terms, optimizer=strategies.sgd(0.5))
+
+# Your own loop: any step(state, batch) -> (state, value), at most two steps in flight.
+step = strategies.sharded_step(loss_terms, strategies.sgd_update)
+state = strategies.replicate((params, opt_state), mesh)
+state, values = strategies.train_loop(step, state, my_batches(features, labels))
+''',
+    "conformance": '''\
+import numpy as np
+import conformance
+
+N, n, B = 10_000, 8, 32
+samples = conformance.encoded_images(np.arange(N), (40,), np.float32)  # sample i holds i
+delivered, masks = [], []
+for batch in my_loader(samples, n, B):  # your loader's global batches: (n*B, 40), (n*B,)
+    blocks = conformance.shard_blocks(batch["images"], n)  # (n, B, 40)
+    delivered.append([conformance.decode_indices(block) for block in blocks])
+    masks.append(conformance.shard_blocks(batch["mask"], n))
+found = conformance.describe_epoch(np.array(delivered), N, B, shuffle=False, last_batch="fill",
+                                   length=len(delivered), masks=np.array(masks), partition="any")
+print(found.report() or "every sample exactly once")
+''',
+}
+
+# What every job starts with: 8 CPU devices, the user's data, nothing of this repository.
+PRELUDE = '''\
+import os
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import numpy as np
+try:
+    import model  # noqa: F401
+    raise SystemExit("the repository is importable from the job's folder")
+except ModuleNotFoundError:
+    pass
+assert sorted(f for f in os.listdir(".") if f.endswith(".py")) == sorted(["job.py", *MODULES]), os.listdir(".")
+
+rng = np.random.default_rng(0)
+features = rng.standard_normal((10_000, 40), dtype=np.float32)
+labels = np.argmax(features[:, :3] + 0.3 * rng.standard_normal((10_000, 3)), axis=1)  # 3 classes
+image_labels = rng.integers(0, 4, 10_000)  # 4 classes: the brightest quadrant
+images = rng.integers(0, 160, (10_000, 1, 16, 16)).astype(np.uint8)
+for c in range(4):
+    y, x = divmod(c, 2)
+    images[image_labels == c, :, 8 * y:8 * y + 8, 8 * x:8 * x + 8] += 90
+'''
+
+CHECKS = {
+    "loaders": '''
+N, n = len(labels), len(devices)
+plan = loader.plan(0)
+real = plan.indices[plan.mask]
+assert sorted(real.tolist()) == list(range(N)), "not every sample exactly once"
+batches = list(loader.epoch(0))
+for s in (0, 17, len(loader) - 1):
+    np.testing.assert_array_equal(np.asarray(batches[s]["images"]), features[plan.indices[s].ravel()])
+    np.testing.assert_array_equal(np.asarray(batches[s]["mask"]), plan.mask[s].ravel())
+for s, batch in enumerate(resumed, start=30):
+    np.testing.assert_array_equal(np.asarray(batch["images"]), np.asarray(batches[s]["images"]))
+backwards = loaders.make_loader((features, labels), devices[::-1], batch_size=32, shuffle=True, seed=0,
+                                normalize=None, placement="device")
+for shard in backwards.batch(0, 7)["images"].addressable_shards:
+    k = devices[::-1].index(shard.device)
+    np.testing.assert_array_equal(np.asarray(shard.data), features[plan.indices[7, k]])
+first = np.asarray(image_loader.batch(0, 0)["images"])
+assert first.shape == (n * 32, 1, 16, 16) and first.dtype == np.float32
+idx = image_loader.plan(0).indices[0].ravel()
+assert np.abs(first - (images[idx] - 127.5) / 127.5).max() <= 1e-6
+print("JOB OK")
+''',
+    "strategies": '''
+mlp_params = {"hidden": (0.05 * rng.standard_normal((256, 32))).astype(np.float32),
+              "out": (0.05 * rng.standard_normal((32, 4))).astype(np.float32)}
+
+def mlp_terms(params, batch):  # the images' model: a one-hidden-layer MLP over pixels
+    x = batch["images"].reshape(len(batch["labels"]), -1) / 255.0
+    logits = jnp.tanh(x @ params["hidden"]) @ params["out"]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["labels"][:, None], axis=1)[:, 0]
+    mask = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask * nll), jnp.sum(mask)
+
+assert losses[-1] < 0.8 * losses[0], losses
+again = strategies.sharded({"w": np.zeros((40, 3), np.float32), "b": np.zeros(3, np.float32)},
+                           my_batches(features, labels), mesh, loss_terms=loss_terms,
+                           optimizer=strategies.sgd(0.5))
+continued = strategies.sharded(again.params, my_batches(features, labels), mesh, loss_terms=loss_terms,
+                               optimizer=strategies.sgd(0.5), opt_state=again.opt_state)
+for a, b in zip(jax.tree.leaves(strategies.to_host(state[0])), jax.tree.leaves(continued.params)):
+    np.testing.assert_array_equal(a, b)  # your own loop is the strategy, bit for bit
+np.testing.assert_array_equal(strategies.stack_losses(values), continued.losses)
+n = len(jax.devices())
+for terms, start, (x, y) in ((loss_terms, params, (features, labels)), (mlp_terms, mlp_params, (images, image_labels))):
+    done = {}
+    names = list(strategies.STRATEGIES) if terms is loss_terms else ["sharded", "single"]
+    for name in names:
+        train = strategies.STRATEGIES[name]
+        pmap = strategies.LAYOUT[name] == "pmap"
+        batches = my_batches(x, y, pmap=pmap)
+        done[name] = train(start, batches, mesh, loss_terms=terms, optimizer=strategies.sgd(0.5)).params
+    for name in done:
+        allowed = strategies.ulp_bound("sharded", name, "cpu", n) * STEPS
+        assert strategies.ulps_apart(done[name], done["sharded"]) <= allowed, name
+print("JOB OK")
+''',
+    "conformance": '''
+assert not found, found.report()
+contiguous = conformance.describe_epoch(np.array(delivered), N, B, shuffle=False, last_batch="fill",
+                                        length=len(delivered), masks=np.array(masks))
+assert "outside the shard" in contiguous.kinds
+wrong = np.array(delivered)
+wrong[5, 3, 0] = wrong[5, 4, 0]  # shard 3 delivers shard 4's sample at step 5
+planted = conformance.describe_epoch(wrong, N, B, shuffle=False, last_batch="fill",
+                                     length=len(delivered), masks=np.array(masks), partition="any")
+assert {"missing", "samples on two shards"} <= set(planted.kinds), planted.report()
+[(text, shards, steps, _)] = planted.kinds["samples on two shards"]
+assert steps == {5} and shards == {3, 4}, text
+
+import jax
+import loaders
+encoded = conformance.encoded_images(np.arange(N), (1, 16, 16))  # uint8, one channel
+norm = loaders.Normalize(mean=(127.5,), std=(127.5,))
+loader = loaders.make_loader((encoded, image_labels), jax.devices(), B, shuffle=True, seed=1, normalize=norm)
+got, got_masks = [], []
+for batch in loader.epoch(0):
+    got.append([conformance.decode_indices(b, norm) for b in conformance.shard_blocks(batch["images"], n)])
+    got_masks.append(conformance.shard_blocks(batch["mask"], n))
+report = conformance.describe_epoch(np.array(got), N, B, shuffle=True, last_batch="fill",
+                                    length=len(loader), masks=np.array(got_masks))
+assert not report, report.report()
+print("JOB OK")
+''',
+}
+
+# The user's own feeding (strategies) and the user's loader under test (conformance).
+EXTRA = {
+    "loaders": "",
+    "strategies": '''
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("data",))
+STEPS = 12
+
+def my_batches(x, y, steps=STEPS, per_device=16, pmap=False):
+    """The user's own global batches, sharded on 'data' ((n, B, ...) for pmap)."""
+    n = len(jax.devices())
+    sharding = NamedSharding(mesh, P("data"))
+    for s in range(steps):
+        rows = slice(s * n * per_device, (s + 1) * n * per_device)
+        batch = {"images": x[rows].astype(np.float32), "labels": y[rows].astype(np.int32),
+                 "mask": np.arange(n * per_device) % 5 != 4}  # some padding slots
+        if pmap:
+            batch = {k: v.reshape((n, per_device) + v.shape[1:]) for k, v in batch.items()}
+        yield jax.device_put(batch, sharding)
+''',
+    "conformance": '''
+def my_loader(samples, n, B):
+    """The user's loader under test: shard k reads samples k::n, the last batch padded
+    with its last sample and masked; global batches (n*B, ...) as NumPy."""
+    N = len(samples)
+    steps = -(-(-(-N // n)) // B)
+    for s in range(steps):
+        rows, mask = [], []
+        for k in range(n):
+            own = np.arange(k, N, n)
+            slots = np.arange(s * B, (s + 1) * B)
+            rows.append(samples[own[np.minimum(slots, len(own) - 1)]])
+            mask.append(slots < len(own))
+        yield {"images": np.concatenate(rows), "mask": np.concatenate(mask)}
+''',
+}
+
+MODULES = {"loaders": ["loaders.py"], "strategies": ["strategies.py"],
+           "conformance": ["conformance.py", "loaders.py"]}
+
+
+def readme_snippets() -> dict | None:
+    """The snippets in README.md by marker, or None when it has none."""
+    path = os.path.join(HERE, "README.md")
+    if not os.path.exists(path):
+        return None
+    found = dict(MARKER.findall(open(path).read()))
+    return found or None
+
+
+def job_text(name: str, snippet: str) -> str:
+    return (f"MODULES = {MODULES[name]!r}\n" + PRELUDE + EXTRA[name] + "\n# --- the snippet ---\n"
+            + snippet + "\n# --- the checks ---\n" + CHECKS[name])
+
+
+def run_jobs(tmp_path, snippets: dict) -> None:
+    from conftest import run_children
+
+    commands, folders = [], []
+    for name in MODULES:
+        folder = tmp_path / name
+        folder.mkdir()
+        for module in MODULES[name]:
+            shutil.copy(os.path.join(HERE, module), folder / module)
+        (folder / "job.py").write_text(job_text(name, snippets[name]))
+        commands.append([sys.executable, "-c", "import os, runpy, sys; os.chdir(sys.argv[1]); "
+                         "sys.path[0] = sys.argv[1]; runpy.run_path('job.py', run_name='__main__')",
+                         str(folder)])
+        folders.append(folder)
+    results = run_children(commands, timeout=300, cwd=str(tmp_path))
+    failed = [f"{name} job (exit {code}):\n{out[-2000:]}\n{err[-3000:]}"
+              for name, (code, out, err) in zip(MODULES, results) if code != 0 or "JOB OK" not in out]
+    assert not failed, "\n\n".join(failed)
+
+
+def test_each_module_alone_runs_a_users_job(tmp_path):
+    snippets = readme_snippets() or SNIPPETS
+    missing = set(MODULES) - set(snippets)
+    assert not missing, f"README.md has own-job markers but lacks {sorted(missing)}"
+    run_jobs(tmp_path, snippets)
+
+
+def test_readme_holds_the_snippets():
+    snippets = readme_snippets()
+    if snippets is None:
+        pytest.skip("README.md has no '<!-- own-job: NAME -->' markers yet: the proposed snippets in "
+                    "test_own_job.SNIPPETS run instead (the lead pastes them)")
+    assert set(snippets) == set(SNIPPETS), sorted(snippets)
+
+
+def test_no_job_uses_a_private_name():
+    # "Without reading any private function": no module attribute starting with "_".
+    for name in MODULES:
+        text = SNIPPETS[name] + EXTRA[name] + CHECKS[name]
+        assert not re.search(r"\b(loaders|strategies|conformance)\._", text), name
