@@ -33,6 +33,7 @@ from hypothesis import example, given, settings, strategies as st
 pytest.importorskip("nvidia.dali", reason="needs NVIDIA DALI: pip install -r requirements-dali.txt")
 
 import conformance  # noqa: E402
+from conftest import examples  # noqa: E402
 import dali_loader  # noqa: E402
 import loaders  # noqa: E402
 
@@ -118,7 +119,7 @@ def cases(draw):
             draw(st.sampled_from(loaders.LAYOUTS)), draw(st.integers(0, 2**32 - 1)))
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(cases())
 # Shard lists a batch short of the plan (S_k = floor(N/n) a multiple of B): filled by the backend.
 @example((23, 4, 5, "fill", True, "sharded", 0))
