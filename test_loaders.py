@@ -1238,3 +1238,46 @@ def test_crop_mirror_normalize_is_its_docstring(mean_std, crop, crop_pos, mirror
         return
     want = text_crop_mirror_normalize(images, crop, crop_pos, mirror, mean, std, arithmetic)
     np.testing.assert_array_equal(got.view(np.uint32), want)
+
+
+# --------------------------------------------------------------------------
+# Sentences of the spec that only another module's tests held (issue 18's mutants)
+# --------------------------------------------------------------------------
+
+
+def test_mnist_label_10_and_trailing_bytes_are_refused(tmp_path):
+    # "a label > 9" (10 is the first one out) and "longer than its header says".
+    images, labels = random_mnist(4, 5)
+    read = lambda: loaders.read_mnist(tmp_path)
+    loaders.write_mnist(tmp_path, "train", images, labels)
+    path = _corrupt(tmp_path, "train-labels-idx1-ubyte", lambda d: d[:10] + b"\x0a" + d[11:])
+    assert_raises_naming(ValueError, read, path, "label 2 is 10")
+    for name, count in (("train-images-idx3-ubyte", 16 + 5 * 784), ("train-labels-idx1-ubyte", 8 + 5)):
+        loaders.write_mnist(tmp_path, "train", images, labels)
+        path = _corrupt(tmp_path, name, lambda d: d + b"\x00")
+        assert_raises_naming(ValueError, read, path, "trailing bytes", str(count + 1), str(count))
+    loaders.write_mnist(tmp_path, "train", images, labels)
+    read()  # the control: the same files, untouched, are read
+
+
+def test_device_fit_is_sized_by_the_largest_shard(devices):
+    # 7 samples over 2 devices: shards of 3 and 4; each device holds 4 samples of
+    # (1 + 4 label) bytes = 20 bytes, so 19 bytes must not fit.
+    mesh = loaders.data_mesh(devices[:2])
+    assert loaders.device_fit(7, (1, 1, 1), mesh, device_budget=20) is None
+    assert "4 samples" in loaders.device_fit(7, (1, 1, 1), mesh, device_budget=19)
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_equal_means_with_different_stds_keep_one_table_row_per_channel(devices, cifar, placement):
+    # The device table may collapse to one row only when every channel's row is equal;
+    # equal means with different stds are three different rows.
+    norm = loaders.Normalize(mean=(120.0, 120.0, 120.0), std=(30.0, 60.0, 90.0))
+    data = (cifar[0][:64], cifar[1][:64])
+    want = loaders.make_loader(data, devices[:2], 4, normalize=norm, placement="host_float32").batch(0, 1)
+    got = loaders.make_loader(data, devices[:2], 4, normalize=norm, placement=placement).batch(0, 1)
+    np.testing.assert_array_equal(np.asarray(got["images"]), np.asarray(want["images"]))
+    host = norm(cifar[0][:4])
+    for c in range(3):  # and on the host path: each channel its own row
+        np.testing.assert_array_equal(host[:, c], norm.table[c][cifar[0][:4, c]])
+    assert not (norm.table[0] == norm.table[1]).all()  # control: the rows really differ

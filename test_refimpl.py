@@ -139,6 +139,12 @@ def test_mnist_the_dali_notebooks_dataset(tmp_path):
 @pytest.mark.parametrize("args, fragments", [
     (["--seed", str(2**32)], ["--seed", "2**32"]),
     (["--lr", "-0.1"], ["--lr must be > 0", "-0.1"]),
+    (["--lr", "0"], ["--lr must be > 0", "got 0.0"]),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+     ["--process-id 2 is outside 0..1"]),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "-1"],
+     ["--process-id -1 is outside 0..1"]),
+    (["--max-ulps-per-step", "-1"], ["--max-ulps-per-step must be >= 0", "-1"]),
     (["--metrics-out", "/nonexistent-folder/m.jsonl"], ["--metrics-out", "/nonexistent-folder"]),
     (["--platform", "cpu", "--devices", "65"], ["--devices 65", "at most 64 virtual CPU devices"]),
     (["--dataset", "mnist", "--backend", "rocal"], ["--backend rocal", "CIFAR-10 only"]),
@@ -192,3 +198,28 @@ def test_full_size_epoch_with_prefetch_does_not_deadlock(tmp_path):
                    "--batch-size", "128", "--devices", "8", "--placement", "host")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "49 steps of 8 x 128" in done.stdout and "sharded epoch 1/1" in done.stdout
+
+
+def test_params_outside_the_bound_are_said_last_and_exit_1(tiny_dir, tmp_path):
+    # The same real run twice: sharded and single end a few ulps apart on CPU (their
+    # sums are ordered differently), within strategies.ulp_bound (exit 0); held to
+    # --max-ulps-per-step 0, the same difference is OUTSIDE (exit 1, said last).
+    # The first run also pins placement auto (a tiny shard fits: "device") and
+    # validation counting all 64 test images at eval batch 50 (fill, not drop).
+    metrics = tmp_path / "metrics.jsonl"
+    common = ("--data-dir", tiny_dir, "--epochs", "1", "--batch-size", "8", "--devices", "4",
+              "--strategies", "sharded,single,pmap", "--eval-batch-size", "50")
+    within = refimpl(*common, "--metrics-out", str(metrics))
+    assert within.returncode == 0, within.stderr
+    assert "reference loader, placement device" in within.stdout
+    assert all(json.loads(l)["test_samples"] == 64 for l in metrics.read_text().splitlines())
+    line = next(l for l in within.stdout.splitlines() if l.startswith("final params, sharded vs single"))
+    assert "not bit-identical" in line and "within the documented bound" in line, line
+    outside = refimpl(*common, "--max-ulps-per-step", "0")
+    assert outside.returncode == 1, (outside.stdout, outside.stderr)
+    lines = [l for l in outside.stdout.splitlines() if l.strip()]
+    assert lines[-1].startswith("refimpl.py: FAILED: 1 pair(s) of strategies ended OUTSIDE"), lines[-3:]
+    assert lines[-2].startswith("final params, sharded vs single:") and "OUTSIDE" in lines[-2]
+    assert "(--max-ulps-per-step)" in lines[-2]
+    assert any(l == "final params, sharded vs pmap: max |difference| 0: identical" for l in lines)
+    assert "Traceback" not in outside.stderr
