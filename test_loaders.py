@@ -21,6 +21,12 @@
 
 The partition/coverage checks are shared helpers, and negative controls show
 that they fail on a wrong partition or plan.
+
+The seven spec functions (shard_bounds, num_steps, shard_permutation,
+epoch_plan, normalize_table, crop_anchor, crop_mirror_normalize) are also
+implemented a second time from their docstrings alone (``text_*`` below: Python
+integers, fractions.Fraction and loops) and compared bit for bit over drawn
+inputs, with the cases that tell one reading of the text from another pinned.
 """
 
 import dataclasses
