@@ -610,7 +610,11 @@ def dali_formula(mean, std) -> np.ndarray:
     return (difference.astype(np.float64) * np.float64(inv)).astype(np.float32)
 
 
-MEANS = st.sampled_from([0.0, 127.5, 125.3, 0.5 * 255]) | st.floats(0, 255, width=32)
+# No subnormal means: rocal_formula's long double then rounds twice (x*inv + 1e-43 loses the
+# offset and lands on a float32 tie; found by the thorough profile with mean 1.7e-41). The
+# exact text test (test_normalize_table_is_its_docstring) covers them.
+MEANS = (st.sampled_from([0.0, 127.5, 125.3, 0.5 * 255])
+         | st.floats(0, 255, width=32, allow_subnormal=False))
 STDS = st.sampled_from([127.5, 255.0, 63.0, 1.0]) | st.floats(1, 255, width=32)
 
 
@@ -1166,10 +1170,12 @@ def test_normalize_table_is_its_docstring(mean_std, arithmetic):
 @pytest.mark.parametrize("arithmetic", loaders.ARITHMETICS)
 @pytest.mark.parametrize("mean, std", [((127.5,), (63.0,)), ((127.5, 127.5, 127.5), (63.0, 62.1, 66.7)),
                                        ((-0.0,), (-2.0,)), ((0.0, -0.0), (-1.0, -1.0)),
-                                       ((125.3, 123.0, 113.9), (63.0, 62.1, 66.7))])
+                                       ((125.3, 123.0, 113.9), (63.0, 62.1, 66.7)),
+                                       ((0.0, 1.724157630505255e-41), (127.5, 127.5))])
 def test_normalize_table_text_on_the_cases_that_tell_choices_apart(mean, std, arithmetic):
     # 127.5 / 63.0: r32(-(m/s)) and r32(-(m*inv)) differ, so the one-channel rocAL
-    # offset is pinned; -0.0 with a negative std pins the sign of an exact zero.
+    # offset is pinned; -0.0 with a negative std pins the sign of an exact zero; a subnormal
+    # mean moves x*inv off a float32 tie (rounded once: down; a double rounding: up).
     got = loaders.normalize_table(mean, std, arithmetic)
     assert got.view(np.uint32).tolist() == text_normalize_table(mean, std, arithmetic)
 
