@@ -1,6 +1,6 @@
 """Speed of the loaders and the four strategies, as ratios measured side by side.
 
-    python bench.py [--quick] [--num-train N] [--json FILE]
+    python bench.py [--quick | --smoke] [--num-train N] [--json FILE]
 
 Every figure is a median over repeats, and the cases that are compared run in
 interleaved rounds (a, b, c, a, b, c, ...) in one process, so load from other
@@ -307,7 +307,7 @@ def training_section(images, labels, mesh, args) -> dict:
     params = model.init_model()
     n = mesh.devices.size
     calls = {}
-    for global_batch in GLOBAL_BATCHES:
+    for global_batch in args.training_batches:
         for name, strategy in strategies.STRATEGIES.items():
             loader = loaders.make_loader((images, labels), mesh, global_batch // n,
                                          layout=strategies.LAYOUT[name])
@@ -468,6 +468,34 @@ def goals(results: dict) -> list[dict]:
              "met": m >= t if op == ">=" else (m < t if op == "<" else m <= t)} for g, m, op, t in rows]
 
 
+def implausible(results: dict) -> list[str]:
+    """Figures no sane run gives: a median time or rate that is not positive and
+    finite, a waiting share outside [0, 1), an epoch slowdown outside (-1, 1) (a
+    loaded epoch twice as fast as prebuilt batches). They mean the machine was too
+    busy to measure; bench reports them, and no test asserts on a timing."""
+    found = []
+
+    def check(where: str, value, ok) -> None:
+        if not (isinstance(value, (int, float)) and np.isfinite(value) and ok(value)):
+            found.append(f"{where} = {value!r}")
+
+    for key, section in results["loader"].items():
+        for name, r in section["loaders"].items():
+            for field in ("images_per_s", "gb_per_s"):
+                check(f"loader {key} {name} {field}", r[field], lambda v: v > 0)
+    for key, row in results["placements"].items():
+        check(f"placements {key} train_step_ms", row["train_step_ms"], lambda v: v > 0)
+        for p in loaders.PLACEMENTS:
+            check(f"placements {key} {p} loader_step_ms", row[p]["loader_step_ms"], lambda v: v > 0)
+            check(f"placements {key} {p} wait_fraction", row[p]["wait_fraction"], lambda v: 0 <= v < 1)
+            check(f"placements {key} {p} slowdown_fraction", row[p]["slowdown_fraction"],
+                  lambda v: -1 < v < 1)
+    for key, row in results["training"].items():
+        for name, r in row.items():
+            check(f"training {key} {name} step_ms", r["step_ms"], lambda v: v > 0)
+    return found
+
+
 def markdown(results: dict) -> str:
     lines = [f"Machine: {results['machine']}; {results['config']}; read_cifar10 "
              f"{results['read_cifar10_s']:.2f} s", ""]
@@ -506,6 +534,9 @@ def markdown(results: dict) -> str:
     lines += ["", "**Goals**", "", "| goal | measured | target | met |", "| --- | ---: | --- | --- |"]
     for g in results["goals"]:
         lines.append(f"| {g['goal']} | {g['measured']:.2f} | {g['target']} | {'yes' if g['met'] else 'no'} |")
+    if results.get("implausible"):
+        lines += ["", "**Implausible figures** (the machine was too busy to measure them; rerun):", ""]
+        lines += [f"- {text}" for text in results["implausible"]]
     return "\n".join(lines)
 
 
@@ -517,7 +548,10 @@ def cpu_name() -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller data, fewer repeats (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="smaller data, fewer repeats (under a minute)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest run through every section, for the test suite: its figures "
+                             "are noise")
     parser.add_argument("--num-train", type=int, help="synthetic images (default 50,000; quick 4,096)")
     parser.add_argument("--repeats", type=int, help="rounds per median (default 3; quick 2)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures here")
@@ -529,13 +563,16 @@ def main(argv=None) -> dict:
         root, batch_size, prefetch, placement = args.memory_child
         print(json.dumps(memory_child(root, int(batch_size), int(prefetch), placement)))
         return {}
-    args.num_train = args.num_train or (4_096 if args.quick else 50_000)
-    args.repeats = args.repeats or (2 if args.quick else 3)
-    args.train_steps = 2 if args.quick else 4
-    args.placement_images = 2_048 if args.quick else 16_384
-    args.placement_batches = (256, 1024) if args.quick else (1024, 8192)
-    args.dataloader_cap = 1_024 if args.quick else 4_096
-    args.memory_cases = ("host prefetch 2", "device") if args.quick else tuple(MEMORY_CASES)
+    # (full, quick, smoke)
+    size = 2 if args.smoke else 1 if args.quick else 0
+    args.num_train = args.num_train or (50_000, 4_096, 1_024)[size]  # 1024: 8 devices x B 128
+    args.repeats = args.repeats or (3, 2, 1)[size]
+    args.train_steps = (4, 2, 1)[size]
+    args.placement_images = (16_384, 1_024, 256)[size]
+    args.placement_batches = [(1024, 8192), (128, 512), (64,)][size]
+    args.training_batches = GLOBAL_BATCHES if size < 2 else GLOBAL_BATCHES[:1]
+    args.dataloader_cap = (4_096, 1_024, 256)[size]
+    args.memory_cases = [tuple(MEMORY_CASES), ("host prefetch 2", "device"), ("device",)][size]
     mesh = loaders.data_mesh(jax.devices())
     with tempfile.TemporaryDirectory() as root:
         args.cache_dir = os.path.join(root, "cache")
@@ -551,13 +588,21 @@ def main(argv=None) -> dict:
                       f"NumPy {np.__version__}, Grain {grain_version() or 'not installed'}, "
                       f"DALI {dali_version() or 'not installed'}",
             "read_cifar10_s": read_s,
-            "loader": loader_section(images, labels, mesh, args),
             "placements_batches": list(args.placement_batches),
-            "placements": placement_section(images, labels, mesh, args),
-            "training": training_section(images, labels, mesh, args),
-            "memory": memory_section(data, args),
+            "training_batches": list(args.training_batches),
+            "section_s": {},
         }
+        sections = {"loader": lambda: loader_section(images, labels, mesh, args),
+                    "placements": lambda: placement_section(images, labels, mesh, args),
+                    "training": lambda: training_section(images, labels, mesh, args),
+                    "memory": lambda: memory_section(data, args)}
+        for name, section in sections.items():
+            start = time.perf_counter()
+            results[name] = section()
+            results["section_s"][name] = time.perf_counter() - start
+            print(f"bench: {name} section {results['section_s'][name]:.1f} s", file=sys.stderr, flush=True)
     results["goals"] = goals(results)
+    results["implausible"] = implausible(results)
     print(markdown(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -32,7 +32,9 @@ which is why all of this runs here, at import, before any test module.
 Hypothesis profiles, chosen with HYPOTHESIS_PROFILE (default ``ci``): ``ci``
 derandomised with modest example counts, ``dev`` random with more examples,
 ``thorough`` for a long soak. All use ``deadline=None``: the first example of a
-jitted test pays for compilation.
+jitted test pays for compilation. A test that sets its own count (an expensive
+one) takes it from ``examples(n)``, which scales n like the profile (ci x1,
+dev x4, thorough x40), so every property test goes deeper under ``thorough``.
 """
 
 import os
@@ -159,3 +161,11 @@ def synthetic_dir(tmp_path_factory):
     """A CIFAR-10-format folder: 1000 training and 200 test images, seed 0."""
     return loaders.synthetic_cifar10(tmp_path_factory.mktemp("cifar10"), num_train=1000,
                                      num_test=200, seed=0)
+
+
+def examples(ci_count: int) -> int:
+    """``max_examples`` for a test that sets its own: ``ci_count`` under the ci
+    profile, scaled like the active profile (dev x4, thorough x40), so that
+    HYPOTHESIS_PROFILE=thorough deepens every property test, not only the ones
+    that leave the count to the profile."""
+    return max(1, ci_count * settings.default.max_examples // 25)

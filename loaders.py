@@ -372,10 +372,17 @@ def _synthetic_images(shape: tuple[int, ...], num_train: int, num_test: int, see
 
 
 def shard_bounds(num_samples: int, shard_id: int, num_shards: int) -> tuple[int, int]:
-    """Shard ``shard_id`` of ``num_shards`` over ``range(num_samples)``: [N*k//n, N*(k+1)//n).
+    """Shard ``shard_id`` of ``num_shards`` over ``range(num_samples)``: the half-open
+    ``[N*k//n, N*(k+1)//n)`` with N = num_samples, k = shard_id, n = num_shards,
+    integer (floor) division on exact integers.
 
-    Raises ValueError for num_shards < 1, num_shards > num_samples, or shard_id
-    outside [0, num_shards).
+    The shards tile range(N) in order with no gap or overlap; their sizes are
+    floor(N/n) or ceil(N/n), and the larger ones are not all at one end (N=7,
+    n=3 gives [0, 2), [2, 4), [4, 7)). It is rocAL's and DALI's partition, so a
+    vendor reader fed shard k reads the same samples.
+
+    Validated here: ValueError for num_shards < 1, num_shards > num_samples (a
+    shard would be empty), or shard_id outside [0, num_shards).
     """
     if num_shards < 1:
         raise ValueError(f"shard_bounds: num_shards must be >= 1, got {num_shards}")
@@ -400,7 +407,20 @@ class Plan(NamedTuple):
 
 
 def num_steps(num_samples: int, num_shards: int, batch_size: int, last_batch: str) -> int:
-    """Steps per epoch, the same for every shard: fill ceil(ceil(N/n)/B), drop (N//n)//B."""
+    """Steps per epoch, the same for every shard (N = num_samples, n = num_shards,
+    B = batch_size, exact integer arithmetic):
+
+        fill: ceil(ceil(N/n) / B)   -- the largest shard's batches, the last one padded
+        drop: floor(floor(N/n) / B) -- the smallest shard's whole batches
+
+    A batch larger than the smallest shard is allowed here (fill pads, drop gives
+    0 steps); ``make_loader`` refuses it as a policy. Validated here: ValueError
+    for an unknown last_batch, batch_size < 1, or num_shards outside [1, N].
+    """
+    _check_policy(last_batch)
+    if batch_size < 1:
+        raise ValueError(f"num_steps: batch_size must be >= 1, got {batch_size}")
+    shard_bounds(num_samples, 0, num_shards)  # validates num_shards against num_samples
     if last_batch == "fill":
         return -(-(-(-num_samples // num_shards)) // batch_size)
     return (num_samples // num_shards) // batch_size
@@ -408,12 +428,38 @@ def num_steps(num_samples: int, num_shards: int, batch_size: int, last_batch: st
 
 def epoch_plan(num_samples: int, num_shards: int, batch_size: int, *, epoch: int = 0,
                seed: int = 0, shuffle: bool = False, last_batch: str = "fill") -> Plan:
-    """The sample in every slot of every batch of one epoch; see the module docstring."""
+    """The sample in every slot of every batch of one epoch (the module docstring's table).
+
+    With S = num_steps(N, n, B, last_batch) and, for each shard k,
+    ``start, stop = shard_bounds(N, k, n)`` and L = stop - start:
+
+        order = [start + p for p in shard_permutation(L, seed=seed, epoch=epoch, shard=k)]
+                if shuffle else [start, start + 1, ..., stop - 1]
+        real  = min(S * B, L)                        # drop: L >= S * B, so real = S * B
+        slot j of shard k, j = s * B + b  (0 <= j < S * B):
+            j <  real: indices[s, k, b] = order[j],        mask True
+            j >= real: indices[s, k, b] = order[real - 1], mask False   (padding)
+
+    So: the permutation is of local positions 0..L-1 and the shard offset is added
+    after it; drop shuffles the whole shard and then keeps its first S*B samples
+    (shuffle, then truncate: which samples are skipped changes every epoch);
+    padding slots are the shard's last slots of the epoch (its final batch's
+    tail) and repeat the last real sample *in epoch order* (with shuffle, not the
+    shard's highest index). Without shuffle, ``seed`` and ``epoch`` do not change
+    the plan. These choices are arbitrary among equally valid ones; they are the
+    ones the vendors' readers produce when fed this order (DALI and rocAL pad by
+    repeating the last sample read).
+
+    Validated here: ValueError for an unknown last_batch, batch_size < 1,
+    num_shards outside [1, N], or a seed or epoch outside [0, 2**32) (checked
+    with or without shuffle, so a plan that is valid unshuffled stays valid
+    shuffled). A batch larger than the smallest shard is allowed (see num_steps).
+    """
     _check_policy(last_batch)
     if batch_size < 1:
         raise ValueError(f"epoch_plan: batch_size must be >= 1, got {batch_size}")
-    if seed < 0 or epoch < 0:
-        raise ValueError(f"epoch_plan: seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
+    check_seed("seed", seed, "epoch_plan")
+    check_seed("epoch", epoch, "epoch_plan")
     shard_bounds(num_samples, 0, num_shards)  # validates num_shards against num_samples
     steps = num_steps(num_samples, num_shards, batch_size, last_batch)
     slots = steps * batch_size
@@ -433,18 +479,30 @@ def epoch_plan(num_samples: int, num_shards: int, batch_size: int, *, epoch: int
 
 
 def shard_permutation(size: int, *, seed: int, epoch: int, shard: int) -> np.ndarray:
-    """A permutation of range(size) that depends on (seed, epoch, shard) alone.
+    """A permutation of range(size) (int64, shape (size,)) that depends on (seed, epoch, shard) alone:
 
-    Sorting PCG64's raw 64-bit outputs uses only the bit streams that NumPy
-    specifies exactly (SeedSequence and PCG64), not ``Generator.permutation``,
-    whose algorithm NumPy may change between versions. Raises ValueError for a
-    seed, epoch or shard outside [0, 2**32).
+        ss   = numpy.random.SeedSequence([seed, epoch, shard])  # entropy: this list, this order
+        keys = numpy.random.PCG64(ss).random_raw(size)          # the first `size` raw uint64 outputs
+        perm = argsort(keys), ascending, stable                  # perm[i] = j of the i-th smallest key
+
+    Equal keys (probability about size**2 / 2**65) keep ascending j, which is what
+    a stable sort gives; ``perm`` is the sorting permutation, not the ranks (its
+    inverse). Why this construction: SeedSequence's hashing and PCG64's output
+    function are specified by NumPy bit for bit (and stable across versions),
+    while ``Generator.permutation``'s algorithm may change between versions. The
+    three numbers are mixed by SeedSequence, never added, so (seed 1, epoch 0)
+    and (seed 0, epoch 1) give unrelated orders. size 0 gives an empty array.
+
+    Validated here: ValueError for a negative size, or a seed, epoch or shard
+    outside [0, 2**32) (check_seed says why).
     """
+    if size < 0:
+        raise ValueError(f"shard_permutation: size must be >= 0, got {size}")
     check_seed("seed", seed, "shard_permutation")
     check_seed("epoch", epoch, "shard_permutation")
     check_seed("shard", shard, "shard_permutation")
     keys = np.random.PCG64(np.random.SeedSequence([seed, epoch, shard])).random_raw(size)
-    return np.argsort(keys, kind="stable")
+    return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
 
 
 def check_seed(name: str, value: int, where: str) -> None:
@@ -488,57 +546,112 @@ def _check_policy(last_batch: str) -> None:
 def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str = "rocal") -> np.ndarray:
     """(C, 256) float32: the vendor's normalised value of each uint8 pixel value, per channel.
 
-    ``table[c, x]`` is, with mean, std, inv and offset first rounded to float32:
+    Let r32(v) be v rounded once to float32, round-to-nearest-even, from its exact
+    value (IEEE 754's default rounding; overflow is an error, below). Then, per channel c
+    (all values float32; x = 0..255 is exact in float32):
 
-    * "rocal": fma(x, inv, offset), inv = 1/std, offset = -(mean*inv) (C == 1:
-      -(mean/std)), the exact x*inv + offset rounded once to float32 (computed
-      here in exact rationals);
-    * "dali_cpu": (x - mean) * inv, inv = 1/std, each operation rounded to float32
-      (DALI's CPU kernel);
-    * "dali_gpu": fma(x, inv, add), inv = 1/std, add = -(mean*inv) for every C,
-      rounded once like "rocal" (DALI's GPU kernel).
+        m   = r32(mean[c])                  # from the Python float (a double)
+        s   = r32(std[c])
+        inv = r32(1 / s)                    # from the float32 s, not from std[c]
+        "rocal":    off = r32(-(m / s)) if C == 1 else r32(-(m * inv))
+                    table[c, x] = r32(x * inv + off)      # one FMA: the exact value, rounded once
+        "dali_gpu": add = r32(-(m * inv))   # for every C
+                    table[c, x] = r32(x * inv + add)      # one FMA, rounded once
+        "dali_cpu": table[c, x] = r32(r32(x - m) * inv)   # a subtract, then a multiply
 
-    This table is the specification: every path that normalises looks it up.
-    Raises ValueError for an unknown arithmetic, mean and std of different
-    lengths or none, or a std of zero.
+    Why these: each is the vendor's own arithmetic, read in its source (see the
+    comment above this function): rocAL's node computes the one-channel offset
+    as -(mean / std) and the multi-channel one as -(mean * inv), so both are
+    kept; DALI's GPU kernel folds the mean into one FMA, its CPU kernel does not.
+    Signs: an exact zero is +0.0, except where IEEE 754 gives -0.0 (x = 0 with
+    x*inv = -0.0 and off = -0.0, i.e. mean -0.0 and a negative std; "dali_cpu":
+    r32(x - m) = +0.0 times a negative inv). ``-(...)`` flips the sign bit.
+
+    Validated here: ValueError for an unknown arithmetic; mean and std of
+    different lengths or empty (there is no broadcasting: a one-entry mean is a
+    one-channel table, and ``crop_mirror_normalize`` refuses it for 3-channel
+    images); a mean or std that is not finite after r32 (NaN, inf, or beyond
+    float32's range); a std whose r32 is zero or subnormal (its inverse would
+    overflow); or any inv, offset or table entry that overflows float32. Subnormal
+    means are accepted. Negative stds are accepted (the arithmetic is defined).
     """
     mean32, std32 = _mean_std(mean, std)
-    return _table(tuple(mean32.tolist()), tuple(std32.tolist()), _check_arithmetic(arithmetic)).copy()
+    key = (mean32.tobytes(), std32.tobytes())  # bit patterns: -0.0 and 0.0 are different keys
+    return _table(key, len(mean32), _check_arithmetic(arithmetic)).copy()
 
 
 @functools.lru_cache(maxsize=64)
-def _table(mean: tuple, std: tuple, arithmetic: str) -> np.ndarray:
-    mean32, std32 = np.asarray(mean, np.float32), np.asarray(std, np.float32)
-    inv = np.float32(1) / std32
-    x = np.arange(256, dtype=np.float32)
-    if arithmetic == "dali_cpu":
-        return ((x[None, :] - mean32[:, None]) * inv[:, None]).astype(np.float32)
-    one_channel_rocal = arithmetic == "rocal" and len(mean32) == 1
-    offset = -(mean32 / std32) if one_channel_rocal else -(mean32 * inv)
-    table = np.empty((len(mean32), 256), np.float32)
-    for c in range(len(mean32)):
-        scale, shift = Fraction(float(inv[c])), Fraction(float(offset[c]))
-        table[c] = [_nearest_float32(value * scale + shift) for value in range(256)]
+def _table(key: tuple, channels: int, arithmetic: str) -> np.ndarray:
+    mean32, std32 = np.frombuffer(key[0], np.float32), np.frombuffer(key[1], np.float32)
+    where = f"normalize_table: mean={mean32.tolist()}, std={std32.tolist()}"
+    with np.errstate(over="ignore", invalid="ignore"):
+        inv = np.float32(1) / std32
+        x = np.arange(256, dtype=np.float32)
+        if arithmetic == "dali_cpu":
+            table = ((x[None, :] - mean32[:, None]) * inv[:, None]).astype(np.float32)
+            offset = inv
+        else:
+            one_channel_rocal = arithmetic == "rocal" and channels == 1
+            offset = -(mean32 / std32) if one_channel_rocal else -(mean32 * inv)
+            table = None
+    if not (np.isfinite(inv).all() and np.isfinite(offset).all()):
+        raise ValueError(f"{where}: 1/std or the offset overflows float32 ({arithmetic!r})")
+    if table is None:
+        table = np.empty((channels, 256), np.float32)
+        for c in range(channels):
+            scale, shift = Fraction(float(inv[c])), Fraction(float(offset[c]))
+            for value in range(256):
+                exact = value * scale + shift
+                if exact == 0:  # IEEE 754's sign of an exact zero from an FMA
+                    table[c, value] = np.float32(value) * inv[c] + offset[c]
+                else:
+                    table[c, value] = _nearest_float32(exact, where)
+    if not np.isfinite(table).all():
+        raise ValueError(f"{where}: a table entry overflows float32 ({arithmetic!r})")
     table.flags.writeable = False
     return table
 
 
-def _nearest_float32(exact: Fraction) -> np.float32:
-    """``exact`` rounded once to float32, ties to even."""
-    guess = np.float32(float(exact))  # within one float32 step of the answer
+_FLOAT32_MAX = Fraction(float(np.finfo(np.float32).max))
+_FLOAT32_HALF_ULP_AT_MAX = Fraction(2) ** (127 - 24)  # past max + this, r32 overflows
+
+
+def _nearest_float32(exact: Fraction, where: str = "") -> np.float32:
+    """``exact`` (non-zero) rounded once to float32, ties to even; ValueError on overflow."""
+    if abs(exact) >= _FLOAT32_MAX + _FLOAT32_HALF_ULP_AT_MAX:
+        raise ValueError(f"{where}: a value overflows float32")
+    with np.errstate(over="ignore"):
+        guess = np.float32(float(exact))  # within one float32 step of the answer
+    if not np.isfinite(guess):
+        guess = np.float32(np.copysign(np.finfo(np.float32).max, float(exact)))
     candidates = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+    candidates = [c for c in candidates if np.isfinite(c)]
     return min(candidates, key=lambda c: (abs(Fraction(float(c)) - exact), int(c.view(np.uint32)) & 1))
 
 
 def crop_anchor(pos: float, size: int, crop: int, arithmetic: str = "rocal") -> int:
-    """First row (or column) of a ``crop``-long window in ``size`` at relative ``pos``.
+    """First row (or column) of a ``crop``-long window in ``size`` at relative ``pos``:
 
-    The vendors compute ``pos * (size - crop)`` as a float32 product and round it:
-    rocAL half to even (nearbyintf), DALI half away from zero (std::round)."""
-    product = float(np.float32(pos) * np.float32(size - crop))  # exact in float64
-    if _check_arithmetic(arithmetic) == "rocal":
+        p = r32(pos)                       # pos rounded to float32 first (RNE)
+        d = r32(size - crop)               # exact for size < 2**24
+        t = r32(p * d)                     # the vendors' float32 product, rounded once
+        "rocal":                 anchor = round t half to even    (nearbyintf)
+        "dali_cpu", "dali_gpu":  anchor = floor(t + 1/2), in exact arithmetic
+                                           (std::round: half away from zero; t >= 0)
+
+    Both DALI kernels share the CPU-side anchor computation (the same std::round).
+    The anchor lies in [0, size - crop]. Validated here: ValueError for an unknown
+    arithmetic, crop outside [1, size], or pos outside [0, 1] (NaN included).
+    """
+    _check_arithmetic(arithmetic)
+    if not 0 < crop <= size:
+        raise ValueError(f"crop_anchor: crop={crop} does not fit in size={size}")
+    if not 0.0 <= pos <= 1.0:
+        raise ValueError(f"crop_anchor: pos={pos} must lie in [0, 1]")
+    product = float(np.float32(pos) * np.float32(size - crop))  # a float32 product, exact in float64
+    if arithmetic == "rocal":
         return int(np.rint(product))
-    return int(np.floor(product + 0.5))  # product >= 0: half away from zero
+    return int(np.floor(product + 0.5))  # product >= 0: half away from zero (exact in float64)
 
 
 def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | None = None,
@@ -548,17 +661,23 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
                           out: np.ndarray | None = None) -> np.ndarray:
     """A vendor's crop_mirror_normalize on uint8 NCHW images; float32 NCHW out.
 
-    ``out[n, c, y, x] = normalize_table(mean, std, arithmetic)[c, in[n, c, y0 + y,
-    x0 + x']]``, with mean and std in pixel units (0..255), ``x' = cw - 1 - x``
-    where the sample is mirrored (a horizontal flip inside the crop window), else
-    ``x' = x``. ``crop = (ch, cw)`` (default: the whole image), ``crop_pos =
-    (pos_y, pos_x)`` in [0, 1], anchors ``crop_anchor(pos_y, H, ch, arithmetic)``
-    and likewise x0. ``mirror`` is a bool or a bool array of shape (N,).
+    With ``table = normalize_table(mean, std, arithmetic)`` (mean and std in pixel
+    units, 0..255, exactly C entries each: no broadcasting), ``(ch, cw) = crop``
+    (default: the whole image), ``y0 = crop_anchor(crop_pos[0], H, ch,
+    arithmetic)``, ``x0 = crop_anchor(crop_pos[1], W, cw, arithmetic)``:
 
-    Raises ValueError for mean/std without one entry per channel, a zero std, a
-    crop larger than the image (rocAL clamps it silently), or a crop_pos outside
-    [0, 1]. ``out``: a float32 (N, C, ch, cw) array to write into (default: a new
-    one, 64-byte aligned so that JAX on CPU can use it in place).
+        out[n, c, y, x] = table[c, images[n, c, y0 + y, x0 + x']]
+        x' = cw - 1 - x if mirror[n] else x     # a horizontal flip inside the window
+
+    So crop, then flip, then normalise: the output is a pure lookup, and no other
+    rounding happens. ``mirror`` is a bool (every image) or a bool array (N,).
+
+    Validated here: ValueError for images that are not uint8 4-d, mean/std without
+    exactly C entries (or anything normalize_table refuses), a crop larger than
+    the image or < 1 (rocAL clamps it silently), a crop_pos outside [0, 1], a
+    mirror of another shape, or an ``out`` that is not float32 (N, C, ch, cw).
+    ``out``: the array to write into (default: a new one, 64-byte aligned so that
+    JAX on CPU can use it in place).
     """
     images_NCHW = np.asarray(images_NCHW)
     if images_NCHW.ndim != 4 or images_NCHW.dtype != np.uint8:
@@ -617,12 +736,21 @@ def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
 
 
 def _mean_std(mean, std) -> tuple[np.ndarray, np.ndarray]:
-    mean32, std32 = np.asarray(mean, np.float32).reshape(-1), np.asarray(std, np.float32).reshape(-1)
+    """mean and std rounded to float32 (RNE), checked as normalize_table states."""
+    with np.errstate(over="ignore"):
+        mean32 = np.asarray(mean, np.float32).reshape(-1)
+        std32 = np.asarray(std, np.float32).reshape(-1)
     if mean32.shape != std32.shape or not mean32.size:
         raise ValueError(f"crop_mirror_normalize: mean and std need one entry per channel, "
                          f"got mean={np.asarray(mean).tolist()}, std={np.asarray(std).tolist()}")
+    if not (np.isfinite(mean32).all() and np.isfinite(std32).all()):
+        raise ValueError(f"crop_mirror_normalize: mean and std must be finite float32 values, got "
+                         f"mean={np.asarray(mean).tolist()}, std={np.asarray(std).tolist()}")
     if np.any(std32 == 0):
         raise ValueError(f"crop_mirror_normalize: std has a zero entry: std={std32.tolist()}")
+    if np.any(np.abs(std32) < np.finfo(np.float32).smallest_normal):
+        raise ValueError(f"crop_mirror_normalize: std has a subnormal float32 entry (1/std would "
+                         f"overflow): std={np.asarray(std).tolist()}")
     return mean32, std32
 
 

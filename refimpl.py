@@ -16,6 +16,10 @@ Bad input (a malformed dataset, an invalid option, a batch larger than a shard,
 more devices than exist, a platform JAX lacks) ends with one line on stderr
 naming the option or file, and exit status 2, before any data is generated or
 any training starts where the option alone shows it.
+
+A broken guarantee is a failure: when two strategies' final params end further
+apart than the documented bound (strategies.ulp_bound, or ``--max-ulps-per-step``),
+the last line printed says so, naming the pair, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 DEFAULT_CPU_DEVICES = 8
 MAX_CPU_DEVICES = 64  # virtual CPU devices are threads on the same cores
@@ -105,6 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--matmul-precision", choices=("default", "high", "highest"), default="highest",
                         help="JAX's float32 matmul precision; 'default' is TF32 on recent NVIDIA GPUs, "
                              "and the strategies' bounds then no longer hold (default: %(default)s)")
+    parser.add_argument("--max-ulps-per-step", type=int, metavar="U",
+                        help="hold the strategies' final params to U float32 ulps a step instead of "
+                             "the documented bound (strategies.ulp_bound); 0 demands bit-identical "
+                             "params. Outside the bound: exit status 1")
     parser.add_argument("--metrics-out", metavar="FILE", help="write every per-epoch figure to this file as JSON lines")
     multi = parser.add_argument_group(
         "more than one process (jax.distributed)",
@@ -139,6 +148,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 <= args.seed < 2**32:
         parser.error(f"--seed must be in [0, 2**32), got {args.seed} (the shuffle's SeedSequence "
                      f"would alias larger seeds with other epochs)")
+    if args.max_ulps_per_step is not None and args.max_ulps_per_step < 0:
+        parser.error(f"--max-ulps-per-step must be >= 0, got {args.max_ulps_per_step}")
     if not args.lr > 0:
         parser.error(f"--lr must be > 0, got {args.lr}")
     if args.devices and args.devices > MAX_CPU_DEVICES and args.platform == "cpu":
@@ -263,7 +274,10 @@ def with_progress(batches, total: int, label: str):
     print("\r" + " " * (len(label) + 30) + "\r", end="", flush=True)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """Trains every chosen strategy; returns (final params by strategy, the pairs
+    whose params ended outside the bound, as report lines; empty if none or if
+    this is not process 0)."""
     import jax
 
     if args.platform:
@@ -364,7 +378,8 @@ def run(args: argparse.Namespace) -> dict:
                 real = loader.real_samples(epoch)
                 accuracy = model.accuracy(params, test_loader.epoch(0))
                 row = {"strategy": name, "epoch": epoch + 1, "loss": float(np.mean(losses)),
-                       "test_accuracy": accuracy, "seconds": seconds,
+                       "test_accuracy": accuracy, "test_samples": test_loader.real_samples(0),
+                       "seconds": seconds,
                        "images_per_second": real / seconds, "steps": len(losses),
                        "devices": 1 if name == "single" else len(devices),
                        "platform": devices[0].platform, "backend": backend, "dataset": args.dataset}
@@ -382,9 +397,14 @@ def run(args: argparse.Namespace) -> dict:
         for loader in loaders_by_layout.values():
             if hasattr(loader, "close"):
                 loader.close()
+    outside = []
     if jax.process_index() == 0:
-        report_differences(final, steps * args.epochs, devices[0].platform, len(devices))
-    return final
+        bound, name = strategies.ulp_bound, "strategies.ulp_bound"
+        if args.max_ulps_per_step is not None:
+            bound, name = (lambda a, b, platform, num_devices: args.max_ulps_per_step), "--max-ulps-per-step"
+        outside = report_differences(final, steps * args.epochs, devices[0].platform, len(devices),
+                                     bound, name)
+    return final, outside
 
 
 def connect(args: argparse.Namespace) -> None:
@@ -426,6 +446,7 @@ def connect(args: argparse.Namespace) -> None:
                               f"{where} within {args.peer_timeout} s: {first}") from error
 
 
+OUTSIDE_BOUND = 1  # exit status: final params outside the documented bound (2: bad input)
 LOCAL_CHILD = "REFIMPL_LOCAL_CHILD"  # set by launch_local in the processes it starts
 
 
@@ -478,6 +499,10 @@ def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
         while True:
             codes = [child.poll() for child in children]
             failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed == [0] and codes[0] == OUTSIDE_BOUND:
+                for thread in forwards:
+                    thread.join()  # process 0 has said why, last; nothing to add after it
+                return OUTSIDE_BOUND
             if failed:
                 i = failed[0]
                 how = (f"exited with status {codes[i]}" if codes[i] > 0
@@ -538,24 +563,40 @@ def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def report_differences(final: dict, steps: int, platform: str, num_devices: int) -> None:
+def report_differences(final: dict, steps: int, platform: str, num_devices: int,
+                       bound: Callable[[str, str, str, int], int],
+                       bound_name: str = "strategies.ulp_bound") -> list[str]:
+    """Prints how far each strategy's final params are from the first's, against
+    ``bound(a, b, platform, num_devices)`` ulps a step (strategies.ulp_bound's
+    signature), and returns the lines of the pairs OUTSIDE it. Those are printed
+    after every other line, so the last thing a user reads is the failure."""
     import numpy as np
     import jax
     import strategies
 
     names = list(final)
+    within, outside = [], []
     for other in names[1:]:
         diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                    for a, b in zip(jax.tree.leaves(final[names[0]]), jax.tree.leaves(final[other])))
+        lines = within
         if diff == 0:
             verdict = "identical"
         else:
             ulps = strategies.ulps_apart(final[names[0]], final[other])
-            allowed = strategies.ulp_bound(names[0], other, platform, num_devices)
-            within = "within" if ulps <= allowed * steps else "OUTSIDE"
-            verdict = (f"not bit-identical: {ulps:.1f} ulps after {steps} steps, {within} the "
-                       f"documented bound of {allowed} ulps a step (strategies.ulp_bound)")
-        print(f"final params, {names[0]} vs {other}: max |difference| {diff:.3g}: {verdict}")
+            allowed = bound(names[0], other, platform, num_devices)
+            if ulps > allowed * steps:
+                lines = outside
+            verdict = (f"not bit-identical: {ulps:.1f} ulps after {steps} steps, "
+                       f"{'OUTSIDE' if lines is outside else 'within'} the documented bound of "
+                       f"{allowed} ulps a step ({bound_name})")
+        lines.append(f"final params, {names[0]} vs {other}: max |difference| {diff:.3g}: {verdict}")
+    for line in within + outside:
+        print(line)
+    if outside:
+        print(f"refimpl.py: FAILED: {len(outside)} pair(s) of strategies ended OUTSIDE the documented "
+              f"bound (above); exit status {OUTSIDE_BOUND}", flush=True)
+    return outside
 
 
 def main(argv=None) -> int:
@@ -564,7 +605,9 @@ def main(argv=None) -> int:
     try:
         if args.local_processes:
             return launch_local(args, argv)
-        run(args)
+        _, outside = run(args)
+        if outside:
+            return OUTSIDE_BOUND
     except (ValueError, OSError, ImportError) as error:
         print(f"refimpl.py: error: {error}", file=sys.stderr)
         return 2

@@ -1,7 +1,9 @@
-"""bench.py stays runnable: --quick on a tiny dataset, in a subprocess.
+"""bench.py stays runnable: --smoke (the smallest run through every section), in a subprocess.
 
-Timings are not asserted (they depend on the machine and its load); the run must
-exit 0 and its JSON must hold every section with positive figures.
+No timing is asserted, not even its range: on a loaded machine a loaded epoch
+can run faster than a prebuilt one. The run must exit 0 and write a well-formed
+report: every section and row, every figure a finite number, the goals and the
+list of implausible figures bench flags itself (which may be non-empty).
 """
 
 import json
@@ -9,50 +11,54 @@ import math
 import os
 import sys
 
+import loaders
 from conftest import run_children
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def positive(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+def number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def test_bench_quick_runs_and_writes_json(tmp_path):
+def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
     out = tmp_path / "bench.json"
-    command = [sys.executable, os.path.join(HERE, "bench.py"), "--quick", "--num-train", "1024",
-               "--repeats", "1", "--no-grain", "--json", str(out)]
+    command = [sys.executable, os.path.join(HERE, "bench.py"), "--smoke", "--no-grain", "--json", str(out)]
     [(code, stdout, stderr)] = run_children([command], timeout=240, cwd=HERE)
     assert code == 0, stderr[-3000:]
-    assert "| reference, host |" in stdout
+    assert "| reference, host |" in stdout and "**Goals**" in stdout
     results = json.loads(out.read_text())
-    assert {"machine", "config", "loader", "placements", "training", "memory", "goals"} <= set(results)
+    assert {"machine", "config", "loader", "placements", "training", "memory", "goals",
+            "implausible", "section_s"} <= set(results)
 
     for key in ("per_device_16", "per_device_128"):
         section = results["loader"][key]
-        assert positive(section["copy_limit_gb_per_s"])
+        assert number(section["copy_limit_gb_per_s"])
         assert {"reference, host", "reference, device", "reference, host_float32",
                 "naive loop"} <= set(section["loaders"])
         for r in section["loaders"].values():
-            assert positive(r["images_per_s"]) and positive(r["gb_per_s"]), r
-            assert positive(r["fraction_of_copy"]) and positive(r["reference_speedup"]), r
+            assert all(number(r[f]) for f in ("images_per_s", "gb_per_s", "fraction_of_copy",
+                                              "reference_speedup")), r
+            assert r["images"] > 0
 
+    assert set(results["placements"]) == {f"global_{b}" for b in results["placements_batches"]}
     for row in results["placements"].values():
-        assert positive(row["train_step_ms"]) and row["steps"] >= 1
-        for p in ("host", "device", "host_float32"):
-            assert positive(row[p]["loader_step_ms"]) and positive(row[p]["loader_over_train"])
-            assert 0.0 <= row[p]["wait_fraction"] < 1.0
-            assert -1.0 < row[p]["slowdown_fraction"] < 1.0
+        assert number(row["train_step_ms"]) and row["steps"] >= 1
+        for p in loaders.PLACEMENTS:
+            assert all(number(row[p][f]) for f in ("loader_step_ms", "loader_over_train",
+                                                   "wait_fraction", "slowdown_fraction")), row[p]
 
-    for key in ("global_128", "global_1024"):
-        row = results["training"][key]
+    assert set(results["training"]) == {f"global_{b}" for b in results["training_batches"]}
+    for row in results["training"].values():
         assert set(row) == {"sharded", "pmap", "shard_map", "single"}
         for r in row.values():
-            assert math.isfinite(r["step_ms"]) and math.isfinite(r["compile_s"]), r
+            assert number(r["step_ms"]) and number(r["compile_s"]) and number(r["ratio_to_single"]), r
         assert row["single"]["ratio_to_single"] == 1.0
 
+    assert results["memory"]
     for m in results["memory"].values():
-        assert positive(m["raw_mb"]) and positive(m["batch_mb"]) and positive(m["budget_mb"])
-        assert m["read_peak_mb"] >= 0 and m["epoch_peak_mb"] >= 0
+        assert all(number(m[f]) for f in ("raw_mb", "batch_mb", "budget_mb", "read_peak_mb", "epoch_peak_mb"))
 
-    assert all({"goal", "measured", "target", "met"} <= set(g) for g in results["goals"])
+    assert results["goals"] and all({"goal", "measured", "target", "met"} <= set(g) for g in results["goals"])
+    assert isinstance(results["implausible"], list) and all(isinstance(t, str) for t in results["implausible"])
+    assert set(results["section_s"]) == {"loader", "placements", "training", "memory"}

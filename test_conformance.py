@@ -147,3 +147,22 @@ def test_content_names_labels_mirrored_pixels_and_another_arithmetic():
     dali = loaders.Normalize(arithmetic="dali_cpu")(ref_images[indices])
     [text] = conformance.describe_content(dali, ref_labels[indices], indices, ref_images, ref_labels, norm)
     assert "another arithmetic than the table's" in text
+
+
+def test_a_reported_length_too_short_is_a_step_count_finding():
+    # The check is "differs from the plan's", both ways (too long is above).
+    delivered, masks = plan_delivery()
+    assert kinds(delivered, masks, length=3) == {"step count"}
+    assert kinds(delivered, masks, length=4) == set()  # control: the plan's own count
+
+
+def test_the_next_shards_first_sample_is_outside_the_shard():
+    # Shard 0 is [0, 6): sample 6 (its `stop`, shard 1's first) is outside it.
+    delivered, masks = plan_delivery(shuffle=True)
+    delivered[0][0, 0] = 6
+    found = conformance.describe_epoch(delivered, N, B, shuffle=True, last_batch="fill", length=4,
+                                       masks=masks)
+    [(text, shards, *_)] = found.kinds["outside the shard"]
+    assert "shard 0 delivers 1 samples from outside its range [0, 6) (e.g. [6])" in text
+    delivered[0][0, 0] = 5  # control: shard 0's own last sample is inside
+    assert "outside the shard" not in kinds(delivered, masks, shuffle=True)

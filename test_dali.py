@@ -33,6 +33,7 @@ from hypothesis import example, given, settings, strategies as st
 pytest.importorskip("nvidia.dali", reason="needs NVIDIA DALI: pip install -r requirements-dali.txt")
 
 import conformance  # noqa: E402
+from conftest import examples  # noqa: E402
 import dali_loader  # noqa: E402
 import loaders  # noqa: E402
 
@@ -118,7 +119,7 @@ def cases(draw):
             draw(st.sampled_from(loaders.LAYOUTS)), draw(st.integers(0, 2**32 - 1)))
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(cases())
 # Shard lists a batch short of the plan (S_k = floor(N/n) a multiple of B): filled by the backend.
 @example((23, 4, 5, "fill", True, "sharded", 0))
@@ -471,3 +472,45 @@ def test_gpu_pipelines_equal_the_reference(cache, layout):
         for step, got in enumerate(loader.epoch(epoch)):
             assert_same_arrays(got, reference.batch(epoch, step), f"epoch {epoch} step {step}")
     loader.close()
+
+
+# --------------------------------------------------------------------------
+# Issue 18: sentences of the spec only these tests can hold DALI to. Each pins
+# public behaviour (not the module's internals), to re-check after a rewrite.
+# --------------------------------------------------------------------------
+
+
+def test_one_cache_serves_every_device_count(devices, cache):
+    # A shuffled run with 4 devices, then one with 2 over the same cache folder: the
+    # second must read its own shards (the cached shard lists are keyed by n too).
+    N, B = 40, 2
+    images, labels = encoded(N)
+    for n in (4, 2):
+        loader = dali_loader.make_dali_loader((images, labels), devices[:n], B, shuffle=True, seed=3,
+                                              cache_dir=cache, normalize=DALI)
+        try:
+            report = describe(list(loader.epoch(0)), N, B, n, images, labels, shuffle=True,
+                              last_batch="fill", length=len(loader))
+            assert not report, f"{n} devices after another device count:\n{report}"
+        finally:
+            loader.close()
+
+
+def test_equal_size_shards_shuffle_differently(devices, cache):
+    # Each shard's shuffle is seeded by (seed, shard): two equal shards must not
+    # visit their samples in the same local order.
+    N, n, B = 40, 2, 4
+    images, labels = encoded(N)
+    loader = dali_loader.make_dali_loader((images, labels), devices[:n], B, shuffle=True, seed=0,
+                                          cache_dir=cache, normalize=DALI)
+    try:
+        blocks = [shard_blocks(b, n) for b in loader.epoch(0)]
+    finally:
+        loader.close()
+    local = []
+    for k in range(n):
+        start, stop = loaders.shard_bounds(N, k, n)
+        order = np.concatenate([conformance.decode_indices(b["images"][k], DALI) for b in blocks])
+        assert sorted(order.tolist()) == list(range(start, stop))  # control: each is its own shard
+        local.append((order - start).tolist())
+    assert local[0] != local[1], "both shards shuffled alike"

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 import loaders
 import model
 import strategies
+from conftest import examples
 
 B = 4  # per device
 SMALL_LAYERS = (3072, 32, 16, 10)  # same code path as the notebook MLP, faster to compile
@@ -185,7 +186,7 @@ def test_parallel_strategies_agree_and_match_single(count_mesh, small_params):
     platform = mesh.devices.flat[0].platform
     initial = {"mlp": small_params, "linear": linear_init()}
 
-    @settings(max_examples=15 if n == 8 else 6)
+    @settings(max_examples=examples(15 if n == 8 else 6))
     @given(seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 8), counts=real_counts(n),
            learning_rate=st.sampled_from([1e-3, 1e-2, 0.1, 0.5]), kind=st.sampled_from(list(MODELS)))
     def check(seed, steps, counts, learning_rate, kind):

@@ -34,9 +34,10 @@ def tiny_dir(tmp_path_factory):
 def test_one_epoch_of_every_strategy(tiny_dir, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     done = refimpl("--data-dir", tiny_dir, "--epochs", "1", "--batch-size", "8", "--devices", "4",
-                   "--strategies", "all", "--metrics-out", str(metrics))
+                   "--strategies", "all", "--metrics-out", str(metrics), "--eval-batch-size", "50")
     assert done.returncode == 0, done.stderr
     out = done.stdout
+    assert "reference loader, placement device" in out  # placement auto: a tiny shard fits
     assert "4 cpu device(s); cifar10: 256 training and 64 test images" in out
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["strategy"] for r in rows] == ["sharded", "pmap", "shard_map", "single"]
@@ -45,11 +46,14 @@ def test_one_epoch_of_every_strategy(tiny_dir, tmp_path):
         assert row["devices"] == (1 if row["strategy"] == "single" else 4)
         assert np.isfinite(row["loss"]) and 0 <= row["test_accuracy"] <= 1
         assert row["seconds"] > 0 and row["images_per_second"] > 0
+        assert row["test_samples"] == 64  # every test image once at eval batch 50 (fill, not drop)
         assert f"{row['strategy']:>9} epoch 1/1  loss {row['loss']:.4f}" in out
     # pmap and shard_map are bit-identical on CPU (test_equivalence.py); the report must say so.
     for other in ("pmap", "shard_map", "single"):
         line = next(l for l in out.splitlines() if l.startswith(f"final params, sharded vs {other}:"))
         assert line.endswith("identical") or "within the documented bound" in line, line
+        if other == "single":  # a real difference, within the bound (the next test holds it to 0)
+            assert "not bit-identical" in line and "within the documented bound" in line, line
     assert len({r["test_accuracy"] for r in rows if r["strategy"] in ("pmap", "shard_map")}) == 1
     assert "Traceback" not in done.stderr
 
@@ -139,6 +143,12 @@ def test_mnist_the_dali_notebooks_dataset(tmp_path):
 @pytest.mark.parametrize("args, fragments", [
     (["--seed", str(2**32)], ["--seed", "2**32"]),
     (["--lr", "-0.1"], ["--lr must be > 0", "-0.1"]),
+    (["--lr", "0"], ["--lr must be > 0", "got 0.0"]),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+     ["--process-id 2 is outside 0..1"]),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "-1"],
+     ["--process-id -1 is outside 0..1"]),
+    (["--max-ulps-per-step", "-1"], ["--max-ulps-per-step must be >= 0", "-1"]),
     (["--metrics-out", "/nonexistent-folder/m.jsonl"], ["--metrics-out", "/nonexistent-folder"]),
     (["--platform", "cpu", "--devices", "65"], ["--devices 65", "at most 64 virtual CPU devices"]),
     (["--dataset", "mnist", "--backend", "rocal"], ["--backend rocal", "CIFAR-10 only"]),
@@ -192,3 +202,17 @@ def test_full_size_epoch_with_prefetch_does_not_deadlock(tmp_path):
                    "--batch-size", "128", "--devices", "8", "--placement", "host")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "49 steps of 8 x 128" in done.stdout and "sharded epoch 1/1" in done.stdout
+
+
+def test_params_outside_the_bound_are_said_last_and_exit_1(tiny_dir):
+    # As in test_one_epoch_of_every_strategy (there: sharded and single end a few ulps
+    # apart on CPU, within strategies.ulp_bound, exit 0), here held to
+    # --max-ulps-per-step 0: a real difference, OUTSIDE that bound, said last, exit 1.
+    outside = refimpl("--data-dir", tiny_dir, "--epochs", "1", "--batch-size", "8", "--devices", "2",
+                      "--strategies", "sharded,single", "--max-ulps-per-step", "0")
+    assert outside.returncode == 1, (outside.stdout, outside.stderr)
+    lines = [l for l in outside.stdout.splitlines() if l.strip()]
+    assert lines[-1].startswith("refimpl.py: FAILED: 1 pair(s) of strategies ended OUTSIDE"), lines[-3:]
+    assert lines[-2].startswith("final params, sharded vs single:") and "OUTSIDE" in lines[-2]
+    assert "(--max-ulps-per-step)" in lines[-2]
+    assert "Traceback" not in outside.stderr
