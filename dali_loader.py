@@ -196,11 +196,16 @@ def to_jax(tensor_list, device: jax.Device, *, buffers_reused: bool) -> jax.Arra
     as a jax.Array on ``device``, through DLPack.
 
     ``buffers_reused``: whether DALI may write this output's memory again after
-    handing it out (``not pipeline.exec_dynamic``); then the data is copied,
-    else the array wraps DALI's buffer where it already lives on ``device`` and
-    copies only to reach another device."""
-    return jax.dlpack.from_dlpack(tensor_list.as_tensor(), device=device,
-                                  copy=True if buffers_reused else None)
+    handing it out (``not pipeline.exec_dynamic``); then the data is copied
+    and the copy finished before this returns (DALI may write the buffer at its
+    next run), else the array wraps DALI's buffer where it already lives on
+    ``device`` and copies only to reach another device."""
+    array = jax.dlpack.from_dlpack(tensor_list.as_tensor(), device=device, copy=None)
+    if buffers_reused:
+        # Not from_dlpack(copy=True): JAX 0.10.2 still wraps a CPU producer's buffer
+        # then (pinned in test_dali.py). Copy explicitly, as DALI's own plugin does.
+        array = jnp.array(array, copy=True).block_until_ready()
+    return array
 
 
 def sample_files(images_NCHW: np.ndarray, labels_N: np.ndarray, cache_dir: str | os.PathLike) -> str:
@@ -441,8 +446,8 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
     ``Normalize`` with the devices' arithmetic ("dali_cpu" on CPU, "dali_gpu" on
     NVIDIA GPUs), an unknown order, or num_threads < 1.
     """
+    arithmetic = arithmetic_for(devices)  # before anything else: a ROCm GPU is refused by name
     mesh = loaders.data_mesh(devices)
-    arithmetic = arithmetic_for(mesh)
     if normalize is None:
         normalize = loaders.Normalize(arithmetic=arithmetic)
     if not isinstance(normalize, loaders.Normalize) or normalize.arithmetic != arithmetic:
