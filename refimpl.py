@@ -10,7 +10,9 @@ the devices and a single-device validation loader, trains the notebook's MLP
 with each chosen strategy from the same initial params, and after every epoch
 prints the mean training loss, the accuracy over every test sample exactly
 once, the epoch time and images per second. At the end it prints how far apart
-the strategies' final params are, against the bound strategies.ulp_bound gives.
+the strategies' final params are, against the bound strategies.ulp_bound gives;
+--params-out FILE also writes them (.npz), to compare runs bit for bit (e.g.
+--backend dali and --backend reference with the same seed and --normalize).
 
 Bad input (a malformed dataset, an invalid option, a batch larger than a shard,
 more devices than exist, a platform JAX lacks) ends with one line on stderr

@@ -861,6 +861,16 @@ def test_refimpl_dali_and_reference_train_identical_params(tmp_path):
     assert not np.array_equal(dali["sharded/0"], model_init_leaf0())
 
 
+def test_params_out_is_checked_before_any_work(tmp_path, capsys):
+    import refimpl
+
+    for path, why in ((tmp_path / "missing" / "p.npz", "does not exist"), (tmp_path, "is a directory")):
+        with pytest.raises(SystemExit) as info:
+            refimpl.parse_args(["--params-out", str(path)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and f"--params-out {path}: " in err and why in err, err
+
+
 def model_init_leaf0():
     import model
     return np.asarray(jax.tree.leaves(model.init_model(model.LAYERS))[0])
