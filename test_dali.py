@@ -861,6 +861,28 @@ def test_refimpl_dali_and_reference_train_identical_params(tmp_path):
     assert not np.array_equal(dali["sharded/0"], model_init_leaf0())
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_refimpl_two_processes_dali_and_reference_identical_params(tmp_path):
+    """The issue's case: --local-processes 2 --epochs 2, where DALI's stateful epochs used
+    to train the second strategy on other epochs (733 ulps apart). About 15 s."""
+    from conftest import run_children
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    data = loaders.synthetic_cifar10(tmp_path / "data", num_train=512, num_test=64, seed=2)
+    for backend in ("dali", "reference"):  # one after the other: 2 processes each
+        [(code, out, err)] = run_children([[
+            sys.executable, os.path.join(here, "refimpl.py"), "--backend", backend, "--normalize", "dali_cpu",
+            "--local-processes", "2", "--epochs", "2", "--data-dir", data, "--cache-dir", str(tmp_path),
+            "--params-out", str(tmp_path / f"{backend}.npz")]], timeout=300, cwd=here)
+        assert code == 0, f"{backend}:\n{err[-3000:]}"
+        assert "OUTSIDE" not in out, out
+    dali, reference = (np.load(tmp_path / f"{b}.npz") for b in ("dali", "reference"))
+    assert sorted(dali.files) == sorted(reference.files) and len(dali.files) == 12  # sharded, shard_map
+    for name in dali.files:
+        assert dali[name].tobytes() == reference[name].tobytes(), f"{name}: DALI's params differ"
+
+
 def test_params_out_is_checked_before_any_work(tmp_path, capsys):
     import refimpl
 
