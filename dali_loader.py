@@ -8,7 +8,7 @@ float32 CHW. Its outputs become row block k of global ``jax.Array``s through
 ``loaders.global_batch``, in both layouts, as ``loaders.Loader`` gives them.
 
 Stateless: ``epoch(e, start_step)`` builds its pipelines when its first step is
-asked for (a build takes about 3 ms on CPU) and drops them when the iterator
+asked for (a build takes about 2 ms on CPU) and drops them when the iterator
 ends or is closed. What it yields is a function of (seed, e, start_step, shard)
 and the loader's arguments, nothing else: epoch 3 read twice, by two loaders
 built alike, in any order of calls, after any other epoch, gives the same
