@@ -176,7 +176,7 @@ def cases(draw):
             draw(st.sampled_from(dali_loader.ORDERS)))
 
 
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(cases())
 # Shard lists a batch short of the plan (S_k = floor(N/n) a multiple of B): filled by the backend.
 @example((23, 4, 5, "fill", True, "sharded", 0, "vendor"))
