@@ -476,8 +476,10 @@ def _check_policy(last_batch: str) -> None:
 # DALI: dali/kernels/slice/slice_flip_normalize_permute_pad_cpu.h computes
 #   (float(x) - mean[c]) * inv_stddev[c] with inv_stddev = 1 / std in float32:
 #   a subtract and a multiply, two roundings. Crop anchor: std::round (half
-#   away from zero) of crop_pos * (W - cw) (its rounding="round" default).
-#   Default mirror=0.
+#   away from zero) of double(crop_pos) * (W - cw) (its rounding="round"
+#   default; dali/operators/image/crop/crop_attr.cc, shared by CPU and GPU).
+#   Default mirror=0. GPU (dali_gpu): new_crop_mirror_normalize.cu and
+#   dali/kernels/slice/slice_flip_normalize_gpu*.cu(h): fmaf(x, inv, -(mean*inv)).
 #
 # Neither is (x - mean) / std: for mean = std = 127.5 that differs from rocAL's
 # result on 223 of the 256 uint8 values (by 1 ulp).
@@ -531,12 +533,16 @@ def _nearest_float32(exact: Fraction) -> np.float32:
 def crop_anchor(pos: float, size: int, crop: int, arithmetic: str = "rocal") -> int:
     """First row (or column) of a ``crop``-long window in ``size`` at relative ``pos``.
 
-    The vendors compute ``pos * (size - crop)`` as a float32 product and round it:
-    rocAL half to even (nearbyintf), DALI half away from zero (std::round)."""
-    product = float(np.float32(pos) * np.float32(size - crop))  # exact in float64
+    rocAL computes ``pos * (size - crop)`` as a float32 product and rounds it half
+    to even (nearbyintf). DALI (CPU and GPU operators alike: CropAttr::CalculateAnchor
+    in dali/operators/image/crop/crop_attr.cc) multiplies ``double(float32(pos))``
+    by the integer span and rounds half away from zero (std::round): pos=0.7,
+    span 5 is 3.4999999 -> 3 there, but 3.5 -> 4 as a float32 product."""
     if _check_arithmetic(arithmetic) == "rocal":
-        return int(np.rint(product))
-    return int(np.floor(product + 0.5))  # product >= 0: half away from zero
+        return int(np.rint(float(np.float32(pos) * np.float32(size - crop))))  # exact in float64
+    product = float(np.float32(pos)) * (size - crop)  # exact in float64
+    whole = int(np.floor(product))
+    return whole + (product - whole >= 0.5)  # product >= 0: half away from zero
 
 
 def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | None = None,

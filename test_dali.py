@@ -293,6 +293,9 @@ def test_epochs_are_a_function_of_seed_epoch_step_and_shard(devices, cache, orde
     ((29, 27), (0.5, 0.5), True, dict(mirror=False)),
     # anchors y = 1/6 * 4 -> 1, x = 0.9 * 2 -> 2: crop_pos is (pos_y, pos_x), not the reverse.
     ((28, 30), (1 / 6, 0.9), False, dict(crop_pos=(0.9, 1 / 6))),
+    # anchors 0.7f * 5 = 3.4999999 in double -> 3 (CropAttr::CalculateAnchor, crop_attr.cc);
+    # a float32 product would be 3.5 -> 4: the negative control is a window one pixel further.
+    ((27, 27), (0.7, 0.7), True, dict(crop_pos=(0.8, 0.8))),
 ])
 def test_crop_mirror_normalize_is_the_dali_table(devices, cache, crop, crop_pos, mirror, wrong):
     rng = np.random.default_rng(7)
@@ -304,6 +307,8 @@ def test_crop_mirror_normalize_is_the_dali_table(devices, cache, crop, crop_pos,
     (batch,) = list(loader.epoch(0))
     loader.close()
     got = np.asarray(batch["images"])  # rows: shard 0 = samples 0..7, shard 1 = 8..15
+    if crop_pos == (0.7, 0.7):
+        assert norm.window((32, 32))[:2] == (3, 3) == loaders.Normalize(**{**norm.__dict__, "arithmetic": "dali_gpu"}).window((32, 32))[:2]
     assert got.shape == (16, 3) + crop and got.dtype == np.float32
     assert got.tobytes() == norm(images).tobytes(), "DALI's pixels differ from the dali table"
     np.testing.assert_array_equal(np.asarray(batch["labels"]), labels)
