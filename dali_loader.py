@@ -43,7 +43,8 @@ kernel's bits, so the Normalize passed in must name them, else ValueError:
 
 * CPU devices, CPU pipelines: ``"dali_cpu"``, ``(float(x) - mean) * inv``,
   two float32 roundings (dali/kernels/slice/slice_flip_normalize_permute_pad_cpu.h);
-  crop anchor ``std::round`` (half away from zero). Run and checked here.
+  crop anchor ``std::round`` (half away from zero) of ``double(pos) * (W - cw)``.
+  Run and checked here.
 * NVIDIA GPUs, GPU pipelines: ``"dali_gpu"``, one ``fmaf(x, inv, add)`` with
   ``inv = 1/std`` and ``add = -(mean*inv)`` in float32, for every channel count.
   READ in DALI's source, not run here: for uint8 CHW input
@@ -55,8 +56,10 @@ kernel's bits, so the Normalize passed in must name them, else ValueError:
   inv`` in float; ``SliceNormalizeKernel_2D_NoPad`` in
   ``slice_flip_normalize_gpu_impl.cuh`` computes ``fmaf(float(x), norm_mul,
   norm_add)``. The crop window comes from ``CropAttr::CalculateAnchor``
-  (``crop_attr.h``), shared with the CPU operator: ``std::roundf(pos * (W -
-  cw))``, so the anchor rounding is "dali_cpu"'s.
+  (``dali/operators/image/crop/crop_attr.cc``), shared with the CPU operator:
+  ``std::round(double(pos) * (W - cw))``, so the anchor is "dali_cpu"'s (checked
+  against real DALI on CPU: pos 0.7 over a span of 5 gives 3, not a float32
+  product's 3.5 -> 4).
 
 Worked example, N=13, n=4, B=3, fill: shards {0,1,2} {3,4,5} {6,7,8} {9..12},
 two steps per epoch. ``p`` is a sample of the shard in DALI's shuffled order,

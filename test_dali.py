@@ -703,9 +703,9 @@ def test_dali_gpu_and_dali_cpu_tables_differ_where_the_roundings_do():
     assert cpu[0].tobytes() == ((x - np.float32(127.5)) * (np.float32(1) / np.float32(127.5))).tobytes()
     mnist = [loaders.normalize_table((0.0,), (255.0,), a) for a in ("dali_gpu", "dali_cpu")]
     assert mnist[0].tobytes() == mnist[1].tobytes()
-    # The GPU path's crop window comes from CropAttr::CalculateAnchor (crop_attr.h), shared
-    # with the CPU operator: std::roundf(pos * (W - cw)), half away from zero, as dali_cpu.
-    for pos, size, crop in [(0.5, 32, 29), (0.5, 32, 27), (0.25, 32, 30), (1 / 6, 32, 28)]:
+    # The GPU operator's crop window comes from CropAttr::CalculateAnchor (crop_attr.cc),
+    # shared with the CPU operator: std::round(double(pos) * (W - cw)), as dali_cpu.
+    for pos, size, crop in [(0.5, 32, 29), (0.5, 32, 27), (0.25, 32, 30), (1 / 6, 32, 28), (0.7, 32, 27)]:
         assert loaders.crop_anchor(pos, size, crop, "dali_gpu") == loaders.crop_anchor(pos, size, crop, "dali_cpu")
     assert loaders.crop_anchor(0.5, 32, 27, "dali_gpu") == 3 != loaders.crop_anchor(0.5, 32, 27, "rocal")
 
