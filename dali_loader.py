@@ -1,90 +1,120 @@
 """NVIDIA DALI backend: the reference loader's sharded epochs, read and normalised by DALI.
 
-One DALI ``Pipeline`` per local device. Pipeline k (k = its device's position in
-the mesh, never ``device.id``) reads shard k of n with DALI's file reader from
-one raw file per sample (``sample_files``), reshapes the bytes to the images'
-own (C, H, W), and runs DALI's ``crop_mirror_normalize`` to float32 NCHW. Its
-outputs become row block k of global ``jax.Array``s through
+One DALI ``Pipeline`` per local device and epoch. Pipeline k (k = its device's
+position in the mesh, never ``device.id``) reads shard k's samples with DALI's
+file reader from one raw file per sample (``sample_files``), reshapes the bytes
+to the images' own (C, H, W), and runs DALI's ``crop_mirror_normalize`` to
+float32 CHW. Its outputs become row block k of global ``jax.Array``s through
 ``loaders.global_batch``, in both layouts, as ``loaders.Loader`` gives them.
 
-Guaranteed (each is checked against real DALI in test_dali.py):
+Stateless: ``epoch(e, start_step)`` builds its pipelines when its first step is
+asked for (a build takes about 2 ms on CPU) and drops them when the iterator
+ends or is closed. What it yields is a function of (seed, e, start_step, shard)
+and the loader's arguments, nothing else: epoch 3 read twice, by two loaders
+built alike, in any order of calls, after any other epoch, gives the same
+batches, and ``epoch(e, s)`` yields steps s.. of ``epoch(e)``.
 
-* ``len()`` is the reference's step count, ``loaders.num_steps(N, n, B,
-  last_batch)``, the same on every shard, and ``epoch(e)`` yields exactly that
-  many steps.
-* Shard k holds the samples ``[N*k//n, N*(k+1)//n)`` and no other, shuffled or
-  not. fill: every sample has exactly one mask-True slot per epoch; drop: no
-  sample twice, all slots True. The mask is the plan's (``loaders.epoch_plan``).
-* Shuffle off: the global arrays are bit for bit those of ``loaders.make_loader(
-  ..., normalize=Normalize(arithmetic="dali_cpu"))``, images, labels and mask.
-* Shuffle on: each shard's real slots are a permutation of that shard, the
-  padding repeats the shard's last delivered sample, and the order is a function
-  of (seed, shard, how many epochs this loader has read).
-* Pixels are ``Normalize(arithmetic="dali_cpu")``'s table bit for bit: that table
-  is the specification of DALI's arithmetic, ``(x - mean) * (1 / std)`` in
-  float32 with two roundings, crop anchors rounded half away from zero.
+``order`` says who orders the samples:
+
+* ``"plan"`` (the default): pipeline k's reader gets the list of files
+  ``loaders.epoch_plan(...).indices[start_step:, k]`` (padding slots included)
+  with their labels (``fn.readers.file(files=..., labels=...)``), DALI's own
+  shuffle off and one shard: DALI's epoch is exactly ``(len() - start_step) * B``
+  samples in the plan's order. DALI still reads every file and computes every
+  pixel; the global batches equal ``loaders.make_loader(..., normalize=
+  Normalize(arithmetic=<the devices' kind>))`` BIT FOR BIT, shuffled or not,
+  fill or drop, both layouts, one or several processes. The mask is the plan's.
+* ``"vendor"``: DALI's own order, as the notebook gets it (see DALI's departures
+  below): shuffle off, DALI's sharding of one list (which is the plan's order,
+  so the same bits as "plan"); shuffle on, one list per shard shuffled by DALI,
+  seeded with ``SeedSequence([seed, epoch, k])``, a fresh pipeline per epoch,
+  ``start_step`` reached by running and discarding. Guaranteed then: shard k
+  holds ``[N*k//n, N*(k+1)//n)`` and no other sample; fill: every sample has
+  exactly one mask-True slot per epoch, padding repeats the shard's last
+  delivered sample; drop: no sample twice. Not the plan's: the order of the
+  samples within each shard (conformance.describe_epoch names it "order").
+
+Also guaranteed, in both orders: ``len()`` is ``loaders.num_steps(N, n, B,
+last_batch)``, the same on every shard; the mask is the plan's
+(``loaders.epoch_plan``); pixels are ``normalize.table``'s bit for bit.
+
+Arithmetic per device kind (``arithmetic_for``): a pipeline computes its own
+kernel's bits, so the Normalize passed in must name them, else ValueError:
+
+* CPU devices, CPU pipelines: ``"dali_cpu"``, ``(float(x) - mean) * inv``,
+  two float32 roundings (dali/kernels/slice/slice_flip_normalize_permute_pad_cpu.h);
+  crop anchor ``std::round`` (half away from zero) of ``double(pos) * (W - cw)``.
+  Run and checked here.
+* NVIDIA GPUs, GPU pipelines: ``"dali_gpu"``, one ``fmaf(x, inv, add)`` with
+  ``inv = 1/std`` and ``add = -(mean*inv)`` in float32, for every channel count.
+  READ in DALI's source, not run here: for uint8 CHW input
+  ``new_crop_mirror_normalize.cu`` (``GetImplementationKind``) takes the
+  generic kernel; ``GetNormParameters`` there computes ``inv = scale/std`` in
+  double and stores it as float (the same float as 1.0f/std: a double quotient
+  rounded to float is the correctly rounded float quotient); ``SetupParams`` in
+  ``dali/kernels/slice/slice_flip_normalize_gpu.cu`` sets ``norm_add = -mean *
+  inv`` in float; ``SliceNormalizeKernel_2D_NoPad`` in
+  ``slice_flip_normalize_gpu_impl.cuh`` computes ``fmaf(float(x), norm_mul,
+  norm_add)``. The crop window comes from ``CropAttr::CalculateAnchor``
+  (``dali/operators/image/crop/crop_attr.cc``), shared with the CPU operator:
+  ``std::round(double(pos) * (W - cw))``, so the anchor is "dali_cpu"'s (checked
+  against real DALI on CPU: pos 0.7 over a span of 5 gives 3, not a float32
+  product's 3.5 -> 4).
 
 Worked example, N=13, n=4, B=3, fill: shards {0,1,2} {3,4,5} {6,7,8} {9..12},
 two steps per epoch. ``p`` is a sample of the shard in DALI's shuffled order,
 ``l`` the shard's last delivered sample, ``*`` a padding slot (mask False):
 
-    reader                       | shard 0               | shard 3
-    -----------------------------+-----------------------+-----------------------
-    DALI's sharding, no shuffle  | [0 1 2] [2* 2* 2*]    | [9 10 11] [12 12* 12*]
-    DALI's sharding, shuffled    | {0 2 10}: not shard 0 | {4 8 9 12}: not shard 3
-    one list per shard, shuffled | [p p p] [l* l* l*] (a)| [p p p] [l l* l*]
+    reader                          | shard 0               | shard 3
+    --------------------------------+-----------------------+-----------------------
+    order="plan" (files=, in order) | the plan's 6 slots    | the plan's 6 slots
+    DALI's sharding, no shuffle     | [0 1 2] [2* 2* 2*]    | [9 10 11] [12 12* 12*]
+    DALI's sharding, shuffled       | {0 2 10}: not shard 0 | {4 8 9 12}: not shard 3
+    one list per shard, shuffled    | [p p p] [l* l* l*] (a)| [p p p] [l l* l*]
 
     (a) DALI's epoch over shard 0's list is one batch; the second is filled here.
 
-DALI's departures from the spec (loaders.py), and what this module does:
+DALI's departures from the spec (loaders.py), and what this module does about
+them (order="vendor" keeps DALI's ordering; order="plan" avoids all of them):
 
 * ``random_shuffle`` with DALI's sharding first permutes the WHOLE file list
   with a fixed seed (524287), then cuts it into shards: shard k is a fixed
-  scattered subset, not ``[N*k//n, N*(k+1)//n)``. Workaround: with shuffle on,
-  one file list per shard (only shard k's samples), read with ``num_shards=1``,
-  ``random_shuffle=True`` and ``initial_fill`` = the shard's size (DALI's
-  default 1024-sample buffer would only shuffle locally within the fixed
-  pre-permutation), seeded from ``SeedSequence([seed, k])``. DALI's seed does
-  change the order (the pre-permutation aside). With shuffle off, DALI's own
-  sharding of one list is already the plan's partition and order.
+  scattered subset, not ``[N*k//n, N*(k+1)//n)``. Workaround: one file list per
+  shard, read with ``num_shards=1``, ``random_shuffle=True`` and
+  ``initial_fill`` = the shard's size (DALI's default 1024-sample buffer would
+  only shuffle locally).
 * Without ``stick_to_shard`` reader k reads shard (k+e) mod n in epoch e:
   ``stick_to_shard=True`` always.
-* ``run()`` never signals the end of an epoch: reading goes on into the next
-  one. Each pipeline's epoch is ``ceil(epoch_size_padded / number_of_shards /
-  B)`` batches (``reader_meta``, ``pad_last_batch=True``, so an epoch ends on a
-  batch boundary); ``epoch`` yields ``len()`` steps, then runs and discards the
-  rest of each pipeline's epoch (drop), and an epoch left early is finished the
-  same way when the next one starts.
+* ``run()`` never signals the end of an epoch, and a reader cannot seek or
+  rewind (``Pipeline.reset()`` does not rewind it): hence a fresh pipeline per
+  ``epoch()`` call, run exactly as many times as the epoch needs.
 * With one list per shard, shard k's DALI epoch has ``ceil(S_k/B)`` batches,
-  one fewer than ``len()`` when ``S_k = floor(N/n)`` and ``ceil(N/n)`` needs one
-  more batch (N=13, n=4, B=3: shard 0 has 3 samples, one batch; the plan has 2
-  steps). That missing step is filled here: B repeats of the shard's last
+  one fewer than ``len()`` when ``S_k = floor(N/n)`` and ``ceil(N/n)`` needs
+  one more batch: that step is filled here with B repeats of the shard's last
   delivered sample, mask False.
 * FILL padding is not marked: ``pad_last_batch`` repeats the shard's last
-  returned sample after all of its samples. Since the padding sits exactly where
-  the plan's mask is False, the mask is the plan's, positionally.
-* A DALI reader cannot seek or rewind (``Pipeline.reset()`` does not rewind a
-  reader): ``epoch(e)`` yields DALI's next epoch, ``e`` only has to be >= 0,
-  and ``start_step`` must be 0.
+  returned sample after all of its samples, exactly where the plan's mask is
+  False, so the mask is the plan's, positionally.
 * ``crop_mirror_normalize`` defaults to ``mirror=0``; here mirror is always
-  passed explicitly (``int(normalize.mirror)``). Only ``arithmetic="dali_cpu"`` is
-  accepted: DALI computes DALI's arithmetic.
+  passed explicitly (``int(normalize.mirror)``).
 
-How the output reaches JAX:
+How the output reaches JAX (``to_jax``, one function for both kinds):
 
-* CPU devices: CPU-only pipelines (``device_id=None``); ``as_array()`` copies
-  each output into NumPy, and ``loaders.global_batch`` places block k on
-  device k.
-* NVIDIA GPUs (platform "gpu"/"cuda"): pipeline k runs on CUDA device
-  ``device.local_hardware_id``; the uint8 images move to the GPU (``.gpu()``)
-  before ``crop_mirror_normalize``, and the output tensor becomes a jax.Array on
-  device k with ``jax.dlpack.from_dlpack(tensor_list.as_tensor(), device=device,
-  copy=True)``, as DALI's own JAX plugin does (``plugin/jax/integration.py``)
-  but with a copy: DALI reuses an output buffer once it is released, and that
-  a zero-copy import keeps it alive was only seen on CPU. ``run()`` without a
-  stream returns host-synchronous outputs. NOT VERIFIED: written against DALI
-  2.4.0's API on a machine without a GPU; test_dali.py has a GPU test that
-  runs where JAX sees an NVIDIA GPU.
+* Every pipeline output goes through DLPack: ``jax.dlpack.from_dlpack(
+  tensor_list.as_tensor(), device=device, copy=...)``. DALI's ``TensorCPU`` has
+  ``__dlpack__`` too, so CPU pipelines drive the very code GPU pipelines use.
+* Copy or not is decided by ``Pipeline.exec_dynamic``, as DALI's own JAX plugin
+  does (``plugin/jax/iterator.py``: ``_to_jax_array(..., not exec_dynamic)``):
+  with the dynamic executor (the default in DALI 2.x when ``exec_async`` and
+  ``exec_pipelined`` are on, as here) every output is a new buffer that DALI
+  never writes again once handed out, so the array wraps it (no copy on the
+  pipeline's own device); with ``exec_dynamic=False`` DALI recycles its output
+  buffers, so ``to_jax`` copies. Both are shown on CPU pipelines in test_dali.py.
+  Virtual CPU device k != 0 still costs one copy (DLPack names CPU device 0).
+* NVIDIA GPUs: pipeline k runs on CUDA device ``device.local_hardware_id``;
+  the uint8 images move to the GPU (``.gpu()``) before ``crop_mirror_normalize``.
+  NOT RUN HERE (no GPU on the machine this was written on): test_dali.py's GPU
+  test runs where JAX sees an NVIDIA GPU.
 * DALI's ``data_iterator`` is not used: it builds pipeline i with
   ``device_id=i``, ``shard_id=device.id`` and ``num_shards=jax.device_count()``
   (device ids need not be 0..n-1: JAX issue 16024), takes the global batch size,
@@ -105,13 +135,14 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import loaders
 
 INSTALL_HINT = ("the DALI backend needs NVIDIA DALI: pip install -r requirements-dali.txt "
                 "(it installs nvidia-dali-cuda130; on CUDA 12 hosts install nvidia-dali-cuda120)")
-NVIDIA_PLATFORMS = ("gpu", "cuda")
+ORDERS = ("plan", "vendor")
 DEFAULT_CACHE = os.path.join("~", ".cache", "refimpl")
 LIST_NAME = "list.txt"
 READER = "Reader"
@@ -127,10 +158,34 @@ def import_dali():
     return Pipeline, fn, types
 
 
+def is_nvidia_gpu(device) -> bool:
+    """Platform "cuda", or "gpu" on a JAX built for CUDA (its client's ``platform_version``
+    names CUDA). JAX calls ROCm devices platform "gpu" too, and nvidia.dali imports
+    without CUDA, so neither the platform nor the import alone says NVIDIA."""
+    if device.platform == "cuda":
+        return True
+    version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
+    return device.platform == "gpu" and "cuda" in version
+
+
+def arithmetic_for(devices: Sequence[jax.Device] | Mesh) -> str:
+    """The Normalize arithmetic DALI's pipelines compute on ``devices``: "dali_cpu" on
+    CPU devices, "dali_gpu" on NVIDIA GPUs. ValueError for anything else (ROCm GPUs,
+    TPUs, a mix), naming the platforms."""
+    devices = list(devices.devices.flat) if isinstance(devices, Mesh) else list(devices)
+    if devices and all(d.platform == "cpu" for d in devices):
+        return "dali_cpu"
+    if devices and all(is_nvidia_gpu(d) for d in devices):
+        return "dali_gpu"
+    kinds = sorted({f"{d.platform} ({getattr(getattr(d, 'client', None), 'platform_version', '?')})"
+                    for d in devices})
+    raise ValueError(f"DALI runs on CPU devices or NVIDIA GPUs, all of one kind; got {kinds or 'none'}")
+
+
 def usable(devices: Sequence[jax.Device] | Mesh) -> bool:
     """What ``--backend auto`` asks: is every device an NVIDIA GPU, and does nvidia.dali import?"""
     devices = list(devices.devices.flat) if isinstance(devices, Mesh) else list(devices)
-    if not devices or any(d.platform not in NVIDIA_PLATFORMS for d in devices):
+    if not devices or not all(is_nvidia_gpu(d) for d in devices):
         return False
     try:
         import_dali()
@@ -139,15 +194,33 @@ def usable(devices: Sequence[jax.Device] | Mesh) -> bool:
     return True
 
 
+def to_jax(tensor_list, device: jax.Device, *, buffers_reused: bool) -> jax.Array:
+    """One DALI output (a ``TensorListCPU`` or ``TensorListGPU`` of equal-shape samples)
+    as a jax.Array on ``device``, through DLPack.
+
+    ``buffers_reused``: whether DALI may write this output's memory again after
+    handing it out (``not pipeline.exec_dynamic``); then the data is copied
+    and the copy finished before this returns (DALI may write the buffer at its
+    next run), else the array wraps DALI's buffer where it already lives on
+    ``device`` and copies only to reach another device."""
+    array = jax.dlpack.from_dlpack(tensor_list.as_tensor(), device=device, copy=None)
+    if buffers_reused:
+        # Not from_dlpack(copy=True): JAX 0.10.2 still wraps a CPU producer's buffer
+        # then (pinned in test_dali.py). Copy explicitly, as DALI's own plugin does.
+        array = jnp.array(array, copy=True).block_until_ready()
+    return array
+
+
 def sample_files(images_NCHW: np.ndarray, labels_N: np.ndarray, cache_dir: str | os.PathLike) -> str:
     """One raw file per sample (C*H*W bytes, lossless) and ``list.txt`` ("<name> <label>" lines).
 
-    The folder is ``cache_dir/dali-samples-<N>x<C>x<H>x<W>-<hash>``, the hash
-    taken over the shape, the image bytes and the int32 labels, so a changed
-    dataset never reuses stale files and the same dataset is written once. It is
-    written into a temporary folder and renamed: a reader never sees half of it,
-    and a concurrent writer that renames first wins (its folder is used). Returns
-    the folder. Raises ValueError for images that are not uint8 (N, C, H, W) or
+    Sample i's file is ``sample_name(i, N)``. The folder is
+    ``cache_dir/dali-samples-<N>x<C>x<H>x<W>-<hash>``, the hash taken over the
+    shape, the image bytes and the int32 labels, so a changed dataset never
+    reuses stale files and the same dataset is written once. It is written into
+    a temporary folder and renamed: a reader never sees half of it, and a
+    concurrent writer that renames first wins (its folder is used). Returns the
+    folder. Raises ValueError for images that are not uint8 (N, C, H, W) or
     labels that are not N integers.
     """
     images_NCHW, labels_N = np.ascontiguousarray(images_NCHW), np.asarray(labels_N)
@@ -168,10 +241,9 @@ def sample_files(images_NCHW: np.ndarray, labels_N: np.ndarray, cache_dir: str |
     os.makedirs(cache_dir, exist_ok=True)
     scratch = tempfile.mkdtemp(dir=cache_dir, prefix=".dali-samples-writing-")
     try:
-        width = max(6, len(str(len(labels_N) - 1)))
         lines = []
         for i, label in enumerate(labels_N.tolist()):
-            name = f"{i:0{width}d}.bin"
+            name = sample_name(i, len(labels_N))
             with open(os.path.join(scratch, name), "wb") as f:
                 f.write(images_NCHW[i].tobytes())
             lines.append(f"{name} {label}\n")
@@ -187,6 +259,11 @@ def sample_files(images_NCHW: np.ndarray, labels_N: np.ndarray, cache_dir: str |
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return folder
+
+
+def sample_name(index: int, num_samples: int) -> str:
+    """File name of sample ``index`` of ``num_samples`` in a ``sample_files`` folder."""
+    return f"{index:0{max(6, len(str(num_samples - 1)))}d}.bin"
 
 
 def shard_list(folder: str, shard_id: int, num_shards: int) -> str:
@@ -213,150 +290,188 @@ def shard_list(folder: str, shard_id: int, num_shards: int) -> str:
 class DaliLoader:
     """Sharded epochs read by DALI; see the module docstring for what is guaranteed.
 
-    Build it with ``make_dali_loader``. ``len()`` steps per epoch; ``epoch(e)``
-    yields DALI's next epoch as ``{"images" float32, "labels" int32, "mask"
-    bool}`` global arrays in ``layout``; ``close()`` releases the pipelines.
+    Build it with ``make_dali_loader``. ``len()`` steps per epoch; ``epoch(e,
+    start_step)`` yields steps ``start_step..len-1`` of epoch e as ``{"images"
+    float32, "labels" int32, "mask" bool}`` global arrays in ``layout``, from
+    pipelines built for that call alone; ``close()`` refuses further epochs.
     """
-    pipelines: dict[int, object]  # mesh position -> built DALI Pipeline, local devices only
-    mesh: Mesh
-    batch_size: int
-    num_samples: int
-    layout: str
-    last_batch: str
-    shuffle: bool
+    spec: loaders.Loader  # the reference loader with the same arguments: the plan, the mesh
+    order: str
     folder: str
-    mask: np.ndarray = dataclasses.field(repr=False)  # (steps, n, B): the plan's
-    batches: dict[int, int] = dataclasses.field(default_factory=dict)  # DALI epoch length per pipeline
-    positions: dict[int, int] = dataclasses.field(default_factory=dict)  # batches run in its DALI epoch
+    num_threads: int = 1
+    closed: bool = False
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.spec.mesh
 
     @property
     def num_shards(self) -> int:
-        return self.mesh.devices.size
+        return self.spec.num_shards
 
     @property
     def on_gpu(self) -> bool:
-        return self.mesh.devices.flat[0].platform in NVIDIA_PLATFORMS
+        return is_nvidia_gpu(self.mesh.devices.flat[0])
 
     def __len__(self) -> int:
-        return loaders.num_steps(self.num_samples, self.num_shards, self.batch_size, self.last_batch)
+        return len(self.spec)
+
+    def plan(self, epoch: int) -> loaders.Plan:
+        return self.spec.plan(epoch)
 
     def real_samples(self, epoch: int) -> int:
-        """How many mask-True slots each epoch has in the whole global batch."""
-        return int(self.mask.sum())
+        """How many mask-True slots ``epoch`` has in the whole global batch."""
+        return self.spec.real_samples(epoch)
 
     def describe(self) -> str:
         import nvidia.dali
-        sharding = ("one file list per shard, shuffled by DALI within the shard" if self.shuffle
-                    else "DALI's sharding of one file list")
+        if self.order == "plan":
+            how = "each reader fed its shard's files in the plan's order"
+        elif self.spec.shuffle:
+            how = "DALI's order: one file list per shard, shuffled by DALI within the shard"
+        else:
+            how = "DALI's order: DALI's sharding of one file list"
         where = "GPU" if self.on_gpu else "CPU"
-        return (f"NVIDIA DALI {nvidia.dali.__version__}: {len(self.pipelines)} {where} pipeline(s), "
-                f"one per local device, shard = mesh position; {sharding}; files in {self.folder}")
+        return (f"NVIDIA DALI {nvidia.dali.__version__}: {len(loaders.local_positions(self.mesh))} "
+                f"{where} pipeline(s) an epoch, one per local device, shard = mesh position; {how}; "
+                f"files in {self.folder}")
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
-        """DALI's next epoch, ``len()`` steps; ``epoch`` only has to be >= 0."""
-        if epoch < 0 or start_step != 0:
-            raise ValueError(f"the DALI backend yields whole epochs in order: got epoch={epoch}, "
-                             f"start_step={start_step} (DALI pipelines cannot seek; start_step must be 0)")
-        if not self.pipelines:
+        """Steps ``start_step .. len-1`` of ``epoch``, a function of (seed, epoch,
+        start_step, shard) alone. Raises ValueError for a negative epoch, IndexError
+        for a start_step outside [0, len], RuntimeError once closed."""
+        if self.closed:
             raise RuntimeError("DaliLoader.epoch: the loader is closed")
-        return self._steps()
+        loaders.check_seed("epoch", epoch, "DaliLoader.epoch")
+        if not 0 <= start_step <= len(self):
+            raise IndexError(f"start_step={start_step} is outside [0, {len(self)}]")
+        return self._steps(epoch, start_step)
 
     def close(self) -> None:
-        """Drops the pipelines (DALI shuts one down when its last reference goes); unusable after."""
-        self.pipelines.clear()
+        """No further epochs. Pipelines live only while an epoch's iterator does."""
+        self.closed = True
 
-    def _steps(self):
-        self._to_boundary()  # an epoch left early is finished first
+    def _steps(self, epoch: int, start_step: int):
+        plan = self.plan(epoch)
         devices = list(self.mesh.devices.flat)
-        last = {}
+        local = loaders.local_positions(self.mesh)
+        make = self._plan_blocks if self.order == "plan" else self._vendor_blocks
+        shards = {k: make(epoch, plan, k, devices[k], start_step) for k in local}
+        try:
+            for step in range(start_step, len(self)):
+                blocks = {}
+                for k, blocks_k in shards.items():
+                    images, labels = next(blocks_k)
+                    blocks[k] = {"images": images, "labels": labels, "mask": plan.mask[step, k]}
+                yield loaders.global_batch(blocks, self.mesh, self.spec.layout)
+        finally:
+            for blocks_k in shards.values():
+                blocks_k.close()  # drops the pipeline now, not at garbage collection
+
+    def _plan_blocks(self, epoch: int, plan: loaders.Plan, k: int, device, start_step: int):
+        """Shard k's (images, labels) per step, read by DALI in the plan's order."""
+        steps = len(self) - start_step
+        if not steps:
+            return
+        indices = plan.indices[start_step:, k].reshape(-1)
+        N = len(self.spec.labels)
+        reader = dict(files=[sample_name(i, N) for i in indices.tolist()],
+                      labels=self.spec.labels[indices].tolist(), shard_id=0, num_shards=1,
+                      random_shuffle=False)
+        pipe = self._pipeline(reader, device, seed=0)
+        self._check_size(pipe, k, (len(indices), len(indices)), "the plan's files")
+        for _ in range(steps):
+            yield self._run(pipe, device)
+
+    def _vendor_blocks(self, epoch: int, plan: loaders.Plan, k: int, device, start_step: int):
+        """Shard k's (images, labels) per step in DALI's own order, from step 0 of a
+        fresh pipeline, the first ``start_step`` run and discarded."""
+        n, N, B = self.num_shards, len(self.spec.labels), self.spec.batch_size
+        if self.spec.shuffle:  # DALI's random_shuffle would cut a pre-permuted list: one list per shard
+            start, stop = loaders.shard_bounds(N, k, n)
+            reader = dict(file_list=shard_list(self.folder, k, n), shard_id=0, num_shards=1,
+                          random_shuffle=True, initial_fill=stop - start)
+            expect = (stop - start, stop - start)
+        else:
+            reader = dict(file_list=os.path.join(self.folder, LIST_NAME), shard_id=k, num_shards=n,
+                          random_shuffle=False)
+            expect = (N, -(-N // n))
+        seed = int(np.random.SeedSequence([self.spec.seed, epoch, k]).generate_state(1)[0])
+        pipe = self._pipeline(reader, device, seed=seed)
+        self._check_size(pipe, k, expect, reader["file_list"])
+        batches = -(-expect[1] // B)  # DALI's epoch; pad_last_batch ends it on a batch
+        last = None
         for step in range(len(self)):
-            blocks = {}
-            for k in self.pipelines:
-                if self.positions[k] < self.batches[k]:
-                    images, labels = self._run(k, devices[k])
-                    last[k] = images[-1:], labels[-1:]
-                else:  # one list per shard: this shard's DALI epoch is a batch short of the plan
-                    images, labels = (x.repeat(self.batch_size, axis=0) for x in last[k])
-                blocks[k] = {"images": images, "labels": labels, "mask": self.mask[step, k]}
-            yield loaders.global_batch(blocks, self.mesh, self.layout)
-        self._to_boundary()
+            if step < batches:
+                images, labels = self._run(pipe, device)
+                last = images[-1:], labels[-1:]
+            else:  # one list per shard: this shard's DALI epoch is a batch short of the plan
+                images, labels = jnp.repeat(last[0], B, axis=0), np.repeat(last[1], B, axis=0)
+            if step >= start_step:
+                yield images, labels
 
-    def _run(self, k: int, device: jax.Device):
-        images, labels = self.pipelines[k].run()
-        self.positions[k] += 1
+    def _pipeline(self, reader: dict, device, *, seed: int):
+        return dali_pipeline(self.folder, reader, device, self.spec.images.shape[1:],
+                             self.spec.normalize, self.spec.batch_size, seed=seed,
+                             num_threads=self.num_threads)
+
+    @staticmethod
+    def _check_size(pipe, k: int, expect: tuple[int, int], source: str) -> None:
+        meta = pipe.reader_meta(READER)
+        got = (meta["epoch_size"], meta["epoch_size_padded"] // meta["number_of_shards"])
+        if got != expect:
+            raise RuntimeError(f"DALI's reader of shard {k} sees {got[0]} samples, {got[1]} per shard "
+                               f"(reader_meta {meta}); expected {expect} from {source}")
+
+    @staticmethod
+    def _run(pipe, device):
+        images, labels = pipe.run()
         labels = labels.as_array().reshape(-1).astype(np.int32, copy=False)
-        if self.on_gpu:  # not verified here: see the module docstring
-            return jax.dlpack.from_dlpack(images.as_tensor(), device=device, copy=True), labels
-        return images.as_array(), labels
-
-    def _to_boundary(self) -> None:
-        """Runs and discards the rest of each pipeline's DALI epoch."""
-        for k, pipe in self.pipelines.items():
-            while self.positions[k] < self.batches[k]:
-                pipe.run()
-                self.positions[k] += 1
-            self.positions[k] = 0
+        return to_jax(images, device, buffers_reused=not pipe.exec_dynamic), labels
 
 
 def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
                      layout: str = "sharded", filename_prefix: str = loaders.TRAIN_PREFIX,
                      shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
-                     normalize: loaders.Normalize = loaders.Normalize(arithmetic="dali_cpu"),
+                     normalize: loaders.Normalize | None = None, order: str = "plan",
                      cache_dir: str | os.PathLike | None = None, num_threads: int = 1) -> DaliLoader:
     """A ``DaliLoader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``) or an
     ``(images_NCHW uint8, labels_N)`` pair (MNIST's (N, 1, 28, 28) too). ``batch_size`` is
-    per device; shard k goes to ``devices[k]`` (or mesh position k). The per-sample files go
-    under ``cache_dir`` (default ~/.cache/refimpl).
+    per device; shard k goes to ``devices[k]`` (or mesh position k). ``normalize``
+    defaults to ``Normalize(arithmetic=arithmetic_for(devices))`` (mean = std = 127.5).
+    ``order``: "plan" or "vendor" (module docstring). The per-sample files go under
+    ``cache_dir`` (default ~/.cache/refimpl).
 
     Raises ImportError (how to install DALI) without nvidia.dali; ValueError for
     everything ``loaders.make_loader`` refuses (a batch larger than the smallest
-    shard, more devices than samples, an unknown layout or policy, ...), a
-    normalize that is not ``Normalize(arithmetic="dali_cpu")``, num_threads < 1, or
-    devices that are neither all CPU nor all NVIDIA GPUs.
+    shard, more devices than samples, an unknown layout or policy, ...), devices
+    that are neither all CPU nor all NVIDIA GPUs, a normalize that is not a
+    ``Normalize`` with the devices' arithmetic ("dali_cpu" on CPU, "dali_gpu" on
+    NVIDIA GPUs), an unknown order, or num_threads < 1.
     """
-    if not isinstance(normalize, loaders.Normalize) or normalize.arithmetic != "dali_cpu":
-        raise ValueError(f"make_dali_loader: normalize={normalize!r}: DALI computes DALI's arithmetic; "
-                         f"pass loaders.Normalize(..., arithmetic='dali_cpu'), the spec of its bits")
+    arithmetic = arithmetic_for(devices)  # before anything else: a ROCm GPU is refused by name
+    mesh = loaders.data_mesh(devices)
+    if normalize is None:
+        normalize = loaders.Normalize(arithmetic=arithmetic)
+    if not isinstance(normalize, loaders.Normalize) or normalize.arithmetic != arithmetic:
+        got = getattr(normalize, "arithmetic", type(normalize).__name__)
+        raise ValueError(f"make_dali_loader: normalize={normalize!r} (arithmetic={got!r}): DALI's "
+                         f"pipelines on {mesh.devices.flat[0].platform} devices compute "
+                         f"arithmetic={arithmetic!r}; pass loaders.Normalize(..., "
+                         f"arithmetic={arithmetic!r}), the spec of their bits")
+    if order not in ORDERS:
+        raise ValueError(f"make_dali_loader: order must be one of {ORDERS}, got {order!r}")
     if num_threads < 1:
         raise ValueError(f"make_dali_loader: num_threads must be >= 1, got {num_threads}")
     import_dali()  # how to install it, before any data is read
     if isinstance(data, (str, os.PathLike)):
         data = loaders.read_cifar10(data, filename_prefix)
     # The reference loader checks every argument as make_loader does, and is the
-    # plan the DALI epochs are held to (its mask). It does no device work.
-    spec = loaders.make_loader(data, devices, batch_size, layout=layout, shuffle=shuffle, seed=seed,
+    # plan the DALI epochs are held to. It does no device work.
+    spec = loaders.make_loader(data, mesh, batch_size, layout=layout, shuffle=shuffle, seed=seed,
                                last_batch=last_batch, normalize=normalize, prefetch=0)
-    mesh, images = spec.mesh, spec.images
-    device_list = list(mesh.devices.flat)
-    platforms = {d.platform for d in device_list}
-    if not (platforms == {"cpu"} or platforms <= set(NVIDIA_PLATFORMS)):
-        raise ValueError(f"make_dali_loader: DALI runs on CPU devices or NVIDIA GPUs, got "
-                         f"platform(s) {sorted(platforms)}")
-    folder = sample_files(images, spec.labels, cache_dir if cache_dir is not None else DEFAULT_CACHE)
-    n, N = len(device_list), len(spec.labels)
-    pipelines, batches = {}, {}
-    for k in loaders.local_positions(mesh):
-        if shuffle:  # DALI's random_shuffle would cut a pre-permuted list: one list per shard
-            start, stop = loaders.shard_bounds(N, k, n)
-            reader = dict(file_list=shard_list(folder, k, n), shard_id=0, num_shards=1,
-                          random_shuffle=True, initial_fill=stop - start)
-            expect = (stop - start, stop - start)
-        else:
-            reader = dict(file_list=os.path.join(folder, LIST_NAME), shard_id=k, num_shards=n,
-                          random_shuffle=False)
-            expect = (N, -(-N // n))
-        pipe = dali_pipeline(folder, reader, device_list[k], images.shape[1:], normalize, batch_size,
-                             seed=int(np.random.SeedSequence([seed, k]).generate_state(1)[0]),
-                             num_threads=num_threads)
-        meta = pipe.reader_meta(READER)
-        got = (meta["epoch_size"], meta["epoch_size_padded"] // meta["number_of_shards"])
-        if got != expect:
-            raise RuntimeError(f"DALI's reader of shard {k} sees {got[0]} samples, {got[1]} per shard "
-                               f"(reader_meta {meta}); expected {expect} from {reader['file_list']}")
-        # DALI's epoch: ceil(padded size / shards / B) batches; pad_last_batch ends it on a batch.
-        pipelines[k], batches[k] = pipe, -(-got[1] // batch_size)
-    return DaliLoader(pipelines, mesh, batch_size, N, layout, last_batch, shuffle, folder,
-                      spec.plan(0).mask, batches, {k: 0 for k in pipelines})
+    folder = sample_files(spec.images, spec.labels, cache_dir if cache_dir is not None else DEFAULT_CACHE)
+    return DaliLoader(spec, order, folder, num_threads)
 
 
 def dali_pipeline(folder: str, reader: dict, device: jax.Device, image_shape: tuple[int, int, int],
@@ -365,7 +480,7 @@ def dali_pipeline(folder: str, reader: dict, device: jax.Device, image_shape: tu
     stick_to_shard and pad_last_batch, the raw bytes reshaped to ``image_shape`` (C, H, W),
     then crop_mirror_normalize to float32 CHW; outputs (images, labels). CPU-only for a CPU
     ``device``; on an NVIDIA GPU, CUDA device ``local_hardware_id`` and the normalisation
-    there."""
+    there. DALI's default executor (``exec_dynamic`` on)."""
     Pipeline, fn, types = import_dali()
     on_gpu = device.platform != "cpu"
     pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, seed=seed,

@@ -536,8 +536,10 @@ def _check_policy(last_batch: str) -> None:
 # DALI: dali/kernels/slice/slice_flip_normalize_permute_pad_cpu.h computes
 #   (float(x) - mean[c]) * inv_stddev[c] with inv_stddev = 1 / std in float32:
 #   a subtract and a multiply, two roundings. Crop anchor: std::round (half
-#   away from zero) of crop_pos * (W - cw) (its rounding="round" default).
-#   Default mirror=0.
+#   away from zero) of double(crop_pos) * (W - cw) (its rounding="round"
+#   default; dali/operators/image/crop/crop_attr.cc, shared by CPU and GPU).
+#   Default mirror=0. GPU (dali_gpu): new_crop_mirror_normalize.cu and
+#   dali/kernels/slice/slice_flip_normalize_gpu*.cu(h): fmaf(x, inv, -(mean*inv)).
 #
 # Neither is (x - mean) / std: for mean = std = 127.5 that differs from rocAL's
 # result on 223 of the 256 uint8 values (by 1 ulp).
@@ -633,25 +635,30 @@ def crop_anchor(pos: float, size: int, crop: int, arithmetic: str = "rocal") -> 
     """First row (or column) of a ``crop``-long window in ``size`` at relative ``pos``:
 
         p = r32(pos)                       # pos rounded to float32 first (RNE)
-        d = r32(size - crop)               # exact for size < 2**24
-        t = r32(p * d)                     # the vendors' float32 product, rounded once
-        "rocal":                 anchor = round t half to even    (nearbyintf)
-        "dali_cpu", "dali_gpu":  anchor = floor(t + 1/2), in exact arithmetic
-                                           (std::round: half away from zero; t >= 0)
+        d = size - crop                    # an integer, exact
+        "rocal":                 t = r32(p * d)   # a float32 product, rounded once
+                                 anchor = round t half to even    (nearbyintf)
+        "dali_cpu", "dali_gpu":  t = p * d        # double(p) times the span: exact
+                                 anchor = floor(t + 1/2)  (std::round: half away from zero)
 
-    Both DALI kernels share the CPU-side anchor computation (the same std::round).
-    The anchor lies in [0, size - crop]. Validated here: ValueError for an unknown
-    arithmetic, crop outside [1, size], or pos outside [0, 1] (NaN included).
+    rocAL: nearbyintf of a float32 product (RocalCropParam::fill_crop_dims). DALI,
+    CPU and GPU operators alike, computes the anchor on the host in
+    CropAttr::CalculateAnchor (dali/operators/image/crop/crop_attr.cc) from
+    double(float32 pos): pos=0.7, span 5 is 3.4999999 -> 3 there, where a float32
+    product would give 3.5 -> 4. The anchor lies in [0, size - crop]. Validated
+    here: ValueError for an unknown arithmetic, crop outside [1, size], or pos
+    outside [0, 1] (NaN included).
     """
     _check_arithmetic(arithmetic)
     if not 0 < crop <= size:
         raise ValueError(f"crop_anchor: crop={crop} does not fit in size={size}")
     if not 0.0 <= pos <= 1.0:
         raise ValueError(f"crop_anchor: pos={pos} must lie in [0, 1]")
-    product = float(np.float32(pos) * np.float32(size - crop))  # a float32 product, exact in float64
     if arithmetic == "rocal":
-        return int(np.rint(product))
-    return int(np.floor(product + 0.5))  # product >= 0: half away from zero (exact in float64)
+        return int(np.rint(float(np.float32(pos) * np.float32(size - crop))))  # exact in float64
+    product = float(np.float32(pos)) * (size - crop)  # exact in float64
+    whole = int(np.floor(product))
+    return whole + (product - whole >= 0.5)  # product >= 0: half away from zero
 
 
 def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | None = None,

@@ -10,7 +10,9 @@ the devices and a single-device validation loader, trains the notebook's MLP
 with each chosen strategy from the same initial params, and after every epoch
 prints the mean training loss, the accuracy over every test sample exactly
 once, the epoch time and images per second. At the end it prints how far apart
-the strategies' final params are, against the bound strategies.ulp_bound gives.
+the strategies' final params are, against the bound strategies.ulp_bound gives;
+--params-out FILE also writes them (.npz), to compare runs bit for bit (e.g.
+--backend dali and --backend reference with the same seed and --normalize).
 
 Bad input (a malformed dataset, an invalid option, a batch larger than a shard,
 more devices than exist, a platform JAX lacks) ends with one line on stderr
@@ -106,7 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(on CPU: of the host's), else host (default: %(default)s)")
     parser.add_argument("--normalize", choices=ARITHMETICS,
                         help="whose crop_mirror_normalize arithmetic (bits) to use (default: the "
-                             "backend's, else the notebook's: rocal for cifar10, dali for mnist)")
+                             "backend's: dali_cpu for DALI on CPU devices, dali_gpu on NVIDIA GPUs, "
+                             "rocal for rocAL; else the notebook's: rocal for cifar10, dali_cpu for "
+                             "mnist)")
     parser.add_argument("--matmul-precision", choices=("default", "high", "highest"), default="highest",
                         help="JAX's float32 matmul precision; 'default' is TF32 on recent NVIDIA GPUs, "
                              "and the strategies' bounds then no longer hold (default: %(default)s)")
@@ -115,6 +119,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the documented bound (strategies.ulp_bound); 0 demands bit-identical "
                              "params. Outside the bound: exit status 1")
     parser.add_argument("--metrics-out", metavar="FILE", help="write every per-epoch figure to this file as JSON lines")
+    parser.add_argument("--params-out", metavar="FILE",
+                        help="write each strategy's final params to this .npz file (process 0), one "
+                             "array per leaf named '<strategy>/<leaf index>' in jax.tree.leaves order; "
+                             "compare two runs' files bit for bit with numpy")
     multi = parser.add_argument_group(
         "more than one process (jax.distributed)",
         "One process per host; --devices is then each process's device count, the mesh spans "
@@ -156,10 +164,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--devices {args.devices}: at most {MAX_CPU_DEVICES} virtual CPU devices (they "
                      f"are threads sharing this machine's {os.cpu_count()} cores; more adds only "
                      f"overhead)")
-    if args.metrics_out:
-        problem = unwritable(args.metrics_out)
+    for flag in ("metrics_out", "params_out"):
+        path = getattr(args, flag)
+        problem = unwritable(path) if path else None
         if problem:
-            parser.error(f"--metrics-out {args.metrics_out}: {problem}")
+            parser.error(f"--{flag.replace('_', '-')} {path}: {problem}")
     if args.dataset == "mnist" and args.backend == "rocal":
         parser.error("--backend rocal reads CIFAR-10 only (rocAL's cifar10 reader); use "
                      "--dataset cifar10, or --backend dali or reference for mnist")
@@ -307,7 +316,11 @@ def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
     backend = choose_backend(args.backend, args.dataset, devices)
     if args.backend == "auto":
         say(f"--backend auto chose {backend}")
-    arithmetic = args.normalize or {"rocal": "rocal", "dali": "dali_gpu" if devices[0].platform != "cpu" else "dali_cpu"}.get(backend) or NOTEBOOK_ARITHMETIC[args.dataset]
+    if backend == "dali":  # DALI's pipelines compute their device kind's bits (dali_loader.arithmetic_for)
+        import dali_loader
+        arithmetic = args.normalize or dali_loader.arithmetic_for(devices)
+    else:
+        arithmetic = args.normalize or {"rocal": "rocal"}.get(backend) or NOTEBOOK_ARITHMETIC[args.dataset]
     mean, std = NOTEBOOK_NORMALIZE[args.dataset]
     normalize = loaders.Normalize(mean=mean, std=std, arithmetic=arithmetic)
     if backend == "rocal":
@@ -399,12 +412,30 @@ def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
                 loader.close()
     outside = []
     if jax.process_index() == 0:
+        if args.params_out:
+            write_params(args.params_out, final)
         bound, name = strategies.ulp_bound, "strategies.ulp_bound"
         if args.max_ulps_per_step is not None:
             bound, name = (lambda a, b, platform, num_devices: args.max_ulps_per_step), "--max-ulps-per-step"
         outside = report_differences(final, steps * args.epochs, devices[0].platform, len(devices),
                                      bound, name)
     return final, outside
+
+
+def write_params(path: str, final: dict) -> None:
+    """``final`` ({strategy: params}) as one .npz: array '<strategy>/<i>' is leaf i of
+    ``jax.tree.leaves(params)``, the values this process holds (params are replicated)."""
+    import numpy as np
+    import jax
+
+    arrays = {}
+    for name, params in final.items():
+        for i, leaf in enumerate(jax.tree.leaves(params)):
+            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+                leaf = leaf.addressable_data(0)  # replicated: any local copy is the whole value
+            arrays[f"{name}/{i}"] = np.asarray(leaf)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
 
 
 def connect(args: argparse.Namespace) -> None:

@@ -1070,11 +1070,10 @@ def text_normalize_table(mean, std, arithmetic) -> list[list[int]]:
 
 def text_crop_anchor(pos: float, size: int, crop: int, arithmetic: str) -> int:
     p = text_r32(Fraction(pos))
-    d = text_r32(Fraction(size - crop))
-    t = text_r32(p * d)
+    d = Fraction(size - crop)
     if arithmetic == "rocal":
-        return round(t)  # half to even
-    return math.floor(t + Fraction(1, 2))
+        return round(text_r32(p * d))  # a float32 product, then half to even
+    return math.floor(p * d + Fraction(1, 2))  # DALI: the exact product, half away from zero
 
 
 def text_crop_mirror_normalize(images, crop, crop_pos, mirror, mean, std, arithmetic):
@@ -1213,17 +1212,20 @@ def test_crop_anchor_is_its_docstring(pos, size, data, arithmetic):
 
 @pytest.mark.parametrize("arithmetic", loaders.ARITHMETICS)
 @pytest.mark.parametrize("pos, size, crop", [(0.7, 32, 27), (0.9, 32, 27), (1 / 6, 32, 29), (0.1, 32, 27)])
-def test_crop_anchor_rounds_the_float32_product(pos, size, crop, arithmetic):
+def test_crop_anchor_rounds_the_vendors_product(pos, size, crop, arithmetic):
     # Here the exact (float64) product and its float32 rounding fall on different sides
-    # of a rounding boundary for at least one vendor: the text's r32(p * d) decides.
+    # of a rounding boundary for at least one vendor: rocAL's r32(p * d) and DALI's
+    # exact double(p) * d decide.
     assert loaders.crop_anchor(pos, size, crop, arithmetic) == text_crop_anchor(pos, size, crop, arithmetic)
 
 
 def test_float64_products_would_round_otherwise():
-    # Negative control for the cases above: rounding the float64 product differs.
+    # Negative control for the cases above: each vendor's anchor differs from the
+    # other product's rounding (rocAL: not the exact product; DALI: not the float32 one).
     p = float(np.float32(0.7))
     assert text_crop_anchor(0.7, 32, 27, "rocal") != round(Fraction(p) * 5)
-    assert text_crop_anchor(0.7, 32, 27, "dali_cpu") != math.floor(Fraction(p) * 5 + Fraction(1, 2))
+    float32_product = Fraction(float(np.float32(p) * np.float32(5)))
+    assert text_crop_anchor(0.7, 32, 27, "dali_cpu") != math.floor(float32_product + Fraction(1, 2))
 
 
 @pytest.mark.parametrize("pos, size, crop", [(-0.1, 32, 8), (1.5, 32, 8), (float("nan"), 32, 8),
