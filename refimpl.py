@@ -106,6 +106,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="JAX's float32 matmul precision; 'default' is TF32 on recent NVIDIA GPUs, "
                              "and the strategies' bounds then no longer hold (default: %(default)s)")
     parser.add_argument("--metrics-out", metavar="FILE", help="write every per-epoch figure to this file as JSON lines")
+    parser.add_argument("--params-out", metavar="FILE",
+                        help="write each strategy's final params to this .npz file (process 0), one "
+                             "array per leaf named '<strategy>/<leaf index>' in jax.tree.leaves order; "
+                             "compare two runs' files bit for bit with numpy")
     multi = parser.add_argument_group(
         "more than one process (jax.distributed)",
         "One process per host; --devices is then each process's device count, the mesh spans "
@@ -145,10 +149,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--devices {args.devices}: at most {MAX_CPU_DEVICES} virtual CPU devices (they "
                      f"are threads sharing this machine's {os.cpu_count()} cores; more adds only "
                      f"overhead)")
-    if args.metrics_out:
-        problem = unwritable(args.metrics_out)
+    for flag in ("metrics_out", "params_out"):
+        path = getattr(args, flag)
+        problem = unwritable(path) if path else None
         if problem:
-            parser.error(f"--metrics-out {args.metrics_out}: {problem}")
+            parser.error(f"--{flag.replace('_', '-')} {path}: {problem}")
     if args.dataset == "mnist" and args.backend == "rocal":
         parser.error("--backend rocal reads CIFAR-10 only (rocAL's cifar10 reader); use "
                      "--dataset cifar10, or --backend dali or reference for mnist")
@@ -381,8 +386,26 @@ def run(args: argparse.Namespace) -> dict:
             if hasattr(loader, "close"):
                 loader.close()
     if jax.process_index() == 0:
+        if args.params_out:
+            write_params(args.params_out, final)
         report_differences(final, steps * args.epochs, devices[0].platform, len(devices))
     return final
+
+
+def write_params(path: str, final: dict) -> None:
+    """``final`` ({strategy: params}) as one .npz: array '<strategy>/<i>' is leaf i of
+    ``jax.tree.leaves(params)``, the values this process holds (params are replicated)."""
+    import numpy as np
+    import jax
+
+    arrays = {}
+    for name, params in final.items():
+        for i, leaf in enumerate(jax.tree.leaves(params)):
+            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+                leaf = leaf.addressable_data(0)  # replicated: any local copy is the whole value
+            arrays[f"{name}/{i}"] = np.asarray(leaf)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
 
 
 def connect(args: argparse.Namespace) -> None:
