@@ -828,26 +828,135 @@ def test_outputs_are_checked_before_rocals_raw_copy(small_dir, fake):
     assert conformance.decode_indices(out, NORM).tolist() == [0, 1, 2, 3]
 
 
-def test_dlpack_import_is_a_copy_of_rocals_ring_buffer(small_dir, fake):
-    pipe = rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
-    cpu = jax.devices("cpu")[1]
+def assert_dlpack_copy_survives_the_ring(pipe, device) -> None:
+    """``device_images`` of run 1, then two more runs: the copy holds batch 1, while a
+    zero-copy DLPack view of the same tensor has moved on to batch 3 (rocAL's tensor is a
+    ring-buffer slot written again by the second following run)."""
     pipe.rocal_run()
     (tensor,) = pipe.get_output_tensors()
-    with pytest.raises(TypeError):  # no __dlpack_device__, and __dlpack__ needs the device id
+    with pytest.raises((TypeError, AttributeError)):  # no __dlpack_device__; __dlpack__ needs the id
         jax.dlpack.from_dlpack(tensor)
-    adapted = rocal_loader.RocalDLPack(tensor, 1)
-    assert adapted.__dlpack_device__() == (1, 1)
-    images = rocal_loader.device_images(tensor, cpu, (3, 32, 32), 4)
+    assert rocal_loader.RocalDLPack(tensor, 1).__dlpack_device__() == (1, 1)  # kDLCPU, the id given
+    images = rocal_loader.device_images(tensor, device, (3, 32, 32), 4)
     alias = np.from_dlpack(rocal_loader.RocalDLPack(tensor, 0))
-    assert images.devices() == {cpu} and images.dtype == np.float32
+    assert images.devices() == {device} and images.dtype == np.float32
+    images.block_until_ready()  # what the loader's _Transfers sees to before the second next run
     pipe.rocal_run()
-    pipe.rocal_run()  # the ring slot of the first batch is overwritten
-    assert pipe.get_output_tensors()[0] is tensor
+    pipe.rocal_run()
     assert conformance.decode_indices(np.asarray(images), NORM).tolist() == [0, 1, 2, 3]
-    assert conformance.decode_indices(alias, NORM).tolist() == [8, 9, 10, 11]  # the zero-copy view moved on
+    assert conformance.decode_indices(alias, NORM).tolist() == [8, 9, 10, 11]  # the view moved on
     with pytest.raises(RuntimeError, match=r"output is float32 \(4, 3, 32, 32\) NCHW, expected float32 "
                                            r"\(8, 3, 32, 32\) NCHW"):
-        rocal_loader.device_images(tensor, cpu, (3, 32, 32), 8)
+        rocal_loader.device_images(tensor, device, (3, 32, 32), 8)
+
+
+def test_dlpack_import_is_a_copy_of_rocals_ring_buffer(small_dir, fake):
+    pipe = rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
+    assert_dlpack_copy_survives_the_ring(pipe, jax.devices("cpu")[1])
+    assert pipe.get_output_tensors()[0] is pipe.tensor  # one tensor object, every run
+
+
+@pytest.fixture
+def as_if_on_amd_gpus(monkeypatch):
+    """make_rocal_loader takes the suite's CPU devices for AMD GPUs: GPU pipelines (on the
+    double), outputs through DLPack, as on a ROCm host."""
+    monkeypatch.setattr(rocal_loader, "uses_gpu", lambda devices: True)
+
+
+def test_gpu_path_on_the_double(monkeypatch, small_dir, mesh4, fake, cache, as_if_on_amd_gpus):
+    """The GPU path on CPU devices: GPU pipelines, DLPack copies, the reference's bits with every
+    batch of the epoch held at once; and no wait per shard and step: one jax.block_until_ready
+    per step, on the copies made two steps before (the ring slots the coming runs write), none
+    for the first two steps, and one at the end, before the pipelines are released."""
+    waits, real_wait = [], jax.block_until_ready
+
+    def recording_wait(arrays):
+        waits.append(([p.runs for p in fake.pipelines[-4:]], [p.released for p in fake.pipelines[-4:]],
+                      jax.tree.leaves(arrays)))
+        return real_wait(arrays)
+
+    monkeypatch.setattr(jax, "block_until_ready", recording_wait)
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, seed=2, cache_dir=cache)
+    reference = loaders.make_loader(small_dir, mesh4, 4, shuffle=True, seed=2, placement="host_float32",
+                                    prefetch=0)
+    assert loader.on_gpu and loader.dlpack and "(GPU backend)" in loader.describe()
+    batches = list(loader.epoch(1))
+    for step, got in enumerate(batches):
+        assert_same_arrays(got, reference.batch(1, step), f"step {step}")
+    for pipe, device in zip(fake.pipelines, mesh4.devices.flat):
+        assert pipe.kwargs["rocal_cpu"] is False and pipe.kwargs["output_memory_type"] == "DEVICE_MEMORY"
+        assert pipe.kwargs["device_id"] == device.id  # CPU devices have no local_hardware_id
+    steps = len(loader)
+    assert [runs for runs, _, _ in waits] == [[s] * 4 for s in range(2, steps)] + [[steps] * 4]
+    assert all(len(arrays) == 4 for _, _, arrays in waits[:-1])  # one step's copies, all shards at once
+    assert len(waits[-1][2]) == 8 and not any(waits[-1][1])  # the last two steps', before any release
+
+
+def test_a_gpu_loader_refuses_a_rocal_without_dlpack(monkeypatch, small_dir, mesh4, cache, as_if_on_amd_gpus):
+    FakeRocal(dlpack=False).install(monkeypatch)
+    with pytest.raises(RuntimeError, match=r"built without DLPack \(ENABLE_DLPACK off"):
+        rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache)
+    # A tensor that lacks it anyway (built before the check could run) is named as clearly.
+    pipe = rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=True)
+    pipe.rocal_run()
+    with pytest.raises(RuntimeError, match="shard 0 here: this rocAL was built without DLPack"):
+        rocal_loader.device_images(pipe.get_output_tensors()[0], jax.devices("cpu")[0], (3, 32, 32), 4,
+                                   "shard 0 here")
+    with pytest.raises(RuntimeError, match="Dlpack not installed"):  # what rocAL itself says
+        pipe.get_output_tensors()[0].__dlpack__(0)
+
+
+# --------------------------------------------------------------------------
+# rocAL's GPU arithmetic: read in the source (no AMD GPU here), pinned
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mean, std", [((127.5,) * 3, (127.5,) * 3), ((125.3, 123.0, 113.9), (63.0, 62.1, 66.7))])
+def test_rocals_gpu_kernel_computes_the_rocal_table(mean, std):
+    """READ, NOT RUN. What rocAL's GPU backend computes for uint8 NCHW in, float32 out:
+
+    * rocAL (ROCm/rocAL release-staging/rocm-rel-7.0, ccd08621),
+      rocAL/source/augmentations/geometry_augmentations/node_crop_mirror_normalize.cpp,
+      CropMirrorNormalizeNode::create_node: on the host, for either backend, float32
+      inv = 1 / std[c] and shift = -(mean[c] * inv) (one channel: -(mean / std)).
+    * MIVisionX (rocm-7.0.0), amd_openvx_extensions/amd_rpp/source/tensor/CropMirrorNormalize.cpp:
+      the same two arrays, in the same positions, to rppt_crop_mirror_normalize_gpu and _host.
+    * RPP (ROCm/rpp release-staging/rocm-rel-7.0, 9929a6e1),
+      src/modules/tensor/rppt_tensor_geometric_augmentations.cpp, rppt_crop_mirror_normalize_gpu:
+      U8 -> F32 goes to hip_exec_crop_mirror_normalize_tensor<Rpp8u, Rpp32f>, for NCHW 3 channels
+      crop_mirror_normalize_pln_hip_tensor (src/modules/tensor/hip/kernel/crop_mirror_normalize.cpp),
+      whose cmn_hip_compute(uchar*, float*, ...) is ``pix * multiplier + offset`` on float4 lanes
+      (multiplier = inv, offset = shift), the pixel converted from uint8 exactly. HIP compiles with
+      fp-contract=fast (and RPP's release flags add -Ofast): one fused multiply-add, rounded once,
+      as the CPU kernel's _mm256_fmadd_ps (src/modules/tensor/cpu/kernel/crop_mirror_normalize.cpp).
+      The results are normal floats far from the denormal range, so a flush-to-zero mode changes
+      nothing.
+
+    So the GPU's bits are the "rocal" table, the CPU's (checked on real rocAL). Computed here
+    independently of loaders.py: the exact x*inv + shift (exact in float64 for these
+    magnitudes), rounded once to float32. Negative control: without the contraction (two
+    roundings) the table would differ."""
+    mean32, std32 = np.float32(mean), np.float32(std)
+    inv = np.float32(1) / std32
+    shift = -(mean32 * inv)
+    x = np.arange(256, dtype=np.float64)
+    fused = (x[None] * inv[:, None].astype(np.float64) + shift[:, None].astype(np.float64)).astype(np.float32)
+    separate = (np.float32(x[None]) * inv[:, None] + shift[:, None]).astype(np.float32)
+    table = loaders.Normalize(mean=mean, std=std, arithmetic="rocal").table
+    assert table.tobytes() == fused.tobytes()
+    assert (separate != fused).sum() > 0  # the contraction matters: a kernel without it is another table
+
+
+def test_rocals_crop_anchor_is_the_same_on_both_backends():
+    """READ, NOT RUN (GPU). The crop window's anchor is computed on the host, in rocAL, for both
+    backends: rocAL/source/parameters/parameter_rocal_crop.cpp, RocalCropParam::fill_crop_dims,
+    ``std::nearbyintf(anchor * (W - cw))`` (float32 product, round half to even), then given to
+    RPP as the ROI (CropMirrorNormalizeNode::update_node). loaders.crop_anchor(arithmetic="rocal")
+    is that; DALI's rounds half away from zero (negative control)."""
+    for pos, size, crop in [(0.5, 32, 27), (0.5, 32, 29), (0.25, 32, 30), (0.75, 32, 26), (0.3, 32, 1)]:
+        want = int(np.rint(np.float32(pos) * np.float32(size - crop)))
+        assert loaders.crop_anchor(pos, size, crop, "rocal") == want
+    assert loaders.crop_anchor(0.5, 32, 27, "rocal") == 2 and loaders.crop_anchor(0.5, 32, 27, "dali_cpu") == 3
 
 
 # --------------------------------------------------------------------------
@@ -1276,6 +1385,26 @@ def test_rocal_vendor_order_ignores_seed_and_epoch(rocal_mesh, encoded_dir, tmp_
     finally:
         pipe.rocal_release()
     assert epochs[0] != epochs[1], "a reset rocAL pipeline no longer reshuffles"
+
+
+@pytest.mark.rocal
+def test_rocal_gpu_conversion_runs_on_real_rocal_tensors(rocal_mesh, encoded_dir, tmp_path):
+    """The GPU path's conversion code on real rocAL outputs (the archive's rocAL is built with
+    DLPack; its CPU backend's tensors say kDLCPU): device_images survives the ring buffer, and
+    a loader that takes every output through DLPack is the reference's, bit for bit."""
+    rocal_loader.check_dlpack()
+    folder = encoded_for(encoded_dir, rocal_mesh.devices.size)
+    pipe = rocal_loader.rocal_pipeline(folder, batch_size=4, normalize=NORM, on_gpu=False)
+    try:
+        assert_dlpack_copy_survives_the_ring(pipe, rocal_mesh.devices.flat[1])
+    finally:
+        pipe.rocal_release()
+    loader = dataclasses.replace(rocal_loader.make_rocal_loader(
+        folder, rocal_mesh, B, shuffle=True, seed=4, last_batch="drop", cache_dir=str(tmp_path)), dlpack=True)
+    reference = loaders.make_loader(folder, rocal_mesh, B, shuffle=True, seed=4, last_batch="drop",
+                                    placement="host_float32", prefetch=0)
+    for step, got in enumerate(list(loader.epoch(2))):
+        assert_same_arrays(got, reference.batch(2, step), f"step {step}")
 
 
 def rocal_pipeline_output(pipe) -> np.ndarray:
