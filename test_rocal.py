@@ -802,6 +802,25 @@ def test_builds_are_retried_a_bounded_number_of_times(monkeypatch, small_dir, ca
     assert "Pipeline has been created" not in capsys.readouterr().out  # rocAL's chatter kept off stdout
 
 
+def test_rocals_console_lines_are_kept_off_but_anything_else_gets_through(monkeypatch, small_dir, capfd):
+    """rocAL prints two lines per pipeline ("OK: loaded 45 kernels from libvx_rpp.so", "Pipeline
+    has been created succesfully"): kept off stdout. Any other line it prints (a warning, an
+    error) is passed on."""
+    fake = FakeRocal().install(monkeypatch)
+    build = FakePipeline.build
+
+    def chatty_build(self):
+        print("OK: loaded 45 kernels from libvx_rpp.so")
+        print("WRN: something rocAL wants you to know")
+        return build(self)
+
+    monkeypatch.setattr(FakePipeline, "build", chatty_build)
+    rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
+    out = capfd.readouterr().out
+    assert "WRN: something rocAL wants you to know" in out and fake.pipelines[0].built
+    assert "OK: loaded" not in out and "Pipeline has been created" not in out
+
+
 def test_outputs_are_checked_before_rocals_raw_copy(small_dir, fake):
     pipe = rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
     pipe.rocal_run()
@@ -1417,3 +1436,110 @@ def rocal_pipeline_output(pipe) -> np.ndarray:
 @pytest.mark.rocal
 def test_rocal_pixels_are_the_rocal_table(rocal_mesh, tmp_path):
     assert_pixels_are_the_rocal_table(rocal_mesh, str(tmp_path))
+
+
+# --------------------------------------------------------------------------
+# End to end, and across processes, on real rocAL
+# --------------------------------------------------------------------------
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROCAL_CHATTER_SEEN = ("Pipeline has been created succesfully", "OK: loaded")
+
+
+def refimpl_commands(data_dir: str, tmp_path, *options: str) -> list[list[str]]:
+    """refimpl.py with the rocal and the reference backend, rocAL's arithmetic for both."""
+    return [[sys.executable, os.path.join(HERE, "refimpl.py"), "--data-dir", data_dir, "--cache-dir",
+             str(tmp_path / f"cache-{backend}"), "--backend", backend, "--normalize", "rocal", "--params-out",
+             str(tmp_path / f"{backend}.npz"), *options] for backend in ("rocal", "reference")]
+
+
+def assert_identical_final_params(results, tmp_path) -> str:
+    for (code, out, err), backend in zip(results, ("rocal", "reference")):
+        assert code == 0, f"--backend {backend} exited {code}:\n{out[-2000:]}\n{err[-3000:]}"
+        assert not any(line in out + err for line in ROCAL_CHATTER_SEEN), "rocAL's console lines got through"
+        assert "Traceback" not in err, err
+    rocal_out = results[0][1]
+    assert f"AMD rocAL {rocal_loader.rocal_version()} (CPU backend)" in rocal_out and "order 'plan'" in rocal_out
+    got, want = np.load(tmp_path / "rocal.npz"), np.load(tmp_path / "reference.npz")
+    assert sorted(got.files) == sorted(want.files) and len(got.files) >= 12
+    differ = [key for key in want.files if got[key].tobytes() != want[key].tobytes()]
+    assert not differ, f"final params differ between --backend rocal and reference: {differ}"
+    assert [name for name in os.listdir(tmp_path / "cache-rocal") if name.startswith(".")] == []
+    return rocal_out
+
+
+@pytest.fixture(scope="module")
+def tiny_cifar(tmp_path_factory):
+    return loaders.synthetic_cifar10(tmp_path_factory.mktemp("rocal-tiny"), num_train=256, num_test=64, seed=3)
+
+
+@pytest.mark.rocal
+def test_refimpl_rocal_backend_trains_to_the_reference_params(rocal_mesh, tiny_cifar, tmp_path):
+    """``refimpl.py --backend rocal`` end to end, as a user runs it: the same final params, bit
+    for bit, as ``--backend reference`` with rocAL's arithmetic and the same seed (shuffled
+    epochs, both strategies), and rocAL's console lines kept off the output."""
+    from conftest import run_children
+    results = run_children(refimpl_commands(tiny_cifar, tmp_path, "--epochs", "1", "--devices", "4",
+                                            "--batch-size", "8"), timeout=240, cwd=HERE)
+    out = assert_identical_final_params(results, tmp_path)
+    assert "final params, sharded vs pmap: max |difference| 0: identical" in out
+
+
+@pytest.mark.rocal
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_refimpl_rocal_backend_in_two_processes_trains_to_the_reference_params(rocal_mesh, tiny_cifar, tmp_path):
+    """The issue's case (before: 841 ulps, OUTSIDE the bound): two processes, two epochs."""
+    from conftest import run_children
+    results = run_children(refimpl_commands(tiny_cifar, tmp_path, "--epochs", "2", "--local-processes", "2",
+                                            "--batch-size", "8"), timeout=300, cwd=HERE)
+    out = assert_identical_final_params(results, tmp_path)
+    assert "8 cpu device(s) in 2 processes" in out and "within the documented bound" in out
+
+
+def two_process_worker(folder: str, cache: str, coordinator: str, process_id: int) -> None:
+    """One of two jax.distributed processes, 4 CPU devices each: order="plan" against the
+    reference loader, shard by shard on this process's devices, bit for bit."""
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=process_id,
+                               initialization_timeout=60, heartbeat_timeout_seconds=30,
+                               coordinator_bind_address=coordinator)
+    devices = jax.devices()
+    checked = 0
+    for layout, shuffle, last_batch in (("sharded", True, "fill"), ("pmap", False, "drop"), ("sharded", True, "drop")):
+        common = dict(layout=layout, shuffle=shuffle, seed=6, last_batch=last_batch)
+        loader = rocal_loader.make_rocal_loader(folder, devices, B, cache_dir=cache, **common)
+        reference = loaders.make_loader(folder, devices, B, placement="host_float32", prefetch=0, **common)
+        for epoch, start in ((1, 0), (0, 1)):
+            for step, got in enumerate(loader.epoch(epoch, start), start=start):
+                want = reference.batch(epoch, step)
+                for name in want:
+                    assert got[name].sharding == want[name].sharding and got[name].shape == want[name].shape
+                    for a, b in zip(got[name].addressable_shards, want[name].addressable_shards):
+                        assert a.device == b.device and a.index == b.index, (name, a.device, b.device)
+                        assert np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes(), \
+                            f"{layout} epoch {epoch} step {step}: {name} on {a.device}"
+                checked += 1
+    print(f"process {process_id}: {checked} steps equal the reference on {len(jax.local_devices())} local shards")
+    jax.distributed.shutdown()
+
+
+@pytest.mark.rocal
+@pytest.mark.multiprocess
+def test_rocal_plan_order_in_two_processes_equals_the_reference(rocal_mesh, encoded_dir, tmp_path):
+    import socket
+    from conftest import run_children
+    folder = encoded_for(encoded_dir, 8)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{probe.getsockname()[1]}"
+    results = run_children([[sys.executable, os.path.abspath(__file__), folder, str(tmp_path / "cache"),
+                             coordinator, str(i)] for i in range(2)], timeout=120, cwd=HERE)
+    for i, (code, out, err) in enumerate(results):
+        assert code == 0, f"process {i} exited {code}:\n{out[-2000:]}\n{err[-3000:]}"
+        assert f"process {i}: " in out and "steps equal the reference on 4 local shards" in out, out
+    assert os.listdir(tmp_path / "cache") == []
+
+
+if __name__ == "__main__":
+    two_process_worker(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
