@@ -1,7 +1,7 @@
 """AMD rocAL backend: the reference loader's sharded epochs, read and normalised by rocAL.
 
-One rocAL ``Pipeline`` per local device. Pipeline k (k = its device's position
-in the mesh, never ``device.id``) reads shard k with ``fn.readers.cifar10`` and
+One rocAL ``Pipeline`` per local device and epoch. Pipeline k (k = its device's
+position in the mesh, never ``device.id``) reads with ``fn.readers.cifar10`` and
 runs ``fn.crop_mirror_normalize`` to float32 NCHW. Its outputs become row block
 k of global ``jax.Array``s through ``loaders.global_batch``, in both layouts, as
 ``loaders.Loader`` gives them.
@@ -26,97 +26,117 @@ one changes; the race, the rotation and the defaults were measured by probes:
   B at every reset: a shard of whole batches starts its next epoch B late.
 * ``random_shuffle`` shuffles those padding copies in among the real samples;
   it is seeded by the shard index (``std::mt19937(shard_id)``), not by the
-  Pipeline's seed: the same orders on every run, a new one each epoch.
+  Pipeline's seed: a fresh pipeline always starts with the same order, and
+  each reset reshuffles.
 * ``rocal_run()`` can return OK once past the end of an epoch with a stale
   batch, after which ``get_image_labels()`` raises "No meta data has been
   loaded" (a race in ``MasterGraph::run``); an epoch stopped early and reset
-  restarts wherever the prefetcher had got to, a non-deterministic rotation
-  that stays for every later epoch.
+  restarts wherever the prefetcher had got to.
+* ``rocal_release()`` waits up to 0.1 s when the pipeline's reader has
+  nothing left to load (its output thread sleeps in 100 ms steps).
 * ``crop_mirror_normalize`` flips every image unless told ``mirror=0``.
 * Files are read in raw ``readdir`` order. The notebook's ``ROCALJaxIterator``
   is not in this rocAL (no ``plugin/jax.py``); the one upstream imports
   ``PositionalSharding``, removed in JAX 0.7.
 
-What this module does about each:
+So this module never uses rocAL's sharding, shuffle or resets for the data a
+model trains on. Two orders:
 
-* sharding="files" (the default) writes shard k's records
-  ``[N*k//n, N*(k+1)//n)``, in ``read_cifar10``'s sorted order, as ONE file
-  ``data_batch_1.bin`` in a folder of its own (``shard_folders``: written once,
-  atomically, under a cache keyed by the dataset's content and (N, n)), and
-  pipeline k reads that folder with ``num_shards=1, shard_id=0``: rocAL's
-  sharding is never used. sharding="rocal" passes ``shard_id=k,
-  num_shards=n`` over the original folder, for a fixed rocAL; it checks at
-  build time that every pipeline's ``get_remaining_images()`` is its padded
-  shard's size and refuses otherwise, naming the bug. Nothing here lets two
-  devices receive the same stream silently.
-* Pipelines are always built with ``LAST_BATCH_FILL`` and
-  ``pad_last_batch=True``; the loader's ``last_batch`` is applied on top.
-* Before every run, ``get_remaining_images()`` must be exactly what is left
-  of the pipeline's epoch; a pipeline is never run at 0. After ``len()`` steps
-  the rest of rocAL's epoch is run and discarded (drop), also for an epoch the
-  consumer left early (at the next ``epoch()`` call), and only then is the
-  pipeline reset: every epoch starts at rocAL's true beginning.
-* The mask is found by content: a slot whose image (bit for bit the
-  ``Normalize(arithmetic="rocal")`` table's) and label equal the shard's last
-  record, beyond the number of the shard's records with that content, is
-  padding. At the end of each rocAL epoch the copies found must equal what
-  rocAL padded, or the epoch raises: a mask is never guessed. Shuffle off,
-  the mask is also checked to be the plan's at every step.
-* ``mirror`` is always passed explicitly; output layout, shape and dtype are
+* ``order="plan"`` (the default). Every ``epoch(e, start_step)`` call builds its
+  own pipelines. Pipeline k reads ONE CIFAR-10 file holding exactly the slots
+  ``plan.indices[start_step:, k]`` of ``loaders.epoch_plan`` (padding slots
+  included, in plan order), followed by ``TAIL_BATCHES`` batches that are never
+  run, with rocAL's shuffle off, ``num_shards=1`` and FILL + pad_last_batch:
+  rocAL's epoch is exactly the planned ``steps * B`` records and pads nothing.
+  rocAL reads and decodes the records and runs crop_mirror_normalize; the mask
+  is the plan's. The files are written (each atomically) into a temporary
+  folder ``cache_dir/.rocal-epoch-<e>-*`` that the iterator deletes, with the
+  pipelines released, when it ends, is closed or is collected.
+* ``order="vendor"``: rocAL's own order, for the conformance tests and to show
+  what rocAL does. Pipelines are built per epoch too (stateless), over
+  sharding="files" (shard k's records ``[N*k//n, N*(k+1)//n)`` as one file
+  ``data_batch_1.bin`` in a folder of its own: ``shard_folders``, written once,
+  atomically, under a cache keyed by content) read as shard 0 of 1, or
+  sharding="rocal" (``shard_id=k, num_shards=n`` over the original folder, for a
+  fixed rocAL: refused at build time, naming the bug, when every pipeline's
+  ``get_remaining_images()`` is not its padded shard's size). The mask is found
+  by content (a slot whose image and label equal the shard's last record,
+  beyond the shard's own records with that content, is padding) and checked
+  against what rocAL padded at the end of each epoch: never guessed.
+
+Guaranteed, both orders:
+
+* ``len()`` is ``loaders.num_steps(N, n, B, last_batch)``; ``epoch(e, s)``
+  yields steps s .. len()-1 of epoch e, and is a function of (seed, e, s,
+  shard) alone: the same batches whatever was read before, in any call order,
+  from any number of loaders built alike, also with several epochs in flight.
+* A pipeline is never run at 0 remaining: before every run
+  ``get_remaining_images()`` must be exactly what is left of its epoch.
+  ``mirror`` is always passed explicitly; output layout, shape and dtype are
   checked before a byte is copied (``copy_output``; rocAL's ``copy_data`` is a
-  raw memcpy without checks). Every rocAL error is re-raised naming the shard
-  and the step; a build that raises RuntimeError is retried a bounded number
-  of times (``BUILD_ATTEMPTS``).
+  raw memcpy). Every rocAL error is re-raised naming the shard, the epoch and
+  the step; a build that raises RuntimeError is retried (``BUILD_ATTEMPTS``).
+
+order="plan", also guaranteed: the global arrays are bit for bit those of
+``loaders.make_loader(..., normalize=Normalize(arithmetic="rocal"))`` with the
+same seed, images, labels, mask and sharding, shuffled or not, fill or drop,
+both layouts, one or several processes (each process builds the pipelines of
+its own devices and writes only their files); and so is training on them:
+``refimpl.py --backend rocal`` ends with the reference backend's params.
+
+order="vendor", not guaranteed (rocAL's, stated): with shuffle the order is
+rocAL's: one fixed permutation per shard size, the same for every seed and
+every epoch (fresh pipelines, seeded by shard_id, which is 0 for every pipeline
+in files mode, so shards of equal size are permuted alike); drop with shuffle
+masks the padding copies rocAL shuffled into the steps kept, so such an epoch
+has fewer than ``n * len() * B`` real slots (``real_samples`` reads an epoch
+to count them). ``start_step`` is served by reading and dropping the steps
+before it. In files mode a shard of floor(N/n) samples, a multiple of B, gets
+an epoch of ``ceil(S_k/B)`` rocAL batches, one fewer than ``len()``: that step
+is filled here with B copies of the shard's last record, mask False.
 
 Worked example, N=9, n=2, B=2 (fill: 3 steps; drop: 2). Shard 0 is {0,1,2,3},
 shard 1 is {4,...,8}. ``*`` marks a padding slot (mask False); rows marked
-"rocAL" are what rocAL 2.3.0 delivered in a probe:
+"rocAL" are what rocAL 2.3.0 delivered in a probe; ``p`` is a planned sample:
 
     reader                           | shard 0             | shard 1
     ---------------------------------+---------------------+-----------------------
     rocAL, notebook (native, DROP)   | [0 4][0 1][5 6][2 3]| the same: 7, 8 never
+    order plan, fill (= reference)   | [0 1][2 3][3* 3*]   | [4 5][6 7][8 8*]
+    order plan, drop (= reference)   | [0 1][2 3]          | [4 5][6 7]
+    order plan, fill, shuffled       | [p p][p p][p* p*]   | [p p][p p][p p*]
     rocAL, files mode                | [0 1][2 3]          | [4 5][6 7][8 8]
-    loader, fill                     | [0 1][2 3][3* 3*]   | [4 5][6 7][8 8*]
-    loader, drop                     | [0 1][2 3]          | [4 5][6 7], [8 8] run, discarded
-    rocAL, files mode, shuffled      | 2 batches of {0..3} | [6 8][7 4][5 8]; next: [6 7][8 8][4 5]
-    loader, fill, shuffled           | [p p][p p][3* 3*]   | [6 8][7 4][5 8*]; next: [6 7][8 8*][4 5]
-    loader, drop, shuffled           | [p p][p p]          | [6 8][7 4];       next: [6 7][8 8*]
-
-Guaranteed:
-
-* ``len()`` is ``loaders.num_steps(N, n, B, last_batch)`` on every shard, and
-  ``epoch(e)`` yields exactly that many steps.
-* Shard k holds the samples ``[N*k//n, N*(k+1)//n)`` and no other. fill: every
-  sample has exactly one mask-True slot per epoch. drop: no sample twice in a
-  mask-True slot.
-* Shuffle off: the global arrays are bit for bit those of
-  ``loaders.make_loader(..., normalize=Normalize(arithmetic="rocal"))``,
-  images, labels and mask (in files mode; in rocal mode once rocAL is fixed).
-* In files mode a shard of floor(N/n) samples, a multiple of B, gets an epoch
-  of ``ceil(S_k/B)`` rocAL batches, one fewer than ``len()``: that step is
-  filled here with B copies of the shard's last record, mask False.
-
-Not guaranteed (rocAL's, stated): the order with shuffle is rocAL's, a function
-of the shard's size and how many epochs this loader has read, never of
-``seed`` or ``epoch``; in files mode every pipeline is shard 0 of 1, so shards
-of equal size are permuted alike. drop with shuffle: padding copies that rocAL
-shuffled into the first ``len()`` steps are masked, so such an epoch has fewer
-than ``n * len() * B`` real slots (``real_samples`` counts them once read).
+    order vendor, fill               | [0 1][2 3][3* 3*]   | [4 5][6 7][8 8*]
+    order vendor, fill, shuffled     | [p p][p p][3* 3*]   | [6 8][7 4][5 8*], every epoch
+    order vendor, drop, shuffled     | [p p][p p]          | [6 8][7 4], every epoch
 
 How the output reaches JAX:
 
 * CPU devices: rocAL's CPU backend (``rocal_cpu=True``, ``HOST_MEMORY``);
   ``copy_output`` copies each output into a fresh 64-byte-aligned float32
   buffer, and ``global_batch`` places block k on device k.
-* AMD GPUs (platform "rocm", or "gpu" on a ROCm JAX): the GPU backend
-  (``rocal_cpu=False``, ``DEVICE_MEMORY``, ``device_id`` = the device's local
-  hardware id). rocAL's tensor offers ``dlpack_device(device_id)`` and
-  ``__dlpack__(device_id)`` (a legacy capsule), not ``__dlpack_device__``;
-  ``RocalDLPack`` adapts it for ``jax.dlpack.from_dlpack``, the imported alias
-  is copied on the device at once (JAX 0.10.2's ``copy=True`` still aliased on
-  CPU) and the copy waited for: rocAL's outputs are views of a ring buffer that
-  its second next run overwrites. NOT RUN: no AMD GPU was available; the
-  adapter is tested on CPU, the GPU path only by its arguments.
+* AMD GPUs (platform "rocm", or "gpu" on a ROCm JAX; never CUDA devices): the
+  GPU backend (``rocal_cpu=False``, ``DEVICE_MEMORY``, ``device_id`` = the
+  device's local hardware id). ``make_rocal_loader`` first checks that this
+  rocAL was built with DLPack (``check_dlpack``). rocAL's tensor offers
+  ``dlpack_device(device_id)`` and ``__dlpack__(device_id)`` (a legacy capsule,
+  no stream argument), not ``__dlpack_device__``; ``RocalDLPack`` adapts it for
+  ``jax.dlpack.from_dlpack``, and the imported alias is copied on the device
+  (JAX 0.10.2's ``copy=True`` still aliased on CPU). rocAL's outputs are views
+  of a ring buffer that its second next run overwrites, so before the runs of
+  step s one ``jax.block_until_ready`` waits for the copies of step s-2 (done
+  long before: the device runs its queue in order), and the rest are waited for
+  before the pipelines are released: no wait per shard and step.
+  NOT RUN on a GPU (none was available): the GPU path runs in the tests on CPU
+  devices with a double of rocAL's tensor and, for the conversion, with real
+  rocAL's CPU tensors (its archive is built with DLPack). Read in rocAL's
+  source, not run: the HIP kernel computes the "rocal" table (one FMA) and the
+  crop anchor is the CPU's (test_rocal.py pins both). Also read, not run: for
+  a crop width that is not a multiple of 8, RPP's HIP kernel stores 8 floats
+  per thread past the end of each output row (the row stride is the crop
+  width), which may overwrite the next row's first pixels; the notebook's
+  32-wide images do not meet it, and this module does not vouch for other
+  widths on a GPU.
 
 Needs loaders.py; amd.rocal is imported lazily (this module loads without it).
 """

@@ -4,32 +4,46 @@
   only inside a test). It simulates rocAL 2.3.0's cifar10 reader over the real
   file, with the API facts measured on a real build: ``copy_data`` a raw
   memcpy without checks, ``dimensions()`` a list, ``dtype()`` 'float32',
-  ``dlpack_device(id)`` and ``__dlpack__(id)`` but no ``__dlpack_device__``,
-  one tensor object overwritten every run (a ring of two buffers),
-  ``get_remaining_images()`` counting down as FILL/DROP with padding do, DROP
-  moving on by B at each reset, an epoch reset early restarting where the
-  prefetcher was, padding copies shuffled in, files in readdir order matched
-  anywhere in the name, rocAL's defaults (``mirror=1``, NHWC, uint8),
-  optionally the stale OK run past the end after which ``get_image_labels()``
-  raises, and (``sharding_bug=True``, the default) native sharding as rocAL
-  2.3.0 does it: one internal loader per shard, taking turns, the same stream
-  for every shard_id. Not modelled: rocAL's mt19937 order (the double's shuffle
-  is a fixed permutation per shard id, applied again at every reset) and the
-  buggy stream's first sample from outside its internal shard.
+  ``dlpack_device(id)`` and ``__dlpack__(id)`` (no stream argument) but no
+  ``__dlpack_device__`` (or, ``dlpack=False``, a build without DLPack: no
+  ``dlpack_device`` and a ``__dlpack__`` that raises "Dlpack not installed"),
+  one tensor object overwritten every run (a ring of two buffers: run r's
+  output is written again by run r+2), ``get_remaining_images()`` counting
+  down as FILL/DROP with padding do, DROP moving on by B at each reset, an
+  epoch reset early restarting where the prefetcher was, padding copies
+  shuffled in, files in readdir order matched anywhere in the name, rocAL's
+  defaults (``mirror=1``, NHWC, uint8), optionally the stale OK run past the
+  end after which ``get_image_labels()`` raises, and (``sharding_bug=True``,
+  the default) native sharding as rocAL 2.3.0 does it: one internal loader per
+  shard, taking turns, the same stream for every shard_id. Not modelled:
+  rocAL's mt19937 order (the double's shuffle is a fixed permutation per shard
+  id, applied again at every reset), the buggy stream's first sample from
+  outside its internal shard, and rocal_release's 0.1 s wait.
 * Wiring tests (double): the arguments of each pipeline on both backends,
-  mirror always explicit, refusals, ``len()``, masks, draining, resets, errors
-  naming shard and step, bounded rebuilds, output checks, DLPack, close().
+  mirror always explicit, refusals, the per-epoch files of order="plan", the
+  reference's bits, epochs as a function of (seed, epoch, start_step),
+  masks by content (order="vendor"), errors naming shard and step, bounded
+  rebuilds, output checks, rocAL's console lines, DLPack and the GPU path on
+  CPU devices (the ring buffer, one wait per step, a rocAL without DLPack).
+* rocAL's GPU arithmetic and crop anchor, read in rocAL's, MIVisionX's and
+  RPP's source (no AMD GPU here), pinned with the files and functions named.
 * Conformance (``conformance_run``): a dataset whose images encode their own
   index goes through the raw pipelines (what rocAL itself does) and through the
-  loader, for both sharding modes, shuffle on and off, fill and drop, two
-  epochs; every departure from the plan is described in words
-  (conformance.Findings) and compared with ``known_deviations``, rocAL 2.3.0's
-  known deviations stated in words: the test fails on an unknown deviation and
-  on a known one that disappears (rocAL fixed). On the double it runs in CI as
-  controls (the buggy double must be reported, a fixed one must pass); on real
-  rocAL (``-m rocal``) wherever ``amd.rocal`` imports, on the suite's devices,
-  with the pixels (crop, mirror, per-channel mean/std) and the bits of the
-  reference loader checked as well.
+  loader (order "plan"; order "vendor" with either sharding), shuffle on and
+  off, fill and drop, both layouts, two epochs; every departure from the plan
+  is described in words (conformance.Findings) and compared with
+  ``known_deviations``, rocAL 2.3.0's known deviations stated in words (none for
+  order="plan", whose steps must also be the reference loader's bits): the
+  test fails on an unknown deviation and on a known one that disappears (a
+  fixed rocAL: the negative control on the double shows it). On the double it
+  runs in CI as controls; on real rocAL (``-m rocal``) wherever ``amd.rocal``
+  imports, on up to 4 of the suite's devices: the cells in ``REAL_IN_CI`` by
+  default, the whole matrix with ``--run-slow``.
+* End to end on real rocAL: ``refimpl.py --backend rocal`` ends with the
+  reference backend's params bit for bit (one process; two processes with
+  ``--run-slow``), and two jax.distributed processes (4 CPU devices each, this
+  file as their program) get the reference's blocks on their own shards. The
+  children inherit PYTHONPATH/LD_LIBRARY_PATH, where the rocAL archive is.
 """
 
 import collections
