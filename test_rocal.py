@@ -1398,11 +1398,11 @@ def test_rocal_vendor_order_ignores_seed_and_epoch(rocal_mesh, encoded_dir, tmp_
     pipeline that is reset instead reshuffles: the order changes each epoch (negative control)."""
     folder = encoded_for(encoded_dir, rocal_mesh.devices.size)
     orders = []
-    for seed in (0, 12345):
+    for seed, epoch in ((0, 0), (0, 1), (12345, 0)):
         loader = rocal_loader.make_rocal_loader(folder, rocal_mesh, B, shuffle=True, seed=seed, order="vendor",
                                                 cache_dir=str(tmp_path))
-        orders += [[conformance.decode_indices(np.asarray(b["images"]), NORM).tolist()
-                    for b in loader.epoch(epoch)] for epoch in (0, 1)]
+        orders.append([conformance.decode_indices(np.asarray(b["images"]), NORM).tolist()
+                       for b in loader.epoch(epoch)])
     assert all(order == orders[0] for order in orders), "rocAL's shuffle now depends on the seed or epoch"
     pipe = rocal_loader.rocal_pipeline(encoded_for(encoded_dir, rocal_mesh.devices.size), batch_size=B,
                                        normalize=NORM, on_gpu=False, shuffle=True, seed=5)
