@@ -345,7 +345,9 @@ class RocalLoader:
     folders: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> folder
     prefix: str = loaders.TRAIN_PREFIX  # vendor: the filename_prefix rocAL reads with
     shards: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> ShardInfo
-    known_real: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor, drop+shuffle memo
+    # order="vendor", drop + shuffle: real slots per epoch once read (every epoch alike). Not an
+    # argument: a loader made with dataclasses.replace starts its own.
+    known_real: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
 
     @property
     def num_shards(self) -> int:

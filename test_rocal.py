@@ -925,6 +925,18 @@ def test_gpu_path_on_the_double(monkeypatch, small_dir, mesh4, fake, cache, as_i
     assert len(waits[-1][2]) == 8 and not any(waits[-1][1])  # the last two steps', before any release
 
 
+@pytest.mark.parametrize("last_batch", ["fill", "drop"])
+def test_gpu_path_vendor_order_on_the_double(small_dir, mesh4, fake, cache, as_if_on_amd_gpus, last_batch):
+    """order="vendor" through DLPack finds the same masks by content as through copy_data."""
+    gpu = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, last_batch=last_batch,
+                                         order="vendor", cache_dir=cache)
+    host = dataclasses.replace(gpu, dlpack=False)
+    assert gpu.dlpack
+    for step, (a, b) in enumerate(zip(gpu.epoch(0), host.epoch(0), strict=True)):
+        assert_same_arrays(a, b, f"step {step}")
+    assert gpu.real_samples(0) == host.real_samples(0)
+
+
 def test_a_gpu_loader_refuses_a_rocal_without_dlpack(monkeypatch, small_dir, mesh4, cache, as_if_on_amd_gpus):
     FakeRocal(dlpack=False).install(monkeypatch)
     with pytest.raises(RuntimeError, match=r"built without DLPack \(ENABLE_DLPACK off"):
