@@ -155,6 +155,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -447,8 +448,7 @@ class RocalLoader:
                 yield loaders.global_batch(blocks, self.mesh, self.layout)
         finally:
             transfers.drain()  # the copies read rocAL's buffers: finished before they are released
-            for pipe in pipelines.values():
-                pipe.rocal_release()
+            _release(pipelines.values())
             shutil.rmtree(scratch, ignore_errors=True)
 
     # ---- order="vendor" ----------------------------------------------------
@@ -504,8 +504,7 @@ class RocalLoader:
                 self.known_real["count"] = real
         finally:
             transfers.drain()
-            for pipe in pipelines.values():
-                pipe.rocal_release()
+            _release(pipelines.values())
 
     def _read_by_content(self, pipe, k: int, device, runs: dict, seen: dict, where: str, transfers):
         """One rocAL run of shard k: (images, labels int32 (B,), mask found by content)."""
@@ -572,8 +571,8 @@ class RocalLoader:
 # in 100 ms steps (MasterGraph::output_routine), and rocal_release() waits that sleep out:
 # 0.1 s per pipeline per epoch, one after the other (0.75 s for 8 pipelines, measured).
 # With batches left to load the thread waits on the full ring buffer instead, and
-# rocal_release() returns in 1 ms. More than rocAL loads ahead (its ring of 2 plus one
-# being processed).
+# rocal_release() returns in 1 ms (after the one pause of RELEASE_SETTLE_S per epoch).
+# More than rocAL loads ahead (its ring of 2 plus one being processed).
 TAIL_BATCHES = 4
 RING_SLOTS = 2  # a rocAL output is a ring-buffer slot that the second following run writes again
 
@@ -606,6 +605,25 @@ class _Transfers:
             jax.block_until_ready([*self.steps, self.current])
             self.steps.clear()
             self.current = []
+
+
+# rocal_release() can hang for ever when it meets the reader's loading thread busy: the
+# thread waits for room in its CircularBuffer without a predicate, and the release wakes it
+# with a notify that does not take the buffer's lock (CircularBuffer::block_if_full and
+# unblock_writer, called from CIFAR10Loader::stop_internal_thread, rocAL 2.3.0): a wake-up
+# sent before the thread waits is lost. Seen here: one test run in five of the real-rocAL
+# tests (a few hundred releases each, made right after a run) hung in it. Releasing only once every loading thread has filled its buffer and
+# waits avoids it; rocAL's own output thread gives that margin with its 100 ms sleeps, so
+# the pipelines of an epoch are released together after one pause of that length.
+RELEASE_SETTLE_S = 0.1
+
+
+def _release(pipelines) -> None:
+    pipelines = list(pipelines)
+    if pipelines:
+        time.sleep(RELEASE_SETTLE_S)
+    for pipe in pipelines:
+        pipe.rocal_release()
 
 
 def _check_remaining(pipe, where: str, want: int, what: str) -> None:
@@ -731,7 +749,7 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
                 remaining = _call(f"rocAL, shard {k}, after build()", "get_remaining_images()",
                                   pipe.get_remaining_images)
             finally:
-                pipe.rocal_release()
+                _release([pipe])
             if remaining != want:
                 raise RuntimeError(
                     f"make_rocal_loader(sharding='rocal'): the pipeline of shard {k} of {n} says "
