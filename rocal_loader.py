@@ -33,7 +33,9 @@ one changes; the race, the rotation and the defaults were measured by probes:
   loaded" (a race in ``MasterGraph::run``); an epoch stopped early and reset
   restarts wherever the prefetcher had got to.
 * ``rocal_release()`` waits up to 0.1 s when the pipeline's reader has
-  nothing left to load (its output thread sleeps in 100 ms steps).
+  nothing left to load (its output thread sleeps in 100 ms steps), and can
+  hang for ever when it meets the reader's loading thread busy (a lost
+  wake-up; see ``RELEASE_SETTLE_S``).
 * ``crop_mirror_normalize`` flips every image unless told ``mirror=0``.
 * Files are read in raw ``readdir`` order. The notebook's ``ROCALJaxIterator``
   is not in this rocAL (no ``plugin/jax.py``); the one upstream imports
@@ -51,7 +53,10 @@ model trains on. Two orders:
   rocAL reads and decodes the records and runs crop_mirror_normalize; the mask
   is the plan's. The files are written (each atomically) into a temporary
   folder ``cache_dir/.rocal-epoch-<e>-*`` that the iterator deletes, with the
-  pipelines released, when it ends, is closed or is collected.
+  pipelines released, when it ends, is closed or is collected. Cost, measured
+  on 8 CPU devices, B=16: an epoch of 2048 samples 0.18 s (reference loader,
+  host_float32: 0.02 s), of 50000 samples 2.0 s (reference 0.57 s; writing the
+  eight files 0.52 s of it), plus one 0.1 s pause per epoch before release.
 * ``order="vendor"``: rocAL's own order, for the conformance tests and to show
   what rocAL does. Pipelines are built per epoch too (stateless), over
   sharding="files" (shard k's records ``[N*k//n, N*(k+1)//n)`` as one file
