@@ -96,8 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="fill: pad the last batch and mask the padding, so every sample counts "
                              "exactly once; drop: skip the remainder, as the notebooks (default: %(default)s)")
     parser.add_argument("--backend", choices=BACKENDS, default="reference",
-                        help="training loader: the NumPy/JAX reference, AMD rocAL (cifar10 only; its "
-                             "files-per-shard sharding, so every device reads its own shard), NVIDIA "
+                        help="training loader: the NumPy/JAX reference, AMD rocAL (cifar10 only; each "
+                             "device's pipeline reads its shard of the reference plan), NVIDIA "
                              "DALI, or auto: rocal on AMD GPUs and dali on NVIDIA GPUs where installed, "
                              "else reference (default: %(default)s)")
     parser.add_argument("--placement", choices=PLACEMENTS, default="auto",
@@ -420,6 +420,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
         outside = report_differences(final, steps * args.epochs, devices[0].platform, len(devices),
                                      bound, name)
     return final, outside
+
 
 
 def write_params(path: str, final: dict) -> None:

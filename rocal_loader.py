@@ -1,7 +1,7 @@
 """AMD rocAL backend: the reference loader's sharded epochs, read and normalised by rocAL.
 
-One rocAL ``Pipeline`` per local device. Pipeline k (k = its device's position
-in the mesh, never ``device.id``) reads shard k with ``fn.readers.cifar10`` and
+One rocAL ``Pipeline`` per local device and epoch. Pipeline k (k = its device's
+position in the mesh, never ``device.id``) reads with ``fn.readers.cifar10`` and
 runs ``fn.crop_mirror_normalize`` to float32 NCHW. Its outputs become row block
 k of global ``jax.Array``s through ``loaders.global_batch``, in both layouts, as
 ``loaders.Loader`` gives them.
@@ -26,103 +26,130 @@ one changes; the race, the rotation and the defaults were measured by probes:
   B at every reset: a shard of whole batches starts its next epoch B late.
 * ``random_shuffle`` shuffles those padding copies in among the real samples;
   it is seeded by the shard index (``std::mt19937(shard_id)``), not by the
-  Pipeline's seed: the same orders on every run, a new one each epoch.
+  Pipeline's seed: a fresh pipeline always starts with the same order, and
+  each reset reshuffles.
 * ``rocal_run()`` can return OK once past the end of an epoch with a stale
   batch, after which ``get_image_labels()`` raises "No meta data has been
   loaded" (a race in ``MasterGraph::run``); an epoch stopped early and reset
-  restarts wherever the prefetcher had got to, a non-deterministic rotation
-  that stays for every later epoch.
+  restarts wherever the prefetcher had got to.
+* ``rocal_release()`` waits up to 0.1 s when the pipeline's reader has
+  nothing left to load (its output thread sleeps in 100 ms steps), and can
+  hang for ever when it meets the reader's loading thread busy (a lost
+  wake-up; see ``RELEASE_SETTLE_S``).
 * ``crop_mirror_normalize`` flips every image unless told ``mirror=0``.
 * Files are read in raw ``readdir`` order. The notebook's ``ROCALJaxIterator``
   is not in this rocAL (no ``plugin/jax.py``); the one upstream imports
   ``PositionalSharding``, removed in JAX 0.7.
 
-What this module does about each:
+So this module never uses rocAL's sharding, shuffle or resets for the data a
+model trains on. Two orders:
 
-* sharding="files" (the default) writes shard k's records
-  ``[N*k//n, N*(k+1)//n)``, in ``read_cifar10``'s sorted order, as ONE file
-  ``data_batch_1.bin`` in a folder of its own (``shard_folders``: written once,
-  atomically, under a cache keyed by the dataset's content and (N, n)), and
-  pipeline k reads that folder with ``num_shards=1, shard_id=0``: rocAL's
-  sharding is never used. sharding="rocal" passes ``shard_id=k,
-  num_shards=n`` over the original folder, for a fixed rocAL; it checks at
-  build time that every pipeline's ``get_remaining_images()`` is its padded
-  shard's size and refuses otherwise, naming the bug. Nothing here lets two
-  devices receive the same stream silently.
-* Pipelines are always built with ``LAST_BATCH_FILL`` and
-  ``pad_last_batch=True``; the loader's ``last_batch`` is applied on top.
-* Before every run, ``get_remaining_images()`` must be exactly what is left
-  of the pipeline's epoch; a pipeline is never run at 0. After ``len()`` steps
-  the rest of rocAL's epoch is run and discarded (drop), also for an epoch the
-  consumer left early (at the next ``epoch()`` call), and only then is the
-  pipeline reset: every epoch starts at rocAL's true beginning.
-* The mask is found by content: a slot whose image (bit for bit the
-  ``Normalize(arithmetic="rocal")`` table's) and label equal the shard's last
-  record, beyond the number of the shard's records with that content, is
-  padding. At the end of each rocAL epoch the copies found must equal what
-  rocAL padded, or the epoch raises: a mask is never guessed. Shuffle off,
-  the mask is also checked to be the plan's at every step.
-* ``mirror`` is always passed explicitly; output layout, shape and dtype are
+* ``order="plan"`` (the default). Every ``epoch(e, start_step)`` call builds its
+  own pipelines. Pipeline k reads ONE CIFAR-10 file holding exactly the slots
+  ``plan.indices[start_step:, k]`` of ``loaders.epoch_plan`` (padding slots
+  included, in plan order), followed by ``TAIL_BATCHES`` batches that are never
+  run, with rocAL's shuffle off, ``num_shards=1`` and FILL + pad_last_batch:
+  rocAL's epoch is exactly the planned ``steps * B`` records and pads nothing.
+  rocAL reads and decodes the records and runs crop_mirror_normalize; the mask
+  is the plan's. The files are written (each atomically) into a temporary
+  folder ``cache_dir/.rocal-epoch-<e>-*`` that the iterator deletes, with the
+  pipelines released, when it ends, is closed or is collected. Cost, measured
+  on 8 CPU devices, B=16: an epoch of 2048 samples 0.18 s (reference loader,
+  host_float32: 0.02 s), of 50000 samples 2.0 s (reference 0.57 s; writing the
+  eight files 0.52 s of it), plus one 0.1 s pause per epoch before release.
+* ``order="vendor"``: rocAL's own order, for the conformance tests and to show
+  what rocAL does. Pipelines are built per epoch too (stateless), over
+  sharding="files" (shard k's records ``[N*k//n, N*(k+1)//n)`` as one file
+  ``data_batch_1.bin`` in a folder of its own: ``shard_folders``, written once,
+  atomically, under a cache keyed by content) read as shard 0 of 1, or
+  sharding="rocal" (``shard_id=k, num_shards=n`` over the original folder, for a
+  fixed rocAL: refused at build time, naming the bug, when every pipeline's
+  ``get_remaining_images()`` is not its padded shard's size). The mask is found
+  by content (a slot whose image and label equal the shard's last record,
+  beyond the shard's own records with that content, is padding) and checked
+  against what rocAL padded at the end of each epoch: never guessed.
+
+Guaranteed, both orders:
+
+* ``len()`` is ``loaders.num_steps(N, n, B, last_batch)``; ``epoch(e, s)``
+  yields steps s .. len()-1 of epoch e, and is a function of (seed, e, s,
+  shard) alone: the same batches whatever was read before, in any call order,
+  from any number of loaders built alike, also with several epochs in flight.
+* A pipeline is never run at 0 remaining: before every run
+  ``get_remaining_images()`` must be exactly what is left of its epoch.
+  ``mirror`` is always passed explicitly; output layout, shape and dtype are
   checked before a byte is copied (``copy_output``; rocAL's ``copy_data`` is a
-  raw memcpy without checks). Every rocAL error is re-raised naming the shard
-  and the step; a build that raises RuntimeError is retried a bounded number
-  of times (``BUILD_ATTEMPTS``).
+  raw memcpy). Every rocAL error is re-raised naming the shard, the epoch and
+  the step; a build that raises RuntimeError is retried (``BUILD_ATTEMPTS``).
+
+order="plan", also guaranteed: the global arrays are bit for bit those of
+``loaders.make_loader(..., normalize=Normalize(arithmetic="rocal"))`` with the
+same seed, images, labels, mask and sharding, shuffled or not, fill or drop,
+both layouts, one or several processes (each process builds the pipelines of
+its own devices and writes only their files); and so is training on them:
+``refimpl.py --backend rocal`` ends with the reference backend's params.
+
+order="vendor", not guaranteed (rocAL's, stated): with shuffle the order is
+rocAL's: one fixed permutation per shard size, the same for every seed and
+every epoch (fresh pipelines, seeded by shard_id, which is 0 for every pipeline
+in files mode, so shards of equal size are permuted alike); drop with shuffle
+masks the padding copies rocAL shuffled into the steps kept, so such an epoch
+has fewer than ``n * len() * B`` real slots (``real_samples`` reads an epoch
+to count them). ``start_step`` is served by reading and dropping the steps
+before it. In files mode a shard of floor(N/n) samples, a multiple of B, gets
+an epoch of ``ceil(S_k/B)`` rocAL batches, one fewer than ``len()``: that step
+is filled here with B copies of the shard's last record, mask False.
 
 Worked example, N=9, n=2, B=2 (fill: 3 steps; drop: 2). Shard 0 is {0,1,2,3},
 shard 1 is {4,...,8}. ``*`` marks a padding slot (mask False); rows marked
-"rocAL" are what rocAL 2.3.0 delivered in a probe:
+"rocAL" are what rocAL 2.3.0 delivered in a probe; ``p`` is a planned sample:
 
     reader                           | shard 0             | shard 1
     ---------------------------------+---------------------+-----------------------
     rocAL, notebook (native, DROP)   | [0 4][0 1][5 6][2 3]| the same: 7, 8 never
+    order plan, fill (= reference)   | [0 1][2 3][3* 3*]   | [4 5][6 7][8 8*]
+    order plan, drop (= reference)   | [0 1][2 3]          | [4 5][6 7]
+    order plan, fill, shuffled       | [p p][p p][p* p*]   | [p p][p p][p p*]
     rocAL, files mode                | [0 1][2 3]          | [4 5][6 7][8 8]
-    loader, fill                     | [0 1][2 3][3* 3*]   | [4 5][6 7][8 8*]
-    loader, drop                     | [0 1][2 3]          | [4 5][6 7], [8 8] run, discarded
-    rocAL, files mode, shuffled      | 2 batches of {0..3} | [6 8][7 4][5 8]; next: [6 7][8 8][4 5]
-    loader, fill, shuffled           | [p p][p p][3* 3*]   | [6 8][7 4][5 8*]; next: [6 7][8 8*][4 5]
-    loader, drop, shuffled           | [p p][p p]          | [6 8][7 4];       next: [6 7][8 8*]
-
-Guaranteed:
-
-* ``len()`` is ``loaders.num_steps(N, n, B, last_batch)`` on every shard, and
-  ``epoch(e)`` yields exactly that many steps.
-* Shard k holds the samples ``[N*k//n, N*(k+1)//n)`` and no other. fill: every
-  sample has exactly one mask-True slot per epoch. drop: no sample twice in a
-  mask-True slot.
-* Shuffle off: the global arrays are bit for bit those of
-  ``loaders.make_loader(..., normalize=Normalize(arithmetic="rocal"))``,
-  images, labels and mask (in files mode; in rocal mode once rocAL is fixed).
-* In files mode a shard of floor(N/n) samples, a multiple of B, gets an epoch
-  of ``ceil(S_k/B)`` rocAL batches, one fewer than ``len()``: that step is
-  filled here with B copies of the shard's last record, mask False.
-
-Not guaranteed (rocAL's, stated): the order with shuffle is rocAL's, a function
-of the shard's size and how many epochs this loader has read, never of
-``seed`` or ``epoch``; in files mode every pipeline is shard 0 of 1, so shards
-of equal size are permuted alike. drop with shuffle: padding copies that rocAL
-shuffled into the first ``len()`` steps are masked, so such an epoch has fewer
-than ``n * len() * B`` real slots (``real_samples`` counts them once read).
+    order vendor, fill               | [0 1][2 3][3* 3*]   | [4 5][6 7][8 8*]
+    order vendor, fill, shuffled     | [p p][p p][3* 3*]   | [6 8][7 4][5 8*], every epoch
+    order vendor, drop, shuffled     | [p p][p p]          | [6 8][7 4], every epoch
 
 How the output reaches JAX:
 
 * CPU devices: rocAL's CPU backend (``rocal_cpu=True``, ``HOST_MEMORY``);
   ``copy_output`` copies each output into a fresh 64-byte-aligned float32
   buffer, and ``global_batch`` places block k on device k.
-* AMD GPUs (platform "rocm", or "gpu" on a ROCm JAX): the GPU backend
-  (``rocal_cpu=False``, ``DEVICE_MEMORY``, ``device_id`` = the device's local
-  hardware id). rocAL's tensor offers ``dlpack_device(device_id)`` and
-  ``__dlpack__(device_id)`` (a legacy capsule), not ``__dlpack_device__``;
-  ``RocalDLPack`` adapts it for ``jax.dlpack.from_dlpack``, the imported alias
-  is copied on the device at once (JAX 0.10.2's ``copy=True`` still aliased on
-  CPU) and the copy waited for: rocAL's outputs are views of a ring buffer that
-  its second next run overwrites. NOT RUN: no AMD GPU was available; the
-  adapter is tested on CPU, the GPU path only by its arguments.
+* AMD GPUs (platform "rocm", or "gpu" on a ROCm JAX; never CUDA devices): the
+  GPU backend (``rocal_cpu=False``, ``DEVICE_MEMORY``, ``device_id`` = the
+  device's local hardware id). ``make_rocal_loader`` first checks that this
+  rocAL was built with DLPack (``check_dlpack``). rocAL's tensor offers
+  ``dlpack_device(device_id)`` and ``__dlpack__(device_id)`` (a legacy capsule,
+  no stream argument), not ``__dlpack_device__``; ``RocalDLPack`` adapts it for
+  ``jax.dlpack.from_dlpack``, and the imported alias is copied on the device
+  (JAX 0.10.2's ``copy=True`` still aliased on CPU). rocAL's outputs are views
+  of a ring buffer that its second next run overwrites, so before the runs of
+  step s one ``jax.block_until_ready`` waits for the copies of step s-2 (done
+  long before: the device runs its queue in order), and the rest are waited for
+  before the pipelines are released: no wait per shard and step (order="vendor"
+  reads back, per shard and step, which slots hold the shard's last record).
+  NOT RUN on a GPU (none was available): the GPU path runs in the tests on CPU
+  devices with a double of rocAL's tensor and, for the conversion, with real
+  rocAL's CPU tensors (its archive is built with DLPack). Read in rocAL's
+  source, not run: the HIP kernel computes the "rocal" table (one FMA) and the
+  crop anchor is the CPU's (test_rocal.py pins both). Also read, not run: for
+  a crop width that is not a multiple of 8, RPP's HIP kernel stores 8 floats
+  per thread past the end of each output row (the row stride is the crop
+  width), which may overwrite the next row's first pixels; the notebook's
+  32-wide images do not meet it, and this module does not vouch for other
+  widths on a GPU.
 
 Needs loaders.py; amd.rocal is imported lazily (this module loads without it).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -133,6 +160,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -148,6 +176,7 @@ INSTALL_HINT = (
     "and run with PYTHONPATH=/opt/rocm/lib, where they put amd.rocal; or build rocAL for its CPU "
     "backend and put its lib folder on PYTHONPATH and LD_LIBRARY_PATH"
 )
+ORDERS = ("plan", "vendor")
 SHARDINGS = ("files", "rocal")
 DEFAULT_CACHE = os.path.join("~", ".cache", "refimpl")
 SHARD_FILE = "data_batch_1.bin"  # the only file in a shard's folder
@@ -281,9 +310,9 @@ def rocal_padded_size(num_samples: int, num_shards: int, shard_id: int, batch_si
 
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
-    """What the loader knows of shard k before reading it: its size and rocAL's
-    epoch over it (batches, padding copies), its last record normalised (the
-    padding's content) and how many of its records have that content."""
+    """order="vendor": what the loader knows of shard k before reading it: its size
+    and rocAL's epoch over it (batches, padding copies), its last record normalised
+    (the padding's content) and how many of its records have that content."""
     size: int
     batches: int
     padded: int
@@ -292,209 +321,405 @@ class ShardInfo:
     copies: int
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class RocalLoader:
-    """Sharded epochs read by rocAL; see the module docstring for what is guaranteed.
+    """Sharded epochs read and normalised by rocAL; see the module docstring.
 
-    Build it with ``make_rocal_loader``. ``len()`` steps per epoch; ``epoch(e)``
-    yields rocAL's next epoch as ``{"images" float32, "labels" int32, "mask"
-    bool}`` global arrays in ``layout``; ``close()`` releases the pipelines.
+    Build it with ``make_rocal_loader``. ``len()`` steps per epoch; ``epoch(e,
+    start_step)`` yields steps ``start_step .. len()-1`` of epoch e as
+    ``{"images" float32, "labels" int32, "mask" bool}`` global arrays in
+    ``layout``. The loader holds no pipeline: each ``epoch()`` iterator builds its
+    own, and releases them (and deletes its files) when it ends or is closed, so
+    epoch e is a function of (seed, e, start_step, shard) whatever was read before,
+    and several epochs may be iterated at once.
     """
-    pipelines: dict[int, object]  # mesh position -> built rocAL Pipeline, local devices only
-    shards: dict[int, ShardInfo]
+    images: np.ndarray = dataclasses.field(repr=False)  # uint8 (N, 3, 32, 32), read_cifar10's order
+    labels: np.ndarray = dataclasses.field(repr=False)  # int32 (N,)
     mesh: Mesh
     batch_size: int
-    num_samples: int
     layout: str
-    last_batch: str
     shuffle: bool
-    sharding: str
-    on_gpu: bool
-    where: str
-    plan_mask: np.ndarray = dataclasses.field(repr=False)  # (steps, n, B)
-    ok_status: object = 0  # rocAL's types.OK
-    runs: dict[int, int] = dataclasses.field(default_factory=dict)  # batches run in rocAL's epoch
-    seen: dict[int, int] = dataclasses.field(default_factory=dict)  # slots holding the last record
-    real: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> real slots (drop+shuffle)
-    generation: int = 0
+    seed: int
+    last_batch: str
+    normalize: loaders.Normalize
+    order: str  # "plan" or "vendor"
+    sharding: str  # order="vendor": "files" or "rocal"
+    on_gpu: bool  # rocAL's GPU backend (AMD GPUs) or its CPU backend
+    dlpack: bool  # outputs reach JAX through DLPack (the GPU path; on CPU, tests drive it)
+    cache_dir: str
+    num_threads: int = 1
+    folders: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> folder
+    prefix: str = loaders.TRAIN_PREFIX  # vendor: the filename_prefix rocAL reads with
+    shards: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> ShardInfo
+    # order="vendor", drop + shuffle: real slots per epoch once read (every epoch alike). Not an
+    # argument: a loader made with dataclasses.replace starts its own.
+    known_real: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
 
     @property
     def num_shards(self) -> int:
         return self.mesh.devices.size
 
+    @property
+    def num_samples(self) -> int:
+        return len(self.labels)
+
     def __len__(self) -> int:
         return loaders.num_steps(self.num_samples, self.num_shards, self.batch_size, self.last_batch)
 
+    def plan(self, epoch: int) -> loaders.Plan:
+        """The reference plan of ``epoch`` (what order="plan" delivers)."""
+        return loaders.epoch_plan(self.num_samples, self.num_shards, self.batch_size, epoch=epoch,
+                                  seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch)
+
     def describe(self) -> str:
-        how = ("one CIFAR-10 file per shard, each read by a pipeline as shard 0 of 1 (rocAL's "
-               "sharding bypassed)" if self.sharding == "files" else "rocAL's own sharding")
+        if self.order == "plan":
+            how = ("order 'plan': per epoch, each pipeline reads a file of its shard's planned "
+                   "samples in plan order, rocAL's shuffle off (bit for bit the reference loader)")
+        elif self.sharding == "files":
+            how = ("order 'vendor': rocAL's own order over one file per shard, each read as shard 0 "
+                   "of 1 (rocAL's sharding bypassed)")
+        else:
+            how = "order 'vendor': rocAL's own sharding and order"
         return (f"AMD rocAL {rocal_version()} ({'GPU' if self.on_gpu else 'CPU'} backend): "
-                f"{len(self.pipelines)} pipeline(s), one per local device, shard = mesh position; "
-                f"{how}; FILL + pad_last_batch, padding masked by content; files in {self.where}")
+                f"{len(loaders.local_positions(self.mesh))} pipeline(s) per epoch, one per local "
+                f"device, shard = mesh position; {how}")
 
     def real_samples(self, epoch: int) -> int:
-        """Mask-True slots of ``epoch`` in the whole global batch. fill: N; drop without
-        shuffle, or where rocAL pads no shard: n * len() * B. Otherwise (drop with
-        shuffle) it depends on where rocAL shuffled its padding: known once ``epoch``
-        has been read, RuntimeError before."""
-        if self.last_batch == "fill":
-            return self.num_samples
-        if not self.shuffle or (len(self.pipelines) == self.num_shards
-                                and not any(shard.padded for shard in self.shards.values())):
-            return self.num_shards * len(self) * self.batch_size
-        if len(self.pipelines) != self.num_shards:
-            raise RuntimeError("RocalLoader.real_samples: with drop and shuffle the count comes from "
-                               "reading every shard; this process holds only some of them")
-        if epoch not in self.real:
-            raise RuntimeError(f"RocalLoader.real_samples({epoch}): with drop and shuffle, rocAL "
-                               f"shuffles its padding copies into the steps kept, so the count is "
-                               f"known only once epoch {epoch} has been read")
-        return self.real[epoch]
+        """Mask-True slots of ``epoch`` in the whole global batch: the plan's (fill: N;
+        drop: n * len() * B). order="vendor" with drop and shuffle: rocAL shuffles its
+        padding copies into the steps kept, so the count is found by reading the epoch
+        (once: every epoch of a fresh rocAL pipeline is alike); RuntimeError when this
+        process does not hold every shard."""
+        if self.order == "plan" or self.last_batch == "fill" or not self.shuffle \
+                or not any(shard.padded for shard in self.shards.values()):
+            return int(self.plan(epoch).mask.sum())
+        if len(self.shards) != self.num_shards:
+            raise RuntimeError("RocalLoader.real_samples: with order='vendor', drop and shuffle the "
+                               "count comes from reading every shard; this process holds only some")
+        if "count" not in self.known_real:
+            for _ in self.epoch(epoch):
+                pass
+        return self.known_real["count"]
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
-        """rocAL's next epoch, ``len()`` steps; ``epoch`` only has to be >= 0 (it names
-        the epoch for ``real_samples``). An epoch left early is finished first."""
-        if epoch < 0 or start_step != 0:
-            raise ValueError(f"the rocAL backend yields whole epochs in order: got epoch={epoch}, "
-                             f"start_step={start_step} (rocAL pipelines cannot seek; start_step "
-                             f"must be 0)")
-        if not self.pipelines:
-            raise RuntimeError("RocalLoader.epoch: the loader is closed")
-        self._finish_and_reset(f"before epoch {epoch}")
-        self.generation += 1
-        return self._steps(epoch, self.generation)
+        """Steps ``start_step .. len()-1`` of ``epoch``. Raises ValueError for an epoch
+        outside [0, 2**32), IndexError for a start_step outside [0, len()]. The
+        pipelines are built, and the epoch's files written, at the first ``next()``."""
+        loaders.check_seed("epoch", epoch, "RocalLoader.epoch")
+        if not 0 <= start_step <= len(self):
+            raise IndexError(f"RocalLoader.epoch: start_step={start_step} is outside [0, {len(self)}]")
+        if self.order == "plan":
+            return self._plan_steps(epoch, self.plan(epoch), start_step)
+        return self._vendor_steps(epoch, start_step)
 
     def close(self) -> None:
-        """Releases the pipelines; the loader is unusable after."""
-        pipelines, self.pipelines = self.pipelines, {}
-        for pipe in pipelines.values():
-            pipe.rocal_release()
+        """Nothing to release: pipelines live as long as one epoch's iterator."""
 
-    def _steps(self, epoch: int, generation: int):
-        devices = list(self.mesh.devices.flat)
+    # ---- order="plan" ------------------------------------------------------
+
+    def _plan_steps(self, epoch: int, plan: loaders.Plan, start: int):
+        local, B = loaders.local_positions(self.mesh), self.batch_size
+        if start == len(self):
+            return
+        os.makedirs(self.cache_dir, exist_ok=True)
+        scratch = tempfile.mkdtemp(dir=self.cache_dir, prefix=f".rocal-epoch-{epoch}-")
+        pipelines, transfers = {}, _Transfers(self.dlpack)
+        try:
+            for k in local:
+                folder = os.path.join(scratch, f"shard-{k:05d}")
+                os.mkdir(folder)
+                rows = plan.indices[start:, k].reshape(-1)  # padding slots included: rocAL pads nothing
+                # TAIL_BATCHES more (never run): see TAIL_BATCHES.
+                rows = np.concatenate([rows, np.full(TAIL_BATCHES * B, rows[-1])])
+                loaders.write_cifar10(os.path.join(folder, SHARD_FILE), self.images[rows], self.labels[rows])
+                pipelines[k] = self._pipeline(folder, k, shuffle=False)
+                _check_remaining(pipelines[k], f"rocAL, shard {k}, epoch {epoch}", len(rows),
+                                 f"a file of {len(rows)} records (whole batches of {B})")
+            devices = list(self.mesh.devices.flat)
+            for step in range(start, len(self)):
+                where = f"rocAL, shard {{}} on {{}}, epoch {epoch} step {step}"
+                transfers.before_runs()
+                blocks = {}
+                for k in local:
+                    here = where.format(k, devices[k])
+                    images, labels = self._run(pipelines[k], devices[k], (len(self) - step + TAIL_BATCHES) * B,
+                                               here, transfers)
+                    want = self.labels[plan.indices[step, k]]
+                    if not np.array_equal(labels, want):
+                        raise RuntimeError(f"{here}: rocAL read labels {labels.tolist()} from the epoch's "
+                                           f"file, which holds {want.tolist()} there")
+                    blocks[k] = {"images": images, "labels": labels, "mask": plan.mask[step, k]}
+                transfers.after_runs()
+                yield loaders.global_batch(blocks, self.mesh, self.layout)
+        finally:
+            transfers.drain()  # the copies read rocAL's buffers: finished before they are released
+            _release(pipelines.values())
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    # ---- order="vendor" ----------------------------------------------------
+
+    def _vendor_steps(self, epoch: int, start: int):
+        devices, B = list(self.mesh.devices.flat), self.batch_size
+        pipelines, transfers = {}, _Transfers(self.dlpack)
+        runs = {k: 0 for k in self.shards}
+        seen = {k: 0 for k in self.shards}  # slots holding the shard's last record
         real = 0
-        for step in range(len(self)):
-            if generation != self.generation:
-                raise RuntimeError(f"epoch {epoch}'s iterator was resumed after epoch() started "
-                                   f"another epoch")
-            blocks = {}
-            for k in self.pipelines:
-                where = f"epoch {epoch} step {step}"
-                if self.runs[k] < self.shards[k].batches:
-                    images, labels, mask = self._read(k, devices[k], where)
-                else:  # files mode: this shard's rocAL epoch is a batch short of the plan
-                    images, labels = self._padding(k, devices[k])
-                    mask = np.zeros(self.batch_size, bool)
-                if not self.shuffle and not np.array_equal(mask, self.plan_mask[step, k]):
+        try:
+            for k, shard in self.shards.items():
+                native = dict(shard_id=k, num_shards=self.num_shards) if self.sharding == "rocal" else {}
+                pipelines[k] = self._pipeline(self.folders[k], k, shuffle=self.shuffle, **native)
+                _check_remaining(pipelines[k], f"rocAL, shard {k}, epoch {epoch}", shard.batches * B,
+                                 f"shard {k} ({shard.size} records read with FILL + pad_last_batch)")
+            plan_mask = None if self.shuffle else self.plan(epoch).mask
+            for step in range(len(self)):
+                transfers.before_runs()
+                blocks = {}
+                for k, shard in self.shards.items():
+                    here = f"rocAL, shard {k} on {devices[k]}, epoch {epoch} step {step}"
+                    if runs[k] < shard.batches:
+                        images, labels, mask = self._read_by_content(pipelines[k], k, devices[k], runs, seen,
+                                                                     here, transfers)
+                    else:  # files mode: this shard's rocAL epoch is a batch short of the plan
+                        images, labels = self._padding(k, devices[k])
+                        mask = np.zeros(B, bool)
+                    if plan_mask is not None and not np.array_equal(mask, plan_mask[step, k]):
+                        raise RuntimeError(
+                            f"{here}: the shard's last record sits in slots {np.flatnonzero(~mask).tolist()} "
+                            f"as padding, the plan pads slots {np.flatnonzero(~plan_mask[step, k]).tolist()}: "
+                            f"rocAL's order is not the plan's, so the mask cannot be the plan's")
+                    real += int(mask.sum())
+                    blocks[k] = {"images": images, "labels": labels, "mask": mask}
+                transfers.after_runs()
+                if step >= start:  # resuming: the steps before are read by rocAL and dropped
+                    yield loaders.global_batch(blocks, self.mesh, self.layout)
+            for k, shard in self.shards.items():  # run out rocAL's epoch, then check its padding
+                while runs[k] < shard.batches:
+                    transfers.before_runs()
+                    self._read_by_content(pipelines[k], k, devices[k], runs, seen,
+                                          f"rocAL, shard {k}, the end of epoch {epoch}", transfers)
+                    transfers.after_runs()
+                found = seen[k] - shard.copies
+                if found != shard.padded:
                     raise RuntimeError(
-                        f"rocAL, shard {k}, {where}: the shard's last record sits in slots "
-                        f"{np.flatnonzero(~mask).tolist()} as padding, the plan pads slots "
-                        f"{np.flatnonzero(~self.plan_mask[step, k]).tolist()}: rocAL's order is not "
-                        f"the plan's, so the mask cannot be the plan's")
-                real += int(mask.sum())
-                blocks[k] = {"images": images, "labels": labels, "mask": mask}
-            yield loaders.global_batch(blocks, self.mesh, self.layout)
-        self._finish(f"the end of epoch {epoch}")
-        self.real[epoch] = real
+                        f"rocAL, shard {k}, at the end of epoch {epoch}: its epoch held {seen[k]} slots with "
+                        f"the content of the shard's last record, of which {shard.copies} are the shard's "
+                        f"own records, so {found} padding copies; rocAL padded {shard.padded}. The masks "
+                        f"of this epoch cannot be trusted")
+            if len(self.shards) == self.num_shards:
+                self.known_real["count"] = real
+        finally:
+            transfers.drain()
+            _release(pipelines.values())
 
-    def _read(self, k: int, device: jax.Device, where: str):
-        """One rocAL run of shard k: (images, labels int32 (B,), mask by content)."""
-        pipe, shard, B = self.pipelines[k], self.shards[k], self.batch_size
-        where = f"rocAL, shard {k} on {device}, {where} (batch {self.runs[k] + 1} of its {shard.batches})"
-        remaining = _call(where, "get_remaining_images()", pipe.get_remaining_images)
-        left = (shard.batches - self.runs[k]) * B
-        if remaining != left:
-            raise RuntimeError(f"{where}: get_remaining_images() says {remaining}, but {left} samples "
-                               f"are left of this epoch of {shard.batches} batches of {B}")
-        status = _call(where, "rocal_run()", pipe.rocal_run)
-        if status != self.ok_status:
-            raise RuntimeError(f"{where}: rocal_run() returned {status!r} with {remaining} samples left")
-        self.runs[k] += 1
-        tensor = _call(where, "get_output_tensors()", pipe.get_output_tensors)[0]
-        if self.on_gpu:
-            images = device_images(tensor, device, self.shards[k].last_image.shape, B, where)
-            same = np.asarray(jnp.all(images == jnp.asarray(shard.last_image), axis=(1, 2, 3)))
+    def _read_by_content(self, pipe, k: int, device, runs: dict, seen: dict, where: str, transfers):
+        """One rocAL run of shard k: (images, labels int32 (B,), mask found by content)."""
+        shard, B = self.shards[k], self.batch_size
+        where = f"{where} (batch {runs[k] + 1} of its {shard.batches})"
+        images, labels = self._run(pipe, device, (shard.batches - runs[k]) * B, where, transfers)
+        runs[k] += 1
+        if self.dlpack:  # one small read back per shard and step: order="vendor" only
+            same = np.asarray(jnp.all(images == jax.device_put(shard.last_image, device), axis=(1, 2, 3)))
         else:
-            images = loaders.aligned_empty((B,) + shard.last_image.shape, np.float32)
-            copy_output(tensor, images, where)
             same = np.all(images == shard.last_image, axis=(1, 2, 3))
-        labels = np.asarray(_call(where, "get_image_labels()", pipe.get_image_labels))
-        if labels.shape != (B,):
-            raise RuntimeError(f"{where}: get_image_labels() gave shape {labels.shape}, expected ({B},)")
         mask = np.ones(B, bool)
         for j in np.flatnonzero(same & (labels == shard.last_label)):
-            mask[j] = self.seen[k] < shard.copies  # the first `copies` are the shard's own records
-            self.seen[k] += 1
-        return images, labels.astype(np.int32), mask
+            mask[j] = seen[k] < shard.copies  # the first `copies` are the shard's own records
+            seen[k] += 1
+        return images, labels, mask
 
     def _padding(self, k: int, device: jax.Device):
         shard, B = self.shards[k], self.batch_size
         images = loaders.aligned_empty((B,) + shard.last_image.shape, np.float32)
         images[:] = shard.last_image
-        if self.on_gpu:
+        if self.dlpack:
             images = jax.device_put(images, device)
         return images, np.full(B, shard.last_label, np.int32)
 
-    def _finish(self, when: str) -> None:
-        """Runs and discards the rest of each pipeline's rocAL epoch, then checks that the
-        copies of the shard's last record it held are exactly what rocAL padded."""
-        devices = list(self.mesh.devices.flat)
-        for k, shard in self.shards.items():
-            while self.runs[k] < shard.batches:
-                self._read(k, devices[k], f"{when}, running out rocAL's epoch")
-            found = self.seen[k] - shard.copies
-            if found != shard.padded:
-                raise RuntimeError(
-                    f"rocAL, shard {k}, at {when}: its epoch held {self.seen[k]} slots with the content "
-                    f"of the shard's last record, of which {shard.copies} are the shard's own records, "
-                    f"so {found} padding copies; rocAL padded {shard.padded}. The masks of this epoch "
-                    f"cannot be trusted")
+    # ---- both --------------------------------------------------------------
 
-    def _finish_and_reset(self, when: str) -> None:
-        started = [k for k in self.pipelines if self.runs[k]]
-        if started:
-            self._finish(when)
-        for k in started:
-            _call(f"rocAL, shard {k}, {when}", "rocal_reset_loaders()", self.pipelines[k].rocal_reset_loaders)
-        for k in self.pipelines:
-            self.runs[k] = self.seen[k] = 0
+    def _pipeline(self, folder: str, k: int, *, shuffle: bool, **native):
+        device = self.mesh.devices.flat[k]
+        prefix = self.prefix if self.order == "vendor" else loaders.TRAIN_PREFIX
+        return rocal_pipeline(folder, batch_size=self.batch_size, normalize=self.normalize,
+                              on_gpu=self.on_gpu, device_id=_hardware_id(device) if self.on_gpu else 0,
+                              filename_prefix=prefix, shuffle=shuffle, seed=self.seed,
+                              num_threads=self.num_threads, **native)
+
+    def _run(self, pipe, device, left: int, where: str, transfers):
+        """One ``rocal_run()`` with ``left`` samples left of rocAL's epoch (checked first:
+        a pipeline is never run at 0, where rocAL 2.3.0 can return a stale batch):
+        (images float32 (B, C, ch, cw) on the host or, ``dlpack``, on ``device``,
+        labels int32 (B,))."""
+        B = self.batch_size
+        remaining = _call(where, "get_remaining_images()", pipe.get_remaining_images)
+        if remaining != left:
+            raise RuntimeError(f"{where}: get_remaining_images() says {remaining}, but {left} samples "
+                               f"are left of this epoch")
+        status = _call(where, "rocal_run()", pipe.rocal_run)
+        if status != _rocal_ok():
+            raise RuntimeError(f"{where}: rocal_run() returned {status!r} with {remaining} samples left")
+        tensor = _call(where, "get_output_tensors()", pipe.get_output_tensors)[0]
+        shape = self.normalize.output_shape(loaders.IMAGE_SHAPE)
+        if self.dlpack:
+            images = transfers.add(device_images(tensor, device, shape, B, where))
+        else:
+            images = loaders.aligned_empty((B,) + shape, np.float32)
+            copy_output(tensor, images, where)
+        labels = np.asarray(_call(where, "get_image_labels()", pipe.get_image_labels))
+        if labels.shape != (B,):
+            raise RuntimeError(f"{where}: get_image_labels() gave shape {labels.shape}, expected ({B},)")
+        return images, labels.astype(np.int32)
+
+
+# order="plan" writes this many batches more than the epoch's at the end of each file and
+# never runs them. rocAL's output thread, once its reader has nothing left to load, sleeps
+# in 100 ms steps (MasterGraph::output_routine), and rocal_release() waits that sleep out:
+# 0.1 s per pipeline per epoch, one after the other (0.75 s for 8 pipelines, measured).
+# With batches left to load the thread waits on the full ring buffer instead, and
+# rocal_release() returns in 1 ms (after the one pause of RELEASE_SETTLE_S per epoch).
+# More than rocAL loads ahead (its ring of 2 plus one being processed).
+TAIL_BATCHES = 4
+RING_SLOTS = 2  # a rocAL output is a ring-buffer slot that the second following run writes again
+
+
+class _Transfers:
+    """The DLPack path's copies, kept safe from rocAL's ring buffer without waiting on
+    every one: before the runs of a step, ONE ``jax.block_until_ready`` waits for the
+    copies made ``RING_SLOTS`` steps earlier (the slots these runs will write); the
+    device runs its queue in order, so they have long finished and the wait costs
+    nothing. ``drain()`` waits for the rest before the pipelines are released."""
+
+    def __init__(self, active: bool):
+        self.active, self.steps, self.current = active, collections.deque(), []
+
+    def add(self, array):
+        self.current.append(array)
+        return array
+
+    def before_runs(self) -> None:
+        if self.active and len(self.steps) == RING_SLOTS:
+            jax.block_until_ready(self.steps.popleft())
+
+    def after_runs(self) -> None:
+        if self.active:
+            self.steps.append(self.current)
+            self.current = []
+
+    def drain(self) -> None:
+        if self.active:
+            jax.block_until_ready([*self.steps, self.current])
+            self.steps.clear()
+            self.current = []
+
+
+# rocal_release() can hang for ever when it meets the reader's loading thread busy: the
+# thread waits for room in its CircularBuffer without a predicate, and the release wakes it
+# with a notify that does not take the buffer's lock (CircularBuffer::block_if_full and
+# unblock_writer, called from CIFAR10Loader::stop_internal_thread, rocAL 2.3.0): a wake-up
+# sent before the thread waits is lost. Seen here: one test run in five of the real-rocAL
+# tests (a few hundred releases each, made right after a run) hung in it. Releasing only once every loading thread has filled its buffer and
+# waits avoids it; rocAL's own output thread gives that margin with its 100 ms sleeps, so
+# the pipelines of an epoch are released together after one pause of that length.
+RELEASE_SETTLE_S = 0.1
+
+
+def _release(pipelines) -> None:
+    pipelines = list(pipelines)
+    if pipelines:
+        time.sleep(RELEASE_SETTLE_S)
+    for pipe in pipelines:
+        pipe.rocal_release()
+
+
+def _check_remaining(pipe, where: str, want: int, what: str) -> None:
+    remaining = _call(f"{where}, after build()", "get_remaining_images()", pipe.get_remaining_images)
+    if remaining != want:
+        raise RuntimeError(f"{where}: get_remaining_images() = {remaining} for {what}; expected {want}")
+
+
+def _rocal_ok():
+    return import_rocal()[2].OK
+
+
+def _hardware_id(device: jax.Device) -> int:
+    return device.local_hardware_id if device.local_hardware_id is not None else device.id
+
+
+def uses_gpu(devices: Sequence[jax.Device]) -> bool:
+    """False for CPU devices (rocAL's CPU backend), True for AMD GPUs (its GPU backend);
+    ValueError for anything else or a mix."""
+    if all(d.platform == "cpu" for d in devices):
+        return False
+    if all(is_amd_gpu(d) for d in devices):
+        return True
+    raise ValueError(f"make_rocal_loader: rocAL runs on CPU devices or AMD GPUs, got platform(s) "
+                     f"{sorted({d.platform for d in devices})}")
+
+
+def check_dlpack() -> None:
+    """RuntimeError unless rocAL's tensor type has ``dlpack_device`` and ``__dlpack__``:
+    rocAL defines them only when built with DLPack (``ENABLE_DLPACK``, set when CMake
+    finds dlpack's header); without, ``dlpack_device`` is missing and ``__dlpack__``
+    raises "Dlpack not installed" (rocAL_pybind/rocal_pybind.cpp)."""
+    import rocal_pybind
+    tensor_type = getattr(rocal_pybind, "rocalTensor", None)
+    if tensor_type is None or not hasattr(tensor_type, "dlpack_device"):
+        raise RuntimeError(DLPACK_MISSING)
+
+
+DLPACK_MISSING = (
+    "this rocAL was built without DLPack (ENABLE_DLPACK off: CMake did not find dlpack's header), so "
+    "its GPU outputs (rocalTensor) have no dlpack_device() and their __dlpack__ raises 'Dlpack not "
+    "installed'; the GPU backend needs DLPack to hand its outputs to JAX. Rebuild rocAL with dlpack "
+    "installed (e.g. Debian's libdlpack-dev, or the dlpack headers from github.com/dmlc/dlpack), or "
+    "use CPU devices"
+)
 
 
 def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
                       layout: str = "sharded", filename_prefix: str = loaders.TRAIN_PREFIX,
                       shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
-                      normalize: loaders.Normalize = loaders.Normalize(),
+                      normalize: loaders.Normalize = loaders.Normalize(), order: str = "plan",
                       cache_dir: str | os.PathLike | None = None, sharding: str = "files",
                       num_threads: int = 1) -> RocalLoader:
     """A ``RocalLoader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``),
-    or, in files mode, an ``(images uint8 (N, 3, 32, 32), labels_N)`` pair. ``batch_size``
-    is per device; shard k goes to ``devices[k]`` (or mesh position k). Shard files go
-    under ``cache_dir`` (default ~/.cache/refimpl). ``seed`` is passed to rocAL but
-    does not change its shuffle (see the module docstring).
+    or an ``(images uint8 (N, 3, 32, 32), labels_N)`` pair. ``batch_size`` is per
+    device; shard k goes to ``devices[k]`` (or mesh position k). ``order`` is "plan"
+    (default: the reference loader's epochs, bit for bit) or "vendor" (rocAL's own
+    order; ``sharding`` "files" or "rocal" picks how rocAL is given its shard).
+    Files go under ``cache_dir`` (default ~/.cache/refimpl): the epoch files of
+    order="plan" (deleted when the epoch ends) and the shard files of
+    order="vendor", sharding="files" (kept, keyed by content).
 
     Raises ImportError (how to install rocAL) without amd.rocal; ValueError for
     everything ``loaders.make_loader`` refuses, a normalize that is not
     ``Normalize(arithmetic="rocal")`` (rocAL computes rocAL's arithmetic), images
     that are not CIFAR-10's (rocAL's reader is CIFAR-10 only: no MNIST), an
-    unknown sharding, num_threads < 1, devices that are neither all CPU nor all
-    AMD GPUs, and in rocal mode arrays instead of a folder or a folder rocAL
-    would read differently from ``read_cifar10``; RuntimeError when rocAL's
-    sharding does not work (rocal mode), or a pipeline cannot be built.
+    unknown order or sharding, sharding="rocal" with order="plan", num_threads < 1,
+    devices that are neither all CPU nor all AMD GPUs, and in rocal mode arrays
+    instead of a folder or a folder rocAL would read differently from
+    ``read_cifar10``; RuntimeError for a rocAL GPU build without DLPack, when
+    rocAL's sharding does not work (rocal mode), or a pipeline cannot be built.
     """
     if not isinstance(normalize, loaders.Normalize) or normalize.arithmetic != "rocal":
         raise ValueError(f"make_rocal_loader: normalize={normalize!r}: rocAL computes rocAL's "
                          f"arithmetic; pass loaders.Normalize(..., arithmetic='rocal'), the spec of its bits")
+    if order not in ORDERS:
+        raise ValueError(f"make_rocal_loader: order must be one of {ORDERS}, got {order!r}")
     if sharding not in SHARDINGS:
         raise ValueError(f"make_rocal_loader: sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if order == "plan" and sharding != "files":
+        raise ValueError(f"make_rocal_loader: sharding={sharding!r} reads rocAL's own shards in rocAL's "
+                         f"order; order='plan' writes each shard's planned samples itself: use "
+                         f"order='vendor' with it")
     if num_threads < 1:
         raise ValueError(f"make_rocal_loader: num_threads must be >= 1, got {num_threads}")
     is_folder = isinstance(data, (str, os.PathLike))
     if sharding == "rocal" and not is_folder:
         raise ValueError("make_rocal_loader: sharding='rocal' reads the CIFAR-10 files itself; "
                          "pass the folder, not (images, labels) arrays")
-    _, _, types = import_rocal()  # how to install it, before any data is read
-    # The reference loader checks every argument as make_loader does; its plan is
-    # what the epochs are held to (the mask). It does no device work.
+    import_rocal()  # how to install it, before any data is read
+    # The reference loader checks every argument as make_loader does. It does no device work.
     spec = loaders.make_loader(data, devices, batch_size, layout=layout, filename_prefix=filename_prefix,
                                shuffle=shuffle, seed=seed, last_batch=last_batch,
                                normalize=normalize, prefetch=0)
@@ -503,54 +728,45 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
         raise ValueError(f"make_rocal_loader: images of shape {images.shape[1:]}; rocAL's reader "
                          f"is CIFAR-10's, (3, 32, 32) (for MNIST use the dali or reference backend)")
     device_list = list(mesh.devices.flat)
-    if all(d.platform == "cpu" for d in device_list):
-        on_gpu = False
-    elif all(is_amd_gpu(d) for d in device_list):
-        on_gpu = True
-    else:
-        raise ValueError(f"make_rocal_loader: rocAL runs on CPU devices or AMD GPUs, got platform(s) "
-                         f"{sorted({d.platform for d in device_list})}")
+    on_gpu = uses_gpu(device_list)
+    if on_gpu:
+        check_dlpack()
+    cache = os.path.expanduser(os.fspath(cache_dir if cache_dir is not None else DEFAULT_CACHE))
+    loader = RocalLoader(images, labels, mesh, batch_size, layout, shuffle, seed, last_batch, normalize,
+                         order, sharding, on_gpu, on_gpu, cache, num_threads)
+    if order == "plan":
+        return loader
     n, N, B = len(device_list), len(labels), batch_size
+    local = loaders.local_positions(mesh)
     if sharding == "files":
-        folders = shard_folders(images, labels, n, cache_dir if cache_dir is not None else DEFAULT_CACHE)
-        where, prefix = os.path.dirname(folders[0]), loaders.TRAIN_PREFIX
+        folders = shard_folders(images, labels, n, cache)
+        prefix = loaders.TRAIN_PREFIX
     else:
         _check_native_folder(os.fspath(data), filename_prefix)
-        folders, where, prefix = [os.fspath(data)] * n, os.fspath(data), filename_prefix
-    pipelines, shards = {}, {}
-    try:
-        for k in loaders.local_positions(mesh):
-            start, stop = loaders.shard_bounds(N, k, n)
-            native = dict(shard_id=k, num_shards=n) if sharding == "rocal" else {}
-            pipelines[k] = rocal_pipeline(
-                folders[k], batch_size=B, normalize=normalize, on_gpu=on_gpu,
-                device_id=device_list[k].local_hardware_id if on_gpu else 0,
-                filename_prefix=prefix, shuffle=shuffle, seed=seed, num_threads=num_threads, **native)
-            remaining = _call(f"rocAL, shard {k}, after build()", "get_remaining_images()",
-                              pipelines[k].get_remaining_images)
-            want = rocal_padded_size(N, n, k, B) if sharding == "rocal" else -(-(stop - start) // B) * B
-            if remaining != want and sharding == "rocal":
+        folders, prefix = [os.fspath(data)] * n, filename_prefix
+    shards = {}
+    for k in local:
+        start, stop = loaders.shard_bounds(N, k, n)
+        want = rocal_padded_size(N, n, k, B) if sharding == "rocal" else -(-(stop - start) // B) * B
+        if sharding == "rocal":  # rocAL 2.3.0's sharding bug shows in the first pipeline's count
+            pipe = loader._pipeline(folders[k], k, shuffle=shuffle, shard_id=k, num_shards=n)
+            try:
+                remaining = _call(f"rocAL, shard {k}, after build()", "get_remaining_images()",
+                                  pipe.get_remaining_images)
+            finally:
+                _release([pipe])
+            if remaining != want:
                 raise RuntimeError(
                     f"make_rocal_loader(sharding='rocal'): the pipeline of shard {k} of {n} says "
                     f"get_remaining_images() = {remaining}; with working sharding it would be {want} "
                     f"({stop - start} samples, padded). This is {ROCAL_SHARDING_BUG}. Use "
-                    f"sharding='files' (the default)")
-            if remaining != want:
-                raise RuntimeError(f"rocAL, shard {k}: get_remaining_images() = {remaining} for a file "
-                                   f"of {stop - start} records read with FILL + pad_last_batch; "
-                                   f"expected {want}")
-            if want % B:  # rocal mode: rocAL pads no shard when the largest is whole batches
+                    f"sharding='files' (the default), or order='plan'")
+            if want % B:  # rocAL pads no shard when the largest is whole batches
                 raise ValueError(f"make_rocal_loader(sharding='rocal'): rocAL would not pad shard {k} "
                                  f"({want} samples, batch {B}) and FILL would never deliver its last "
                                  f"{want % B}; use sharding='files' or another batch size")
-            shards[k] = _shard_info(images, labels, start, stop, B, want // B, normalize)
-    except BaseException:
-        for pipe in pipelines.values():
-            pipe.rocal_release()
-        raise
-    return RocalLoader(pipelines, shards, mesh, B, N, layout, last_batch, shuffle, sharding, on_gpu,
-                       where, spec.plan(0).mask, types.OK, {k: 0 for k in pipelines},
-                       {k: 0 for k in pipelines})
+        shards[k] = _shard_info(images, labels, start, stop, B, want // B, normalize)
+    return dataclasses.replace(loader, folders={k: folders[k] for k in local}, prefix=prefix, shards=shards)
 
 
 def rocal_pipeline(file_root: str, *, batch_size: int, normalize: loaders.Normalize, on_gpu: bool,
@@ -651,42 +867,54 @@ class RocalDLPack:
 
 def device_images(tensor, device: jax.Device, image_shape: tuple, batch_size: int,
                   where: str = "rocAL") -> jax.Array:
-    """A rocAL output as a jax.Array on ``device``: checked, imported through DLPack, copied
-    on the device, and that copy finished before returning (rocAL reuses the buffer two
-    runs on)."""
+    """A rocAL output as a jax.Array on ``device``: checked, imported through DLPack and
+    copied on the device. The copy is only enqueued: the caller must see it finished
+    before rocAL's second next run writes the buffer again (``_Transfers`` does), and
+    before the pipeline is released. RuntimeError, naming ``where``, for an output of
+    another dtype, shape or layout, and for a rocAL without DLPack (``DLPACK_MISSING``)."""
     dims, want = tuple(int(d) for d in tensor.dimensions()), (batch_size,) + tuple(image_shape)
     if dims != want or np.dtype(tensor.dtype()) != np.float32 or tensor.layout() != "NCHW":
         raise RuntimeError(f"{where}: rocAL's output is {tensor.dtype()} {dims} {tensor.layout()}, "
                            f"expected float32 {want} NCHW")
-    hardware_id = device.local_hardware_id if device.local_hardware_id is not None else device.id
-    alias = jax.dlpack.from_dlpack(RocalDLPack(tensor, hardware_id), device=device)
+    try:
+        alias = jax.dlpack.from_dlpack(RocalDLPack(tensor, _hardware_id(device)), device=device)
+    except AttributeError as error:  # no dlpack_device: rocAL built without DLPack
+        raise RuntimeError(f"{where}: {DLPACK_MISSING} ({error})") from error
+    except RuntimeError as error:
+        if "Dlpack not installed" in str(error):
+            raise RuntimeError(f"{where}: {DLPACK_MISSING}") from error
+        raise
     # A copy of our own: JAX 0.10.2's from_dlpack(copy=True) returned an alias of the
     # producer's buffer on CPU (seen here), whatever its docstring says.
-    return jnp.array(alias, copy=True).block_until_ready()
+    return jnp.array(alias, copy=True)
 
 
 @contextlib.contextmanager
 def _rocal_chatter_hidden(said: list):
     """Runs the block with stdout (Python's and the C library's, fd 1) caught; appends
-    what was printed to ``said`` and passes every line but ``ROCAL_CHATTER`` on.
-    rocAL prints two lines for each pipeline it builds (32 for refimpl's two loaders
-    on 8 devices)."""
+    what was printed to ``said`` and passes every line but ``ROCAL_CHATTER`` on to
+    stdout once the block has ended (a warning or error rocAL prints is never lost).
+    rocAL prints two lines for each pipeline it builds (one epoch of refimpl on 8
+    devices: 16)."""
     sys.stdout.flush()
     saved = os.dup(1)
-    with tempfile.TemporaryFile() as sink, contextlib.redirect_stdout(io.StringIO()) as python:
-        os.dup2(sink.fileno(), 1)
-        try:
-            yield
-        finally:
-            ctypes.CDLL(None).fflush(None)  # rocAL's C++ output still in the C library's buffer
-            os.dup2(saved, 1)
-            os.close(saved)
-            sink.seek(0)
-            text = python.getvalue() + sink.read().decode(errors="replace")
-            said.append(text)
-            rest = [line for line in text.splitlines() if line.strip() and not line.startswith(ROCAL_CHATTER)]
-            if rest:
-                print("\n".join(rest), flush=True)
+    text = ""
+    try:
+        with tempfile.TemporaryFile() as sink, contextlib.redirect_stdout(io.StringIO()) as python:
+            os.dup2(sink.fileno(), 1)
+            try:
+                yield
+            finally:
+                ctypes.CDLL(None).fflush(None)  # rocAL's C++ output still in the C library's buffer
+                os.dup2(saved, 1)
+                sink.seek(0)
+                text = python.getvalue() + sink.read().decode(errors="replace")
+                said.append(text)
+    finally:
+        os.close(saved)
+        rest = [line for line in text.splitlines() if line.strip() and not line.startswith(ROCAL_CHATTER)]
+        if rest:  # after redirect_stdout has ended: to the real stdout
+            print("\n".join(rest), flush=True)
 
 
 def _call(where: str, what: str, fn, *args):
