@@ -860,7 +860,8 @@ def test_refimpl_dali_and_reference_train_identical_params(tmp_path):
     results = dict(zip(runs, run_children(list(runs.values()), timeout=240, cwd=here)))
     for backend, (code, out, err) in results.items():
         assert code == 0, f"{backend}:\n{err[-3000:]}"
-    assert "NVIDIA DALI" in results["dali"][1] and "reference loader" in results["reference"][1]
+    assert "NVIDIA DALI" in results["dali"][1] and "4 CPU pipeline(s)" in results["dali"][1]
+    assert "dali_cpu's arithmetic" in results["dali"][1] and "reference loader" in results["reference"][1]
     dali, reference = (np.load(tmp_path / f"{b}.npz") for b in ("dali", "reference"))
     assert sorted(dali.files) == sorted(reference.files) == [f"sharded/{i}" for i in range(6)]
     for name in dali.files:

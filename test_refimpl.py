@@ -120,16 +120,6 @@ def test_placements_train_identically_and_auto_says_its_choice(tiny_dir, tmp_pat
     assert figures["host"] == figures["device"]
 
 
-def test_dali_backend_end_to_end(tiny_dir, tmp_path):
-    pytest.importorskip("nvidia.dali", reason="needs NVIDIA DALI: pip install -r requirements-dali.txt")
-    done = refimpl("--data-dir", tiny_dir, "--cache-dir", str(tmp_path), "--backend", "dali",
-                   "--epochs", "1", "--devices", "3", "--batch-size", "8")
-    assert done.returncode == 0, done.stderr
-    assert "NVIDIA DALI" in done.stdout and "3 CPU pipeline(s)" in done.stdout
-    assert "dali_cpu's arithmetic" in done.stdout
-    assert "final params, sharded vs pmap: max |difference| 0: identical" in done.stdout
-
-
 def test_mnist_the_dali_notebooks_dataset(tmp_path):
     done = refimpl("--dataset", "mnist", "--cache-dir", str(tmp_path), "--epochs", "1",
                    "--strategies", "sharded", "--batch-size", "32", "--devices", "2")
