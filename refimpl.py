@@ -422,7 +422,6 @@ def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
     return final, outside
 
 
-
 def write_params(path: str, final: dict) -> None:
     """``final`` ({strategy: params}) as one .npz: array '<strategy>/<i>' is leaf i of
     ``jax.tree.leaves(params)``, the values this process holds (params are replicated)."""
