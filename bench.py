@@ -132,7 +132,7 @@ def grain_cases(images, labels, mesh, batch_size: int, cap: int) -> dict:
     the same with batch before map, so normalising is one NumPy call per batch, and
     2 reader threads for 2 cores. "grain DataLoader": the DataLoader API with an
     IndexSampler(shard_options=...) and its default ReadOptions, timed on its first
-    ``cap`` images only (it is slow; see the README).
+    ``cap`` images only (it is slow; see docs/performance.md).
     """
     import grain
 
