@@ -163,6 +163,42 @@ def synthetic_dir(tmp_path_factory):
                                      num_test=200, seed=0)
 
 
+
+
+def bits_differ(got, want) -> str | None:
+    """Why two arrays are not the same bits, or None when they are: same shape, same
+    dtype, and every element's bytes equal (so -0.0 differs from 0.0, and a NaN equals
+    itself). The message names how many elements differ, the first differing index and
+    both values there.
+
+    Tests compare arrays through this, never with ``assert a.tobytes() == b.tobytes()``:
+    when such an assert fails, pytest explains it by diffing the two byte strings, in
+    time quadratic in their length (a negative control meant to fail took minutes)."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"got {got.dtype} {got.shape}, want {want.dtype} {want.shape}"
+    if not got.size:
+        return None
+    width = got.dtype.itemsize
+    a = np.frombuffer(np.ascontiguousarray(got).tobytes(), np.uint8).reshape(got.shape + (width,))
+    b = np.frombuffer(np.ascontiguousarray(want).tobytes(), np.uint8).reshape(got.shape + (width,))
+    differ = (a != b).any(axis=-1)
+    count = int(np.count_nonzero(differ))
+    if not count:
+        return None
+    first = tuple(int(i) for i in np.argwhere(differ)[0])
+    return (f"{count} of {got.size} elements differ; the first at index {first}: got "
+            f"{got[first]!r}, want {want[first]!r}")
+
+
+def assert_same_bits(got, want, what: str = "") -> None:
+    """Raises AssertionError with ``bits_differ``'s message (prefixed by ``what``) unless
+    ``got`` and ``want`` are the same bits."""
+    why = bits_differ(got, want)
+    if why is not None:
+        raise AssertionError(f"{what}: {why}" if what else why)
+
+
 def examples(ci_count: int) -> int:
     """``max_examples`` for a test that sets its own: ``ci_count`` under the ci
     profile, scaled like the active profile (dev x4, thorough x40), so that

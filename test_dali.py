@@ -51,6 +51,9 @@ from hypothesis import example, given, settings, strategies as st
 
 pytest.importorskip("nvidia.dali", reason="needs NVIDIA DALI: pip install -r requirements-dali.txt")
 
+if __name__ != "__main__":  # the worker below runs in a child process that sets its own devices
+    from conftest import assert_same_bits, bits_differ
+
 import conformance  # noqa: E402
 import dali_loader  # noqa: E402
 import loaders  # noqa: E402
@@ -116,7 +119,7 @@ def assert_same_arrays(got: dict, want: dict, where: str) -> None:
         assert got[name].shape == want[name].shape and got[name].dtype == want[name].dtype, \
             f"{where} {name}: {got[name].dtype} {got[name].shape} != {want[name].dtype} {want[name].shape}"
         assert got[name].sharding == want[name].sharding, f"{where} {name}: sharding"
-        assert np.asarray(got[name]).tobytes() == np.asarray(want[name]).tobytes(), f"{where} {name}"
+        assert_same_bits(got[name], want[name], f"{where} {name}")
 
 
 def assert_raises_naming(error, fn, *fragments):
@@ -279,11 +282,11 @@ def test_epochs_are_a_function_of_seed_epoch_step_and_shard(devices, cache, orde
         assert len(resumed) == 5 - start_step
         for step, got in enumerate(resumed, start=start_step):
             for name in got:
-                assert got[name].tobytes() == three[step][name].tobytes() == again[step][name].tobytes(), \
-                    f"{order}: epoch 3 step {step} {name} (start_step {start_step})"
+                where = f"{order}: epoch 3 step {step} {name} (start_step {start_step})"
+                assert_same_bits(got[name], three[step][name], where)
+                assert_same_bits(again[step][name], three[step][name], where + ", read again")
     # Negative control: another epoch is another order, so the comparison above can fail.
-    assert any(np.asarray(a["images"]).tobytes() != b["images"].tobytes()
-               for a, b in zip(read(first, 2), three))
+    assert any(bits_differ(a["images"], b["images"]) for a, b in zip(read(first, 2), three))
 
 
 # --------------------------------------------------------------------------
@@ -313,7 +316,7 @@ def test_crop_mirror_normalize_is_the_dali_table(devices, cache, crop, crop_pos,
     if crop_pos == (0.7, 0.7):
         assert norm.window((32, 32))[:2] == (3, 3) == loaders.Normalize(**{**norm.__dict__, "arithmetic": "dali_gpu"}).window((32, 32))[:2]
     assert got.shape == (16, 3) + crop and got.dtype == np.float32
-    assert got.tobytes() == norm(images).tobytes(), "DALI's pixels differ from the dali table"
+    assert_same_bits(got, norm(images), "DALI's pixels against the dali table")
     np.testing.assert_array_equal(np.asarray(batch["labels"]), labels)
     # Negative controls: the rocAL table, and the same arguments with one thing changed, do not match.
     rocal = loaders.Normalize(mean=CIFAR_MEAN, std=CIFAR_STD, crop=crop, crop_pos=crop_pos,
@@ -691,7 +694,7 @@ def test_dali_gpu_table_is_the_gpu_kernels_fma(mean_std):
         inv = np.float32(1.0 / float(np.float32(s)))
         add = np.float32(-(np.float32(m) * inv))
         want = [fma_float32(x, inv, add) for x in range(256)]
-        assert table[c].tobytes() == np.array(want, np.float32).tobytes(), f"channel {c}: mean {m}, std {s}"
+        assert_same_bits(table[c], np.array(want, np.float32), f"channel {c}: mean {m}, std {s}")
 
 
 def test_dali_gpu_and_dali_cpu_tables_differ_where_the_roundings_do():
@@ -703,9 +706,9 @@ def test_dali_gpu_and_dali_cpu_tables_differ_where_the_roundings_do():
     cpu = loaders.normalize_table((127.5,) * 3, (127.5,) * 3, "dali_cpu")
     assert (gpu != cpu).sum() == 762 and np.flatnonzero(gpu[0] == cpu[0]).tolist() == [0, 32]
     x = np.arange(256, dtype=np.float32)  # the CPU table, independently: two float32 roundings
-    assert cpu[0].tobytes() == ((x - np.float32(127.5)) * (np.float32(1) / np.float32(127.5))).tobytes()
+    assert_same_bits(cpu[0], (x - np.float32(127.5)) * (np.float32(1) / np.float32(127.5)), "dali_cpu")
     mnist = [loaders.normalize_table((0.0,), (255.0,), a) for a in ("dali_gpu", "dali_cpu")]
-    assert mnist[0].tobytes() == mnist[1].tobytes()
+    assert_same_bits(mnist[0], mnist[1], "MNIST's table, GPU vs CPU")
     # The GPU operator's crop window comes from CropAttr::CalculateAnchor (crop_attr.cc),
     # shared with the CPU operator: std::round(double(pos) * (W - cw)), as dali_cpu.
     for pos, size, crop in [(0.5, 32, 29), (0.5, 32, 27), (0.25, 32, 30), (1 / 6, 32, 28), (0.7, 32, 27)]:
@@ -818,7 +821,10 @@ def worker(out_dir: str, coordinator: str, process_id: int) -> None:
                     assert got[field].sharding == want[field].sharding, (name, field)
                     mine_got = {s.device: np.asarray(s.data) for s in got[field].addressable_shards}
                     for s in want[field].addressable_shards:
-                        assert mine_got[s.device].tobytes() == np.asarray(s.data).tobytes(), \
+                        # Bit for bit, without conftest (this runs in a child process).
+                        a, b = mine_got[s.device], np.asarray(s.data)
+                        assert a.dtype == b.dtype and a.shape == b.shape and \
+                            np.array_equal(a.view(np.uint8), b.view(np.uint8)), \
                             f"{name} epoch {epoch} step {step} {field} on {s.device}"
                         compared += 1
     with open(os.path.join(out_dir, f"done-{process_id}.json"), "w") as f:
@@ -865,7 +871,7 @@ def test_refimpl_dali_and_reference_train_identical_params(tmp_path):
     dali, reference = (np.load(tmp_path / f"{b}.npz") for b in ("dali", "reference"))
     assert sorted(dali.files) == sorted(reference.files) == [f"sharded/{i}" for i in range(6)]
     for name in dali.files:
-        assert dali[name].tobytes() == reference[name].tobytes(), f"{name}: DALI's params differ"
+        assert_same_bits(dali[name], reference[name], f"{name}: DALI's params against the reference's")
     # The params did train (a loader that delivered nothing would also agree).
     assert not np.array_equal(dali["sharded/0"], model_init_leaf0())
 
@@ -889,7 +895,7 @@ def test_refimpl_two_processes_dali_and_reference_identical_params(tmp_path):
     dali, reference = (np.load(tmp_path / f"{b}.npz") for b in ("dali", "reference"))
     assert sorted(dali.files) == sorted(reference.files) and len(dali.files) == 12  # sharded, shard_map
     for name in dali.files:
-        assert dali[name].tobytes() == reference[name].tobytes(), f"{name}: DALI's params differ"
+        assert_same_bits(dali[name], reference[name], f"{name}: DALI's params against the reference's")
 
 
 def test_params_out_is_checked_before_any_work(tmp_path, capsys):

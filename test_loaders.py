@@ -45,7 +45,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loaders
-from conftest import examples
+from conftest import assert_same_bits, examples
 
 SEEDS = st.integers(0, 2**32 - 1)
 EPOCHS = st.integers(0, 1000)
@@ -1106,7 +1106,8 @@ def test_shard_bounds_and_num_steps_are_their_docstrings(sizes, B, last_batch):
 def test_shard_permutation_is_its_docstring(size, seed, epoch, shard):
     got = loaders.shard_permutation(size, seed=seed, epoch=epoch, shard=shard)
     assert got.dtype == np.int64 and got.shape == (size,)
-    assert got.tolist() == text_shard_permutation(size, seed, epoch, shard)
+    assert_same_bits(got, np.array(text_shard_permutation(size, seed, epoch, shard), np.int64),
+                     "shard_permutation against its text")
 
 
 def test_shard_permutation_is_the_sorting_permutation_not_the_ranks():
@@ -1123,8 +1124,10 @@ def test_epoch_plan_is_its_docstring(sizes, B, seed, epoch, shuffle, last_batch)
     plan = loaders.epoch_plan(N, n, B, epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
     indices, mask = text_epoch_plan(N, n, B, epoch, seed, shuffle, last_batch)
     assert plan.indices.dtype == np.int64 and plan.mask.dtype == bool
-    assert plan.indices.reshape(-1).tolist() == [i for s in indices for k in s for i in k]
-    assert plan.mask.reshape(-1).tolist() == [m for s in mask for k in s for m in k]
+    assert_same_bits(plan.indices.reshape(-1), np.array([i for s in indices for k in s for i in k], np.int64),
+                     "epoch_plan's indices against its text")
+    assert_same_bits(plan.mask.reshape(-1), np.array([m for s in mask for k in s for m in k], bool),
+                     "epoch_plan's mask against its text")
 
 
 def test_epoch_plan_text_pins_its_choices():
@@ -1163,7 +1166,8 @@ def test_normalize_table_is_its_docstring(mean_std, arithmetic):
             text_normalize_table(mean, std, arithmetic)
         return
     assert got.shape == (len(mean), 256) and got.dtype == np.float32
-    assert got.view(np.uint32).tolist() == text_normalize_table(mean, std, arithmetic)
+    assert_same_bits(got.view(np.uint32), np.array(text_normalize_table(mean, std, arithmetic), np.uint32),
+                     f"normalize_table({mean}, {std}, {arithmetic!r}) against its text")
 
 
 @pytest.mark.parametrize("arithmetic", loaders.ARITHMETICS)
@@ -1176,7 +1180,8 @@ def test_normalize_table_text_on_the_cases_that_tell_choices_apart(mean, std, ar
     # offset is pinned; -0.0 with a negative std pins the sign of an exact zero; a subnormal
     # mean moves x*inv off a float32 tie (rounded once: down; a double rounding: up).
     got = loaders.normalize_table(mean, std, arithmetic)
-    assert got.view(np.uint32).tolist() == text_normalize_table(mean, std, arithmetic)
+    assert_same_bits(got.view(np.uint32), np.array(text_normalize_table(mean, std, arithmetic), np.uint32),
+                     f"normalize_table({mean}, {std}, {arithmetic!r}) against its text")
 
 
 def test_the_one_channel_offsets_differ_for_127_5_over_63():

@@ -60,6 +60,8 @@ import jax
 import numpy as np
 import pytest
 
+if __name__ != "__main__":  # two_process_worker runs in a child process that sets its own devices
+    from conftest import assert_same_bits, bits_differ
 import conformance
 import loaders
 import rocal_loader
@@ -387,7 +389,7 @@ def assert_same_arrays(got: dict, want: dict, where: str) -> None:
     for name in want:
         assert got[name].shape == want[name].shape and got[name].dtype == want[name].dtype, f"{where} {name}"
         assert got[name].sharding == want[name].sharding, f"{where} {name}: sharding"
-        assert np.asarray(got[name]).tobytes() == np.asarray(want[name]).tobytes(), f"{where} {name}"
+        assert_same_bits(got[name], want[name], f"{where} {name}")
 
 
 # --------------------------------------------------------------------------
@@ -605,7 +607,8 @@ def assert_pixels_are_the_rocal_table(mesh, cache: str) -> None:
     finally:
         loader.close()
     got = np.asarray(batch["images"])
-    assert got.shape == (8 * n, 3, 29, 27) and got.tobytes() == PIXELS(images).tobytes()
+    assert got.shape == (8 * n, 3, 29, 27)
+    assert_same_bits(got, PIXELS(images), "rocAL's pixels against the rocal table")
     np.testing.assert_array_equal(np.asarray(batch["labels"]), labels)
     for wrong in (dict(crop_pos=(0.75, 0.25)), dict(mirror=False)):
         assert not np.array_equal(got, dataclasses.replace(PIXELS, **wrong)(images)), wrong
@@ -996,7 +999,7 @@ def test_rocals_gpu_kernel_computes_the_rocal_table(mean, std):
     fused = (x[None] * inv[:, None].astype(np.float64) + shift[:, None].astype(np.float64)).astype(np.float32)
     separate = (np.float32(x[None]) * inv[:, None] + shift[:, None]).astype(np.float32)
     table = loaders.Normalize(mean=mean, std=std, arithmetic="rocal").table
-    assert table.tobytes() == fused.tobytes()
+    assert_same_bits(table, fused, "rocal table against one FMA")
     assert (separate != fused).sum() > 0  # the contraction matters: a kernel without it is another table
 
 
@@ -1224,7 +1227,7 @@ def _loader_epochs(mesh, folder, cache, images, labels, *, sharding, shuffle, la
                 for step, got in enumerate(batches[:len(reference)]):
                     want = reference.batch(epoch, step)
                     differ = [name for name in want if got[name].sharding != want[name].sharding
-                              or np.asarray(got[name]).tobytes() != np.asarray(want[name]).tobytes()]
+                              or bits_differ(got[name], want[name])]
                     if differ:
                         found.add("differs from the reference loader", f"step {step}: {differ} differ "
                                   f"from loaders.make_loader's", steps=[step])
@@ -1494,7 +1497,7 @@ def assert_identical_final_params(results, tmp_path) -> str:
     assert f"AMD rocAL {rocal_loader.rocal_version()} (CPU backend)" in rocal_out and "order 'plan'" in rocal_out
     got, want = np.load(tmp_path / "rocal.npz"), np.load(tmp_path / "reference.npz")
     assert sorted(got.files) == sorted(want.files) and len(got.files) >= 12
-    differ = [key for key in want.files if got[key].tobytes() != want[key].tobytes()]
+    differ = {key: bits_differ(got[key], want[key]) for key in want.files if bits_differ(got[key], want[key])}
     assert not differ, f"final params differ between --backend rocal and reference: {differ}"
     assert [name for name in os.listdir(tmp_path / "cache-rocal") if name.startswith(".")] == []
     return rocal_out
@@ -1549,7 +1552,10 @@ def two_process_worker(folder: str, cache: str, coordinator: str, process_id: in
                     assert got[name].sharding == want[name].sharding and got[name].shape == want[name].shape
                     for a, b in zip(got[name].addressable_shards, want[name].addressable_shards):
                         assert a.device == b.device and a.index == b.index, (name, a.device, b.device)
-                        assert np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes(), \
+                        # Bit for bit, without conftest (this runs in a child process).
+                        x, y = np.asarray(a.data), np.asarray(b.data)
+                        assert x.dtype == y.dtype and x.shape == y.shape and \
+                            np.array_equal(x.view(np.uint8), y.view(np.uint8)), \
                             f"{layout} epoch {epoch} step {step}: {name} on {a.device}"
                 checked += 1
     print(f"process {process_id}: {checked} steps equal the reference on {len(jax.local_devices())} local shards")
