@@ -13,7 +13,7 @@ images:
    and 128, for each placement of the reference loader ("host": uint8 on the
    wire, normalised on the devices; "device": the dataset resident on the
    devices; "host_float32": normalised on the host), NVIDIA DALI's CPU pipelines
-   (optional, requirements-dali.txt), Grain (optional, requirements-bench.txt)
+   (optional, requirements-dali.txt), Grain (optional, requirements-peers.txt)
    and the per-sample Python loop most tutorials write, all doing the same work
    from the same records (shuffle, normalise, batch, global arrays), against a
    single-thread memory copy of the bytes the epoch outputs.
