@@ -1,0 +1,628 @@
+"""Property tests for the elastic epoch (loaders.elastic_plan, LoaderState): each
+guarantee their docstrings state, checked.
+
+* With one segment, elastic_plan is epoch_plan bit for bit.
+* Over a chain of changes: fill delivers every sample exactly once and drop at
+  most once with the stated count (sum n_i * B_i * d_i), counted from the real
+  slots of each segment's delivered steps; every shard of a segment runs the same
+  stated number of steps; padding is masked and repeats a sample real earlier in
+  its segment; a later change never alters what an earlier segment delivered;
+  the plan is deterministic and its counts do not depend on the shuffle.
+* The worked table of elastic_plan's docstring holds row by row (each row is read
+  back from the docstring itself).
+* elastic_plan is implemented a second time from its docstring alone
+  (``text_elastic_plan``: Python lists and loops; NumPy's SeedSequence and PCG64 as
+  the specified primitives) and compared bit for bit over drawn chains.
+* LoaderState round-trips through JSON, refuses another run by name, and a job
+  that saves, reloads and resizes it at each change delivers exactly elastic_plan's
+  epoch; the next epoch is a fresh epoch_plan on the new shards.
+
+Negative controls: the exactly-once check reports a restart of the epoch from
+step 0 on the new shards (samples twice), a resume that reads the new size's
+fresh epoch_plan from the change's step (samples missed and repeated), and one
+lost real slot.
+"""
+
+import dataclasses
+import json
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import loaders
+from conftest import assert_same_bits, examples
+
+SEEDS = st.integers(0, 2**32 - 1)
+EPOCHS = st.integers(0, 1000)
+POLICIES = st.sampled_from(loaders.LAST_BATCH_POLICIES)
+
+
+# --------------------------------------------------------------------------
+# elastic_plan's docstring, implemented again from its text alone
+# --------------------------------------------------------------------------
+
+def text_permutation(size: int, seed: int, epoch: int, k: int, i: int) -> list[int]:
+    E = [seed, epoch, k] if i == 0 else [seed, epoch, k, i]
+    keys = [int(key) for key in np.random.PCG64(np.random.SeedSequence(E)).random_raw(size)]
+    return sorted(range(size), key=lambda j: (keys[j], j))
+
+
+def text_elastic_plan(N, segments, epoch=0, seed=0, shuffle=False, last_batch="fill"):
+    """[(indices, mask, S_i)] per segment, indices and mask nested lists (d_i, n_i, B_i)."""
+    pool = list(range(N))
+    out = []
+    for i, (t, n, B) in enumerate(segments):
+        m = len(pool)
+        if i >= 1 and t == segments[i - 1][0] + out[-1][2]:
+            S = 0
+        elif last_batch == "fill":
+            S = math.ceil(Fraction(math.ceil(Fraction(m, n)), B))
+        else:
+            S = math.floor(Fraction(math.floor(Fraction(m, n)), B))
+        d = segments[i + 1][0] - t if i + 1 < len(segments) else S
+        indices = [[[None] * B for _ in range(n)] for _ in range(S)]
+        mask = [[[None] * B for _ in range(n)] for _ in range(S)]
+        for k in range(n):
+            lo, hi = math.floor(Fraction(m * k, n)), math.floor(Fraction(m * (k + 1), n))
+            run = pool[lo:hi]
+            order = [run[p] for p in text_permutation(len(run), seed, epoch, k, i)] if shuffle else run
+            real = min(S * B, len(run))
+            for j in range(S * B):
+                s, b = divmod(j, B)
+                if j < real:
+                    indices[s][k][b], mask[s][k][b] = order[j], True
+                else:
+                    indices[s][k][b], mask[s][k][b] = (order[real - 1] if real else pool[lo]), False
+        indices, mask = indices[:d], mask[:d]
+        delivered = {indices[s][k][b] for s in range(d) for k in range(n) for b in range(B)
+                     if mask[s][k][b]}
+        pool = [x for x in pool if x not in delivered]
+        out.append((indices, mask, S))
+    return out
+
+
+def flat(nested) -> list:
+    return [x for step in nested for shard in step for x in shard]
+
+
+@st.composite
+def chains(draw, max_samples=40, max_shards=6, max_batch=5, min_changes=1, max_changes=3,
+           policies=POLICIES):
+    """(N, segments, last_batch): a valid chain of up to ``max_changes`` changes (the text's
+    step counts), each at a drawn step, at the old segment's last step, at its end, at its
+    last step onto the most shards (fewer samples left than shards: empty runs), or at
+    its end onto one shard of 1 (drop: the skipped samples could fill a step there)."""
+    N = draw(st.integers(1, max_samples))
+    last_batch = draw(policies)
+    top = min(N, max_shards)
+    shards, batches = st.integers(1, top), st.integers(1, max_batch)
+    segments = [(0, draw(shards), draw(batches))]
+    for _ in range(draw(st.integers(min_changes, max_changes))):
+        t, S = segments[-1][0], text_elastic_plan(N, segments, last_batch=last_batch)[-1][2]
+        if S == 0:
+            break
+        where = draw(st.sampled_from(["any", "any", "any", "last", "end", "crowd", "end onto 1"]))
+        last = t + max(S - 1, 1)
+        start, n, B = {"any": (None, None, None), "last": (last, None, None),
+                       "end": (t + S, None, None), "crowd": (last, top, None),
+                       "end onto 1": (t + S, 1, 1)}[where]
+        start = draw(st.integers(t + 1, t + S)) if start is None else start
+        segments.append((start, draw(shards) if n is None else n, draw(batches) if B is None else B))
+    return N, segments, last_batch
+
+
+def once_failure(N: int, delivered_blocks, last_batch: str, stated: int | None = None) -> str | None:
+    """Why the real slots of ``delivered_blocks`` (a list of (indices, mask) arrays, each
+    segment's delivered steps) are not an exactly-once (fill) / at-most-once with
+    ``stated`` samples (drop) epoch of range(N); None when they are."""
+    real = np.concatenate([np.asarray(i)[np.asarray(m)] for i, m in delivered_blocks] or [[]])
+    real = real.astype(np.int64)
+    if real.size and (real.min() < 0 or real.max() >= N):
+        return f"samples outside range({N})"
+    counts = np.bincount(real, minlength=N)
+    twice = np.flatnonzero(counts > 1)
+    if twice.size:
+        return f"samples delivered more than once: {twice[:5].tolist()}"
+    missing = np.flatnonzero(counts == 0)
+    if last_batch == "fill" and missing.size:
+        return f"samples missing: {missing[:5].tolist()}"
+    if last_batch == "drop" and stated is not None and real.size != stated:
+        return f"{real.size} samples delivered, {stated} stated"
+    return None
+
+
+def test_once_failure_catches_a_restart_from_step_0():
+    # Preempted at step 1 on 2 shards of 2; the new 3 shards start the epoch again.
+    before = loaders.epoch_plan(7, 2, 2)
+    again = loaders.epoch_plan(7, 3, 1)
+    why = once_failure(7, [(before.indices[:1], before.mask[:1]), again], "fill")
+    assert why is not None and "more than once: [0, 1, 3, 4]" in why, why
+
+
+def test_once_failure_catches_a_fresh_plan_read_from_the_step():
+    # The new size's own epoch_plan read from step 1 misses 2 and repeats 1 and 3.
+    before = loaders.epoch_plan(7, 2, 2)
+    fresh = loaders.epoch_plan(7, 3, 1)
+    why = once_failure(7, [(before.indices[:1], before.mask[:1]),
+                           (fresh.indices[1:], fresh.mask[1:])], "fill")
+    assert why is not None and "more than once: [1, 3]" in why, why
+    fresh = loaders.epoch_plan(7, 3, 1, last_batch="drop")  # 2 steps: [0][2][4], [1][3][5]
+    why = once_failure(7, [(before.indices[:1], before.mask[:1]),
+                           (fresh.indices[1:], fresh.mask[1:])], "drop")
+    assert why is not None and "more than once: [1, 3]" in why, why
+    # Shuffled: 40 samples, 4 shards of 3 for 2 steps, then 3 shards of 5.
+    kw = dict(seed=1, epoch=2, shuffle=True)
+    before = loaders.epoch_plan(40, 4, 3, **kw)
+    fresh = loaders.epoch_plan(40, 3, 5, **kw)
+    assert once_failure(40, loaders.elastic_plan(40, [(0, 4, 3), (2, 3, 5)], **kw), "fill") is None
+    why = once_failure(40, [(before.indices[:2], before.mask[:2]), (fresh.indices[2:], fresh.mask[2:])],
+                       "fill")
+    assert why is not None, "reading the fresh plan from step 2 went unnoticed"
+
+
+def test_once_failure_catches_one_lost_real_slot():
+    plans = loaders.elastic_plan(7, [(0, 2, 2), (1, 3, 1)])
+    assert once_failure(7, plans, "fill") is None
+    lost = plans[1].mask.copy()
+    lost[0, 2, 0] = False
+    assert once_failure(7, [plans[0], (plans[1].indices, lost)], "fill") == "samples missing: [6]"
+    assert once_failure(7, [plans[0], (plans[1].indices, lost)], "drop", stated=7) == \
+        "6 samples delivered, 7 stated"
+
+
+@given(chains(min_changes=1, policies=st.just("fill")), SEEDS, EPOCHS, st.booleans())
+@settings(max_examples=examples(25))
+def test_negative_controls_fail_on_drawn_chains(chain, seed, epoch, shuffle):
+    # Restarting the epoch on the new shards repeats what the first segment delivered
+    # (fill: its first step always holds a real sample on every shard).
+    N, segments, _ = chain
+    assert len(segments) >= 2
+    plans = loaders.elastic_plan(N, segments, epoch=epoch, seed=seed, shuffle=shuffle)
+    (_, n1, B1) = segments[1]
+    again = loaders.epoch_plan(N, n1, B1, epoch=epoch, seed=seed, shuffle=shuffle)
+    why = once_failure(N, [plans[0], again], "fill")
+    assert why is not None and "more than once" in why
+
+
+# --------------------------------------------------------------------------
+# The worked table, read back from elastic_plan's docstring
+# --------------------------------------------------------------------------
+
+TABLE = [  # (segments, policy, the delivered steps in the docstring's notation, steps)
+    ([(0, 2, 2)], "fill", ["[0,1] [3,4]", "[2,2*] [5,6]"], 2),
+    ([(0, 2, 2), (1, 3, 1)], "fill", ["[0,1] [3,4]", "[2] [5] [6]"], 2),
+    ([(0, 2, 2), (1, 3, 1)], "drop", ["[0,1] [3,4]"], 1),
+    ([(0, 2, 2), (1, 2, 1)], "fill", ["[0,1] [3,4]", "[2] [5]", "[2*] [6]"], 3),
+    ([(0, 2, 2), (1, 4, 1)], "fill", ["[0,1] [3,4]", "[2*] [2] [5] [6]"], 2),
+    ([(0, 2, 2), (1, 1, 4)], "fill", ["[0,1] [3,4]", "[2,5,6,6*]"], 2),
+    ([(0, 2, 2), (2, 3, 1)], "fill", ["[0,1] [3,4]", "[2,2*] [5,6]"], 2),
+    ([(0, 3, 1), (1, 2, 1)], "drop", ["[0] [2] [4]", "[1] [5]", "[3] [6]"], 3),
+    ([(0, 2, 1), (1, 3, 1), (2, 2, 1)], "fill", ["[0] [3]", "[1] [2] [5]", "[4] [6]"], 3),
+]
+
+
+def render(plan: loaders.Plan) -> list[str]:
+    return [" ".join("[" + ",".join(f"{i}{'' if m else '*'}" for i, m in zip(idx, real)) + "]"
+                     for idx, real in zip(plan.indices[s], plan.mask[s]))
+            for s in range(len(plan.indices))]
+
+
+def docstring_row(segments, policy) -> list[str]:
+    """The table row of elastic_plan's docstring for (segments, policy), split into cells."""
+    key = " ".join(f"({t},{n},{B})" for t, n, B in segments)
+    rows = [[cell.strip() for cell in line.split("|")]
+            for line in loaders.elastic_plan.__doc__.splitlines() if line.count("|") == 5]
+    rows = [row for row in rows if row[:2] == [key, policy]]
+    assert len(rows) == 1, f"no single docstring row for {key} {policy}: {rows}"
+    return rows[0]
+
+
+@pytest.mark.parametrize("segments, policy, steps, total", TABLE)
+def test_worked_table(segments, policy, steps, total):
+    plans = loaders.elastic_plan(7, segments, last_batch=policy)
+    got = [cell for plan in plans for cell in render(plan)]
+    assert got == steps
+    assert loaders.elastic_num_steps(7, segments, policy) == total
+    row = docstring_row(segments, policy)
+    assert row[-1] == str(total), row
+    assert row[2:2 + len(steps)] == steps, row
+    assert all(not cell.startswith("[") for cell in row[2 + len(steps):-1]), row  # and no others
+    assert len(plans) == len(segments)
+    assert once_failure(7, plans, policy, sum(p.mask.sum() for p in plans)) is None
+
+
+def test_worked_table_notes():
+    # Row 3: drop on 2 shards of 2 has 1 step, so the change at step 1 is at its end.
+    assert loaders.num_steps(7, 2, 2, "drop") == 1
+    assert loaders.remaining_samples(7, [(0, 2, 2), (1, 3, 1)], 1, last_batch="drop").tolist() == [2, 5, 6]
+    # Row 8: unchanged, drop on 3 shards of 1 skips 6; after the change nothing is skipped.
+    assert 6 not in loaders.epoch_plan(7, 3, 1, last_batch="drop").indices
+    # Row 9: back on 2 shards of 1, steps 2.. are not epoch_plan(7, 2, 1)'s.
+    assert render(loaders.epoch_plan(7, 2, 1))[2] == "[2] [5]"
+    # The next epoch after row 2 is a fresh plan on 3 shards of 1.
+    state = loaders.LoaderState(7, 0, 0, 2, False, "fill", ((0, 2, 2), (1, 3, 1)))
+    assert render(loaders.elastic_plan(7, state.next_epoch().segments, epoch=1)[0]) == \
+        render(loaders.epoch_plan(7, 3, 1, epoch=1))
+
+
+# --------------------------------------------------------------------------
+# Properties over drawn chains
+# --------------------------------------------------------------------------
+
+@given(st.integers(1, 200), st.integers(1, 8), st.integers(1, 30), SEEDS, EPOCHS, st.booleans(), POLICIES)
+@settings(max_examples=examples(25))
+def test_one_segment_is_epoch_plan(N, n, B, seed, epoch, shuffle, last_batch):
+    n = min(n, N)
+    [plan] = loaders.elastic_plan(N, [(0, n, B)], epoch=epoch, seed=seed, shuffle=shuffle,
+                                  last_batch=last_batch)
+    want = loaders.epoch_plan(N, n, B, epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
+    assert_same_bits(plan.indices, want.indices, "indices")
+    assert_same_bits(plan.mask, want.mask, "mask")
+    assert loaders.elastic_num_steps(N, [(0, n, B)], last_batch) == loaders.num_steps(N, n, B, last_batch)
+
+
+@given(chains(), SEEDS, EPOCHS, st.booleans())
+@settings(max_examples=examples(40))
+def test_elastic_plan_is_its_docstring(chain, seed, epoch, shuffle):
+    N, segments, last_batch = chain
+    plans = loaders.elastic_plan(N, segments, epoch=epoch, seed=seed, shuffle=shuffle,
+                                 last_batch=last_batch)
+    text = text_elastic_plan(N, segments, epoch, seed, shuffle, last_batch)
+    assert len(plans) == len(text)
+    for i, (plan, (indices, mask, _)) in enumerate(zip(plans, text)):
+        (_, n, B), d = segments[i], len(indices)
+        assert plan.indices.dtype == np.int64 and plan.mask.dtype == bool
+        assert plan.indices.shape == plan.mask.shape == (d, n, B), f"segment {i}"
+        assert_same_bits(plan.indices.reshape(-1), np.array(flat(indices), np.int64), f"segment {i} indices")
+        assert_same_bits(plan.mask.reshape(-1), np.array(flat(mask), bool), f"segment {i} mask")
+
+
+# Chains of fixed shape, mid-size, with the seeds drawn: every kind of change, shuffled.
+FIXED_CHAINS = [
+    (40, [(0, 4, 3), (2, 3, 5)], "fill"),                  # to fewer shards, larger B
+    (40, [(0, 2, 4), (1, 5, 2), (3, 2, 4)], "fill"),       # more shards, then back
+    (40, [(0, 4, 2), (2, 4, 3)], "drop"),                  # the same n, another B
+    (50, [(0, 3, 4), (1, 8, 1), (3, 1, 7), (5, 6, 2)], "drop"),  # three; the last at the end
+    (23, [(0, 3, 2), (3, 7, 1)], "fill"),                  # at the last step: empty runs
+    (23, [(0, 4, 2), (2, 1, 1)], "drop"),                  # at the end: nothing more
+    (1000, [(0, 8, 16), (3, 3, 32), (9, 5, 20)], "fill"),  # 8 left a shard: B=20 pads
+    (1000, [(0, 8, 16), (3, 3, 32), (9, 5, 20)], "drop"),  # ... and drop has 0 steps
+]
+
+
+@pytest.mark.parametrize("N, segments, last_batch", FIXED_CHAINS)
+@given(seed=SEEDS, epoch=EPOCHS)
+@settings(max_examples=examples(3))
+def test_elastic_plan_is_its_docstring_on_fixed_chains(N, segments, last_batch, seed, epoch):
+    plans = loaders.elastic_plan(N, segments, epoch=epoch, seed=seed, shuffle=True, last_batch=last_batch)
+    text = text_elastic_plan(N, segments, epoch, seed, True, last_batch)
+    for i, (plan, (indices, mask, _)) in enumerate(zip(plans, text)):
+        assert_same_bits(plan.indices.reshape(-1), np.array(flat(indices), np.int64), f"segment {i} indices")
+        assert_same_bits(plan.mask.reshape(-1), np.array(flat(mask), bool), f"segment {i} mask")
+    stated = sum(n * B * len(p.indices) for (_, n, B), p in zip(segments, plans))
+    assert once_failure(N, plans, last_batch, stated) is None
+
+
+@given(chains(), SEEDS, EPOCHS, st.booleans())
+@settings(max_examples=examples(40))
+def test_exactly_once_equal_steps_and_stated_counts(chain, seed, epoch, shuffle):
+    N, segments, last_batch = chain
+    plans = loaders.elastic_plan(N, segments, epoch=epoch, seed=seed, shuffle=shuffle,
+                                 last_batch=last_batch)
+    starts = [t for t, _, _ in segments]
+    for i, (plan, (t, n, B)) in enumerate(zip(plans, segments)):
+        rows = len(plan.indices)
+        if i + 1 < len(segments):
+            assert rows == starts[i + 1] - t >= 1, f"segment {i} runs until the next starts"
+        assert plan.indices.shape == (rows, n, B)  # every shard of the segment: `rows` steps
+    end = starts[-1] + len(plans[-1].indices)
+    assert loaders.elastic_num_steps(N, segments, last_batch) == end
+    stated = sum(n * B * len(p.indices) for (_, n, B), p in zip(segments, plans))
+    if last_batch == "drop":
+        assert all(p.mask.all() for p in plans), "drop has no padding"
+    assert once_failure(N, plans, last_batch, stated) is None
+    skipped = loaders.remaining_samples(N, segments, end, epoch=epoch, seed=seed, shuffle=shuffle,
+                                        last_batch=last_batch)
+    assert len(skipped) == N - sum(int(p.mask.sum()) for p in plans)
+    if last_batch == "fill":
+        assert len(skipped) == 0
+
+
+@given(chains(), SEEDS, EPOCHS, st.booleans())
+@settings(max_examples=examples(25))
+def test_padding_is_masked_and_repeats_a_sample_real_earlier_in_its_segment(chain, seed, epoch, shuffle):
+    N, segments, last_batch = chain
+    for plan in loaders.elastic_plan(N, segments, epoch=epoch, seed=seed, shuffle=shuffle,
+                                     last_batch=last_batch):
+        for s, k, b in np.argwhere(~plan.mask):
+            seen = plan.indices[:s + 1][plan.mask[:s + 1]]
+            assert plan.indices[s, k, b] in seen, f"padding at step {s}, shard {k} repeats no real sample"
+
+
+@given(chains(), SEEDS, EPOCHS, st.booleans())
+@settings(max_examples=examples(25))
+def test_a_later_change_keeps_what_earlier_segments_delivered(chain, seed, epoch, shuffle):
+    # The samples delivered before the change at t_j are exactly those of the plan without
+    # that change, at its steps < t_j.
+    N, segments, last_batch = chain
+    kw = dict(epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
+    plans = loaders.elastic_plan(N, segments, **kw)
+    for j in range(1, len(segments)):
+        before = loaders.elastic_plan(N, segments[:j], **kw)
+        for i in range(j):
+            rows = len(plans[i].indices)
+            assert_same_bits(plans[i].indices, before[i].indices[:rows], f"segment {i} with {j} segments")
+            assert_same_bits(plans[i].mask, before[i].mask[:rows], f"segment {i} mask with {j} segments")
+
+
+@given(chains(), SEEDS, EPOCHS, st.booleans())
+@settings(max_examples=examples(25))
+def test_deterministic_and_counts_independent_of_the_shuffle(chain, seed, epoch, shuffle):
+    N, segments, last_batch = chain
+    kw = dict(epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
+    first = loaders.elastic_plan(N, segments, **kw)
+    loaders.elastic_plan(N, segments, epoch=(epoch + 1) % 2**32, seed=seed ^ 1, shuffle=True,
+                         last_batch=last_batch)  # another call in between changes nothing
+    again = loaders.elastic_plan(N, segments, **kw)
+    plain = loaders.elastic_plan(N, segments, last_batch=last_batch)
+    for i, (a, b, c) in enumerate(zip(first, again, plain)):
+        assert_same_bits(a.indices, b.indices, f"segment {i} twice")
+        assert_same_bits(a.mask, b.mask, f"segment {i} mask twice")
+        assert a.indices.shape == c.indices.shape and int(a.mask.sum()) == int(c.mask.sum())
+
+
+@given(chains(), SEEDS, st.booleans())
+@settings(max_examples=examples(25))
+def test_remaining_samples_are_what_real_slots_have_not_delivered(chain, seed, shuffle):
+    N, segments, last_batch = chain
+    kw = dict(seed=seed, shuffle=shuffle, last_batch=last_batch)
+    plans = loaders.elastic_plan(N, segments, **kw)
+    blocks = [(p.indices[r], p.mask[r]) for p in plans for r in range(len(p.indices))]
+    pools = {t: None for t, _, _ in segments}
+    for step in range(len(blocks) + 1):
+        seen = np.zeros(N, bool)
+        for indices, mask in blocks[:step]:
+            seen[indices[mask]] = True
+        got = loaders.remaining_samples(N, segments, step, **kw)
+        assert_same_bits(got, np.flatnonzero(~seen).astype(np.int64), f"remaining at step {step}")
+        if step in pools:
+            pools[step] = got
+    # At each segment's start, the remaining samples are its pool R_i; the text agrees.
+    text = text_elastic_plan(N, segments, 0, seed, shuffle, last_batch)
+    pool = list(range(N))
+    for (t, _, _), (indices, mask, _) in zip(segments, text):
+        assert pools[t].tolist() == pool
+        taken = {x for x, real in zip(flat(indices), flat(mask)) if real}
+        pool = [x for x in pool if x not in taken]
+
+
+def test_segment_streams_never_reuse_epoch_plans():
+    # Pinned NumPy fact the docstring relies on (NumPy 2.4): SeedSequence pads a short
+    # entropy list with zero words, so a fourth word 0 would give epoch_plan's stream.
+    def raw(entropy):
+        return np.random.PCG64(np.random.SeedSequence(entropy)).random_raw(4)
+    assert_same_bits(raw([5, 2, 1, 0]), raw([5, 2, 1]), "a zero fourth word")
+    for i in (1, 2, 2**32 - 1):
+        assert not np.array_equal(raw([5, 2, 1, i]), raw([5, 2, 1]))
+    # Same pool size, different segment index: different order (the 4th word counts).
+    a = loaders.elastic_plan(40, [(0, 1, 1), (1, 1, 39)], shuffle=True, seed=3)[1].indices
+    b = loaders.elastic_plan(40, [(0, 1, 1), (1, 1, 1), (2, 1, 38)], shuffle=True, seed=3)[2].indices
+    assert a.shape == (1, 1, 39) and b.shape == (1, 1, 38) and not np.array_equal(a[0, 0, 1:], b[0, 0])
+
+
+# --------------------------------------------------------------------------
+# Edges and validation
+# --------------------------------------------------------------------------
+
+def test_fewer_samples_left_than_new_shards():
+    # fill: one step; empty runs are all padding repeating the next run's smallest sample.
+    # 7 samples, [5, 6] left after step 0 on 5 shards: runs [], [], [5], [], [6]
+    # (lo = 2*k//5 = 0, 0, 0, 1, 1), so shards 0 and 1 pad with 5 and shard 3 with 6.
+    [_, plan] = loaders.elastic_plan(7, [(0, 1, 5), (1, 5, 2)])
+    assert plan.indices.tolist() == [[[5, 5], [5, 5], [5, 5], [6, 6], [6, 6]]]
+    assert plan.mask.tolist() == [[[False, False], [False, False], [True, False], [False, False],
+                                   [True, False]]]
+    # drop: 0 steps, so the epoch ends where the change is.
+    [_, plan] = loaders.elastic_plan(7, [(0, 2, 3), (1, 3, 1)], last_batch="drop")
+    assert plan.indices.shape == (0, 3, 1)  # pool of 1 sample on 3 shards
+
+
+def test_a_zero_step_segment_is_last():
+    assert loaders.elastic_num_steps(7, [(0, 2, 2), (2, 3, 1)]) == 2
+    with pytest.raises(ValueError, match=r"segments\[2\].start=3 is after the epoch's end at step 2"):
+        loaders.elastic_plan(7, [(0, 2, 2), (2, 3, 1), (3, 1, 1)])
+    with pytest.raises(ValueError, match=r"segments\[2\].start=2 is not after segments\[1\].start=2"):
+        loaders.elastic_plan(7, [(0, 2, 2), (2, 3, 1), (2, 1, 1)])
+
+
+@pytest.mark.parametrize("N, segments, kw, fragment", [
+    (7, [], {}, "segments must be a non-empty list"),
+    (7, "0,2,2", {}, "segments must be a non-empty list"),
+    (7, [(0, 2)], {}, r"segments[0]=(0, 2) is not (start, num_shards, batch_size)"),
+    (7, [(0, 2, 2), (1.0, 3, 1)], {}, "segments[1].start must be an int, got 1.0"),
+    (7, [(0, 2, True)], {}, "segments[0].batch_size must be an int, got True"),
+    (7, [(0, 0, 2)], {}, "segments[0].num_shards must be >= 1, got 0"),
+    (7, [(0, 2, 0)], {}, "segments[0].batch_size must be >= 1, got 0"),
+    (7, [(0, 2, 2), (-1, 3, 1)], {}, "segments[1].start must be >= 0, got -1"),
+    (7, [(0, 8, 1)], {}, "segments[0].num_shards=8 is more than num_samples=7"),
+    (7, [(0, 2, 2), (1, 8, 1)], {}, "segments[1].num_shards=8 is more than num_samples=7"),
+    (7, [(1, 2, 2)], {}, "segments[0].start=1; the first segment starts at step 0"),
+    (7, [(0, 2, 2), (0, 3, 1)], {}, "segments[1].start=0 is not after segments[0].start=0"),
+    (7, [(0, 2, 2), (2, 3, 1), (1, 2, 1)], {}, "segments[2].start=1 is not after segments[1].start=2"),
+    (7, [(0, 2, 2), (3, 3, 1)], {}, "segments[1].start=3 is after the epoch's end at step 2"),
+    (7, [(0, 2, 2), (2, 3, 1)], {"last_batch": "drop"}, "segments[1].start=2 is after the epoch's end at step 1"),
+    (0, [(0, 1, 1)], {}, "num_samples must be >= 1, got 0"),
+    (7, [(0, 2, 2)], {"seed": 2**32}, "seed=4294967296 is outside [0, 2**32)"),
+    (7, [(0, 2, 2)], {"epoch": -1}, "epoch=-1 is outside [0, 2**32)"),
+    (7, [(0, 2, 2)], {"shuffle": 1}, "shuffle must be a bool, got 1"),
+    (7, [(0, 2, 2)], {"last_batch": "pad"}, "last_batch must be one of"),
+])
+def test_elastic_plan_refuses_naming_the_parameter(N, segments, kw, fragment):
+    with pytest.raises(ValueError) as info:
+        loaders.elastic_plan(N, segments, **kw)
+    assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
+    assert "last_batch" in fragment or str(info.value).startswith("elastic_plan: ")
+
+
+def test_remaining_samples_refuses_a_step_outside_the_epoch():
+    with pytest.raises(ValueError, match=r"step=3 is outside \[0, 2\]"):
+        loaders.remaining_samples(7, [(0, 2, 2), (1, 3, 1)], 3)
+    with pytest.raises(ValueError, match="step must be >= 0, got -1"):
+        loaders.remaining_samples(7, [(0, 2, 2)], -1)
+
+
+# --------------------------------------------------------------------------
+# LoaderState
+# --------------------------------------------------------------------------
+
+@st.composite
+def states(draw):
+    N, segments, last_batch = draw(chains())
+    seed, epoch, shuffle = draw(SEEDS), draw(EPOCHS), draw(st.booleans())
+    end = loaders.elastic_num_steps(N, segments, last_batch)
+    step = draw(st.integers(segments[-1][0], end))
+    return loaders.LoaderState(N, seed, epoch, step, shuffle, last_batch, tuple(segments))
+
+
+@given(states())
+@settings(max_examples=examples(25))
+def test_state_round_trips_through_json(state):
+    text = state.to_json()
+    assert len(text) <= 140 + 16 * len(state.segments), text
+    assert loaders.LoaderState.from_json(text) == state
+    assert loaders.LoaderState.from_json(json.dumps(json.loads(text), indent=2)) == state
+    assert json.loads(text)["segments"] == [list(s) for s in state.segments]
+
+
+@given(states(), st.integers(1, 6), st.integers(1, 5))
+@settings(max_examples=examples(25))
+def test_resized_state_plans_the_new_shards_from_its_step(state, n, B):
+    n = min(n, state.num_samples)
+    new = state.resized(n, B)
+    plan, row = new.plan()
+    kept = state.segments[:-1] if state.step == state.segments[-1].start else state.segments
+    if kept and kept[-1][1:] == (n, B):
+        assert new.segments == kept
+    else:
+        assert new.segments == kept + ((state.step, n, B),)
+    assert new.step == state.step and new.segments[-1][1:] == (n, B)
+    assert dataclasses.replace(new, segments=state.segments) == state  # nothing else changed
+    want = loaders.elastic_plan(state.num_samples, new.segments, epoch=state.epoch, seed=state.seed,
+                                shuffle=state.shuffle, last_batch=state.last_batch)[-1]
+    assert_same_bits(plan.indices, want.indices, "resized plan")
+    assert row == state.step - new.segments[-1].start and 0 <= row <= len(plan.indices)
+    assert new.num_steps - new.step == len(plan.indices) - row
+
+
+@given(chains(), SEEDS, EPOCHS, st.booleans())
+@settings(max_examples=examples(25))
+def test_a_job_that_saves_reloads_and_resizes_delivers_the_spec(chain, seed, epoch, shuffle):
+    # Each segment's devices run from the state they were handed, save it at the next
+    # change (through JSON), and the next devices resume from it: what they deliver is
+    # elastic_plan's epoch, exactly once.
+    N, segments, last_batch = chain
+    (_, n, B) = segments[0]
+    state = loaders.LoaderState.start(N, n, B, epoch=epoch, seed=seed, shuffle=shuffle,
+                                      last_batch=last_batch)
+    delivered = []
+    for i in range(len(segments)):
+        plan, row = state.plan()
+        stop = segments[i + 1][0] if i + 1 < len(segments) else state.num_steps
+        run = slice(row, row + stop - state.step)
+        delivered.append((plan.indices[run], plan.mask[run]))
+        state = loaders.LoaderState.from_json(state.at_step(stop).to_json())
+        state.check_same_run("test", num_samples=N, seed=seed, shuffle=shuffle, last_batch=last_batch)
+        if i + 1 < len(segments):
+            state = state.resized(*segments[i + 1][1:])
+    spec = loaders.elastic_plan(N, state.segments, epoch=epoch, seed=seed, shuffle=shuffle,
+                                last_batch=last_batch)
+    got = np.concatenate([i.reshape(-1) for i, _ in delivered])
+    want = np.concatenate([p.indices.reshape(-1) for p in spec])
+    assert_same_bits(got, want, "what the resumed shards delivered")
+    stated = sum(s.num_shards * s.batch_size * len(p.indices) for s, p in zip(state.segments, spec))
+    assert once_failure(N, delivered, last_batch, stated) is None
+    assert state.step == state.num_steps
+    nxt = state.next_epoch()
+    [fresh] = loaders.elastic_plan(N, nxt.segments, epoch=epoch + 1, seed=seed, shuffle=shuffle,
+                                   last_batch=last_batch)
+    last = state.segments[-1]
+    want = loaders.epoch_plan(N, last.num_shards, last.batch_size, epoch=epoch + 1, seed=seed,
+                              shuffle=shuffle, last_batch=last_batch)
+    assert nxt.step == 0 and nxt.epoch == epoch + 1
+    assert_same_bits(fresh.indices, want.indices, "the next epoch is a fresh plan")
+
+
+def test_resize_edges():
+    state = loaders.LoaderState.start(7, 2, 2)
+    assert state.resized(3, 1).segments == ((0, 3, 1),)  # at step 0: a fresh epoch on 3 shards
+    at_end = state.at_step(2).resized(3, 1)
+    assert at_end.segments == ((0, 2, 2), (2, 3, 1)) and at_end.num_steps == 2
+    plan, row = at_end.plan()
+    assert plan.indices.shape == (0, 3, 1) and row == 0
+    assert at_end.resized(1, 1).segments == ((0, 2, 2), (2, 1, 1))  # replaces the 0-step one
+    moved = state.at_step(1).resized(3, 1)
+    assert moved.segments == ((0, 2, 2), (1, 3, 1))
+    assert moved.resized(3, 1) == moved  # the same shards continue
+    # Back to (2, 2) before a step ran on (3, 1): the original plan continues ...
+    assert moved.resized(2, 2).segments == ((0, 2, 2),)
+    # ... but after one, (2, 2) is a new segment over what is left.
+    assert moved.at_step(2).resized(2, 2).segments == ((0, 2, 2), (1, 3, 1), (2, 2, 2))
+    with pytest.raises(ValueError, match=r"num_shards=8 is more than num_samples=7"):
+        state.at_step(1).resized(8, 1)
+
+
+def test_state_validates_itself():
+    good = dict(num_samples=7, seed=0, epoch=0, step=1, shuffle=False, last_batch="fill",
+                segments=((0, 2, 2), (1, 3, 1)))
+    loaders.LoaderState(**good)
+    for change, fragment in [
+        ({"step": 0}, "step=0 is outside [1, 2]"),
+        ({"step": 3}, "step=3 is outside [1, 2]"),
+        ({"step": 1.0}, "step must be an int, got 1.0"),
+        ({"shuffle": 0}, "shuffle must be a bool, got 0"),
+        ({"seed": -1}, "seed must be >= 0, got -1"),
+        ({"seed": "0"}, "seed must be an int, got '0'"),
+        ({"epoch": 2**32}, "epoch=4294967296 is outside [0, 2**32)"),
+        ({"num_samples": 6, "segments": ((0, 2, 2), (3, 3, 1))}, "segments[1].start=3 is after"),
+        ({"last_batch": "drop", "step": 2, "segments": ((0, 2, 2), (2, 3, 1))},
+         "segments[1].start=2 is after the epoch's end at step 1"),
+        ({"segments": ()}, "segments must be a non-empty list"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            loaders.LoaderState(**{**good, **change})
+        assert fragment in str(info.value) and str(info.value).startswith("LoaderState: "), str(info.value)
+
+
+def test_state_refuses_another_run_by_name():
+    state = loaders.LoaderState.start(1000, 4, 8, seed=3, shuffle=True)
+    run = dict(num_samples=1000, seed=3, shuffle=True, last_batch="fill")
+    state.check_same_run("resume", **run)
+    for name, value in [("num_samples", 999), ("seed", 4), ("shuffle", False), ("shuffle", 1),
+                        ("last_batch", "drop")]:
+        with pytest.raises(ValueError) as info:
+            state.check_same_run("resume", **{**run, name: value})
+        message = str(info.value)
+        assert message.startswith("resume: ") and f"{name}={getattr(state, name)!r}" in message \
+            and f"{name}={value!r}" in message, message
+
+
+def test_from_json_refuses_what_is_not_a_state():
+    text = loaders.LoaderState.start(7, 2, 2).to_json()
+    doc = json.loads(text)
+    for bad, fragment in [
+        ("{", "not a JSON document"),
+        ("[1, 2]", "expected an object with keys"),
+        (json.dumps({k: v for k, v in doc.items() if k != "step"}), "got ['epoch', 'format'"),
+        (json.dumps({**doc, "extra": 1}), "'extra'"),
+        (json.dumps({**doc, "format": "loaders.LoaderState/2"}), "format='loaders.LoaderState/2'"),
+        (json.dumps({**doc, "segments": "0,2,2"}), "segments='0,2,2' is not a list"),
+        (json.dumps({**doc, "segments": [[0, 2]]}), "segments[0]=[0, 2] is not"),
+        (json.dumps({**doc, "shuffle": "false"}), "shuffle must be a bool"),
+        (json.dumps({**doc, "num_samples": 7.0}), "num_samples must be an int, got 7.0"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            loaders.LoaderState.from_json(bad)
+        assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
