@@ -1061,10 +1061,10 @@ class Loader:
         block k of name   = f(arrays[name][P.indices[s, k]])
         block k of "mask" = P.mask[s, k]
 
-    where f is ``normalizers[name]`` when there is one (a ``Normalize``:
-    float32 (B, C, ch, cw), the table's bits; a callable: what it returns) and
-    otherwise the identity: the rows bit for bit as stored, dtype and shape
-    kept. So every name follows the same plan, mask, resume and device order,
+    where f is ``normalizers[name]`` when there is one (a ``Normalize``: its
+    ``crop_mirror_normalize``, float32 (B, C, ch, cw) looked up in
+    ``normalize_table``; a callable: what it returns) and otherwise the
+    identity: the rows bit for bit as stored, dtype and shape kept. So every name follows the same plan, mask, resume and device order,
     and batches are fully determined by (seed, epoch, step): two loaders with
     the same arguments yield equal batches, whatever their placement.
 
@@ -1244,10 +1244,10 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
       48), float features (N, 40) with float targets (N,), uint8 images (N, C,
       H, W) with labels of any shape. Batches hold every name, delivered bit for
       bit as stored unless ``normalize`` names it, plus "mask";
-    * a tuple ``(samples, labels_N)``, the notebooks' form: ``samples`` any array
+    * a tuple ``(samples, labels_N)`` (or a two-item list), the notebooks' form: ``samples`` any array
       (N, ...) whose dtype JAX holds as it is, ``labels_N`` integers (N,) within
-      int32, delivered as int32; batches are {"images": samples, "labels",
-      "mask"};
+      int32, delivered as int32; batches are {"images": the samples (normalised
+      by default), "labels", "mask"};
     * a CIFAR-10 folder, read with ``filename_prefix`` (``read_cifar10``): the
       tuple form over its images and labels.
 
@@ -1279,7 +1279,8 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
     devices than samples, a repeated device, a mesh without a 'data' axis
     spanning its devices, an unknown layout, last_batch policy or placement, a
     seed outside [0, 2**32), shuffle not a bool, prefetch not an int >= 0; data
-    in none of the three forms, an empty dict, a name that is not a string or is
+    in none of the three forms (an array is not a tuple, even a (2, N) one), an
+    empty dict, a name that is not a string or is
     "mask", arrays without a leading N axis or of different N; an array of a
     dtype JAX would convert (int64, uint64, float64, complex128 without
     ``jax_enable_x64``: the message says which dtype keeps its kind, e.g.
@@ -1288,9 +1289,11 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
     uint8 (N, C, H, W) (for channels-last images it says "NCHW expected" and how
     to transpose), or whose mean/std or crop do not fit the images; a bare
     Normalize or callable for a dict dataset, or a name in ``normalize`` that
-    the data lacks; a callable with a placement other than "host_float32"; or a
-    dataset over the device budget. A callable that returns blocks of another
-    length or a dtype JAX would convert is refused when its batch is made.
+    the data lacks; a callable with a placement other than "host_float32"; a
+    ``filename_prefix`` other than the default with arrays (it picks a folder's
+    files); or a dataset over the device budget. A callable that returns blocks of another
+    length or a dtype JAX would convert is refused when its batch is made. A
+    folder that cannot be read raises what ``read_cifar10`` raises.
     """
     arrays, normalize = _dataset(data, filename_prefix, normalize)
     mesh = data_mesh(devices)
@@ -1335,13 +1338,18 @@ def _dataset(data, filename_prefix: str, normalize):
     name, normalize resolved: a dict for a dict dataset, else what applies to "images")."""
     if isinstance(data, (str, os.PathLike)):
         data = read_cifar10(data, filename_prefix)
+    elif filename_prefix != TRAIN_PREFIX:
+        raise ValueError(f"make_loader: filename_prefix={filename_prefix!r} picks the files of a CIFAR-10 "
+                         f"folder, but data is a {type(data).__name__} of arrays; read the files first "
+                         f"(read_cifar10(folder, {filename_prefix!r})) or pass the folder")
     if isinstance(data, Mapping):
         return _named_arrays(data, normalize)
-    try:
-        samples, labels = data
-    except (TypeError, ValueError):
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        # Not "samples, labels = data": a (2, N) array would unpack into two rows.
         raise ValueError(f"make_loader: data must be a CIFAR-10 folder, a tuple (samples, labels) or a "
-                         f"dict of named arrays, got {type(data).__name__}") from None
+                         f"dict of named arrays, got {type(data).__name__}"
+                         f"{f' {data.shape}' if hasattr(data, 'shape') else ''}")
+    samples, labels = data
     if isinstance(normalize, str) and normalize == "default":
         normalize = Normalize()
     elif isinstance(normalize, Mapping):

@@ -292,6 +292,9 @@ def test_dict_datasets_are_refused_by_name(devices):
         ((images, np.zeros(N, np.int32)), {"normalize": {"labels": norm}}, "normalises only 'images'"),
         ("not a folder", {}, "is not a directory"),
         (images, {}, "a tuple (samples, labels) or a dict"),
+        (np.zeros((2, N), np.int32), {}, "got ndarray (2, 103)"),  # would unpack into two rows
+        ((images, images, images), {}, "got tuple"),
+        ({"x": x}, {"filename_prefix": "test_batch"}, "picks the files of a CIFAR-10 folder"),
     ]
     for data, kwargs, words in cases:
         with pytest.raises((ValueError, FileNotFoundError)) as error:
@@ -300,7 +303,8 @@ def test_dict_datasets_are_refused_by_name(devices):
     # Controls: the same arrays, well named, are accepted; so is {"images": Normalize} on the tuple form.
     loaders.make_loader({"x": x, "y": x}, devices, B)
     loaders.make_loader({"images": images}, devices, B, normalize={"images": norm})
-    loaders.make_loader((images, np.zeros(N, np.int32)), devices, B, normalize={"images": norm})
+    pair = loaders.make_loader((images, np.zeros(N, np.int32)), devices, B, normalize={"images": norm})
+    assert pair.normalize == norm and pair.batch(0, 0)["images"].dtype == np.float32
 
 
 def test_other_arguments_the_loader_cannot_honour_are_refused(devices):
@@ -327,6 +331,14 @@ def test_a_callable_normalize_that_breaks_its_contract_is_refused(devices):
     good = loaders.make_loader((images, labels), devices, B, normalize=lambda b: b.astype(np.float32),
                                placement="host_float32")
     assert good.batch(0, 0)["images"].dtype == np.float32  # the control: a callable within its contract
+
+
+def test_device_budget_counts_every_arrays_bytes(devices):
+    data, _, _ = dataset("tokens")  # two int32 (N, 48) arrays: 384 bytes a sample
+    per_device = -(-N // len(devices)) * 2 * 48 * 4
+    loaders.make_loader(data, devices, B, placement="device", device_budget=per_device)  # fits exactly
+    with pytest.raises(ValueError, match="over the budget"):
+        loaders.make_loader(data, devices, B, placement="device", device_budget=per_device - 1)
 
 
 def test_device_budget_counts_the_samples_bytes(devices):
