@@ -558,7 +558,8 @@ def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str
 
     Inputs: ``mean`` and ``std`` hold C real numbers each (``numbers.Real``: Python
     ints and floats, ``fractions.Fraction``, NumPy integer and floating scalars,
-    ``np.longdouble`` included). Each entry is converted by Python's ``float()``
+    ``np.longdouble`` included; also 0-d NumPy or JAX arrays of an integer or
+    float dtype, as iterating a JAX array gives). Each entry is converted by Python's ``float()``
     to a double (correctly rounded, ties to even) and that double is rounded to
     float32: a value that is not a double is rounded twice, as the vendors'
     Python bindings round it. For example 1 + 2**-24 + 2**-60 (a Fraction or a
@@ -778,12 +779,17 @@ def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
 
 def _doubles(name: str, values, where: str) -> tuple[float, ...]:
     """``values`` as a tuple of doubles, each entry converted by ``float()`` (normalize_table's text)."""
-    if isinstance(values, (str, bytes)) or not np.iterable(values) or np.ndim(values) != 1:
+    try:
+        one_dimensional = np.iterable(values) and np.ndim(values) == 1
+    except ValueError:  # a ragged nesting
+        one_dimensional = False
+    if isinstance(values, (str, bytes)) or not one_dimensional:
         raise ValueError(f"{where}: {name} must be a sequence of real numbers, one per channel, "
                          f"got {values!r}")
     out = []
     for value in values:
-        if not isinstance(value, numbers.Real):
+        zero_d = hasattr(value, "dtype") and np.ndim(value) == 0 and np.dtype(value.dtype).kind in "biuf"
+        if not (isinstance(value, numbers.Real) or zero_d):
             raise ValueError(f"{where}: {name}={list(values)!r} holds {value!r} of type "
                              f"{type(value).__name__}, not a real number (int, float, Fraction, "
                              f"NumPy scalar)")

@@ -1235,6 +1235,7 @@ def test_the_one_channel_offsets_differ_for_127_5_over_63():
     (np.zeros((1, 3)), np.ones(3), "mean must be a sequence"), ((0.0,), ("1",), "'1' of type str"),
     ((Decimal("1.5"),), (1.0,), "of type Decimal, not a real number"), ((0.0,), (1j,), "not a real number"),
     ((10**400,), (1.0,), "beyond a double's range"), ((Fraction(10**400, 3),), (1.0,), "beyond a double"),
+    ([[0.0, 1.0], [0.0]], (1.0,), "mean must be a sequence"), ((np.str_("1"),), (1.0,), "not a real number"),
 ])
 def test_normalize_table_refuses_what_its_text_refuses(mean, std, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -1380,6 +1381,8 @@ def test_normalize_refuses_what_it_cannot_hold():
                           (dict(crop=(28,)), "two ints"), (dict(mirror="yes"), "mirror must be a bool"),
                           (dict(crop_pos=(0.5,)), "crop_pos must be two numbers")]:
         assert_raises_naming(ValueError, lambda: loaders.Normalize(**kwargs), "Normalize", words)
+    as_jax = loaders.Normalize(mean=jax.numpy.array([127.5] * 3), std=np.full(3, 127.5))  # 0-d entries
+    assert as_jax == loaders.Normalize() and all(type(m) is float for m in as_jax.mean + as_jax.std)
     norm = loaders.Normalize(crop=(np.int64(28), 28), mirror=np.bool_(True), crop_pos=[np.float32(0.5), 0.5])
     assert norm.crop == (28, 28) and norm.mirror is True and norm.crop_pos == (0.5, 0.5)
     assert norm == loaders.Normalize(crop=(28, 28), mirror=True) and hash(norm) == hash(
