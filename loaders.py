@@ -21,14 +21,19 @@ The contract, in the order the pieces are used:
   specified as a table: over uint8 input, a vendor's formula is one float32 value
   per (channel, pixel value), ``normalize_table``. Every path that normalises
   (host, device) looks the table up, so the bits are the same on every device.
-* ``make_loader`` puts it together: one loader for a set of devices whose epoch
-  iterator yields ``{"images", "labels", "mask"}`` as global ``jax.Array``s, row
-  block k on the device at position k of the mesh. ``placement`` says where the
-  work happens: "host" gathers uint8 rows on the host and normalises on the
-  devices; "device" keeps each shard resident on its device and gathers there;
-  "host_float32" normalises on the host. All three give the same bits. Any
-  other arrays (float features of any shape, with ``normalize=None``) go
-  through the same plan and placements unchanged, under the key "images".
+* ``make_loader`` puts it together: one loader for a set of devices over a
+  dataset of named arrays, N first: a dict ``{name: array}`` (token ids and
+  per-token targets, float features and float targets, images and labels: any
+  names but "mask", any shapes, any dtype JAX holds as it is), or the
+  notebooks' tuple ``(images, labels)`` and a CIFAR-10 folder, which give
+  "images" and "labels". Its epoch iterator yields every name plus "mask" as
+  global ``jax.Array``s, row block k on the device at position k of the mesh,
+  each name delivered bit for bit as stored unless ``normalize`` names it
+  (``normalize={"images": Normalize()}``; for the tuple form ``Normalize()`` is
+  the default). ``placement`` says where the work happens: "host" gathers rows
+  on the host and normalises on the devices; "device" keeps each shard
+  resident on its device and gathers there; "host_float32" normalises on the
+  host. All three give the same bits.
 
 Remainder handling, worked (DALI's LastBatchPolicy table, for shards). Data is
 samples 0..6 (N=7), two shards (n=2), per-device batch B=2, no shuffle.
@@ -55,6 +60,7 @@ Guarantees (each is tested in test_loaders.py):
   versions). Seeds are mixed by SeedSequence, never added: (seed 1, epoch 0) and
   (seed 0, epoch 1) give unrelated orders. Shards never exchange samples
   (rocAL's and DALI's ``stick_to_shard`` behaviour).
+* Every name of a dataset follows the same plan, mask, layout and resume.
 * The three placements give bit-identical global arrays, in both layouts.
 
 Deliberate differences from rocAL and DALI, and why:
@@ -80,10 +86,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gzip
+import numbers
 import os
 import queue
 import tempfile
 import threading
+from collections.abc import Mapping
 from fractions import Fraction
 from typing import Callable, Iterator, NamedTuple, Sequence
 
@@ -926,43 +934,70 @@ def _segment_permutation(size: int, *, seed: int, epoch: int, shard: int, segmen
 def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str = "rocal") -> np.ndarray:
     """(C, 256) float32: the vendor's normalised value of each uint8 pixel value, per channel.
 
-    Let r32(v) be v rounded once to float32, round-to-nearest-even, from its exact
-    value (IEEE 754's default rounding; overflow is an error, below). Then, per channel c
-    (all values float32; x = 0..255 is exact in float32):
+    Inputs: ``mean`` and ``std`` hold C real numbers each (``numbers.Real``: Python
+    ints and floats, ``fractions.Fraction``, NumPy integer and floating scalars,
+    ``np.longdouble`` included; also 0-d NumPy or JAX arrays of an integer or
+    float dtype, as iterating a JAX array gives). Each entry is converted by Python's ``float()``
+    to a double (correctly rounded, ties to even) and that double is rounded to
+    float32: a value that is not a double is rounded twice, as the vendors'
+    Python bindings round it. For example 1 + 2**-24 + 2**-60 (a Fraction or a
+    long double) becomes the double 1 + 2**-24, a float32 tie, so m = 1.0 (rounded
+    once from the exact value it would be 1 + 2**-23); so does 2**60 + 2**36 + 1
+    (an int), to m = 2**60. ``Normalize`` stores the same doubles, so its table
+    and every placement agree with this function for any such input.
 
-        m   = r32(mean[c])                  # from the Python float (a double)
-        s   = r32(std[c])
-        inv = r32(1 / s)                    # from the float32 s, not from std[c]
-        "rocal":    off = r32(-(m / s)) if C == 1 else r32(-(m * inv))
-                    table[c, x] = r32(x * inv + off)      # one FMA: the exact value, rounded once
-        "dali_gpu": add = r32(-(m * inv))   # for every C
-                    table[c, x] = r32(x * inv + add)      # one FMA, rounded once
-        "dali_cpu": table[c, x] = r32(r32(x - m) * inv)   # a subtract, then a multiply
+    Arithmetic: IEEE 754 binary32, every operation's exact result rounded once
+    to nearest, ties to even. Per channel c (x = 0..255 is exact in float32):
+
+        m   = f32(float(mean[c]))
+        s   = f32(float(std[c]))
+        inv = 1 / s                                   # float32 division
+        "rocal":    off = -(m / s) if C == 1 else -(m * inv)
+                    table[c, x] = fma(x, inv, off)    # x * inv + off exactly, rounded once
+        "dali_gpu": off = -(m * inv)                  # for every C
+                    table[c, x] = fma(x, inv, off)
+        "dali_cpu": table[c, x] = (x - m) * inv       # a subtract, then a multiply
 
     Why these: each is the vendor's own arithmetic, read in its source (see the
     comment above this function): rocAL's node computes the one-channel offset
     as -(mean / std) and the multi-channel one as -(mean * inv), so both are
     kept; DALI's GPU kernel folds the mean into one FMA, its CPU kernel does not.
-    Signs: an exact zero is +0.0, except where IEEE 754 gives -0.0 (x = 0 with
-    x*inv = -0.0 and off = -0.0, i.e. mean -0.0 and a negative std; "dali_cpu":
-    r32(x - m) = +0.0 times a negative inv). ``-(...)`` flips the sign bit.
 
-    Validated here: ValueError for an unknown arithmetic; mean and std of
-    different lengths or empty (there is no broadcasting: a one-entry mean is a
-    one-channel table, and ``crop_mirror_normalize`` refuses it for 3-channel
-    images); a mean or std that is not finite after r32 (NaN, inf, or beyond
-    float32's range); a std whose r32 is zero or subnormal (its inverse would
-    overflow); or any inv, offset or table entry that overflows float32. Subnormal
-    means are accepted. Negative stds are accepted (the arithmetic is defined).
+    Signs of zeros, IEEE 754's rules: a non-zero exact result that rounds to
+    zero (underflow) keeps its sign; an exact zero product or quotient is -0.0
+    iff exactly one operand is negative; an exact zero sum (an fma's exact
+    product plus off; x - m) is -0.0 iff both terms are -0.0, else +0.0;
+    ``-(v)`` flips the sign bit. So "dali_cpu" with mean 1e-45 (m = 2**-149)
+    and std 255 gives table[0, 0] = (-2**-149) * inv, which underflows to -0.0;
+    "rocal" with mean -0.0 and std -2.0 gives off = -(-0.0 / -2.0) = -0.0 and
+    table[0, 0] = fma(0, -0.5, -0.0) = -0.0. NaN is refused (below), so no NaN
+    payload reaches a table.
+
+    Validated here: ValueError for an unknown arithmetic; mean or std not a
+    one-dimensional sequence of real numbers (a scalar, a string, a 2-d array),
+    of different lengths or empty (there is no broadcasting: a one-entry mean
+    is a one-channel table, and ``crop_mirror_normalize`` refuses it for
+    3-channel images); a mean or std that is not finite after f32 (NaN, inf,
+    beyond float32's range, or beyond a double's for ``float()``); a std whose
+    f32 is zero or subnormal (its inverse would overflow); or any inv, offset
+    or table entry that overflows float32. Subnormal means are accepted.
+    Negative stds are accepted (the arithmetic is defined).
     """
-    mean32, std32 = _mean_std(mean, std)
-    key = (mean32.tobytes(), std32.tobytes())  # bit patterns: -0.0 and 0.0 are different keys
-    return _table(key, len(mean32), _check_arithmetic(arithmetic)).copy()
+    return _table(_table_key(mean, std, arithmetic, "normalize_table")).copy()
+
+
+def _table_key(mean, std, arithmetic: str, where: str) -> tuple[bytes, bytes, str]:
+    """What determines a table's bits, exactly: the float32 bit patterns of mean
+    and std (so -0.0 and 0.0 are different keys; a NaN is refused before) and
+    the arithmetic. Every table cache is keyed by this."""
+    mean32, std32 = _mean_std(mean, std, where)
+    return mean32.tobytes(), std32.tobytes(), _check_arithmetic(arithmetic)
 
 
 @functools.lru_cache(maxsize=64)
-def _table(key: tuple, channels: int, arithmetic: str) -> np.ndarray:
+def _table(key: tuple[bytes, bytes, str]) -> np.ndarray:
     mean32, std32 = np.frombuffer(key[0], np.float32), np.frombuffer(key[1], np.float32)
+    channels, arithmetic = len(mean32), key[2]
     where = f"normalize_table: mean={mean32.tolist()}, std={std32.tolist()}"
     with np.errstate(over="ignore", invalid="ignore"):
         inv = np.float32(1) / std32
@@ -1069,7 +1104,7 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
         raise ValueError(f"crop_mirror_normalize: images must be uint8 NCHW, got "
                          f"{images_NCHW.dtype} {images_NCHW.shape}")
     n, c, h, w = images_NCHW.shape
-    table = normalize_table(mean, std, arithmetic)
+    table = _table(_table_key(mean, std, arithmetic, "crop_mirror_normalize"))
     if table.shape[0] != c:
         raise ValueError(f"crop_mirror_normalize: mean and std need {c} entries (one per channel), "
                          f"got mean={list(mean)}, std={list(std)}")
@@ -1087,7 +1122,7 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
     window = images_NCHW[:, :, y0:y0 + ch, x0:x0 + cw]
     if flip.any():
         window = np.where(flip[:, None, None, None], window[..., ::-1], window)
-    if (table == table[0]).all():  # one table for every channel: one lookup
+    if _one_row(table):  # one table for every channel, bit for bit: one lookup
         np.take(table[0], window, out=out, mode="clip")
     else:
         for channel in range(c):
@@ -1120,22 +1155,48 @@ def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def _mean_std(mean, std) -> tuple[np.ndarray, np.ndarray]:
-    """mean and std rounded to float32 (RNE), checked as normalize_table states."""
+def _doubles(name: str, values, where: str) -> tuple[float, ...]:
+    """``values`` as a tuple of doubles, each entry converted by ``float()`` (normalize_table's text)."""
+    try:
+        one_dimensional = np.iterable(values) and np.ndim(values) == 1
+    except ValueError:  # a ragged nesting
+        one_dimensional = False
+    if isinstance(values, (str, bytes)) or not one_dimensional:
+        raise ValueError(f"{where}: {name} must be a sequence of real numbers, one per channel, "
+                         f"got {values!r}")
+    out = []
+    for value in values:
+        zero_d = hasattr(value, "dtype") and np.ndim(value) == 0 and np.dtype(value.dtype).kind in "biuf"
+        if not (isinstance(value, numbers.Real) or zero_d):
+            raise ValueError(f"{where}: {name}={list(values)!r} holds {value!r} of type "
+                             f"{type(value).__name__}, not a real number (int, float, Fraction, "
+                             f"NumPy scalar)")
+        try:
+            out.append(float(value))
+        except OverflowError:
+            raise ValueError(f"{where}: {name}={list(values)!r}: {value!r} is beyond a double's "
+                             f"range, so not finite") from None
+    return tuple(out)
+
+
+def _mean_std(mean, std, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """mean and std as float32: float() of each entry, then rounded to float32 (RNE),
+    checked as normalize_table states."""
+    mean, std = _doubles("mean", mean, where), _doubles("std", std, where)
     with np.errstate(over="ignore"):
-        mean32 = np.asarray(mean, np.float32).reshape(-1)
-        std32 = np.asarray(std, np.float32).reshape(-1)
-    if mean32.shape != std32.shape or not mean32.size:
-        raise ValueError(f"crop_mirror_normalize: mean and std need one entry per channel, "
-                         f"got mean={np.asarray(mean).tolist()}, std={np.asarray(std).tolist()}")
+        mean32 = np.array(mean, np.float64).astype(np.float32)
+        std32 = np.array(std, np.float64).astype(np.float32)
+    if len(mean) != len(std) or not mean:
+        raise ValueError(f"{where}: mean and std need one entry per channel, "
+                         f"got mean={list(mean)}, std={list(std)}")
     if not (np.isfinite(mean32).all() and np.isfinite(std32).all()):
-        raise ValueError(f"crop_mirror_normalize: mean and std must be finite float32 values, got "
-                         f"mean={np.asarray(mean).tolist()}, std={np.asarray(std).tolist()}")
+        raise ValueError(f"{where}: mean and std must be finite float32 values, got "
+                         f"mean={list(mean)}, std={list(std)}")
     if np.any(std32 == 0):
-        raise ValueError(f"crop_mirror_normalize: std has a zero entry: std={std32.tolist()}")
+        raise ValueError(f"{where}: std has a zero entry: std={std32.tolist()}")
     if np.any(np.abs(std32) < np.finfo(np.float32).smallest_normal):
-        raise ValueError(f"crop_mirror_normalize: std has a subnormal float32 entry (1/std would "
-                         f"overflow): std={np.asarray(std).tolist()}")
+        raise ValueError(f"{where}: std has a subnormal float32 entry (1/std would "
+                         f"overflow): std={list(std)}")
     return mean32, std32
 
 
@@ -1145,7 +1206,7 @@ def _check_arithmetic(arithmetic: str) -> str:
     return arithmetic
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Normalize:
     """What the loader applies to each image: a vendor's crop_mirror_normalize.
 
@@ -1154,6 +1215,14 @@ class Normalize:
     "dali_cpu" or "dali_gpu"), also for the crop anchor's rounding; ``table`` is the (C, 256)
     specification. The DALI notebook's MNIST is ``Normalize(mean=(0.0,),
     std=(255.0,), arithmetic="dali_cpu")``.
+
+    ``mean`` and ``std`` take what ``normalize_table`` takes (any real numbers)
+    and are stored as tuples of ``float()`` of each entry, the doubles
+    normalize_table rounds to float32; ``crop_pos`` likewise. ``crop`` is None
+    or two ints, ``mirror`` a bool. Two Normalize are equal (and hash alike)
+    exactly when every field is the same, floats bit for bit: mean 0.0 and
+    -0.0, whose tables differ, are different values. The images it takes are
+    uint8 (N, C, H, W) with C = len(mean), channels first (NCHW).
     """
     mean: tuple[float, ...] = (127.5, 127.5, 127.5)
     std: tuple[float, ...] = (127.5, 127.5, 127.5)
@@ -1163,11 +1232,36 @@ class Normalize:
     arithmetic: str = "rocal"
 
     def __post_init__(self):
-        _mean_std(self.mean, self.std)
+        _mean_std(self.mean, self.std, "Normalize")
         _check_arithmetic(self.arithmetic)
-        # Tuples of floats whatever was passed (lists too): a Normalize is a hashable value.
-        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
-        object.__setattr__(self, "std", tuple(float(v) for v in self.std))
+        if self.mirror not in (True, False):
+            raise ValueError(f"Normalize: mirror must be a bool, got {self.mirror!r}")
+        crop = self.crop
+        if crop is not None and (np.ndim(crop) != 1 or len(crop) != 2 or not all(
+                isinstance(c, numbers.Integral) and not isinstance(c, (bool, np.bool_)) for c in crop)):
+            raise ValueError(f"Normalize: crop must be None or two ints (height, width), got {crop!r}")
+        crop_pos = _doubles("crop_pos", self.crop_pos, "Normalize")
+        if len(crop_pos) != 2:
+            raise ValueError(f"Normalize: crop_pos must be two numbers (y, x), got {self.crop_pos!r}")
+        # Plain Python values whatever was passed (lists, NumPy scalars): a Normalize is a hashable value.
+        object.__setattr__(self, "mean", _doubles("mean", self.mean, "Normalize"))
+        object.__setattr__(self, "std", _doubles("std", self.std, "Normalize"))
+        object.__setattr__(self, "mirror", bool(self.mirror))
+        object.__setattr__(self, "crop", None if crop is None else tuple(int(c) for c in crop))
+        object.__setattr__(self, "crop_pos", crop_pos)
+
+    def _identity(self) -> tuple:
+        # The floats by their bit patterns: 0.0 == -0.0 as floats, not as bits.
+        floats = np.array(self.mean + self.std + self.crop_pos, np.float64).tobytes()
+        return floats, len(self.mean), self.mirror, self.crop, self.arithmetic
+
+    def __eq__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self):
+        return hash(self._identity())
 
     @property
     def table(self) -> np.ndarray:
@@ -1176,12 +1270,20 @@ class Normalize:
     def window(self, image_hw: tuple[int, int]) -> tuple[int, int, int, int]:
         return crop_window(image_hw, self.crop, self.crop_pos, self.arithmetic)
 
-    def output_shape(self, image_chw: tuple[int, int, int]) -> tuple[int, int, int]:
-        """(C, ch, cw) of a normalised image; ValueError if mean/std or crop do not fit."""
+    def output_shape(self, image_chw: tuple[int, ...]) -> tuple[int, int, int]:
+        """(C, ch, cw) of a normalised image of ``image_chw`` = (C, H, W); ValueError
+        if that is not 3-d, or mean/std or the crop do not fit it."""
+        if len(image_chw) != 3:
+            raise ValueError(f"Normalize: images must be (N, C, H, W), one image (C, H, W), got an image "
+                             f"of shape {tuple(image_chw)}")
         c, h, w = image_chw
         if len(self.mean) != c:
-            raise ValueError(f"Normalize: mean and std need {c} entries (one per channel of "
-                             f"images {tuple(image_chw)}), got mean={list(self.mean)}")
+            hint = ""
+            if image_chw[-1] == len(self.mean):
+                hint = (f"; these look channels-last (NHWC): NCHW expected, pass "
+                        f"images.transpose(0, 3, 1, 2)")
+            raise ValueError(f"Normalize: mean and std need {c} entries (one per channel of images "
+                             f"{tuple(image_chw)}, channels first), got mean={list(self.mean)}{hint}")
         return (c,) + self.window((h, w))[2:]
 
     def __call__(self, images_NCHW: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -1320,60 +1422,105 @@ def _check_layout(layout: str) -> None:
 # The loader
 # --------------------------------------------------------------------------
 
+MASK = "mask"  # the name every batch adds; refused as a name in the data
+
 
 @dataclasses.dataclass(frozen=True)
 class Loader:
-    """A sharded epoch iterator over an in-memory (or memory-mapped) dataset.
+    """A sharded epoch iterator over an in-memory (or memory-mapped) dataset of named arrays.
 
-    Build it with ``make_loader``. ``len(loader)`` is the number of steps in every
-    epoch, equal on every shard. ``loader.epoch(e)`` yields one dict per step with
-    global arrays "images", "labels" (int32) and "mask" (bool) in ``layout``;
-    ``loader.batch(e, s)`` is step s alone (random access). "images" are the
-    samples normalised to float32 when ``normalize`` is given (uint8 (N, C, H, W)
-    images), or the samples exactly as stored (any shape and dtype: float
-    features, ...) when it is None.
-    ``loader.plan(e)`` is the epoch's ``Plan``. Batches are fully determined by
-    (seed, epoch, step): two loaders with the same arguments yield equal batches,
-    whatever their placement.
+    Build it with ``make_loader``. ``arrays`` is the dataset: name -> host array
+    (N, ...), row i of every array being sample i ("images" and "labels" (int32)
+    for ``make_loader``'s tuple form and a CIFAR-10 folder). ``len(loader)`` is
+    the number of steps in every epoch, equal on every shard.
+    ``loader.epoch(e)`` yields one dict per step, ``loader.batch(e, s)`` is step
+    s alone (random access), ``loader.plan(e)`` is the epoch's ``Plan``.
+
+    A batch holds every name of ``arrays``, in its order, then "mask" (bool):
+    global ``jax.Array``s in ``layout``, "sharded" (n*B, ...) or "pmap" (n, B,
+    ...), both ``NamedSharding(mesh, P('data'))``, block k (rows k*B..k*B+B-1, or
+    row k for "pmap") on the device at mesh position k. With P = plan(e), for
+    every name, step s and shard k:
+
+        block k of name   = f(arrays[name][P.indices[s, k]])
+        block k of "mask" = P.mask[s, k]
+
+    where f is ``normalizers[name]`` when there is one (a ``Normalize``: its
+    ``crop_mirror_normalize``, float32 (B, C, ch, cw) looked up in
+    ``normalize_table``; a callable: what it returns) and otherwise the
+    identity: the rows bit for bit as stored, dtype and shape kept. So every name follows the same plan, mask, resume and device order,
+    and batches are fully determined by (seed, epoch, step): two loaders with
+    the same arguments yield equal batches, whatever their placement.
+
+    ``normalize`` is what ``make_loader`` resolved: a dict name -> Normalize or
+    callable for a dict dataset; for the tuple form and a folder, what applies
+    to "images" (a Normalize, a callable or None). ``normalizers`` gives either
+    as one dict, name -> Normalize or callable.
 
     Placements (where the per-step work happens):
 
-    * "host": the host gathers each step's uint8 rows into one buffer, moves
-      uint8 (a quarter of the float32 bytes) to the devices, and each device
-      crops, flips and looks the table up on its own block (jit + shard_map).
-    * "device": shard k's uint8 samples live on device k for the loader's life
-      (about N/n samples per device, padded to the largest shard), the epoch's
-      plan goes to the devices once per epoch, and each step is one dispatch
-      that gathers and normalises on every device: no host work per step.
-    * "host_float32": the host normalises into float32 and moves that; the only
-      placement that accepts any callable as ``normalize``.
+    * "host": the host gathers each step's rows into one buffer per name and
+      moves them as stored (uint8 images: a quarter of the float32 bytes); each
+      device crops, flips and looks the table up on its own block of every
+      normalised name (jit + shard_map).
+    * "device": shard k's samples of every name live on device k for the
+      loader's life (about N/n samples per device, padded to the largest
+      shard), the epoch's plan goes to the devices once per epoch, and each step
+      is one dispatch that gathers and normalises on every device: no host work
+      per step.
+    * "host_float32": the host normalises (into float32 for a Normalize) and
+      moves that; the only placement that accepts any callable in
+      ``normalize``.
 
-    With ``normalize=None`` nothing is normalised: "host" and "host_float32"
-    both gather the rows on the host and move them as they are; "device"
-    gathers them on the devices. The three still give the same bits.
+    The three give the same bits, in both layouts.
     """
-    images: np.ndarray
-    labels: np.ndarray
+    arrays: dict[str, np.ndarray]
     mesh: Mesh
     batch_size: int
     layout: str = "sharded"
     shuffle: bool = False
     seed: int = 0
     last_batch: str = "fill"
-    normalize: Normalize | Callable | None = Normalize()
+    normalize: Normalize | Callable | dict | None = None
     prefetch: int = 2
     placement: str = "host"
     resident: dict | None = dataclasses.field(default=None, repr=False)  # placement="device"
+
+    @property
+    def images(self) -> np.ndarray:
+        """``arrays["images"]`` (the tuple form's samples)."""
+        return self._array("images")
+
+    @property
+    def labels(self) -> np.ndarray:
+        """``arrays["labels"]`` (the tuple form's int32 labels)."""
+        return self._array("labels")
+
+    def _array(self, name: str) -> np.ndarray:
+        if name not in self.arrays:
+            raise AttributeError(f"Loader: this dataset has no {name!r}; its names are {list(self.arrays)}")
+        return self.arrays[name]
+
+    @property
+    def normalizers(self) -> dict:
+        """name -> Normalize or callable, for the names that are normalised."""
+        if isinstance(self.normalize, dict):
+            return {name: f for name, f in self.normalize.items() if f is not None}
+        return {} if self.normalize is None else {"images": self.normalize}
+
+    @property
+    def num_samples(self) -> int:
+        return len(next(iter(self.arrays.values())))
 
     @property
     def num_shards(self) -> int:
         return self.mesh.devices.size
 
     def __len__(self) -> int:
-        return num_steps(len(self.labels), self.num_shards, self.batch_size, self.last_batch)
+        return num_steps(self.num_samples, self.num_shards, self.batch_size, self.last_batch)
 
     def plan(self, epoch: int) -> Plan:
-        return epoch_plan(len(self.labels), self.num_shards, self.batch_size, epoch=epoch,
+        return epoch_plan(self.num_samples, self.num_shards, self.batch_size, epoch=epoch,
                           seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch)
 
     def real_samples(self, epoch: int) -> int:
@@ -1382,31 +1529,27 @@ class Loader:
 
     def host_rows(self, plan: Plan, step: int) -> dict[str, np.ndarray]:
         """This process's rows at ``step`` of ``plan``: (n_local * B, ...) per name, its
-        shards' blocks in mesh order, the images in one aligned buffer: as stored
-        (uint8 images, or any features) for placement "host" or without
-        ``normalize``, normalised float32 for "host_float32"."""
+        shards' blocks in mesh order, each name in one aligned buffer: as stored
+        (placements "host" and "device", and names without a normaliser), or
+        normalised for "host_float32"; then "mask"."""
         local = local_positions(self.mesh)
         idx = plan.indices[step, local]  # (n_local, B)
         B = self.batch_size
-        if self.placement != "host_float32" or self.normalize is None:
-            images = aligned_empty((idx.size,) + self.images.shape[1:], self.images.dtype)
-            if self.images.flags.c_contiguous:
-                # mode="clip" (the plan's indices are in range): with the default "raise"
-                # NumPy buffers the whole gather when out is a view, 30x slower here.
-                np.take(self.images, idx.reshape(-1), axis=0, out=images, mode="clip")
-            else:
-                # read_cifar10's images are a strided view (3073-byte records): np.take
-                # would first copy the WHOLE dataset to make it contiguous, every step.
-                np.copyto(images, self.images[idx.reshape(-1)])
-        elif isinstance(self.normalize, Normalize):
-            images = aligned_empty((idx.size,) + self.normalize.output_shape(self.images.shape[1:]),
-                                   np.float32)
-            for j in range(len(local)):
-                self.normalize(self.images[idx[j]], out=images[j * B:(j + 1) * B])
-        else:  # any other callable: its blocks, copied into one array
-            images = np.concatenate([self.normalize(self.images[i]) for i in idx])
-        return {"images": images, "labels": self.labels[idx.reshape(-1)],
-                "mask": plan.mask[step, local].reshape(-1)}
+        norms = self.normalizers if self.placement == "host_float32" else {}
+        rows = {}
+        for name, source in self.arrays.items():
+            norm = norms.get(name)
+            if norm is None:
+                rows[name] = _gather(source, idx.reshape(-1))
+            elif isinstance(norm, Normalize):
+                out = aligned_empty((idx.size,) + norm.output_shape(source.shape[1:]), np.float32)
+                for j in range(len(local)):
+                    norm(source[idx[j]], out=out[j * B:(j + 1) * B])
+                rows[name] = out
+            else:  # any other callable: its blocks, checked, copied into one array
+                rows[name] = _called(norm, name, [source[i] for i in idx], B)
+        rows[MASK] = plan.mask[step, local].reshape(-1)
+        return rows
 
     def host_blocks(self, plan: Plan, step: int) -> dict[int, dict[str, np.ndarray]]:
         """Host-side blocks for this process's shards at ``step`` of ``plan``."""
@@ -1437,133 +1580,302 @@ class Loader:
         return _prefetched(functools.partial(self._host_step, work, plan), steps, self.prefetch)
 
     def _device_work(self):
-        """(the jitted device function, its extra arguments) of the placements that
-        work on the devices: "host" normalises there (with a Normalize), "device"
-        gathers (and normalises) there; None when the devices have nothing to do."""
-        norm = self.normalize
+        """What the devices do each step. "device": (the jitted step, the tables by
+        name); "host": [(name, the jitted normaliser, its table)] for each name with
+        a Normalize; "host_float32": nothing."""
+        if self.placement == "host_float32":
+            return ()
+        norms = {name: f for name, f in self.normalizers.items() if isinstance(f, Normalize)}
+        windows = tuple((name, tuple(int(v) for v in f.window(self.arrays[name].shape[2:])), f.mirror)
+                        for name, f in norms.items())
+        tables = {name: _replicated_table(_table_key(f.mean, f.std, f.arithmetic, "Loader"), self.mesh)
+                  for name, f in norms.items()}
         if self.placement == "device":
-            if norm is None:
-                return _device_step_fn(self.mesh, self.layout, None, False), ()
-            fn = _device_step_fn(self.mesh, self.layout, norm.window(self.images.shape[2:]), norm.mirror)
-            return fn, (_replicated_table(norm.mean, norm.std, norm.arithmetic, self.mesh),)
-        if self.placement == "host_float32" or norm is None:
-            return None
-        fn = _normalize_fn(self.mesh, norm.window(self.images.shape[2:]), norm.mirror)
-        return fn, (_replicated_table(norm.mean, norm.std, norm.arithmetic, self.mesh),)
+            return _device_step_fn(self.mesh, self.layout, tuple(self.arrays), windows), tables
+        return [(name, _normalize_fn(self.mesh, window, mirror), tables[name])
+                for name, window, mirror in windows]
 
     def _host_step(self, work, plan: Plan, step: int) -> dict[str, jax.Array]:
         batch = global_batch_from_rows(self.host_rows(plan, step), self.mesh, self.layout)
-        if work is not None:  # placement "host": normalise on the devices
-            fn, extra = work
-            batch["images"] = fn(batch["images"], *extra)
+        for name, fn, table in work:  # placement "host": normalise on the devices
+            batch[name] = fn(batch[name], table)
         return batch
 
     def _place_plan(self, plan: Plan) -> dict[str, jax.Array]:
         """The epoch's plan on the devices: per shard (1, steps, B) local indices and mask."""
-        starts = np.array([shard_bounds(len(self.labels), k, self.num_shards)[0]
+        starts = np.array([shard_bounds(self.num_samples, k, self.num_shards)[0]
                            for k in range(self.num_shards)])
         local = (plan.indices - starts[None, :, None]).astype(np.int32).swapaxes(0, 1)
         mask = plan.mask.swapaxes(0, 1)
         return {"indices": _by_position(local, self.mesh), "mask": _by_position(mask, self.mesh)}
 
     def _device_step(self, work, placed: dict, step: int) -> dict[str, jax.Array]:
-        fn, extra = work
-        return fn(self.resident, placed, np.int32(step), *extra)
+        fn, tables = work
+        out = fn(self.resident, placed, np.int32(step), tables)
+        return {name: out[name] for name in (*self.arrays, MASK)}  # jit returns a dict's keys sorted
 
 
 def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
                 layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
                 shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
-                normalize: Normalize | Callable | None = Normalize(), prefetch: int = 2,
+                normalize: Normalize | Callable | dict | str | None = "default", prefetch: int = 2,
                 placement: str = "host", device_budget: int | None = None) -> Loader:
-    """A ``Loader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``)
-    or a ``(samples, labels_N)`` pair. ``samples`` is any array (N, ...) whose
-    dtype JAX holds as it is: uint8 images (N, C, H, W) (MNIST: ``read_mnist``'s)
-    to normalise, or any features (float32 (N, 40), int8 (N, 16, 16), ...) with
-    ``normalize=None``, delivered bit for bit as stored. ``labels_N`` are
-    integers (N,), delivered as int32. ``batch_size`` is per device; shard k
-    goes to ``devices[k]`` (or mesh position k). The partition, the plan, the
-    mask, resuming at a step and the device order are the same whatever the
-    samples are: they depend on (N, n, B, seed, epoch, shuffle, last_batch) only.
+    """A ``Loader`` over ``data``, in one of three forms:
 
-    ``normalize``: a ``Normalize`` (the default, the rocAL notebook's; needs
-    uint8 (N, C, H, W) images), any callable (placement "host_float32" only),
-    or None (no normalisation, every placement).
+    * a dict of named arrays ``{name: array}``: any string names but "mask",
+      any shapes and dtypes JAX holds as they are, every array N first (row i
+      is sample i): token ids int32 (N, 48) with per-token targets int32 (N,
+      48), float features (N, 40) with float targets (N,), uint8 images (N, C,
+      H, W) with labels of any shape. Batches hold every name, delivered bit for
+      bit as stored unless ``normalize`` names it, plus "mask";
+    * a tuple ``(samples, labels_N)`` (or a two-item list), the notebooks' form: ``samples`` any array
+      (N, ...) whose dtype JAX holds as it is, ``labels_N`` integers (N,) within
+      int32, delivered as int32; batches are {"images": the samples (normalised
+      by default), "labels", "mask"};
+    * a CIFAR-10 folder, read with ``filename_prefix`` (``read_cifar10``): the
+      tuple form over its images and labels.
+
+    ``batch_size`` is per device; shard k goes to ``devices[k]`` (or mesh
+    position k). The partition, the plan, the mask, resuming at a step and the
+    device order are the same for every name and whatever the arrays are: they
+    depend on (N, n, B, seed, epoch, shuffle, last_batch) only (``Loader``
+    states what each block holds).
+
+    ``normalize``: for a dict dataset, None or a dict ``{name: Normalize or
+    callable}`` naming the arrays to normalise (the others are delivered as
+    stored; the default, "default", normalises nothing). For the tuple form and a
+    folder, what applies to "images": a ``Normalize``, any callable, None, or
+    ``{"images": ...}``; the default, "default", is ``Normalize()``, the rocAL
+    notebook's. A ``Normalize`` needs uint8 images (N, C, H, W), channels first,
+    C = len(mean), and works in every placement; any other callable (it gets a
+    block of B samples and must return B rows of a dtype JAX holds as it is)
+    needs placement "host_float32".
 
     ``placement`` is "host", "device" or "host_float32" (see ``Loader``).
-    "device" keeps about N/n samples on every device and refuses a dataset whose
-    shard does not fit ``device_budget`` bytes per device (default: half of what
-    the device reports free; for CPU devices, half of the host's available
-    memory shared among this process's devices).
+    "device" keeps about N/n samples of every array on every device and refuses
+    a dataset whose shard does not fit ``device_budget`` bytes per device
+    (default: half of what the device reports free; for CPU devices, half of the
+    host's available memory shared among this process's devices).
 
-    Raises ValueError for batch_size < 1, a batch larger than the smallest shard
-    (every step would be mostly padding, or with drop there would be no step),
-    more devices than samples, a repeated device, a mesh without a 'data' axis
+    Raises ValueError, naming the parameter, the value and the fix, for:
+    batch_size not an int >= 1, a batch larger than the smallest shard (every
+    step would be mostly padding, or with drop there would be no step), more
+    devices than samples, a repeated device, a mesh without a 'data' axis
     spanning its devices, an unknown layout, last_batch policy or placement, a
-    seed outside [0, 2**32), samples without a leading N axis or of a dtype JAX
-    would convert (float64 or int64 without ``jax_enable_x64``; object,
-    strings), labels that are not (N,) integers within int32, a Normalize with
-    samples that are not uint8 (N, C, H, W), a callable ``normalize`` with a
-    placement other than "host_float32", a Normalize whose mean/std or crop does
-    not fit the images, or a dataset over the device budget.
+    seed outside [0, 2**32), shuffle not a bool, prefetch not an int >= 0; data
+    in none of the three forms (an array is not a tuple, even a (2, N) one), an
+    empty dict, a name that is not a string or is
+    "mask", arrays without a leading N axis or of different N; an array of a
+    dtype JAX would convert (int64, uint64, float64, complex128 without
+    ``jax_enable_x64``: the message says which dtype keeps its kind, e.g.
+    int32 for int64 token ids; or not numbers at all); tuple-form labels that
+    are not (N,) integers within int32; a Normalize on an array that is not
+    uint8 (N, C, H, W) (for channels-last images it says "NCHW expected" and how
+    to transpose), or whose mean/std or crop do not fit the images; a bare
+    Normalize or callable for a dict dataset, or a name in ``normalize`` that
+    the data lacks; a callable with a placement other than "host_float32"; a
+    ``filename_prefix`` other than the default with arrays (it picks a folder's
+    files); or a dataset over the device budget. A callable that returns blocks of another
+    length or a dtype JAX would convert is refused when its batch is made. A
+    folder that cannot be read raises what ``read_cifar10`` raises.
     """
-    if isinstance(data, (str, os.PathLike)):
-        images, labels = read_cifar10(data, filename_prefix)
-    else:
-        images, labels = data
-    images, labels = _check_samples(np.asarray(images), np.asarray(labels), normalize)
+    arrays, normalize = _dataset(data, filename_prefix, normalize)
     mesh = data_mesh(devices)
     _check_policy(last_batch)
     _check_layout(layout)
     check_seed("seed", seed, "make_loader")
     if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    if isinstance(normalize, Normalize):
-        normalize.output_shape(images.shape[1:])
-    elif normalize is not None and placement != "host_float32":
-        raise ValueError(f"placement={placement!r} needs a Normalize (its table runs on the devices); "
-                         f"any other callable normalize needs placement='host_float32'")
-    n = mesh.devices.size
-    if n > len(labels):
-        raise ValueError(f"{n} devices but only {len(labels)} samples: some shard would be empty")
-    if batch_size > len(labels) // n:
+        raise ValueError(f"make_loader: placement must be one of {PLACEMENTS}, got {placement!r}")
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"make_loader: batch_size must be an int >= 1 (per device), got {batch_size!r}")
+    if not _is_int(prefetch) or prefetch < 0:
+        raise ValueError(f"make_loader: prefetch must be an int >= 0, got {prefetch!r}")
+    if shuffle not in (True, False):
+        raise ValueError(f"make_loader: shuffle must be a bool, got {shuffle!r}")
+    if device_budget is not None and not _is_int(device_budget):
+        raise ValueError(f"make_loader: device_budget must be None or an int (bytes), got {device_budget!r}")
+    loader = Loader(arrays, mesh, int(batch_size), layout, bool(shuffle), seed, last_batch, normalize,
+                    int(prefetch), placement)
+    for name, f in loader.normalizers.items():
+        if not isinstance(f, Normalize) and placement != "host_float32":
+            raise ValueError(f"make_loader: placement={placement!r} needs a Normalize for {name!r} (its "
+                             f"table runs on the devices); the callable {f!r} needs placement='host_float32'")
+    n, N = mesh.devices.size, loader.num_samples
+    if n > N:
+        raise ValueError(f"make_loader: {n} devices but only {N} samples: some shard would be empty")
+    if batch_size > N // n:
         raise ValueError(
-            f"batch_size={batch_size} per device is larger than the smallest shard "
-            f"({len(labels) // n} samples = {len(labels)} samples / {n} devices)"
+            f"make_loader: batch_size={batch_size} per device is larger than the smallest shard "
+            f"({N // n} samples = {N} samples / {n} devices)"
         )
-    resident = _place_dataset(images, labels, mesh, device_budget) if placement == "device" else None
-    return Loader(images, labels, mesh, batch_size, layout, shuffle, seed, last_batch,
-                  normalize, prefetch, placement, resident)
+    if placement == "device":
+        loader = dataclasses.replace(loader, resident=_place_dataset(arrays, mesh, device_budget))
+    return loader
 
 
-def _check_samples(images: np.ndarray, labels: np.ndarray, normalize) -> tuple[np.ndarray, np.ndarray]:
-    """make_loader's checks of the data itself; returns (samples, labels as int32)."""
-    if images.ndim < 1 or labels.shape != images.shape[:1]:
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _dataset(data, filename_prefix: str, normalize):
+    """make_loader's checks of the data and of ``normalize``; returns (arrays by
+    name, normalize resolved: a dict for a dict dataset, else what applies to "images")."""
+    if isinstance(data, (str, os.PathLike)):
+        data = read_cifar10(data, filename_prefix)
+    elif filename_prefix != TRAIN_PREFIX:
+        raise ValueError(f"make_loader: filename_prefix={filename_prefix!r} picks the files of a CIFAR-10 "
+                         f"folder, but data is a {type(data).__name__} of arrays; read the files first "
+                         f"(read_cifar10(folder, {filename_prefix!r})) or pass the folder")
+    if isinstance(data, Mapping):
+        return _named_arrays(data, normalize)
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        # Not "samples, labels = data": a (2, N) array would unpack into two rows.
+        raise ValueError(f"make_loader: data must be a CIFAR-10 folder, a tuple (samples, labels) or a "
+                         f"dict of named arrays, got {type(data).__name__}"
+                         f"{f' {data.shape}' if hasattr(data, 'shape') else ''}")
+    samples, labels = data
+    if isinstance(normalize, str) and normalize == "default":
+        normalize = Normalize()
+    elif isinstance(normalize, Mapping):
+        if set(normalize) - {"images"}:
+            raise ValueError(f"make_loader: normalize={dict(normalize)!r} names "
+                             f"{sorted(set(normalize) - {'images'})}, but the tuple form (samples, labels) "
+                             f"normalises only 'images'; pass a dict dataset to normalise other names")
+        normalize = normalize.get("images")
+    if normalize is not None and not callable(normalize):
+        raise ValueError(f"make_loader: normalize={normalize!r} is not a Normalize, a callable, a dict "
+                         f"or None")
+    samples, labels = np.asarray(samples), np.asarray(labels)
+    if samples.ndim < 1 or labels.shape != samples.shape[:1]:
         raise ValueError(f"make_loader: data must be samples (N, ...) and labels (N,), got samples "
-                         f"{images.dtype} {images.shape}, labels {labels.shape}")
-    numeric = jnp.issubdtype(images.dtype, jnp.number) or images.dtype == np.bool_
-    if not numeric or jax.dtypes.canonicalize_dtype(images.dtype) != images.dtype:
-        raise ValueError(f"make_loader: samples of dtype {images.dtype} cannot go to the devices as "
-                         f"they are (JAX would convert or refuse them); convert them first, e.g. "
-                         f"samples.astype(np.float32)")
-    if isinstance(normalize, Normalize) and (images.dtype != np.uint8 or images.ndim != 4):
-        raise ValueError(f"make_loader: normalize={normalize} needs uint8 images (N, C, H, W), got "
-                         f"samples {images.dtype} {images.shape}; pass normalize=None to deliver "
-                         f"them as they are")
+                         f"{samples.dtype} {samples.shape}, labels {labels.shape}")
+    _check_dtype("samples", samples)
     if labels.dtype.kind not in "biu":
-        raise ValueError(f"make_loader: labels must be integers (N,), got dtype {labels.dtype}")
+        raise ValueError(f"make_loader: labels must be integers (N,), got dtype {labels.dtype} "
+                         f"(for float or other targets, pass a dict dataset: {{'images': samples, "
+                         f"'targets': targets}})")
     if labels.size and (labels.min() < np.iinfo(np.int32).min or labels.max() > np.iinfo(np.int32).max):
         raise ValueError(f"make_loader: labels must fit int32, got range [{labels.min()}, {labels.max()}]")
-    return images, labels.astype(np.int32, copy=False)
+    _check_normalizer("samples", samples, normalize, "pass normalize=None to deliver them as they are")
+    return {"images": samples, "labels": labels.astype(np.int32, copy=False)}, normalize
+
+
+def _named_arrays(data: Mapping, normalize):
+    if not data:
+        raise ValueError("make_loader: data is an empty dict; a dataset needs at least one named array")
+    arrays = {}
+    for name, value in data.items():
+        if not isinstance(name, str):
+            raise ValueError(f"make_loader: data's names must be strings (they name the batch's arrays), "
+                             f"got {name!r}")
+        if name == MASK:
+            raise ValueError(f"make_loader: data has an array named {MASK!r}; every batch adds its own "
+                             f"'mask' (False on padding slots), so rename yours")
+        array = np.asarray(value)
+        if array.ndim < 1:
+            raise ValueError(f"make_loader: data[{name!r}] must be (N, ...), one row per sample, got a "
+                             f"0-d {array.dtype} array")
+        arrays[name] = array
+        _check_dtype(f"data[{name!r}]", array)
+    sizes = {name: len(a) for name, a in arrays.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"make_loader: every array of data must hold the same N samples (axis 0), got "
+                         f"{sizes}")
+    if normalize is None or (isinstance(normalize, str) and normalize == "default"):
+        return arrays, {}
+    if not isinstance(normalize, Mapping):
+        raise ValueError(f"make_loader: normalize={normalize!r} for a dict dataset: name the arrays to "
+                         f"normalise, e.g. normalize={{{next(iter(arrays))!r}: Normalize(...)}} "
+                         f"(the data's names: {list(arrays)})")
+    unknown = [name for name in normalize if name not in arrays]
+    if unknown:
+        raise ValueError(f"make_loader: normalize names {unknown}, which the data lacks (its names: "
+                         f"{list(arrays)})")
+    norms = {name: f for name, f in normalize.items() if f is not None}
+    for name, f in norms.items():
+        if not callable(f):
+            raise ValueError(f"make_loader: normalize[{name!r}]={f!r} is not a Normalize or a callable")
+        _check_normalizer(f"data[{name!r}]", arrays[name], f,
+                          f"leave {name!r} out of normalize to deliver it as it is")
+    return arrays, norms
+
+
+def _check_dtype(what: str, array: np.ndarray) -> None:
+    """Refuses a dtype JAX would not hold as it is, advising the dtype that keeps its kind."""
+    if not (jnp.issubdtype(array.dtype, jnp.number) or array.dtype == np.bool_):
+        raise ValueError(f"make_loader: {what} of dtype {array.dtype} is not numbers JAX can hold; "
+                         f"convert it to a numeric array first (token ids: np.int32)")
+    held = np.dtype(jax.dtypes.canonicalize_dtype(array.dtype))
+    if held == array.dtype:
+        return
+    fix = f"{what}.astype(np.{held.name})"
+    if array.dtype.kind in "iu":
+        info = np.iinfo(held)
+        low, high = (array.min(), array.max()) if array.size else (0, 0)
+        fix += (" (keeps them integers; its values fit)" if info.min <= low and high <= info.max else
+                f" keeps them integers but does not hold its values (range [{low}, {high}]), so enable x64")
+    else:
+        fix += " (rounds each value)"
+    raise ValueError(f"make_loader: {what} of dtype {array.dtype} cannot go to the devices as stored: "
+                     f"without jax_enable_x64 JAX would convert it to {held} in silence. Pass {fix}, or "
+                     f"call jax.config.update('jax_enable_x64', True) first to keep {array.dtype}")
+
+
+def _check_normalizer(what: str, array: np.ndarray, normalize, fix: str) -> None:
+    """A Normalize's images: uint8 (N, C, H, W) that its mean/std and crop fit."""
+    if not isinstance(normalize, Normalize):
+        return
+    if array.dtype != np.uint8 or array.ndim != 4:
+        hint = ""
+        if array.dtype == np.uint8 and array.ndim == 3:
+            hint = " (one-channel (N, H, W) images: pass images[:, None], (N, 1, H, W))"
+        elif array.dtype == np.uint8 and array.ndim == 2:
+            hint = " (flat rows: reshape them to (N, C, H, W))"
+        raise ValueError(f"make_loader: normalize={normalize} needs uint8 images (N, C, H, W), got "
+                         f"{what} {array.dtype} {array.shape}{hint}; {fix}")
+    try:
+        normalize.output_shape(array.shape[1:])
+    except ValueError as error:
+        raise ValueError(f"make_loader: {what} {array.shape}: {error}") from None
+
+
+def _gather(source: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """``source[indices]`` into one 64-byte-aligned buffer."""
+    out = aligned_empty((len(indices),) + source.shape[1:], source.dtype)
+    if source.flags.c_contiguous:
+        # mode="clip" (the plan's indices are in range): with the default "raise"
+        # NumPy buffers the whole gather when out is a view, 30x slower here.
+        np.take(source, indices, axis=0, out=out, mode="clip")
+    else:
+        # read_cifar10's images are a strided view (3073-byte records): np.take
+        # would first copy the WHOLE dataset to make it contiguous, every step.
+        np.copyto(out, source[indices])
+    return out
+
+
+def _called(f: Callable, name: str, blocks: list[np.ndarray], B: int) -> np.ndarray:
+    """A callable normaliser's output for each block, checked and concatenated."""
+    outs = [np.asarray(f(block)) for block in blocks]
+    for out in outs:
+        held = ((jnp.issubdtype(out.dtype, jnp.number) or out.dtype == np.bool_)
+                and jax.dtypes.canonicalize_dtype(out.dtype) == out.dtype)
+        if out.ndim < 1 or len(out) != B or not held or out.shape != outs[0].shape:
+            raise ValueError(f"Loader: normalize for {name!r} ({f!r}) returned {out.dtype} {out.shape} for "
+                             f"a block of B={B} samples; it must return B rows, every block alike, of a "
+                             f"dtype JAX holds as it is (e.g. float32, not float64)")
+    return np.concatenate(outs)
 
 
 # --------------------------------------------------------------------------
 # Device-side work (placements "host" and "device")
 # --------------------------------------------------------------------------
+#
+# Caches: each is keyed by everything that determines its result, exactly.
+# _table and _replicated_table by _table_key (mean's and std's float32 bit
+# patterns: -0.0 is not 0.0) and the mesh; the jitted functions by the mesh, the
+# layout, the names and each normalised name's crop window (ints) and mirror (a
+# bool), while jit's own cache adds the arguments' shapes and dtypes. A table is
+# an argument of the jitted functions, never a constant inside them.
 
 
 def _by_position(per_shard: np.ndarray, mesh: Mesh) -> jax.Array:
@@ -1582,9 +1894,14 @@ def device_fit(num_samples: int, sample_shape: tuple[int, ...], mesh: Mesh,
     labels; the budget is ``device_budget`` bytes per device, by default half of
     what the device reports free (for CPU devices, which report nothing, half the
     host's available memory shared among this process's devices)."""
+    return _fits(num_samples, int(np.prod(sample_shape)) * itemsize + 4, mesh, device_budget)
+
+
+def _fits(num_samples: int, sample_bytes: int, mesh: Mesh, device_budget: int | None) -> str | None:
+    """device_fit for samples of ``sample_bytes`` bytes each (every array's row together)."""
     n = mesh.devices.size
     size = -(-num_samples // n)
-    per_device = size * (int(np.prod(sample_shape)) * itemsize + 4)
+    per_device = size * sample_bytes
     local = [mesh.devices.flat[k] for k in local_positions(mesh)]
     limit, where = (device_budget, "device_budget") if device_budget is not None else _default_budget(local)
     if per_device <= limit:
@@ -1594,13 +1911,15 @@ def device_fit(num_samples: int, sample_shape: tuple[int, ...], mesh: Mesh,
             f"device ({where}); use placement='host' or more devices")
 
 
-def _place_dataset(images: np.ndarray, labels: np.ndarray, mesh: Mesh, budget: int | None) -> dict:
-    """Shard k's samples on mesh position k, padded to the largest shard: images
-    (n * S, ...) in their dtype and labels (n * S,) int32, sharded on 'data'."""
-    too_big = device_fit(len(labels), images.shape[1:], mesh, budget, images.dtype.itemsize)
+def _place_dataset(arrays: dict[str, np.ndarray], mesh: Mesh, budget: int | None) -> dict:
+    """Shard k's samples of every array on mesh position k, padded to the largest
+    shard: (n * S, ...) in their dtype, sharded on 'data'."""
+    N = len(next(iter(arrays.values())))
+    sample_bytes = sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize for a in arrays.values())
+    too_big = _fits(N, sample_bytes, mesh, budget)
     if too_big:
         raise ValueError(too_big)
-    n, N = mesh.devices.size, len(labels)
+    n = mesh.devices.size
     size = -(-N // n)  # the largest shard
     sharding = NamedSharding(mesh, P(DATA_AXIS))
 
@@ -1613,7 +1932,7 @@ def _place_dataset(images: np.ndarray, labels: np.ndarray, mesh: Mesh, budget: i
             return out
         return jax.make_array_from_callback((n * size,) + source.shape[1:], sharding, block)
 
-    return {"images": rows(images), "labels": rows(labels)}
+    return {name: rows(source) for name, source in arrays.items()}
 
 
 def _default_budget(devices: list) -> tuple[int, str]:
@@ -1628,7 +1947,7 @@ def _default_budget(devices: list) -> tuple[int, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _normalize_fn(mesh: Mesh, window: tuple, mirror: bool):
+def _normalize_fn(mesh: Mesh, window: tuple[int, int, int, int], mirror: bool):
     """jit(shard_map) of device_normalize: each device normalises its own rows (no
     collective), output sharded like the input."""
     fn = functools.partial(device_normalize, window=window, mirror=mirror)
@@ -1636,31 +1955,42 @@ def _normalize_fn(mesh: Mesh, window: tuple, mirror: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _device_step_fn(mesh: Mesh, layout: str, window: tuple | None, mirror: bool):
-    """One step of placement "device": every device gathers its batch from its own
-    resident shard by the plan's local indices, then normalises it with the
-    table, its last argument (window None: no normalisation, no table)."""
-    def step(resident, placed, s, *table):
+def _device_step_fn(mesh: Mesh, layout: str, names: tuple[str, ...], windows: tuple):
+    """One step of placement "device": every device gathers its batch of every name
+    from its own resident shard by the plan's local indices, then normalises each
+    name of ``windows`` ((name, window, mirror), ...) with its table, from the
+    ``tables`` argument (name -> table)."""
+    how = {name: (window, mirror) for name, window, mirror in windows}
+
+    def step(resident, placed, s, tables):
         idx = placed["indices"][0, s]  # (B,), into this device's shard
-        images = resident["images"][idx]
-        if window is not None:
-            images = device_normalize(images, table[0], window, mirror)
-        out = {"images": images, "labels": resident["labels"][idx], "mask": placed["mask"][0, s]}
+        out = {}
+        for name in names:
+            rows = resident[name][idx]
+            if name in how:
+                rows = device_normalize(rows, tables[name], *how[name])
+            out[name] = rows
+        out[MASK] = placed["mask"][0, s]
         return out if layout == "sharded" else jax.tree.map(lambda x: x[None], out)
 
-    specs = ({"images": P(DATA_AXIS), "labels": P(DATA_AXIS)},
-             {"indices": P(DATA_AXIS), "mask": P(DATA_AXIS)}, P()) + ((P(),) if window is not None else ())
+    specs = (P(DATA_AXIS), P(DATA_AXIS), P(), P())  # each a prefix of its argument's pytree
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=P(DATA_AXIS)))
 
 
 @functools.lru_cache(maxsize=64)
-def _replicated_table(mean: tuple, std: tuple, arithmetic: str, mesh: Mesh) -> jax.Array:
-    """The table on every device of ``mesh``, placed once per (table, mesh); one row
-    when every channel's is the same."""
-    table = normalize_table(mean, std, arithmetic)
-    if (table == table[:1]).all():
+def _replicated_table(key: tuple[bytes, bytes, str], mesh: Mesh) -> jax.Array:
+    """The table of ``key`` (``_table_key``) on every device of ``mesh``, placed once
+    per (key, mesh); one row when every channel's row is the same bits."""
+    table = _table(key)
+    if _one_row(table):
         table = table[:1]  # one row serves every channel (device_normalize)
     return jax.make_array_from_callback(table.shape, NamedSharding(mesh, P()), lambda index: table[index])
+
+
+def _one_row(table: np.ndarray) -> bool:
+    """Whether every row of ``table`` is row 0, bit for bit (-0.0 is not 0.0)."""
+    bits = table.view(np.uint32)
+    return bool((bits == bits[:1]).all())
 
 
 # --------------------------------------------------------------------------

@@ -36,7 +36,9 @@ import mmap
 import os
 import tempfile
 import threading
+from decimal import Decimal
 from fractions import Fraction
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -45,7 +47,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loaders
-from conftest import assert_same_bits, examples
+from conftest import assert_same_bits, bits_differ, examples
 
 SEEDS = st.integers(0, 2**32 - 1)
 EPOCHS = st.integers(0, 1000)
@@ -1030,41 +1032,70 @@ def text_r32(exact: Fraction) -> Fraction:
     return value
 
 
-def bits(value: Fraction, negative_zero: bool = False) -> int:
-    """The float32 bit pattern of an exactly representable value."""
-    return int(np.float32(-0.0 if negative_zero else float(value)).view(np.uint32))
+class F32(NamedTuple):
+    """A float32 as the text sees it: its exact value and its sign bit (which
+    matters only for a zero)."""
+    value: Fraction
+    negative: bool
+
+
+def f32(exact: Fraction, negative_if_zero: bool) -> F32:
+    """An operation's exact result rounded once to float32. A non-zero result that
+    rounds to zero keeps its sign (underflow); an exact zero takes the sign the
+    operation's rule gives (``negative_if_zero``)."""
+    value = text_r32(exact)
+    if value != 0:
+        return F32(value, value < 0)
+    return F32(value, exact < 0 if exact != 0 else negative_if_zero)
+
+
+def from_double(d: float) -> F32:
+    return f32(Fraction(d), math.copysign(1.0, d) < 0)
+
+
+# IEEE 754's rules for the sign of an exact zero (round to nearest), as the text restates them.
+def mul(a: F32, b: F32) -> F32:
+    return f32(a.value * b.value, a.negative != b.negative)
+
+
+def div(a: F32, b: F32) -> F32:
+    return f32(a.value / b.value, a.negative != b.negative)
+
+
+def add(a: F32, b: F32) -> F32:
+    return f32(a.value + b.value, a.negative and b.negative)
+
+
+def neg(a: F32) -> F32:
+    return F32(-a.value, not a.negative)
+
+
+def fma(a: F32, b: F32, c: F32) -> F32:
+    return f32(a.value * b.value + c.value, (a.negative != b.negative) and c.negative)
+
+
+def bits(x: F32) -> int:
+    """The float32 bit pattern of ``x``."""
+    if x.value == 0:
+        return 0x80000000 if x.negative else 0
+    return int(np.float32(float(x.value)).view(np.uint32))  # exact: x.value is a float32
 
 
 def text_normalize_table(mean, std, arithmetic) -> list[list[int]]:
-    """normalize_table's docstring, as float32 bit patterns."""
+    """normalize_table's docstring, as float32 bit patterns: float() of each entry,
+    then every operation on signed exact values rounded once."""
     C = len(mean)
+    one = F32(Fraction(1), False)
     table = []
     for c in range(C):
-        m, s = text_r32(Fraction(mean[c])), text_r32(Fraction(std[c]))
-        m_negative_zero = m == 0 and math.copysign(1.0, mean[c]) < 0
-        inv = text_r32(1 / s)
+        m, s = from_double(float(mean[c])), from_double(float(std[c]))
+        inv = div(one, s)
+        xs = [F32(Fraction(x), False) for x in range(256)]
         if arithmetic == "dali_cpu":
-            row = []
-            for x in range(256):
-                t = text_r32(x - m)  # x - m == 0 gives +0.0 (also for m = -0.0)
-                row.append(bits(text_r32(t * inv), negative_zero=t == 0 and inv < 0))
-            table.append(row)
+            table.append([bits(mul(add(x, neg(m)), inv)) for x in xs])
             continue
-        if arithmetic == "rocal" and C == 1:
-            off = -text_r32(m / s)
-        else:
-            off = -text_r32(m * inv)
-        # -(a zero) is -0.0 when the zero was +0.0: m/s or m*inv is +0.0 when m's sign
-        # (as a float) matches s's / inv's sign.
-        off_negative_zero = off == 0 and (m_negative_zero == (s < 0))
-        row = []
-        for x in range(256):
-            exact = x * inv + off
-            # IEEE 754: an exact zero sum of two zeros is -0.0 only if both are -0.0
-            # (x*inv = -0.0 when x = 0 and inv < 0).
-            row.append(bits(text_r32(exact), negative_zero=exact == 0 and x == 0 and inv < 0
-                            and off_negative_zero))
-        table.append(row)
+        off = neg(div(m, s)) if arithmetic == "rocal" and C == 1 else neg(mul(m, inv))
+        table.append([bits(fma(x, inv, off)) for x in xs])
     return table
 
 
@@ -1146,10 +1177,11 @@ def test_epoch_plan_text_pins_its_choices():
             loaders.epoch_plan(7, 2, 2, **kwargs)
 
 
-SPEC_MEANS = (st.sampled_from([0.0, -0.0, 127.5, 125.3, 113.9, 255.0, -3.25, 1e-40])
-              | st.floats(-300, 300))
+SPEC_MEANS = (st.sampled_from([0.0, -0.0, 127.5, 125.3, 113.9, 255.0, -3.25, 1e-40, 1e-45, -1e-45])
+              | st.floats(-300, 300) | st.fractions(-300, 300, max_denominator=2**70)
+              | st.integers(-2**70, 2**70))
 SPEC_STDS = (st.sampled_from([127.5, 63.0, 66.7, 255.0, 1.0, -2.0, 3e-38])
-             | st.floats(0.01, 300) | st.floats(-300, -0.01))
+             | st.floats(0.01, 300) | st.floats(-300, -0.01) | st.fractions(1, 300, max_denominator=2**70))
 
 
 @given(st.integers(1, 3).flatmap(lambda c: st.tuples(st.lists(SPEC_MEANS, min_size=c, max_size=c),
@@ -1174,7 +1206,9 @@ def test_normalize_table_is_its_docstring(mean_std, arithmetic):
 @pytest.mark.parametrize("mean, std", [((127.5,), (63.0,)), ((127.5, 127.5, 127.5), (63.0, 62.1, 66.7)),
                                        ((-0.0,), (-2.0,)), ((0.0, -0.0), (-1.0, -1.0)),
                                        ((125.3, 123.0, 113.9), (63.0, 62.1, 66.7)),
-                                       ((0.0, 1.724157630505255e-41), (127.5, 127.5))])
+                                       ((0.0, 1.724157630505255e-41), (127.5, 127.5)),
+                                       ((1e-45,), (255.0,)), ((-1e-45,), (255.0,)), ((1e-45,), (-127.5,)),
+                                       ((1e-45,) * 3, (-127.5,) * 3)])
 def test_normalize_table_text_on_the_cases_that_tell_choices_apart(mean, std, arithmetic):
     # 127.5 / 63.0: r32(-(m/s)) and r32(-(m*inv)) differ, so the one-channel rocAL
     # offset is pinned; -0.0 with a negative std pins the sign of an exact zero; a subnormal
@@ -1197,10 +1231,162 @@ def test_the_one_channel_offsets_differ_for_127_5_over_63():
     ((float("nan"),), (1.0,), "finite"), ((0.0,), (float("inf"),), "finite"),
     ((1e39,), (1.0,), "finite"), ((0.0,), (1e-40,), "subnormal"), ((0.0,), (0.0,), "zero"),
     ((1e30,), (1e-30,), "overflows"), ((0.0, 1.0), (1.0,), "one entry per channel"),
+    (127.5, (1.0,), "mean must be a sequence"), ("127.5", (1.0,), "mean must be a sequence"),
+    (np.zeros((1, 3)), np.ones(3), "mean must be a sequence"), ((0.0,), ("1",), "'1' of type str"),
+    ((Decimal("1.5"),), (1.0,), "of type Decimal, not a real number"), ((0.0,), (1j,), "not a real number"),
+    ((10**400,), (1.0,), "beyond a double's range"), ((Fraction(10**400, 3),), (1.0,), "beyond a double"),
+    ([[0.0, 1.0], [0.0]], (1.0,), "mean must be a sequence"), ((np.str_("1"),), (1.0,), "not a real number"),
 ])
 def test_normalize_table_refuses_what_its_text_refuses(mean, std, fragment):
     with pytest.raises(ValueError, match=fragment):
         loaders.normalize_table(mean, std, "rocal")
+
+
+def exact(value) -> Fraction:
+    """The exact rational value of an int, a Fraction, a float or a NumPy scalar."""
+    return Fraction(value) if isinstance(value, (int, Fraction, float)) else Fraction(*value.as_integer_ratio())
+
+
+ONE_PLUS = Fraction(1) + Fraction(1, 2**24) + Fraction(1, 2**60)  # float() gives 1 + 2**-24: a float32 tie
+BIG = 2**60 + 2**36 + 1  # float() gives 2**60 + 2**36: a float32 tie
+NOT_DOUBLES = [((ONE_PLUS,), (127.5,)), ((BIG,), (2**62,)), ((0.0,), (BIG,)), ((np.float32(125.3),), (66.7,))]
+if np.finfo(np.longdouble).nmant >= 63:  # an x86 extended long double holds 1 + 2**-24 + 2**-60 exactly
+    NOT_DOUBLES.append(((np.longdouble(1) + np.longdouble(2) ** -24 + np.longdouble(2) ** -60,), (127.5,)))
+
+
+@pytest.mark.parametrize("arithmetic", loaders.ARITHMETICS)
+@pytest.mark.parametrize("mean, std", NOT_DOUBLES)
+def test_values_that_are_not_doubles_go_through_float_first(mean, std, arithmetic):
+    # The text: float() of each entry, then float32. Normalize (which stores those
+    # doubles), its table and normalize_table agree with the text, bit for bit.
+    want = np.array(text_normalize_table(mean, std, arithmetic), np.uint32)
+    got = loaders.normalize_table(mean, std, arithmetic)
+    assert_same_bits(got.view(np.uint32), want, f"normalize_table({mean}, {std}, {arithmetic!r})")
+    norm = loaders.Normalize(mean=mean, std=std, arithmetic=arithmetic)
+    assert norm.mean == tuple(float(m) for m in mean) and all(type(m) is float for m in norm.mean + norm.std)
+    assert_same_bits(norm.table.view(np.uint32), want, "Normalize(...).table")
+    # Negative control: rounded once from the exact value, these inputs give another table
+    # (except a float32 scalar, which is a double exactly: both readings agree there).
+    once = [[float(text_r32(exact(v))) for v in values] for values in (mean, std)]
+    other = np.array(text_normalize_table(*once, arithmetic), np.uint32)
+    if isinstance(mean[0], np.float32):
+        assert_same_bits(other, want, "a float32 scalar, read either way")
+    else:
+        assert (other != want).any(), "these inputs do not tell the two readings apart"
+
+
+@pytest.mark.parametrize("mean, std, arithmetic, zero", [
+    ((1e-45,), (255.0,), "dali_cpu", 0x80000000),  # (0 - 2**-149) * (1/255): underflows, keeps its minus
+    ((-1e-45,), (255.0,), "dali_cpu", 0x00000000),
+    ((1e-45,), (-127.5,), "rocal", 0x00000000),  # m / s underflows to -0.0, so off = +0.0
+    ((1e-45,) * 3, (-127.5,) * 3, "dali_gpu", 0x00000000),  # m * inv underflows to -0.0, off = +0.0
+])
+def test_a_zero_from_underflow_keeps_the_sign_of_its_exact_value(mean, std, arithmetic, zero):
+    # Pinned as the text's example says; a reading where underflow gives +0.0 (or -0.0)
+    # would differ from the table at pixel 0, which is the sign bit alone.
+    table = loaders.normalize_table(mean, std, arithmetic)
+    assert table[0, 0] == 0 and int(table[0, :1].view(np.uint32)[0]) == zero
+    assert text_normalize_table(mean, std, arithmetic)[0][0] == zero
+
+
+# --------------------------------------------------------------------------
+# Every cache keyed by what determines the bits: a zero's sign reaches every placement
+# --------------------------------------------------------------------------
+
+SIGNED_ZERO_PAIRS = {  # (first, then): tables that differ only in the sign of a zero
+    "one channel": (loaders.Normalize(mean=(0.0,), std=(-2.0,)), loaders.Normalize(mean=(-0.0,), std=(-2.0,))),
+    "three channels": (loaders.Normalize(mean=(0.0,) * 3, std=(-1.0,) * 3),
+                       loaders.Normalize(mean=(0.0, -0.0, 0.0), std=(-1.0,) * 3)),
+}
+
+
+def every_value_images(count: int, channels: int) -> np.ndarray:
+    """uint8 (count, channels, 16, 16): every image channel holds each value 0..255 once."""
+    base = np.arange(256).reshape(16, 16)
+    return np.stack([[np.roll(base, i + c) for c in range(channels)] for i in range(count)]).astype(np.uint8)
+
+
+def placements_disagree(devices, norm: loaders.Normalize, layout: str) -> list[str]:
+    """Where a batch of each placement differs from normalize_table's bits."""
+    channels = len(norm.mean)
+    images = every_value_images(8, channels)
+    table = loaders.normalize_table(norm.mean, norm.std, norm.arithmetic)
+    found = []
+    for placement in loaders.PLACEMENTS:
+        loader = loaders.make_loader((images, np.arange(8)), devices[:4], 2, layout=layout, normalize=norm,
+                                     placement=placement)
+        idx = loader.plan(0).indices[0].reshape(-1)
+        want = table[np.arange(channels)[None, :, None, None], images[idx]]
+        got = np.asarray(loader.batch(0, 0)["images"]).reshape(want.shape)
+        why = bits_differ(got, want)
+        if why:
+            found.append(f"{placement}: {why}")
+    return found
+
+
+@pytest.mark.parametrize("layout", loaders.LAYOUTS)
+@pytest.mark.parametrize("case", SIGNED_ZERO_PAIRS)
+def test_a_zeros_sign_reaches_every_placement_and_layout(devices, case, layout):
+    # The +0.0 loader first: a cache keyed by (mean, std) floats would then serve its
+    # table to the -0.0 one (-0.0 == 0.0), and "host"/"device" would give +0.0.
+    first, then = SIGNED_ZERO_PAIRS[case]
+    tables = [loaders.normalize_table(n.mean, n.std, n.arithmetic) for n in (first, then)]
+    assert bits_differ(tables[0], tables[1]) and (tables[0] == tables[1]).all()  # the sign alone differs
+    for norm in (first, then):
+        assert not placements_disagree(devices, norm, layout), placements_disagree(devices, norm, layout)
+
+
+def test_the_old_keying_is_caught(devices, monkeypatch):
+    # Negative controls for the test above. A table cache keyed by floats (as before):
+    # the -0.0 loader gets the +0.0 table on the devices.
+    real = loaders._replicated_table.__wrapped__
+    by_floats = {}
+
+    def float_keyed(key, mesh):
+        floats = (tuple(np.frombuffer(key[0], np.float32).tolist()),
+                  tuple(np.frombuffer(key[1], np.float32).tolist()), key[2], mesh)
+        return by_floats.setdefault(floats, real(key, mesh))
+
+    first, then = SIGNED_ZERO_PAIRS["one channel"]
+    with monkeypatch.context() as patch:
+        patch.setattr(loaders, "_replicated_table", float_keyed)
+        assert not placements_disagree(devices, first, "sharded")
+        found = placements_disagree(devices, then, "sharded")
+    assert [f.split(":")[0] for f in found] == ["host", "device"], found
+    # Rows compared as floats, not bits: the three-channel table collapses to its
+    # first row, in every placement (the host's crop_mirror_normalize too).
+    with monkeypatch.context() as patch:
+        patch.setattr(loaders, "_one_row", lambda table: bool((table == table[:1]).all()))
+        loaders._replicated_table.cache_clear()  # tables placed before were built with the real _one_row
+        try:
+            found = placements_disagree(devices, SIGNED_ZERO_PAIRS["three channels"][1], "sharded")
+        finally:
+            loaders._replicated_table.cache_clear()  # and the collapsed ones must not outlive the patch
+    assert [f.split(":")[0] for f in found] == list(loaders.PLACEMENTS), found
+    # The keys themselves: equal as floats (and hash alike), different as bits.
+    assert (0.0,) == (-0.0,) and hash((0.0,)) == hash((-0.0,))
+    assert loaders._table_key((0.0,), (-2.0,), "rocal", "") != loaders._table_key((-0.0,), (-2.0,), "rocal", "")
+    assert first != then and first == loaders.Normalize(mean=(0.0,), std=(-2.0,))
+
+
+@pytest.mark.parametrize("mean, std", NOT_DOUBLES[:1] + NOT_DOUBLES[-1:])
+def test_values_that_are_not_doubles_give_the_same_bits_in_every_placement(devices, mean, std):
+    norm = loaders.Normalize(mean=mean, std=std)
+    assert not placements_disagree(devices, norm, "sharded")
+    assert_same_bits(norm.table.view(np.uint32), np.array(text_normalize_table(mean, std, "rocal"), np.uint32))
+
+
+def test_normalize_refuses_what_it_cannot_hold():
+    for kwargs, words in [(dict(mean=127.5), "mean must be a sequence"), (dict(crop=(28.0, 28)), "two ints"),
+                          (dict(crop=(28,)), "two ints"), (dict(mirror="yes"), "mirror must be a bool"),
+                          (dict(crop_pos=(0.5,)), "crop_pos must be two numbers")]:
+        assert_raises_naming(ValueError, lambda: loaders.Normalize(**kwargs), "Normalize", words)
+    as_jax = loaders.Normalize(mean=jax.numpy.array([127.5] * 3), std=np.full(3, 127.5))  # 0-d entries
+    assert as_jax == loaders.Normalize() and all(type(m) is float for m in as_jax.mean + as_jax.std)
+    norm = loaders.Normalize(crop=(np.int64(28), 28), mirror=np.bool_(True), crop_pos=[np.float32(0.5), 0.5])
+    assert norm.crop == (28, 28) and norm.mirror is True and norm.crop_pos == (0.5, 0.5)
+    assert norm == loaders.Normalize(crop=(28, 28), mirror=True) and hash(norm) == hash(
+        loaders.Normalize(crop=(28, 28), mirror=True))
 
 
 def test_a_one_entry_mean_does_not_broadcast():

@@ -15,10 +15,12 @@ already have), a SNIPPET (the README's "use it in your own job" text, run
 exactly as written), and checks of the module's guarantees through its public
 functions only (no name starting with "_" is used in any job):
 
-* loaders.py: every sample exactly once a fill epoch (from the plan's masks),
+* loaders.py: a dict dataset of the user's names delivers them (then "mask")
+  as stored, every sample exactly once a fill epoch (from the plan's masks),
   the batches are the plan's rows, resuming at step 30 gives the same steps,
-  shard k lives on devices[k] (devices given reversed), and one-channel images
-  come out normalised by the table;
+  the pmap layout stacks the same rows, shard k lives on devices[k] (devices
+  given reversed), int64 labels are refused with the int32 fix, and
+  one-channel images come out normalised by the table;
 * strategies.py: the four strategies train the user's tabular model (a dict
   of params) to within ``strategies.ulp_bound`` of each other (sharded and
   single also the image model: fewer compilations), the loss falls, and
@@ -48,18 +50,22 @@ MARKER = re.compile(r"<!-- own-job: (\w+) -->\s*```python\n(.*?)```", re.S)
 SNIPPETS = {
     "loaders": '''\
 import jax
+import numpy as np
 import loaders
 
 devices = jax.devices()  # shard k goes to devices[k]
-loader = loaders.make_loader((features, labels), devices, batch_size=32, shuffle=True,
-                             seed=0, normalize=None)  # float features: delivered as stored
+data = {"x": features, "y": labels.astype(np.int32)}  # your names; int64 is refused (JAX would convert)
+loader = loaders.make_loader(data, devices, batch_size=32, shuffle=True, seed=0)  # as stored
 for batch in loader.epoch(0):  # global jax.Arrays, sharded over the devices
-    x, y, mask = batch["images"], batch["labels"], batch["mask"]  # (8*32, 40), (8*32,), (8*32,)
+    x, y, mask = batch["x"], batch["y"], batch["mask"]  # (8*32, 40), (8*32,), (8*32,)
     # ... your step: weight each sample's loss by mask (False marks padding)
 resumed = loader.epoch(0, start_step=30)  # the same steps 30.. again: resume anywhere
+pmap_loader = loaders.make_loader(data, devices, batch_size=32, shuffle=True, seed=0,
+                                  layout="pmap")  # (8, 32, ...) for jax.pmap
 
-image_loader = loaders.make_loader((images, image_labels), devices, batch_size=32,
-                                   normalize=loaders.Normalize(mean=(127.5,), std=(127.5,)))
+image_loader = loaders.make_loader({"images": images, "labels": image_labels.astype(np.int32)},
+                                   devices, batch_size=32,  # uint8 (N, C, H, W): channels first
+                                   normalize={"images": loaders.Normalize(mean=(127.5,), std=(127.5,))})
 ''',
     "strategies": '''\
 import jax
@@ -127,21 +133,32 @@ N, n = len(labels), len(devices)
 plan = loader.plan(0)
 real = plan.indices[plan.mask]
 assert sorted(real.tolist()) == list(range(N)), "not every sample exactly once"
+assert list(loader.batch(0, 0)) == ["x", "y", "mask"]
 batches = list(loader.epoch(0))
 for s in (0, 17, len(loader) - 1):
-    np.testing.assert_array_equal(np.asarray(batches[s]["images"]), features[plan.indices[s].ravel()])
+    np.testing.assert_array_equal(np.asarray(batches[s]["x"]), features[plan.indices[s].ravel()])
+    np.testing.assert_array_equal(np.asarray(batches[s]["y"]), labels[plan.indices[s].ravel()])
     np.testing.assert_array_equal(np.asarray(batches[s]["mask"]), plan.mask[s].ravel())
+assert batches[0]["x"].dtype == np.float32 and batches[0]["y"].dtype == np.int32
 for s, batch in enumerate(resumed, start=30):
-    np.testing.assert_array_equal(np.asarray(batch["images"]), np.asarray(batches[s]["images"]))
-backwards = loaders.make_loader((features, labels), devices[::-1], batch_size=32, shuffle=True, seed=0,
-                                normalize=None, placement="device")
-for shard in backwards.batch(0, 7)["images"].addressable_shards:
+    np.testing.assert_array_equal(np.asarray(batch["x"]), np.asarray(batches[s]["x"]))
+stacked = pmap_loader.batch(0, 5)
+assert stacked["x"].shape == (n, 32, 40) and stacked["mask"].shape == (n, 32)
+np.testing.assert_array_equal(np.asarray(stacked["x"]).reshape(n * 32, 40), np.asarray(batches[5]["x"]))
+backwards = loaders.make_loader(data, devices[::-1], batch_size=32, shuffle=True, seed=0, placement="device")
+for shard in backwards.batch(0, 7)["x"].addressable_shards:
     k = devices[::-1].index(shard.device)
     np.testing.assert_array_equal(np.asarray(shard.data), features[plan.indices[7, k]])
+try:
+    loaders.make_loader({"x": features, "y": labels}, devices, batch_size=32)  # int64 labels
+    raise SystemExit("int64 labels were accepted")
+except ValueError as error:
+    assert "astype(np.int32)" in str(error), error
 first = np.asarray(image_loader.batch(0, 0)["images"])
 assert first.shape == (n * 32, 1, 16, 16) and first.dtype == np.float32
 idx = image_loader.plan(0).indices[0].ravel()
 assert np.abs(first - (images[idx] - 127.5) / 127.5).max() <= 1e-6
+np.testing.assert_array_equal(np.asarray(image_loader.batch(0, 0)["labels"]), image_labels[idx])
 print("JOB OK")
 ''',
     "strategies": '''
