@@ -41,18 +41,42 @@ EXAMPLES = 3  # per kind of deviation
 
 def index_limit(shape: tuple[int, ...] = loaders.IMAGE_SHAPE, dtype=np.uint8) -> int:
     """How many samples ``encoded_images`` can number in ``shape`` and ``dtype``: indices
-    0 .. limit - 1. uint8: 65536 (two bytes a sample; needs at least 2 elements);
-    a float dtype: 2**(mantissa bits + 1), where every integer is exact (float32:
-    16,777,216; float16: 2048); another integer dtype: its largest value + 1."""
+    0 .. limit - 1, each of which ``decode_indices`` recovers exactly; the limit itself
+    is refused. S = the sample's size (product of ``shape``); S = 0 gives 0.
+
+    * uint8: 65536 (two bytes a sample) when S >= 2; 0 when S = 1.
+    * a float dtype (NumPy's, or ml_dtypes' such as bfloat16): min(2**(mantissa bits
+      + 1), 2**63), below which every integer is exact (float64: 2**53; float32:
+      16,777,216; float16: 2048; bfloat16: 256; x86's longdouble: 2**63).
+    * another integer dtype: min(its largest value + 1, 2**63) (indices are int64):
+      int8 128, int16 32,768, uint16 65,536, int64 and uint64 2**63.
+
+    Raises ValueError for any other dtype (bool, complex, strings, ...)."""
     dtype = np.dtype(dtype)
     size = int(np.prod(shape))
+    if size == 0:
+        return 0
     if dtype == np.uint8:
         return 65536 if size >= 2 else 0
-    if np.issubdtype(dtype, np.floating):
-        return 2 ** (np.finfo(dtype).nmant + 1)
     if np.issubdtype(dtype, np.integer):
-        return int(np.iinfo(dtype).max) + 1
-    raise ValueError(f"index_limit: dtype={dtype} is neither uint8, a float nor an integer dtype")
+        return min(int(np.iinfo(dtype).max) + 1, 2**63)
+    mantissa = _mantissa_bits(dtype)
+    if mantissa is None:
+        raise ValueError(f"index_limit: dtype={dtype} is neither uint8, a float nor an integer dtype")
+    return min(2 ** (mantissa + 1), 2**63)
+
+
+def _mantissa_bits(dtype: np.dtype) -> int | None:
+    """The stored mantissa bits of a real float dtype (NumPy's or ml_dtypes'), else None."""
+    if np.issubdtype(dtype, np.floating):
+        return int(np.finfo(dtype).nmant)
+    if dtype.kind == "V" and dtype.names is None:  # ml_dtypes registers bfloat16, float8_* so
+        try:
+            import ml_dtypes  # comes with JAX
+            return int(ml_dtypes.finfo(dtype).nmant)
+        except (ImportError, ValueError, TypeError):
+            return None
+    return None
 
 
 def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = loaders.IMAGE_SHAPE,
@@ -70,13 +94,18 @@ def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = loaders.IMAGE_S
     * any other dtype (float32 features, int16, ...): every element equals the
       index, exactly.
 
-    Raises ValueError for an index outside [0, index_limit(shape, dtype))."""
-    indices = np.asarray(indices, np.int64).reshape(-1)
+    Raises ValueError for indices that are not integers, or an index outside
+    [0, index_limit(shape, dtype))."""
+    raw = np.asarray(indices).reshape(-1)
     shape, dtype = tuple(shape), np.dtype(dtype)
     limit = index_limit(shape, dtype)
-    if indices.size and (indices.min() < 0 or indices.max() >= limit):
+    if raw.size and raw.dtype.kind not in "iu" and not (
+            raw.dtype.kind == "O" and all(isinstance(i, int) for i in raw.tolist())):
+        raise ValueError(f"encoded_images: indices must be integers, got dtype {raw.dtype}")
+    if raw.size and (int(raw.min()) < 0 or int(raw.max()) >= limit):  # Python ints: no overflow
         raise ValueError(f"encoded_images: indices must lie in [0, {limit}) for samples {shape} of "
-                         f"{dtype} (index_limit), got range [{indices.min()}, {indices.max()}]")
+                         f"{dtype} (index_limit), got range [{int(raw.min())}, {int(raw.max())}]")
+    indices = raw.astype(np.int64)
     if dtype != np.uint8:
         return np.broadcast_to(indices.astype(dtype).reshape((-1,) + (1,) * len(shape)),
                                (len(indices),) + shape).copy()
@@ -95,25 +124,48 @@ def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = loaders.IMAGE_S
 
 
 def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = None) -> np.ndarray:
-    """The sample index each delivered sample encodes (``encoded_images``); -1 where it
-    encodes none. ``images``: (B, ...) as delivered, one block of one shard.
+    """The sample index each delivered sample encodes (``encoded_images``), int64 (B,);
+    -1 where it encodes none. ``images``: (B, ...) as delivered, one block of one shard.
 
     With a ``normalize`` (images (B, C, H, W) float32 from uint8), each value is
     first mapped back to the nearest entry of its channel's normalisation table
-    (so a vendor that is an ulp off still decodes). Without one, the samples are
-    read as stored: uint8 by the byte scheme, any other dtype by value. The
-    scheme follows the sample shape, as in ``encoded_images``; the parts that
-    carry a digit must be flat (every element equal)."""
+    (so a vendor that is an ulp off still decodes); a value more than a quarter of
+    the table's step from every entry encodes nothing. Without one, the samples
+    are read as stored:
+
+    * uint8 by the byte scheme of ``encoded_images``, which follows the sample
+      shape: (C >= 3, H, W) planes 0 and 1, else the first ceil(S/2) elements
+      (low byte) and the rest (high byte). Each part must be flat (every element
+      equal). Needs S >= 2 elements (ValueError otherwise).
+    * any other dtype by value: the sample's elements must all be equal (as
+      numbers) to one value v, and v must be a non-negative integer: a float
+      sample that holds 2.5, -1, inf or NaN encodes nothing. Integer dtypes are
+      read exactly (int64 and uint64 up to 2**63 - 1, never through float64);
+      floats of up to 8 bytes through float64, which holds each of their values
+      exactly, wider ones (longdouble) as they are. Shape (B,) (scalar samples) is accepted; a sample of 0 elements
+      encodes nothing.
+    """
     images = np.asarray(images)
+    if normalize is None and images.dtype != np.uint8:
+        if images.ndim < 1:
+            raise ValueError("decode_indices: samples must be (B, ...) with a batch axis, got a scalar")
+        flat = images.reshape(len(images), -1)
+        if not flat.shape[1]:
+            return np.full(len(images), -1, np.int64)
+        ok = np.all(flat == flat[:, :1], axis=1)
+        first = flat[:, 0]
+        if np.issubdtype(flat.dtype, np.integer):  # exactly, not through float64 (int64 > 2**53)
+            if flat.dtype == np.uint64:
+                ok &= first < np.uint64(2**63)
+            first = first.astype(np.int64)  # a wrapped uint64 >= 2**63 is masked above
+            return np.where(ok & (first >= 0), first, -1)
+        if flat.dtype.itemsize <= 8:  # float64 holds every value of these exactly
+            first = first.astype(np.float64)
+        ok &= np.isfinite(first) & (first >= 0) & (first == np.floor(first)) & (first < 2.0**63)
+        return np.where(ok, np.where(ok, first, 0).astype(np.int64), -1)
     if images.ndim < 2:
         raise ValueError(f"decode_indices: images must be (B, ...) with a batch axis, got shape "
                          f"{images.shape}")
-    if normalize is None and images.dtype != np.uint8:
-        flat = images.reshape(len(images), -1).astype(np.float64)
-        first = flat[:, 0]
-        ok = np.all(flat == first[:, None], axis=1) & np.isfinite(first) & (first >= 0) \
-            & (first == np.floor(first))
-        return np.where(ok, np.where(ok, first, -1).astype(np.int64), -1)
     if normalize is None:
         pixels, near = images.astype(np.int64), np.ones(images.shape, bool)
     else:
@@ -124,6 +176,9 @@ def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = Non
         index = planes[:, 0, 0, 0] + 256 * planes[:, 1, 0, 0]
     else:
         values = pixels.reshape(len(pixels), -1)
+        if values.shape[1] < 2:
+            raise ValueError(f"decode_indices: uint8 samples need at least 2 elements (two bytes), "
+                             f"got samples of shape {images.shape[1:]}")
         half = -(-values.shape[1] // 2)
         low, high = values[:, :half], values[:, half:]
         flat = np.all(low == low[:, :1], axis=1) & np.all(high == high[:, :1], axis=1)
@@ -340,29 +395,34 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
     return found
 
 
-def _per_shard(value, batch_size: int, name: str, kind) -> list:
-    """``value`` (one array (steps, n, B), or a list of per-shard (steps, B)) as a list of
-    per-shard arrays; ValueError naming the layout otherwise."""
+def _per_shard(value, batch_size: int, name: str, kind, where: str = "describe_epoch",
+               sample_dims: bool = False) -> list:
+    """``value`` (one array (steps, n, B), or a list of per-shard (steps, B) arrays; with
+    ``sample_dims``, (steps, n, B, ...) / (steps, B, ...)) as a list of per-shard arrays;
+    ValueError naming ``where``, ``name`` and the layout otherwise. ``kind``: the dtype
+    family the values must belong to, or None for any."""
+    more = ", ..." if sample_dims else ""
     if isinstance(value, np.ndarray):
-        if value.ndim != 3 or value.shape[2] != batch_size:
-            raise ValueError(f"describe_epoch: {name} as one array must be (steps, n, B) like "
+        if value.ndim < 3 or (value.ndim != 3 and not sample_dims) or value.shape[2] != batch_size:
+            raise ValueError(f"{where}: {name} as one array must be (steps, n, B{more}) like "
                              f"Plan.indices with B = batch_size = {batch_size}, got shape {value.shape}; "
-                             f"a list holds one (steps, B) array per shard")
+                             f"a list holds one (steps, B{more}) array per shard")
         value = [value[:, k] for k in range(value.shape[1])]
     if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"describe_epoch: {name} must be an array (steps, n, B) or a non-empty list "
-                         f"of per-shard (steps, B) arrays, got {type(value).__name__}")
+        raise ValueError(f"{where}: {name} must be an array (steps, n, B{more}) or a non-empty list "
+                         f"of per-shard (steps, B{more}) arrays, got {type(value).__name__}")
     out = []
     for k, x in enumerate(value):
         x = np.asarray(x)
-        if x.size == 0:
+        if x.size == 0 and x.ndim < 2:
             x = x.reshape(0, batch_size)  # a shard that delivered nothing
-        if x.ndim != 2 or x.shape[1] != batch_size:
-            raise ValueError(f"describe_epoch: {name}[{k}] must be (steps, B) with B = batch_size = "
+        if x.ndim < 2 or (x.ndim != 2 and not sample_dims) or x.shape[1] != batch_size:
+            raise ValueError(f"{where}: {name}[{k}] must be (steps, B{more}) with B = batch_size = "
                              f"{batch_size}, got shape {x.shape}")
-        if not np.issubdtype(x.dtype, kind):
-            raise ValueError(f"describe_epoch: {name}[{k}] must hold {np.dtype(kind).name if kind is np.bool_ else 'integer'} "
-                             f"values, got dtype {x.dtype}")
+        if kind is not None and not np.issubdtype(x.dtype, kind):
+            raise ValueError(f"{where}: {name}[{k}] must hold "
+                             f"{np.dtype(kind).name if kind is np.bool_ else 'integer'} values, got dtype "
+                             f"{x.dtype}")
         out.append(x)
     return out
 

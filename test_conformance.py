@@ -6,11 +6,15 @@ conformance test means something. The decoder is shown to recover indices
 through both vendors' arithmetic and to refuse images that encode nothing.
 """
 
+
+import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import conformance
 import loaders
+from conftest import examples
 
 N, n, B = 13, 2, 2  # shards [0, 6) and [6, 13); 4 fill steps, 3 drop steps
 
@@ -166,3 +170,191 @@ def test_the_next_shards_first_sample_is_outside_the_shard():
     assert "shard 0 delivers 1 samples from outside its range [0, 6) (e.g. [6]" in text
     delivered[0][0, 0] = 5  # control: shard 0's own last sample is inside
     assert "outside the shard" not in kinds(delivered, masks, shuffle=True)
+
+
+# --------------------------------------------------------------------------
+# Index encoding at its edges: odd sample sizes, non-integers, each dtype's limit
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 7, 9])
+def test_odd_uint8_samples_split_low_and_high_bytes_at_ceil_half(size):
+    """The documented layout, element by element: the first ceil(S/2) elements hold the
+    low byte, the rest the high byte; every index 0..65535 round-trips."""
+    half = -(-size // 2)
+    [sample] = conformance.encoded_images([0x0302], (size,))
+    np.testing.assert_array_equal(sample, [0x02] * half + [0x03] * (size - half))
+    hand = np.array([[0x11] * half + [0x22] * (size - half)], np.uint8)  # built from the text alone
+    assert conformance.decode_indices(hand).tolist() == [0x2211]
+    every = np.arange(65536)
+    np.testing.assert_array_equal(conformance.decode_indices(conformance.encoded_images(every, (size,))),
+                                  every)
+    # Control: the split one element off (floor instead of ceil) encodes nothing for odd S.
+    if size % 2:
+        off = np.array([[0x11] * (half - 1) + [0x22] * (size - half + 1)], np.uint8)
+        assert conformance.decode_indices(off).tolist() == [-1]
+
+
+FLOATS = [np.float16, np.float32, np.float64, ml_dtypes.bfloat16]
+
+
+@settings(max_examples=examples(50))
+@given(st.sampled_from(FLOATS), st.floats(allow_nan=True, allow_infinity=True, width=16))
+def test_a_float_sample_decodes_only_to_the_non_negative_integer_it_holds(dtype, value):
+    samples = np.full((1, 3), value).astype(dtype)
+    held = float(samples[0, 0])
+    integral = np.isfinite(held) and held >= 0 and held == np.floor(held)
+    assert conformance.decode_indices(samples).tolist() == [int(held) if integral else -1], held
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_non_integer_negative_and_non_finite_floats_encode_nothing(dtype):
+    values = np.array([2.5, 0.5, -1.0, -2.0, -96.0, -0.0, np.inf, -np.inf, np.nan, 3.0], np.float64)
+    samples = np.repeat(values[:, None], 4, axis=1).astype(dtype)
+    # -0.0 is the integer 0; 3.0 is 3: the controls that decode.
+    assert conformance.decode_indices(samples).tolist() == [-1, -1, -1, -1, -1, 0, -1, -1, -1, 3]
+
+
+LIMITS = {np.uint8: 65536, np.float16: 2048, ml_dtypes.bfloat16: 256, np.float32: 2**24,
+          np.float64: 2**53, np.int8: 128, np.int16: 2**15, np.uint16: 2**16, np.int32: 2**31,
+          np.uint32: 2**32, np.int64: 2**63, np.uint64: 2**63,  # index_limit's docstring
+          np.longdouble: min(2 ** (np.finfo(np.longdouble).nmant + 1), 2**63)}  # x86: 2**63
+
+
+@pytest.mark.parametrize("dtype", list(LIMITS), ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(3,), (2, 2), (3, 4, 4)], ids=str)
+def test_index_limit_is_exact_at_its_edge(dtype, shape):
+    limit = conformance.index_limit(shape, dtype)
+    assert limit == LIMITS[dtype]
+    edge = np.array([limit - 2, limit - 1], np.int64)
+    samples = conformance.encoded_images(edge, shape, dtype)
+    assert samples.dtype == np.dtype(dtype) and samples.shape == (2,) + shape
+    np.testing.assert_array_equal(conformance.decode_indices(samples), edge)
+    with pytest.raises(ValueError, match=rf"indices must lie in \[0, {limit}\)"):
+        conformance.encoded_images([limit], shape, dtype)
+    with pytest.raises(ValueError, match="indices must lie in"):
+        conformance.encoded_images([-1], shape, dtype)
+    # The limit is the dtype's own: one past it the dtype cannot hold the integer.
+    if np.dtype(dtype) != np.uint8 and limit < 2**63:
+        kind = np.dtype(dtype)
+        held = np.array([limit + 1]).astype(kind)
+        assert int(held.astype(np.float64)[0] if kind.kind in "fV" else held[0]) != limit + 1
+
+
+def test_samples_without_two_bytes_or_without_elements_are_refused():
+    assert conformance.index_limit((1,), np.uint8) == 0
+    assert conformance.index_limit((0,), np.float32) == 0
+    with pytest.raises(ValueError, match=r"indices must lie in \[0, 0\)"):
+        conformance.encoded_images([0], (1,), np.uint8)
+    with pytest.raises(ValueError, match="at least 2 elements"):
+        conformance.decode_indices(np.zeros((2, 1), np.uint8))
+    with pytest.raises(ValueError, match="indices must be integers"):
+        conformance.encoded_images([1.5], (2,), np.float32)
+    with pytest.raises(ValueError, match="neither uint8, a float nor an integer"):
+        conformance.index_limit((2,), np.bool_)
+
+
+# --------------------------------------------------------------------------
+# Uneven shards: the step count and the step every finding names
+# --------------------------------------------------------------------------
+
+# N=31 over 4 shards: [0, 7), [7, 15), [15, 23), [23, 31). B=3: fill ceil(8/3) = 3 steps (shard 0
+# pads its last two slots, step 2 slots 1-2), drop floor(7/3) = 2 steps (each shard skips 1 or 2).
+UN, Un, UB = 31, 4, 3
+USTEPS = {"fill": 3, "drop": 2}
+
+
+@pytest.mark.parametrize("last_batch", ["fill", "drop"])
+def test_uneven_shards_have_the_documented_step_counts(last_batch):
+    steps = USTEPS[last_batch]
+    for shuffle in (False, True):
+        plan = loaders.epoch_plan(UN, Un, UB, shuffle=shuffle, last_batch=last_batch, seed=4)
+        assert plan.indices.shape == (steps, Un, UB)
+        args = dict(shuffle=shuffle, last_batch=last_batch, masks=plan.mask)
+        assert not conformance.describe_epoch(plan.indices, UN, UB, length=steps, **args)
+        for wrong in (steps - 1, steps + 1):  # a count one off either way names the step between
+            [(text, _, named, _)] = conformance.describe_epoch(plan.indices, UN, UB, length=wrong,
+                                                               **args).kinds["step count"]
+            assert named == {min(wrong, steps)} and text.endswith(f"steps {min(wrong, steps)}"), text
+            assert f"the plan has {steps} (N=31, 4 shards, batch 3, {last_batch})" in text, text
+
+
+def planted(kind, last_batch, shard, step, slot, seed):
+    """One deviation of ``kind`` planted at (shard, step, slot) of the plan of N=31 over 4
+    shards: (describe_epoch's arguments, the steps the finding must name, words its text
+    must hold)."""
+    steps = USTEPS[last_batch]
+    shuffle = kind not in ("order",)
+    plan = loaders.epoch_plan(UN, Un, UB, shuffle=shuffle, seed=seed, last_batch=last_batch)
+    got, mask = plan.indices.copy(), plan.mask.copy()
+    args = dict(shuffle=shuffle, last_batch=last_batch, length=steps, partition="contiguous")
+    other = (shard + 1) % Un
+    if not mask[step, shard, slot] and kind in ("outside the shard", "samples on two shards", "order"):
+        slot = 0  # shard 0's padding slots: these kinds look at real slots
+    if kind == "undecodable slots":
+        got[step, shard, slot] = -1
+        return got, mask, args, {step}, f"first: step {step} slot {slot}"
+    if kind == "same batch on several shards":
+        got[step, other] = got[step, shard]
+        return got, mask, args, {step}, f"step {step}: shards {sorted([shard, other])}"
+    if kind == "mask":
+        mask[step, shard, slot] = ~mask[step, shard, slot]
+        return got, mask, args, {step}, f"first: step {step} slot {slot}"
+    if kind == "order":  # another sample of the shard's own in one slot
+        start = loaders.shard_bounds(UN, shard, Un)[0]
+        got[step, shard, slot] = start if got[step, shard, slot] != start else start + 1
+        return got, mask, args, {step}, f"shard {shard} step {step} slot {slot}:"
+    if kind == "outside the shard":
+        got[step, shard, slot] = got[0, other, 0]
+        return got, mask, args, {step}, f"first at step {step})"
+    if kind == "samples on two shards":  # the other shard's sample of another step
+        there = (step + 1) % steps
+        got[step, shard, slot] = got[there, other, 0]
+        (a, at_a), (b, at_b) = sorted([(shard, step), (other, there)])
+        return got, mask, args, {step, there}, f"at step {at_a} of shard {a} and step {at_b} of shard {b})"
+    if kind == "repeated":  # drop (2 steps, no padding): the sample at (1 - s, slot) again at (s, slot)
+        plan = loaders.epoch_plan(UN, Un, UB, shuffle=True, seed=seed, last_batch="drop")
+        got, mask = plan.indices.copy(), plan.mask.copy()
+        args.update(last_batch="drop", length=USTEPS["drop"])
+        step = min(step, 1)
+        got[step, shard, slot] = got[1 - step, shard, slot]
+        return got, mask, args, {0, 1}, f"shard {shard} delivers 1 samples more than once in real slots " \
+            f"(e.g. [{got[step, shard, slot]}]; at steps [0, 1])"
+    if kind == "padding":  # fill: shard 0's padding slot (step 2, slot 1) holds shard 1's sample
+        args.update(last_batch="fill", length=3)
+        plan = loaders.epoch_plan(UN, Un, UB, shuffle=True, seed=seed, last_batch="fill")
+        got, mask = plan.indices.copy(), plan.mask.copy()
+        got[2, 0, 1] = got[0, 1, 0]
+        return got, mask, args, {2}, "first at step 2)"
+    if kind == "outside the dataset":
+        args["partition"] = "any"
+        got[step, shard, slot] = UN + 7
+        return got, mask, args, {step}, f"first at step {step})"
+    if kind == "batches arrived":
+        per = [got[:, k] for k in range(Un)]
+        per[shard] = per[shard][:step]
+        return per, [mask[:, k] for k in range(Un)], args, set(range(step, steps)), \
+            f"shard {shard}: {step} batches arrived, the plan has {steps}; steps " \
+            f"{step if steps - step == 1 else f'{step}-{steps - 1}'}"
+    raise AssertionError(kind)
+
+
+KINDS = ["undecodable slots", "same batch on several shards", "mask", "order", "outside the shard",
+         "samples on two shards", "repeated", "padding", "outside the dataset", "batches arrived"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=examples(10))
+@given(last_batch=st.sampled_from(["fill", "drop"]), shard=st.integers(0, Un - 1), step=st.integers(0, 2),
+       slot=st.integers(0, UB - 1), seed=st.integers(0, 2**32 - 1))
+def test_every_finding_names_the_step_it_sits_at_with_uneven_shards(kind, last_batch, shard, step, slot,
+                                                                     seed):
+    step = min(step, USTEPS[last_batch] - 1)
+    got, mask, args, want_steps, words = planted(kind, last_batch, shard, step, slot, seed)
+    found = conformance.describe_epoch(got, UN, UB, masks=mask, **args)
+    items = found.kinds.get(kind)
+    assert items, f"{kind} not found:\n{found.report()}"
+    named = [(text, steps) for text, _, steps, _ in items if words in text]
+    assert named, f"no {kind} finding says {words!r}:\n{found.report()}"
+    assert any(steps == want_steps for _, steps in named), (named, want_steps)
+
