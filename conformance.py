@@ -32,8 +32,8 @@ What it checks:
   order is not repeated in another epoch (when a uniform shuffle would repeat it
   with probability below ``CHANCE``).
 * ``describe_values``, any key (labels of any shape and dtype, float targets,
-  unnormalised samples): every slot holds its own sample's value, bit for bit (a
-  shift by a few samples or slots named as such).
+  unnormalised samples): every slot holds its own sample's value, bit for bit
+  within a dtype (a shift by a few samples or slots named as such).
 * ``describe_content``, normalised images: the pixels equal the vendor's
   ``Normalize`` table bit for bit (mirrored images, or a few ulps off, named so),
   and the labels equal the file's.
@@ -43,8 +43,9 @@ What it cannot see:
 * Anything the index encoding does not carry: a crop, a colour change or noise
   on a sample that still decodes; a sample's content other than its index, unless
   ``describe_content`` or ``describe_values`` holds it to the dataset.
-* Without masks (raw pipelines), which slots are padding: a repeat within one
-  shard is then not flagged (a repeat across shards always is).
+* Without masks (raw pipelines), which slots are padding: with fill, a repeat
+  within one shard is then not flagged (with drop it is; a repeat across shards
+  always is).
 * With shuffle, whether the order is the plan's, or random at all: only that it
   stays within each shard (contiguous), changes with the epoch, and covers the
   samples. ``partition="contiguous"`` with ``shuffle=False`` is the only check
@@ -328,8 +329,8 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
 
     Checked in both modes: the reported and arrived step counts; slots that
     decode to no sample; shards delivering the same batches at a step; samples
-    delivered in real slots of two shards; padding slots repeating samples the
-    shard delivers in real slots. ``partition="contiguous"`` (the reference
+    delivered in real slots of two shards; padding slots (with masks) holding a
+    sample that no real slot of the shard delivers. ``partition="contiguous"`` (the reference
     partition): the counts against the plan's; with shuffle off, the plan's
     samples in the plan's order (a constant shift is named as one); with
     shuffle on, only the shard's own samples; masks as the plan's; fill: every
@@ -337,10 +338,12 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
     ``partition="any"``: every shard the same number of batches, equal to
     ``length``; no sample outside range(N); fill: every sample of range(N) in
     real slots exactly once across all shards; drop: at most once. Without
-    masks, a repeat within one shard may be padding and is not flagged (in
-    either mode); a sample on two shards always is.
+    masks and with fill, a repeat within one shard may be padding and is not
+    flagged (in either mode); a sample on two shards always is.
 
-    Every finding names the step(s) it concerns (in its text and its steps).
+    One epoch only: the order across epochs is ``describe_epochs``'s, labels and
+    any other key ``describe_values``'s. Every finding names the step(s) it
+    concerns (in its text and its steps).
     Raises ValueError for input in neither layout, masks that do not match
     ``delivered``, or an unknown partition or last_batch.
     """
