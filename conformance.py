@@ -183,8 +183,8 @@ def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = Non
       sample that holds 2.5, -1, inf or NaN encodes nothing. Integer dtypes are
       read exactly (int64 and uint64 up to 2**63 - 1, never through float64);
       floats of up to 8 bytes through float64, which holds each of their values
-      exactly, wider ones (longdouble) as they are. Shape (B,) (scalar samples) is accepted; a sample of 0 elements
-      encodes nothing.
+      exactly, wider ones (longdouble) as they are. Shape (B,) (scalar samples)
+      is accepted; a sample of 0 elements encodes nothing.
     """
     images = np.asarray(images)
     if normalize is None and images.dtype != np.uint8:
@@ -580,9 +580,9 @@ def describe_values(delivered, values, reference, *, name: str = "labels",
     reference's (then nothing else is compared on that shard); "{name}" for slots
     holding another value, naming how many, the first step and slot and, when
     every wrong slot holds the value of the sample d indices away in the dataset
-    (reference[(i + d) mod N], 0 < |d| <= SHIFTS) or, all but the |d| at the
-    stream's edge, the value of the sample d slots away in the shard's stream of
-    slots, that shift in words. Raises ValueError when
+    (reference[(i + d) mod N], 0 < |d| <= SHIFTS) or, each that has one, the
+    value of the sample d slots away in the shard's stream of slots (at most |d|
+    without one, at the stream's edge), that shift in words. Raises ValueError when
     ``values`` does not match ``delivered`` in shards, steps or B, or
     ``reference`` has no leading N axis.
     """
@@ -639,6 +639,8 @@ def _same_values(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     """(M,) bool: row m of ``got`` equals row m of ``want``: bits when the dtypes agree,
     numbers when they differ."""
     M = len(got)
+    if not M:
+        return np.zeros(0, bool)
     if got.dtype == want.dtype:
         a = np.ascontiguousarray(got).reshape(M, -1).view(np.uint8)
         b = np.ascontiguousarray(want).reshape(M, -1).view(np.uint8)
@@ -660,9 +662,9 @@ def _shift(flat_i: np.ndarray, flat_v: np.ndarray, bad: np.ndarray, reference: n
         has[has] = (flat_i[at[has]] >= 0) & (flat_i[at[has]] < N)
         if (~has).sum() <= abs(d) and has.any() \
                 and _same_values(flat_v[bad[has]], reference[flat_i[at[has]]]).all():
-            return (f"; every one (but {abs(d)} at the stream's {'end' if d > 0 else 'start'}) holds the {name} of the sample "
-                    f"{abs(d)} slot(s) {'later' if d > 0 else 'earlier'} in the shard's stream: {name} "
-                    f"shifted by {d:+d} slot(s)")
+            where = f"{abs(d)} slot(s) {'later' if d > 0 else 'earlier'}"
+            return (f"; every one holds the {name} of the sample {where} in the shard's stream (where "
+                    f"there is one): {name} shifted by {d:+d} slot(s)")
     return ""
 
 

@@ -473,8 +473,8 @@ def test_epochs_without_shuffle_stay_and_reads_do_not_depend_on_history(devices)
     plan = loaders.epoch_plan(UN, Un, UB)
     short = [plan.indices[:, k] for k in range(Un)]
     short[2] = short[2][:-1]
-    [(text, shards, steps, _)] = conformance.describe_epochs({0: plan.indices, 1: short}, UB,
-                                                             shuffle=False).kinds["order changes with the epoch"]
+    found = conformance.describe_epochs({0: plan.indices, 1: short}, UB, shuffle=False)
+    [(text, shards, steps, _)] = found.kinds["order changes with the epoch"]
     assert shards == {2} and steps == {2}
     assert text.startswith("shard 2: epoch 1 differs from epoch 0 in 3 of 9 slots (first: step 2 slot 0, "
                            "sample 21 in epoch 0, -1 in epoch 1)"), text

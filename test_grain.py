@@ -201,7 +201,8 @@ def test_the_known_departures_check_fails_when_one_disappears():
     plan = {e: loaders.epoch_plan(N, n, B, epoch=e, seed=SEED, shuffle=True, last_batch="drop").indices
             for e in (0, 1)}
     for name, known in KNOWN.items():
-        with pytest.raises(AssertionError, match=r"the known departure\(s\) \['outside the shard'\] are gone"):
+        gone = r"the known departure\(s\) \['outside the shard'\] are gone"
+        with pytest.raises(AssertionError, match=gone):
             assert_known_departures(plan, known, name)
     drifted = {0: plan[0], 1: plan[1].copy()}
     drifted[1][0, 0, 0] = drifted[1][1, 0, 0]  # a repeat in epoch 1 of shard 0: "repeated" is not new
