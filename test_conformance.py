@@ -568,6 +568,7 @@ def test_values_compare_bits_within_a_dtype_and_numbers_across_dtypes():
     undecodable = indices.copy()
     undecodable[0, 0, 0] = -1  # skipped here: describe_epoch names it
     assert not conformance.describe_values(undecodable, wide[indices], wide)
+    assert not conformance.describe_values(np.full_like(indices, -1), wide[indices], wide)  # none decodes
     for bad, words in [((indices, wide[indices][:2], wide), "covers 2 batches, delivered has 3"),
                        ((indices, wide[indices], wide[0]), "(N, ...)"),
                        ((indices[:, 0], wide[indices], wide), "must be an array (steps, n, B)")]:
