@@ -568,7 +568,8 @@ def describe_values(delivered, values, reference, *, name: str = "labels",
     stacked). ``reference``: the dataset's array of that key, (N, ...).
 
     Any key, any per-sample shape and dtype: integer labels (N,), per-token
-    targets (N, 48), float targets, unnormalised samples. For every slot (s, b)
+    targets (N, 48), float targets, unnormalised samples; for a dataset that is
+    a dict of named arrays, call it once per key. For every slot (s, b)
     of shard k whose index i = delivered[k][s, b] lies in range(N) (padding
     slots included: they repeat a real sample; -1 and other indices outside
     range(N) are ``describe_epoch``'s findings), values[k][s, b] must equal
