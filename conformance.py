@@ -1,23 +1,63 @@
-"""How a loader's epoch departs from the reference plan, in words. For any loader.
+"""How a loader's epochs depart from the reference plan, in words. For any loader.
 
 The recipe, for your own loader as for the vendors' (test_rocal.py,
-test_dali.py): build a dataset whose samples encode their own index
-(``encoded_images``: uint8 images of any shape, or float/int features),
+test_dali.py, test_grain.py): build a dataset whose samples encode their own
+index (``encoded_images``: uint8 images of any shape, or float/int features),
 run it through the loader, turn each global batch into per-shard blocks
-(``shard_blocks``), decode the indices (``decode_indices``) and hand the epoch
-to ``describe_epoch``. It compares with ``loaders.epoch_plan`` and returns a
-report written for the loader's maintainers: one summary line per kind of
+(``shard_blocks``), decode the indices (``decode_indices``) and hand them to the
+describers below. Each returns ``Findings``: one summary line per kind of
 deviation first (how many shards, steps and samples it affects), then a few
-examples of each; every finding names its step(s). An empty report means the
-epoch conforms. Every check here can fire: test_conformance.py and
-test_any_data.py feed each one a wrong epoch.
+examples of each; every finding names its shard(s) and step(s). An empty report
+means the checks below found nothing. Every check can fire: test_conformance.py
+feeds each one a wrong epoch, and two broken loaders (a shuffle that ignores the
+epoch, labels shifted by one sample).
 
-Two modes: ``partition="contiguous"`` (the default) holds the loader to the
-reference partition and plan (shard k = [N*k//n, N*(k+1)//n), its order when
-not shuffled, its masks); ``partition="any"`` checks only what every sharded
-loader owes, whatever its partition (strided k::n, hashed, ...): the same step
-count on every shard, and every sample of range(N) in exactly one real slot
-across all shards (fill) or at most one (drop).
+What it checks:
+
+* ``describe_epoch``, one epoch against ``loaders.epoch_plan``. In both
+  partition modes: the step count the loader reports and the batches each shard
+  delivers; slots that decode to no sample; shards delivering the same batch at
+  a step; a sample in real slots of two shards; padding slots holding samples the
+  shard delivers in no real slot. ``partition="contiguous"`` (the default) holds
+  the loader to the reference partition (shard k = [N*k//n, N*(k+1)//n)) and
+  plan: the plan's step count and masks, its order when not shuffled (a constant
+  shift named as one), only the shard's own samples, every one once in a real
+  slot (fill) or none twice (drop). ``partition="any"`` checks what every
+  sharded loader owes, whatever its partition (strided k::n, hashed, ...): every
+  shard the same step count, no sample outside range(N), every sample of
+  range(N) in exactly one real slot across all shards (fill) or at most one
+  (drop).
+* ``describe_epochs``, several epochs of one loader: two reads of one epoch are
+  the same; without shuffle every epoch is the same; with shuffle, a shard's
+  order is not repeated in another epoch (when a uniform shuffle would repeat it
+  with probability below ``CHANCE``).
+* ``describe_values``, any key (labels of any shape and dtype, float targets,
+  unnormalised samples): every slot holds its own sample's value, bit for bit
+  within a dtype (a shift by a few samples or slots named as such).
+* ``describe_content``, normalised images: the pixels equal the vendor's
+  ``Normalize`` table bit for bit (mirrored images, or a few ulps off, named so),
+  and the labels equal the file's.
+
+What it cannot see:
+
+* Anything the index encoding does not carry: a crop, a colour change or noise
+  on a sample that still decodes; a sample's content other than its index, unless
+  ``describe_content`` or ``describe_values`` holds it to the dataset.
+* Without masks (raw pipelines), which slots are padding: with fill, a repeat
+  within one shard is then not flagged (with drop it is; a repeat across shards
+  always is).
+* With shuffle, whether the order is the plan's, or random at all: only that it
+  stays within each shard (contiguous), changes with the epoch, and covers the
+  samples. ``partition="contiguous"`` with ``shuffle=False`` is the only check
+  of the order against the plan's.
+* A shuffled shard whose repeat across epochs is likely by chance (small
+  shards, see ``describe_epochs``); epochs it is not given (a loader that repeats
+  every third epoch is caught only when given epochs three apart).
+* Which device a block lives on: ``shard_blocks`` takes mesh order as the
+  caller gives it; decode each device's block from ``addressable_shards`` to
+  check placement. Nor speed, prefetching, or several processes' agreement,
+  unless each process's blocks are gathered and described together.
+* Values in slots that decode to no sample (those are findings already).
 
 Needs loaders.py (the plan and the normalisation tables) and NumPy.
 """
@@ -25,6 +65,7 @@ Needs loaders.py (the plan and the normalisation tables) and NumPy.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 
 import numpy as np
@@ -41,18 +82,42 @@ EXAMPLES = 3  # per kind of deviation
 
 def index_limit(shape: tuple[int, ...] = loaders.IMAGE_SHAPE, dtype=np.uint8) -> int:
     """How many samples ``encoded_images`` can number in ``shape`` and ``dtype``: indices
-    0 .. limit - 1. uint8: 65536 (two bytes a sample; needs at least 2 elements);
-    a float dtype: 2**(mantissa bits + 1), where every integer is exact (float32:
-    16,777,216; float16: 2048); another integer dtype: its largest value + 1."""
+    0 .. limit - 1, each of which ``decode_indices`` recovers exactly; the limit itself
+    is refused. S = the sample's size (product of ``shape``); S = 0 gives 0.
+
+    * uint8: 65536 (two bytes a sample) when S >= 2; 0 when S = 1.
+    * a float dtype (NumPy's, or ml_dtypes' such as bfloat16): min(2**(mantissa bits
+      + 1), 2**63), below which every integer is exact (float64: 2**53; float32:
+      16,777,216; float16: 2048; bfloat16: 256; x86's longdouble: 2**63).
+    * another integer dtype: min(its largest value + 1, 2**63) (indices are int64):
+      int8 128, int16 32,768, uint16 65,536, int64 and uint64 2**63.
+
+    Raises ValueError for any other dtype (bool, complex, strings, ...)."""
     dtype = np.dtype(dtype)
     size = int(np.prod(shape))
+    if size == 0:
+        return 0
     if dtype == np.uint8:
         return 65536 if size >= 2 else 0
-    if np.issubdtype(dtype, np.floating):
-        return 2 ** (np.finfo(dtype).nmant + 1)
     if np.issubdtype(dtype, np.integer):
-        return int(np.iinfo(dtype).max) + 1
-    raise ValueError(f"index_limit: dtype={dtype} is neither uint8, a float nor an integer dtype")
+        return min(int(np.iinfo(dtype).max) + 1, 2**63)
+    mantissa = _mantissa_bits(dtype)
+    if mantissa is None:
+        raise ValueError(f"index_limit: dtype={dtype} is neither uint8, a float nor an integer dtype")
+    return min(2 ** (mantissa + 1), 2**63)
+
+
+def _mantissa_bits(dtype: np.dtype) -> int | None:
+    """The stored mantissa bits of a real float dtype (NumPy's or ml_dtypes'), else None."""
+    if np.issubdtype(dtype, np.floating):
+        return int(np.finfo(dtype).nmant)
+    if dtype.kind == "V" and dtype.names is None:  # ml_dtypes registers bfloat16, float8_* so
+        try:
+            import ml_dtypes  # comes with JAX
+            return int(ml_dtypes.finfo(dtype).nmant)
+        except (ImportError, ValueError, TypeError):
+            return None
+    return None
 
 
 def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = loaders.IMAGE_SHAPE,
@@ -70,13 +135,18 @@ def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = loaders.IMAGE_S
     * any other dtype (float32 features, int16, ...): every element equals the
       index, exactly.
 
-    Raises ValueError for an index outside [0, index_limit(shape, dtype))."""
-    indices = np.asarray(indices, np.int64).reshape(-1)
+    Raises ValueError for indices that are not integers, or an index outside
+    [0, index_limit(shape, dtype))."""
+    raw = np.asarray(indices).reshape(-1)
     shape, dtype = tuple(shape), np.dtype(dtype)
     limit = index_limit(shape, dtype)
-    if indices.size and (indices.min() < 0 or indices.max() >= limit):
+    if raw.size and raw.dtype.kind not in "iu" and not (
+            raw.dtype.kind == "O" and all(isinstance(i, int) for i in raw.tolist())):
+        raise ValueError(f"encoded_images: indices must be integers, got dtype {raw.dtype}")
+    if raw.size and (int(raw.min()) < 0 or int(raw.max()) >= limit):  # Python ints: no overflow
         raise ValueError(f"encoded_images: indices must lie in [0, {limit}) for samples {shape} of "
-                         f"{dtype} (index_limit), got range [{indices.min()}, {indices.max()}]")
+                         f"{dtype} (index_limit), got range [{int(raw.min())}, {int(raw.max())}]")
+    indices = raw.astype(np.int64)
     if dtype != np.uint8:
         return np.broadcast_to(indices.astype(dtype).reshape((-1,) + (1,) * len(shape)),
                                (len(indices),) + shape).copy()
@@ -95,25 +165,48 @@ def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = loaders.IMAGE_S
 
 
 def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = None) -> np.ndarray:
-    """The sample index each delivered sample encodes (``encoded_images``); -1 where it
-    encodes none. ``images``: (B, ...) as delivered, one block of one shard.
+    """The sample index each delivered sample encodes (``encoded_images``), int64 (B,);
+    -1 where it encodes none. ``images``: (B, ...) as delivered, one block of one shard.
 
     With a ``normalize`` (images (B, C, H, W) float32 from uint8), each value is
     first mapped back to the nearest entry of its channel's normalisation table
-    (so a vendor that is an ulp off still decodes). Without one, the samples are
-    read as stored: uint8 by the byte scheme, any other dtype by value. The
-    scheme follows the sample shape, as in ``encoded_images``; the parts that
-    carry a digit must be flat (every element equal)."""
+    (so a vendor that is an ulp off still decodes); a value more than a quarter of
+    the table's step from every entry encodes nothing. Without one, the samples
+    are read as stored:
+
+    * uint8 by the byte scheme of ``encoded_images``, which follows the sample
+      shape: (C >= 3, H, W) planes 0 and 1, else the first ceil(S/2) elements
+      (low byte) and the rest (high byte). Each part must be flat (every element
+      equal). Needs S >= 2 elements (ValueError otherwise).
+    * any other dtype by value: the sample's elements must all be equal (as
+      numbers) to one value v, and v must be a non-negative integer: a float
+      sample that holds 2.5, -1, inf or NaN encodes nothing. Integer dtypes are
+      read exactly (int64 and uint64 up to 2**63 - 1, never through float64);
+      floats of up to 8 bytes through float64, which holds each of their values
+      exactly, wider ones (longdouble) as they are. Shape (B,) (scalar samples)
+      is accepted; a sample of 0 elements encodes nothing.
+    """
     images = np.asarray(images)
+    if normalize is None and images.dtype != np.uint8:
+        if images.ndim < 1:
+            raise ValueError("decode_indices: samples must be (B, ...) with a batch axis, got a scalar")
+        flat = images.reshape(len(images), -1)
+        if not flat.shape[1]:
+            return np.full(len(images), -1, np.int64)
+        ok = np.all(flat == flat[:, :1], axis=1)
+        first = flat[:, 0]
+        if np.issubdtype(flat.dtype, np.integer):  # exactly, not through float64 (int64 > 2**53)
+            if flat.dtype == np.uint64:
+                ok &= first < np.uint64(2**63)
+            first = first.astype(np.int64)  # a wrapped uint64 >= 2**63 is masked above
+            return np.where(ok & (first >= 0), first, -1)
+        if flat.dtype.itemsize <= 8:  # float64 holds every value of these exactly
+            first = first.astype(np.float64)
+        ok &= np.isfinite(first) & (first >= 0) & (first == np.floor(first)) & (first < 2.0**63)
+        return np.where(ok, np.where(ok, first, 0).astype(np.int64), -1)
     if images.ndim < 2:
         raise ValueError(f"decode_indices: images must be (B, ...) with a batch axis, got shape "
                          f"{images.shape}")
-    if normalize is None and images.dtype != np.uint8:
-        flat = images.reshape(len(images), -1).astype(np.float64)
-        first = flat[:, 0]
-        ok = np.all(flat == first[:, None], axis=1) & np.isfinite(first) & (first >= 0) \
-            & (first == np.floor(first))
-        return np.where(ok, np.where(ok, first, -1).astype(np.int64), -1)
     if normalize is None:
         pixels, near = images.astype(np.int64), np.ones(images.shape, bool)
     else:
@@ -124,6 +217,9 @@ def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = Non
         index = planes[:, 0, 0, 0] + 256 * planes[:, 1, 0, 0]
     else:
         values = pixels.reshape(len(pixels), -1)
+        if values.shape[1] < 2:
+            raise ValueError(f"decode_indices: uint8 samples need at least 2 elements (two bytes), "
+                             f"got samples of shape {images.shape[1:]}")
         half = -(-values.shape[1] // 2)
         low, high = values[:, :half], values[:, half:]
         flat = np.all(low == low[:, :1], axis=1) & np.all(high == high[:, :1], axis=1)
@@ -233,8 +329,8 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
 
     Checked in both modes: the reported and arrived step counts; slots that
     decode to no sample; shards delivering the same batches at a step; samples
-    delivered in real slots of two shards; padding slots repeating samples the
-    shard delivers in real slots. ``partition="contiguous"`` (the reference
+    delivered in real slots of two shards; padding slots (with masks) holding a
+    sample that no real slot of the shard delivers. ``partition="contiguous"`` (the reference
     partition): the counts against the plan's; with shuffle off, the plan's
     samples in the plan's order (a constant shift is named as one); with
     shuffle on, only the shard's own samples; masks as the plan's; fill: every
@@ -242,10 +338,12 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
     ``partition="any"``: every shard the same number of batches, equal to
     ``length``; no sample outside range(N); fill: every sample of range(N) in
     real slots exactly once across all shards; drop: at most once. Without
-    masks, a repeat within one shard may be padding and is not flagged (in
-    either mode); a sample on two shards always is.
+    masks and with fill, a repeat within one shard may be padding and is not
+    flagged (in either mode); a sample on two shards always is.
 
-    Every finding names the step(s) it concerns (in its text and its steps).
+    One epoch only: the order across epochs is ``describe_epochs``'s, labels and
+    any other key ``describe_values``'s. Every finding names the step(s) it
+    concerns (in its text and its steps).
     Raises ValueError for input in neither layout, masks that do not match
     ``delivered``, or an unknown partition or last_batch.
     """
@@ -340,29 +438,265 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
     return found
 
 
-def _per_shard(value, batch_size: int, name: str, kind) -> list:
-    """``value`` (one array (steps, n, B), or a list of per-shard (steps, B)) as a list of
-    per-shard arrays; ValueError naming the layout otherwise."""
+# --------------------------------------------------------------------------
+# Across epochs: does the order follow the epoch?
+# --------------------------------------------------------------------------
+
+
+CHANCE = 1e-6  # describe_epochs flags a repeated shuffled order only when chance makes it rarer
+
+
+def describe_epochs(epochs, batch_size: int, *, shuffle: bool,
+                    findings: Findings | None = None) -> Findings:
+    """How several epochs of one loader relate: whether its order follows the epoch.
+
+    ``epochs``: the decoded indices of two or more reads of one loader (same
+    arguments), a dict ``{epoch: delivered}`` or a sequence of ``(epoch,
+    delivered)`` pairs, where an epoch may come twice (two reads of one epoch);
+    each ``delivered`` in either layout of ``describe_epoch``. A shard's read is
+    compared with another as a sequence of slots, step by step and slot by slot,
+    padding included; slots that one read has and the other lacks count as
+    different.
+
+    * Two reads of one epoch must hold the same sample in every slot ("epoch read
+      twice"): an epoch is a function of the loader's arguments, not of what was
+      read before.
+    * shuffle off: every epoch must hold the lowest epoch's samples in every slot
+      ("order changes with the epoch").
+    * shuffle on: for each pair of different epochs (a, b), the shards whose
+      sequences are identical in a and b are one finding ("same order in two
+      epochs") when a uniform shuffle would repeat all of them with probability
+      below ``CHANCE``, that is when the product over those shards of 1/L_k! is
+      below it, L_k the number of distinct samples shard k delivers in epoch a
+      (an upper bound of the chance with drop, which keeps a subset). So a
+      loader that ignores the epoch is caught when its shards are large enough
+      (one shard of 10 samples: 1/10! = 2.8e-7; four of 6: 1/720**4); 8 shards
+      of 2 samples repeat by chance with probability 1/256 and are not flagged.
+
+    Every finding names the shard(s), the two epochs and the step(s) where the
+    reads differ (or, for a repeat, all its steps). Raises ValueError for fewer
+    than two reads, reads with different shard counts, or a read in neither
+    layout.
+    """
+    pairs = list(epochs.items()) if isinstance(epochs, dict) else list(epochs)
+    if len(pairs) < 2:
+        raise ValueError(f"describe_epochs: needs two or more reads (epoch, delivered), got {len(pairs)}")
+    reads = []
+    for epoch, delivered in pairs:
+        reads.append((int(epoch), _per_shard(delivered, batch_size, f"epochs[{epoch}]", np.integer,
+                                             "describe_epochs")))
+    n = len(reads[0][1])
+    for epoch, shards in reads:
+        if len(shards) != n:
+            raise ValueError(f"describe_epochs: epoch {epoch} has {len(shards)} shards, epoch "
+                             f"{reads[0][0]} has {n}; all reads must come from one loader")
+    found = findings if findings is not None else Findings()
+    first = {}
+    for epoch, shards in reads:
+        if epoch not in first:
+            first[epoch] = shards
+            continue
+        for k in range(n):
+            differ = _slot_difference(first[epoch][k], shards[k])
+            if differ:
+                count, total, (s, j), (x, y), steps = differ
+                found.add("epoch read twice", f"shard {k}: two reads of epoch {epoch} differ in {count} "
+                          f"of {total} slots (first: step {s} slot {j}, sample {x}, then {y}): the epoch "
+                          f"depends on what was read before", shards=[k], steps=steps)
+    numbers = sorted(first)
+    if not shuffle:
+        base = numbers[0]
+        for epoch in numbers[1:]:
+            for k in range(n):
+                differ = _slot_difference(first[base][k], first[epoch][k])
+                if differ:
+                    count, total, (s, j), (x, y), steps = differ
+                    found.add("order changes with the epoch", f"shard {k}: epoch {epoch} differs from "
+                              f"epoch {base} in {count} of {total} slots (first: step {s} slot {j}, sample "
+                              f"{x} in epoch {base}, {y} in epoch {epoch}); without shuffle every epoch is "
+                              f"the same", shards=[k], steps=steps)
+        return found
+    for i, a in enumerate(numbers):
+        for b in numbers[i + 1:]:
+            same = [k for k in range(n) if not _slot_difference(first[a][k], first[b][k])]
+            if not same:
+                continue
+            log_chance = -sum(math.lgamma(np.unique(first[a][k]).size + 1) for k in same)
+            if log_chance >= math.log(CHANCE):
+                continue
+            steps = max(len(first[a][k]) for k in same)
+            who = f"shard {same[0]} delivers" if len(same) == 1 else f"shards {same} deliver"
+            found.add("same order in two epochs", f"{who} the same samples in the same slots in epochs "
+                      f"{a} and {b} (steps {_span(0, steps)}): the shuffle ignores the epoch (a uniform "
+                      f"shuffle repeats this with probability {math.exp(log_chance):.1e})",
+                      shards=same, steps=range(steps))
+    return found
+
+
+def _slot_difference(x: np.ndarray, y: np.ndarray):
+    """None when two reads (steps, B) of one shard hold the same sample in every slot;
+    else (differing slots, slots in the longer read, first (step, slot), its two
+    samples (-1 where a read lacks the slot), the differing steps)."""
+    B = x.shape[1]
+    a, b = x.ravel(), y.ravel()
+    total = max(len(a), len(b))
+    common = min(len(a), len(b))
+    wrong = np.concatenate([np.flatnonzero(a[:common] != b[:common]), np.arange(common, total)])
+    if not wrong.size:
+        return None
+    j = int(wrong[0])
+    pick = lambda v: int(v[j]) if j < len(v) else -1
+    return wrong.size, total, divmod(j, B), (pick(a), pick(b)), np.unique(wrong // B)
+
+
+# --------------------------------------------------------------------------
+# Values by index: does each slot hold its own sample's labels (any key)?
+# --------------------------------------------------------------------------
+
+
+SHIFTS = 4  # describe_values names a shift of up to this many samples or slots
+
+
+def describe_values(delivered, values, reference, *, name: str = "labels",
+                    findings: Findings | None = None) -> Findings:
+    """Whether every delivered slot holds its own sample's value of one key.
+
+    ``delivered``: the decoded indices, in either layout of ``describe_epoch``.
+    ``values``: what the loader delivered for the key ``name``, in the same layout
+    with the per-sample axes after the slot axes: one array (steps, n, B, ...)
+    or n per-shard arrays (steps, B, ...) (``shard_blocks`` of each global batch,
+    stacked). ``reference``: the dataset's array of that key, (N, ...).
+
+    Any key, any per-sample shape and dtype: integer labels (N,), per-token
+    targets (N, 48), float targets, unnormalised samples; for a dataset that is
+    a dict of named arrays, call it once per key. For every slot (s, b)
+    of shard k whose index i = delivered[k][s, b] lies in range(N) (padding
+    slots included: they repeat a real sample; -1 and other indices outside
+    range(N) are ``describe_epoch``'s findings), values[k][s, b] must equal
+    reference[i]: the same bits when the dtypes agree (so -0.0 differs from 0.0,
+    and a NaN matches its own bits), the same number when they differ (int32
+    labels from int64 data; a float32 target from float64 data must be exact).
+
+    Findings, one per shard: "{name} shape" when the per-sample shape is not
+    reference's (then nothing else is compared on that shard); "{name}" for slots
+    holding another value, naming how many, the first step and slot and, when
+    every wrong slot holds the value of the sample d indices away in the dataset
+    (reference[(i + d) mod N], 0 < |d| <= SHIFTS) or, each that has one, the
+    value of the sample d slots away in the shard's stream of slots (at most |d|
+    without one, at the stream's edge), that shift in words. Raises ValueError when
+    ``values`` does not match ``delivered`` in shards, steps or B, or
+    ``reference`` has no leading N axis.
+    """
+    reference = np.asarray(reference)
+    if reference.ndim < 1 or not len(reference):
+        raise ValueError(f"describe_values: reference must be the dataset's {name!r} array (N, ...), "
+                         f"got shape {reference.shape}")
+    delivered = _per_shard(delivered, _batch_of(delivered), "delivered", np.integer, "describe_values")
+    B = delivered[0].shape[1]
+    values = _per_shard(values, B, name, None, "describe_values", sample_dims=True)
+    if len(values) != len(delivered):
+        raise ValueError(f"describe_values: {name} has {len(values)} shards, delivered {len(delivered)}")
+    found = findings if findings is not None else Findings()
+    N, sample = len(reference), reference.shape[1:]
+    for k, (got, value) in enumerate(zip(delivered, values)):
+        if value.shape[0] != got.shape[0]:
+            raise ValueError(f"describe_values: {name}[{k}] covers {value.shape[0]} batches, delivered "
+                             f"has {got.shape[0]}")
+        if value.shape[2:] != sample:
+            found.add(f"{name} shape", f"shard {k}: {name} arrive as {value.dtype} {value.shape[2:]} per "
+                      f"sample; the dataset's are {reference.dtype} {sample}", shards=[k],
+                      steps=range(len(got)))
+            continue
+        flat_i, flat_v = got.ravel(), value.reshape((-1,) + sample)
+        known = np.flatnonzero((flat_i >= 0) & (flat_i < N))
+        bad = known[~_same_values(flat_v[known], reference[flat_i[known]])]
+        if not bad.size:
+            continue
+        s, j = divmod(int(bad[0]), B)
+        first = int(flat_i[bad[0]])
+        detail = ""
+        if not sample:
+            detail = f" with {name} {flat_v[bad[0]].tolist()}, the dataset's is {reference[first].tolist()}"
+        found.add(name, f"shard {k}: {bad.size} of {known.size} slots hold {name} that are not their "
+                  f"sample's (first: step {s} slot {j} holds sample {first}{detail})"
+                  f"{_shift(flat_i, flat_v, bad, reference, name)}", shards=[k],
+                  steps=np.unique(bad // B), samples=flat_i[bad])
+    return found
+
+
+def _batch_of(delivered) -> int:
+    """B of describe_epoch's layouts, read from the value (for describe_values)."""
+    if isinstance(delivered, np.ndarray) and delivered.ndim == 3:
+        return delivered.shape[2]
+    if isinstance(delivered, (list, tuple)) and delivered:
+        first = np.asarray(delivered[0])
+        if first.ndim == 2:
+            return first.shape[1]
+    raise ValueError(f"describe_values: delivered must be an array (steps, n, B) or a non-empty list "
+                     f"of per-shard (steps, B) arrays, got {type(delivered).__name__}")
+
+
+def _same_values(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """(M,) bool: row m of ``got`` equals row m of ``want``: bits when the dtypes agree,
+    numbers when they differ."""
+    M = len(got)
+    if not M:
+        return np.zeros(0, bool)
+    if got.dtype == want.dtype:
+        a = np.ascontiguousarray(got).reshape(M, -1).view(np.uint8)
+        b = np.ascontiguousarray(want).reshape(M, -1).view(np.uint8)
+        return np.all(a == b, axis=1)
+    return np.all(np.equal(got, want).reshape(M, -1), axis=1)
+
+
+def _shift(flat_i: np.ndarray, flat_v: np.ndarray, bad: np.ndarray, reference: np.ndarray,
+           name: str) -> str:
+    """The words for a constant shift that explains every wrong slot, or ""."""
+    N = len(reference)
+    for d in [d for m in range(1, SHIFTS + 1) for d in (m, -m)]:
+        if _same_values(flat_v[bad], reference[(flat_i[bad] + d) % N]).all():
+            return (f"; every one holds the {name} of sample i{d:+d} (mod {N}), i its own index: "
+                    f"{name} shifted by {d:+d} sample(s)")
+    for d in [d for m in range(1, SHIFTS + 1) for d in (m, -m)]:
+        at = bad + d  # the wrong slots with a neighbour d places away that decodes
+        has = (at >= 0) & (at < len(flat_i))
+        has[has] = (flat_i[at[has]] >= 0) & (flat_i[at[has]] < N)
+        if (~has).sum() <= abs(d) and has.any() \
+                and _same_values(flat_v[bad[has]], reference[flat_i[at[has]]]).all():
+            where = f"{abs(d)} slot(s) {'later' if d > 0 else 'earlier'}"
+            return (f"; every one holds the {name} of the sample {where} in the shard's stream (where "
+                    f"there is one): {name} shifted by {d:+d} slot(s)")
+    return ""
+
+
+def _per_shard(value, batch_size: int, name: str, kind, where: str = "describe_epoch",
+               sample_dims: bool = False) -> list:
+    """``value`` (one array (steps, n, B), or a list of per-shard (steps, B) arrays; with
+    ``sample_dims``, (steps, n, B, ...) / (steps, B, ...)) as a list of per-shard arrays;
+    ValueError naming ``where``, ``name`` and the layout otherwise. ``kind``: the dtype
+    family the values must belong to, or None for any."""
+    more = ", ..." if sample_dims else ""
     if isinstance(value, np.ndarray):
-        if value.ndim != 3 or value.shape[2] != batch_size:
-            raise ValueError(f"describe_epoch: {name} as one array must be (steps, n, B) like "
+        if value.ndim < 3 or (value.ndim != 3 and not sample_dims) or value.shape[2] != batch_size:
+            raise ValueError(f"{where}: {name} as one array must be (steps, n, B{more}) like "
                              f"Plan.indices with B = batch_size = {batch_size}, got shape {value.shape}; "
-                             f"a list holds one (steps, B) array per shard")
+                             f"a list holds one (steps, B{more}) array per shard")
         value = [value[:, k] for k in range(value.shape[1])]
     if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"describe_epoch: {name} must be an array (steps, n, B) or a non-empty list "
-                         f"of per-shard (steps, B) arrays, got {type(value).__name__}")
+        raise ValueError(f"{where}: {name} must be an array (steps, n, B{more}) or a non-empty list "
+                         f"of per-shard (steps, B{more}) arrays, got {type(value).__name__}")
     out = []
     for k, x in enumerate(value):
         x = np.asarray(x)
-        if x.size == 0:
+        if x.size == 0 and x.ndim < 2:
             x = x.reshape(0, batch_size)  # a shard that delivered nothing
-        if x.ndim != 2 or x.shape[1] != batch_size:
-            raise ValueError(f"describe_epoch: {name}[{k}] must be (steps, B) with B = batch_size = "
+        if x.ndim < 2 or (x.ndim != 2 and not sample_dims) or x.shape[1] != batch_size:
+            raise ValueError(f"{where}: {name}[{k}] must be (steps, B{more}) with B = batch_size = "
                              f"{batch_size}, got shape {x.shape}")
-        if not np.issubdtype(x.dtype, kind):
-            raise ValueError(f"describe_epoch: {name}[{k}] must hold {np.dtype(kind).name if kind is np.bool_ else 'integer'} "
-                             f"values, got dtype {x.dtype}")
+        if kind is not None and not np.issubdtype(x.dtype, kind):
+            raise ValueError(f"{where}: {name}[{k}] must hold "
+                             f"{np.dtype(kind).name if kind is np.bool_ else 'integer'} values, got dtype "
+                             f"{x.dtype}")
         out.append(x)
     return out
 
@@ -470,8 +804,12 @@ def describe_content(images_BCHW, labels_B, indices_B, ref_images, ref_labels,
                      normalize: loaders.Normalize) -> list[str]:
     """Labels and pixels of one delivered batch against the file and the table, in words.
 
-    Pixels must equal ``normalize`` (the vendor's table) bit for bit; a batch
-    that equals the mirrored images, or differs by ulps only, is named so."""
+    ``images_BCHW``: one shard's block, normalised float32; ``indices_B`` its decoded
+    indices (slots with -1 are skipped). Pixels must equal ``normalize`` (the
+    vendor's table) of the file's images bit for bit; a batch that equals the
+    mirrored images, or differs by ulps only, is named so. Labels (integers, one
+    per sample) must equal the file's by value; for labels of any other shape or
+    dtype, or any other key, use ``describe_values``."""
     images_BCHW, labels_B = np.asarray(images_BCHW), np.asarray(labels_B).reshape(-1)
     ok = indices_B >= 0
     found = []

@@ -3,14 +3,23 @@
 Each check is shown to fire on a hand-made wrong epoch (a negative control),
 and to stay silent on the plan itself, so an empty report from a vendor's
 conformance test means something. The decoder is shown to recover indices
-through both vendors' arithmetic and to refuse images that encode nothing.
+through both vendors' arithmetic, exactly at each dtype's limit, and to refuse
+samples that encode nothing. Two broken loaders built on loaders.make_loader,
+which describe_epoch alone passes, are named in words by the checks across
+epochs (a shuffle that ignores the epoch) and by index (labels shifted by one
+sample), for samples of several shapes and dtypes, normalised or not.
 """
 
+import re
+
+import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import conformance
 import loaders
+from conftest import examples
 
 N, n, B = 13, 2, 2  # shards [0, 6) and [6, 13); 4 fill steps, 3 drop steps
 
@@ -166,3 +175,402 @@ def test_the_next_shards_first_sample_is_outside_the_shard():
     assert "shard 0 delivers 1 samples from outside its range [0, 6) (e.g. [6]" in text
     delivered[0][0, 0] = 5  # control: shard 0's own last sample is inside
     assert "outside the shard" not in kinds(delivered, masks, shuffle=True)
+
+
+# --------------------------------------------------------------------------
+# Index encoding at its edges: odd sample sizes, non-integers, each dtype's limit
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 7, 9])
+def test_odd_uint8_samples_split_low_and_high_bytes_at_ceil_half(size):
+    """The documented layout, element by element: the first ceil(S/2) elements hold the
+    low byte, the rest the high byte; every index 0..65535 round-trips."""
+    half = -(-size // 2)
+    [sample] = conformance.encoded_images([0x0302], (size,))
+    np.testing.assert_array_equal(sample, [0x02] * half + [0x03] * (size - half))
+    hand = np.array([[0x11] * half + [0x22] * (size - half)], np.uint8)  # built from the text alone
+    assert conformance.decode_indices(hand).tolist() == [0x2211]
+    every = np.arange(65536)
+    np.testing.assert_array_equal(conformance.decode_indices(conformance.encoded_images(every, (size,))),
+                                  every)
+    # Control: the split one element off (floor instead of ceil) encodes nothing for odd S.
+    if size % 2:
+        off = np.array([[0x11] * (half - 1) + [0x22] * (size - half + 1)], np.uint8)
+        assert conformance.decode_indices(off).tolist() == [-1]
+
+
+FLOATS = [np.float16, np.float32, np.float64, ml_dtypes.bfloat16]
+
+
+@settings(max_examples=examples(50))
+@given(st.sampled_from(FLOATS), st.floats(allow_nan=True, allow_infinity=True, width=16))
+def test_a_float_sample_decodes_only_to_the_non_negative_integer_it_holds(dtype, value):
+    samples = np.full((1, 3), value).astype(dtype)
+    held = float(samples[0, 0])
+    integral = np.isfinite(held) and held >= 0 and held == np.floor(held)
+    assert conformance.decode_indices(samples).tolist() == [int(held) if integral else -1], held
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_non_integer_negative_and_non_finite_floats_encode_nothing(dtype):
+    values = np.array([2.5, 0.5, -1.0, -2.0, -96.0, -0.0, np.inf, -np.inf, np.nan, 3.0], np.float64)
+    samples = np.repeat(values[:, None], 4, axis=1).astype(dtype)
+    # -0.0 is the integer 0; 3.0 is 3: the controls that decode.
+    assert conformance.decode_indices(samples).tolist() == [-1, -1, -1, -1, -1, 0, -1, -1, -1, 3]
+
+
+LIMITS = {np.uint8: 65536, np.float16: 2048, ml_dtypes.bfloat16: 256, np.float32: 2**24,
+          np.float64: 2**53, np.int8: 128, np.int16: 2**15, np.uint16: 2**16, np.int32: 2**31,
+          np.uint32: 2**32, np.int64: 2**63, np.uint64: 2**63,  # index_limit's docstring
+          np.longdouble: min(2 ** (np.finfo(np.longdouble).nmant + 1), 2**63)}  # x86: 2**63
+
+
+@pytest.mark.parametrize("dtype", list(LIMITS), ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(3,), (2, 2), (3, 4, 4)], ids=str)
+def test_index_limit_is_exact_at_its_edge(dtype, shape):
+    limit = conformance.index_limit(shape, dtype)
+    assert limit == LIMITS[dtype]
+    edge = np.array([limit - 2, limit - 1], np.int64)
+    samples = conformance.encoded_images(edge, shape, dtype)
+    assert samples.dtype == np.dtype(dtype) and samples.shape == (2,) + shape
+    np.testing.assert_array_equal(conformance.decode_indices(samples), edge)
+    with pytest.raises(ValueError, match=rf"indices must lie in \[0, {limit}\)"):
+        conformance.encoded_images([limit], shape, dtype)
+    with pytest.raises(ValueError, match="indices must lie in"):
+        conformance.encoded_images([-1], shape, dtype)
+    # The limit is the dtype's own: one past it the dtype cannot hold the integer.
+    if np.dtype(dtype) != np.uint8 and limit < 2**63:
+        kind = np.dtype(dtype)
+        held = np.array([limit + 1]).astype(kind)
+        assert int(held.astype(np.float64)[0] if kind.kind in "fV" else held[0]) != limit + 1
+
+
+def test_samples_without_two_bytes_or_without_elements_are_refused():
+    assert conformance.index_limit((1,), np.uint8) == 0
+    assert conformance.index_limit((0,), np.float32) == 0
+    with pytest.raises(ValueError, match=r"indices must lie in \[0, 0\)"):
+        conformance.encoded_images([0], (1,), np.uint8)
+    with pytest.raises(ValueError, match="at least 2 elements"):
+        conformance.decode_indices(np.zeros((2, 1), np.uint8))
+    with pytest.raises(ValueError, match="indices must be integers"):
+        conformance.encoded_images([1.5], (2,), np.float32)
+    with pytest.raises(ValueError, match="neither uint8, a float nor an integer"):
+        conformance.index_limit((2,), np.bool_)
+
+
+# --------------------------------------------------------------------------
+# Uneven shards: the step count and the step every finding names
+# --------------------------------------------------------------------------
+
+# N=31 over 4 shards: [0, 7), [7, 15), [15, 23), [23, 31). B=3: fill ceil(8/3) = 3 steps (shard 0
+# pads its last two slots, step 2 slots 1-2), drop floor(7/3) = 2 steps (each shard skips 1 or 2).
+UN, Un, UB = 31, 4, 3
+USTEPS = {"fill": 3, "drop": 2}
+
+
+@pytest.mark.parametrize("last_batch", ["fill", "drop"])
+def test_uneven_shards_have_the_documented_step_counts(last_batch):
+    steps = USTEPS[last_batch]
+    for shuffle in (False, True):
+        plan = loaders.epoch_plan(UN, Un, UB, shuffle=shuffle, last_batch=last_batch, seed=4)
+        assert plan.indices.shape == (steps, Un, UB)
+        args = dict(shuffle=shuffle, last_batch=last_batch, masks=plan.mask)
+        assert not conformance.describe_epoch(plan.indices, UN, UB, length=steps, **args)
+        for wrong in (steps - 1, steps + 1):  # a count one off either way names the step between
+            [(text, _, named, _)] = conformance.describe_epoch(plan.indices, UN, UB, length=wrong,
+                                                               **args).kinds["step count"]
+            assert named == {min(wrong, steps)} and text.endswith(f"steps {min(wrong, steps)}"), text
+            assert f"the plan has {steps} (N=31, 4 shards, batch 3, {last_batch})" in text, text
+
+
+def planted(kind, last_batch, shard, step, slot, seed):
+    """One deviation of ``kind`` planted at (shard, step, slot) of the plan of N=31 over 4
+    shards: (describe_epoch's arguments, the steps the finding must name, words its text
+    must hold)."""
+    steps = USTEPS[last_batch]
+    shuffle = kind not in ("order",)
+    plan = loaders.epoch_plan(UN, Un, UB, shuffle=shuffle, seed=seed, last_batch=last_batch)
+    got, mask = plan.indices.copy(), plan.mask.copy()
+    args = dict(shuffle=shuffle, last_batch=last_batch, length=steps, partition="contiguous")
+    other = (shard + 1) % Un
+    if not mask[step, shard, slot] and kind in ("outside the shard", "samples on two shards", "order"):
+        slot = 0  # shard 0's padding slots: these kinds look at real slots
+    if kind == "undecodable slots":
+        got[step, shard, slot] = -1
+        return got, mask, args, {step}, f"first: step {step} slot {slot}"
+    if kind == "same batch on several shards":
+        got[step, other] = got[step, shard]
+        return got, mask, args, {step}, f"step {step}: shards {sorted([shard, other])}"
+    if kind == "mask":
+        mask[step, shard, slot] = ~mask[step, shard, slot]
+        return got, mask, args, {step}, f"first: step {step} slot {slot}"
+    if kind == "order":  # another sample of the shard's own in one slot
+        start = loaders.shard_bounds(UN, shard, Un)[0]
+        got[step, shard, slot] = start if got[step, shard, slot] != start else start + 1
+        return got, mask, args, {step}, f"shard {shard} step {step} slot {slot}:"
+    if kind == "outside the shard":
+        got[step, shard, slot] = got[0, other, 0]
+        return got, mask, args, {step}, f"first at step {step})"
+    if kind == "samples on two shards":  # the other shard's sample of another step
+        there = (step + 1) % steps
+        got[step, shard, slot] = got[there, other, 0]
+        (a, at_a), (b, at_b) = sorted([(shard, step), (other, there)])
+        return got, mask, args, {step, there}, f"at step {at_a} of shard {a} and step {at_b} of shard {b})"
+    if kind == "repeated":  # drop (2 steps, no padding): the sample at (1 - s, slot) again at (s, slot)
+        plan = loaders.epoch_plan(UN, Un, UB, shuffle=True, seed=seed, last_batch="drop")
+        got, mask = plan.indices.copy(), plan.mask.copy()
+        args.update(last_batch="drop", length=USTEPS["drop"])
+        step = min(step, 1)
+        got[step, shard, slot] = got[1 - step, shard, slot]
+        return got, mask, args, {0, 1}, f"shard {shard} delivers 1 samples more than once in real slots " \
+            f"(e.g. [{got[step, shard, slot]}]; at steps [0, 1])"
+    if kind == "padding":  # fill: shard 0's padding slot (step 2, slot 1) holds shard 1's sample
+        args.update(last_batch="fill", length=3)
+        plan = loaders.epoch_plan(UN, Un, UB, shuffle=True, seed=seed, last_batch="fill")
+        got, mask = plan.indices.copy(), plan.mask.copy()
+        got[2, 0, 1] = got[0, 1, 0]
+        return got, mask, args, {2}, "first at step 2)"
+    if kind == "outside the dataset":
+        args["partition"] = "any"
+        got[step, shard, slot] = UN + 7
+        return got, mask, args, {step}, f"first at step {step})"
+    if kind == "batches arrived":
+        per = [got[:, k] for k in range(Un)]
+        per[shard] = per[shard][:step]
+        return per, [mask[:, k] for k in range(Un)], args, set(range(step, steps)), \
+            f"shard {shard}: {step} batches arrived, the plan has {steps}; steps " \
+            f"{step if steps - step == 1 else f'{step}-{steps - 1}'}"
+    raise AssertionError(kind)
+
+
+KINDS = ["undecodable slots", "same batch on several shards", "mask", "order", "outside the shard",
+         "samples on two shards", "repeated", "padding", "outside the dataset", "batches arrived"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=examples(10))
+@given(last_batch=st.sampled_from(["fill", "drop"]), shard=st.integers(0, Un - 1), step=st.integers(0, 2),
+       slot=st.integers(0, UB - 1), seed=st.integers(0, 2**32 - 1))
+def test_every_finding_names_the_step_it_sits_at_with_uneven_shards(kind, last_batch, shard, step, slot,
+                                                                     seed):
+    step = min(step, USTEPS[last_batch] - 1)
+    got, mask, args, want_steps, words = planted(kind, last_batch, shard, step, slot, seed)
+    found = conformance.describe_epoch(got, UN, UB, masks=mask, **args)
+    items = found.kinds.get(kind)
+    assert items, f"{kind} not found:\n{found.report()}"
+    named = [(text, steps) for text, _, steps, _ in items if words in text]
+    assert named, f"no {kind} finding says {words!r}:\n{found.report()}"
+    assert any(steps == want_steps for _, steps in named), (named, want_steps)
+
+
+# --------------------------------------------------------------------------
+# Across epochs and by index: two broken loaders that describe_epoch alone passes
+# --------------------------------------------------------------------------
+
+# 48 samples over 4 devices (12 each: a repeated shuffle has chance 1/12! per shard), batch 3.
+EN, En, EB = 48, 4, 3
+SAMPLES = {  # any sample shape and dtype, normalised or not: (shape, dtype, normalize)
+    "uint8 images, normalised": ((3, 4, 4), np.uint8, loaders.Normalize()),
+    "uint8 (7,)": ((7,), np.uint8, None),
+    "float32 features": ((5,), np.float32, None),
+    "int16 (2, 3)": ((2, 3), np.int16, None),
+}
+
+
+class EpochBlind:
+    """A broken loader: its shuffle ignores the epoch (every epoch is epoch 0's order)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def epoch(self, epoch):
+        return self.inner.epoch(0)
+
+
+class Counting:
+    """A broken loader with a hidden state: epoch e is read as e + (reads so far)."""
+
+    def __init__(self, inner):
+        self.inner, self.reads = inner, 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def epoch(self, epoch):
+        self.reads += 1
+        return self.inner.epoch(epoch + self.reads - 1)
+
+
+def dataset(kind):
+    shape, dtype, normalize = SAMPLES[kind]
+    samples = conformance.encoded_images(np.arange(EN), shape, dtype)
+    labels = (np.arange(EN) * 7 % 10).astype(np.int32)  # neighbours' labels always differ
+    return samples, labels, normalize
+
+
+def make(devices, data, normalize, shuffle=True, labels=None):
+    samples, own = data
+    return loaders.make_loader((samples, own if labels is None else labels), devices[:En], EB,
+                               shuffle=shuffle, seed=5, normalize=normalize, prefetch=0,
+                               placement="host_float32")
+
+
+def read(loader, epoch, normalize):
+    """One epoch as per-shard arrays: decoded indices (steps, B), labels (steps, B), masks."""
+    batches = [{k: conformance.shard_blocks(v, En) for k, v in b.items()} for b in loader.epoch(epoch)]
+    indices = np.stack([[conformance.decode_indices(b["images"][k], normalize) for k in range(En)]
+                        for b in batches], axis=1)
+    labels = np.stack([b["labels"] for b in batches], axis=1)
+    masks = np.stack([b["mask"] for b in batches], axis=1)
+    return list(indices), list(labels), list(masks)
+
+
+def epoch_kinds(loader, epochs, normalize, shuffle):
+    return set(conformance.describe_epochs({e: read(loader, e, normalize)[0] for e in epochs}, EB,
+                                           shuffle=shuffle).kinds)
+
+
+@pytest.mark.parametrize("kind", list(SAMPLES))
+def test_a_shuffle_that_ignores_the_epoch_is_named(devices, kind):
+    samples, labels, normalize = dataset(kind)
+    loader = make(devices, (samples, labels), normalize)
+    blind = EpochBlind(loader)
+    for epoch in (0, 1):  # each epoch alone conforms: describe_epoch cannot see it
+        indices, _, masks = read(blind, epoch, normalize)
+        assert not conformance.describe_epoch(indices, EN, EB, shuffle=True, last_batch="fill",
+                                              length=len(blind), masks=masks)
+    found = conformance.describe_epochs({0: read(blind, 0, normalize)[0], 1: read(blind, 1, normalize)[0],
+                                         2: read(blind, 2, normalize)[0]}, EB, shuffle=True)
+    texts = [text for text, *_ in found.kinds["same order in two epochs"]]
+    assert len(texts) == 3 and set(found.kinds) == {"same order in two epochs"}, found.report()
+    assert texts[0].startswith("shards [0, 1, 2, 3] deliver the same samples in the same slots in "
+                               "epochs 0 and 1 (steps 0-3): the shuffle ignores the epoch"), texts[0]
+    assert epoch_kinds(loader, (0, 1, 2), normalize, shuffle=True) == set()  # control: the reference
+
+
+def test_epochs_without_shuffle_stay_and_reads_do_not_depend_on_history(devices):
+    samples, labels, normalize = dataset("float32 features")
+    fixed = make(devices, (samples, labels), normalize, shuffle=False)
+    assert epoch_kinds(fixed, (0, 3), normalize, shuffle=False) == set()
+    shuffled = make(devices, (samples, labels), normalize)
+    found = conformance.describe_epochs({0: read(shuffled, 0, normalize)[0],
+                                         1: read(shuffled, 1, normalize)[0]}, EB, shuffle=False)
+    [text, *_] = [t for t, *_ in found.kinds["order changes with the epoch"]]
+    assert text.startswith("shard 0: epoch 1 differs from epoch 0 in "), text
+    # Two reads of one epoch: the reference gives the same; a loader that counts its reads does not.
+    twice = [(1, read(shuffled, 1, normalize)[0]), (1, read(shuffled, 1, normalize)[0])]
+    assert not conformance.describe_epochs(twice, EB, shuffle=True)
+    counting = Counting(shuffled)
+    twice = [(1, read(counting, 1, normalize)[0]), (1, read(counting, 1, normalize)[0])]
+    found = conformance.describe_epochs(twice, EB, shuffle=True)
+    assert set(found.kinds) == {"epoch read twice"} and len(found.kinds["epoch read twice"]) == En
+    assert "the epoch depends on what was read before" in found.report()
+    # A read with a batch fewer differs in the slots it lacks (-1 in the text).
+    plan = loaders.epoch_plan(UN, Un, UB)
+    short = [plan.indices[:, k] for k in range(Un)]
+    short[2] = short[2][:-1]
+    found = conformance.describe_epochs({0: plan.indices, 1: short}, UB, shuffle=False)
+    [(text, shards, steps, _)] = found.kinds["order changes with the epoch"]
+    assert shards == {2} and steps == {2}
+    assert text.startswith("shard 2: epoch 1 differs from epoch 0 in 3 of 9 slots (first: step 2 slot 0, "
+                           "sample 21 in epoch 0, -1 in epoch 1)"), text
+
+
+def test_a_repeat_is_flagged_only_when_chance_makes_it_rarer_than_CHANCE():
+    """The documented domain: 1/L! per repeating shard, multiplied, against CHANCE = 1e-6."""
+    def repeat(sizes):
+        B = 1
+        shards = [np.arange(size).reshape(size, B) for size in sizes]
+        padded = [np.concatenate([s, np.full((max(sizes) - len(s), B), s[-1, 0])]) for s in shards]
+        return set(conformance.describe_epochs({0: padded, 1: padded}, B, shuffle=True).kinds)
+    assert conformance.CHANCE == 1e-6
+    assert repeat([10]) == {"same order in two epochs"}  # 1/10! = 2.8e-7
+    assert repeat([9]) == set()  # 1/9! = 2.8e-6: a uniform shuffle repeats it that often
+    assert repeat([2] * 8) == set()  # (1/2)**8
+    assert repeat([6, 6, 7]) == {"same order in two epochs"}  # 1/(720 * 720 * 5040)
+    x = np.arange(20).reshape(10, 2)
+    assert not conformance.describe_epochs({0: [x, x + 20], 1: [x[::-1], x[::-1] + 20]}, 2, shuffle=True)
+    found = conformance.describe_epochs({0: [x, x + 20], 1: [x[::-1], x + 20]}, 2, shuffle=True)
+    [(text, shards, steps, _)] = found.kinds["same order in two epochs"]  # one shard of 20 repeats
+    assert shards == {1} and steps == set(range(10)) and text.startswith("shard 1 delivers the same"), text
+
+
+@pytest.mark.parametrize("kind", list(SAMPLES))
+def test_labels_shifted_by_one_sample_are_named(devices, kind):
+    samples, labels, normalize = dataset(kind)
+    for shuffle in (False, True):
+        shifted = make(devices, (samples, labels), normalize, shuffle, labels=np.roll(labels, -1))
+        indices, got, masks = read(shifted, 1, normalize)
+        # describe_epoch sees indices only: the broken loader conforms there.
+        assert not conformance.describe_epoch(indices, EN, EB, shuffle=shuffle, last_batch="fill",
+                                              length=len(shifted), masks=masks)
+        found = conformance.describe_values(indices, got, labels)
+        assert set(found.kinds) == {"labels"} and len(found.kinds["labels"]) == En, found.report()
+        for text, *_ in found.kinds["labels"]:
+            assert text.endswith("labels shifted by +1 sample(s)") and "12 of 12 slots" in text, text
+        indices, got, _ = read(make(devices, (samples, labels), normalize, shuffle), 1, normalize)
+        assert not conformance.describe_values(indices, got, labels)  # control: the reference
+
+
+TARGETS = {  # any label shape and dtype: per-token targets, float targets, signed zeros
+    "int32 (N,)": (np.arange(UN) * 7 % 10).astype(np.int32),
+    "per-token int32 (N, 48)": (np.arange(UN * 48).reshape(UN, 48) % 500).astype(np.int32),
+    "float32 (N,)": np.linspace(-1, 1, UN, dtype=np.float32),
+    "float32 (N, 3) with -0.0": np.concatenate([np.where(np.arange(UN) % 2, 0.0, -0.0)[:, None],
+                                                np.arange(2 * UN).reshape(UN, 2)], 1).astype(np.float32),
+    "bfloat16 (N, 2)": np.arange(2 * UN).reshape(UN, 2).astype(ml_dtypes.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+@pytest.mark.parametrize("last_batch", ["fill", "drop"])
+@settings(max_examples=examples(5))
+@given(seed=st.integers(0, 2**32 - 1), d=st.sampled_from([1, -1, 2, -3, 4]), shard=st.integers(0, Un - 1))
+def test_values_of_any_shape_and_dtype_are_held_to_their_sample(name, last_batch, seed, d, shard):
+    reference = TARGETS[name]
+    plan = loaders.epoch_plan(UN, Un, UB, shuffle=True, seed=seed, last_batch=last_batch)
+    values = reference[plan.indices]  # (steps, n, B, ...)
+    assert not conformance.describe_values(plan.indices, values, reference, name="targets")
+    shifted = np.roll(reference, -d, axis=0)[plan.indices]
+    found = conformance.describe_values(plan.indices, shifted, reference, name="targets")
+    texts = [text for text, *_ in found.kinds["targets"]]
+    assert texts and all(t.endswith(f"targets shifted by {d:+d} sample(s)") for t in texts), texts
+    one = values.copy()
+    one[-1, shard, 0] = reference[(plan.indices[-1, shard, 0] + 1) % UN]  # one slot, the last step
+    [(text, shards, steps, samples)] = conformance.describe_values(plan.indices, one, reference,
+                                                                   name="targets").kinds["targets"]
+    assert shards == {shard} and steps == {len(plan.indices) - 1}
+    assert f"first: step {len(plan.indices) - 1} slot 0 holds sample {plan.indices[-1, shard, 0]}" in text
+
+
+def test_values_compare_bits_within_a_dtype_and_numbers_across_dtypes():
+    indices = np.arange(6).reshape(3, 1, 2)
+    zeros = np.zeros((6, 2), np.float32)
+    signed = zeros.copy()
+    signed[4, 1] = -0.0  # the same number, other bits
+    [(text, _, steps, samples)] = conformance.describe_values(indices, signed[indices], zeros).kinds["labels"]
+    assert steps == {2} and samples == {4} and "1 of 6 slots" in text
+    nan = np.full((6,), np.nan, np.float32)
+    assert not conformance.describe_values(indices, nan[indices], nan)  # a NaN matches its own bits
+    wide = np.arange(6, dtype=np.int64) * 1000
+    assert not conformance.describe_values(indices, wide.astype(np.int32)[indices], wide)  # by number
+    exact = np.array([0.1, 0.5, 1.0, 2.0, 0.25, 1 / 3])  # float64 targets delivered as float32
+    found = conformance.describe_values(indices, exact.astype(np.float32)[indices], exact)
+    assert found.kinds["labels"][0][3] == {0, 5}  # 0.1 and 1/3 were rounded; the others are exact
+    per_token = np.zeros((6, 4), np.int32)
+    found = conformance.describe_values(indices, np.zeros((3, 1, 2), np.int32), per_token)
+    [(text, *_)] = found.kinds["labels shape"]
+    assert text == "shard 0: labels arrive as int32 () per sample; the dataset's are int32 (4,)", text
+    undecodable = indices.copy()
+    undecodable[0, 0, 0] = -1  # skipped here: describe_epoch names it
+    assert not conformance.describe_values(undecodable, wide[indices], wide)
+    assert not conformance.describe_values(np.full_like(indices, -1), wide[indices], wide)  # none decodes
+    for bad, words in [((indices, wide[indices][:2], wide), "covers 2 batches, delivered has 3"),
+                       ((indices, wide[indices], wide[0]), "(N, ...)"),
+                       ((indices[:, 0], wide[indices], wide), "must be an array (steps, n, B)")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            conformance.describe_values(*bad)
