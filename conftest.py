@@ -38,8 +38,11 @@ dev x4, thorough x40), so every property test goes deeper under ``thorough``.
 """
 
 import os
+import resource
+import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -79,22 +82,53 @@ if DEVICES[0].platform == "cpu":
 
 
 def child_env(**extra: str) -> dict:
-    """The environment of a child JAX process: CPU devices only, output unbuffered."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    """The environment of a child JAX process: CPU devices only, output unbuffered, and
+    faulthandler on (PYTHONFAULTHANDLER), so that a crash, or the SIGABRT with which
+    ``run_children`` stops a late child, writes every Python thread's stack to its stderr."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env.pop("XLA_FLAGS", None)  # the child sets its own device count
     env.update(extra)
     return env
 
 
-def run_children(commands: list[list[str]], timeout: float, cwd: str | None = None):
-    """Runs every command at once, each in its own process group with ``child_env()``;
-    waits for all (at most ``timeout`` seconds in total) and returns
-    ``[(exit status, stdout, stderr)]``. Output goes to files, not pipes, so a
-    chatty child cannot block on a full pipe. Whatever happens (timeout, error,
-    interrupt) every child's whole process group is killed before returning;
-    a child still running at the timeout reports status None."""
+# Seconds before the current test's watchdog (pytest.ini) at which run_children stops the
+# children it still waits for, to take their stacks while the test can still report them.
+STACK_MARGIN = 15.0
+_test_deadline: float | None = None  # time.monotonic() at which the current test's watchdog fires
+
+
+class ChildrenStopped(AssertionError):
+    """Raised by ``run_children`` when it had to stop a child; the message holds the report."""
+
+
+def run_children(commands: list[list[str]], timeout: float, cwd: str | None = None,
+                 grace: float = 10.0) -> list[tuple[int, str, str]]:
+    """Runs every command at once, each in its own process group with ``child_env()``, and
+    returns ``[(exit status, stdout, stderr)]`` once every child has exited by itself.
+    Output goes to files, not pipes, so a chatty child cannot block on a full pipe.
+
+    Bounded: a child still running ``timeout`` seconds after the start, or
+    ``STACK_MARGIN`` seconds before the current test's watchdog fires (pytest.ini's
+    ``timeout``, ``faulthandler_timeout``), whichever comes first, or ``grace`` seconds
+    after another child exited with a non-zero status (the peer of a failed process may
+    wait for it forever), is stopped, and then ``ChildrenStopped`` (an AssertionError) is
+    raised instead of returning. Before a child is stopped its stacks are taken, for it and
+    every process it started (also those in their own sessions): ``py-spy dump --native``
+    (every Python thread, native frames included: where a native call hangs), or ``gdb``'s
+    ``thread apply all bt`` where py-spy is missing, each bounded in time; then SIGABRT, on
+    which faulthandler (child_env) writes every Python thread's stack into the child's
+    stderr. The message names every child (its command, its exit status or why it was
+    stopped and after how long), those stacks and the end of its stdout and stderr.
+
+    Whatever happens (a stop, an error, an interrupt, the watchdog) every child's process
+    group, and every process a stopped child started, is killed before this returns."""
     with tempfile.TemporaryDirectory() as folder:
-        children = []
+        children, reports = [], {}
+        start = time.monotonic()
+        limits = [(start + timeout, f"the timeout of {timeout:g} s")]
+        if _test_deadline is not None:
+            limits.append((max(_test_deadline - STACK_MARGIN, start + 1.0),
+                           f"this test's watchdog (pytest.ini) fires {STACK_MARGIN:g} s later"))
         try:
             for i, command in enumerate(commands):
                 out = open(os.path.join(folder, f"{i}.out"), "w+")
@@ -102,28 +136,143 @@ def run_children(commands: list[list[str]], timeout: float, cwd: str | None = No
                 child = subprocess.Popen(command, cwd=cwd, env=child_env(), stdout=out, stderr=err,
                                          text=True, start_new_session=True)
                 children.append((child, out, err))
-            deadline = time.monotonic() + timeout
-            for child, _, _ in children:
-                try:
-                    child.wait(timeout=max(deadline - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
-                    pass
+            peer_failed = False
+            while True:
+                codes = [child.poll() for child, _, _ in children]
+                if None not in codes:
+                    break
+                failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+                if failed and not peer_failed:
+                    peer_failed = True
+                    limits.append((time.monotonic() + grace, f"child {failed[0]} exited {codes[failed[0]]}; "
+                                                             f"the others had {grace:g} s more"))
+                deadline, why = min(limits)
+                if time.monotonic() >= deadline:
+                    for i, code in enumerate(codes):
+                        if code is None:
+                            reports[i] = _stop(children[i][0], time.monotonic() - start)
+                    break
+                time.sleep(0.05)
         finally:
-            timed_out = [child.poll() is None for child, _, _ in children]
-            for child, _, _ in children:
-                try:
-                    os.killpg(child.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            for i, (child, _, _) in enumerate(children):
+                if child.poll() is None and i not in reports:
+                    for pid in _descendants(child.pid):  # an error or interrupt: no time for stacks
+                        _kill(pid)
+                _kill(child.pid)
                 child.wait()
         results = []
-        for (child, out, err), late in zip(children, timed_out):
+        for child, out, err in children:
             out.seek(0)
             err.seek(0)
-            results.append((None if late else child.returncode, out.read(), err.read()))
+            results.append((child.returncode, out.read(), err.read()))
             out.close()
             err.close()
-        return results
+    if reports:
+        lines = [f"run_children stopped {len(reports)} of {len(commands)} children at "
+                 f"{time.monotonic() - start:.1f} s: {why}."]
+        for i, (command, (code, out, err)) in enumerate(zip(commands, results)):
+            shown = " ".join(command)
+            lines.append(f"\n=== child {i}: {shown[:300]}")
+            lines.append(reports[i] if i in reports else f"exited {code} by itself")
+            lines.append(f"--- child {i} stderr (the end; a stopped child's ends with faulthandler's "
+                         f"stacks) ---\n{err[-6000:]}")
+            lines.append(f"--- child {i} stdout (the end) ---\n{out[-1500:]}")
+        raise ChildrenStopped("\n".join(lines))
+    return results
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first, then theirs), from /proc; [] elsewhere."""
+    parents = {}
+    try:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        stat = f.read()
+                except OSError:
+                    continue
+                parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    except OSError:
+        return []
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [c for p in frontier for c in parents.get(p, [])]
+        found += frontier
+    return found
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL to ``pid``'s process group (each child leads its own) and to ``pid``."""
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
+        try:
+            kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def native_stacks(pid: int, timeout: float = 10.0) -> str:
+    """Every thread's stack of process ``pid``, native frames included, as text:
+    ``py-spy dump --native`` (Python threads, with the native calls they are in), or
+    where py-spy is missing ``gdb -batch -p PID -ex 'thread apply all bt'`` (every thread,
+    slower: seconds to tens of seconds for a JAX process). At most ``timeout`` seconds;
+    says why when neither tool gives an answer (missing, not permitted to attach, ...)."""
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if py_spy:
+        command = [py_spy, "dump", "--native", "--pid", str(pid)]
+    elif shutil.which("gdb"):
+        command = ["gdb", "-nx", "-batch", "-iex", "set debuginfod enabled off", "-p", str(pid),
+                   "-ex", "thread apply all bt 40"]
+    else:
+        return "(no native stacks: neither py-spy nor gdb is installed)"
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"({os.path.basename(command[0])} gave no answer within {timeout:g} s)"
+    text = (done.stdout + done.stderr).strip()
+    return text if done.returncode == 0 else f"({os.path.basename(command[0])} failed: {text[-500:]})"
+
+
+def _stop(child: subprocess.Popen, elapsed: float) -> str:
+    """Takes the stacks of a running child and every process below it, then stops them all
+    (SIGABRT, deepest first, so faulthandler writes their Python stacks to their stderr,
+    then SIGKILL); returns the report."""
+    tree = _descendants(child.pid)
+    parts = [f"still running after {elapsed:.1f} s (pid {child.pid}); stopped"]
+    budget = time.monotonic() + STACK_MARGIN - 5
+    for pid in [child.pid] + tree:
+        left = budget - time.monotonic()
+        stacks = native_stacks(pid, timeout=min(10.0, left)) if left > 1 else "(no time left for stacks)"
+        parts.append(f"--- stacks of process {pid}{' (started by the child)' if pid != child.pid else ''} "
+                     f"---\n{stacks}")
+    for group in (tree[::-1], [child.pid]):
+        for pid in group:
+            try:
+                resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))  # a stack, not a core file
+            except (OSError, ValueError):
+                pass
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        until = time.monotonic() + 3
+        while time.monotonic() < until and any(_running(p) for p in group):
+            time.sleep(0.05)
+    for pid in tree:
+        _kill(pid)
+    _kill(child.pid)
+    child.wait()
+    return "\n".join(parts)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def pytest_addoption(parser):
@@ -144,6 +293,37 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: launches several JAX processes (jax.distributed)")
     config.addinivalue_line("markers", "rocal: needs amd.rocal (rocAL's CPU or GPU backend)")
     config.addinivalue_line("markers", "dali: needs nvidia.dali (runs its CPU pipelines)")
+
+
+def watchdog_seconds(item) -> float | None:
+    """Seconds after which the watchdog (pytest.ini) stops ``item``: the earlier of
+    pytest-timeout's limit (its ``timeout`` marker, option or ini value) and pytest's
+    ``faulthandler_timeout``; None when neither is set."""
+    limits = []
+    if item.config.pluginmanager.hasplugin("timeout"):
+        try:
+            import pytest_timeout
+            limits.append(pytest_timeout._get_item_settings(item).timeout)
+        except (ImportError, AttributeError, ValueError):
+            limits.append(float(item.config.getini("timeout") or 0))
+    try:
+        limits.append(float(item.config.getini("faulthandler_timeout") or 0))
+    except ValueError:  # -p no:faulthandler
+        pass
+    limits = [t for t in limits if t and t > 0]
+    return min(limits) if limits else None
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item):
+    """Records when the current test's watchdog fires, for ``run_children``'s deadline."""
+    global _test_deadline
+    seconds = watchdog_seconds(item)
+    _test_deadline = None if seconds is None else time.monotonic() + seconds
+    try:
+        return (yield)
+    finally:
+        _test_deadline = None
 
 
 @pytest.fixture(scope="session")
