@@ -37,6 +37,7 @@ one) takes it from ``examples(n)``, which scales n like the profile (ci x1,
 dev x4, thorough x40), so every property test goes deeper under ``thorough``.
 """
 
+import collections
 import os
 import resource
 import shutil
@@ -101,34 +102,48 @@ class ChildrenStopped(AssertionError):
     """Raised by ``run_children`` when it had to stop a child; the message holds the report."""
 
 
+class Ended(collections.namedtuple("Ended", "code out err")):
+    """A child that exited by itself: its exit status, stdout and stderr (it unpacks as
+    those three) and, in ``seconds``, how long it ran (measured by polling, +-0.05 s)."""
+    seconds: float
+
+
 def run_children(commands: list[list[str]], timeout: float, cwd: str | None = None,
-                 grace: float = 10.0) -> list[tuple[int, str, str]]:
+                 grace: float | None = None, jobs: list | None = None) -> list[Ended]:
     """Runs every command at once, each in its own process group with ``child_env()``, and
-    returns ``[(exit status, stdout, stderr)]`` once every child has exited by itself.
+    returns ``[Ended(exit status, stdout, stderr)]`` once every child has exited by itself.
     Output goes to files, not pipes, so a chatty child cannot block on a full pipe.
 
     Bounded: a child still running ``timeout`` seconds after the start, or
     ``STACK_MARGIN`` seconds before the current test's watchdog fires (pytest.ini's
-    ``timeout``, ``faulthandler_timeout``), whichever comes first, or ``grace`` seconds
-    after another child exited with a non-zero status (the peer of a failed process may
-    wait for it forever), is stopped, and then ``ChildrenStopped`` (an AssertionError) is
-    raised instead of returning. Before a child is stopped its stacks are taken, for it and
-    every process it started (also those in their own sessions): ``py-spy dump --native``
-    (every Python thread, native frames included: where a native call hangs), or ``gdb``'s
-    ``thread apply all bt`` where py-spy is missing, each bounded in time; then SIGABRT, on
-    which faulthandler (child_env) writes every Python thread's stack into the child's
-    stderr. The message names every child (its command, its exit status or why it was
-    stopped and after how long), those stacks and the end of its stdout and stderr.
+    ``timeout``, ``faulthandler_timeout``), whichever comes first, is stopped; so is one
+    still running ``grace`` seconds after a child of its job exited with a non-zero status,
+    when ``grace`` is given (the processes of one job: the peer of a failed process may wait
+    for it forever). ``jobs`` names each command's job (default: all one job). When a child
+    had to be stopped, ``ChildrenStopped`` (an AssertionError) is raised, once every child
+    has ended, instead of returning.
+
+    Before a child is stopped its stacks are taken, for it and every process it started
+    (also those in sessions of their own): ``py-spy dump --native`` (every Python thread,
+    with the native frames it is in), or gdb's ``thread apply all bt`` where py-spy is
+    missing, each bounded in time; then SIGABRT, on which faulthandler (child_env) writes
+    every Python thread's stack into the stderr of each process still running. The message
+    names every child (its command, its exit status or why it was stopped and after how
+    long), those stacks and the end of its stdout and stderr.
 
     Whatever happens (a stop, an error, an interrupt, the watchdog) every child's process
     group, and every process a stopped child started, is killed before this returns."""
+    jobs = [0] * len(commands) if jobs is None else list(jobs)
+    if len(jobs) != len(commands):
+        raise ValueError(f"run_children: jobs names {len(jobs)} jobs for {len(commands)} commands")
     with tempfile.TemporaryDirectory() as folder:
-        children, reports = [], {}
+        children, ended, reports = [], {}, {}
         start = time.monotonic()
-        limits = [(start + timeout, f"the timeout of {timeout:g} s")]
+        common = [(start + timeout, f"the timeout of {timeout:g} s")]
         if _test_deadline is not None:
-            limits.append((max(_test_deadline - STACK_MARGIN, start + 1.0),
-                           f"this test's watchdog (pytest.ini) fires {STACK_MARGIN:g} s later"))
+            common.append((max(_test_deadline - STACK_MARGIN, start + 1.0),
+                           f"this test's watchdog (pytest.ini), due {STACK_MARGIN:g} s later"))
+        limits = [list(common) for _ in commands]
         try:
             for i, command in enumerate(commands):
                 out = open(os.path.join(folder, f"{i}.out"), "w+")
@@ -136,22 +151,20 @@ def run_children(commands: list[list[str]], timeout: float, cwd: str | None = No
                 child = subprocess.Popen(command, cwd=cwd, env=child_env(), stdout=out, stderr=err,
                                          text=True, start_new_session=True)
                 children.append((child, out, err))
-            peer_failed = False
-            while True:
-                codes = [child.poll() for child, _, _ in children]
-                if None not in codes:
-                    break
-                failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-                if failed and not peer_failed:
-                    peer_failed = True
-                    limits.append((time.monotonic() + grace, f"child {failed[0]} exited {codes[failed[0]]}; "
-                                                             f"the others had {grace:g} s more"))
-                deadline, why = min(limits)
-                if time.monotonic() >= deadline:
-                    for i, code in enumerate(codes):
-                        if code is None:
-                            reports[i] = _stop(children[i][0], time.monotonic() - start)
-                    break
+            while len(ended) + len(reports) < len(children):
+                now = time.monotonic()
+                for i, (child, _, _) in enumerate(children):
+                    if i in ended or i in reports or child.poll() is None:
+                        continue
+                    ended[i] = now - start
+                    if child.returncode and grace is not None:
+                        for j in range(len(children)):
+                            if jobs[j] == jobs[i]:
+                                limits[j].append((now + grace, f"the grace of {grace:g} s after child {i} "
+                                                               f"of its job exited {child.returncode}"))
+                for i, (child, _, _) in enumerate(children):
+                    if i not in ended and i not in reports and now >= min(limits[i])[0]:
+                        reports[i] = f"stopped by {min(limits[i])[1]}; " + _stop(child, time.monotonic() - start)
                 time.sleep(0.05)
         finally:
             for i, (child, _, _) in enumerate(children):
@@ -161,19 +174,19 @@ def run_children(commands: list[list[str]], timeout: float, cwd: str | None = No
                 _kill(child.pid)
                 child.wait()
         results = []
-        for child, out, err in children:
+        for i, (child, out, err) in enumerate(children):
             out.seek(0)
             err.seek(0)
-            results.append((child.returncode, out.read(), err.read()))
+            results.append(Ended(child.returncode, out.read(), err.read()))
+            results[-1].seconds = ended.get(i, time.monotonic() - start)
             out.close()
             err.close()
     if reports:
-        lines = [f"run_children stopped {len(reports)} of {len(commands)} children at "
-                 f"{time.monotonic() - start:.1f} s: {why}."]
+        lines = [f"run_children stopped {len(reports)} of {len(commands)} children:"]
         for i, (command, (code, out, err)) in enumerate(zip(commands, results)):
-            shown = " ".join(command)
-            lines.append(f"\n=== child {i}: {shown[:300]}")
-            lines.append(reports[i] if i in reports else f"exited {code} by itself")
+            lines.append(f"\n=== child {i}: {' '.join(command)[:300]}")
+            lines.append(reports[i] if i in reports else
+                         f"exited {code} by itself after {ended[i]:.1f} s")
             lines.append(f"--- child {i} stderr (the end; a stopped child's ends with faulthandler's "
                          f"stacks) ---\n{err[-6000:]}")
             lines.append(f"--- child {i} stdout (the end) ---\n{out[-1500:]}")
@@ -239,7 +252,7 @@ def _stop(child: subprocess.Popen, elapsed: float) -> str:
     (SIGABRT, deepest first, so faulthandler writes their Python stacks to their stderr,
     then SIGKILL); returns the report."""
     tree = _descendants(child.pid)
-    parts = [f"still running after {elapsed:.1f} s (pid {child.pid}); stopped"]
+    parts = [f"still running after {elapsed:.1f} s (pid {child.pid})"]
     budget = time.monotonic() + STACK_MARGIN - 5
     for pid in [child.pid] + tree:
         left = budget - time.monotonic()
