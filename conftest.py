@@ -1,4 +1,4 @@
-"""Test set-up: the suite's device policy, hypothesis profiles, a small dataset.
+"""Test set-up: the device policy, bounded child processes, hypothesis profiles, a dataset.
 
 Device policy, the same for every test, helper and child process:
 
@@ -17,8 +17,9 @@ Device policy, the same for every test, helper and child process:
 * Child processes (refimpl.py runs, the jax.distributed tests) test the program
   and the multi-process protocol, not the accelerator; two processes must not
   fight over one GPU. ``child_env()`` gives their environment, and
-  ``run_children`` starts each in its own process group and kills the group
-  whatever happens.
+  ``run_children`` starts each in its own process group, bounds it, takes the
+  stacks of one it has to stop into the failure, and kills them all whatever
+  happens.
 * GPU memory preallocation is off for this process (set before any backend
   starts), so it holds only what the tests use.
 * Matmul precision is "highest" for the whole suite: on NVIDIA GPUs a float32
@@ -28,6 +29,10 @@ Device policy, the same for every test, helper and child process:
 
 ``jax_num_cpu_devices`` only takes effect before JAX first touches a device,
 which is why all of this runs here, at import, before any test module.
+
+Every test is bounded by the watchdog in pytest.ini (pytest-timeout, then
+faulthandler); ``pytest_runtest_protocol`` below records when it fires, so that
+``run_children`` stops its children first, while their stacks can be reported.
 
 Hypothesis profiles, chosen with HYPOTHESIS_PROFILE (default ``ci``): ``ci``
 derandomised with modest example counts, ``dev`` random with more examples,
