@@ -306,7 +306,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def scale_watchdog(config, scale: float) -> None:
+    """Multiplies the watchdog's limits (pytest.ini's ``timeout`` and
+    ``faulthandler_timeout``, where set) by ``scale``, before the plugins read them."""
+    for name in ("timeout", "faulthandler_timeout"):
+        try:
+            seconds = float(config.getini(name) or 0)
+            if seconds > 0:
+                config._inicache[name] = seconds * scale  # pytest has no public setter
+        except (ValueError, AttributeError):  # the plugin is off, or pytest changed
+            pass
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-timeout reads its limit
 def pytest_configure(config):
+    # The watchdog's limits are the ci profile's; dev and thorough draw 4 and 40 times the
+    # examples, so their tests get 4 and 40 times as long.
+    if settings.default.max_examples > 25:
+        scale_watchdog(config, settings.default.max_examples / 25)
     config.addinivalue_line("markers", "slow: a long end-to-end regression run; skipped unless --run-slow")
     config.addinivalue_line("markers", "multiprocess: launches several JAX processes (jax.distributed)")
     config.addinivalue_line("markers", "rocal: needs amd.rocal (rocAL's CPU or GPU backend)")

@@ -11,9 +11,11 @@
   by themselves come back as they ended.
 * The watchdog (pytest.ini): a test waiting in Python fails at ``timeout`` with its stack
   and the run goes on; a test waiting in native code ends the run at
-  ``faulthandler_timeout`` with every thread's stack on stderr.
+  ``faulthandler_timeout`` with every thread's stack on stderr. Both limits are the ci
+  profile's, scaled like the examples under dev (x4) and thorough (x40).
 """
 
+import configparser
 import os
 import shutil
 import sys
@@ -190,3 +192,25 @@ def test_the_watchdog_fails_a_hung_test_with_its_stack(tmp_path, request):
     assert "test_waits_in_python" in python_out and "threading.Event().wait()" in python_out, python_out
     assert native_code == 1, (native_code, native_out, native_err)
     assert "Timeout (0:00:01)!" in native_err and "in test_waits_in_native" in native_err, native_err
+
+
+def test_the_deeper_profiles_scale_the_watchdog(request):
+    # dev and thorough draw 4 and 40 times the examples (conftest.examples): their tests
+    # get as much longer, through the same ini values the plugins read.
+    class Config:  # what scale_watchdog touches of pytest's Config
+        def __init__(self):
+            self._inicache = {}
+
+        def getini(self, name):
+            return self._inicache.get(name, {"timeout": "90", "faulthandler_timeout": "120"}[name])
+
+    config = Config()
+    conftest.scale_watchdog(config, 40)
+    assert (config.getini("timeout"), config.getini("faulthandler_timeout")) == (3600, 4800)
+    # And this session's limits are pytest.ini's, times this profile's scale.
+    ini = configparser.ConfigParser(inline_comment_prefixes="#")
+    ini.read(os.path.join(HERE, "pytest.ini"))
+    scale = max(1, conftest.settings.default.max_examples / 25)
+    overridden = {o.split("=")[0] for o in request.config.option.override_ini or []}  # -o NAME=...
+    for name in {"timeout", "faulthandler_timeout"} - overridden:
+        assert float(request.config.getini(name)) == float(ini["pytest"][name]) * scale, name
