@@ -133,7 +133,7 @@ def launched(dataset, tmp_path_factory):
         # 1000 samples over 8 devices at batch 64: 2 steps an epoch.
         "local processes": refimpl + ["--batch-size", "64", "--local-processes", "2"],
     }
-    results = run_children(list(commands.values()), timeout=75, cwd=HERE, grace=10,
+    results = run_children(list(commands.values()), timeout=100, cwd=HERE, grace=10,
                            jobs=["two workers", "two workers", "missing peer", "local processes"])
     return dict(zip(commands, results)), out
 

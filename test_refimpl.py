@@ -48,7 +48,7 @@ def runs(tiny_dir, tmp_path_factory):
     names = list(RUNS)
     commands = [[sys.executable, REFIMPL, *(a.format(data=tiny_dir, tmp=tmp) for a in RUNS[name])]
                 for name in names]
-    results = run_children(commands, timeout=75, cwd=HERE)
+    results = run_children(commands, timeout=100, cwd=HERE)
     return {name: types.SimpleNamespace(returncode=code, stdout=out, stderr=err, tmp=tmp)
             for name, (code, out, err) in zip(names, results)}
 
@@ -196,7 +196,7 @@ def refused(tiny_dir, tmp_path_factory):
     names = [n for n in REFUSED if not (n == "rocal backend without rocal" and rocal_installed())]
     commands = [[sys.executable, REFIMPL, *(a.format(data=tiny_dir, tmp=tmp) for a in REFUSED[n][0]),
                  "--cache-dir", str(tmp / f"cache-{i}")] for i, n in enumerate(names)]
-    results = run_children(commands, timeout=75, cwd=HERE)
+    results = run_children(commands, timeout=100, cwd=HERE)
     return {n: (types.SimpleNamespace(returncode=code, stdout=out, stderr=err), tmp / f"cache-{i}", tmp)
             for i, (n, (code, out, err)) in enumerate(zip(names, results))}
 
