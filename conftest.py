@@ -149,6 +149,7 @@ def run_children(commands: list[list[str]], timeout: float, cwd: str | None = No
             common.append((max(_test_deadline - STACK_MARGIN, start + 1.0),
                            f"this test's watchdog (pytest.ini), due {STACK_MARGIN:g} s later"))
         limits = [list(common) for _ in commands]
+        stacks_until = None  # the time taking stacks may last, from the first stop on
         try:
             for i, command in enumerate(commands):
                 out = open(os.path.join(folder, f"{i}.out"), "w+")
@@ -169,7 +170,9 @@ def run_children(commands: list[list[str]], timeout: float, cwd: str | None = No
                                                                f"of its job exited {child.returncode}"))
                 for i, (child, _, _) in enumerate(children):
                     if i not in ended and i not in reports and now >= min(limits[i])[0]:
-                        reports[i] = f"stopped by {min(limits[i])[1]}; " + _stop(child, time.monotonic() - start)
+                        stacks_until = stacks_until or time.monotonic() + STACK_MARGIN - 5  # for all
+                        reports[i] = (f"stopped by {min(limits[i])[1]}; "
+                                      + _stop(child, time.monotonic() - start, stacks_until))
                 time.sleep(0.05)
         finally:
             for i, (child, _, _) in enumerate(children):
@@ -252,15 +255,14 @@ def native_stacks(pid: int, timeout: float = 10.0) -> str:
     return text if done.returncode == 0 else f"({os.path.basename(command[0])} failed: {text[-500:]})"
 
 
-def _stop(child: subprocess.Popen, elapsed: float) -> str:
-    """Takes the stacks of a running child and every process below it, then stops them all
-    (SIGABRT, deepest first, so faulthandler writes their Python stacks to their stderr,
-    then SIGKILL); returns the report."""
+def _stop(child: subprocess.Popen, elapsed: float, stacks_until: float) -> str:
+    """Takes the stacks of a running child and every process below it (until the time
+    ``stacks_until`` at most), then stops them all (SIGABRT, deepest first, so faulthandler
+    writes their Python stacks to their stderr, then SIGKILL); returns the report."""
     tree = _descendants(child.pid)
     parts = [f"still running after {elapsed:.1f} s (pid {child.pid})"]
-    budget = time.monotonic() + STACK_MARGIN - 5
     for pid in [child.pid] + tree:
-        left = budget - time.monotonic()
+        left = stacks_until - time.monotonic()
         stacks = native_stacks(pid, timeout=min(10.0, left)) if left > 1 else "(no time left for stacks)"
         parts.append(f"--- stacks of process {pid}{' (started by the child)' if pid != child.pid else ''} "
                      f"---\n{stacks}")
