@@ -123,17 +123,17 @@ def test_a_childs_own_children_are_dumped_and_killed(tmp_path):
 def test_a_failed_peer_stops_the_others_of_its_job_after_the_grace():
     # The processes of one job (grace given): a peer of a failed process may wait forever.
     sleeps = [sys.executable, "-c", "import time; time.sleep(60)"]
-    quick = [sys.executable, "-c", "import time; time.sleep(2)"]
+    quick = [sys.executable, "-c", "import time; time.sleep(1.5)"]
     start = time.monotonic()
     with pytest.raises(ChildrenStopped) as stopped:
         run_children([sleeps, [sys.executable, "-c", "raise SystemExit(3)"], quick], timeout=60, grace=0.5,
                      jobs=["pair", "pair", "other"])
-    assert time.monotonic() - start < 2 + STACK_MARGIN
+    assert time.monotonic() - start < 1.5 + STACK_MARGIN
     message = str(stopped.value)
     assert message.startswith("run_children stopped 1 of 3 children:")
     assert "stopped by the grace of 0.5 s after child 1 of its job exited 3; still running after 0." in message
     assert "exited 3 by itself" in message
-    assert "exited 0 by itself after 2." in message  # another job's child: left to finish
+    assert "exited 0 by itself after " in message  # another job's child: left to finish
 
 
 def test_children_that_end_by_themselves_are_returned_as_they_ended():
