@@ -17,9 +17,9 @@ Guarantees checked:
   naming the process, instead of hanging;
 * ``refimpl.py --local-processes 2`` runs and prints one report.
 
-Every process these tests check starts at once, in one module fixture (they spend
-much of their time waiting), bounded by conftest.run_children, which reports the
-stacks of any it has to stop and kills them all. Select these tests with
+The processes are started by two module fixtures, each bounded by
+conftest.run_children, which reports the stacks of any it has to stop and kills
+them all; the missing peer's run (which mostly waits) runs beside --local-processes. Select these tests with
 ``-m multiprocess`` or skip them with ``-m "not multiprocess"``. This file is also
 the worker program of the first test.
 """
@@ -93,16 +93,10 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
     jax.distributed.shutdown()
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free on 127.0.0.1 a moment ago."""
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -112,33 +106,39 @@ def dataset(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launched(dataset, tmp_path_factory):
-    """Every process this file's tests check, started at once (they spend much of their time
-    waiting: on a peer that never comes, on gloo, on each other), each test reading its own:
-    {name: conftest.Ended}, and the folder the two workers wrote to. Each job is bounded;
-    a process of the two-worker job whose peer failed is stopped 10 s later."""
+def two_workers(dataset, tmp_path_factory):
+    """The two worker processes of the first test, {process id: conftest.Ended}, and the
+    folder they wrote to. A process whose peer failed is stopped 10 s later."""
     # Imported here, not at the top: this file is also the worker program, and
     # conftest starts JAX's backends with 8 devices when it is imported.
     from conftest import run_children
 
     out = tmp_path_factory.mktemp("two-processes")
-    workers, missing = (f"127.0.0.1:{port}" for port in free_ports(2))
+    coordinator = f"127.0.0.1:{free_port()}"
+    results = run_children([[sys.executable, __file__, dataset, str(out), coordinator, str(i)] for i in range(2)],
+                           timeout=100, cwd=HERE, grace=10)
+    return dict(enumerate(results)), out
+
+
+@pytest.fixture(scope="module")
+def refimpl_runs(dataset):
+    """The refimpl.py runs of the last two tests, started together (the missing peer's run
+    mostly waits): {name: conftest.Ended}."""
+    from conftest import run_children
+
     refimpl = [sys.executable, os.path.join(HERE, "refimpl.py"), "--data-dir", dataset, "--epochs", "1"]
+    coordinator = f"127.0.0.1:{free_port()}"
     commands = {
-        "worker 0": [sys.executable, __file__, dataset, str(out), workers, "0"],
-        "worker 1": [sys.executable, __file__, dataset, str(out), workers, "1"],
         # Process 0 of 2 alone: its peer never arrives.
         "missing peer": refimpl + ["--devices", "4", "--num-processes", "2", "--process-id", "0",
-                                   "--coordinator", missing, "--peer-timeout", "3"],
+                                   "--coordinator", coordinator, "--peer-timeout", "3"],
         # 1000 samples over 8 devices at batch 64: 2 steps an epoch.
         "local processes": refimpl + ["--batch-size", "64", "--local-processes", "2"],
     }
-    results = run_children(list(commands.values()), timeout=100, cwd=HERE, grace=10,
-                           jobs=["two workers", "two workers", "missing peer", "local processes"])
-    return dict(zip(commands, results)), out
+    return dict(zip(commands, run_children(list(commands.values()), timeout=100, cwd=HERE)))
 
 
-def test_two_processes_train_like_one(launched, dataset):
+def test_two_processes_train_like_one(two_workers, dataset):
     import jax
 
     import loaders
@@ -147,9 +147,9 @@ def test_two_processes_train_like_one(launched, dataset):
     from conftest import assert_same_bits
     from test_equivalence import assert_params_close
 
-    ended, tmp_path = launched
+    ended, tmp_path = two_workers
     for i in range(2):
-        code, out, err = ended[f"worker {i}"]
+        code, out, err = ended[i]
         assert code == 0, f"process {i} exited {code}:\n{err[-3000:]}"
 
     mesh = loaders.data_mesh(jax.devices("cpu"))  # the children's 2 x 4 CPU devices, in one process
@@ -174,8 +174,8 @@ def test_two_processes_train_like_one(launched, dataset):
     assert_same_bits(everything, np.arange(1000, dtype=everything.dtype), "the samples both processes read")
 
 
-def test_missing_peer_fails_within_the_timeout(launched):
-    code, out, err = done = launched[0]["missing peer"]
+def test_missing_peer_fails_within_the_timeout(refimpl_runs):
+    code, out, err = done = refimpl_runs["missing peer"]
     # JAX's runtime aborts the process (SIGABRT) rather than raising; refimpl's own
     # line before joining is what names the process and the wait.
     assert code != 0, err[-2000:]
@@ -183,8 +183,8 @@ def test_missing_peer_fails_within_the_timeout(launched):
     assert done.seconds < 60, f"took {done.seconds:.0f} s to give up on a missing peer"
 
 
-def test_refimpl_local_processes_prints_one_report(launched):
-    code, out, err = launched[0]["local processes"]
+def test_refimpl_local_processes_prints_one_report(refimpl_runs):
+    code, out, err = refimpl_runs["local processes"]
     assert code == 0, err[-3000:]
     assert "8 cpu device(s) in 2 processes" in out
     for name in ("sharded", "shard_map"):
