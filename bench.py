@@ -261,7 +261,7 @@ def placement_section(images, labels, mesh, args) -> dict:
     against the same epoch on prebuilt batches.
     """
     n = mesh.devices.size
-    params = model.init_model()
+    params = model.init_model(args.layers)
     replicated = strategies.replicate(params, mesh)
     out = {}
     for global_batch in args.placement_batches:
@@ -304,7 +304,7 @@ def train(strategy, params, batches, mesh):
 
 
 def training_section(images, labels, mesh, args) -> dict:
-    params = model.init_model()
+    params = model.init_model(args.layers)
     n = mesh.devices.size
     calls = {}
     for global_batch in args.training_batches:
@@ -550,8 +550,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller data, fewer repeats (under a minute)")
     parser.add_argument("--smoke", action="store_true",
-                        help="the smallest run through every section, for the test suite: its figures "
-                             "are noise")
+                        help="the smallest run through every section (and a 3072-64-10 MLP), for the "
+                             "test suite: its figures are noise")
     parser.add_argument("--num-train", type=int, help="synthetic images (default 50,000; quick 4,096)")
     parser.add_argument("--repeats", type=int, help="rounds per median (default 3; quick 2)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures here")
@@ -573,6 +573,7 @@ def main(argv=None) -> dict:
     args.training_batches = GLOBAL_BATCHES if size < 2 else GLOBAL_BATCHES[:1]
     args.dataloader_cap = (4_096, 1_024, 256)[size]
     args.memory_cases = [tuple(MEMORY_CASES), ("host prefetch 2", "device"), ("device",)][size]
+    args.layers = model.LAYERS if size < 2 else (3072, 64, 10)  # smoke: the code paths, not the figures
     mesh = loaders.data_mesh(jax.devices())
     with tempfile.TemporaryDirectory() as root:
         args.cache_dir = os.path.join(root, "cache")

@@ -1,4 +1,4 @@
-"""Test set-up: the suite's device policy, hypothesis profiles, a small dataset.
+"""Test set-up: the device policy, bounded child processes, hypothesis profiles, a dataset.
 
 Device policy, the same for every test, helper and child process:
 
@@ -17,8 +17,9 @@ Device policy, the same for every test, helper and child process:
 * Child processes (refimpl.py runs, the jax.distributed tests) test the program
   and the multi-process protocol, not the accelerator; two processes must not
   fight over one GPU. ``child_env()`` gives their environment, and
-  ``run_children`` starts each in its own process group and kills the group
-  whatever happens.
+  ``run_children`` starts each in its own process group, bounds it, takes the
+  stacks of one it has to stop into the failure, and kills them all whatever
+  happens.
 * GPU memory preallocation is off for this process (set before any backend
   starts), so it holds only what the tests use.
 * Matmul precision is "highest" for the whole suite: on NVIDIA GPUs a float32
@@ -29,6 +30,10 @@ Device policy, the same for every test, helper and child process:
 ``jax_num_cpu_devices`` only takes effect before JAX first touches a device,
 which is why all of this runs here, at import, before any test module.
 
+Every test is bounded by the watchdog in pytest.ini (pytest-timeout, then
+faulthandler); ``pytest_runtest_protocol`` below records when it fires, so that
+``run_children`` stops its children first, while their stacks can be reported.
+
 Hypothesis profiles, chosen with HYPOTHESIS_PROFILE (default ``ci``): ``ci``
 derandomised with modest example counts, ``dev`` random with more examples,
 ``thorough`` for a long soak. All use ``deadline=None``: the first example of a
@@ -37,9 +42,13 @@ one) takes it from ``examples(n)``, which scales n like the profile (ci x1,
 dev x4, thorough x40), so every property test goes deeper under ``thorough``.
 """
 
+import collections
 import os
+import resource
+import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -79,22 +88,68 @@ if DEVICES[0].platform == "cpu":
 
 
 def child_env(**extra: str) -> dict:
-    """The environment of a child JAX process: CPU devices only, output unbuffered."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    """The environment of a child JAX process: CPU devices only, output unbuffered, and
+    faulthandler on (PYTHONFAULTHANDLER), so that a crash, or the SIGABRT with which
+    ``run_children`` stops a late child, writes every Python thread's stack to its stderr."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env.pop("XLA_FLAGS", None)  # the child sets its own device count
     env.update(extra)
     return env
 
 
-def run_children(commands: list[list[str]], timeout: float, cwd: str | None = None):
-    """Runs every command at once, each in its own process group with ``child_env()``;
-    waits for all (at most ``timeout`` seconds in total) and returns
-    ``[(exit status, stdout, stderr)]``. Output goes to files, not pipes, so a
-    chatty child cannot block on a full pipe. Whatever happens (timeout, error,
-    interrupt) every child's whole process group is killed before returning;
-    a child still running at the timeout reports status None."""
+# Seconds before the current test's watchdog (pytest.ini) at which run_children stops the
+# children it still waits for, to take their stacks while the test can still report them.
+STACK_MARGIN = 15.0
+_test_deadline: float | None = None  # time.monotonic() at which the current test's watchdog fires
+
+
+class ChildrenStopped(AssertionError):
+    """Raised by ``run_children`` when it had to stop a child; the message holds the report."""
+
+
+class Ended(collections.namedtuple("Ended", "code out err")):
+    """A child that exited by itself: its exit status, stdout and stderr (it unpacks as
+    those three) and, in ``seconds``, how long it ran (measured by polling, +-0.05 s)."""
+    seconds: float
+
+
+def run_children(commands: list[list[str]], timeout: float, cwd: str | None = None,
+                 grace: float | None = None, jobs: list | None = None) -> list[Ended]:
+    """Runs every command at once, each in its own process group with ``child_env()``, and
+    returns ``[Ended(exit status, stdout, stderr)]`` once every child has exited by itself.
+    Output goes to files, not pipes, so a chatty child cannot block on a full pipe.
+
+    Bounded: a child still running ``timeout`` seconds after the start, or
+    ``STACK_MARGIN`` seconds before the current test's watchdog fires (pytest.ini's
+    ``timeout``, ``faulthandler_timeout``), whichever comes first, is stopped; so is one
+    still running ``grace`` seconds after a child of its job exited with a non-zero status,
+    when ``grace`` is given (the processes of one job: the peer of a failed process may wait
+    for it forever). ``jobs`` names each command's job (default: all one job). When a child
+    had to be stopped, ``ChildrenStopped`` (an AssertionError) is raised, once every child
+    has ended, instead of returning.
+
+    Before a child is stopped its stacks are taken, for it and every process it started
+    (also those in sessions of their own): ``py-spy dump --native`` (every Python thread,
+    with the native frames it is in), or gdb's ``thread apply all bt`` where py-spy is
+    missing, each bounded in time; then SIGABRT, on which faulthandler (child_env) writes
+    every Python thread's stack into the stderr of each process still running. The message
+    names every child (its command, its exit status or why it was stopped and after how
+    long), those stacks and the end of its stdout and stderr.
+
+    Whatever happens (a stop, an error, an interrupt, the watchdog) every child's process
+    group, and every process a stopped child started, is killed before this returns."""
+    jobs = [0] * len(commands) if jobs is None else list(jobs)
+    if len(jobs) != len(commands):
+        raise ValueError(f"run_children: jobs names {len(jobs)} jobs for {len(commands)} commands")
     with tempfile.TemporaryDirectory() as folder:
-        children = []
+        children, ended, reports = [], {}, {}
+        start = time.monotonic()
+        common = [(start + timeout, f"the timeout of {timeout:g} s")]
+        if _test_deadline is not None:
+            common.append((max(_test_deadline - STACK_MARGIN, start + 1.0),
+                           f"this test's watchdog (pytest.ini), due {STACK_MARGIN:g} s later"))
+        limits = [list(common) for _ in commands]
+        stacks_until = None  # the time taking stacks may last, from the first stop on
         try:
             for i, command in enumerate(commands):
                 out = open(os.path.join(folder, f"{i}.out"), "w+")
@@ -102,28 +157,142 @@ def run_children(commands: list[list[str]], timeout: float, cwd: str | None = No
                 child = subprocess.Popen(command, cwd=cwd, env=child_env(), stdout=out, stderr=err,
                                          text=True, start_new_session=True)
                 children.append((child, out, err))
-            deadline = time.monotonic() + timeout
-            for child, _, _ in children:
-                try:
-                    child.wait(timeout=max(deadline - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
-                    pass
+            while len(ended) + len(reports) < len(children):
+                now = time.monotonic()
+                for i, (child, _, _) in enumerate(children):
+                    if i in ended or i in reports or child.poll() is None:
+                        continue
+                    ended[i] = now - start
+                    if child.returncode and grace is not None:
+                        for j in range(len(children)):
+                            if jobs[j] == jobs[i]:
+                                limits[j].append((now + grace, f"the grace of {grace:g} s after child {i} "
+                                                               f"of its job exited {child.returncode}"))
+                for i, (child, _, _) in enumerate(children):
+                    if i not in ended and i not in reports and now >= min(limits[i])[0]:
+                        stacks_until = stacks_until or time.monotonic() + STACK_MARGIN - 5  # for all
+                        reports[i] = (f"stopped by {min(limits[i])[1]}; "
+                                      + _stop(child, time.monotonic() - start, stacks_until))
+                time.sleep(0.05)
         finally:
-            timed_out = [child.poll() is None for child, _, _ in children]
-            for child, _, _ in children:
-                try:
-                    os.killpg(child.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            for i, (child, _, _) in enumerate(children):
+                if child.poll() is None and i not in reports:
+                    for pid in _descendants(child.pid):  # an error or interrupt: no time for stacks
+                        _kill(pid)
+                _kill(child.pid)
                 child.wait()
         results = []
-        for (child, out, err), late in zip(children, timed_out):
+        for i, (child, out, err) in enumerate(children):
             out.seek(0)
             err.seek(0)
-            results.append((None if late else child.returncode, out.read(), err.read()))
+            results.append(Ended(child.returncode, out.read(), err.read()))
+            results[-1].seconds = ended.get(i, time.monotonic() - start)
             out.close()
             err.close()
-        return results
+    if reports:
+        lines = [f"run_children stopped {len(reports)} of {len(commands)} children:"]
+        for i, (command, (code, out, err)) in enumerate(zip(commands, results)):
+            lines.append(f"\n=== child {i}: {' '.join(command)[:300]}")
+            lines.append(reports[i] if i in reports else
+                         f"exited {code} by itself after {ended[i]:.1f} s")
+            lines.append(f"--- child {i} stderr (the end; a stopped child's ends with faulthandler's "
+                         f"stacks) ---\n{err[-6000:]}")
+            lines.append(f"--- child {i} stdout (the end) ---\n{out[-1500:]}")
+        raise ChildrenStopped("\n".join(lines))
+    return results
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first, then theirs), from /proc; [] elsewhere."""
+    parents = {}
+    try:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        stat = f.read()
+                except OSError:
+                    continue
+                parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    except OSError:
+        return []
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [c for p in frontier for c in parents.get(p, [])]
+        found += frontier
+    return found
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL to ``pid``'s process group (each child leads its own) and to ``pid``."""
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
+        try:
+            kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def native_stacks(pid: int, timeout: float = 10.0) -> str:
+    """Every thread's stack of process ``pid``, native frames included, as text:
+    ``py-spy dump --native`` (Python threads, with the native calls they are in), or
+    where py-spy is missing ``gdb -batch -p PID -ex 'thread apply all bt'`` (every thread,
+    slower: seconds to tens of seconds for a JAX process). At most ``timeout`` seconds;
+    says why when neither tool gives an answer (missing, not permitted to attach, ...)."""
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if py_spy:
+        command = [py_spy, "dump", "--native", "--pid", str(pid)]
+    elif shutil.which("gdb"):
+        command = ["gdb", "-nx", "-batch", "-iex", "set debuginfod enabled off", "-p", str(pid),
+                   "-ex", "thread apply all bt 40"]
+    else:
+        return "(no native stacks: neither py-spy nor gdb is installed)"
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"({os.path.basename(command[0])} gave no answer within {timeout:g} s)"
+    text = (done.stdout + done.stderr).strip()
+    return text if done.returncode == 0 else f"({os.path.basename(command[0])} failed: {text[-500:]})"
+
+
+def _stop(child: subprocess.Popen, elapsed: float, stacks_until: float) -> str:
+    """Takes the stacks of a running child and every process below it (until the time
+    ``stacks_until`` at most), then stops them all (SIGABRT, deepest first, so faulthandler
+    writes their Python stacks to their stderr, then SIGKILL); returns the report."""
+    tree = _descendants(child.pid)
+    parts = [f"still running after {elapsed:.1f} s (pid {child.pid})"]
+    for pid in [child.pid] + tree:
+        left = stacks_until - time.monotonic()
+        stacks = native_stacks(pid, timeout=min(10.0, left)) if left > 1 else "(no time left for stacks)"
+        parts.append(f"--- stacks of process {pid}{' (started by the child)' if pid != child.pid else ''} "
+                     f"---\n{stacks}")
+    for group in (tree[::-1], [child.pid]):
+        for pid in group:
+            try:
+                resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))  # a stack, not a core file
+            except (OSError, ValueError):
+                pass
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        until = time.monotonic() + 3
+        while time.monotonic() < until and any(_running(p) for p in group):
+            time.sleep(0.05)
+    for pid in tree:
+        _kill(pid)
+    _kill(child.pid)
+    child.wait()
+    return "\n".join(parts)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def pytest_addoption(parser):
@@ -139,11 +308,59 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def scale_watchdog(config, scale: float) -> None:
+    """Multiplies the watchdog's limits (pytest.ini's ``timeout`` and
+    ``faulthandler_timeout``, where set) by ``scale``, before the plugins read them."""
+    for name in ("timeout", "faulthandler_timeout"):
+        try:
+            seconds = float(config.getini(name) or 0)
+            if seconds > 0:
+                config._inicache[name] = seconds * scale  # pytest has no public setter
+        except (ValueError, AttributeError):  # the plugin is off, or pytest changed
+            pass
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-timeout reads its limit
 def pytest_configure(config):
+    # The watchdog's limits are the ci profile's; dev and thorough draw 4 and 40 times the
+    # examples, so their tests get 4 and 40 times as long.
+    if settings.default.max_examples > 25:
+        scale_watchdog(config, settings.default.max_examples / 25)
     config.addinivalue_line("markers", "slow: a long end-to-end regression run; skipped unless --run-slow")
     config.addinivalue_line("markers", "multiprocess: launches several JAX processes (jax.distributed)")
     config.addinivalue_line("markers", "rocal: needs amd.rocal (rocAL's CPU or GPU backend)")
     config.addinivalue_line("markers", "dali: needs nvidia.dali (runs its CPU pipelines)")
+
+
+def watchdog_seconds(item) -> float | None:
+    """Seconds after which the watchdog (pytest.ini) stops ``item``: the earlier of
+    pytest-timeout's limit (its ``timeout`` marker, option or ini value) and pytest's
+    ``faulthandler_timeout``; None when neither is set."""
+    limits = []
+    if item.config.pluginmanager.hasplugin("timeout"):
+        try:
+            import pytest_timeout
+            limits.append(pytest_timeout._get_item_settings(item).timeout)
+        except (ImportError, AttributeError, ValueError):
+            limits.append(float(item.config.getini("timeout") or 0))
+    try:
+        limits.append(float(item.config.getini("faulthandler_timeout") or 0))
+    except ValueError:  # -p no:faulthandler
+        pass
+    limits = [t for t in limits if t and t > 0]
+    return min(limits) if limits else None
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item):
+    """Records when the current test's watchdog fires, for ``run_children``'s deadline."""
+    global _test_deadline
+    seconds = watchdog_seconds(item)
+    _test_deadline = None if seconds is None else time.monotonic() + seconds
+    try:
+        return (yield)
+    finally:
+        _test_deadline = None
 
 
 @pytest.fixture(scope="session")

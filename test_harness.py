@@ -3,14 +3,31 @@
 * ``bits_differ`` / ``assert_same_bits`` (conftest.py) compare arrays bit for bit
   (-0.0 is not 0.0, a NaN equals itself), name the first differing index, both values
   and the count, and stay fast on large arrays: pytest never diffs two byte strings.
+* ``run_children`` (conftest.py) stops a child still running at its bound (its timeout,
+  a failed peer's grace, or the test's watchdog less STACK_MARGIN) and raises
+  ChildrenStopped, whose message holds every Python thread's stack of the child and of
+  the processes it started (faulthandler, and py-spy's native frames where py-spy or gdb
+  is installed), names the function each hangs in, and kills them all; children that end
+  by themselves come back as they ended.
+* The watchdog (pytest.ini): a test waiting in Python fails at ``timeout`` with its stack
+  and the run goes on; a test waiting in native code ends the run at
+  ``faulthandler_timeout`` with every thread's stack on stderr. Both limits are the ci
+  profile's, scaled like the examples under dev (x4) and thorough (x40).
 """
 
+import configparser
+import os
+import shutil
+import sys
 import time
 
 import numpy as np
 import pytest
 
-from conftest import assert_same_bits, bits_differ
+import conftest
+from conftest import STACK_MARGIN, ChildrenStopped, assert_same_bits, bits_differ, run_children
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_bits_differ_sees_every_kind_of_difference():
@@ -32,10 +49,168 @@ def test_bits_differ_sees_every_kind_of_difference():
 def test_a_failing_comparison_of_large_arrays_is_reported_at_once():
     # The regression: `assert a.tobytes() == b.tobytes()` failing on 100 MB made pytest
     # diff the bytes for minutes. The helper's message is built in linear time.
-    x = np.zeros(25_000_000, np.float32)
+    x = np.zeros(4_000_000, np.float32)  # 16 MB: a quadratic diff would take hours
     y = x.copy()
     y[7:] = 1
     start = time.monotonic()
-    with pytest.raises(AssertionError, match=r"the params: 24999993 of 25000000 elements differ; the first at index \(7,\)"):
+    with pytest.raises(AssertionError, match=r"the params: 3999993 of 4000000 elements differ; the first at index \(7,\)"):
         assert_same_bits(x, y, "the params")
     assert time.monotonic() - start < 10, "the comparison should take well under a second"
+
+
+# --------------------------------------------------------------------------
+# run_children: every child bounded, a stopped one's stacks in the failure message
+# --------------------------------------------------------------------------
+
+HUNG = '''
+import ctypes, sys, threading, time
+def waits_in_python():
+    threading.Event().wait()
+def waits_in_native():
+    ctypes.CDLL(None).pause()  # a native call that never returns
+threading.Thread(target=waits_in_python, name="helper").start()
+print("started", flush=True)
+waits_in_native()
+'''
+
+
+def test_a_hung_child_fails_within_its_bound_with_its_stacks(tmp_path):
+    (tmp_path / "hung.py").write_text(HUNG)
+    start = time.monotonic()
+    with pytest.raises(ChildrenStopped) as stopped:
+        run_children([[sys.executable, "hung.py"], [sys.executable, "-c", "print('done')"]],
+                     timeout=1, cwd=str(tmp_path))
+    elapsed = time.monotonic() - start
+    message = str(stopped.value)
+    assert elapsed < 1 + STACK_MARGIN, f"took {elapsed:.1f} s"
+    assert message.startswith("run_children stopped 1 of 2 children:")
+    assert "=== child 0: " in message and "stopped by the timeout of 1 s; still running after 1." in message
+    assert "=== child 1: " in message and "exited 0 by itself after " in message and "done" in message
+    # faulthandler's dump (child_env sets PYTHONFAULTHANDLER): every Python thread, in its stderr.
+    assert 'hung.py", line 4 in waits_in_python' in message, message
+    assert 'hung.py", line 6 in waits_in_native' in message, message
+    assert "started" in message  # the end of its stdout
+    if shutil.which("py-spy") or shutil.which("gdb"):  # the native frame it hangs in
+        assert "pause" in message, message
+
+
+def test_a_childs_own_children_are_dumped_and_killed(tmp_path):
+    # As refimpl --local-processes does: the child starts a process in a session of its own,
+    # out of reach of a kill of the child's process group.
+    (tmp_path / "hung.py").write_text(HUNG)
+    (tmp_path / "parent.py").write_text(
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, 'hung.py'], start_new_session=True)\n"
+        "print('grandchild', p.pid, flush=True)\n"
+        "def waits_for_its_child():\n"
+        "    p.wait()\n"
+        "waits_for_its_child()\n")
+    with pytest.raises(ChildrenStopped) as stopped:
+        run_children([[sys.executable, "parent.py"]], timeout=1, cwd=str(tmp_path))
+    message = str(stopped.value)
+    grandchild = int(message.split("grandchild ")[1].split()[0])
+    assert f"--- stacks of process {grandchild} (started by the child) ---" in message
+    assert 'hung.py", line 6 in waits_in_native' in message  # faulthandler: the same stderr file
+    if shutil.which("py-spy") or shutil.which("gdb"):
+        assert "waits_for_its_child" in message.split(f"process {grandchild}")[0], message
+        assert "waits_in_native" in message.split(f"process {grandchild}")[1], message
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{grandchild}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{grandchild}"), "the grandchild outlived run_children"
+
+
+def test_a_failed_peer_stops_the_others_of_its_job_after_the_grace():
+    # The processes of one job (grace given): a peer of a failed process may wait forever.
+    sleeps = [sys.executable, "-c", "import time; time.sleep(60)"]
+    quick = [sys.executable, "-c", "import time; time.sleep(1.5)"]
+    start = time.monotonic()
+    with pytest.raises(ChildrenStopped) as stopped:
+        run_children([sleeps, [sys.executable, "-c", "raise SystemExit(3)"], quick], timeout=60, grace=0.5,
+                     jobs=["pair", "pair", "other"])
+    assert time.monotonic() - start < 1.5 + STACK_MARGIN
+    message = str(stopped.value)
+    assert message.startswith("run_children stopped 1 of 3 children:")
+    assert "stopped by the grace of 0.5 s after child 1 of its job exited 3; still running after 0." in message
+    assert "exited 3 by itself" in message
+    assert "exited 0 by itself after " in message  # another job's child: left to finish
+
+
+def test_children_that_end_by_themselves_are_returned_as_they_ended():
+    results = run_children([[sys.executable, "-c", "import sys, time; time.sleep(0.5); print('out'); "
+                                                   "print('err', file=sys.stderr)"],
+                            [sys.executable, "-c", "raise SystemExit(4)"]], timeout=30)
+    assert results[0] == (0, "out\n", "err\n")  # without grace, a failure stops no other child
+    assert results[1].code == 4  # a failure alone is the caller's to judge: returned, not raised
+    assert 0.5 <= results[0].seconds < 30 and results[1].seconds < results[0].seconds
+
+
+def test_the_watchdog_caps_a_childs_deadline(monkeypatch, request):
+    # Inside a test, run_children stops its children STACK_MARGIN s before the watchdog
+    # fires, whatever timeout the caller gave, so their stacks are still reported.
+    seconds = conftest.watchdog_seconds(request.node)
+    assert seconds and 0 < conftest._test_deadline - time.monotonic() <= seconds  # it knows this test's
+    monkeypatch.setattr(conftest, "_test_deadline", time.monotonic() + STACK_MARGIN + 0.5)
+    start = time.monotonic()
+    with pytest.raises(ChildrenStopped, match=r"stopped by this test's watchdog \(pytest.ini\), due"):
+        run_children([[sys.executable, "-c", "import time; time.sleep(60)"]], timeout=600)
+    assert time.monotonic() - start < 1 + STACK_MARGIN
+
+
+# --------------------------------------------------------------------------
+# The watchdog (pytest.ini): a hung test fails with every thread's stack
+# --------------------------------------------------------------------------
+
+HUNG_TESTS = '''
+import ctypes, threading, time
+
+def test_waits_in_python():
+    threading.Event().wait()
+
+def test_waits_in_native():
+    ctypes.CDLL(None).pause()
+'''
+
+
+def test_the_watchdog_fails_a_hung_test_with_its_stack(tmp_path, request):
+    # The suite's own configuration, with its limits shortened: a wait pytest-timeout can
+    # interrupt fails the test (and the run goes on); a native one, which it cannot, ends
+    # the run through faulthandler, with the stacks on stderr.
+    config = request.config
+    assert 0 < float(config.getini("timeout")) < float(config.getini("faulthandler_timeout"))
+    assert config.getini("faulthandler_exit_on_timeout") is True
+    (tmp_path / "test_hung.py").write_text(HUNG_TESTS)
+    ini = os.path.join(HERE, "pytest.ini")
+    common = [sys.executable, "-m", "pytest", "-c", ini, "--rootdir", str(tmp_path), "-p", "no:cacheprovider",
+              "-q", str(tmp_path / "test_hung.py")]
+    start = time.monotonic()
+    (python_code, python_out, python_err), (native_code, native_out, native_err) = run_children([
+        common + ["-k", "python", "-o", "timeout=1"],
+        common + ["-k", "native", "-o", "timeout=0", "-o", "faulthandler_timeout=1"]], timeout=60)
+    assert time.monotonic() - start < 30
+    assert python_code == 1 and "1 failed" in python_out and "Failed: Timeout" in python_out, python_out
+    assert "test_waits_in_python" in python_out and "threading.Event().wait()" in python_out, python_out
+    assert native_code == 1, (native_code, native_out, native_err)
+    assert "Timeout (0:00:01)!" in native_err and "in test_waits_in_native" in native_err, native_err
+
+
+def test_the_deeper_profiles_scale_the_watchdog(request):
+    # dev and thorough draw 4 and 40 times the examples (conftest.examples): their tests
+    # get as much longer, through the same ini values the plugins read.
+    class Config:  # what scale_watchdog touches of pytest's Config
+        def __init__(self):
+            self._inicache = {}
+
+        def getini(self, name):
+            return self._inicache.get(name, {"timeout": "90", "faulthandler_timeout": "120"}[name])
+
+    config = Config()
+    conftest.scale_watchdog(config, 40)
+    assert (config.getini("timeout"), config.getini("faulthandler_timeout")) == (3600, 4800)
+    # And this session's limits are pytest.ini's, times this profile's scale.
+    ini = configparser.ConfigParser(inline_comment_prefixes="#")
+    ini.read(os.path.join(HERE, "pytest.ini"))
+    scale = max(1, conftest.settings.default.max_examples / 25)
+    overridden = {o.split("=")[0] for o in request.config.option.override_ini or []}  # -o NAME=...
+    for name in {"timeout", "faulthandler_timeout"} - overridden:
+        assert float(request.config.getini(name)) == float(ini["pytest"][name]) * scale, name

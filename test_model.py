@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import loaders
 import model
 import strategies
+from conftest import assert_same_bits, bits_differ
 
 LAYERS = (3072, 32, 16, 10)  # the notebook MLP's code path, quick to compile
 B = 8
@@ -88,7 +89,9 @@ def leaves(tree) -> list:
 
 
 def trees_equal(a, b) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(b)))
+    """Same structure and every leaf the same bits (-0.0 is not 0.0)."""
+    return (jax.tree.structure(a) == jax.tree.structure(b)
+            and all(bits_differ(x, y) is None for x, y in zip(leaves(a), leaves(b))))
 
 
 # --------------------------------------------------------------------------
@@ -191,7 +194,9 @@ def test_masked_slots_change_nothing(params, seed, mask, real):
     value, grads = value_and_grad(params, batch)
 
     value_p, grads_p = value_and_grad(params, perturb(batch, ~mask, seed))
-    assert np.array_equal(value_p, value) and trees_equal(grads_p, grads)
+    assert_same_bits(value_p, value, "the loss")
+    for i, (g_p, g) in enumerate(zip(leaves(grads_p), leaves(grads))):
+        assert_same_bits(g_p, g, f"gradient leaf {i}")
 
     # Control: the same change to one real slot changes both.
     value_r, grads_r = value_and_grad(params, perturb(batch, np.arange(B) == real, seed))

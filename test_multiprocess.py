@@ -17,15 +17,16 @@ Guarantees checked:
   naming the process, instead of hanging;
 * ``refimpl.py --local-processes 2`` runs and prints one report.
 
-Every launched process is killed when its test ends, whatever happens. Select
-these tests with ``-m multiprocess`` or skip them with ``-m "not multiprocess"``.
-This file is also the worker program the first test launches.
+The processes are started by two module fixtures, each bounded by
+conftest.run_children, which reports the stacks of any it has to stop and kills
+them all; the missing peer's run (which mostly waits) runs beside --local-processes. Select these tests with
+``-m multiprocess`` or skip them with ``-m "not multiprocess"``. This file is also
+the worker program of the first test.
 """
 
 import os
 import socket
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -92,13 +93,6 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
     jax.distributed.shutdown()
 
 
-def run_children(commands, timeout: float, cwd: str = HERE):
-    # Imported here, not at the top: this file is also the worker program, and
-    # conftest starts JAX's backends with 8 devices when it is imported.
-    from conftest import run_children as run
-    return run(commands, timeout, cwd)
-
-
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -111,27 +105,60 @@ def dataset(tmp_path_factory):
     return loaders.synthetic_cifar10(tmp_path_factory.mktemp("mp"), num_train=1000, num_test=100, seed=4)
 
 
-def test_two_processes_train_like_one(dataset, tmp_path):
+@pytest.fixture(scope="module")
+def two_workers(dataset, tmp_path_factory):
+    """The two worker processes of the first test, {process id: conftest.Ended}, and the
+    folder they wrote to. A process whose peer failed is stopped 10 s later."""
+    # Imported here, not at the top: this file is also the worker program, and
+    # conftest starts JAX's backends with 8 devices when it is imported.
+    from conftest import run_children
+
+    out = tmp_path_factory.mktemp("two-processes")
+    coordinator = f"127.0.0.1:{free_port()}"
+    results = run_children([[sys.executable, __file__, dataset, str(out), coordinator, str(i)] for i in range(2)],
+                           timeout=100, cwd=HERE, grace=10)
+    return dict(enumerate(results)), out
+
+
+@pytest.fixture(scope="module")
+def refimpl_runs(dataset):
+    """The refimpl.py runs of the last two tests, started together (the missing peer's run
+    mostly waits): {name: conftest.Ended}."""
+    from conftest import run_children
+
+    refimpl = [sys.executable, os.path.join(HERE, "refimpl.py"), "--data-dir", dataset, "--epochs", "1"]
+    coordinator = f"127.0.0.1:{free_port()}"
+    commands = {
+        # Process 0 of 2 alone: its peer never arrives.
+        "missing peer": refimpl + ["--devices", "4", "--num-processes", "2", "--process-id", "0",
+                                   "--coordinator", coordinator, "--peer-timeout", "3"],
+        # 1000 samples over 8 devices at batch 64: 2 steps an epoch.
+        "local processes": refimpl + ["--batch-size", "64", "--local-processes", "2"],
+    }
+    return dict(zip(commands, run_children(list(commands.values()), timeout=100, cwd=HERE)))
+
+
+def test_two_processes_train_like_one(two_workers, dataset):
     import jax
 
     import loaders
     import model
     import strategies
+    from conftest import assert_same_bits
     from test_equivalence import assert_params_close
 
-    coordinator = f"127.0.0.1:{free_port()}"
-    results = run_children([[sys.executable, __file__, dataset, str(tmp_path), coordinator, str(i)]
-                            for i in range(2)], timeout=120, cwd=HERE)
-    for i, (code, out, err) in enumerate(results):
+    ended, tmp_path = two_workers
+    for i in range(2):
+        code, out, err = ended[i]
         assert code == 0, f"process {i} exited {code}:\n{err[-3000:]}"
 
     mesh = loaders.data_mesh(jax.devices("cpu"))  # the children's 2 x 4 CPU devices, in one process
     for name in ("sharded", "shard_map"):
         got = [np.load(tmp_path / f"{name}-{i}.npz") for i in range(2)]
         leaves = [[g[f"arr_{j}"] for j in range(len(g.files) - 1)] for g in got]
-        for a, b in zip(*leaves):
-            np.testing.assert_array_equal(a, b, err_msg=f"{name}: the two processes disagree")
-        np.testing.assert_array_equal(got[0]["losses"], got[1]["losses"])
+        for j, (a, b) in enumerate(zip(*leaves)):
+            assert_same_bits(a, b, f"{name}: leaf {j} of the two processes")
+        assert_same_bits(got[0]["losses"], got[1]["losses"], f"{name}: the two processes' losses")
 
         loader = loaders.make_loader(dataset, mesh, B, layout=strategies.LAYOUT[name], shuffle=True, seed=5)
         expected, losses, _ = strategies.STRATEGIES[name](
@@ -144,28 +171,20 @@ def test_two_processes_train_like_one(dataset, tmp_path):
     read = [np.load(tmp_path / f"read-{i}.npy") for i in range(2)]
     assert len(np.intersect1d(read[0], read[1])) == 0, "the processes read common samples"
     everything = np.sort(np.concatenate(read))
-    np.testing.assert_array_equal(everything, np.arange(1000), err_msg="not every sample read exactly once")
+    assert_same_bits(everything, np.arange(1000, dtype=everything.dtype), "the samples both processes read")
 
 
-def test_missing_peer_fails_within_the_timeout(dataset):
-    # Process 0 of 2 alone: its peer never arrives.
-    command = [sys.executable, os.path.join(HERE, "refimpl.py"), "--data-dir", dataset, "--epochs", "1",
-               "--devices", "4", "--num-processes", "2", "--process-id", "0",
-               "--coordinator", f"127.0.0.1:{free_port()}", "--peer-timeout", "3"]
-    start = time.monotonic()
-    [(code, out, err)] = run_children([command], timeout=90)
-    elapsed = time.monotonic() - start
+def test_missing_peer_fails_within_the_timeout(refimpl_runs):
+    code, out, err = done = refimpl_runs["missing peer"]
     # JAX's runtime aborts the process (SIGABRT) rather than raising; refimpl's own
     # line before joining is what names the process and the wait.
     assert code != 0, err[-2000:]
     assert "process 0 of 2: joining coordinator" in err and "within 3 s" in err
-    assert elapsed < 60, f"took {elapsed:.0f} s to give up on a missing peer"
+    assert done.seconds < 60, f"took {done.seconds:.0f} s to give up on a missing peer"
 
 
-def test_refimpl_local_processes_prints_one_report(dataset):
-    command = [sys.executable, os.path.join(HERE, "refimpl.py"), "--data-dir", dataset, "--epochs", "1",
-               "--batch-size", "16", "--local-processes", "2"]
-    [(code, out, err)] = run_children([command], timeout=180)
+def test_refimpl_local_processes_prints_one_report(refimpl_runs):
+    code, out, err = refimpl_runs["local processes"]
     assert code == 0, err[-3000:]
     assert "8 cpu device(s) in 2 processes" in out
     for name in ("sharded", "shard_map"):

@@ -293,7 +293,7 @@ def run_jobs(tmp_path, snippets: dict) -> None:
                          "sys.path[0] = sys.argv[1]; runpy.run_path('job.py', run_name='__main__')",
                          str(folder)])
         folders.append(folder)
-    results = run_children(commands, timeout=300, cwd=str(tmp_path))
+    results = run_children(commands, timeout=100, cwd=str(tmp_path))
     failed = [f"{name} job (exit {code}):\n{out[-2000:]}\n{err[-3000:]}"
               for name, (code, out, err) in zip(MODULES, results) if code != 0 or "JOB OK" not in out]
     assert not failed, "\n\n".join(failed)
