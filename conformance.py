@@ -347,95 +347,124 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
     Raises ValueError for input in neither layout, masks that do not match
     ``delivered``, or an unknown partition or last_batch.
     """
-    if partition not in PARTITIONS:
-        raise ValueError(f"describe_epoch: partition must be one of {PARTITIONS}, got {partition!r}")
-    if last_batch not in loaders.LAST_BATCH_POLICIES:
-        raise ValueError(f"describe_epoch: last_batch must be one of {loaders.LAST_BATCH_POLICIES}, "
-                         f"got {last_batch!r}")
-    delivered = _per_shard(delivered, batch_size, "delivered", np.integer)
-    if masks is not None:
-        masks = _per_shard(masks, batch_size, "masks", np.bool_)
-        if len(masks) != len(delivered):
-            raise ValueError(f"describe_epoch: masks has {len(masks)} shards, delivered {len(delivered)}")
-        for k, (got, mask) in enumerate(zip(delivered, masks)):
-            if len(mask) < len(got):
-                raise ValueError(f"describe_epoch: masks of shard {k} cover {len(mask)} batches, "
-                                 f"delivered has {len(got)}")
-        masks = [mask[:len(got)] for got, mask in zip(delivered, masks)]
+    _check_mode("describe_epoch", partition, last_batch)
+    delivered, masks = _blocks(delivered, masks, batch_size, "describe_epoch")
     found = findings if findings is not None else Findings()
     n = len(delivered)
-    reals = [got if masks is None else np.where(masks[k], got, -1) for k, got in enumerate(delivered)]
     arrived = [len(got) for got in delivered]
     if partition == "contiguous":
         plan = loaders.epoch_plan(num_samples, n, batch_size, last_batch=last_batch)
         true_steps = plan.indices.shape[0]
         what = f"the plan has {true_steps} (N={num_samples}, {n} shards, batch {batch_size}, {last_batch})"
+        bounds = [loaders.shard_bounds(num_samples, k, n) for k in range(n)]
+        runs = [(np.arange(start, stop), f"its range [{start}, {stop})") for start, stop in bounds]
+        owed = [(run, f"its {len(run)} samples") for run, _ in runs] if last_batch == "fill" else None
     else:
-        plan, true_steps = None, max(arrived)
+        plan, true_steps, runs, owed = None, max(arrived), None, None
         what = f"the longest shard delivered {true_steps}"
     if length != true_steps:
         found.add("step count", f"the loader reports {length} steps per epoch; {what}; steps "
                   f"{_span(min(length, true_steps), max(length, true_steps))}",
                   shards=range(n), steps=range(min(length, true_steps), max(length, true_steps)))
+    reals = _check_shards(delivered, masks, found, plan=plan, steps=true_steps, what=what, runs=runs,
+                          owed=owed, shuffle=shuffle, last_batch=last_batch)
+    if plan is None:
+        _exactly_once(reals, num_samples, last_batch, f"in any of steps {_span(0, max(arrived, default=0))}",
+                      found)
+    return found
+
+
+def _check_mode(where: str, partition: str, last_batch: str) -> None:
+    if partition not in PARTITIONS:
+        raise ValueError(f"{where}: partition must be one of {PARTITIONS}, got {partition!r}")
+    if last_batch not in loaders.LAST_BATCH_POLICIES:
+        raise ValueError(f"{where}: last_batch must be one of {loaders.LAST_BATCH_POLICIES}, "
+                         f"got {last_batch!r}")
+
+
+def _blocks(delivered, masks, batch_size: int, where: str, name: str = "delivered") -> tuple[list, list]:
+    """describe_epoch's two layouts as per-shard lists (delivered, masks or None), validated;
+    ``masks`` cut to the batches that arrived."""
+    delivered = _per_shard(delivered, batch_size, name, np.integer, where)
+    if masks is None:
+        return delivered, None
+    masks = _per_shard(masks, batch_size, name.replace("delivered", "masks"), np.bool_, where)
+    if len(masks) != len(delivered):
+        raise ValueError(f"{where}: masks has {len(masks)} shards, delivered {len(delivered)}")
+    for k, (got, mask) in enumerate(zip(delivered, masks)):
+        if len(mask) < len(got):
+            raise ValueError(f"{where}: masks of shard {k} cover {len(mask)} batches, "
+                             f"delivered has {len(got)}")
+    return delivered, [mask[:len(got)] for got, mask in zip(delivered, masks)]
+
+
+def _check_shards(delivered: list, masks, found, *, plan, steps: int, what: str, runs, owed,
+                  shuffle: bool, last_batch: str, offset: int = 0, resized: bool = False) -> list:
+    """describe_epoch's per-shard checks of one stretch of steps run by one set of shards;
+    row r of every shard is step ``offset + r`` in every finding. ``plan``: the stretch's
+    Plan (contiguous) or None (any); ``steps``: the batches every shard must deliver
+    (``what`` says why, before any " ("); ``runs``: per shard (the samples it may
+    deliver, words for them), ``owed``: per shard (the samples it must deliver in real
+    slots when all its batches arrived, words) or None; both None for "any".
+    ``resized``: describe_resized_epoch's two allowances for a shard with an empty run
+    (see there). Returns the real slots per shard (-1 elsewhere)."""
+    reals = [got if masks is None else np.where(masks[k], got, -1) for k, got in enumerate(delivered)]
+    arrived = [len(got) for got in delivered]
+    head = what.split(" (")[0]
     for k, got in enumerate(delivered):
-        if len(got) != true_steps:
-            found.add("batches arrived", f"shard {k}: {len(got)} batches arrived, {what.split(' (')[0]}; "
-                      f"steps {_span(min(len(got), true_steps), max(len(got), true_steps))}", shards=[k],
-                      steps=range(min(len(got), true_steps), max(len(got), true_steps)))
+        if len(got) != steps:
+            lo, hi = min(len(got), steps), max(len(got), steps)
+            found.add("batches arrived", f"shard {k}: {len(got)} batches arrived, {head}; steps "
+                      f"{_span(offset + lo, offset + hi)}", shards=[k], steps=range(offset + lo, offset + hi))
         bad = np.argwhere(got < 0)
         if bad.size:
             found.add("undecodable slots", f"shard {k}: {len(bad)} slots hold no encoded sample (first: "
-                      f"step {bad[0][0]} slot {bad[0][1]})", shards=[k], steps=bad[:, 0])
-    _same_batches(delivered, found)
-    _overlap(reals, found)
-    every_step = f"in any of steps {_span(0, max(arrived, default=0))}"
+                      f"step {offset + bad[0][0]} slot {bad[0][1]})", shards=[k], steps=bad[:, 0] + offset)
+    _same_batches(delivered, found, offset, reals if resized and masks is not None else None)
+    _overlap(reals, found, offset)
+    every_step = f"in any of steps {_span(offset, offset + max(arrived, default=0))}"
+    stretch = np.concatenate([r[r >= 0].ravel() for r in reals]) if reals else np.zeros(0, np.int64)
     for k, got in enumerate(delivered):
         real = reals[k]
+        values = real[real >= 0]
         if masks is not None:
             if plan is not None:
                 want_mask = plan.mask[:len(got), k]
                 wrong = np.argwhere(masks[k][:len(want_mask)] != want_mask)
                 if wrong.size:
                     found.add("mask", f"shard {k}: the mask differs from the plan's in {len(wrong)} "
-                              f"slots (first: step {wrong[0][0]} slot {wrong[0][1]})", shards=[k],
-                              steps=wrong[:, 0])
+                              f"slots (first: step {offset + wrong[0][0]} slot {wrong[0][1]})", shards=[k],
+                              steps=wrong[:, 0] + offset)
             padding = got[~masks[k] & (got >= 0)]
-            stray = np.setdiff1d(padding, real[real >= 0])
+            stray = np.setdiff1d(padding, stretch if resized and not values.size else values)
             if stray.size:
-                steps = _steps_of(got, stray, ~masks[k])
+                at = _steps_of(got, stray, ~masks[k]) + offset
                 found.add("padding", f"shard {k}: {stray.size} padding slots hold samples that no real "
                           f"slot of the shard delivers (e.g. {stray[:5].tolist()}; first at step "
-                          f"{steps[0]})", shards=[k], steps=steps, samples=stray)
+                          f"{at[0]})", shards=[k], steps=at, samples=stray)
         if plan is None:
+            if masks is not None or last_batch == "drop":
+                _repeats_within(k, real, found, offset)
             continue
-        start, stop = loaders.shard_bounds(num_samples, k, n)
+        run, run_words = runs[k]
         if not shuffle:
-            _order(k, got, plan.indices[:, k], found)
-        values = real[real >= 0]
-        outside = np.unique(values[(values < start) | (values >= stop)])
+            _order(k, got, plan.indices[:, k], found, offset)
+        outside = np.unique(values[~np.isin(values, run)])
         if outside.size:
-            steps = _steps_of(real, outside)
+            at = _steps_of(real, outside) + offset
             found.add("outside the shard", f"shard {k} delivers {outside.size} samples from outside "
-                      f"its range [{start}, {stop}) (e.g. {outside[:5].tolist()}; first at step "
-                      f"{steps[0]})", shards=[k], steps=steps, samples=outside)
-        counts = np.bincount(values - start, minlength=stop - start) if values.size and not outside.size \
-            else None
-        if last_batch == "fill" and len(got) >= true_steps:
-            missing = np.setdiff1d(np.arange(start, stop), values)
+                      f"{run_words} (e.g. {outside[:5].tolist()}; first at step {at[0]})", shards=[k],
+                      steps=at, samples=outside)
+        if owed is not None and len(got) >= steps:
+            want, owed_words = owed[k]
+            missing = np.setdiff1d(want, values)
             if missing.size:
-                found.add("missing", f"shard {k} never delivers {missing.size} of its {stop - start} "
-                          f"samples {every_step} (e.g. {missing[:5].tolist()})", shards=[k],
-                          steps=range(len(got)), samples=missing)
-        if counts is not None and (masks is not None or last_batch == "drop"):
-            twice = np.flatnonzero(counts > 1) + start
-            if twice.size:
-                steps = _steps_of(real, twice)
-                found.add("repeated", f"shard {k} delivers {twice.size} samples more than once in "
-                          f"real slots (e.g. {twice[:5].tolist()}; at steps {steps[:5].tolist()})",
-                          shards=[k], steps=steps, samples=twice)
-    if plan is None:
-        _exactly_once(reals, num_samples, last_batch, masks is not None, every_step, found)
-    return found
+                found.add("missing", f"shard {k} never delivers {missing.size} of {owed_words} "
+                          f"{every_step} (e.g. {missing[:5].tolist()})", shards=[k],
+                          steps=range(offset, offset + len(got)), samples=missing)
+        if not outside.size and (masks is not None or last_batch == "drop"):
+            _repeats_within(k, real, found, offset)
+    return reals
 
 
 # --------------------------------------------------------------------------
@@ -713,9 +742,9 @@ def _span(first: int, stop: int) -> str:
     return f"{first}" if stop - first <= 1 else f"{first}-{stop - 1}"
 
 
-def _exactly_once(reals: list, num_samples: int, last_batch: str, masked: bool, every_step: str,
-                  found: Findings) -> None:
-    """partition="any": every sample of range(N) in real slots once (fill) or at most once (drop)."""
+def _exactly_once(reals: list, num_samples: int, last_batch: str, every_step: str, found) -> None:
+    """partition="any": no sample outside range(N); fill: every sample of range(N) in a real
+    slot of some shard (repeats are _overlap's and _repeats_within's)."""
     values = np.concatenate([r[r >= 0].ravel() for r in reals]) if reals else np.zeros(0, np.int64)
     outside = np.unique(values[values >= num_samples])
     if outside.size:
@@ -731,32 +760,39 @@ def _exactly_once(reals: list, num_samples: int, last_batch: str, masked: bool, 
             found.add("missing", f"{missing.size} of the {num_samples} samples are never delivered in a "
                       f"real slot of any shard, {every_step} (e.g. {missing[:5].tolist()})",
                       shards=range(len(reals)), steps=range(max(len(r) for r in reals)), samples=missing)
-    if masked or last_batch == "drop":
-        for k, real in enumerate(reals):  # across shards: _overlap; within one shard:
-            values_k = real[real >= 0]
-            twice = np.flatnonzero(np.bincount(values_k, minlength=1) > 1) if values_k.size else values_k
-            if twice.size:
-                steps = _steps_of(real, twice)
-                found.add("repeated", f"shard {k} delivers {twice.size} samples more than once in real "
-                          f"slots (e.g. {twice[:5].tolist()}; at steps {steps[:5].tolist()})", shards=[k],
-                          steps=steps, samples=twice)
 
 
-def _same_batches(delivered: list, found: Findings) -> None:
-    """Groups of shards that deliver the same samples at the same step."""
+def _repeats_within(k: int, real: np.ndarray, found, offset: int = 0) -> None:
+    """Samples that shard k's real slots (-1 elsewhere) deliver more than once."""
+    values = real[real >= 0]
+    if not values.size:
+        return
+    samples, counts = np.unique(values, return_counts=True)
+    twice = samples[counts > 1]
+    if twice.size:
+        steps = _steps_of(real, twice) + offset
+        found.add("repeated", f"shard {k} delivers {twice.size} samples more than once in real "
+                  f"slots (e.g. {twice[:5].tolist()}; at steps {steps[:5].tolist()})", shards=[k],
+                  steps=steps, samples=twice)
+
+
+def _same_batches(delivered: list, found, offset: int = 0, reals: list | None = None) -> None:
+    """Groups of shards that deliver the same samples at the same step; with ``reals``,
+    shards whose batch there has no real slot are left out."""
     n = len(delivered)
     steps = min(len(d) for d in delivered) if delivered else 0
     for s in range(steps):
         groups = defaultdict(list)
         for k in range(n):
-            groups[tuple(np.sort(delivered[k][s]))].append(k)
+            if reals is None or (reals[k][s] >= 0).any():
+                groups[tuple(np.sort(delivered[k][s]))].append(k)
         for key, shards in groups.items():
             if len(shards) > 1:
-                found.add("same batch on several shards", f"step {s}: shards {shards} deliver the "
-                          f"same {len(key)} samples", shards=shards, steps=[s], samples=key)
+                found.add("same batch on several shards", f"step {offset + s}: shards {shards} deliver "
+                          f"the same {len(key)} samples", shards=shards, steps=[offset + s], samples=key)
 
 
-def _overlap(reals: list, found: Findings) -> None:
+def _overlap(reals: list, found, offset: int = 0) -> None:
     """Samples that the real slots of two shards both deliver, with the steps where they sit."""
     owner = {}
     shared = defaultdict(set)
@@ -767,14 +803,14 @@ def _overlap(reals: list, found: Findings) -> None:
             owner.setdefault(sample, k)
     for (a, b), samples in shared.items():
         first = min(samples)
-        at_a, at_b = _steps_of(reals[a], [first])[0], _steps_of(reals[b], [first])[0]
-        steps = np.union1d(_steps_of(reals[a], samples), _steps_of(reals[b], samples))
+        at_a, at_b = _steps_of(reals[a], [first])[0] + offset, _steps_of(reals[b], [first])[0] + offset
+        steps = np.union1d(_steps_of(reals[a], samples), _steps_of(reals[b], samples)) + offset
         found.add("samples on two shards", f"shards {a} and {b} both deliver {len(samples)} samples "
                   f"(e.g. {sorted(samples)[:5]}; sample {first} at step {at_a} of shard {a} and step "
                   f"{at_b} of shard {b})", shards=[a, b], steps=steps, samples=list(samples))
 
 
-def _order(k: int, got: np.ndarray, want: np.ndarray, found: Findings) -> None:
+def _order(k: int, got: np.ndarray, want: np.ndarray, found, offset: int = 0) -> None:
     """Shuffle off: shard k's slots against the plan's; a constant shift is one finding."""
     steps = min(len(got), len(want))
     flat_got, flat_want = got[:steps].ravel(), want[:steps].ravel()
@@ -790,14 +826,13 @@ def _order(k: int, got: np.ndarray, want: np.ndarray, found: Findings) -> None:
         if len(a) >= B and np.mean(a == b) > 0.9:
             first = flat_got[0]
             found.add("order", f"shard {k} is shifted by {shift} slots against the plan from step "
-                      f"{wrong[0] // B} (it starts with sample {first}, the plan with {flat_want[0]})",
-                      shards=[k],
-                      steps=wrong // B, samples=[first])
+                      f"{offset + wrong[0] // B} (it starts with sample {first}, the plan with "
+                      f"{flat_want[0]})", shards=[k], steps=wrong // B + offset, samples=[first])
             return
     s, j = divmod(int(wrong[0]), B)
-    found.add("order", f"shard {k} step {s} slot {j}: sample {flat_got[wrong[0]]}, the plan says "
+    found.add("order", f"shard {k} step {offset + s} slot {j}: sample {flat_got[wrong[0]]}, the plan says "
               f"{flat_want[wrong[0]]} ({len(wrong)} of {len(flat_want)} slots differ)",
-              shards=[k], steps=wrong // B, samples=flat_got[wrong])
+              shards=[k], steps=wrong // B + offset, samples=flat_got[wrong])
 
 
 def describe_content(images_BCHW, labels_B, indices_B, ref_images, ref_labels,
