@@ -157,7 +157,7 @@ def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = loaders.IMAGE_S
         y, x = np.mgrid[0:shape[1], 0:shape[2]]
         images[:, 2:] = ((4 * x + 2 * y) % 256)[None, None]
         return images
-    flat = images.reshape(len(indices), -1)
+    flat = images.reshape(len(indices), int(np.prod(shape)))  # (0, S) too: -1 is ambiguous there
     half = -(-flat.shape[1] // 2)
     flat[:, :half] = (indices % 256)[:, None]
     flat[:, half:] = (indices // 256)[:, None]
@@ -190,7 +190,7 @@ def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = Non
     if normalize is None and images.dtype != np.uint8:
         if images.ndim < 1:
             raise ValueError("decode_indices: samples must be (B, ...) with a batch axis, got a scalar")
-        flat = images.reshape(len(images), -1)
+        flat = images.reshape(len(images), int(np.prod(images.shape[1:])))
         if not flat.shape[1]:
             return np.full(len(images), -1, np.int64)
         ok = np.all(flat == flat[:, :1], axis=1)
@@ -216,7 +216,7 @@ def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = Non
         flat = np.all(planes == planes[:, :, :1, :1], axis=(1, 2, 3))
         index = planes[:, 0, 0, 0] + 256 * planes[:, 1, 0, 0]
     else:
-        values = pixels.reshape(len(pixels), -1)
+        values = pixels.reshape(len(pixels), int(np.prod(pixels.shape[1:])))
         if values.shape[1] < 2:
             raise ValueError(f"decode_indices: uint8 samples need at least 2 elements (two bytes), "
                              f"got samples of shape {images.shape[1:]}")
@@ -224,7 +224,7 @@ def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = Non
         low, high = values[:, :half], values[:, half:]
         flat = np.all(low == low[:, :1], axis=1) & np.all(high == high[:, :1], axis=1)
         index = low[:, 0] + 256 * high[:, 0]
-    ok = np.all(near.reshape(len(near), -1), axis=1)
+    ok = np.all(near.reshape(len(near), int(np.prod(near.shape[1:]))), axis=1)
     return np.where(ok & flat, index, -1)
 
 

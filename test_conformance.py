@@ -574,3 +574,12 @@ def test_values_compare_bits_within_a_dtype_and_numbers_across_dtypes():
                        ((indices[:, 0], wide[indices], wide), "must be an array (steps, n, B)")]:
         with pytest.raises(ValueError, match=re.escape(words)):
             conformance.describe_values(*bad)
+
+
+@pytest.mark.parametrize("shape, dtype", [((3,), np.uint8), ((3, 4, 4), np.uint8), ((2,), np.float32),
+                                          ((), np.int16)])
+def test_no_samples_encode_and_decode_to_nothing(shape, dtype):
+    """A segment with no step, or a shard with no batch, has no samples: (0, ...) in, (0,) out."""
+    samples = conformance.encoded_images(np.zeros(0, np.int64), shape, dtype)
+    assert samples.shape == (0,) + shape and samples.dtype == dtype
+    assert conformance.decode_indices(samples).shape == (0,)
