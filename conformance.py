@@ -9,8 +9,9 @@ describers below. Each returns ``Findings``: one summary line per kind of
 deviation first (how many shards, steps and samples it affects), then a few
 examples of each; every finding names its shard(s) and step(s). An empty report
 means the checks below found nothing. Every check can fire: test_conformance.py
-feeds each one a wrong epoch, and two broken loaders (a shuffle that ignores the
-epoch, labels shifted by one sample).
+feeds each one a wrong epoch, two broken loaders (a shuffle that ignores the
+epoch, labels shifted by one sample), and two broken resumes on other devices (the
+epoch restarted from step 0, the new size's fresh plan read from the step).
 
 What it checks:
 
@@ -27,6 +28,15 @@ What it checks:
   shard the same step count, no sample outside range(N), every sample of
   range(N) in exactly one real slot across all shards (fill) or at most one
   (drop).
+* ``describe_resized_epoch``, one epoch run on a chain of shard sets (a job
+  resumed mid-epoch on other devices: ``loaders.elastic_plan``'s segments). Each
+  segment's blocks go through describe_epoch's per-shard checks with its rows
+  numbered as the epoch's global steps, held to that segment's plan (contiguous:
+  elastic_plan's step count, masks, runs, owed samples and, unshuffled, order) or
+  to what any loader owes (any: every shard of a segment the same steps); every
+  finding names its segment. Over the whole epoch: a sample in real slots of two
+  segments (named with the step and shard where the repeats start), a sample in
+  none (fill), elastic_plan's stated count (drop), the reported step count.
 * ``describe_epochs``, several epochs of one loader: two reads of one epoch are
   the same; without shuffle every epoch is the same; with shuffle, a shard's
   order is not repeated in another epoch (when a uniform shuffle would repeat it
@@ -58,8 +68,13 @@ What it cannot see:
   check placement. Nor speed, prefetching, or several processes' agreement,
   unless each process's blocks are gathered and described together.
 * Values in slots that decode to no sample (those are findings already).
+* Across a resize: whether the segments the caller gives are the shard sets the
+  job really ran on (they are taken as given), and, without masks, a segment with
+  fewer samples left than shards (its empty runs' padding reads as another
+  shard's samples). A resized epoch is one epoch: ``describe_epochs`` compares
+  epochs of one shard set.
 
-Needs loaders.py (the plan and the normalisation tables) and NumPy.
+Needs loaders.py (the plans, elastic ones included, and the normalisation tables) and NumPy.
 """
 
 from __future__ import annotations
@@ -282,7 +297,9 @@ def _unnormalize(images: np.ndarray, normalize: loaders.Normalize) -> tuple[np.n
 
 @dataclasses.dataclass
 class Findings:
-    """Deviations by kind; each with the shards, steps and samples it touches."""
+    """Deviations by kind; each with the shards, steps and samples it touches (from
+    describe_resized_epoch: shards as (segment, shard) pairs, steps the epoch's global
+    steps)."""
     kinds: dict = dataclasses.field(default_factory=lambda: defaultdict(list))
 
     def add(self, kind: str, text: str, *, shards=(), steps=(), samples=()) -> None:
@@ -465,6 +482,246 @@ def _check_shards(delivered: list, masks, found, *, plan, steps: int, what: str,
         if not outside.size and (masks is not None or last_batch == "drop"):
             _repeats_within(k, real, found, offset)
     return reals
+
+
+# --------------------------------------------------------------------------
+# Across a resize: one epoch delivered by several sets of shards
+# --------------------------------------------------------------------------
+
+
+def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int, seed: int,
+                           shuffle: bool, last_batch: str, masks=None, length: int | None = None,
+                           findings: Findings | None = None,
+                           partition: str = "contiguous") -> Findings:
+    """How one epoch delivered across resizes departs from ``loaders.elastic_plan`` and
+    from exactly-once over the whole epoch.
+
+    ``segments``: elastic_plan's ``[(t_0, n_0, B_0), (t_1, n_1, B_1), ...]``, the
+    shard sets the job ran the epoch on (segment i from global step t_i, the last
+    one to the epoch's end). ``delivered``: one entry per segment, segment i's
+    decoded indices in either layout of ``describe_epoch`` with n_i shards of B_i
+    (one array (steps, n_i, B_i), or n_i per-shard (steps, B_i) arrays): row r is
+    global step t_i + r. ``masks``: None (no masks anywhere) or one entry per
+    segment in the same layout. ``length``: the epoch's step count the loader
+    reports (None: not checked). ``epoch``, ``seed``, ``shuffle`` and ``last_batch``
+    are the run's: after a change, which samples remain depends on what the shuffled
+    steps before it delivered (partition="any" uses only ``last_batch``).
+
+    Per segment, describe_epoch's per-shard checks, the same kinds and words (a run
+    that is not a range of indices is "its run of L samples (...)", and what a
+    cut-short shard owes "the L samples the plan gives it"), every text prefixed
+    "segment i: ", every step the epoch's global step, every shard named as the
+    pair (segment, shard) in the finding's shards:
+
+    * both modes: each shard's arrived batches against the segment's steps (below);
+      slots that decode to no sample; shards delivering the same batch at a step; a
+      sample in real slots of two shards; padding slots (with masks) holding a sample
+      that no real slot of the shard delivers; a sample in more than one real slot of
+      one shard (with masks, or with drop; contiguous: of a shard that delivers no
+      sample outside its run, as describe_epoch);
+    * ``partition="contiguous"``: against ``plans = elastic_plan(N, segments, epoch=,
+      seed=, shuffle=, last_batch=)``. Segment i's steps are len(plans[i].indices)
+      (d_i); its masks are the plan's; with shuffle off its slots are the plan's
+      (a constant shift named as one); its shards deliver no sample outside their
+      run (R_i[m*k//n_i : m*(k+1)//n_i], R_i the samples no real slot of plans[0..i-1]
+      holds, ascending, m = len(R_i): elastic_plan's text); and once all its batches
+      arrived, a shard delivers every sample that the plan's real slots give it in
+      the segment's rows (in any order when shuffled), except in the last segment with drop, where which
+      samples are skipped is the shuffle's (as describe_epoch);
+    * ``partition="any"``: a segment followed by another must run t_{i+1} - t_i
+      steps on every shard, the last segment the same number on every shard (its
+      longest shard's).
+
+    Two allowances (in both modes), which the plan needs when a segment has fewer
+    samples left than shards (elastic_plan: an empty run holds B padding slots
+    repeating a sample real in another shard at that step): with masks, a shard
+    with no real slot at a step is left out of "same batch on several shards" there,
+    and the padding of a shard with no real slot in the segment may hold any sample
+    real in the segment (on any shard).
+
+    Over the whole epoch (both modes), each its own kind:
+
+    * "repeated across segments": a sample in real slots of two segments, one
+      finding per (earlier segment a, later segment b), naming the global step and
+      shard of b where the repeats start and where a had delivered that sample;
+    * fill, "missing from the epoch": a sample of range(N) in no real slot of any
+      segment;
+    * drop, "drop count": the distinct samples in real slots against elastic_plan's
+      stated count sum_i n_i * B_i * d_i (d_i = t_{i+1} - t_i, the last one
+      elastic_num_steps(N, segments, "drop") - t_last; it depends on N, the
+      segments and last_batch only);
+    * "step count": ``length`` against elastic_num_steps (contiguous) or the last
+      segment's start plus its longest shard's batches (any);
+    * any: "outside the dataset", a sample not in range(N) (contiguous: those are
+      "outside the shard").
+
+    It cannot see, besides what describe_epoch cannot: which step a shard's batch
+    belongs to other than by its row (a segment's blocks must be given as they
+    arrived from its first step); whether the job's ``segments`` are the shard
+    sets it really ran on (they are taken as given: a loader that kept its old
+    shards after a resize shows as blocks of the wrong shape, which raises); the
+    order within a shard when shuffled (only the set a cut-short segment owes,
+    which the next segment's runs follow from). Without masks every slot counts as
+    real, so a segment with an empty run (fewer samples left than shards) is
+    reported as delivering another shard's sample ("samples on two shards", "same
+    batch on several shards", contiguous also "outside the shard"), on that segment
+    only; a repeat across segments is still seen (padding repeats a sample of its
+    own segment).
+
+    Raises ValueError for ``segments`` that elastic_plan refuses (its reason
+    quoted), ``delivered`` or ``masks`` without one entry per segment, a segment's
+    blocks in neither layout or with another shard count or batch than its
+    segment's, or an unknown partition or last_batch.
+    """
+    where = "describe_resized_epoch"
+    _check_mode(where, partition, last_batch)
+    try:
+        total = loaders.elastic_num_steps(num_samples, segments, last_batch)
+        plans = loaders.elastic_plan(num_samples, segments, epoch=epoch, seed=seed, shuffle=shuffle,
+                                     last_batch=last_batch) if partition == "contiguous" else None
+    except ValueError as error:
+        raise ValueError(f"{where}: segments={segments!r} is not an epoch elastic_plan accepts: "
+                         f"{error}") from None
+    segments = [loaders.Segment(*(int(v) for v in s)) for s in segments]
+    for name, value in (("delivered", delivered), ("masks", masks)):
+        if value is None and name == "masks":
+            continue
+        if not isinstance(value, (list, tuple)) or len(value) != len(segments):
+            got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
+            raise ValueError(f"{where}: {name} must be a list with one entry per segment "
+                             f"({len(segments)}), got {got}")
+    found = findings if findings is not None else Findings()
+    stops = [s.start for s in segments[1:]] + [None]
+    blocks, reals = [], []
+    for i, ((start, n, B), stop) in enumerate(zip(segments, stops)):
+        got, mask = _blocks(delivered[i], None if masks is None else masks[i], B, where,
+                            f"delivered[{i}]")
+        if len(got) != n:
+            raise ValueError(f"{where}: delivered[{i}] has {len(got)} shards; segments[{i}]="
+                             f"{tuple(segments[i])} has {n}")
+        blocks.append(got)
+        if plans is not None:
+            steps = len(plans[i].indices)
+            what = (f"the plan has {steps} (segment {i}: N={num_samples}, from step {start}, {n} "
+                    f"shards of {B}, {last_batch})")
+        elif stop is not None:
+            steps = stop - start
+            what = f"the segment runs {steps} (steps {_span(start, stop)}, until the next segment)"
+        else:
+            steps = max(len(x) for x in got)
+            what = f"the longest shard delivered {steps}"
+        runs = owed = None
+        if plans is not None:
+            runs, owed = _runs(plans, i, num_samples, last_batch == "fill" or stop is not None)
+        reals.append(_check_shards(got, mask, _InSegment(found, i), plan=None if plans is None else plans[i],
+                                   steps=steps, what=what, runs=runs, owed=owed, shuffle=shuffle,
+                                   last_batch=last_batch, offset=start, resized=True))
+    end = max(start + max(len(x) for x in got) for (start, _, _), got in zip(segments, blocks))
+    if length is not None:
+        want = total if plans is not None else end
+        what = (f"the resized plan has {want} (N={num_samples}, segments {[tuple(s) for s in segments]}, "
+                f"{last_batch})" if plans is not None else f"the last segment's longest shard ends at "
+                f"step {want}")
+        if length != want:
+            found.add("step count", f"the loader reports {length} steps for the epoch; {what}; steps "
+                      f"{_span(min(length, want), max(length, want))}",
+                      shards=[(i, k) for i, s in enumerate(segments) for k in range(s.num_shards)],
+                      steps=range(min(length, want), max(length, want)))
+    _across_segments(reals, segments, num_samples, last_batch, partition, total, end, found)
+    return found
+
+
+class _InSegment:
+    """Findings.add for segment i: the text prefixed, shards as (segment, shard)."""
+
+    def __init__(self, found: Findings, segment: int):
+        self.found, self.segment = found, segment
+
+    def add(self, kind: str, text: str, *, shards=(), steps=(), samples=()) -> None:
+        self.found.add(kind, f"segment {self.segment}: {text}", shards=[(self.segment, k) for k in shards],
+                       steps=steps, samples=samples)
+
+
+def _runs(plans: list, i: int, num_samples: int, owes: bool) -> tuple[list, list | None]:
+    """Per shard of segment i: (its run of elastic_plan's pool R_i, words), and (the samples
+    of its real slots in plans[i], words) when ``owes``."""
+    taken = np.zeros(num_samples, bool)
+    for plan in plans[:i]:
+        taken[plan.indices[plan.mask]] = True
+    pool = np.flatnonzero(~taken)
+    m, (_, n, _) = len(pool), plans[i].indices.shape
+    runs, owed = [], []
+    for k in range(n):
+        run = pool[m * k // n:m * (k + 1) // n]
+        if not run.size:
+            words = f"its run (empty: {m} samples left for {n} shards)"
+        elif run[-1] - run[0] == len(run) - 1:
+            words = f"its range [{run[0]}, {run[-1] + 1})"  # describe_epoch's words for a shard
+        else:
+            words = f"its run of {len(run)} samples ({_few(run)})"
+        runs.append((run, words))
+        plan = plans[i]
+        want = np.unique(plan.indices[:, k][plan.mask[:, k]])
+        owed.append((want, f"its {len(want)} samples" if np.array_equal(want, run)
+                     else f"the {len(want)} samples the plan gives it"))
+    return runs, owed if owes else None
+
+
+def _few(samples: np.ndarray) -> str:
+    return ", ".join(map(str, samples[:5].tolist())) + (", ..." if len(samples) > 5 else "")
+
+
+def _across_segments(reals: list, segments: list, num_samples: int, last_batch: str, partition: str,
+                     total: int, end: int, found: Findings) -> None:
+    """describe_resized_epoch's checks over the whole epoch, from each segment's real slots."""
+    rows = [np.zeros((0, 4), np.int64)]  # (sample, segment, global step, shard) of every real slot
+    for i, shards in enumerate(reals):
+        for k, real in enumerate(shards):
+            s, b = np.nonzero(real >= 0)
+            rows.append(np.stack([real[s, b], np.full(len(s), i), s + segments[i].start,
+                                  np.full(len(s), k)], axis=1).astype(np.int64))
+    table = np.concatenate(rows)
+    everyone = [(i, k) for i, s in enumerate(segments) for k in range(s.num_shards)]
+    if partition == "any":
+        outside = table[table[:, 0] >= num_samples]
+        if len(outside):
+            x, i, s, k = outside[np.lexsort((outside[:, 3], outside[:, 2]))][0]
+            found.add("outside the dataset", f"{np.unique(outside[:, 0]).size} delivered samples are not in "
+                      f"range({num_samples}) (e.g. {np.unique(outside[:, 0])[:5].tolist()}; first: sample "
+                      f"{x} at step {s} on shard {k} of segment {i})",
+                      shards={(int(a), int(c)) for a, c in outside[:, [1, 3]]}, steps=outside[:, 2],
+                      samples=outside[:, 0])
+    inside = table[table[:, 0] < num_samples]
+    first = np.full(num_samples, len(segments))
+    np.minimum.at(first, inside[:, 0], inside[:, 1])
+    again = inside[inside[:, 1] > first[inside[:, 0]]]
+    for a, b in sorted({(int(first[x]), int(i)) for x, i in again[:, :2]}):
+        here = again[(first[again[:, 0]] == a) & (again[:, 1] == b)]
+        samples = np.unique(here[:, 0])
+        x, _, s, k = here[np.lexsort((here[:, 3], here[:, 2]))][0]
+        there = inside[(inside[:, 1] == a) & np.isin(inside[:, 0], samples)]
+        _, _, s_a, k_a = there[(there[:, 0] == x)][0]
+        found.add("repeated across segments", f"segment {b} delivers {samples.size} samples that segment "
+                  f"{a} had delivered in real slots (e.g. {samples[:5].tolist()}); the repeats start at "
+                  f"step {s} on shard {k} of segment {b} (sample {x}, delivered at step {s_a} on shard "
+                  f"{k_a} of segment {a})",
+                  shards={(a, int(c)) for c in there[:, 3]} | {(b, int(c)) for c in here[:, 3]},
+                  steps=np.union1d(there[:, 2], here[:, 2]), samples=samples)
+    delivered = np.unique(inside[:, 0])
+    if last_batch == "fill":
+        missing = np.setdiff1d(np.arange(num_samples), delivered)
+        if missing.size:
+            found.add("missing from the epoch", f"{missing.size} of the {num_samples} samples are never "
+                      f"delivered in a real slot of any segment, in any of steps {_span(0, end)} (e.g. "
+                      f"{missing[:5].tolist()})", shards=everyone, steps=range(end), samples=missing)
+        return
+    steps = [b.start - a.start for a, b in zip(segments, segments[1:])] + [total - segments[-1].start]
+    stated = sum(n * B * d for (_, n, B), d in zip(segments, steps))
+    if delivered.size != stated:
+        terms = " + ".join(f"{n}*{B}*{d}" for (_, n, B), d in zip(segments, steps))
+        found.add("drop count", f"the epoch delivers {delivered.size} distinct samples in real slots; "
+                  f"elastic_plan states {stated} ({terms}: n*B*steps of each segment), skipping "
+                  f"{num_samples - stated} of the {num_samples}", shards=everyone, steps=range(end))
 
 
 # --------------------------------------------------------------------------
