@@ -989,3 +989,23 @@ def test_no_samples_encode_and_decode_to_nothing(shape, dtype):
     samples = conformance.encoded_images(np.zeros(0, np.int64), shape, dtype)
     assert samples.shape == (0,) + shape and samples.dtype == dtype
     assert conformance.decode_indices(samples).shape == (0,)
+
+
+@pytest.mark.parametrize("last_batch", loaders.LAST_BATCH_POLICIES)
+def test_another_exactly_once_partition_after_the_resize_conforms_only_to_any(resized_epochs, last_batch):
+    """After the change the 3 new shards split what is left strided (shard k takes every
+    third remaining sample from the k-th), as many steps as the plan: exactly once still
+    (partition="any" finds nothing), not the plan's runs (contiguous names them)."""
+    delivered, masks = resized_epochs[last_batch]
+    segments = RSEGMENTS[:2]
+    pool = loaders.remaining_samples(RN, segments, 2, epoch=REPOCH, seed=RSEED, shuffle=True,
+                                     last_batch=last_batch)
+    steps = loaders.elastic_num_steps(RN, segments, last_batch) - 2
+    strided = np.stack([pool[k::3][:steps * 2].reshape(steps, 2) for k in range(3)], axis=1)
+    mask = np.ones(strided.shape, bool)  # 24 left, 8 a shard: 4 whole steps of 2, no padding
+    assert not resized([delivered[0], strided], segments, masks=[masks[0], mask], last_batch=last_batch,
+                       partition="any", length=6)
+    found = resized([delivered[0], strided], segments, masks=[masks[0], mask], last_batch=last_batch)
+    # (drop's last segment owes no particular samples: which are skipped is the shuffle's)
+    want = {"outside the shard", "missing"} if last_batch == "fill" else {"outside the shard"}
+    assert set(found.kinds) == want, found.report()
