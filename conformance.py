@@ -9,8 +9,9 @@ describers below. Each returns ``Findings``: one summary line per kind of
 deviation first (how many shards, steps and samples it affects), then a few
 examples of each; every finding names its shard(s) and step(s). An empty report
 means the checks below found nothing. Every check can fire: test_conformance.py
-feeds each one a wrong epoch, and two broken loaders (a shuffle that ignores the
-epoch, labels shifted by one sample).
+feeds each one a wrong epoch, two broken loaders (a shuffle that ignores the
+epoch, labels shifted by one sample), and two broken resumes on other devices (the
+epoch restarted from step 0, the new size's fresh plan read from the step).
 
 What it checks:
 
@@ -27,6 +28,15 @@ What it checks:
   shard the same step count, no sample outside range(N), every sample of
   range(N) in exactly one real slot across all shards (fill) or at most one
   (drop).
+* ``describe_resized_epoch``, one epoch run on a chain of shard sets (a job
+  resumed mid-epoch on other devices: ``loaders.elastic_plan``'s segments). Each
+  segment's blocks go through describe_epoch's per-shard checks with its rows
+  numbered as the epoch's global steps, held to that segment's plan (contiguous:
+  elastic_plan's step count, masks, runs, owed samples and, unshuffled, order) or
+  to what any loader owes (any: every shard of a segment the same steps); every
+  finding names its segment. Over the whole epoch: a sample in real slots of two
+  segments (named with the step and shard where the repeats start), a sample in
+  none (fill), elastic_plan's stated count (drop), the reported step count.
 * ``describe_epochs``, several epochs of one loader: two reads of one epoch are
   the same; without shuffle every epoch is the same; with shuffle, a shard's
   order is not repeated in another epoch (when a uniform shuffle would repeat it
@@ -58,8 +68,13 @@ What it cannot see:
   check placement. Nor speed, prefetching, or several processes' agreement,
   unless each process's blocks are gathered and described together.
 * Values in slots that decode to no sample (those are findings already).
+* Across a resize: whether the segments the caller gives are the shard sets the
+  job really ran on (they are taken as given), and, without masks, a segment with
+  fewer samples left than shards (its empty runs' padding reads as another
+  shard's samples). A resized epoch is one epoch: ``describe_epochs`` compares
+  epochs of one shard set.
 
-Needs loaders.py (the plan and the normalisation tables) and NumPy.
+Needs loaders.py (the plans, elastic ones included, and the normalisation tables) and NumPy.
 """
 
 from __future__ import annotations
@@ -157,7 +172,7 @@ def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = loaders.IMAGE_S
         y, x = np.mgrid[0:shape[1], 0:shape[2]]
         images[:, 2:] = ((4 * x + 2 * y) % 256)[None, None]
         return images
-    flat = images.reshape(len(indices), -1)
+    flat = images.reshape(len(indices), int(np.prod(shape)))  # (0, S) too: -1 is ambiguous there
     half = -(-flat.shape[1] // 2)
     flat[:, :half] = (indices % 256)[:, None]
     flat[:, half:] = (indices // 256)[:, None]
@@ -190,7 +205,7 @@ def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = Non
     if normalize is None and images.dtype != np.uint8:
         if images.ndim < 1:
             raise ValueError("decode_indices: samples must be (B, ...) with a batch axis, got a scalar")
-        flat = images.reshape(len(images), -1)
+        flat = images.reshape(len(images), int(np.prod(images.shape[1:])))
         if not flat.shape[1]:
             return np.full(len(images), -1, np.int64)
         ok = np.all(flat == flat[:, :1], axis=1)
@@ -216,7 +231,7 @@ def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = Non
         flat = np.all(planes == planes[:, :, :1, :1], axis=(1, 2, 3))
         index = planes[:, 0, 0, 0] + 256 * planes[:, 1, 0, 0]
     else:
-        values = pixels.reshape(len(pixels), -1)
+        values = pixels.reshape(len(pixels), int(np.prod(pixels.shape[1:])))
         if values.shape[1] < 2:
             raise ValueError(f"decode_indices: uint8 samples need at least 2 elements (two bytes), "
                              f"got samples of shape {images.shape[1:]}")
@@ -224,7 +239,7 @@ def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = Non
         low, high = values[:, :half], values[:, half:]
         flat = np.all(low == low[:, :1], axis=1) & np.all(high == high[:, :1], axis=1)
         index = low[:, 0] + 256 * high[:, 0]
-    ok = np.all(near.reshape(len(near), -1), axis=1)
+    ok = np.all(near.reshape(len(near), int(np.prod(near.shape[1:]))), axis=1)
     return np.where(ok & flat, index, -1)
 
 
@@ -282,7 +297,9 @@ def _unnormalize(images: np.ndarray, normalize: loaders.Normalize) -> tuple[np.n
 
 @dataclasses.dataclass
 class Findings:
-    """Deviations by kind; each with the shards, steps and samples it touches."""
+    """Deviations by kind; each with the shards, steps and samples it touches (from
+    describe_resized_epoch: shards as (segment, shard) pairs, steps the epoch's global
+    steps)."""
     kinds: dict = dataclasses.field(default_factory=lambda: defaultdict(list))
 
     def add(self, kind: str, text: str, *, shards=(), steps=(), samples=()) -> None:
@@ -347,95 +364,364 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
     Raises ValueError for input in neither layout, masks that do not match
     ``delivered``, or an unknown partition or last_batch.
     """
-    if partition not in PARTITIONS:
-        raise ValueError(f"describe_epoch: partition must be one of {PARTITIONS}, got {partition!r}")
-    if last_batch not in loaders.LAST_BATCH_POLICIES:
-        raise ValueError(f"describe_epoch: last_batch must be one of {loaders.LAST_BATCH_POLICIES}, "
-                         f"got {last_batch!r}")
-    delivered = _per_shard(delivered, batch_size, "delivered", np.integer)
-    if masks is not None:
-        masks = _per_shard(masks, batch_size, "masks", np.bool_)
-        if len(masks) != len(delivered):
-            raise ValueError(f"describe_epoch: masks has {len(masks)} shards, delivered {len(delivered)}")
-        for k, (got, mask) in enumerate(zip(delivered, masks)):
-            if len(mask) < len(got):
-                raise ValueError(f"describe_epoch: masks of shard {k} cover {len(mask)} batches, "
-                                 f"delivered has {len(got)}")
-        masks = [mask[:len(got)] for got, mask in zip(delivered, masks)]
+    _check_mode("describe_epoch", partition, last_batch)
+    delivered, masks = _blocks(delivered, masks, batch_size, "describe_epoch")
     found = findings if findings is not None else Findings()
     n = len(delivered)
-    reals = [got if masks is None else np.where(masks[k], got, -1) for k, got in enumerate(delivered)]
     arrived = [len(got) for got in delivered]
     if partition == "contiguous":
         plan = loaders.epoch_plan(num_samples, n, batch_size, last_batch=last_batch)
         true_steps = plan.indices.shape[0]
         what = f"the plan has {true_steps} (N={num_samples}, {n} shards, batch {batch_size}, {last_batch})"
+        bounds = [loaders.shard_bounds(num_samples, k, n) for k in range(n)]
+        runs = [(np.arange(start, stop), f"its range [{start}, {stop})") for start, stop in bounds]
+        owed = [(run, f"its {len(run)} samples") for run, _ in runs] if last_batch == "fill" else None
     else:
-        plan, true_steps = None, max(arrived)
+        plan, true_steps, runs, owed = None, max(arrived), None, None
         what = f"the longest shard delivered {true_steps}"
     if length != true_steps:
         found.add("step count", f"the loader reports {length} steps per epoch; {what}; steps "
                   f"{_span(min(length, true_steps), max(length, true_steps))}",
                   shards=range(n), steps=range(min(length, true_steps), max(length, true_steps)))
+    reals = _check_shards(delivered, masks, found, plan=plan, steps=true_steps, what=what, runs=runs,
+                          owed=owed, shuffle=shuffle, last_batch=last_batch)
+    if plan is None:
+        _exactly_once(reals, num_samples, last_batch, f"in any of steps {_span(0, max(arrived, default=0))}",
+                      found)
+    return found
+
+
+def _check_mode(where: str, partition: str, last_batch: str) -> None:
+    if partition not in PARTITIONS:
+        raise ValueError(f"{where}: partition must be one of {PARTITIONS}, got {partition!r}")
+    if last_batch not in loaders.LAST_BATCH_POLICIES:
+        raise ValueError(f"{where}: last_batch must be one of {loaders.LAST_BATCH_POLICIES}, "
+                         f"got {last_batch!r}")
+
+
+def _blocks(delivered, masks, batch_size: int, where: str, name: str = "delivered") -> tuple[list, list]:
+    """describe_epoch's two layouts as per-shard lists (delivered, masks or None), validated;
+    ``masks`` cut to the batches that arrived."""
+    delivered = _per_shard(delivered, batch_size, name, np.integer, where)
+    if masks is None:
+        return delivered, None
+    masks = _per_shard(masks, batch_size, name.replace("delivered", "masks"), np.bool_, where)
+    if len(masks) != len(delivered):
+        raise ValueError(f"{where}: masks has {len(masks)} shards, delivered {len(delivered)}")
+    for k, (got, mask) in enumerate(zip(delivered, masks)):
+        if len(mask) < len(got):
+            raise ValueError(f"{where}: masks of shard {k} cover {len(mask)} batches, "
+                             f"delivered has {len(got)}")
+    return delivered, [mask[:len(got)] for got, mask in zip(delivered, masks)]
+
+
+def _check_shards(delivered: list, masks, found, *, plan, steps: int, what: str, runs, owed,
+                  shuffle: bool, last_batch: str, offset: int = 0, resized: bool = False) -> list:
+    """describe_epoch's per-shard checks of one stretch of steps run by one set of shards;
+    row r of every shard is step ``offset + r`` in every finding. ``plan``: the stretch's
+    Plan (contiguous) or None (any); ``steps``: the batches every shard must deliver
+    (``what`` says why, before any " ("); ``runs``: per shard (the samples it may
+    deliver, words for them), ``owed``: per shard (the samples it must deliver in real
+    slots when all its batches arrived, words) or None; both None for "any".
+    ``resized``: describe_resized_epoch's two allowances for a shard with an empty run
+    (see there). Returns the real slots per shard (-1 elsewhere)."""
+    reals = [got if masks is None else np.where(masks[k], got, -1) for k, got in enumerate(delivered)]
+    arrived = [len(got) for got in delivered]
+    head = what.split(" (")[0]
     for k, got in enumerate(delivered):
-        if len(got) != true_steps:
-            found.add("batches arrived", f"shard {k}: {len(got)} batches arrived, {what.split(' (')[0]}; "
-                      f"steps {_span(min(len(got), true_steps), max(len(got), true_steps))}", shards=[k],
-                      steps=range(min(len(got), true_steps), max(len(got), true_steps)))
+        if len(got) != steps:
+            lo, hi = min(len(got), steps), max(len(got), steps)
+            found.add("batches arrived", f"shard {k}: {len(got)} batches arrived, {head}; steps "
+                      f"{_span(offset + lo, offset + hi)}", shards=[k], steps=range(offset + lo, offset + hi))
         bad = np.argwhere(got < 0)
         if bad.size:
             found.add("undecodable slots", f"shard {k}: {len(bad)} slots hold no encoded sample (first: "
-                      f"step {bad[0][0]} slot {bad[0][1]})", shards=[k], steps=bad[:, 0])
-    _same_batches(delivered, found)
-    _overlap(reals, found)
-    every_step = f"in any of steps {_span(0, max(arrived, default=0))}"
+                      f"step {offset + bad[0][0]} slot {bad[0][1]})", shards=[k], steps=bad[:, 0] + offset)
+    _same_batches(delivered, found, offset, reals if resized and masks is not None else None)
+    _overlap(reals, found, offset)
+    every_step = f"in any of steps {_span(offset, offset + max(arrived, default=0))}"
+    stretch = np.concatenate([r[r >= 0].ravel() for r in reals]) if reals else np.zeros(0, np.int64)
     for k, got in enumerate(delivered):
         real = reals[k]
+        values = real[real >= 0]
         if masks is not None:
             if plan is not None:
                 want_mask = plan.mask[:len(got), k]
                 wrong = np.argwhere(masks[k][:len(want_mask)] != want_mask)
                 if wrong.size:
                     found.add("mask", f"shard {k}: the mask differs from the plan's in {len(wrong)} "
-                              f"slots (first: step {wrong[0][0]} slot {wrong[0][1]})", shards=[k],
-                              steps=wrong[:, 0])
+                              f"slots (first: step {offset + wrong[0][0]} slot {wrong[0][1]})", shards=[k],
+                              steps=wrong[:, 0] + offset)
             padding = got[~masks[k] & (got >= 0)]
-            stray = np.setdiff1d(padding, real[real >= 0])
+            stray = np.setdiff1d(padding, stretch if resized and not values.size else values)
             if stray.size:
-                steps = _steps_of(got, stray, ~masks[k])
+                at = _steps_of(got, stray, ~masks[k]) + offset
                 found.add("padding", f"shard {k}: {stray.size} padding slots hold samples that no real "
                           f"slot of the shard delivers (e.g. {stray[:5].tolist()}; first at step "
-                          f"{steps[0]})", shards=[k], steps=steps, samples=stray)
+                          f"{at[0]})", shards=[k], steps=at, samples=stray)
         if plan is None:
+            if masks is not None or last_batch == "drop":
+                _repeats_within(k, real, found, offset)
             continue
-        start, stop = loaders.shard_bounds(num_samples, k, n)
+        run, run_words = runs[k]
         if not shuffle:
-            _order(k, got, plan.indices[:, k], found)
-        values = real[real >= 0]
-        outside = np.unique(values[(values < start) | (values >= stop)])
+            _order(k, got, plan.indices[:, k], found, offset)
+        outside = np.unique(values[~np.isin(values, run)])
         if outside.size:
-            steps = _steps_of(real, outside)
+            at = _steps_of(real, outside) + offset
             found.add("outside the shard", f"shard {k} delivers {outside.size} samples from outside "
-                      f"its range [{start}, {stop}) (e.g. {outside[:5].tolist()}; first at step "
-                      f"{steps[0]})", shards=[k], steps=steps, samples=outside)
-        counts = np.bincount(values - start, minlength=stop - start) if values.size and not outside.size \
-            else None
-        if last_batch == "fill" and len(got) >= true_steps:
-            missing = np.setdiff1d(np.arange(start, stop), values)
+                      f"{run_words} (e.g. {outside[:5].tolist()}; first at step {at[0]})", shards=[k],
+                      steps=at, samples=outside)
+        if owed is not None and len(got) >= steps:
+            want, owed_words = owed[k]
+            missing = np.setdiff1d(want, values)
             if missing.size:
-                found.add("missing", f"shard {k} never delivers {missing.size} of its {stop - start} "
-                          f"samples {every_step} (e.g. {missing[:5].tolist()})", shards=[k],
-                          steps=range(len(got)), samples=missing)
-        if counts is not None and (masks is not None or last_batch == "drop"):
-            twice = np.flatnonzero(counts > 1) + start
-            if twice.size:
-                steps = _steps_of(real, twice)
-                found.add("repeated", f"shard {k} delivers {twice.size} samples more than once in "
-                          f"real slots (e.g. {twice[:5].tolist()}; at steps {steps[:5].tolist()})",
-                          shards=[k], steps=steps, samples=twice)
-    if plan is None:
-        _exactly_once(reals, num_samples, last_batch, masks is not None, every_step, found)
+                found.add("missing", f"shard {k} never delivers {missing.size} of {owed_words} "
+                          f"{every_step} (e.g. {missing[:5].tolist()})", shards=[k],
+                          steps=range(offset, offset + len(got)), samples=missing)
+        if not outside.size and (masks is not None or last_batch == "drop"):
+            _repeats_within(k, real, found, offset)
+    return reals
+
+
+# --------------------------------------------------------------------------
+# Across a resize: one epoch delivered by several sets of shards
+# --------------------------------------------------------------------------
+
+
+def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int, seed: int,
+                           shuffle: bool, last_batch: str, masks=None, length: int | None = None,
+                           findings: Findings | None = None,
+                           partition: str = "contiguous") -> Findings:
+    """How one epoch delivered across resizes departs from ``loaders.elastic_plan`` and
+    from exactly-once over the whole epoch.
+
+    ``segments``: elastic_plan's ``[(t_0, n_0, B_0), (t_1, n_1, B_1), ...]``, the
+    shard sets the job ran the epoch on (segment i from global step t_i, the last
+    one to the epoch's end). ``delivered``: one entry per segment, segment i's
+    decoded indices in either layout of ``describe_epoch`` with n_i shards of B_i
+    (one array (steps, n_i, B_i), or n_i per-shard (steps, B_i) arrays): row r is
+    global step t_i + r. ``masks``: None (no masks anywhere) or one entry per
+    segment in the same layout. ``length``: the epoch's step count the loader
+    reports (None: not checked). ``epoch``, ``seed``, ``shuffle`` and ``last_batch``
+    are the run's: after a change, which samples remain depends on what the shuffled
+    steps before it delivered (partition="any" uses only ``last_batch``).
+
+    Per segment, describe_epoch's per-shard checks, the same kinds and words (a run
+    that is not a range of indices is "its run of L samples (...)", and what a
+    cut-short shard owes "the L samples the plan gives it"), every text prefixed
+    "segment i: ", every step the epoch's global step, every shard named as the
+    pair (segment, shard) in the finding's shards:
+
+    * both modes: each shard's arrived batches against the segment's steps (below);
+      slots that decode to no sample; shards delivering the same batch at a step; a
+      sample in real slots of two shards; padding slots (with masks) holding a sample
+      that no real slot of the shard delivers; a sample in more than one real slot of
+      one shard (with masks, or with drop; contiguous: of a shard that delivers no
+      sample outside its run, as describe_epoch);
+    * ``partition="contiguous"``: against ``plans = elastic_plan(N, segments, epoch=,
+      seed=, shuffle=, last_batch=)``. Segment i's steps are len(plans[i].indices)
+      (d_i); its masks are the plan's; with shuffle off its slots are the plan's
+      (a constant shift named as one); its shards deliver no sample outside their
+      run (R_i[m*k//n_i : m*(k+1)//n_i], R_i the samples no real slot of plans[0..i-1]
+      holds, ascending, m = len(R_i): elastic_plan's text); and once all its batches
+      arrived, a shard delivers every sample that the plan's real slots give it in
+      the segment's rows (in any order when shuffled), except in the last segment with drop, where which
+      samples are skipped is the shuffle's (as describe_epoch);
+    * ``partition="any"``: a segment followed by another must run t_{i+1} - t_i
+      steps on every shard, the last segment the same number on every shard (its
+      longest shard's).
+
+    Two allowances (in both modes), which the plan needs when a segment has fewer
+    samples left than shards (elastic_plan: an empty run holds B padding slots
+    repeating a sample real in another shard at that step): with masks, a shard
+    with no real slot at a step is left out of "same batch on several shards" there,
+    and the padding of a shard with no real slot in the segment may hold any sample
+    real in the segment (on any shard).
+
+    Over the whole epoch (both modes), each its own kind:
+
+    * "repeated across segments": a sample in real slots of two segments, one
+      finding per (earlier segment a, later segment b), naming the global step and
+      shard of b where the repeats start and where a had delivered that sample;
+    * fill, "missing from the epoch": a sample of range(N) in no real slot of any
+      segment;
+    * drop, "drop count": the distinct samples in real slots against elastic_plan's
+      stated count sum_i n_i * B_i * d_i (d_i = t_{i+1} - t_i, the last one
+      elastic_num_steps(N, segments, "drop") - t_last; it depends on N, the
+      segments and last_batch only);
+    * "step count": ``length`` against elastic_num_steps (contiguous) or the last
+      segment's start plus its longest shard's batches (any);
+    * any: "outside the dataset", a sample not in range(N) (contiguous: those are
+      "outside the shard").
+
+    It cannot see, besides what describe_epoch cannot: which step a shard's batch
+    belongs to other than by its row (a segment's blocks must be given as they
+    arrived from its first step); whether the job's ``segments`` are the shard
+    sets it really ran on (they are taken as given: a loader that kept its old
+    shards after a resize shows as blocks of the wrong shape, which raises); the
+    order within a shard when shuffled (only the set a cut-short segment owes,
+    which the next segment's runs follow from). Without masks every slot counts as
+    real, so a segment with an empty run (fewer samples left than shards) is
+    reported as delivering another shard's sample ("samples on two shards", "same
+    batch on several shards", contiguous also "outside the shard"), on that segment
+    only; a repeat across segments is still seen (padding repeats a sample of its
+    own segment).
+
+    Raises ValueError for ``segments`` that elastic_plan refuses (its reason
+    quoted), ``delivered`` or ``masks`` without one entry per segment, a segment's
+    blocks in neither layout or with another shard count or batch than its
+    segment's, or an unknown partition or last_batch.
+    """
+    where = "describe_resized_epoch"
+    _check_mode(where, partition, last_batch)
+    try:
+        total = loaders.elastic_num_steps(num_samples, segments, last_batch)
+        plans = loaders.elastic_plan(num_samples, segments, epoch=epoch, seed=seed, shuffle=shuffle,
+                                     last_batch=last_batch) if partition == "contiguous" else None
+    except ValueError as error:
+        raise ValueError(f"{where}: segments={segments!r} is not an epoch elastic_plan accepts: "
+                         f"{error}") from None
+    segments = [loaders.Segment(*(int(v) for v in s)) for s in segments]
+    for name, value in (("delivered", delivered), ("masks", masks)):
+        if value is None and name == "masks":
+            continue
+        if not isinstance(value, (list, tuple)) or len(value) != len(segments):
+            got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
+            raise ValueError(f"{where}: {name} must be a list with one entry per segment "
+                             f"({len(segments)}), got {got}")
+    found = findings if findings is not None else Findings()
+    stops = [s.start for s in segments[1:]] + [None]
+    blocks, reals = [], []
+    for i, ((start, n, B), stop) in enumerate(zip(segments, stops)):
+        got, mask = _blocks(delivered[i], None if masks is None else masks[i], B, where,
+                            f"delivered[{i}]")
+        if len(got) != n:
+            raise ValueError(f"{where}: delivered[{i}] has {len(got)} shards; segments[{i}]="
+                             f"{tuple(segments[i])} has {n}")
+        blocks.append(got)
+        if plans is not None:
+            steps = len(plans[i].indices)
+            what = (f"the plan has {steps} (segment {i}: N={num_samples}, from step {start}, {n} "
+                    f"shards of {B}, {last_batch})")
+        elif stop is not None:
+            steps = stop - start
+            what = f"the segment runs {steps} (steps {_span(start, stop)}, until the next segment)"
+        else:
+            steps = max(len(x) for x in got)
+            what = f"the longest shard delivered {steps}"
+        runs = owed = None
+        if plans is not None:
+            runs, owed = _runs(plans, i, num_samples, last_batch == "fill" or stop is not None)
+        reals.append(_check_shards(got, mask, _InSegment(found, i), plan=None if plans is None else plans[i],
+                                   steps=steps, what=what, runs=runs, owed=owed, shuffle=shuffle,
+                                   last_batch=last_batch, offset=start, resized=True))
+    end = max(start + max(len(x) for x in got) for (start, _, _), got in zip(segments, blocks))
+    if length is not None:
+        want = total if plans is not None else end
+        what = (f"the resized plan has {want} (N={num_samples}, segments {[tuple(s) for s in segments]}, "
+                f"{last_batch})" if plans is not None else f"the last segment's longest shard ends at "
+                f"step {want}")
+        if length != want:
+            found.add("step count", f"the loader reports {length} steps for the epoch; {what}; steps "
+                      f"{_span(min(length, want), max(length, want))}",
+                      shards=[(i, k) for i, s in enumerate(segments) for k in range(s.num_shards)],
+                      steps=range(min(length, want), max(length, want)))
+    _across_segments(reals, segments, num_samples, last_batch, partition, total, end, found)
     return found
+
+
+class _InSegment:
+    """Findings.add for segment i: the text prefixed, shards as (segment, shard)."""
+
+    def __init__(self, found: Findings, segment: int):
+        self.found, self.segment = found, segment
+
+    def add(self, kind: str, text: str, *, shards=(), steps=(), samples=()) -> None:
+        self.found.add(kind, f"segment {self.segment}: {text}", shards=[(self.segment, k) for k in shards],
+                       steps=steps, samples=samples)
+
+
+def _runs(plans: list, i: int, num_samples: int, owes: bool) -> tuple[list, list | None]:
+    """Per shard of segment i: (its run of elastic_plan's pool R_i, words), and (the samples
+    of its real slots in plans[i], words) when ``owes``."""
+    taken = np.zeros(num_samples, bool)
+    for plan in plans[:i]:
+        taken[plan.indices[plan.mask]] = True
+    pool = np.flatnonzero(~taken)
+    m, (_, n, _) = len(pool), plans[i].indices.shape
+    runs, owed = [], []
+    for k in range(n):
+        run = pool[m * k // n:m * (k + 1) // n]
+        if not run.size:
+            words = f"its run (empty: {m} samples left for {n} shards)"
+        elif run[-1] - run[0] == len(run) - 1:
+            words = f"its range [{run[0]}, {run[-1] + 1})"  # describe_epoch's words for a shard
+        else:
+            words = f"its run of {len(run)} samples ({_few(run)})"
+        runs.append((run, words))
+        plan = plans[i]
+        want = np.unique(plan.indices[:, k][plan.mask[:, k]])
+        owed.append((want, f"its {len(want)} samples" if np.array_equal(want, run)
+                     else f"the {len(want)} samples the plan gives it"))
+    return runs, owed if owes else None
+
+
+def _few(samples: np.ndarray) -> str:
+    return ", ".join(map(str, samples[:5].tolist())) + (", ..." if len(samples) > 5 else "")
+
+
+def _across_segments(reals: list, segments: list, num_samples: int, last_batch: str, partition: str,
+                     total: int, end: int, found: Findings) -> None:
+    """describe_resized_epoch's checks over the whole epoch, from each segment's real slots."""
+    rows = [np.zeros((0, 4), np.int64)]  # (sample, segment, global step, shard) of every real slot
+    for i, shards in enumerate(reals):
+        for k, real in enumerate(shards):
+            s, b = np.nonzero(real >= 0)
+            rows.append(np.stack([real[s, b], np.full(len(s), i), s + segments[i].start,
+                                  np.full(len(s), k)], axis=1).astype(np.int64))
+    table = np.concatenate(rows)
+    everyone = [(i, k) for i, s in enumerate(segments) for k in range(s.num_shards)]
+    if partition == "any":
+        outside = table[table[:, 0] >= num_samples]
+        if len(outside):
+            x, i, s, k = outside[np.lexsort((outside[:, 3], outside[:, 2]))][0]
+            found.add("outside the dataset", f"{np.unique(outside[:, 0]).size} delivered samples are not in "
+                      f"range({num_samples}) (e.g. {np.unique(outside[:, 0])[:5].tolist()}; first: sample "
+                      f"{x} at step {s} on shard {k} of segment {i})",
+                      shards={(int(a), int(c)) for a, c in outside[:, [1, 3]]}, steps=outside[:, 2],
+                      samples=outside[:, 0])
+    inside = table[table[:, 0] < num_samples]
+    first = np.full(num_samples, len(segments))
+    np.minimum.at(first, inside[:, 0], inside[:, 1])
+    again = inside[inside[:, 1] > first[inside[:, 0]]]
+    for a, b in sorted({(int(first[x]), int(i)) for x, i in again[:, :2]}):
+        here = again[(first[again[:, 0]] == a) & (again[:, 1] == b)]
+        samples = np.unique(here[:, 0])
+        x, _, s, k = here[np.lexsort((here[:, 3], here[:, 2]))][0]
+        there = inside[(inside[:, 1] == a) & np.isin(inside[:, 0], samples)]
+        _, _, s_a, k_a = there[(there[:, 0] == x)][0]
+        found.add("repeated across segments", f"segment {b} delivers {samples.size} samples that segment "
+                  f"{a} had delivered in real slots (e.g. {samples[:5].tolist()}); the repeats start at "
+                  f"step {s} on shard {k} of segment {b} (sample {x}, delivered at step {s_a} on shard "
+                  f"{k_a} of segment {a})",
+                  shards={(a, int(c)) for c in there[:, 3]} | {(b, int(c)) for c in here[:, 3]},
+                  steps=np.union1d(there[:, 2], here[:, 2]), samples=samples)
+    delivered = np.unique(inside[:, 0])
+    if last_batch == "fill":
+        missing = np.setdiff1d(np.arange(num_samples), delivered)
+        if missing.size:
+            found.add("missing from the epoch", f"{missing.size} of the {num_samples} samples are never "
+                      f"delivered in a real slot of any segment, in any of steps {_span(0, end)} (e.g. "
+                      f"{missing[:5].tolist()})", shards=everyone, steps=range(end), samples=missing)
+        return
+    steps = [b.start - a.start for a, b in zip(segments, segments[1:])] + [total - segments[-1].start]
+    stated = sum(n * B * d for (_, n, B), d in zip(segments, steps))
+    if delivered.size != stated:
+        terms = " + ".join(f"{n}*{B}*{d}" for (_, n, B), d in zip(segments, steps))
+        found.add("drop count", f"the epoch delivers {delivered.size} distinct samples in real slots; "
+                  f"elastic_plan states {stated} ({terms}: n*B*steps of each segment), skipping "
+                  f"{num_samples - stated} of the {num_samples}", shards=everyone, steps=range(end))
 
 
 # --------------------------------------------------------------------------
@@ -713,9 +999,9 @@ def _span(first: int, stop: int) -> str:
     return f"{first}" if stop - first <= 1 else f"{first}-{stop - 1}"
 
 
-def _exactly_once(reals: list, num_samples: int, last_batch: str, masked: bool, every_step: str,
-                  found: Findings) -> None:
-    """partition="any": every sample of range(N) in real slots once (fill) or at most once (drop)."""
+def _exactly_once(reals: list, num_samples: int, last_batch: str, every_step: str, found) -> None:
+    """partition="any": no sample outside range(N); fill: every sample of range(N) in a real
+    slot of some shard (repeats are _overlap's and _repeats_within's)."""
     values = np.concatenate([r[r >= 0].ravel() for r in reals]) if reals else np.zeros(0, np.int64)
     outside = np.unique(values[values >= num_samples])
     if outside.size:
@@ -731,32 +1017,39 @@ def _exactly_once(reals: list, num_samples: int, last_batch: str, masked: bool, 
             found.add("missing", f"{missing.size} of the {num_samples} samples are never delivered in a "
                       f"real slot of any shard, {every_step} (e.g. {missing[:5].tolist()})",
                       shards=range(len(reals)), steps=range(max(len(r) for r in reals)), samples=missing)
-    if masked or last_batch == "drop":
-        for k, real in enumerate(reals):  # across shards: _overlap; within one shard:
-            values_k = real[real >= 0]
-            twice = np.flatnonzero(np.bincount(values_k, minlength=1) > 1) if values_k.size else values_k
-            if twice.size:
-                steps = _steps_of(real, twice)
-                found.add("repeated", f"shard {k} delivers {twice.size} samples more than once in real "
-                          f"slots (e.g. {twice[:5].tolist()}; at steps {steps[:5].tolist()})", shards=[k],
-                          steps=steps, samples=twice)
 
 
-def _same_batches(delivered: list, found: Findings) -> None:
-    """Groups of shards that deliver the same samples at the same step."""
+def _repeats_within(k: int, real: np.ndarray, found, offset: int = 0) -> None:
+    """Samples that shard k's real slots (-1 elsewhere) deliver more than once."""
+    values = real[real >= 0]
+    if not values.size:
+        return
+    samples, counts = np.unique(values, return_counts=True)
+    twice = samples[counts > 1]
+    if twice.size:
+        steps = _steps_of(real, twice) + offset
+        found.add("repeated", f"shard {k} delivers {twice.size} samples more than once in real "
+                  f"slots (e.g. {twice[:5].tolist()}; at steps {steps[:5].tolist()})", shards=[k],
+                  steps=steps, samples=twice)
+
+
+def _same_batches(delivered: list, found, offset: int = 0, reals: list | None = None) -> None:
+    """Groups of shards that deliver the same samples at the same step; with ``reals``,
+    shards whose batch there has no real slot are left out."""
     n = len(delivered)
     steps = min(len(d) for d in delivered) if delivered else 0
     for s in range(steps):
         groups = defaultdict(list)
         for k in range(n):
-            groups[tuple(np.sort(delivered[k][s]))].append(k)
+            if reals is None or (reals[k][s] >= 0).any():
+                groups[tuple(np.sort(delivered[k][s]))].append(k)
         for key, shards in groups.items():
             if len(shards) > 1:
-                found.add("same batch on several shards", f"step {s}: shards {shards} deliver the "
-                          f"same {len(key)} samples", shards=shards, steps=[s], samples=key)
+                found.add("same batch on several shards", f"step {offset + s}: shards {shards} deliver "
+                          f"the same {len(key)} samples", shards=shards, steps=[offset + s], samples=key)
 
 
-def _overlap(reals: list, found: Findings) -> None:
+def _overlap(reals: list, found, offset: int = 0) -> None:
     """Samples that the real slots of two shards both deliver, with the steps where they sit."""
     owner = {}
     shared = defaultdict(set)
@@ -767,14 +1060,14 @@ def _overlap(reals: list, found: Findings) -> None:
             owner.setdefault(sample, k)
     for (a, b), samples in shared.items():
         first = min(samples)
-        at_a, at_b = _steps_of(reals[a], [first])[0], _steps_of(reals[b], [first])[0]
-        steps = np.union1d(_steps_of(reals[a], samples), _steps_of(reals[b], samples))
+        at_a, at_b = _steps_of(reals[a], [first])[0] + offset, _steps_of(reals[b], [first])[0] + offset
+        steps = np.union1d(_steps_of(reals[a], samples), _steps_of(reals[b], samples)) + offset
         found.add("samples on two shards", f"shards {a} and {b} both deliver {len(samples)} samples "
                   f"(e.g. {sorted(samples)[:5]}; sample {first} at step {at_a} of shard {a} and step "
                   f"{at_b} of shard {b})", shards=[a, b], steps=steps, samples=list(samples))
 
 
-def _order(k: int, got: np.ndarray, want: np.ndarray, found: Findings) -> None:
+def _order(k: int, got: np.ndarray, want: np.ndarray, found, offset: int = 0) -> None:
     """Shuffle off: shard k's slots against the plan's; a constant shift is one finding."""
     steps = min(len(got), len(want))
     flat_got, flat_want = got[:steps].ravel(), want[:steps].ravel()
@@ -790,14 +1083,13 @@ def _order(k: int, got: np.ndarray, want: np.ndarray, found: Findings) -> None:
         if len(a) >= B and np.mean(a == b) > 0.9:
             first = flat_got[0]
             found.add("order", f"shard {k} is shifted by {shift} slots against the plan from step "
-                      f"{wrong[0] // B} (it starts with sample {first}, the plan with {flat_want[0]})",
-                      shards=[k],
-                      steps=wrong // B, samples=[first])
+                      f"{offset + wrong[0] // B} (it starts with sample {first}, the plan with "
+                      f"{flat_want[0]})", shards=[k], steps=wrong // B + offset, samples=[first])
             return
     s, j = divmod(int(wrong[0]), B)
-    found.add("order", f"shard {k} step {s} slot {j}: sample {flat_got[wrong[0]]}, the plan says "
+    found.add("order", f"shard {k} step {offset + s} slot {j}: sample {flat_got[wrong[0]]}, the plan says "
               f"{flat_want[wrong[0]]} ({len(wrong)} of {len(flat_want)} slots differ)",
-              shards=[k], steps=wrong // B, samples=flat_got[wrong])
+              shards=[k], steps=wrong // B + offset, samples=flat_got[wrong])
 
 
 def describe_content(images_BCHW, labels_B, indices_B, ref_images, ref_labels,

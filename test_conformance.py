@@ -10,16 +10,18 @@ epochs (a shuffle that ignores the epoch) and by index (labels shifted by one
 sample), for samples of several shapes and dtypes, normalised or not.
 """
 
+import itertools
 import re
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import conformance
 import loaders
-from conftest import examples
+from conftest import assert_same_bits, examples
 
 N, n, B = 13, 2, 2  # shards [0, 6) and [6, 13); 4 fill steps, 3 drop steps
 
@@ -574,3 +576,436 @@ def test_values_compare_bits_within_a_dtype_and_numbers_across_dtypes():
                        ((indices[:, 0], wide[indices], wide), "must be an array (steps, n, B)")]:
         with pytest.raises(ValueError, match=re.escape(words)):
             conformance.describe_values(*bad)
+
+
+# --------------------------------------------------------------------------
+# Across a resize: one epoch on several sets of shards (describe_resized_epoch)
+# --------------------------------------------------------------------------
+
+# 48 encoded images; the epoch runs on 4 shards of 3 for steps 0-1, 3 of 2 for steps 2-3,
+# 6 of 1 for steps 4-5 (24, then 12, then 12 samples; fill and drop alike).
+RN, RSEGMENTS, RSEED, REPOCH = 48, [(0, 4, 3), (2, 3, 2), (4, 6, 1)], 11, 3
+RNORM = loaders.Normalize()
+
+
+def resized(delivered, segments, *, masks, last_batch, shuffle=True, partition="contiguous", length=None,
+            N=RN, seed=RSEED, epoch=REPOCH):
+    return conformance.describe_resized_epoch(delivered, N, segments, epoch=epoch, seed=seed,
+                                              shuffle=shuffle, last_batch=last_batch, masks=masks,
+                                              length=length, partition=partition)
+
+
+def texts(found, kind) -> list[str]:
+    return [text for text, *_ in found.kinds.get(kind, [])]
+
+
+@pytest.fixture(scope="module")
+def resize_loaders():
+    """make_loader on 4, 3 and 6 devices (the segments' shard sets), both policies. The
+    8 virtual CPU devices (conftest) always hold the chain; what is under test is the
+    describer, fed what a loader delivers."""
+    cpus = jax.devices("cpu")
+    images = conformance.encoded_images(np.arange(RN), (3, 4, 4))
+    labels = np.zeros(RN, np.int32)
+    return {(n, B, last_batch): loaders.make_loader((images, labels), cpus[:n], B, shuffle=True,
+                                                   seed=RSEED, last_batch=last_batch, normalize=RNORM,
+                                                   prefetch=0, placement="host_float32")
+            for _, n, B in RSEGMENTS for last_batch in loaders.LAST_BATCH_POLICIES}
+
+
+def decoded(batches, n):
+    """Global batches as (steps, n, B) decoded indices and masks, through shard_blocks."""
+    indices = np.stack([[conformance.decode_indices(block, RNORM)
+                         for block in conformance.shard_blocks(b["images"], n)] for b in batches])
+    return indices, np.stack([conformance.shard_blocks(np.asarray(b["mask"]), n) for b in batches])
+
+
+def loader_steps(loader, start, stop):
+    """Steps start..stop-1 of loader's own (fresh) epoch REPOCH, as it yields them."""
+    batches = list(itertools.islice(loader.epoch(REPOCH, start), stop - start))
+    return decoded(batches, loader.num_shards)
+
+
+@pytest.fixture(scope="module")
+def resized_epochs(resize_loaders):
+    """Per policy, the conforming epoch over RSEGMENTS as delivered blocks: segment 0 from the
+    4-device loader's own epoch (elastic segment 0 is its epoch_plan), later segments from
+    each new loader's gather (host_rows) of elastic_plan's rows; all decoded from images."""
+    out = {}
+    for last_batch in loaders.LAST_BATCH_POLICIES:
+        plans = loaders.elastic_plan(RN, RSEGMENTS, epoch=REPOCH, seed=RSEED, shuffle=True,
+                                     last_batch=last_batch)
+        (_, n0, B0), *later = RSEGMENTS
+        blocks = [loader_steps(resize_loaders[(n0, B0, last_batch)], 0, RSEGMENTS[1][0])]
+        for (_, n, B), plan in zip(later, plans[1:]):
+            loader = resize_loaders[(n, B, last_batch)]
+            blocks.append(decoded([loader.host_rows(plan, r) for r in range(len(plan.indices))], n))
+        for i, ((got, mask), plan) in enumerate(zip(blocks, plans)):
+            assert_same_bits(got, plan.indices, f"{last_batch} segment {i}: decoded indices")
+            assert_same_bits(mask, plan.mask, f"{last_batch} segment {i}: masks")
+        out[last_batch] = [got for got, _ in blocks], [mask for _, mask in blocks]
+    return out
+
+
+@pytest.mark.parametrize("last_batch", loaders.LAST_BATCH_POLICIES)
+def test_a_resized_epoch_delivered_by_loaders_conforms(resized_epochs, last_batch):
+    delivered, masks = resized_epochs[last_batch]
+    steps = loaders.elastic_num_steps(RN, RSEGMENTS, last_batch)
+    for partition in conformance.PARTITIONS:
+        for given in (masks, None):  # no segment has fewer samples left than shards
+            found = resized(delivered, RSEGMENTS, masks=given, last_batch=last_batch,
+                            partition=partition, length=steps)
+            assert not found, found.report(f"{last_batch}, {partition}, masks: {given is not None}")
+
+
+def first_repeat(before, after, start):
+    """(global step, shard) of the first real slot of ``after`` (steps, n, B) holding a
+    sample of ``before``, scanning steps then shards; and the repeated samples."""
+    (got0, mask0), (got1, mask1) = before, after
+    seen = set(got0[mask0].tolist())
+    where = [(start + s, k) for s in range(len(got1)) for k in range(got1.shape[1])
+             if seen & set(got1[s, k][mask1[s, k]].tolist())]
+    return where[0], sorted(seen & set(got1[mask1].tolist()))
+
+
+@pytest.mark.parametrize("last_batch", loaders.LAST_BATCH_POLICIES)
+def test_a_restart_from_step_0_on_the_new_shards_is_named(resized_epochs, resize_loaders, last_batch):
+    """Negative control: after 2 steps on 4 shards, the 3 new shards start the epoch again:
+    the samples of steps 0-1 come twice, named with the segment and step where that starts."""
+    delivered, masks = resized_epochs[last_batch]
+    segments = RSEGMENTS[:2]
+    loader = resize_loaders[(3, 2, last_batch)]
+    again = loader_steps(loader, 0, len(loader))
+    (step, shard), twice = first_repeat((delivered[0], masks[0]), again, 2)
+    assert step == 2  # a restart repeats from its first step on (the shuffle decides the shard)
+    for partition in conformance.PARTITIONS:
+        found = resized([delivered[0], again[0]], segments, masks=[masks[0], again[1]],
+                        last_batch=last_batch, partition=partition)
+        [(text, shards, steps, samples)] = found.kinds["repeated across segments"]
+        assert text.startswith(f"segment 1 delivers {len(twice)} samples that segment 0 had delivered in "
+                               f"real slots (e.g. {twice[:5]}); the repeats start at step 2 on shard "
+                               f"{shard} of segment 1 (sample "), text
+        assert samples == set(twice) and min(steps) == 0 and (1, shard) in shards
+        if partition == "contiguous":  # and the new shards run the fresh plan's steps, not the rest's
+            assert "outside the shard" in found.kinds and "batches arrived" in found.kinds, found.report()
+
+
+@pytest.mark.parametrize("last_batch", loaders.LAST_BATCH_POLICIES)
+def test_a_resume_on_the_new_sizes_fresh_plan_is_named(resized_epochs, resize_loaders, last_batch):
+    """Negative control: the 3 new shards read their own fresh epoch_plan from step 2: some
+    samples come twice and others never (fill) or fewer than stated (drop), each named."""
+    delivered, masks = resized_epochs[last_batch]
+    segments = RSEGMENTS[:2]
+    loader = resize_loaders[(3, 2, last_batch)]
+    fresh = loader_steps(loader, 2, len(loader))
+    (step, shard), twice = first_repeat((delivered[0], masks[0]), fresh, 2)
+    got = set(delivered[0][masks[0]].tolist()) | set(fresh[0][fresh[1]].tolist())
+    never = sorted(set(range(RN)) - got)
+    assert twice and never  # what makes this a control
+    for partition in conformance.PARTITIONS:
+        found = resized([delivered[0], fresh[0]], segments, masks=[masks[0], fresh[1]],
+                        last_batch=last_batch, partition=partition, length=len(loader))
+        [text] = texts(found, "repeated across segments")
+        assert f"segment 1 delivers {len(twice)} samples that segment 0" in text, text
+        assert f"the repeats start at step {step} on shard {shard} of segment 1" in text, text
+        if last_batch == "fill":
+            [(text, _, _, samples)] = found.kinds["missing from the epoch"]
+            assert samples == set(never) and text.startswith(f"{len(never)} of the 48 samples are never "
+                                                             f"delivered in a real slot of any segment")
+        else:  # 4*3*2 + 3*2*4 stated; the fresh plan's rows 2-7 repeat some and skip others
+            [text] = texts(found, "drop count")
+            assert text.startswith(f"the epoch delivers {len(got)} distinct samples in real slots; "
+                                   f"elastic_plan states 48 (4*3*2 + 3*2*4: n*B*steps"), text
+        # The fresh plan ends at step 8, the resized one at 6: held to the plan (contiguous),
+        # not to what the loader itself delivered (any).
+        assert ("step count" in found.kinds) == (partition == "contiguous"), found.report()
+        # Control: the same loader's gather of the resized plan's rows conforms.
+        plan = loaders.elastic_plan(RN, segments, epoch=REPOCH, seed=RSEED, shuffle=True,
+                                    last_batch=last_batch)[1]
+        rest = decoded([loader.host_rows(plan, r) for r in range(len(plan.indices))], 3)
+        assert not resized([delivered[0], rest[0]], segments, masks=[masks[0], rest[1]],
+                           last_batch=last_batch, partition=partition, length=6)
+
+
+@pytest.mark.parametrize("last_batch", loaders.LAST_BATCH_POLICIES)
+def test_a_segment_whose_shards_run_different_step_counts(resized_epochs, last_batch):
+    """Negative control: shard 2 of segment 1 (global steps 2-3) and shard 4 of the last
+    segment (steps 4-5) each lose their last batch; named by segment and global step."""
+    delivered, masks = resized_epochs[last_batch]
+    per = [list(np.swapaxes(d, 0, 1)) for d in delivered]
+    per_masks = [list(np.swapaxes(m, 0, 1)) for m in masks]
+    for i, k in ((1, 2), (2, 4)):
+        per[i][k], per_masks[i][k] = per[i][k][:1], per_masks[i][k][:1]
+    for partition, why in (("contiguous", ("the plan has 2", "the plan has 2")),
+                           ("any", ("the segment runs 2", "the longest shard delivered 2"))):
+        found = resized(per, RSEGMENTS, masks=per_masks, last_batch=last_batch, partition=partition)
+        assert texts(found, "batches arrived") == [
+            f"segment 1: shard 2: 1 batches arrived, {why[0]}; steps 3",
+            f"segment 2: shard 4: 1 batches arrived, {why[1]}; steps 5"]
+        lost = [delivered[i][1, k][masks[i][1, k]].tolist() for i, k in ((1, 2), (2, 4))]
+        kind = "missing from the epoch" if last_batch == "fill" else "drop count"
+        assert kind in found.kinds, found.report()
+        if last_batch == "fill":
+            assert found.kinds[kind][0][3] == set(lost[0] + lost[1])
+    # Control: the same blocks, whole, as per-shard lists.
+    whole = [list(np.swapaxes(d, 0, 1)) for d in delivered]
+    assert not resized(whole, RSEGMENTS, masks=[list(np.swapaxes(m, 0, 1)) for m in masks],
+                       last_batch=last_batch)
+
+
+# Planted deviations: each is named with its segment and global step. N=31: 4 shards of 3
+# for step 0, 3 of 2 for steps 1-2, then 5 of 1 (7 samples left: runs 1,1,1,2,2) for steps
+# 3-4 (fill: shards 0-2 pad at step 4) or step 3 (drop).
+PN, PSEGMENTS = 31, [(0, 4, 3), (1, 3, 2), (3, 5, 1)]
+
+
+def planted_resize(kind, last_batch, shuffle, seed, epoch, segment, shard, row, slot):
+    """(delivered, masks, partition, the segment whose words the finding carries or None,
+    words its text must hold, a global step its steps must hold) for one deviation of
+    ``kind`` planted in elastic_plan's epoch, its indices encoded and decoded first."""
+    plans = loaders.elastic_plan(PN, PSEGMENTS, epoch=epoch, seed=seed, shuffle=shuffle,
+                                 last_batch=last_batch)
+    got = [conformance.decode_indices(conformance.encoded_images(p.indices.ravel(), (2,), np.float32))
+           .reshape(p.indices.shape) for p in plans]
+    masks = [p.mask.copy() for p in plans]
+    if kind in ("order", "same batch on several shards", "repeated"):
+        segment %= 2  # B >= 2 and every row real: another own sample, a real batch to copy
+    i = segment % len(plans)
+    t, n, B = PSEGMENTS[i]
+    k, other = shard % n, (shard + 1) % n
+    r = row % len(got[i])
+    if not masks[i][r, k, slot % B]:  # these kinds sit on real slots: the shard's first one
+        r, j = 0, 0
+    else:
+        j = slot % B
+    at = t + r
+    out = lambda partition, segment, words, step: (got, masks, partition, segment, words, step)
+    if kind == "undecodable slots":
+        got[i][r, k, j] = -1
+        return out("contiguous", i, f"shard {k}: 1 slots hold no encoded sample (first: step {at} slot "
+                                    f"{j})", at)
+    if kind == "mask":
+        masks[i][r, k, j] = False
+        return out("contiguous", i, f"shard {k}: the mask differs from the plan's in 1 slots (first: step "
+                                    f"{at} slot {j})", at)
+    if kind == "order":  # shuffle off: another sample of the shard's own run
+        own = plans[i].indices[:, k][plans[i].mask[:, k]]
+        got[i][r, k, j] = own[0] if got[i][r, k, j] != own[0] else own[1]
+        return out("contiguous", i, f"shard {k} step {at} slot {j}: sample {got[i][r, k, j]}, the plan "
+                                    f"says", at)
+    if kind == "outside the shard":
+        got[i][r, k, j] = plans[i].indices[0, other, 0]
+        return out("contiguous", i, f"shard {k} delivers 1 samples from outside its", at)
+    if kind == "samples on two shards":
+        x = got[i][r, k, j] = plans[i].indices[0, other, 0]
+        (a, at_a), (b, at_b) = sorted([(k, at), (other, t)])
+        return out("any", i, f"sample {x} at step {at_a} of shard {a} and step {at_b} of shard {b})", at)
+    if kind == "same batch on several shards":
+        got[i][r, other] = got[i][r, k]
+        return out("any", i, f"step {at}: shards {sorted([k, other])} deliver the same", at)
+    if kind == "repeated":  # another real slot of the shard, holding its sample at (r, j) again
+        r2, j2 = next((a, b) for a, b in np.argwhere(masks[i][:, k]) if (a, b) != (r, j))
+        got[i][r2, k, j2] = got[i][r, k, j]
+        return out("any", i, f"shard {k} delivers 1 samples more than once in real slots", t + r2)
+    if kind == "padding":  # fill: shard 0's padding at step 4 holds shard 3's sample
+        got[2][1, 0, 0] = plans[2].indices[0, 3, 0]
+        return out("any", 2, "shard 0: 1 padding slots hold samples that no real slot of the shard "
+                             "delivers", 4)
+    if kind == "batches arrived":
+        d = len(got[i])
+        words = f"shard {k}: {d - 1} batches arrived, the plan has {d}; steps {t + d - 1}"
+        got, masks = [list(np.swapaxes(g, 0, 1)) for g in got], [list(np.swapaxes(m, 0, 1)) for m in masks]
+        got[i][k], masks[i][k] = got[i][k][:d - 1], masks[i][k][:d - 1]
+        return out("contiguous", i, words, t + d - 1)
+    if kind == "outside the dataset":
+        got[i][r, k, j] = PN + 7
+        return out("any", None, f"first: sample {PN + 7} at step {at} on shard {k} of segment {i})", at)
+    i = max(i, 1)  # the kinds over the whole epoch: a later segment takes a sample of an earlier one
+    t, n, B = PSEGMENTS[i]
+    k = shard % n
+    lost, x = got[i][0, k, 0], got[i - 1][0, 0, 0]
+    if kind == "drop count":  # drop: one real slot less
+        masks[i][0, k, 0] = False
+        return out("any", None, f"the epoch delivers {sum(m.sum() for m in masks)} distinct samples", t)
+    got[i][0, k, 0] = x
+    if kind == "repeated across segments":
+        return out("any", None, f"the repeats start at step {t} on shard {k} of segment {i} (sample {x}, "
+                                f"delivered at step {PSEGMENTS[i - 1][0]} on shard 0 of segment {i - 1})", t)
+    if kind == "missing from the epoch":  # fill: the sample it displaced is never delivered
+        return out("any", None, f"1 of the 31 samples are never delivered in a real slot of any segment, in "
+                                f"any of steps 0-4 (e.g. [{lost}])", t)
+    raise AssertionError(kind)
+
+
+RESIZE_KINDS = {  # kind: the policies it is planted with
+    "undecodable slots": ("fill", "drop"), "mask": ("fill", "drop"), "order": ("fill", "drop"),
+    "outside the shard": ("fill", "drop"), "samples on two shards": ("fill", "drop"),
+    "same batch on several shards": ("fill", "drop"), "repeated": ("fill", "drop"), "padding": ("fill",),
+    "batches arrived": ("fill", "drop"), "outside the dataset": ("fill", "drop"),
+    "drop count": ("drop",), "repeated across segments": ("fill", "drop"),
+    "missing from the epoch": ("fill",),
+}
+
+
+@pytest.mark.parametrize("kind", list(RESIZE_KINDS))
+@settings(max_examples=examples(5))
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1), epoch=st.integers(0, 100), segment=st.integers(0, 2),
+       shard=st.integers(0, 4), row=st.integers(0, 1), slot=st.integers(0, 2))
+def test_every_resize_finding_names_its_segment_and_global_step(kind, data, seed, epoch, segment, shard,
+                                                               row, slot):
+    last_batch = data.draw(st.sampled_from(RESIZE_KINDS[kind]))
+    shuffle = kind != "order" and data.draw(st.booleans())
+    got, masks, partition, i, words, step = planted_resize(kind, last_batch, shuffle, seed, epoch, segment,
+                                                           shard, row, slot)
+    found = resized(got, PSEGMENTS, masks=masks, last_batch=last_batch, shuffle=shuffle, partition=partition,
+                    N=PN, seed=seed, epoch=epoch)
+    prefix = "" if i is None else f"segment {i}: "
+    named = [(text, shards, steps) for text, shards, steps, _ in found.kinds.get(kind, [])
+             if text.startswith(prefix) and words in text]
+    assert named, f"no {kind} finding says {prefix}...{words!r}:\n{found.report()}"
+    assert any(step in steps for _, _, steps in named), (named, step)
+    if i is not None:
+        assert all(s == i for _, shards, _ in named for s, _ in shards), named
+    if partition == "any":  # the same deviation is seen against the plan too
+        contiguous = resized(got, PSEGMENTS, masks=masks, last_batch=last_batch, shuffle=shuffle, N=PN,
+                             seed=seed, epoch=epoch)
+        assert contiguous, f"{kind}: 'any' found it, 'contiguous' did not"
+    # (The unplanted plans conform: test_elastic_plans_conform_and_a_restart_never_does.)
+
+
+@st.composite
+def resize_chains(draw):
+    """(N, segments, last_batch): up to two changes, each at a drawn step of the segment
+    before it (its end included), onto drawn (n, B)."""
+    N, last_batch = draw(st.integers(1, 30)), draw(st.sampled_from(loaders.LAST_BATCH_POLICIES))
+    shards, batches = st.integers(1, min(N, 6)), st.integers(1, 4)
+    segments = [(0, draw(shards), draw(batches))]
+    for _ in range(draw(st.integers(0, 2))):
+        end, start = loaders.elastic_num_steps(N, segments, last_batch), segments[-1][0]
+        if end == start:
+            break
+        segments.append((draw(st.integers(start + 1, end)), draw(shards), draw(batches)))
+    return N, segments, last_batch
+
+
+@settings(max_examples=examples(30))
+@given(resize_chains(), st.integers(0, 2**32 - 1), st.integers(0, 100), st.booleans())
+@example((7, [(0, 2, 2), (1, 4, 1)], "fill"), 0, 0, False)  # the worked table's edges: an empty run,
+@example((7, [(0, 2, 2), (2, 3, 1)], "fill"), 0, 0, True)  # a change at the end (0 steps),
+@example((7, [(0, 2, 2), (1, 3, 1)], "drop"), 0, 0, False)  # drop's end, skipped samples stay skipped,
+@example((7, [(0, 2, 1), (1, 3, 1), (2, 2, 1)], "fill"), 3, 1, True)  # two changes
+@example((1, [(0, 1, 1), (1, 1, 1)], "fill"), 0, 0, False)  # nothing left after the change
+def test_elastic_plans_conform_and_a_restart_never_does(chain, seed, epoch, shuffle):
+    """Any chain's elastic_plan, decoded from encoded samples, gives an empty report in both
+    modes with masks; without masks, only a segment with fewer samples left than shards
+    gives findings, of the three kinds the docstring names, on that segment. Negative
+    control: the last segment restarting the epoch (its fresh epoch_plan from step 0)
+    repeats segment 0's samples, named."""
+    N, segments, last_batch = chain
+    plans = loaders.elastic_plan(N, segments, epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
+    got = [conformance.decode_indices(conformance.encoded_images(p.indices.ravel(), (3,), np.uint8))
+           .reshape(p.indices.shape) for p in plans]
+    masks = [p.mask for p in plans]
+    steps = loaders.elastic_num_steps(N, segments, last_batch)
+    args = dict(last_batch=last_batch, shuffle=shuffle, N=N, seed=seed, epoch=epoch)
+    run = dict(epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
+    crowded = {i for i, (t, n, _) in enumerate(segments)  # fewer samples left than shards
+               if len(loaders.remaining_samples(N, segments, t, **run)) < n and len(plans[i].indices)}
+    for partition in conformance.PARTITIONS:
+        found = resized(got, segments, masks=masks, partition=partition, length=steps, **args)
+        assert not found, found.report(f"{chain}, {partition}")
+        bare = resized(got, segments, masks=None, partition=partition, length=steps, **args)
+        assert set(bare.kinds) <= {"same batch on several shards", "samples on two shards",
+                                   "outside the shard"}
+        assert {s for items in bare.kinds.values() for _, shards, *_ in items for s, _ in shards} == crowded
+    if len(segments) > 1 and len(plans[0].indices) and masks[0].any():
+        (_, n, B) = segments[-1]
+        again = loaders.epoch_plan(N, n, B, epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
+        if again.mask.any():
+            found = resized(got[:-1] + [again.indices], segments, masks=masks[:-1] + [again.mask],
+                            partition="any", **args)
+            # fill: the restart delivers all N again; drop: its first step's samples, unless the
+            # earlier segments had skipped exactly those
+            twice = set(np.concatenate([g[m] for g, m in zip(got[:-1], masks[:-1])]).tolist()) & \
+                set(again.indices[again.mask].tolist())
+            assert bool(twice) == ("repeated across segments" in found.kinds), found.report()
+            if last_batch == "fill":
+                assert twice, "fill: a restart repeats every sample delivered before it"
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "outside the dataset"])
+def test_one_segment_gives_describe_epochs_findings_by_segment(kind):
+    """describe_resized_epoch reuses describe_epoch's per-shard checks: on one segment
+    [(0, n, B)] every finding of describe_epoch (but the step count, checked over the
+    epoch) comes back with the text prefixed "segment 0: " and its shards as (0, k)."""
+    for last_batch, shard, step, slot, seed in (("fill", 0, 2, 1, 7), ("drop", 3, 1, 2, 8),
+                                                ("fill", 2, 0, 0, 9)):
+        step = min(step, USTEPS[last_batch] - 1)
+        got, mask, args, _, _ = planted(kind, last_batch, shard, step, slot, seed)
+        want = conformance.describe_epoch(got, UN, UB, masks=mask, **args)
+        args.pop("length")
+        found = conformance.describe_resized_epoch([got], UN, [(0, Un, UB)], epoch=0, seed=seed, masks=[mask],
+                                                   **args)
+        assert kind in want.kinds
+        for name, items in want.kinds.items():
+            if name != "step count":
+                assert found.kinds[name] == [(f"segment 0: {text}", {(0, k) for k in shards}, steps, samples)
+                                             for text, shards, steps, samples in items], name
+        assert set(found.kinds) - set(want.kinds) <= {"missing from the epoch", "drop count"}
+
+
+def test_describe_resized_epoch_refuses_what_it_cannot_read():
+    segments = [(0, 2, 2), (1, 3, 1)]
+    plans = loaders.elastic_plan(7, segments)
+    good = dict(epoch=0, seed=0, shuffle=False, last_batch="fill")
+    for args, kw, words in [
+            (([p.indices for p in plans], 7, [(0, 2, 2), (5, 3, 1)]), {},
+             "describe_resized_epoch: segments=[(0, 2, 2), (5, 3, 1)] is not an epoch elastic_plan accepts: "
+             "elastic_num_steps: segments[1].start=5 is after the epoch's end at step 2"),
+            (([plans[0].indices], 7, segments), {},
+             "delivered must be a list with one entry per segment (2), got 1"),
+            ((plans[0].indices, 7, segments), {}, "delivered must be a list with one entry per segment (2), "
+                                                  "got ndarray"),
+            (([p.indices for p in plans], 7, segments), dict(masks=[plans[0].mask]),
+             "masks must be a list with one entry per segment (2), got 1"),
+            (([plans[0].indices, plans[0].indices], 7, segments), {},
+             "describe_resized_epoch: delivered[1] as one array must be (steps, n, B) like Plan.indices with "
+             "B = batch_size = 1, got shape (1, 2, 2)"),
+            (([plans[0].indices, plans[1].indices[:, :2]], 7, segments), {},
+             "describe_resized_epoch: delivered[1] has 2 shards; segments[1]=(1, 3, 1) has 3"),
+            (([p.indices for p in plans], 7, segments), dict(masks=[p.indices for p in plans]),
+             "describe_resized_epoch: masks[0][0] must hold bool values, got dtype int64"),
+            (([p.indices for p in plans], 7, segments), dict(partition="strided"),
+             "describe_resized_epoch: partition must be one of ('contiguous', 'any'), got 'strided'")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            conformance.describe_resized_epoch(*args, **{**good, **kw})
+    assert not conformance.describe_resized_epoch([p.indices for p in plans], 7, segments, **good)  # control
+
+
+@pytest.mark.parametrize("shape, dtype", [((3,), np.uint8), ((3, 4, 4), np.uint8), ((2,), np.float32),
+                                          ((), np.int16)])
+def test_no_samples_encode_and_decode_to_nothing(shape, dtype):
+    """A segment with no step, or a shard with no batch, has no samples: (0, ...) in, (0,) out."""
+    samples = conformance.encoded_images(np.zeros(0, np.int64), shape, dtype)
+    assert samples.shape == (0,) + shape and samples.dtype == dtype
+    assert conformance.decode_indices(samples).shape == (0,)
+
+
+@pytest.mark.parametrize("last_batch", loaders.LAST_BATCH_POLICIES)
+def test_another_exactly_once_partition_after_the_resize_conforms_only_to_any(resized_epochs, last_batch):
+    """After the change the 3 new shards split what is left strided (shard k takes every
+    third remaining sample from the k-th), as many steps as the plan: exactly once still
+    (partition="any" finds nothing), not the plan's runs (contiguous names them)."""
+    delivered, masks = resized_epochs[last_batch]
+    segments = RSEGMENTS[:2]
+    pool = loaders.remaining_samples(RN, segments, 2, epoch=REPOCH, seed=RSEED, shuffle=True,
+                                     last_batch=last_batch)
+    steps = loaders.elastic_num_steps(RN, segments, last_batch) - 2
+    strided = np.stack([pool[k::3][:steps * 2].reshape(steps, 2) for k in range(3)], axis=1)
+    mask = np.ones(strided.shape, bool)  # 24 left, 8 a shard: 4 whole steps of 2, no padding
+    assert not resized([delivered[0], strided], segments, masks=[masks[0], mask], last_batch=last_batch,
+                       partition="any", length=6)
+    found = resized([delivered[0], strided], segments, masks=[masks[0], mask], last_batch=last_batch)
+    # (drop's last segment owes no particular samples: which are skipped is the shuffle's)
+    want = {"outside the shard", "missing"} if last_batch == "fill" else {"outside the shard"}
+    assert set(found.kinds) == want, found.report()
