@@ -16,7 +16,9 @@ The contract, in the order the pieces are used:
   epoch as data: which sample sits in which slot of which device's batch at which
   step, and whether that slot is real (mask True) or padding (mask False).
   Batches are therefore a pure function of (seed, epoch, step, shard): resuming
-  mid-epoch needs the step number and nothing else.
+  mid-epoch needs the step number and nothing else. Resuming on another number
+  of devices or batch size: ``elastic_plan`` and ``LoaderState``, which
+  ``Loader.state`` gives and ``Loader.epoch(e, state=...)`` takes.
 * ``Normalize`` is the per-image arithmetic of the vendors' crop_mirror_normalize,
   specified as a table: over uint8 input, a vendor's formula is one float32 value
   per (channel, pixel value), ``normalize_table``. Every path that normalises
@@ -1473,6 +1475,25 @@ class Loader:
       ``normalize``.
 
     The three give the same bits, in both layouts.
+
+    Resuming on other devices (``elastic_plan``, ``LoaderState``). A job saves
+    ``loader.state(e, s)`` (after s steps of epoch e: a small plain value,
+    ``to_json``); a loader on any other mesh or batch size, built by
+    ``make_loader`` from the same data, seed, shuffle and last_batch, resumes
+    with ``loader.epoch(e, state=saved)``. With ``st = saved.resized(n, B)``
+    (this loader's shard count and batch) and ``plan, row = st.plan()``, that
+    iterator yields global steps ``st.step .. st.num_steps - 1`` of the epoch,
+    ``st.num_steps - st.step`` of them, where step ``st.step + r`` is
+    ``Plan`` row ``row + r`` by the rule above: so the epoch's samples not yet
+    delivered in a real slot before the change are delivered exactly once
+    (fill; at most once with elastic_plan's stated count for drop), on every
+    name, in every placement and layout, with the same bits. Its state after
+    k more steps is ``loader.state(e, st.step + k, state=saved)``. ``len(loader)``
+    keeps meaning a fresh epoch, and epoch e + 1 is fresh on this loader's
+    shards (``loader.epoch(e + 1)``). In placement "device" a resumed segment on
+    other shards first places, once, what its shards still need: on device k the
+    distinct samples of ``plan.indices[row:, k]`` (at most ceil(m/n) samples,
+    m the samples left), beside the resident shard.
     """
     arrays: dict[str, np.ndarray]
     mesh: Mesh
@@ -1523,9 +1544,50 @@ class Loader:
         return epoch_plan(self.num_samples, self.num_shards, self.batch_size, epoch=epoch,
                           seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch)
 
-    def real_samples(self, epoch: int) -> int:
-        """How many mask-True slots ``epoch`` has in the whole global batch."""
-        return int(self.plan(epoch).mask.sum())
+    def real_samples(self, epoch: int, *, state: LoaderState | None = None) -> int:
+        """How many mask-True slots ``epoch`` has in the whole global batch; with a
+        ``state``, how many the steps ``epoch(epoch, state=state)`` yields have."""
+        if state is None:
+            return int(self.plan(epoch).mask.sum())
+        plan, row = self._resumed("Loader.real_samples", epoch, state).plan()
+        return int(plan.mask[row:].sum())
+
+    def state(self, epoch: int, step: int = 0, *, state: LoaderState | None = None) -> LoaderState:
+        """Where this loader stands at global ``step`` of ``epoch``: the ``LoaderState``
+        to save after ``step`` steps of the epoch have been delivered (its next batch
+        is step ``step``). Without ``state``: of a fresh epoch, ``LoaderState.start(N,
+        n, B, epoch=..., seed=, shuffle=, last_batch=).at_step(step)``, step in [0,
+        len]. With the ``state`` the epoch was resumed from: ``state.resized(n,
+        B).at_step(step)``, step in [state.step, that state's num_steps]; so after k
+        steps of ``epoch(e, start_step=s)`` it is ``state(e, s + k)``, and after k
+        steps of ``epoch(e, state=saved)`` it is ``state(e, saved.step + k,
+        state=saved)``. ValueError for a state of another run or epoch (as
+        ``epoch``) or a step outside that range."""
+        if state is None:
+            check_seed("epoch", epoch, "Loader.state")
+            fresh = LoaderState.start(self.num_samples, self.num_shards, self.batch_size, epoch=epoch,
+                                      seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch)
+        else:
+            fresh = self._resumed("Loader.state", epoch, state)
+            if not _is_int(step) or step < fresh.step:
+                raise ValueError(f"Loader.state: step={step!r} is before the state's step "
+                                 f"{fresh.step}, where the resumed epoch starts")
+        try:
+            return fresh.at_step(step)
+        except ValueError as error:
+            raise ValueError(f"Loader.state: step={step!r}: {error}") from None
+
+    def _resumed(self, where: str, epoch: int, state) -> LoaderState:
+        """``state`` checked against this loader's run and ``epoch``, resized to its shards."""
+        if not isinstance(state, LoaderState):
+            raise ValueError(f"{where}: state must be a loaders.LoaderState (LoaderState.from_json "
+                             f"reads a saved one), got {type(state).__name__}")
+        state.check_same_run(where, num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle,
+                             last_batch=self.last_batch)
+        if epoch != state.epoch:
+            raise ValueError(f"{where}: epoch={epoch!r}, but the state is of epoch {state.epoch}; a state "
+                             f"resumes its own epoch (the next one is fresh: epoch({state.epoch + 1}))")
+        return state.resized(self.num_shards, self.batch_size)
 
     def host_rows(self, plan: Plan, step: int) -> dict[str, np.ndarray]:
         """This process's rows at ``step`` of ``plan``: (n_local * B, ...) per name, its
@@ -1555,19 +1617,48 @@ class Loader:
         """Host-side blocks for this process's shards at ``step`` of ``plan``."""
         return split_rows(self.host_rows(plan, step), local_positions(self.mesh))
 
-    def batch(self, epoch: int, step: int) -> dict[str, jax.Array]:
+    def batch(self, epoch: int, step: int, *, state: LoaderState | None = None) -> dict[str, jax.Array]:
+        """Global step ``step`` of ``epoch`` alone (random access), of a fresh epoch or,
+        with ``state``, of the epoch resumed from it (``epoch``'s text): IndexError
+        for a step outside [0, len) (fresh) or [state.step, num_steps) (resumed)."""
+        if state is not None:
+            st = self._resumed("Loader.batch", epoch, state)
+            if not st.step <= step < st.num_steps:
+                raise IndexError(f"step={step} is outside [{st.step}, {st.num_steps}) (the resumed "
+                                 f"epoch's steps)")
+            plan, row = st.plan()
+            return self._segment_steps(st, plan, row + step - st.step, row + step - st.step + 1)[0]()
         if not 0 <= step < len(self):
             raise IndexError(f"step={step} is outside [0, {len(self)})")
         if self.placement == "device":
             return self._device_step(self._device_work(), self._place_plan(self.plan(epoch)), step)
         return self._host_step(self._device_work(), self.plan(epoch), step)
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
-        """Steps ``start_step .. len-1`` of ``epoch``. Host placements prepare them
-        ``prefetch`` steps ahead on a background thread: a worker error is raised
-        here in the caller, and closing the iterator early (``break``, garbage
-        collection) stops and joins the thread. "device" needs no thread: each
-        step is one asynchronous dispatch."""
+    def epoch(self, epoch: int, start_step: int = 0, *,
+              state: LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
+        """Steps ``start_step .. len-1`` of ``epoch``; with ``state`` (a saved
+        ``LoaderState`` of this run, any shard count), the rest of the epoch it was
+        taken in, from its step (the class docstring's "Resuming"), and
+        ``start_step`` must stay 0 (the state says where to start: pass
+        ``state.at_step(s)`` for a later step of the saved shards). Host placements
+        prepare steps ``prefetch`` ahead on a background thread: a worker error is
+        raised here in the caller, and closing the iterator early (``break``,
+        garbage collection) stops and joins the thread. "device" needs no thread:
+        each step is one asynchronous dispatch.
+
+        Raises IndexError for a start_step outside [0, len]; ValueError for a
+        state that is not a LoaderState, of another run (num_samples, seed, shuffle,
+        last_batch: named) or another epoch, or a start_step with a state."""
+        if state is not None:
+            st = self._resumed("Loader.epoch", epoch, state)
+            if start_step != 0:
+                raise ValueError(f"Loader.epoch: start_step={start_step!r} with a state; the state "
+                                 f"says where the epoch resumes (step {state.step})")
+            plan, row = st.plan()
+            makers = self._segment_steps(st, plan, row, len(plan.indices))
+            if self.placement == "device":
+                return (make() for make in makers)
+            return _prefetched(lambda make: make(), makers, self.prefetch)
         if not 0 <= start_step <= len(self):
             # range(-1, len) would yield the last step and then the whole epoch.
             raise IndexError(f"start_step={start_step} is outside [0, {len(self)}]")
@@ -1578,6 +1669,24 @@ class Loader:
             placed = self._place_plan(plan)
             return (self._device_step(work, placed, s) for s in steps)
         return _prefetched(functools.partial(self._host_step, work, plan), steps, self.prefetch)
+
+    def _segment_steps(self, st: LoaderState, plan: Plan, first: int, stop: int) -> list[Callable]:
+        """One function per row ``first .. stop-1`` of a resumed state's last segment
+        plan, each making that step's batch. On this loader's own fresh plan (the
+        only segment is (0, n, B)) every placement runs as for ``epoch(e, s)``;
+        after a change, "device" places what rows ``first..`` need first."""
+        work = self._device_work()
+        rows = range(first, stop)
+        if self.placement != "device":
+            return [functools.partial(self._host_step, work, plan, r) for r in rows]
+        if not rows:
+            return []
+        if len(st.segments) == 1:  # segment 0 is epoch_plan: the resident shards hold it
+            placed, resident = self._place_plan(plan), self.resident
+        else:
+            placed, resident = self._place_segment(plan, first)
+            rows = range(0, stop - first)
+        return [functools.partial(self._device_step, work, placed, r, resident) for r in rows]
 
     def _device_work(self):
         """What the devices do each step. "device": (the jitted step, the tables by
@@ -1609,9 +1718,33 @@ class Loader:
         mask = plan.mask.swapaxes(0, 1)
         return {"indices": _by_position(local, self.mesh), "mask": _by_position(mask, self.mesh)}
 
-    def _device_step(self, work, placed: dict, step: int) -> dict[str, jax.Array]:
+    def _place_segment(self, plan: Plan, row: int) -> tuple[dict, dict]:
+        """(placed plan, resident samples) for rows ``row..`` of a resumed segment:
+        device k holds the distinct samples of ``plan.indices[row:, k]``, ascending,
+        zero-padded to the largest count, and the placed indices are positions in
+        them (searchsorted); row 0 of the placed plan is ``plan`` row ``row``."""
+        rest, mask = plan.indices[row:], plan.mask[row:]
+        n = self.num_shards
+        needed = [np.unique(rest[:, k]) for k in range(n)]
+        size = max(len(u) for u in needed)
+        local = np.stack([np.searchsorted(needed[k], rest[:, k]) for k in range(n)]).astype(np.int32)
+        sharding = NamedSharding(self.mesh, P(DATA_AXIS))
+
+        def rows(source: np.ndarray):
+            def block(index):
+                k = index[0].start // size if index[0].start is not None else 0
+                out = np.zeros((size,) + source.shape[1:], source.dtype)
+                out[:len(needed[k])] = source[needed[k]]
+                return out
+            return jax.make_array_from_callback((n * size,) + source.shape[1:], sharding, block)
+
+        placed = {"indices": _by_position(local, self.mesh),
+                  "mask": _by_position(mask.swapaxes(0, 1), self.mesh)}
+        return placed, {name: rows(source) for name, source in self.arrays.items()}
+
+    def _device_step(self, work, placed: dict, step: int, resident: dict | None = None) -> dict[str, jax.Array]:
         fn, tables = work
-        out = fn(self.resident, placed, np.int32(step), tables)
+        out = fn(self.resident if resident is None else resident, placed, np.int32(step), tables)
         return {name: out[name] for name in (*self.arrays, MASK)}  # jit returns a dict's keys sorted
 
 
@@ -1659,7 +1792,9 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
 
     Raises ValueError, naming the parameter, the value and the fix, for:
     batch_size not an int >= 1, a batch larger than the smallest shard (every
-    step would be mostly padding, or with drop there would be no step), more
+    step of a fresh epoch would be mostly padding, or with drop there would be
+    no step; an epoch resumed from a state may leave runs smaller than the
+    batch, which elastic_plan allows: fill pads, drop gives 0 steps), more
     devices than samples, a repeated device, a mesh without a 'data' axis
     spanning its devices, an unknown layout, last_batch policy or placement, a
     seed outside [0, 2**32), shuffle not a bool, prefetch not an int >= 0; data
