@@ -53,6 +53,7 @@ import functools
 import os
 import re
 import sys
+import threading
 import time
 import types as pytypes
 
@@ -205,7 +206,6 @@ class FakeRocal:
     def install(self, monkeypatch) -> "FakeRocal":
         for name, module in self.modules.items():
             monkeypatch.setitem(sys.modules, name, module)
-        monkeypatch.setattr(rocal_loader, "RELEASE_SETTLE_S", 0)  # the double has no release race
         return self
 
     def _modules(self) -> dict:
@@ -807,6 +807,74 @@ def test_padding_that_is_not_rocals_is_an_error_not_a_guess(monkeypatch, small_d
         list(loader.epoch(0))
 
 
+class ReleaseBlocksForEver:
+    """A pipeline double whose rocal_release() never returns (rocAL 2.3.0's lost wake-up),
+    waiting as rocAL's blocked thread does: without holding the GIL."""
+
+    def __init__(self):
+        self.entered, self.unblock = threading.Event(), threading.Event()
+
+    def rocal_release(self):
+        self.entered.set()
+        self.unblock.wait()
+
+
+def bounded(fn, seconds: float, what: str):
+    """fn() on a thread; fails, naming ``what``, if it has not returned within ``seconds``."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{what} did not return within {seconds} s"
+    return result
+
+
+def test_a_release_that_blocks_for_ever_is_bounded_and_named(monkeypatch):
+    """release_pipelines returns within RELEASE_TIMEOUT_S per blocked pipeline, warns naming
+    it, releases the others, and reports it in unreleased(); the double really blocks
+    (negative control: its release is still waiting after the call returned)."""
+    monkeypatch.setattr(rocal_loader, "RELEASE_TIMEOUT_S", 0.2)
+    stuck, released = ReleaseBlocksForEver(), []
+    before = pytypes.SimpleNamespace(rocal_release=lambda: released.append("shard 0"))
+    after = pytypes.SimpleNamespace(rocal_release=lambda: released.append("shard 2"))
+    try:
+        with pytest.warns(rocal_loader.RocalReleaseWarning) as caught:
+            bounded(lambda: rocal_loader.release_pipelines({0: before, 1: stuck, 2: after}, "rocAL, epoch 7"),
+                    5, "release_pipelines with a release that blocks for ever")
+        assert [str(w.message).split(":")[0] for w in caught] == ["rocAL, epoch 7, shard 1"]
+        assert "did not return within 0.2 s" in str(caught[0].message)
+        assert released == ["shard 0", "shard 2"] and stuck.entered.is_set() and not stuck.unblock.is_set()
+        assert "rocAL, epoch 7, shard 1" in rocal_loader.unreleased()
+    finally:
+        stuck.unblock.set()  # lets the double's release end, as a late wake-up would
+    bounded(lambda: [t.join() for where, t in rocal_loader._UNRELEASED if where.startswith("rocAL, epoch 7")],
+            5, "the double's release once unblocked")
+    assert "rocAL, epoch 7, shard 1" not in rocal_loader.unreleased()
+
+
+def test_an_epoch_whose_release_blocks_ends_warns_and_cleans_up(monkeypatch, small_dir, mesh4, fake, cache):
+    """Through the loader: shard 2's pipeline never releases; the epoch still ends (within
+    the bound), every batch is the reference's, the warning names the epoch and the shard,
+    and the epoch's files are deleted."""
+    monkeypatch.setattr(rocal_loader, "RELEASE_TIMEOUT_S", 0.2)
+    stuck = ReleaseBlocksForEver()
+    release = FakePipeline.rocal_release
+    monkeypatch.setattr(FakePipeline, "rocal_release", lambda self: (
+        stuck.rocal_release() if self.reader["file_root"].endswith("shard-00002") else release(self)))
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, seed=2, cache_dir=cache)
+    reference = loaders.make_loader(small_dir, mesh4, 4, shuffle=True, seed=2, placement="host_float32",
+                                    prefetch=0)
+    try:
+        with pytest.warns(rocal_loader.RocalReleaseWarning, match=r"rocAL, epoch 5, shard 2: rocal_release"):
+            got = bounded(lambda: list(loader.epoch(5)), 5, "an epoch whose release blocks")[0]
+    finally:
+        stuck.unblock.set()
+    for step, batch in enumerate(got):
+        assert_same_arrays(batch, reference.batch(5, step), f"step {step}")
+    assert [p.released for p in fake.pipelines] == [True, True, False, True]
+    assert os.listdir(cache) == []
+
+
 def test_builds_are_retried_a_bounded_number_of_times(monkeypatch, small_dir, capsys):
     flaky = FakeRocal(build_failures=2).install(monkeypatch)
     pipe = rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
@@ -1118,7 +1186,7 @@ def _raw_epochs(mesh, folder, cache, images, labels, *, sharding, shuffle, last_
     except Exception as error:  # described, not raised
         found = conformance.Findings()
         found.add("rocAL raised", f"building the pipelines: {type(error).__name__}: {error}")
-        rocal_loader._release(pipes.values())
+        rocal_loader.release_pipelines(pipes, "rocAL, raw pipelines")
         yield -1, None, None, None, found
         return
     try:
@@ -1172,7 +1240,7 @@ def _raw_epochs(mesh, folder, cache, images, labels, *, sharding, shuffle, last_
                 except Exception as error:  # described with the next epoch
                     reset_errors.append(f"shard {k}: rocal_reset_loaders() raised {error}")
     finally:
-        rocal_loader._release(pipes.values())
+        rocal_loader.release_pipelines(pipes, "rocAL, raw pipelines")
 
 
 def _loader_epochs(mesh, folder, cache, images, labels, *, sharding, shuffle, last_batch, epochs, layout):
@@ -1437,7 +1505,7 @@ def test_rocal_vendor_order_ignores_seed_and_epoch(rocal_mesh, encoded_dir, tmp_
             epochs.append(got)
             pipe.rocal_reset_loaders()
     finally:
-        rocal_loader._release([pipe])
+        rocal_loader.release_pipelines([pipe], "rocAL, a test pipeline")
     assert epochs[0] != epochs[1], "a reset rocAL pipeline no longer reshuffles"
 
 
@@ -1452,7 +1520,7 @@ def test_rocal_gpu_conversion_runs_on_real_rocal_tensors(rocal_mesh, encoded_dir
     try:
         assert_dlpack_copy_survives_the_ring(pipe, rocal_mesh.devices.flat[1])
     finally:
-        rocal_loader._release([pipe])
+        rocal_loader.release_pipelines([pipe], "rocAL, a test pipeline")
     loader = dataclasses.replace(rocal_loader.make_rocal_loader(
         folder, rocal_mesh, B, shuffle=True, seed=4, last_batch="drop", cache_dir=str(tmp_path)), dlpack=True)
     reference = loaders.make_loader(folder, rocal_mesh, B, shuffle=True, seed=4, last_batch="drop",
