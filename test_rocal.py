@@ -420,6 +420,13 @@ def test_auto_chooses_rocal_only_on_amd_gpus(monkeypatch, fake, mesh4):
     assert not rocal_loader.usable([rocm, cuda_gpu]) and not rocal_loader.usable([])
     assert not rocal_loader.usable([cuda_gpu]) and not rocal_loader.usable([cuda, cuda])  # never on CUDA
     assert not rocal_loader.usable([gpu("")])  # a "gpu" that does not say ROCm is not taken for one
+    hip = gpu("HIP 6.3.42131")  # a ROCm client may name HIP rather than ROCm
+    assert rocal_loader.is_amd_gpu(hip) and rocal_loader.usable([hip, rocm_gpu]) and rocal_loader.uses_gpu([hip])
+    cpu = pytypes.SimpleNamespace(platform="cpu")
+    assert rocal_loader.uses_gpu([rocm, hip]) is True and rocal_loader.uses_gpu([cpu, cpu]) is False
+    for mixed in ([cpu, rocm], [hip, cpu], [cpu, cuda_gpu], [rocm, cuda]):  # a mesh rocAL cannot serve
+        with pytest.raises(ValueError, match=r"CPU devices or AMD GPUs, got platform\(s\)"):
+            rocal_loader.uses_gpu(mixed)
     monkeypatch.setitem(sys.modules, "amd.rocal.pipeline", None)
     assert not rocal_loader.usable([rocm])
 
@@ -805,6 +812,107 @@ def test_padding_that_is_not_rocals_is_an_error_not_a_guess(monkeypatch, small_d
     with pytest.raises(RuntimeError, match="shard 1, at the end of epoch 0: .* so 3 padding copies; rocAL "
                                            "padded 2. The masks of this epoch cannot be trusted"):
         list(loader.epoch(0))
+
+
+def test_rocals_labels_are_checked_by_value(monkeypatch, small_dir, mesh4, fake, cache):
+    """order="plan": each run's labels must be the plan's samples' labels; a rocAL that reads
+    the right number of labels with one value wrong is an error naming shard and step."""
+    run = FakePipeline.rocal_run
+
+    def one_label_off(self):
+        status = run(self)
+        if self.reader["file_root"].endswith("shard-00001") and self.runs == 2:
+            self.labels_now[3] = (self.labels_now[3] + 1) % 10
+        return status
+
+    monkeypatch.setattr(FakePipeline, "rocal_run", one_label_off)
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache)
+    with pytest.raises(RuntimeError, match=r"shard 1 on .*, epoch 0 step 1: rocAL read labels \[.*\] from "
+                                           r"the epoch's file, which holds"):
+        list(loader.epoch(0))
+
+
+@pytest.mark.parametrize("order", rocal_loader.ORDERS)
+@pytest.mark.parametrize("off", [-4, 4])
+def test_rocals_remaining_count_is_checked_both_ways(monkeypatch, small_dir, mesh4, fake, cache, order, off):
+    """Before every run get_remaining_images() must be exactly what is left of the epoch: a
+    rocAL that says a batch more, or a batch less, is an error naming shard and step."""
+    remaining = FakePipeline.get_remaining_images
+    monkeypatch.setattr(FakePipeline, "get_remaining_images", lambda self: remaining(self) + (
+        off if self.runs == 2 and self.reader["file_root"].endswith(("shard-00002", "shard-00001")[order == "vendor"])
+        else 0))
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache, order=order)
+    with pytest.raises(RuntimeError, match=r"shard \d on .*, epoch 0 step 2.*: get_remaining_images\(\) says "
+                                           r"(\d+), but (?!\1)\d+ samples are left"):
+        list(loader.epoch(0))
+
+
+def test_a_resumed_vendor_epoch_is_checked_as_a_whole_one(monkeypatch, small_dir, mesh4, fake, cache):
+    """order="vendor" resumed at step s reads steps 0..s-1 too: the real-slot count of a
+    drop + shuffle epoch first read resumed is the whole epoch's, and the masks found by
+    content are still held to the plan (unshuffled) and to rocAL's padding."""
+    make = lambda **kw: rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache, order="vendor", **kw)
+    resumed, whole = make(shuffle=True, last_batch="drop"), make(shuffle=True, last_batch="drop")
+    assert len(list(resumed.epoch(0, start_step=2))) == len(resumed) - 2
+    assert resumed.real_samples(0) == whole.real_samples(0) < 4 * len(whole) * 4
+    for shuffle in (False, True):
+        loader = make(shuffle=shuffle)
+        loader.shards[1] = dataclasses.replace(loader.shards[1], padded=2)  # rocAL said 2 copies, gave 3
+        with pytest.raises(RuntimeError, match="shard 1, at the end of epoch 0: .* so 3 padding copies"):
+            list(loader.epoch(0, start_step=len(loader) - 1))
+    # Shard 3 = [37, 50): record 38 made a twin of its last record 49, and the loader told that
+    # the shard holds none of that content (copies=0): step 0's twin is then taken for padding
+    # where the plan has a real sample. Resumed at the last step, that step 0 is still checked.
+    images, labels = (np.array(x) for x in loaders.read_cifar10(small_dir))
+    images[38], labels[38] = images[49], labels[49]
+    loader = rocal_loader.make_rocal_loader((images, labels), mesh4, 4, cache_dir=cache, order="vendor")
+    assert loader.shards[3].copies == 2
+    loader.shards[3] = dataclasses.replace(loader.shards[3], copies=0)
+    with pytest.raises(RuntimeError, match=r"shard 3 on .*, epoch 0 step 0: the shard's last record sits in "
+                                           r"slots \[1\] as padding, the plan pads slots \[\]"):
+        list(loader.epoch(0, start_step=3))
+
+
+def test_an_interrupted_steps_copies_are_waited_for_before_release(monkeypatch, small_dir, mesh4, fake, cache,
+                                                                 as_if_on_amd_gpus):
+    """The GPU path: a run that fails in the middle of a step (shard 2 of 4, step 1) leaves
+    copies of that step's first shards in flight; every copy made is waited for before
+    the first pipeline is released."""
+    copies, waited = [], []
+    device_images, wait = rocal_loader.device_images, jax.block_until_ready
+    monkeypatch.setattr(rocal_loader, "device_images", lambda *a, **k: copies.append(device_images(*a, **k))
+                        or copies[-1])
+    monkeypatch.setattr(jax, "block_until_ready", lambda arrays: (
+        waited.extend(id(x) for x in jax.tree.leaves(arrays) if not any(p.released for p in fake.pipelines)),
+        wait(arrays))[1])
+    run = FakePipeline.rocal_run
+
+    def fails_in_step_1_on_shard_2(self):
+        if self.reader["file_root"].endswith("shard-00002") and self.runs == 1:
+            raise RuntimeError("simulated rocAL failure")
+        return run(self)
+
+    monkeypatch.setattr(FakePipeline, "rocal_run", fails_in_step_1_on_shard_2)
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache)
+    with pytest.raises(RuntimeError, match="shard 2 on .*, epoch 0 step 1.*simulated rocAL failure"):
+        list(loader.epoch(0))
+    assert len(copies) == 4 + 2 and all(p.released for p in fake.pipelines)
+    assert {id(x) for x in copies} <= set(waited), "a copy was not waited for before its pipeline's release"
+
+
+def test_an_evenly_divisible_largest_shard_is_not_padded():
+    """rocal_padded_size, re-derived from its text on every (N, n, B) of a grid: rocAL pads
+    each shard up to whole batches of the largest shard, and not at all when the largest
+    shard is a whole number of batches (then each shard keeps its own size)."""
+    for N in range(1, 41):
+        for n in range(1, min(N, 6) + 1):
+            largest = max(stop - start for start, stop in (loaders.shard_bounds(N, k, n) for k in range(n)))
+            for B in range(1, 7):
+                for k in range(n):
+                    start, stop = loaders.shard_bounds(N, k, n)
+                    want = stop - start if largest % B == 0 else (largest + B - 1) // B * B
+                    assert rocal_loader.rocal_padded_size(N, n, k, B) == want, (N, n, k, B)
+    assert rocal_loader.rocal_padded_size(10, 4, 0, 3) == 2  # shards 2,3,2,3, B=3: none padded
 
 
 class ReleaseBlocksForEver:
