@@ -262,6 +262,11 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
         raise ValueError(f"shard_folders: rocAL's cifar10 reader needs uint8 images (N, 3, 32, 32) "
                          f"and N labels, got images {images_NCHW.dtype} {images_NCHW.shape}, "
                          f"labels {labels_N.shape}")
+    if not np.issubdtype(labels_N.dtype, np.integer) or (labels_N.size and not (
+            (labels_N >= 0) & (labels_N <= 9)).all()):
+        raise ValueError(f"shard_folders: CIFAR-10 labels are integers 0..9, got {labels_N.dtype} in "
+                         f"[{labels_N.min() if labels_N.size else ''}, {labels_N.max() if labels_N.size else ''}]"
+                         f" (checked before the cache key is taken: they are hashed as int32)")
     N = len(labels_N)
     loaders.shard_bounds(N, 0, num_shards)  # more shards than samples
     digest = hashlib.blake2b(repr(images_NCHW.shape).encode(), digest_size=16)

@@ -636,6 +636,23 @@ def test_sample_files_refuses_labels_that_int32_would_change(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("channels", [1, 3])
+def test_a_negative_zero_mean_gives_the_reference_tables_bits(devices, cache, channels):
+    """Issue 23.4 through DALI: Normalize(mean=-0.0, std=-2.0) after the same with mean +0.0,
+    MNIST-shaped and CIFAR-shaped: each loader's pixels are its own Normalize.table's bits
+    (dali_cpu: x - mean is +0.0 at x = 0 for both zeros, so -0.0 after the product; the
+    table says so, and DALI must too)."""
+    images = np.zeros((8, channels, 6, 6), np.uint8)
+    images[:, :, 0, 1], images[:, :, 0, 2] = 7, 255
+    labels = np.arange(8) % 10
+    for mean in (0.0, -0.0):
+        norm = loaders.Normalize(mean=(mean,) * channels, std=(-2.0,) * channels, arithmetic="dali_cpu")
+        loader = dali_loader.make_dali_loader((images, labels), devices[:2], 2, normalize=norm, cache_dir=cache)
+        got = np.asarray(next(iter(loader.epoch(0)))["images"])
+        assert_same_bits(got, norm(images[:len(got)]), f"DALI, mean {mean!r}")
+        assert np.signbit(got[0, 0, 0, 0]) and np.signbit(norm.table[0, 0])
+
+
 def test_sample_files_is_atomic(tmp_path, monkeypatch):
     images, labels = encoded(5)
     real_rename = os.rename

@@ -591,6 +591,10 @@ def test_shard_files_are_written_once_atomically_and_keyed_by_content(cache):
     assert rocal_loader.shard_folders(images, labels, 3, cache)[0] not in folders
     labels[5] = 9
     assert rocal_loader.shard_folders(images, labels, 4, cache)[0] not in folders
+    for wrong in (np.where(np.arange(30) == 3, np.int64(2**32 + 1), labels.astype(np.int64)), labels + 0.0,
+                  labels - 1):
+        with pytest.raises(ValueError, match="shard_folders: CIFAR-10 labels are integers 0..9"):
+            rocal_loader.shard_folders(images, wrong, 4, cache)  # 2**32 + 1 would hash as label 1
     with open(os.path.join(folders[2], "data_batch_1.bin"), "ab") as f:
         f.write(b"\0" * 3073)
     with pytest.raises(ValueError, match="shard-00002/data_batch_1.bin: the cached shard should hold 7"):
@@ -1635,6 +1639,25 @@ def test_rocal_gpu_conversion_runs_on_real_rocal_tensors(rocal_mesh, encoded_dir
                                     placement="host_float32", prefetch=0)
     for step, got in enumerate(list(loader.epoch(2))):
         assert_same_arrays(got, reference.batch(2, step), f"step {step}")
+
+
+@pytest.mark.rocal
+def test_rocal_negative_zero_mean_gives_the_reference_tables_bits(rocal_mesh, tmp_path):
+    """Issue 23.4 through real rocAL: mean -0.0 after mean +0.0 (std -2): each loader's pixels
+    are Normalize.table's bits, which differ in the sign of pixel value 0's entry (-(m*inv)
+    keeps the sign of the zero: +0.0, then -0.0), so nothing keyed by mean == 0.0 is reused."""
+    images = np.zeros((8, 3, 32, 32), np.uint8)
+    images[:, :, 0, 1], images[:, :, 0, 2] = 7, 255
+    labels = np.arange(8) % 10
+    signs = []
+    for mean in (0.0, -0.0):
+        norm = loaders.Normalize(mean=(mean,) * 3, std=(-2.0,) * 3)
+        loader = rocal_loader.make_rocal_loader((images, labels), rocal_mesh, 2, normalize=norm,
+                                                cache_dir=str(tmp_path))
+        got = np.asarray(next(iter(loader.epoch(0)))["images"])
+        assert_same_bits(got, norm(images[:len(got)]), f"rocAL, mean {mean!r}")
+        signs.append(bool(np.signbit(got[0, 0, 0, 0])))
+    assert signs == [False, True], signs
 
 
 def rocal_pipeline_output(pipe) -> np.ndarray:
