@@ -123,6 +123,13 @@ How the output reaches JAX (``to_jax``, one function for both kinds):
   (device ids need not be 0..n-1: JAX issue 16024), takes the global batch size,
   and its sharding/devices modes need CUDA.
 
+Caches, each keyed by everything that determines its bits: the per-sample files
+(``sample_files``: the images' shape and bytes and the int32 labels, refused
+outside int32) and, in that folder, the shard lists (``shard_list``: k and n). No
+table or compiled step is cached here: DALI computes the pixels from the mean and
+std it is given, and the spec's table is ``loaders.normalize_table`` (keyed by bit
+patterns, so -0.0 is not 0.0; test_dali runs -0.0 after 0.0 through DALI).
+
 Needs loaders.py and ``pip install -r requirements-dali.txt`` (imported lazily:
 this module loads without DALI).
 """

@@ -86,6 +86,9 @@ Guaranteed, both orders:
   checked before a byte is copied (``copy_output``; rocAL's ``copy_data`` is a
   raw memcpy). Every rocAL error is re-raised naming the shard, the epoch and
   the step; a build that raises RuntimeError is retried (``BUILD_ATTEMPTS``).
+* Releasing never hangs: each pipeline's release returns or is given up after
+  ``RELEASE_TIMEOUT_S`` with a ``RocalReleaseWarning`` naming its epoch and
+  shard (``release_pipelines``); the epoch's files are deleted either way.
 
 order="plan", also guaranteed: the global arrays are bit for bit those of
 ``loaders.make_loader(..., normalize=Normalize(arithmetic="rocal"))`` with the
@@ -148,6 +151,13 @@ How the output reaches JAX:
   width), which may overwrite the next row's first pixels; the notebook's
   32-wide images do not meet it, and this module does not vouch for other
   widths on a GPU.
+
+Caches, each keyed by everything that determines its bits: the shard files of
+order="vendor" (``shard_folders``: N, n and a hash of the images' shape and bytes
+and the int32 labels, which must be 0..9, checked before hashing); the epoch files
+of order="plan" are never reused (one temporary folder per ``epoch()`` call). No
+table or compiled step is cached here: tables come from ``loaders.normalize_table``
+(keyed by the float32 bit patterns of mean and std, so -0.0 is not 0.0).
 
 Needs loaders.py; amd.rocal is imported lazily (this module loads without it).
 """

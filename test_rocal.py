@@ -1660,6 +1660,25 @@ def test_rocal_negative_zero_mean_gives_the_reference_tables_bits(rocal_mesh, tm
     assert signs == [False, True], signs
 
 
+@pytest.mark.rocal
+def test_real_pipelines_are_released_through_rocals_c_api(rocal_mesh, encoded_dir):
+    """release_pipelines frees a real pipeline with rocAL's C rocalRelease, called through a
+    ctypes.CDLL function (which drops the GIL while it runs, so RELEASE_TIMEOUT_S can bound
+    it; the pybind binding holds the GIL): the worker threads the build started are gone
+    afterwards, and the Python object no longer holds the freed context."""
+    _, _, c_release = rocal_loader._rocal_c_api()
+    assert not c_release._flags_ & ctypes._FUNCFLAG_PYTHONAPI, "called with the GIL held"
+    tasks = lambda: set(os.listdir("/proc/self/task"))
+    before = tasks()
+    pipe = rocal_loader.rocal_pipeline(encoded_for(encoded_dir, rocal_mesh.devices.size), batch_size=B,
+                                       normalize=NORM, on_gpu=False)
+    started = tasks() - before
+    pipe.rocal_run()
+    assert started, "control: building a rocAL pipeline starts its loading and output threads"
+    rocal_loader.release_pipelines([pipe], "rocAL, a test pipeline")
+    assert not started & tasks() and pipe._handle is None
+
+
 def rocal_pipeline_output(pipe) -> np.ndarray:
     tensor = pipe.get_output_tensors()[0]
     out = np.empty(tuple(int(d) for d in tensor.dimensions()), np.float32)
