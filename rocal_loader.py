@@ -475,8 +475,10 @@ class RocalLoader:
                 yield loaders.global_batch(blocks, self.mesh, self.layout)
         finally:
             transfers.drain()  # the copies read rocAL's buffers: finished before they are released
-            release_pipelines(pipelines, f"rocAL, epoch {epoch}")
-            shutil.rmtree(scratch, ignore_errors=True)
+            try:
+                release_pipelines(pipelines, f"rocAL, epoch {epoch}")
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
 
     # ---- order="vendor" ----------------------------------------------------
 
@@ -644,15 +646,19 @@ class _Transfers:
 # RingBuffer::block_if_full for the output thread; CIFAR10Loader::stop_internal_thread with
 # CircularBuffer::block_if_full for the loading thread). A thread that has read the flag
 # but not yet started to wait misses the notify, waits for ever, and the release joins it
-# for ever. Every release meets a thread that is moving: releasing wakes the output thread,
-# which pops one more batch from the loading thread's buffer (load_next() comes before its
-# next flag check), which wakes the loading thread just before it is stopped. No delay
+# for ever. A release even moves the threads it is about to stop: an output thread waiting
+# on a full ring (as after every order="plan" step, its file having TAIL_BATCHES left) is
+# woken and pops one more batch from the loading thread's buffer (load_next() comes before
+# its next flag check), which wakes the loading thread just before it is stopped. No delay
 # before the release can close that window, so the release is bounded instead:
 # ``release_pipelines`` runs rocAL's C function rocalRelease through ctypes (which drops the
 # GIL; rocAL's pybind binding holds it while it blocks, so a Python thread could not bound
 # that) on a daemon thread, waits at most RELEASE_TIMEOUT_S for it, and otherwise warns
 # (RocalReleaseWarning, naming the pipeline) and leaves that pipeline unreleased: its two
 # blocked threads and its buffers stay until the process exits (``unreleased()``).
+# GPU backend, read and not run: the context's teardown (hipFree, hipHostFree, and
+# hipStreamDestroy in DeviceManagerHip::~DeviceManagerHip) neither sets nor needs the
+# calling thread's current device, so releasing from another thread frees the same.
 RELEASE_TIMEOUT_S = 10.0  # a release that returns takes at most ~0.1 s (the output thread's sleep)
 _UNRELEASED: list = []  # (where, thread) of every release that did not return within its bound
 
