@@ -1791,9 +1791,11 @@ def test_rocal_plan_order_in_two_processes_equals_the_reference(rocal_mesh, enco
         coordinator = f"127.0.0.1:{probe.getsockname()[1]}"
     results = run_children([[sys.executable, os.path.abspath(__file__), folder, str(tmp_path / "cache"),
                              coordinator, str(i)] for i in range(2)], timeout=120, cwd=HERE)
-    for i, (code, out, err) in enumerate(results):
-        assert code == 0, f"process {i} exited {code}:\n{out[-2000:]}\n{err[-3000:]}"
-        assert f"process {i}: " in out and "steps equal the reference on 4 local shards" in out, out
+    report = "\n".join(f"process {i} exited {code} (None: still running at the deadline):\n"
+                       f"stdout: {out[-2000:]}\nstderr: {err[-3000:]}" for i, (code, out, err) in enumerate(results))
+    for i, (code, out, err) in enumerate(results):  # every child's output, whichever failed
+        assert code == 0, report
+        assert f"process {i}: " in out and "steps equal the reference on 4 local shards" in out, report
     assert os.listdir(tmp_path / "cache") == []
 
 
