@@ -81,8 +81,11 @@ them (order="vendor" keeps DALI's ordering; order="plan" avoids all of them):
   with a fixed seed (524287), then cuts it into shards: shard k is a fixed
   scattered subset, not ``[N*k//n, N*(k+1)//n)``. Workaround: one file list per
   shard, read with ``num_shards=1``, ``random_shuffle=True`` and
-  ``initial_fill`` = the shard's size (DALI's default 1024-sample buffer would
-  only shuffle locally).
+  ``initial_fill`` = the shard's size. Within a list DALI shuffles in two
+  stages: the same fixed permutation P of the list (seed 524287, whatever the
+  pipeline's seed), then each sample drawn from a buffer of ``initial_fill``
+  samples of P; with DALI's default 1024 an epoch's first batch comes from P's
+  first 1024 + B samples, with the whole shard in the buffer from anywhere.
 * Without ``stick_to_shard`` reader k reads shard (k+e) mod n in epoch e:
   ``stick_to_shard=True`` always.
 * ``run()`` never signals the end of an epoch, and a reader cannot seek or
@@ -119,6 +122,13 @@ How the output reaches JAX (``to_jax``, one function for both kinds):
   ``device_id=i``, ``shard_id=device.id`` and ``num_shards=jax.device_count()``
   (device ids need not be 0..n-1: JAX issue 16024), takes the global batch size,
   and its sharding/devices modes need CUDA.
+
+Caches, each keyed by everything that determines its bits: the per-sample files
+(``sample_files``: the images' shape and bytes and the int32 labels, refused
+outside int32) and, in that folder, the shard lists (``shard_list``: k and n). No
+table or compiled step is cached here: DALI computes the pixels from the mean and
+std it is given, and the spec's table is ``loaders.normalize_table`` (keyed by bit
+patterns, so -0.0 is not 0.0; test_dali runs -0.0 after 0.0 through DALI).
 
 Needs loaders.py and ``pip install -r requirements-dali.txt`` (imported lazily:
 this module loads without DALI).
@@ -221,7 +231,7 @@ def sample_files(images_NCHW: np.ndarray, labels_N: np.ndarray, cache_dir: str |
     a temporary folder and renamed: a reader never sees half of it, and a
     concurrent writer that renames first wins (its folder is used). Returns the
     folder. Raises ValueError for images that are not uint8 (N, C, H, W) or
-    labels that are not N integers.
+    labels that are not N integers within int32 (as which they are stored).
     """
     images_NCHW, labels_N = np.ascontiguousarray(images_NCHW), np.asarray(labels_N)
     if images_NCHW.dtype != np.uint8 or images_NCHW.ndim != 4 or labels_N.shape != images_NCHW.shape[:1] \
@@ -229,6 +239,10 @@ def sample_files(images_NCHW: np.ndarray, labels_N: np.ndarray, cache_dir: str |
         raise ValueError(f"sample_files: need uint8 images (N, C, H, W) and N integer labels, got "
                          f"images {images_NCHW.dtype} {images_NCHW.shape}, labels {labels_N.dtype} "
                          f"{labels_N.shape}")
+    if labels_N.size and (labels_N.min() < np.iinfo(np.int32).min or labels_N.max() > np.iinfo(np.int32).max):
+        bad = labels_N[(labels_N < np.iinfo(np.int32).min) | (labels_N > np.iinfo(np.int32).max)]
+        raise ValueError(f"sample_files: labels outside int32, e.g. {bad[:3].tolist()}; they are stored "
+                         f"as int32, which would change them")
     labels_N = labels_N.astype(np.int32)
     digest = hashlib.blake2b(repr(images_NCHW.shape).encode(), digest_size=16)
     digest.update(memoryview(images_NCHW).cast("B"))

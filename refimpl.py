@@ -325,6 +325,20 @@ def choose_backend(requested: str, dataset: str, devices: list) -> str:
     return "reference"
 
 
+def choose_arithmetic(backend: str, normalize: str | None, dataset: str, devices: list) -> str:
+    """The Normalize arithmetic of a run: ``normalize`` (--normalize) when given, else the bits
+    the backend computes on ``devices``: DALI its device kind's (dali_loader.arithmetic_for:
+    "dali_cpu" on CPU devices, "dali_gpu" on NVIDIA GPUs), rocAL "rocal", the reference backend
+    the dataset's notebook's (NOTEBOOK_ARITHMETIC). parse_args has already refused a
+    --normalize that the vendor backend does not compute."""
+    if normalize:
+        return normalize
+    if backend == "dali":
+        import dali_loader
+        return dali_loader.arithmetic_for(devices)
+    return "rocal" if backend == "rocal" else NOTEBOOK_ARITHMETIC[dataset]
+
+
 def with_progress(batches, total: int, label: str):
     """Yields ``batches``; on a terminal, also a live step counter on one line."""
     if not sys.stdout.isatty():
@@ -369,11 +383,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
     backend = choose_backend(args.backend, args.dataset, devices)
     if args.backend == "auto":
         say(f"--backend auto chose {backend}")
-    if backend == "dali":  # DALI's pipelines compute their device kind's bits (dali_loader.arithmetic_for)
-        import dali_loader
-        arithmetic = args.normalize or dali_loader.arithmetic_for(devices)
-    else:
-        arithmetic = args.normalize or {"rocal": "rocal"}.get(backend) or NOTEBOOK_ARITHMETIC[args.dataset]
+    arithmetic = choose_arithmetic(backend, args.normalize, args.dataset, devices)
     mean, std = NOTEBOOK_NORMALIZE[args.dataset]
     normalize = loaders.Normalize(mean=mean, std=std, arithmetic=arithmetic)
     if backend == "rocal":

@@ -34,8 +34,13 @@ one changes; the race, the rotation and the defaults were measured by probes:
   restarts wherever the prefetcher had got to.
 * ``rocal_release()`` waits up to 0.1 s when the pipeline's reader has
   nothing left to load (its output thread sleeps in 100 ms steps), and can
-  hang for ever when it meets the reader's loading thread busy (a lost
-  wake-up; see ``RELEASE_SETTLE_S``).
+  block for ever (a lost wake-up: its worker threads wait without a predicate
+  and are stopped by a notify sent without the lock). So every release here is
+  bounded: ``release_pipelines`` calls rocAL's C ``rocalRelease`` through
+  ctypes (the pybind binding holds the GIL while it blocks) on a daemon thread,
+  waits at most ``RELEASE_TIMEOUT_S``, and otherwise warns
+  (``RocalReleaseWarning``, naming the epoch and shard) and leaves that
+  pipeline unreleased. The backend never hangs there.
 * ``crop_mirror_normalize`` flips every image unless told ``mirror=0``.
 * Files are read in raw ``readdir`` order. The notebook's ``ROCALJaxIterator``
   is not in this rocAL (no ``plugin/jax.py``); the one upstream imports
@@ -56,7 +61,7 @@ model trains on. Two orders:
   pipelines released, when it ends, is closed or is collected. Cost, measured
   on 8 CPU devices, B=16: an epoch of 2048 samples 0.18 s (reference loader,
   host_float32: 0.02 s), of 50000 samples 2.0 s (reference 0.57 s; writing the
-  eight files 0.52 s of it), plus one 0.1 s pause per epoch before release.
+  eight files 0.52 s of it); releasing the pipelines about 1 ms each.
 * ``order="vendor"``: rocAL's own order, for the conformance tests and to show
   what rocAL does. Pipelines are built per epoch too (stateless), over
   sharding="files" (shard k's records ``[N*k//n, N*(k+1)//n)`` as one file
@@ -81,6 +86,9 @@ Guaranteed, both orders:
   checked before a byte is copied (``copy_output``; rocAL's ``copy_data`` is a
   raw memcpy). Every rocAL error is re-raised naming the shard, the epoch and
   the step; a build that raises RuntimeError is retried (``BUILD_ATTEMPTS``).
+* Releasing never hangs: each pipeline's release returns or is given up after
+  ``RELEASE_TIMEOUT_S`` with a ``RocalReleaseWarning`` naming its epoch and
+  shard (``release_pipelines``); the epoch's files are deleted either way.
 
 order="plan", also guaranteed: the global arrays are bit for bit those of
 ``loaders.make_loader(..., normalize=Normalize(arithmetic="rocal"))`` with the
@@ -144,6 +152,13 @@ How the output reaches JAX:
   32-wide images do not meet it, and this module does not vouch for other
   widths on a GPU.
 
+Caches, each keyed by everything that determines its bits: the shard files of
+order="vendor" (``shard_folders``: N, n and a hash of the images' shape and bytes
+and the int32 labels, which must be 0..9, checked before hashing); the epoch files
+of order="plan" are never reused (one temporary folder per ``epoch()`` call). No
+table or compiled step is cached here: tables come from ``loaders.normalize_table``
+(keyed by the float32 bit patterns of mean and std, so -0.0 is not 0.0).
+
 Needs loaders.py; amd.rocal is imported lazily (this module loads without it).
 """
 
@@ -153,6 +168,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import glob
 import hashlib
 import io
@@ -160,7 +176,8 @@ import os
 import shutil
 import sys
 import tempfile
-import time
+import threading
+import warnings
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -255,6 +272,11 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
         raise ValueError(f"shard_folders: rocAL's cifar10 reader needs uint8 images (N, 3, 32, 32) "
                          f"and N labels, got images {images_NCHW.dtype} {images_NCHW.shape}, "
                          f"labels {labels_N.shape}")
+    if not np.issubdtype(labels_N.dtype, np.integer) or (labels_N.size and not (
+            (labels_N >= 0) & (labels_N <= 9)).all()):
+        raise ValueError(f"shard_folders: CIFAR-10 labels are integers 0..9, got {labels_N.dtype} in "
+                         f"[{labels_N.min() if labels_N.size else ''}, {labels_N.max() if labels_N.size else ''}]"
+                         f" (checked before the cache key is taken: they are hashed as int32)")
     N = len(labels_N)
     loaders.shard_bounds(N, 0, num_shards)  # more shards than samples
     digest = hashlib.blake2b(repr(images_NCHW.shape).encode(), digest_size=16)
@@ -453,8 +475,10 @@ class RocalLoader:
                 yield loaders.global_batch(blocks, self.mesh, self.layout)
         finally:
             transfers.drain()  # the copies read rocAL's buffers: finished before they are released
-            _release(pipelines.values())
-            shutil.rmtree(scratch, ignore_errors=True)
+            try:
+                release_pipelines(pipelines, f"rocAL, epoch {epoch}")
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
 
     # ---- order="vendor" ----------------------------------------------------
 
@@ -509,7 +533,7 @@ class RocalLoader:
                 self.known_real["count"] = real
         finally:
             transfers.drain()
-            _release(pipelines.values())
+            release_pipelines(pipelines, f"rocAL, epoch {epoch}")
 
     def _read_by_content(self, pipe, k: int, device, runs: dict, seen: dict, where: str, transfers):
         """One rocAL run of shard k: (images, labels int32 (B,), mask found by content)."""
@@ -576,8 +600,9 @@ class RocalLoader:
 # in 100 ms steps (MasterGraph::output_routine), and rocal_release() waits that sleep out:
 # 0.1 s per pipeline per epoch, one after the other (0.75 s for 8 pipelines, measured).
 # With batches left to load the thread waits on the full ring buffer instead, and
-# rocal_release() returns in 1 ms (after the one pause of RELEASE_SETTLE_S per epoch).
-# More than rocAL loads ahead (its ring of 2 plus one being processed).
+# rocal_release() returns in about 1 ms. More than rocAL loads ahead (its ring of 2 plus
+# one being processed). Either way a release can meet rocAL's lost wake-up (see
+# release_pipelines): the tail changes its cost, not its safety.
 TAIL_BATCHES = 4
 RING_SLOTS = 2  # a rocAL output is a ring-buffer slot that the second following run writes again
 
@@ -612,23 +637,105 @@ class _Transfers:
             self.current = []
 
 
-# rocal_release() can hang for ever when it meets the reader's loading thread busy: the
-# thread waits for room in its CircularBuffer without a predicate, and the release wakes it
-# with a notify that does not take the buffer's lock (CircularBuffer::block_if_full and
-# unblock_writer, called from CIFAR10Loader::stop_internal_thread, rocAL 2.3.0): a wake-up
-# sent before the thread waits is lost. Seen here: one test run in five of the real-rocAL
-# tests (a few hundred releases each, made right after a run) hung in it. Releasing only once every loading thread has filled its buffer and
-# waits avoids it; rocAL's own output thread gives that margin with its 100 ms sleeps, so
-# the pipelines of an epoch are released together after one pause of that length.
-RELEASE_SETTLE_S = 0.1
+# ---- releasing a pipeline: bounded ----------------------------------------------------
+#
+# rocAL 2.3.0's rocal_release() can block for ever: a lost wake-up. Its two worker threads
+# each loop `while (flag) { ...; buffer.block_if_full(); ... }`, where block_if_full waits on a
+# condition variable with no predicate, and the release stops them with `flag = false;
+# notify` without taking the buffer's lock (MasterGraph::stop_processing with
+# RingBuffer::block_if_full for the output thread; CIFAR10Loader::stop_internal_thread with
+# CircularBuffer::block_if_full for the loading thread). A thread that has read the flag
+# but not yet started to wait misses the notify, waits for ever, and the release joins it
+# for ever. A release even moves the threads it is about to stop: an output thread waiting
+# on a full ring (as after every order="plan" step, its file having TAIL_BATCHES left) is
+# woken and pops one more batch from the loading thread's buffer (load_next() comes before
+# its next flag check), which wakes the loading thread just before it is stopped. No delay
+# before the release can close that window, so the release is bounded instead:
+# ``release_pipelines`` runs rocAL's C function rocalRelease through ctypes (which drops the
+# GIL; rocAL's pybind binding holds it while it blocks, so a Python thread could not bound
+# that) on a daemon thread, waits at most RELEASE_TIMEOUT_S for it, and otherwise warns
+# (RocalReleaseWarning, naming the pipeline) and leaves that pipeline unreleased: its two
+# blocked threads and its buffers stay until the process exits (``unreleased()``).
+# GPU backend, read and not run: the context's teardown (hipFree, hipHostFree, and
+# hipStreamDestroy in DeviceManagerHip::~DeviceManagerHip) neither sets nor needs the
+# calling thread's current device, so releasing from another thread frees the same.
+RELEASE_TIMEOUT_S = 10.0  # a release that returns takes at most ~0.1 s (the output thread's sleep)
+_UNRELEASED: list = []  # (where, thread) of every release that did not return within its bound
 
 
-def _release(pipelines) -> None:
-    pipelines = list(pipelines)
-    if pipelines:
-        time.sleep(RELEASE_SETTLE_S)
-    for pipe in pipelines:
-        pipe.rocal_release()
+class RocalReleaseWarning(RuntimeWarning):
+    """A rocAL pipeline whose ``rocal_release()`` did not return within ``RELEASE_TIMEOUT_S``
+    (rocAL 2.3.0's lost wake-up) and was left unreleased."""
+
+
+def unreleased() -> list[str]:
+    """The pipelines of this process whose release is still blocked, by where they were read."""
+    return [where for where, thread in _UNRELEASED if thread.is_alive()]
+
+
+def release_pipelines(pipelines, where: str = "rocAL") -> None:
+    """Releases every pipeline of ``pipelines`` (a dict {shard k: pipeline} or a sequence),
+    one after the other, each within ``RELEASE_TIMEOUT_S``: never blocks longer than that per
+    pipeline, whatever rocAL's release race does. A pipeline whose release has not returned
+    by then is left to it (its release goes on in a daemon thread; rocAL 2.3.0's lost wake-up
+    makes it wait for ever) and named in a ``RocalReleaseWarning`` ("<where>, shard k").
+    amd.rocal pipelines are released through rocAL's C API ``rocalRelease(handle)`` called by
+    ctypes, which drops the GIL, so the bound holds; any other object (a double) through its
+    own ``rocal_release()``. An error raised by a release is re-raised, naming the pipeline,
+    once every pipeline has been released."""
+    named = pipelines.items() if isinstance(pipelines, dict) else enumerate(pipelines)
+    errors = []
+    for k, pipe in list(named):
+        label = f"{where}, shard {k}"
+        release, outcome = _release_call(pipe), []
+
+        def run(release=release, outcome=outcome):
+            try:
+                outcome.append(release())
+            except BaseException as error:  # handed to the caller
+                outcome.append(error)
+
+        thread = threading.Thread(target=run, name=f"rocal_release ({label})", daemon=True)
+        thread.start()
+        thread.join(RELEASE_TIMEOUT_S)
+        if thread.is_alive():
+            _UNRELEASED.append((label, thread))
+            warnings.warn(RocalReleaseWarning(
+                f"{label}: rocal_release() did not return within {RELEASE_TIMEOUT_S} s (rocAL 2.3.0's "
+                f"lost wake-up: a worker thread missed the notify that stops it); the pipeline is left "
+                f"unreleased, its threads and buffers stay until the process exits"), stacklevel=2)
+        elif isinstance(outcome[0], BaseException):
+            errors.append(f"{label}: rocal_release() raised {type(outcome[0]).__name__}: {outcome[0]}")
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
+def _release_call(pipe):
+    """A function of no arguments that releases ``pipe``: rocAL's C ``rocalRelease`` on the
+    pipeline's context (its ``_handle``, a PyCapsule holding the RocalContext pointer) through
+    ctypes, GIL released; for an object without such a handle, its ``rocal_release``."""
+    handle = getattr(pipe, "_handle", None)
+    if type(handle).__name__ != "PyCapsule":
+        return pipe.rocal_release
+    capsule_name, capsule_pointer, c_release = _rocal_c_api()
+    context = capsule_pointer(handle, capsule_name(handle))
+    pipe._handle = None  # a later call on it fails in Python, never on a freed context
+    return lambda: c_release(context)
+
+
+@functools.lru_cache(maxsize=1)
+def _rocal_c_api():
+    """(PyCapsule_GetName, PyCapsule_GetPointer, rocalRelease) as ctypes functions. rocalRelease
+    is looked up from the pybind module's own library handle (dlsym searches its dependencies),
+    so it is the very librocal the binding calls; a ctypes.CDLL call drops the GIL."""
+    import rocal_pybind
+    api = ctypes.PyDLL(None)  # Python's C API: called with the GIL held
+    name, pointer = api.PyCapsule_GetName, api.PyCapsule_GetPointer
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    pointer.restype, pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    release = ctypes.CDLL(rocal_pybind.__file__).rocalRelease
+    release.restype, release.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    return name, pointer, release
 
 
 def _check_remaining(pipe, where: str, want: int, what: str) -> None:
@@ -754,7 +861,7 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
                 remaining = _call(f"rocAL, shard {k}, after build()", "get_remaining_images()",
                                   pipe.get_remaining_images)
             finally:
-                _release([pipe])
+                release_pipelines({k: pipe}, "rocAL, make_rocal_loader(sharding='rocal')")
             if remaining != want:
                 raise RuntimeError(
                     f"make_rocal_loader(sharding='rocal'): the pipeline of shard {k} of {n} says "
@@ -812,17 +919,17 @@ def rocal_pipeline(file_root: str, *, batch_size: int, normalize: loaders.Normal
             return pipe
         except SystemExit as stop:  # rocAL's build() ends the process when its graph does not verify
             if pipe is not None:
-                pipe.rocal_release()
+                release_pipelines({shard_id: pipe}, f"rocAL, a failed build ({file_root})")
             raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): the graph did not "
                                f"verify, and rocAL called exit({stop.code}); it printed: "
                                f"{' | '.join(said).strip()!r}") from None
         except RuntimeError as error:  # seen once in ten builds in an early probe: retried
             if pipe is not None:
-                pipe.rocal_release()
+                release_pipelines({shard_id: pipe}, f"rocAL, a failed build ({file_root})")
             failures.append(f"{error}".strip())
         except Exception as error:  # anything else would fail again
             if pipe is not None:
-                pipe.rocal_release()
+                release_pipelines({shard_id: pipe}, f"rocAL, a failed build ({file_root})")
             raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): building raised "
                                f"{type(error).__name__}: {error}") from error
     raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): building failed "

@@ -540,6 +540,118 @@ def test_sample_files_are_keyed_by_content_and_written_once(tmp_path):
     assert all(name.startswith("dali-samples-") for name in os.listdir(tmp_path)), "scratch left behind"
 
 
+@settings(max_examples=examples(60))
+@given(st.integers(1, 10**13), st.data())
+@example(10**6, None)
+@example(10**6 + 1, None)
+@example(10**7 + 5, None)
+def test_sample_names_are_distinct_and_in_index_order_for_any_n(N, data):
+    """sample_name(i, N) for i in [0, N): distinct, sorted by name exactly as by index (DALI
+    and ls list a folder by name), and naming the index; at N = 10**6 + 1 too, where a
+    six-digit pad would put 1000000 before 999999."""
+    picks = [0, N - 1, N // 2, max(N - 2, 0), min(999_999, N - 1)]
+    if data is not None:
+        picks += data.draw(st.lists(st.integers(0, N - 1), max_size=6))
+    picks = sorted(set(picks))
+    names = [dali_loader.sample_name(i, N) for i in picks]
+    assert sorted(names) == names and len(set(names)) == len(names), names
+    assert [int(name[:-len(".bin")]) for name in names] == picks
+    assert len({len(name) for name in names}) == 1, names
+
+
+def test_vendor_shuffle_draws_from_the_whole_shard(devices, cache):
+    """order="vendor", shuffle: each shard is read with initial_fill = its size. DALI's
+    random_shuffle first permutes the list with its fixed seed (524287: the same order P
+    for every pipeline seed; initial_fill=1 reads P itself), then draws each sample from
+    a buffer of initial_fill samples of P. With the whole shard in the buffer, the first
+    batch (shard of 2048, B=32) holds samples from anywhere in P. Negative control: DALI's
+    default buffer (1024) draws that batch from P's first 1024 + 32 only."""
+    N, B = 2048, 32
+    images = conformance.encoded_images(np.arange(N), (1, 2, 2))  # [i % 256, i % 256, i // 256, i // 256]
+    labels = (np.arange(N) % 10).astype(np.int32)
+    identity = loaders.Normalize(mean=(0.0,), std=(1.0,), arithmetic="dali_cpu")
+    loader = dali_loader.make_dali_loader((images, labels), devices[:1], B, shuffle=True, seed=1,
+                                          order="vendor", normalize=identity, cache_dir=cache)
+    steps = loader.epoch(0)
+    first = np.asarray(next(steps)["images"]).astype(np.int64).reshape(B, 4)
+    steps.close()
+    shard_list = os.path.basename(dali_loader.shard_list(loader.folder, 0, 1))
+    window = 1024 + B
+
+    def read(batches, **reader):
+        pipe = raw_pipeline(loader.folder, B, file_list=shard_list, shard_id=0, num_shards=1,
+                            random_shuffle=True, stick_to_shard=True, pad_last_batch=True, **reader)
+        raw = np.concatenate([pipe.run()[0].as_array() for _ in range(batches)]).astype(np.int64)
+        return raw.reshape(-1, 4)[:, 0] + 256 * raw.reshape(-1, 4)[:, 3]
+
+    head = set(read(window // B, initial_fill=1).tolist())  # P's first `window` samples
+    far = [i for i in (first[:, 0] + 256 * first[:, 3]).tolist() if i not in head]
+    assert len(far) >= B // 4, f"only {len(far)} of the first batch's samples lie beyond P's first {window}"
+    assert set(read(1).tolist()) <= head, "control: DALI's default buffer is not local"
+
+
+@pytest.mark.parametrize("order, shuffle", [("plan", False), ("vendor", True), ("vendor", False)])
+def test_a_reader_whose_padded_shard_is_not_the_plans_is_refused(devices, cache, monkeypatch, order, shuffle):
+    """Each pipeline's reader_meta is held to the plan twice: the epoch's size and the padded
+    size per shard. A reader that reports the right epoch but one more batch per shard is
+    refused, naming the shard, before a batch is delivered."""
+    real = dali_loader.dali_pipeline
+
+    class PaddedMore:
+        def __init__(self, pipe):
+            self.pipe = pipe
+
+        def __getattr__(self, name):
+            return getattr(self.pipe, name)
+
+        def reader_meta(self, name):
+            meta = dict(self.pipe.reader_meta(name))
+            meta["epoch_size_padded"] += 2 * meta["number_of_shards"]
+            return meta
+
+    loader = dali_loader.make_dali_loader(encoded(20), devices[:2], 2, cache_dir=cache, order=order,
+                                          shuffle=shuffle)
+    assert len(list(loader.epoch(0))) == 5  # control: the real readers pass
+    monkeypatch.setattr(dali_loader, "dali_pipeline", lambda *a, **k: PaddedMore(real(*a, **k)))
+    with pytest.raises(RuntimeError, match=r"reader of shard 0 sees \d+ samples, \d+ per shard"):
+        next(loader.epoch(0))
+
+
+def test_a_shard_list_is_keyed_by_the_shard_count(tmp_path):
+    """shard_list(folder, k, n) holds shard k of n's lines whatever (k, n') was asked before."""
+    folder = dali_loader.sample_files(*encoded(12), tmp_path)
+    lines = open(os.path.join(folder, dali_loader.LIST_NAME)).read().splitlines()
+    for k, n in ((0, 2), (0, 3), (1, 3), (1, 2), (0, 1), (0, 2)):
+        start, stop = loaders.shard_bounds(12, k, n)
+        assert open(dali_loader.shard_list(folder, k, n)).read().splitlines() == lines[start:stop], (k, n)
+
+
+def test_sample_files_refuses_labels_that_int32_would_change(tmp_path):
+    """Labels are stored (and hashed) as int32: a label outside its range is refused, never
+    wrapped (2**32 + 1 would become 1 and share a cache folder with label 1)."""
+    images, labels = encoded(4)
+    with pytest.raises(ValueError, match=r"labels outside int32.*4294967297"):
+        dali_loader.sample_files(images, np.array([0, 1, 2, 2**32 + 1]), tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_a_negative_zero_mean_gives_the_reference_tables_bits(devices, cache, channels):
+    """Issue 23.4 through DALI: Normalize(mean=-0.0, std=-2.0) after the same with mean +0.0,
+    MNIST-shaped and CIFAR-shaped: each loader's pixels are its own Normalize.table's bits
+    (dali_cpu: x - mean is +0.0 at x = 0 for both zeros, so -0.0 after the product; the
+    table says so, and DALI must too)."""
+    images = np.zeros((8, channels, 6, 6), np.uint8)
+    images[:, :, 0, 1], images[:, :, 0, 2] = 7, 255
+    labels = np.arange(8) % 10
+    for mean in (0.0, -0.0):
+        norm = loaders.Normalize(mean=(mean,) * channels, std=(-2.0,) * channels, arithmetic="dali_cpu")
+        loader = dali_loader.make_dali_loader((images, labels), devices[:2], 2, normalize=norm, cache_dir=cache)
+        got = np.asarray(next(iter(loader.epoch(0)))["images"])
+        assert_same_bits(got, norm(images[:len(got)]), f"DALI, mean {mean!r}")
+        assert np.signbit(got[0, 0, 0, 0]) and np.signbit(norm.table[0, 0])
+
+
 def test_sample_files_is_atomic(tmp_path, monkeypatch):
     images, labels = encoded(5)
     real_rename = os.rename
@@ -652,6 +764,49 @@ def test_auto_backend_never_picks_dali_on_rocm_nor_rocal_on_cuda(monkeypatch):
     assert refimpl.choose_backend("auto", "cifar10", NVIDIA) == "reference"
 
 
+class Stop(Exception):
+    """Raised by a stand-in to end make_dali_loader once it has shown what it would build."""
+
+
+def test_the_default_arithmetic_follows_the_devices(monkeypatch):
+    """make_dali_loader without normalize: Normalize(arithmetic=arithmetic_for(devices)),
+    dali_gpu on an NVIDIA GPU mesh (fake devices: the spec loader it would build is caught
+    before any device work), dali_cpu on CPU; an explicit dali_gpu is accepted there and
+    dali_cpu refused (negative control)."""
+    seen = []
+
+    def spec_loader(data, mesh, batch_size, **kwargs):
+        seen.append(kwargs["normalize"])
+        raise Stop
+
+    monkeypatch.setattr(loaders, "data_mesh", lambda devices: types.SimpleNamespace(devices=np.array(devices)))
+    monkeypatch.setattr(loaders, "make_loader", spec_loader)
+    for normalize in (None, loaders.Normalize(arithmetic="dali_gpu")):
+        with pytest.raises(Stop):
+            dali_loader.make_dali_loader(encoded(8), NVIDIA, 2, normalize=normalize)
+    with pytest.raises(Stop):
+        dali_loader.make_dali_loader(encoded(8), CPU, 2)
+    assert seen == [loaders.Normalize(arithmetic="dali_gpu")] * 2 + [loaders.Normalize(arithmetic="dali_cpu")]
+    with pytest.raises(ValueError, match="compute arithmetic='dali_gpu'"):
+        dali_loader.make_dali_loader(encoded(8), NVIDIA, 2, normalize=DALI)
+
+
+def test_refimpl_takes_dali_gpu_on_nvidia_gpus():
+    """refimpl's choice for --backend dali: dali_gpu on an NVIDIA GPU mesh, dali_cpu on CPU,
+    an explicit --normalize kept; parse_args accepts --normalize dali_gpu with --backend dali
+    and refuses rocal (negative control)."""
+    import refimpl
+    assert refimpl.choose_arithmetic("dali", None, "cifar10", NVIDIA) == "dali_gpu"
+    assert refimpl.choose_arithmetic("dali", None, "mnist", NVIDIA) == "dali_gpu"
+    assert refimpl.choose_arithmetic("dali", None, "cifar10", CPU) == "dali_cpu"
+    assert refimpl.choose_arithmetic("dali", "dali_gpu", "cifar10", NVIDIA) == "dali_gpu"
+    assert refimpl.choose_arithmetic("reference", None, "cifar10", NVIDIA) == "rocal"  # the notebook's
+    assert refimpl.choose_arithmetic("rocal", None, "cifar10", ROCM) == "rocal"
+    assert refimpl.parse_args(["--backend", "dali", "--normalize", "dali_gpu"]).normalize == "dali_gpu"
+    with pytest.raises(SystemExit):
+        refimpl.parse_args(["--backend", "dali", "--normalize", "rocal"])
+
+
 def fma_float32(x: int, scale: np.float32, shift: np.float32) -> np.float32:
     """x*scale + shift exact, rounded once to float32 (ties to even), by integer arithmetic:
     independent of loaders' own rounding code."""
@@ -668,7 +823,7 @@ def fma_float32(x: int, scale: np.float32, shift: np.float32) -> np.float32:
     return np.float32(sign * mantissa * Fraction(2) ** e)
 
 
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(st.lists(st.tuples(st.floats(0, 255, width=32), st.floats(0.5, 300, width=32)), min_size=1,
                 max_size=3))
 @example([(127.5, 127.5)] * 3)
@@ -764,6 +919,37 @@ def test_to_jax_copies_only_where_dali_reuses_its_buffers(cache):
     # Negative control: wrapping a recycled buffer (no copy) loses the values.
     values, wrapped = outputs(exec_dynamic=False, buffers_reused=False)
     assert all(wrapped) and values != first.tolist(), values
+
+
+def test_a_copy_from_a_recycled_buffer_is_complete_when_to_jax_returns():
+    """buffers_reused=True: DALI may write the buffer at its very next run, so the copy must
+    be finished when to_jax returns, not merely enqueued. The device is kept busy (a
+    matmul chain already dispatched), so an enqueued copy waits behind it; a 1 MB buffer
+    that DLPack hands over is overwritten at once after the call, as DALI's recycling
+    executor would: to_jax's array is ready at return and keeps the old values. Negative
+    control: the same copy without the wait (jnp.array alone) is still pending at return."""
+    cpu0 = jax.devices("cpu")[0]
+    want = np.arange(1 << 18, dtype=np.float32)
+    a = jax.device_put(jax.numpy.full((300, 300), 1 / 300, np.float32), cpu0)
+    busy = jax.jit(lambda a: jax.lax.fori_loop(0, 6, lambda i, x: x @ a, a))
+    busy(a).block_until_ready()  # compiled before timing matters
+
+    def copied(convert):
+        buffer = want.copy()  # DALI's output buffer; numpy arrays speak DLPack as DALI's tensors do
+        running = busy(a)
+        got = convert(buffer)
+        ready = got.is_ready()
+        buffer[:] = -1  # DALI's next run
+        running.block_until_ready()
+        return ready, got
+
+    unwaited = lambda b: jax.numpy.array(jax.dlpack.from_dlpack(b, device=cpu0, copy=None), copy=True)
+    copied(unwaited)  # the copy's compilation, out of the way
+    ready, got = copied(lambda b: dali_loader.to_jax(types.SimpleNamespace(as_tensor=lambda: b), cpu0,
+                                                      buffers_reused=True))
+    assert ready, "to_jax returned before its copy was done"
+    assert_same_bits(got, want, "to_jax's copy after DALI rewrote its buffer")
+    assert not copied(unwaited)[0], "control: a copy that is not waited for was done at return"
 
 
 def test_jax_from_dlpack_copy_true_still_wraps_a_cpu_buffer():
@@ -954,13 +1140,14 @@ def test_gpu_pipelines_equal_the_reference(cache, layout, order):
 
 
 def test_one_cache_serves_every_device_count(devices, cache):
-    # A shuffled run with 4 devices, then one with 2 over the same cache folder: the
-    # second must read its own shards (the cached shard lists are keyed by n too).
+    # A shuffled vendor-order run (the one that reads shard lists) with 4 devices, then one
+    # with 2 over the same cache folder: the second must read its own shards (the cached
+    # shard lists are keyed by n too).
     N, B = 40, 2
     images, labels = encoded(N)
     for n in (4, 2):
         loader = dali_loader.make_dali_loader((images, labels), devices[:n], B, shuffle=True, seed=3,
-                                              cache_dir=cache, normalize=DALI)
+                                              cache_dir=cache, normalize=DALI, order="vendor")
         try:
             report = describe(list(loader.epoch(0)), N, B, n, images, labels, shuffle=True,
                               last_batch="fill", length=len(loader))

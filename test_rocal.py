@@ -53,6 +53,7 @@ import functools
 import os
 import re
 import sys
+import threading
 import time
 import types as pytypes
 
@@ -205,7 +206,6 @@ class FakeRocal:
     def install(self, monkeypatch) -> "FakeRocal":
         for name, module in self.modules.items():
             monkeypatch.setitem(sys.modules, name, module)
-        monkeypatch.setattr(rocal_loader, "RELEASE_SETTLE_S", 0)  # the double has no release race
         return self
 
     def _modules(self) -> dict:
@@ -420,6 +420,13 @@ def test_auto_chooses_rocal_only_on_amd_gpus(monkeypatch, fake, mesh4):
     assert not rocal_loader.usable([rocm, cuda_gpu]) and not rocal_loader.usable([])
     assert not rocal_loader.usable([cuda_gpu]) and not rocal_loader.usable([cuda, cuda])  # never on CUDA
     assert not rocal_loader.usable([gpu("")])  # a "gpu" that does not say ROCm is not taken for one
+    hip = gpu("HIP 6.3.42131")  # a ROCm client may name HIP rather than ROCm
+    assert rocal_loader.is_amd_gpu(hip) and rocal_loader.usable([hip, rocm_gpu]) and rocal_loader.uses_gpu([hip])
+    cpu = pytypes.SimpleNamespace(platform="cpu")
+    assert rocal_loader.uses_gpu([rocm, hip]) is True and rocal_loader.uses_gpu([cpu, cpu]) is False
+    for mixed in ([cpu, rocm], [hip, cpu], [cpu, cuda_gpu], [rocm, cuda]):  # a mesh rocAL cannot serve
+        with pytest.raises(ValueError, match=r"CPU devices or AMD GPUs, got platform\(s\)"):
+            rocal_loader.uses_gpu(mixed)
     monkeypatch.setitem(sys.modules, "amd.rocal.pipeline", None)
     assert not rocal_loader.usable([rocm])
 
@@ -584,6 +591,10 @@ def test_shard_files_are_written_once_atomically_and_keyed_by_content(cache):
     assert rocal_loader.shard_folders(images, labels, 3, cache)[0] not in folders
     labels[5] = 9
     assert rocal_loader.shard_folders(images, labels, 4, cache)[0] not in folders
+    for wrong in (np.where(np.arange(30) == 3, np.int64(2**32 + 1), labels.astype(np.int64)), labels + 0.0,
+                  labels - 1):
+        with pytest.raises(ValueError, match="shard_folders: CIFAR-10 labels are integers 0..9"):
+            rocal_loader.shard_folders(images, wrong, 4, cache)  # 2**32 + 1 would hash as label 1
     with open(os.path.join(folders[2], "data_batch_1.bin"), "ab") as f:
         f.write(b"\0" * 3073)
     with pytest.raises(ValueError, match="shard-00002/data_batch_1.bin: the cached shard should hold 7"):
@@ -805,6 +816,175 @@ def test_padding_that_is_not_rocals_is_an_error_not_a_guess(monkeypatch, small_d
     with pytest.raises(RuntimeError, match="shard 1, at the end of epoch 0: .* so 3 padding copies; rocAL "
                                            "padded 2. The masks of this epoch cannot be trusted"):
         list(loader.epoch(0))
+
+
+def test_rocals_labels_are_checked_by_value(monkeypatch, small_dir, mesh4, fake, cache):
+    """order="plan": each run's labels must be the plan's samples' labels; a rocAL that reads
+    the right number of labels with one value wrong is an error naming shard and step."""
+    run = FakePipeline.rocal_run
+
+    def one_label_off(self):
+        status = run(self)
+        if self.reader["file_root"].endswith("shard-00001") and self.runs == 2:
+            self.labels_now[3] = (self.labels_now[3] + 1) % 10
+        return status
+
+    monkeypatch.setattr(FakePipeline, "rocal_run", one_label_off)
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache)
+    with pytest.raises(RuntimeError, match=r"shard 1 on .*, epoch 0 step 1: rocAL read labels \[.*\] from "
+                                           r"the epoch's file, which holds"):
+        list(loader.epoch(0))
+
+
+@pytest.mark.parametrize("order", rocal_loader.ORDERS)
+@pytest.mark.parametrize("off", [-4, 4])
+def test_rocals_remaining_count_is_checked_both_ways(monkeypatch, small_dir, mesh4, fake, cache, order, off):
+    """Before every run get_remaining_images() must be exactly what is left of the epoch: a
+    rocAL that says a batch more, or a batch less, is an error naming shard and step."""
+    remaining = FakePipeline.get_remaining_images
+    monkeypatch.setattr(FakePipeline, "get_remaining_images", lambda self: remaining(self) + (
+        off if self.runs == 2 and self.reader["file_root"].endswith(("shard-00002", "shard-00001")[order == "vendor"])
+        else 0))
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache, order=order)
+    with pytest.raises(RuntimeError, match=r"shard \d on .*, epoch 0 step 2.*: get_remaining_images\(\) says "
+                                           r"(\d+), but (?!\1)\d+ samples are left"):
+        list(loader.epoch(0))
+
+
+def test_a_resumed_vendor_epoch_is_checked_as_a_whole_one(monkeypatch, small_dir, mesh4, fake, cache):
+    """order="vendor" resumed at step s reads steps 0..s-1 too: the real-slot count of a
+    drop + shuffle epoch first read resumed is the whole epoch's, and the masks found by
+    content are still held to the plan (unshuffled) and to rocAL's padding."""
+    make = lambda **kw: rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache, order="vendor", **kw)
+    resumed, whole = make(shuffle=True, last_batch="drop"), make(shuffle=True, last_batch="drop")
+    assert len(list(resumed.epoch(0, start_step=2))) == len(resumed) - 2
+    assert resumed.real_samples(0) == whole.real_samples(0) < 4 * len(whole) * 4
+    for shuffle in (False, True):
+        loader = make(shuffle=shuffle)
+        loader.shards[1] = dataclasses.replace(loader.shards[1], padded=2)  # rocAL said 2 copies, gave 3
+        with pytest.raises(RuntimeError, match="shard 1, at the end of epoch 0: .* so 3 padding copies"):
+            list(loader.epoch(0, start_step=len(loader) - 1))
+    # Shard 3 = [37, 50): record 38 made a twin of its last record 49, and the loader told that
+    # the shard holds none of that content (copies=0): step 0's twin is then taken for padding
+    # where the plan has a real sample. Resumed at the last step, that step 0 is still checked.
+    images, labels = (np.array(x) for x in loaders.read_cifar10(small_dir))
+    images[38], labels[38] = images[49], labels[49]
+    loader = rocal_loader.make_rocal_loader((images, labels), mesh4, 4, cache_dir=cache, order="vendor")
+    assert loader.shards[3].copies == 2
+    loader.shards[3] = dataclasses.replace(loader.shards[3], copies=0)
+    with pytest.raises(RuntimeError, match=r"shard 3 on .*, epoch 0 step 0: the shard's last record sits in "
+                                           r"slots \[1\] as padding, the plan pads slots \[\]"):
+        list(loader.epoch(0, start_step=3))
+
+
+def test_an_interrupted_steps_copies_are_waited_for_before_release(monkeypatch, small_dir, mesh4, fake, cache,
+                                                                 as_if_on_amd_gpus):
+    """The GPU path: a run that fails in the middle of a step (shard 2 of 4, step 1) leaves
+    copies of that step's first shards in flight; every copy made is waited for before
+    the first pipeline is released."""
+    copies, waited = [], []
+    device_images, wait = rocal_loader.device_images, jax.block_until_ready
+    monkeypatch.setattr(rocal_loader, "device_images", lambda *a, **k: copies.append(device_images(*a, **k))
+                        or copies[-1])
+    monkeypatch.setattr(jax, "block_until_ready", lambda arrays: (
+        waited.extend(id(x) for x in jax.tree.leaves(arrays) if not any(p.released for p in fake.pipelines)),
+        wait(arrays))[1])
+    run = FakePipeline.rocal_run
+
+    def fails_in_step_1_on_shard_2(self):
+        if self.reader["file_root"].endswith("shard-00002") and self.runs == 1:
+            raise RuntimeError("simulated rocAL failure")
+        return run(self)
+
+    monkeypatch.setattr(FakePipeline, "rocal_run", fails_in_step_1_on_shard_2)
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache)
+    with pytest.raises(RuntimeError, match="shard 2 on .*, epoch 0 step 1.*simulated rocAL failure"):
+        list(loader.epoch(0))
+    assert len(copies) == 4 + 2 and all(p.released for p in fake.pipelines)
+    assert {id(x) for x in copies} <= set(waited), "a copy was not waited for before its pipeline's release"
+
+
+def test_an_evenly_divisible_largest_shard_is_not_padded():
+    """rocal_padded_size, re-derived from its text on every (N, n, B) of a grid: rocAL pads
+    each shard up to whole batches of the largest shard, and not at all when the largest
+    shard is a whole number of batches (then each shard keeps its own size)."""
+    for N in range(1, 41):
+        for n in range(1, min(N, 6) + 1):
+            largest = max(stop - start for start, stop in (loaders.shard_bounds(N, k, n) for k in range(n)))
+            for B in range(1, 7):
+                for k in range(n):
+                    start, stop = loaders.shard_bounds(N, k, n)
+                    want = stop - start if largest % B == 0 else (largest + B - 1) // B * B
+                    assert rocal_loader.rocal_padded_size(N, n, k, B) == want, (N, n, k, B)
+    assert rocal_loader.rocal_padded_size(10, 4, 0, 3) == 2  # shards 2,3,2,3, B=3: none padded
+
+
+class ReleaseBlocksForEver:
+    """A pipeline double whose rocal_release() never returns (rocAL 2.3.0's lost wake-up),
+    waiting as rocAL's blocked thread does: without holding the GIL."""
+
+    def __init__(self):
+        self.entered, self.unblock = threading.Event(), threading.Event()
+
+    def rocal_release(self):
+        self.entered.set()
+        self.unblock.wait()
+
+
+def bounded(fn, seconds: float, what: str):
+    """fn() on a thread; fails, naming ``what``, if it has not returned within ``seconds``."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{what} did not return within {seconds} s"
+    return result
+
+
+def test_a_release_that_blocks_for_ever_is_bounded_and_named(monkeypatch):
+    """release_pipelines returns within RELEASE_TIMEOUT_S per blocked pipeline, warns naming
+    it, releases the others, and reports it in unreleased(); the double really blocks
+    (negative control: its release is still waiting after the call returned)."""
+    monkeypatch.setattr(rocal_loader, "RELEASE_TIMEOUT_S", 0.2)
+    stuck, released = ReleaseBlocksForEver(), []
+    before = pytypes.SimpleNamespace(rocal_release=lambda: released.append("shard 0"))
+    after = pytypes.SimpleNamespace(rocal_release=lambda: released.append("shard 2"))
+    try:
+        with pytest.warns(rocal_loader.RocalReleaseWarning) as caught:
+            bounded(lambda: rocal_loader.release_pipelines({0: before, 1: stuck, 2: after}, "rocAL, epoch 7"),
+                    5, "release_pipelines with a release that blocks for ever")
+        assert [str(w.message).split(":")[0] for w in caught] == ["rocAL, epoch 7, shard 1"]
+        assert "did not return within 0.2 s" in str(caught[0].message)
+        assert released == ["shard 0", "shard 2"] and stuck.entered.is_set() and not stuck.unblock.is_set()
+        assert "rocAL, epoch 7, shard 1" in rocal_loader.unreleased()
+    finally:
+        stuck.unblock.set()  # lets the double's release end, as a late wake-up would
+    bounded(lambda: [t.join() for where, t in rocal_loader._UNRELEASED if where.startswith("rocAL, epoch 7")],
+            5, "the double's release once unblocked")
+    assert "rocAL, epoch 7, shard 1" not in rocal_loader.unreleased()
+
+
+def test_an_epoch_whose_release_blocks_ends_warns_and_cleans_up(monkeypatch, small_dir, mesh4, fake, cache):
+    """Through the loader: shard 2's pipeline never releases; the epoch still ends (within
+    the bound), every batch is the reference's, the warning names the epoch and the shard,
+    and the epoch's files are deleted."""
+    monkeypatch.setattr(rocal_loader, "RELEASE_TIMEOUT_S", 0.2)
+    stuck = ReleaseBlocksForEver()
+    release = FakePipeline.rocal_release
+    monkeypatch.setattr(FakePipeline, "rocal_release", lambda self: (
+        stuck.rocal_release() if self.reader["file_root"].endswith("shard-00002") else release(self)))
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, seed=2, cache_dir=cache)
+    reference = loaders.make_loader(small_dir, mesh4, 4, shuffle=True, seed=2, placement="host_float32",
+                                    prefetch=0)
+    try:
+        with pytest.warns(rocal_loader.RocalReleaseWarning, match=r"rocAL, epoch 5, shard 2: rocal_release"):
+            got = bounded(lambda: list(loader.epoch(5)), 5, "an epoch whose release blocks")[0]
+    finally:
+        stuck.unblock.set()
+    for step, batch in enumerate(got):
+        assert_same_arrays(batch, reference.batch(5, step), f"step {step}")
+    assert [p.released for p in fake.pipelines] == [True, True, False, True]
+    assert os.listdir(cache) == []
 
 
 def test_builds_are_retried_a_bounded_number_of_times(monkeypatch, small_dir, capsys):
@@ -1118,7 +1298,7 @@ def _raw_epochs(mesh, folder, cache, images, labels, *, sharding, shuffle, last_
     except Exception as error:  # described, not raised
         found = conformance.Findings()
         found.add("rocAL raised", f"building the pipelines: {type(error).__name__}: {error}")
-        rocal_loader._release(pipes.values())
+        rocal_loader.release_pipelines(pipes, "rocAL, raw pipelines")
         yield -1, None, None, None, found
         return
     try:
@@ -1172,7 +1352,7 @@ def _raw_epochs(mesh, folder, cache, images, labels, *, sharding, shuffle, last_
                 except Exception as error:  # described with the next epoch
                     reset_errors.append(f"shard {k}: rocal_reset_loaders() raised {error}")
     finally:
-        rocal_loader._release(pipes.values())
+        rocal_loader.release_pipelines(pipes, "rocAL, raw pipelines")
 
 
 def _loader_epochs(mesh, folder, cache, images, labels, *, sharding, shuffle, last_batch, epochs, layout):
@@ -1437,7 +1617,7 @@ def test_rocal_vendor_order_ignores_seed_and_epoch(rocal_mesh, encoded_dir, tmp_
             epochs.append(got)
             pipe.rocal_reset_loaders()
     finally:
-        rocal_loader._release([pipe])
+        rocal_loader.release_pipelines([pipe], "rocAL, a test pipeline")
     assert epochs[0] != epochs[1], "a reset rocAL pipeline no longer reshuffles"
 
 
@@ -1452,13 +1632,51 @@ def test_rocal_gpu_conversion_runs_on_real_rocal_tensors(rocal_mesh, encoded_dir
     try:
         assert_dlpack_copy_survives_the_ring(pipe, rocal_mesh.devices.flat[1])
     finally:
-        rocal_loader._release([pipe])
+        rocal_loader.release_pipelines([pipe], "rocAL, a test pipeline")
     loader = dataclasses.replace(rocal_loader.make_rocal_loader(
         folder, rocal_mesh, B, shuffle=True, seed=4, last_batch="drop", cache_dir=str(tmp_path)), dlpack=True)
     reference = loaders.make_loader(folder, rocal_mesh, B, shuffle=True, seed=4, last_batch="drop",
                                     placement="host_float32", prefetch=0)
     for step, got in enumerate(list(loader.epoch(2))):
         assert_same_arrays(got, reference.batch(2, step), f"step {step}")
+
+
+@pytest.mark.rocal
+def test_rocal_negative_zero_mean_gives_the_reference_tables_bits(rocal_mesh, tmp_path):
+    """Issue 23.4 through real rocAL: mean -0.0 after mean +0.0 (std -2): each loader's pixels
+    are Normalize.table's bits, which differ in the sign of pixel value 0's entry (-(m*inv)
+    keeps the sign of the zero: +0.0, then -0.0), so nothing keyed by mean == 0.0 is reused."""
+    images = np.zeros((8, 3, 32, 32), np.uint8)
+    images[:, :, 0, 1], images[:, :, 0, 2] = 7, 255
+    labels = np.arange(8) % 10
+    signs = []
+    for mean in (0.0, -0.0):
+        norm = loaders.Normalize(mean=(mean,) * 3, std=(-2.0,) * 3)
+        loader = rocal_loader.make_rocal_loader((images, labels), rocal_mesh, 2, normalize=norm,
+                                                cache_dir=str(tmp_path))
+        got = np.asarray(next(iter(loader.epoch(0)))["images"])
+        assert_same_bits(got, norm(images[:len(got)]), f"rocAL, mean {mean!r}")
+        signs.append(bool(np.signbit(got[0, 0, 0, 0])))
+    assert signs == [False, True], signs
+
+
+@pytest.mark.rocal
+def test_real_pipelines_are_released_through_rocals_c_api(rocal_mesh, encoded_dir):
+    """release_pipelines frees a real pipeline with rocAL's C rocalRelease, called through a
+    ctypes.CDLL function (which drops the GIL while it runs, so RELEASE_TIMEOUT_S can bound
+    it; the pybind binding holds the GIL): the worker threads the build started are gone
+    afterwards, and the Python object no longer holds the freed context."""
+    _, _, c_release = rocal_loader._rocal_c_api()
+    assert not c_release._flags_ & ctypes._FUNCFLAG_PYTHONAPI, "called with the GIL held"
+    tasks = lambda: set(os.listdir("/proc/self/task"))
+    before = tasks()
+    pipe = rocal_loader.rocal_pipeline(encoded_for(encoded_dir, rocal_mesh.devices.size), batch_size=B,
+                                       normalize=NORM, on_gpu=False)
+    started = tasks() - before
+    pipe.rocal_run()
+    assert started, "control: building a rocAL pipeline starts its loading and output threads"
+    rocal_loader.release_pipelines([pipe], "rocAL, a test pipeline")
+    assert not started & tasks() and pipe._handle is None
 
 
 def rocal_pipeline_output(pipe) -> np.ndarray:
@@ -1573,9 +1791,11 @@ def test_rocal_plan_order_in_two_processes_equals_the_reference(rocal_mesh, enco
         coordinator = f"127.0.0.1:{probe.getsockname()[1]}"
     results = run_children([[sys.executable, os.path.abspath(__file__), folder, str(tmp_path / "cache"),
                              coordinator, str(i)] for i in range(2)], timeout=120, cwd=HERE)
-    for i, (code, out, err) in enumerate(results):
-        assert code == 0, f"process {i} exited {code}:\n{out[-2000:]}\n{err[-3000:]}"
-        assert f"process {i}: " in out and "steps equal the reference on 4 local shards" in out, out
+    report = "\n".join(f"process {i} exited {code} (None: still running at the deadline):\n"
+                       f"stdout: {out[-2000:]}\nstderr: {err[-3000:]}" for i, (code, out, err) in enumerate(results))
+    for i, (code, out, err) in enumerate(results):  # every child's output, whichever failed
+        assert code == 0, report
+        assert f"process {i}: " in out and "steps equal the reference on 4 local shards" in out, report
     assert os.listdir(tmp_path / "cache") == []
 
 
