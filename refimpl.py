@@ -20,8 +20,15 @@ naming the option or file, and exit status 2, before any data is generated or
 any training starts where the option alone shows it.
 
 A broken guarantee is a failure: when two strategies' final params end further
-apart than the documented bound (strategies.ulp_bound, or ``--max-ulps-per-step``),
-the last line printed says so, naming the pair, and the exit status is 1.
+apart than the documented bound, the last line printed says so, naming the pair,
+and the exit status is 1. The bound is strategies.verdict's: the count of
+roundings a step (strategies.ulp_bound, or ``--max-ulps-per-step``) times the
+growth of a difference over this training, which strategies.twin_growth measures
+after the training, over the same epochs, whenever a pair is not bit-identical
+and its count is not 0 (three more trainings' arithmetic, on the mesh). Where that
+growth is not linear, the pair's line says "outside the domain where a bound is
+derived" (no verdict, exit status 0): a rounding difference and a real bug then
+end alike.
 """
 
 from __future__ import annotations
@@ -115,9 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="JAX's float32 matmul precision; 'default' is TF32 on recent NVIDIA GPUs, "
                              "and the strategies' bounds then no longer hold (default: %(default)s)")
     parser.add_argument("--max-ulps-per-step", type=int, metavar="U",
-                        help="hold the strategies' final params to U float32 ulps a step instead of "
-                             "the documented bound (strategies.ulp_bound); 0 demands bit-identical "
-                             "params. Outside the bound: exit status 1")
+                        help="count U roundings a step instead of strategies.ulp_bound's count; the "
+                             "bound is U times the measured growth of a difference (strategies.verdict); "
+                             "0 demands bit-identical params. Outside the bound: exit status 1")
     parser.add_argument("--metrics-out", metavar="FILE", help="write every per-epoch figure to this file as JSON lines")
     parser.add_argument("--params-out", metavar="FILE",
                         help="write each strategy's final params to this .npz file (process 0), one "
@@ -404,6 +411,17 @@ def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
             final[name] = params
+        bound, bound_name = strategies.ulp_bound, "strategies.ulp_bound"
+        if args.max_ulps_per_step is not None:
+            bound, bound_name = (lambda a, b, platform, num_devices: args.max_ulps_per_step), "--max-ulps-per-step"
+        growth = None
+        if needs_growth(final, bound, devices[0].platform, len(devices)):
+            # Every process decides alike (the final params are replicated) and takes part.
+            say("measuring how a difference grows over this training (strategies.twin_growth: "
+                "a reference and two twins over the same epochs)")
+            loader = loaders_by_layout["sharded"]  # a pair includes a strategy other than pmap
+            growth = strategies.twin_growth(params0, (b for e in range(args.epochs) for b in loader.epoch(e)),
+                                            mesh, loss_terms=model.loss_terms, optimizer=optimizer)
     finally:
         if metrics:
             metrics.close()
@@ -414,12 +432,20 @@ def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
     if jax.process_index() == 0:
         if args.params_out:
             write_params(args.params_out, final)
-        bound, name = strategies.ulp_bound, "strategies.ulp_bound"
-        if args.max_ulps_per_step is not None:
-            bound, name = (lambda a, b, platform, num_devices: args.max_ulps_per_step), "--max-ulps-per-step"
         outside = report_differences(final, steps * args.epochs, devices[0].platform, len(devices),
-                                     bound, name)
+                                     bound, bound_name, growth)
     return final, outside
+
+
+def needs_growth(final: dict, bound: Callable, platform: str, num_devices: int) -> bool:
+    """Whether a pair of ``final`` (each strategy against the first) differs with a count
+    above 0: only then does its verdict depend on the growth (strategies.verdict)."""
+    import strategies
+
+    names = list(final)
+    return any(bound(names[0], other, platform, num_devices) and
+               strategies.verdict(final[names[0]], final[other], 0, None).case != "identical"
+               for other in names[1:])
 
 
 def write_params(path: str, final: dict) -> None:
@@ -596,34 +622,33 @@ def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
 
 def report_differences(final: dict, steps: int, platform: str, num_devices: int,
                        bound: Callable[[str, str, str, int], int],
-                       bound_name: str = "strategies.ulp_bound") -> list[str]:
-    """Prints how far each strategy's final params are from the first's, against
-    ``bound(a, b, platform, num_devices)`` ulps a step (strategies.ulp_bound's
-    signature), and returns the lines of the pairs OUTSIDE it. Those are printed
-    after every other line, so the last thing a user reads is the failure."""
+                       bound_name: str = "strategies.ulp_bound", growth=None) -> list[str]:
+    """Prints how far each strategy's final params are from the first's and the verdict
+    (strategies.verdict: ``bound(a, b, platform, num_devices)`` roundings a step, the
+    signature of strategies.ulp_bound, times ``growth``, twin_growth over the same
+    ``steps``), and returns the lines of the pairs OUTSIDE their bound.
+
+    Order: identical and within first, then "outside the domain where a bound is
+    derived", then OUTSIDE, then one FAILED line if any pair is OUTSIDE, so the last
+    thing a user reads is the failure. Raises ValueError (strategies.verdict) if a
+    pair with a count above 0 differs and ``growth`` is None, or if ``growth`` was
+    measured over another number of steps."""
     import numpy as np
     import jax
     import strategies
 
     names = list(final)
-    within, outside = [], []
+    lines = {"identical": [], "within": [], "outside the domain": [], "OUTSIDE": []}
     for other in names[1:]:
         diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                    for a, b in zip(jax.tree.leaves(final[names[0]]), jax.tree.leaves(final[other])))
-        lines = within
-        if diff == 0:
-            verdict = "identical"
-        else:
-            ulps = strategies.ulps_apart(final[names[0]], final[other])
-            allowed = bound(names[0], other, platform, num_devices)
-            if ulps > allowed * steps:
-                lines = outside
-            verdict = (f"not bit-identical: {ulps:.1f} ulps after {steps} steps, "
-                       f"{'OUTSIDE' if lines is outside else 'within'} the documented bound of "
-                       f"{allowed} ulps a step ({bound_name})")
-        lines.append(f"final params, {names[0]} vs {other}: max |difference| {diff:.3g}: {verdict}")
-    for line in within + outside:
+        found = strategies.verdict(final[names[0]], final[other], bound(names[0], other, platform, num_devices),
+                                   growth, steps, bound_name)
+        lines[found.case].append(f"final params, {names[0]} vs {other}: max |difference| {diff:.3g}: "
+                                 f"{found.text}")
+    for line in lines["identical"] + lines["within"] + lines["outside the domain"] + lines["OUTSIDE"]:
         print(line)
+    outside = lines["OUTSIDE"]
     if outside:
         print(f"refimpl.py: FAILED: {len(outside)} pair(s) of strategies ended OUTSIDE the documented "
               f"bound (above); exit status {OUTSIDE_BOUND}", flush=True)
