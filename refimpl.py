@@ -24,8 +24,9 @@ apart than the documented bound, the last line printed says so, naming the pair,
 and the exit status is 1. The bound is strategies.verdict's: the count of
 roundings a step (strategies.ulp_bound, or ``--max-ulps-per-step``) times the
 growth of a difference over this training, which strategies.twin_growth measures
-after the training, over the same epochs, whenever a pair is not bit-identical
-and its count is not 0 (three more trainings' arithmetic, on the mesh). Where that
+after the training, over the same epochs, when a pair ends further apart than its
+count x the steps (closer is within whatever the growth; the twins cost about three
+more trainings' arithmetic, on the mesh). Where that
 growth is not linear, the pair's line says "outside the domain where a bound is
 derived" (no verdict, exit status 0): a rounding difference and a real bug then
 end alike.
@@ -415,7 +416,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
         if args.max_ulps_per_step is not None:
             bound, bound_name = (lambda a, b, platform, num_devices: args.max_ulps_per_step), "--max-ulps-per-step"
         growth = None
-        if needs_growth(final, bound, devices[0].platform, len(devices)):
+        if needs_growth(final, steps * args.epochs, bound, devices[0].platform, len(devices)):
             # Every process decides alike (the final params are replicated) and takes part.
             say("measuring how a difference grows over this training (strategies.twin_growth: "
                 "a reference and two twins over the same epochs)")
@@ -437,15 +438,18 @@ def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
     return final, outside
 
 
-def needs_growth(final: dict, bound: Callable, platform: str, num_devices: int) -> bool:
-    """Whether a pair of ``final`` (each strategy against the first) differs with a count
-    above 0: only then does its verdict depend on the growth (strategies.verdict)."""
+def needs_growth(final: dict, steps: int, bound: Callable, platform: str, num_devices: int) -> bool:
+    """Whether a pair of ``final`` (each strategy against the first) needs the measured growth
+    for its verdict: a count above 0 and a leaf further apart than count x ``steps`` in its
+    own ulps (closer is within whatever the growth: strategies.verdict)."""
     import strategies
 
     names = list(final)
-    return any(bound(names[0], other, platform, num_devices) and
-               strategies.verdict(final[names[0]], final[other], 0, None).case != "identical"
-               for other in names[1:])
+    for other in names[1:]:
+        count = bound(names[0], other, platform, num_devices)
+        if count and (strategies.leaf_ulps(final[names[0]], final[other]) > count * steps).any():
+            return True
+    return False
 
 
 def write_params(path: str, final: dict) -> None:

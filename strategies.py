@@ -417,7 +417,7 @@ def ulp_bound(a: str, b: str, platform: str, num_devices: int) -> int:
     ``verdict`` turns it into the bound on the final params: count x the measured
     growth of a difference, summed over the steps, per leaf (``twin_growth``). The
     unit of a rounding is the ulp of the scale its numbers had (``Growth``): the
-    largest of the leaf's magnitudes and of lr x sum_i |g_i|, the rows' gradient terms
+    largest of the leaf's magnitudes and of lr x sum_k |g_k|, the row blocks' gradients
     (a reordered sum is off relative to the size of its terms, not of its result, so
     an entry near zero, or a bias whose terms cancel, can differ by more than its own
     ulp). The counts hold at matmul precision "highest" (what the tests set). At
@@ -510,6 +510,7 @@ def leaf_ulps(a: Params, b: Params, scale=None) -> np.ndarray:
 
 
 TWIN_ULPS = 64  # the twins' perturbation, in leaf_ulps' unit
+TERM_BLOCKS = 2  # row blocks per device whose gradients twin_growth sums in absolute value
 MAX_OFF_CENTRE = 0.25  # the domain's edges (Growth.outside)
 MAX_TWIN_ULPS = 2.0**16
 
@@ -520,12 +521,14 @@ class Growth(NamedTuple):
     The unit of leaf l after step t is the ulp (np.spacing, the leaf's dtype) of
     ``scale[l]`` so far: the largest of the magnitudes the reference's leaf l has
     held at steps 0..t and of the updates the optimizer makes, at steps 1..t, from
-    sum_i |g_i|, g_i the gradient of batch row i alone (for SGD lr x sum_i |g_i|, the
-    classical scale of a sum's rounding: every partial sum, in any order, is at most
-    that large). A rounding is relative to the numbers that went into it: a leaf
-    whose gradient is a cancelling sum (a bias started at 0: its rows' terms cancel
-    to a small result) is rounded at the scale of its terms, and a leaf that returns
-    toward zero does not count its past roundings in ever smaller ulps.
+    sum_k |g_k|, g_k the gradient of row block k alone, the batch's rows cut into
+    TERM_BLOCKS (2) blocks per device (for SGD lr x sum_k |g_k|: at least the size of
+    any partial sum of those blocks, in any order; the classical scale of a sum's
+    rounding, sum_i |g_i| over single rows, with blocks of rows in place of rows, one
+    gradient per block held). A rounding is relative to the numbers that went into
+    it: a leaf whose gradient is a cancelling sum (a bias started at 0: its rows'
+    terms cancel to a small result) is rounded at the scale of its terms, and a leaf
+    that returns toward zero does not count its past roundings in ever smaller ulps.
     ``scale[l]``: that magnitude after the last step. ``distances[i, l, t]``: twin i's
     distance from the reference in leaf l after step t (t = 0: the perturbation
     itself), in that unit. ``off_centre``: after the last step T, the largest over the
@@ -611,8 +614,9 @@ def twin_growth(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_ter
     ``np.random.default_rng(seed)``, rounded to the leaf's dtype. After each step each
     twin's distance from the reference is recorded, leaf by leaf, and the unit it is
     counted in (``Growth``): at the reference, the optimizer's update is also computed
-    from sum_i |g_i| over the batch's rows, one row at a time (every batch key is
-    (n*B, ...) in layout "sharded"), the scale at which a reordered sum rounds.
+    from sum_k |g_k| over the batch's row blocks (every batch key is (n*B, ...) in
+    layout "sharded"; each device computes its own blocks), the scale at which a
+    reordered sum rounds.
 
     ``Growth.factors`` estimates G[l, t], the growth of leaf l from step t to the
     end, from the twins' distances; the bound on leaf l of the final params is
@@ -640,7 +644,7 @@ def twin_growth(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_ter
     starts = [params, moved(1.0), moved(-1.0)]
     stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
                            *[(p, opt_state) for p in starts])
-    step = _twin_step(loss_terms, optimizer.update, donates(mesh.devices.flat), mesh.devices.size)
+    step = _twin_step(loss_terms, optimizer.update, donates(mesh.devices.flat), mesh)
     final, values = train_loop(step, replicate(stacked, mesh), checked(batches, "sharded", mesh))
     reference = jax.tree.leaves(starts[0])
     scale = np.array([np.abs(x).max() if x.size else 0.0 for x in reference], np.float64)
@@ -691,6 +695,10 @@ def verdict(a: Params, b: Params, count: float, growth: Growth | None, steps: in
     * "identical": every leaf the same bits.
     * count 0 (the same program): any difference is "OUTSIDE" (bound 0), whatever
       the growth: no rounding differs, so nothing can grow.
+    * no ``growth`` given: "within" if every leaf's own ``leaf_ulps(a, b)`` is at most
+      count x ``steps``: the bound with every growth factor 1, its least (and the
+      leaf's own ulp is at most the growth's unit), so a pair that close is within
+      whatever the growth; else ValueError: the growth is needed.
     * otherwise ``growth`` (``twin_growth`` over the same training) is needed:
       outside its domain (``Growth.outside``), "outside the domain" (no verdict:
       rounding and a bug end alike); else "within" if every leaf's distance,
@@ -699,16 +707,25 @@ def verdict(a: Params, b: Params, count: float, growth: Growth | None, steps: in
       OUTSIDE). Without growth the distance is ``leaf_ulps(a, b)``.
 
     ``steps``, if given, is the training's step count; it must be ``growth.steps``.
-    Raises ValueError if the pair differs, the count is not 0 and ``growth`` is None,
-    or if ``steps`` is not the growth's."""
+    Raises ValueError as said, or if ``steps`` is not the growth's."""
     if growth is not None and steps is not None and steps != growth.steps:
         raise ValueError(f"strategies.verdict: steps={steps}, but the growth was measured over "
                          f"{growth.steps} steps (twin_growth over the same training)")
     if _same_bits(a, b):
         return Verdict("identical", 0.0, 0.0, "identical")
     if count and growth is None:
-        raise ValueError("strategies.verdict: params that differ need the measured growth "
-                         "(growth=twin_growth(...) over the same training) unless the count is 0")
+        raw = leaf_ulps(a, b)
+        if steps is None or not (raw <= count * steps).all():
+            raise ValueError("strategies.verdict: params further apart than count x steps in their own "
+                             "ulps need the measured growth (growth=twin_growth(...) over the same "
+                             "training) unless the count is 0")
+        l = int(np.argmax(raw))
+        return Verdict("within", float(raw[l]), float(count * steps),
+                       f"not bit-identical: {raw[l]:.1f} ulps after {steps} steps"
+                       f"{f' (leaf {l})' if len(raw) > 1 else ''}, within the documented bound of "
+                       f"{count * steps:g} ulps: {count:g} ulp{'' if count == 1 else 's'} a step "
+                       f"({count_name}) times {steps} steps; every growth factor is at least 1, so no "
+                       f"growth had to be measured")
     each = leaf_ulps(a, b, None if growth is None else growth.scale)
     steps = growth.steps if growth is not None else steps
     after = f" after {steps} steps" if steps is not None else ""
@@ -888,31 +905,28 @@ def shard_map_step(loss_terms: LossTerms, update: Callable, mesh: Mesh) -> Calla
 
 
 @functools.lru_cache(maxsize=64)
-def _twin_step(loss_terms: LossTerms, update: Callable, donate: bool, blocks: int) -> Callable:
+def _twin_step(loss_terms: LossTerms, update: Callable, donate: bool, mesh: Mesh) -> Callable:
     """twin_growth's step: the plain step vmapped over three stacked states (r, a, b); the
     value is a list with, per leaf, in the leaf's dtype (zeros for an empty leaf):
     (max|r|, max|a - r|, max|b - r|) of the new params, and max|u|, u the update
-    ``update`` makes at r's old params and state from sum_i |g_i|, g_i the gradient of
-    row i alone over the whole batch's count. For SGD |u| = lr x sum_i |g_i|: the scale
-    at which any reordered sum of the rows' terms rounds (|partial sums| <= sum_i |g_i|).
-    The rows are taken one at a time within each of the ``blocks`` blocks of rows (the
-    devices' shares: vmapped over blocks, a scan over a block's rows), so it holds one
-    row's gradient and the running sum per block, not one gradient per row."""
+    ``update`` makes at r's old params and state from sum_k |g_k|, g_k the gradient of
+    row block k alone over the whole batch's count, the rows cut into TERM_BLOCKS
+    blocks per device of ``mesh`` (the largest count up to it that divides a device's
+    rows), each device computing its own blocks' gradients."""
     one = jax.vmap(_one_step(loss_terms, update), in_axes=(0, None))
 
     def absolute_update(state, batch):
         params, opt_state = state
         count = jnp.maximum(_terms(loss_terms, params, batch)[1], 1.0)
-        row_grad = jax.grad(lambda p, row: _terms(loss_terms, p, row)[0] / count)
-
-        def block_sum(block):
-            def add(total, row):
-                row = jax.tree.map(lambda x: x[None], row)
-                return jax.tree.map(lambda t, g: t + jnp.abs(g), total, row_grad(params, row)), None
-            return lax.scan(add, jax.tree.map(jnp.zeros_like, params), block)[0]
-
-        split = jax.tree.map(lambda x: x.reshape((blocks, -1) + x.shape[1:]), batch)
-        absolute = jax.tree.map(lambda g: jnp.sum(g, axis=0), jax.vmap(block_sum)(split))
+        block_grad = jax.grad(lambda p, block: _terms(loss_terms, p, block)[0] / count)
+        rows, blocks = jax.tree.leaves(batch)[0].shape[0], mesh.devices.size
+        parts = blocks * max(c for c in range(1, TERM_BLOCKS + 1) if (rows // blocks) % c == 0)
+        by_device = NamedSharding(mesh, P(AXIS))  # each device its own rows' blocks
+        split = jax.tree.map(lambda x: lax.with_sharding_constraint(
+            x.reshape((parts, -1) + x.shape[1:]), by_device), batch)
+        grads = jax.tree.map(lambda g: lax.with_sharding_constraint(g, by_device),
+                             jax.vmap(block_grad, in_axes=(None, 0))(params, split))
+        absolute = jax.tree.map(lambda g: jnp.sum(jnp.abs(g), axis=0), grads)
         return jax.tree.leaves(update(absolute, opt_state, params)[0])
 
     def step(states, batch):

@@ -264,3 +264,20 @@ def test_the_bound_grows_with_the_step_count(capsys):
     assert not outside and "within the documented bound of 10 ulps" in lines[0]
     with pytest.raises(ValueError, match="steps=6, but the growth was measured over 5 steps"):
         report(final, 6, {"b": 2}, flat_growth(5), capsys)
+
+
+@pytest.mark.slow
+def test_a_chaotic_run_is_outside_the_domain_not_outside_the_bound(tiny_dir):
+    # The issue's case through refimpl: at lr 5 the notebook MLP on this data is chaotic
+    # (a 64-ulp difference grows past 2**16 ulps in 4 steps), so sharded and single end
+    # far apart without a bug: the count alone called that OUTSIDE and exit 1. Now refimpl
+    # measures the growth (twin runs over the same epoch) and says no bound is derived.
+    # About 13 s (the full-size MLP compiled three times): --run-slow; report_differences'
+    # order and twin_growth are tested in process (above, test_equivalence.py).
+    done = refimpl("--data-dir", tiny_dir, "--epochs", "1", "--batch-size", "32", "--devices", "2",
+                   "--strategies", "sharded,single", "--lr", "5", "--eval-batch-size", "64")
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    lines = [l for l in done.stdout.splitlines() if l.strip()]
+    assert lines[-2].startswith("measuring how a difference grows"), lines[-3:]
+    assert lines[-1].startswith("final params, sharded vs single:"), lines[-1]
+    assert "outside the domain where a bound is derived" in lines[-1] and "FAILED" not in done.stdout

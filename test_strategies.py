@@ -240,6 +240,11 @@ def test_verdict_cases_and_their_words():
     assert strategies.verdict(a, [np.array([1.0, np.nan], np.float32)], 2, flat4).case == "OUTSIDE"
     with pytest.raises(ValueError, match="need the measured growth"):
         strategies.verdict(a, near, 2, None)
+    # No growth measured: within count x steps is within whatever the growth (every G >= 1).
+    close = strategies.verdict(a, near, 3, None, steps=4)
+    assert close.case == "within" and close.bound == 12 and "no growth had to be measured" in close.text
+    with pytest.raises(ValueError, match="need the measured growth"):
+        strategies.verdict(a, near, 2, None, steps=4)  # 10 > 8: only the growth can tell
     with pytest.raises(ValueError, match="steps=5, but the growth was measured over 4 steps"):
         strategies.verdict(a, near, 2, flat4, steps=5)
 
