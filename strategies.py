@@ -64,14 +64,15 @@ CPU devices they do not: XLA's CPU compiler keeps a copy for a donated state, so
 the peak stays the same and the copy costs time (``donates``).
 
 Guarantees (test_equivalence.py), after the same steps on the same global
-batches, masks included, at matmul precision "highest": every pair of
-strategies ends within the bound ``verdict`` derives: ``ulp_bound``'s count of
-roundings a step, scaled by how a difference grows over the training, which
-``twin_growth`` measures in the same run; where that growth is not linear,
-the verdict is "outside the domain where a bound is derived" instead of a bound
-that would pass any bug. pmap and shard_map are bit-identical on CPU. The
-counts are derived for SGD; what changes with a stateful or non-linear
-optimizer is measured (``ulp_bound``).
+batches, masks included, at matmul precision "highest": pmap and shard_map end
+bit-identical on CPU (the same program); every pair of strategies ends within
+the bound ``verdict`` derives, a model checked by measurement, not a proof:
+``ulp_bound``'s count of roundings a step, scaled by how a difference grows over
+the training, which ``twin_growth`` measures in the same run. Where that growth
+is not that of a small, linear difference the verdict is "outside the domain
+where a bound is derived" instead of a bound that would pass any bug. The counts
+are derived for SGD; what changes with a stateful or non-linear optimizer is
+measured (``ulp_bound``).
 
 Devices: every strategy runs on exactly the mesh's devices, in mesh order
 (pmap is given them explicitly; single uses the mesh's first device), never
