@@ -1261,35 +1261,38 @@ def test_refimpl_dali_and_reference_resize_to_identical_params(tmp_path):
     assert not np.array_equal(np.load(tmp_path / "dali.npz")["sharded/0"], model_init_leaf0())
 
 
+# Issue 25's two resizes: (name, stop options, resume options, the stopped run, the resumed run).
+ISSUE_RESIZES = [
+    ("2x4 -> 8", ["--local-processes", "2"], ["--devices", "8"], "8 cpu device(s) in 2 processes x 16",
+     "8 cpu device(s) x 16"),
+    ("8 -> 3", ["--devices", "8"], ["--devices", "3"], "8 cpu device(s) x 16", "3 cpu device(s) x 16")]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_refimpl_the_issues_resizes_through_dali(tmp_path):
+@pytest.mark.parametrize("name, stop, resume, before, after",
+                         [pytest.param(*r, id=r[0].replace(" ", "")) for r in ISSUE_RESIZES])
+def test_refimpl_the_issues_resizes_through_dali(tmp_path, name, stop, resume, before, after):
     """Issue 25's two resizes with --backend dali and --backend reference (same seed, --normalize
     dali_cpu, default synthetic CIFAR-10 of 2048, batch 16, 2 epochs): 2 processes of 4 devices
     stop at run step 7 and 1 process of 8 resumes; 8 devices stop at step 7 and 3 resume. Each
     reports exactly once across the change per strategy; the params are the reference's bit for
-    bit. About 2 minutes."""
+    bit. 45-65 s each on a busy machine (one resize a test: both in one outlasted the watchdog there)."""
     common = ["--cache-dir", str(tmp_path / "cache"), "--epochs", "2", "--strategies", "sharded,shard_map",
               "--normalize", "dali_cpu"]
     backends = ("dali", "reference")
-    for name, stop, resume, before, after in (
-            ("2x4 -> 8", ["--local-processes", "2"], ["--devices", "8"],
-             "8 cpu device(s) in 2 processes x 16", "8 cpu device(s) x 16"),
-            ("8 -> 3", ["--devices", "8"], ["--devices", "3"], "8 cpu device(s) x 16", "3 cpu device(s) x 16")):
-        folder = tmp_path / name.replace(" ", "")
-        folder.mkdir()
-        outputs = refimpl_resized(folder, common, backends, stop + ["--stop-after-step", "7"], resume, timeout=600)
-        for backend, out in outputs.items():
-            lines = exactly_once(out)
-            assert len(lines) == 2, out
-            for line in lines:
+    outputs = refimpl_resized(tmp_path, common, backends, stop + ["--stop-after-step", "7"], resume, timeout=600)
+    for backend, out in outputs.items():
+        lines = exactly_once(out)
+        assert len(lines) == 2, out
+        for line in lines:
+            print(f"{name}, --backend {backend}: {line}")
+            assert "every one of the 2048 samples delivered in exactly one real slot" in line, line
+            assert f"steps 1-7 on {before}" in line and ": 896; steps 8-" in line and after in line, line
+        for line in out.splitlines():
+            if line.startswith("final params"):
                 print(f"{name}, --backend {backend}: {line}")
-                assert "every one of the 2048 samples delivered in exactly one real slot" in line, line
-                assert f"steps 1-7 on {before}" in line and f": 896; steps 8-" in line and after in line, line
-            for line in out.splitlines():
-                if line.startswith("final params"):
-                    print(f"{name}, --backend {backend}: {line}")
-        assert_same_params(folder, backends, 12)
+    assert_same_params(tmp_path, backends, 12)
 
 
 @pytest.mark.slow

@@ -2002,34 +2002,44 @@ def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_
     assert bits_differ(np.load(tmp_path / "rocal.npz")["pmap/0"], initial), "the params did not train"
 
 
+# Issue 25's two resizes: (name, stop options, resume options, the stopped run, the resumed run).
+ISSUE_RESIZES = [
+    ("2x4 -> 8", ["--local-processes", "2"], ["--devices", "8"], "8 cpu device(s) in 2 processes x 16",
+     "8 cpu device(s) x 16"),
+    ("8 -> 3", ["--devices", "8"], ["--devices", "3"], "8 cpu device(s) x 16", "3 cpu device(s) x 16")]
+
+
+@pytest.fixture(scope="module")
+def cifar_2048(tmp_path_factory):
+    return loaders.synthetic_cifar10(tmp_path_factory.mktemp("cifar-2048"), num_train=2048, num_test=256, seed=0)
+
+
 @pytest.mark.rocal
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_refimpl_the_issues_resizes_through_rocal(rocal_mesh, tmp_path):
+@pytest.mark.parametrize("name, stop, resume, before, after",
+                         [pytest.param(*r, id=r[0].replace(" ", "")) for r in ISSUE_RESIZES])
+def test_refimpl_the_issues_resizes_through_rocal(rocal_mesh, cifar_2048, tmp_path, name, stop, resume, before,
+                                                  after):
     """Issue 25's two resizes with --backend rocal and --backend reference (rocAL's arithmetic,
-    default synthetic CIFAR-10 of 2048, batch 16, 2 epochs): 2 processes of 4 devices stop at
-    run step 7 and 1 process of 8 resumes; 8 devices stop at step 7 and 3 resume. Each reports
-    exactly once across the change per strategy; the params are the reference's bit for bit."""
-    data = loaders.synthetic_cifar10(tmp_path / "data", num_train=2048, num_test=256, seed=0)
+    synthetic CIFAR-10 of 2048, batch 16, 2 epochs): 2 processes of 4 devices stop at run step 7
+    and 1 process of 8 resumes; 8 devices stop at step 7 and 3 resume. Each reports exactly once
+    across the change per strategy; the params are the reference's bit for bit. 45-60 s each on a
+    busy machine (one resize a test: both in one would come near the watchdog there)."""
     common = ["--epochs", "2", "--strategies", "sharded,shard_map"]
-    for name, stop, resume, before, after in (
-            ("2x4 -> 8", ["--local-processes", "2"], ["--devices", "8"],
-             "8 cpu device(s) in 2 processes x 16", "8 cpu device(s) x 16"),
-            ("8 -> 3", ["--devices", "8"], ["--devices", "3"], "8 cpu device(s) x 16", "3 cpu device(s) x 16")):
-        folder = tmp_path / name.replace(" ", "")
-        folder.mkdir()
-        outputs = refimpl_resized(data, folder, common, stop + ["--stop-after-step", "7"], resume, timeout=600)
-        for backend, out in outputs.items():
-            lines = exactly_once(out)
-            assert len(lines) == 2, out
-            for line in lines:
+    outputs = refimpl_resized(cifar_2048, tmp_path, common, stop + ["--stop-after-step", "7"], resume,
+                              timeout=600)
+    for backend, out in outputs.items():
+        lines = exactly_once(out)
+        assert len(lines) == 2, out
+        for line in lines:
+            print(f"{name}, --backend {backend}: {line}")
+            assert "every one of the 2048 samples delivered in exactly one real slot" in line, line
+            assert f"steps 1-7 on {before}" in line and ": 896; steps 8-" in line and after in line, line
+        for line in out.splitlines():
+            if line.startswith("final params"):
                 print(f"{name}, --backend {backend}: {line}")
-                assert "every one of the 2048 samples delivered in exactly one real slot" in line, line
-                assert f"steps 1-7 on {before}" in line and ": 896; steps 8-" in line and after in line, line
-            for line in out.splitlines():
-                if line.startswith("final params"):
-                    print(f"{name}, --backend {backend}: {line}")
-        assert_same_params_after_the_resize(folder, 12)
+    assert_same_params_after_the_resize(tmp_path, 12)
 
 
 @pytest.mark.rocal
