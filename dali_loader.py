@@ -14,6 +14,29 @@ and the loader's arguments, nothing else: epoch 3 read twice, by two loaders
 built alike, in any order of calls, after any other epoch, gives the same
 batches, and ``epoch(e, s)`` yields steps s.. of ``epoch(e)``.
 
+Resuming from a saved ``loaders.LoaderState`` (``epoch(e, state=saved)``,
+``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning):
+
+* order="plan", on any device or process count and batch size: with ``st =
+  saved.resized(n, B)`` and ``plan, row = st.plan()`` (``loaders.elastic_plan``'s
+  last segment), pipeline k's reader gets the files of ``plan.indices[row:, k]``
+  (padding slots included), and the iterator yields global steps ``st.step ..
+  st.num_steps - 1`` with the plan's mask: the batches of ``loaders.make_loader(...)
+  .epoch(e, state=saved)`` bit for bit. A resumed segment may hold what a fresh
+  epoch never does (a batch larger than a shard's run, a shard whose run is empty
+  and holds only padding, 0 steps under drop): the reader is fed those slots all
+  the same, and a segment of 0 steps builds no pipeline.
+* order="vendor": on the saved shards and batch only (``st`` has the one
+  segment ``(0, n, B)``: then ``epoch(e, start_step=st.step)``, DALI's order
+  reached by running and discarding). A state from another shard count or batch
+  size, or from an epoch already resumed on other shards, is refused
+  (ValueError): which samples the old shards delivered is decided by DALI's
+  shuffle inside its readers, and DALI's own checkpoints restore one reader
+  state per pipeline onto as many pipelines (``nvidia/dali/plugin/jax/
+  iterator.py``, ``data_iterator``: "The number of checkpoints provided ...
+  should match the number of devices to use"), so no reader over other shards
+  can continue that order without repeating or missing samples.
+
 ``order`` says who orders the samples:
 
 * ``"plan"`` (the default): pipeline k's reader gets the list of files
@@ -307,7 +330,9 @@ class DaliLoader:
     Build it with ``make_dali_loader``. ``len()`` steps per epoch; ``epoch(e,
     start_step)`` yields steps ``start_step..len-1`` of epoch e as ``{"images"
     float32, "labels" int32, "mask" bool}`` global arrays in ``layout``, from
-    pipelines built for that call alone; ``close()`` refuses further epochs.
+    pipelines built for that call alone, and ``epoch(e, state=saved)`` the rest
+    of a saved epoch (the module docstring's "Resuming"); ``close()`` refuses
+    further epochs.
     """
     spec: loaders.Loader  # the reference loader with the same arguments: the plan, the mesh
     order: str
@@ -333,9 +358,31 @@ class DaliLoader:
     def plan(self, epoch: int) -> loaders.Plan:
         return self.spec.plan(epoch)
 
-    def real_samples(self, epoch: int) -> int:
-        """How many mask-True slots ``epoch`` has in the whole global batch."""
-        return self.spec.real_samples(epoch)
+    def real_samples(self, epoch: int, *, state: loaders.LoaderState | None = None) -> int:
+        """How many mask-True slots ``epoch`` has in the whole global batch; with a
+        ``state``, how many the steps ``epoch(epoch, state=state)`` yields have."""
+        if state is None:
+            return self.spec.real_samples(epoch)
+        plan, row = self._resumed("DaliLoader.real_samples", epoch, state).plan()
+        return int(plan.mask[row:].sum())
+
+    def state(self, epoch: int, step: int = 0, *,
+              state: loaders.LoaderState | None = None) -> loaders.LoaderState:
+        """The ``loaders.LoaderState`` to save after ``step`` steps of ``epoch``:
+        ``loaders.Loader.state``'s meaning, range and refusals (without ``state``:
+        of a fresh epoch on this loader's shards; with the ``state`` the epoch was
+        resumed from: ``state.resized(n, B).at_step(step)``, step from its step on).
+        order="vendor" refuses a ``state`` of other shards as ``epoch`` does."""
+        if state is None:
+            return self.spec.state(epoch, step)
+        fresh = self._resumed("DaliLoader.state", epoch, state)
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < fresh.step:
+            raise ValueError(f"DaliLoader.state: step={step!r} is before the state's step {fresh.step}, "
+                             f"where the resumed epoch starts")
+        try:
+            return fresh.at_step(step)
+        except ValueError as error:
+            raise ValueError(f"DaliLoader.state: step={step!r}: {error}") from None
 
     def describe(self) -> str:
         import nvidia.dali
@@ -350,44 +397,81 @@ class DaliLoader:
                 f"{where} pipeline(s) an epoch, one per local device, shard = mesh position; {how}; "
                 f"files in {self.folder}")
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
+    def epoch(self, epoch: int, start_step: int = 0, *,
+              state: loaders.LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
         """Steps ``start_step .. len-1`` of ``epoch``, a function of (seed, epoch,
-        start_step, shard) alone. Raises ValueError for a negative epoch, IndexError
-        for a start_step outside [0, len], RuntimeError once closed."""
+        start_step, shard) alone; with ``state`` (a saved ``loaders.LoaderState`` of
+        this run), the rest of the epoch it was taken in, from its step (the module
+        docstring's "Resuming"), and ``start_step`` must stay 0. Raises ValueError
+        for an epoch outside [0, 2**32), a state of another run or epoch, a
+        start_step with a state, or (order="vendor") a state of other shards;
+        IndexError for a start_step outside [0, len]; RuntimeError once closed."""
         if self.closed:
             raise RuntimeError("DaliLoader.epoch: the loader is closed")
         loaders.check_seed("epoch", epoch, "DaliLoader.epoch")
+        if state is not None:
+            st = self._resumed("DaliLoader.epoch", epoch, state)
+            if start_step != 0:
+                raise ValueError(f"DaliLoader.epoch: start_step={start_step!r} with a state; the state "
+                                 f"says where the epoch resumes (step {state.step})")
+            plan, row = st.plan()  # one segment (0, n, B): epoch_plan, row = step
+            return self._steps(epoch, plan, row)
         if not 0 <= start_step <= len(self):
             raise IndexError(f"start_step={start_step} is outside [0, {len(self)}]")
-        return self._steps(epoch, start_step)
+        return self._steps(epoch, self.plan(epoch), start_step)
 
     def close(self) -> None:
         """No further epochs. Pipelines live only while an epoch's iterator does."""
         self.closed = True
 
-    def _steps(self, epoch: int, start_step: int):
-        plan = self.plan(epoch)
+    def _resumed(self, where: str, epoch: int, state) -> loaders.LoaderState:
+        """``state`` checked against this run and ``epoch`` (as loaders.Loader checks
+        it), resized to this loader's shards; order="vendor" refuses a resize."""
+        if not isinstance(state, loaders.LoaderState):
+            raise ValueError(f"{where}: state must be a loaders.LoaderState (LoaderState.from_json "
+                             f"reads a saved one), got {type(state).__name__}")
+        spec = self.spec
+        state.check_same_run(where, num_samples=spec.num_samples, seed=spec.seed, shuffle=spec.shuffle,
+                             last_batch=spec.last_batch)
+        if epoch != state.epoch:
+            raise ValueError(f"{where}: epoch={epoch!r}, but the state is of epoch {state.epoch}; a state "
+                             f"resumes its own epoch (the next one is fresh: epoch({state.epoch + 1}))")
+        st = state.resized(self.num_shards, spec.batch_size)
+        if self.order == "vendor" and len(st.segments) > 1:
+            raise ValueError(
+                f"{where}: order='vendor' resumes only on the shards and batch that wrote the state "
+                f"(segments {[tuple(x) for x in state.segments]}; this loader: {self.num_shards} shards "
+                f"x {spec.batch_size}): which samples the old shards delivered is DALI's shuffle inside "
+                f"its readers, and DALI's checkpoints restore one reader state per pipeline onto as "
+                f"many pipelines, so no reader over other shards continues that order exactly once. "
+                f"Use order='plan' (loaders.elastic_plan's order, on any shard count)")
+        return st
+
+    def _steps(self, epoch: int, plan: loaders.Plan, row: int):
+        """The global batches of rows ``row ..`` of ``plan`` (a fresh epoch's or a
+        resumed segment's)."""
         devices = list(self.mesh.devices.flat)
         local = loaders.local_positions(self.mesh)
         make = self._plan_blocks if self.order == "plan" else self._vendor_blocks
-        shards = {k: make(epoch, plan, k, devices[k], start_step) for k in local}
+        shards = {k: make(epoch, plan, k, devices[k], row) for k in local}
         try:
-            for step in range(start_step, len(self)):
+            for r in range(row, len(plan.indices)):
                 blocks = {}
                 for k, blocks_k in shards.items():
                     images, labels = next(blocks_k)
-                    blocks[k] = {"images": images, "labels": labels, "mask": plan.mask[step, k]}
+                    blocks[k] = {"images": images, "labels": labels, "mask": plan.mask[r, k]}
                 yield loaders.global_batch(blocks, self.mesh, self.spec.layout)
         finally:
             for blocks_k in shards.values():
                 blocks_k.close()  # drops the pipeline now, not at garbage collection
 
-    def _plan_blocks(self, epoch: int, plan: loaders.Plan, k: int, device, start_step: int):
-        """Shard k's (images, labels) per step, read by DALI in the plan's order."""
-        steps = len(self) - start_step
+    def _plan_blocks(self, epoch: int, plan: loaders.Plan, k: int, device, row: int):
+        """Shard k's (images, labels) per row ``row ..`` of ``plan``, read by DALI in
+        that order (padding slots included)."""
+        steps = len(plan.indices) - row
         if not steps:
             return
-        indices = plan.indices[start_step:, k].reshape(-1)
+        indices = plan.indices[row:, k].reshape(-1)
         N = len(self.spec.labels)
         reader = dict(files=[sample_name(i, N) for i in indices.tolist()],
                       labels=self.spec.labels[indices].tolist(), shard_id=0, num_shards=1,

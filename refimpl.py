@@ -805,8 +805,9 @@ class Elastic:
     the end of an epoch, step 0 of the next), that epoch's losses so far, and the
     delivered-sample counts (``Deliveries``) of that epoch so far, summed over the
     processes. With --resume-from, every strategy restarts from its params and
-    optimizer state, epoch e runs its remaining steps on this run's shards (the
-    reference loader: ``Loader.epoch(e, state=...)``, i.e. loaders.elastic_plan),
+    optimizer state, epoch e runs its remaining steps on this run's shards (every
+    backend's ``epoch(e, state=...)``, i.e. loaders.elastic_plan's order: the
+    reference loader, and DALI and rocAL, which read that order, order="plan"),
     the later epochs are fresh plans, and when epoch e ends the report says,
     from the delivered rows of both runs, whether every sample was delivered
     exactly once across the change (drop: at most once, elastic_plan's count
@@ -1047,7 +1048,7 @@ class Elastic:
 def resumed_epoch(loader, epoch: int, state, num_shards: int, batch_size: int):
     """``loader``'s iterator over the rest of ``epoch`` from a saved loader state, on
     ``num_shards`` shards of ``batch_size``: ``epoch(e, state=state)`` where the
-    loader takes a state (the reference), else ``epoch(e, start_step=state.step)``
+    loader takes a state (the reference, DALI, rocAL), else ``epoch(e, start_step=state.step)``
     if the shards are the checkpoint's, else ValueError (the loader cannot)."""
     if "state" in inspect.signature(loader.epoch).parameters:
         return loader.epoch(epoch, state=state)

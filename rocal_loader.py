@@ -108,6 +108,27 @@ before it. In files mode a shard of floor(N/n) samples, a multiple of B, gets
 an epoch of ``ceil(S_k/B)`` rocAL batches, one fewer than ``len()``: that step
 is filled here with B copies of the shard's last record, mask False.
 
+Resuming from a saved ``loaders.LoaderState`` (``epoch(e, state=saved)``,
+``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning):
+
+* order="plan", on any device or process count and batch size: with ``st =
+  saved.resized(n, B)`` and ``plan, row = st.plan()`` (``loaders.elastic_plan``'s
+  last segment), pipeline k's file holds ``plan.indices[row:, k]`` (padding
+  slots included, then the tail), and the iterator yields global steps
+  ``st.step .. st.num_steps - 1`` with the plan's mask: bit for bit
+  ``loaders.make_loader(...).epoch(e, state=saved)``. What a resumed segment may
+  hold and a fresh epoch never does (a batch larger than a shard's run, a shard
+  whose run is empty and holds only padding, 0 steps under drop) is written
+  into the files like any other slot; a segment of 0 steps builds nothing.
+* order="vendor": on the saved shards and batch only (``st`` has the one
+  segment ``(0, n, B)``: then ``epoch(e, start_step=st.step)``, steps 0..s-1
+  read and dropped). Any other state is refused (ValueError): rocAL has no
+  checkpoint and no seek (the rocAL JAX plugin has no resume API; a reset moves
+  the read position on instead of rewinding), so rocAL itself cannot resume at
+  all; this backend re-reads the epoch's first steps, which continues only the
+  same shards: on other shards, the samples the old shards delivered in rocAL's
+  order cannot be skipped.
+
 Worked example, N=9, n=2, B=2 (fill: 3 steps; drop: 2). Shard 0 is {0,1,2,3},
 shard 1 is {4,...,8}. ``*`` marks a padding slot (mask False); rows marked
 "rocAL" are what rocAL 2.3.0 delivered in a probe; ``p`` is a planned sample:
@@ -350,10 +371,11 @@ class RocalLoader:
     Build it with ``make_rocal_loader``. ``len()`` steps per epoch; ``epoch(e,
     start_step)`` yields steps ``start_step .. len()-1`` of epoch e as
     ``{"images" float32, "labels" int32, "mask" bool}`` global arrays in
-    ``layout``. The loader holds no pipeline: each ``epoch()`` iterator builds its
-    own, and releases them (and deletes its files) when it ends or is closed, so
-    epoch e is a function of (seed, e, start_step, shard) whatever was read before,
-    and several epochs may be iterated at once.
+    ``layout``; ``epoch(e, state=saved)`` the rest of a saved epoch (the module
+    docstring's "Resuming"). The loader holds no pipeline: each ``epoch()``
+    iterator builds its own, and releases them (and deletes its files) when it ends
+    or is closed, so epoch e is a function of (seed, e, start_step, shard) whatever
+    was read before, and several epochs may be iterated at once.
     """
     images: np.ndarray = dataclasses.field(repr=False)  # uint8 (N, 3, 32, 32), read_cifar10's order
     labels: np.ndarray = dataclasses.field(repr=False)  # int32 (N,)
@@ -373,8 +395,8 @@ class RocalLoader:
     folders: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> folder
     prefix: str = loaders.TRAIN_PREFIX  # vendor: the filename_prefix rocAL reads with
     shards: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> ShardInfo
-    # order="vendor", drop + shuffle: real slots per epoch once read (every epoch alike). Not an
-    # argument: a loader made with dataclasses.replace starts its own.
+    # order="vendor", drop + shuffle: {"steps": real slots of each step} once an epoch has been
+    # read (every epoch alike). Not an argument: a loader made with dataclasses.replace starts its own.
     known_real: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
 
     @property
@@ -406,42 +428,113 @@ class RocalLoader:
                 f"{len(loaders.local_positions(self.mesh))} pipeline(s) per epoch, one per local "
                 f"device, shard = mesh position; {how}")
 
-    def real_samples(self, epoch: int) -> int:
+    def real_samples(self, epoch: int, *, state: loaders.LoaderState | None = None) -> int:
         """Mask-True slots of ``epoch`` in the whole global batch: the plan's (fill: N;
-        drop: n * len() * B). order="vendor" with drop and shuffle: rocAL shuffles its
-        padding copies into the steps kept, so the count is found by reading the epoch
-        (once: every epoch of a fresh rocAL pipeline is alike); RuntimeError when this
+        drop: n * len() * B); with a ``state``, those of the steps ``epoch(epoch,
+        state=state)`` yields (order="plan": ``plan.mask[row:]`` of the resumed
+        segment). order="vendor" with drop and shuffle: rocAL shuffles its padding
+        copies into the steps kept, so the count is found by reading the epoch (once:
+        every epoch of a fresh rocAL pipeline is alike); RuntimeError when this
         process does not hold every shard."""
+        first = 0
+        if state is not None:
+            st = self._resumed("RocalLoader.real_samples", epoch, state)
+            if self.order == "plan":
+                plan, row = st.plan()
+                return int(plan.mask[row:].sum())
+            first = st.step  # vendor: the saved shards' fresh epoch from its step
         if self.order == "plan" or self.last_batch == "fill" or not self.shuffle \
                 or not any(shard.padded for shard in self.shards.values()):
-            return int(self.plan(epoch).mask.sum())
+            return int(self.plan(epoch).mask[first:].sum())
         if len(self.shards) != self.num_shards:
             raise RuntimeError("RocalLoader.real_samples: with order='vendor', drop and shuffle the "
                                "count comes from reading every shard; this process holds only some")
-        if "count" not in self.known_real:
+        if "steps" not in self.known_real:
             for _ in self.epoch(epoch):
                 pass
-        return self.known_real["count"]
+        return sum(self.known_real["steps"][first:])
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
-        """Steps ``start_step .. len()-1`` of ``epoch``. Raises ValueError for an epoch
-        outside [0, 2**32), IndexError for a start_step outside [0, len()]. The
-        pipelines are built, and the epoch's files written, at the first ``next()``."""
+    def state(self, epoch: int, step: int = 0, *,
+              state: loaders.LoaderState | None = None) -> loaders.LoaderState:
+        """The ``loaders.LoaderState`` to save after ``step`` steps of ``epoch``:
+        ``loaders.Loader.state``'s meaning, range and refusals (without ``state``:
+        of a fresh epoch on this loader's shards; with the ``state`` the epoch was
+        resumed from: ``state.resized(n, B).at_step(step)``, step from its step on).
+        order="vendor" refuses a ``state`` of other shards as ``epoch`` does."""
+        if state is None:
+            loaders.check_seed("epoch", epoch, "RocalLoader.state")
+            fresh = loaders.LoaderState.start(self.num_samples, self.num_shards, self.batch_size,
+                                              epoch=epoch, seed=self.seed, shuffle=self.shuffle,
+                                              last_batch=self.last_batch)
+        else:
+            fresh = self._resumed("RocalLoader.state", epoch, state)
+            if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < fresh.step:
+                raise ValueError(f"RocalLoader.state: step={step!r} is before the state's step "
+                                 f"{fresh.step}, where the resumed epoch starts")
+        try:
+            return fresh.at_step(step)
+        except ValueError as error:
+            raise ValueError(f"RocalLoader.state: step={step!r}: {error}") from None
+
+    def epoch(self, epoch: int, start_step: int = 0, *,
+              state: loaders.LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
+        """Steps ``start_step .. len()-1`` of ``epoch``; with ``state`` (a saved
+        ``loaders.LoaderState`` of this run), the rest of the epoch it was taken in,
+        from its step (the module docstring's "Resuming"), and ``start_step`` must
+        stay 0. Raises ValueError for an epoch outside [0, 2**32), a state of another
+        run or epoch, a start_step with a state, or (order="vendor") a state of other
+        shards; IndexError for a start_step outside [0, len()]. The pipelines are
+        built, and the epoch's files written, at the first ``next()``."""
         loaders.check_seed("epoch", epoch, "RocalLoader.epoch")
+        if state is not None:
+            st = self._resumed("RocalLoader.epoch", epoch, state)
+            if start_step != 0:
+                raise ValueError(f"RocalLoader.epoch: start_step={start_step!r} with a state; the state "
+                                 f"says where the epoch resumes (step {state.step})")
+            if self.order == "vendor":  # one segment (0, n, B): the saved shards' fresh epoch
+                return self._vendor_steps(epoch, st.step)
+            plan, row = st.plan()
+            return self._plan_steps(epoch, plan, row, st.step)
         if not 0 <= start_step <= len(self):
             raise IndexError(f"RocalLoader.epoch: start_step={start_step} is outside [0, {len(self)}]")
         if self.order == "plan":
-            return self._plan_steps(epoch, self.plan(epoch), start_step)
+            return self._plan_steps(epoch, self.plan(epoch), start_step, start_step)
         return self._vendor_steps(epoch, start_step)
 
     def close(self) -> None:
         """Nothing to release: pipelines live as long as one epoch's iterator."""
 
+    def _resumed(self, where: str, epoch: int, state) -> loaders.LoaderState:
+        """``state`` checked against this run and ``epoch`` (as loaders.Loader checks
+        it), resized to this loader's shards; order="vendor" refuses a resize."""
+        if not isinstance(state, loaders.LoaderState):
+            raise ValueError(f"{where}: state must be a loaders.LoaderState (LoaderState.from_json "
+                             f"reads a saved one), got {type(state).__name__}")
+        state.check_same_run(where, num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle,
+                             last_batch=self.last_batch)
+        if epoch != state.epoch:
+            raise ValueError(f"{where}: epoch={epoch!r}, but the state is of epoch {state.epoch}; a state "
+                             f"resumes its own epoch (the next one is fresh: epoch({state.epoch + 1}))")
+        st = state.resized(self.num_shards, self.batch_size)
+        if self.order == "vendor" and len(st.segments) > 1:
+            raise ValueError(
+                f"{where}: order='vendor' resumes only on the shards and batch that wrote the state "
+                f"(segments {[tuple(x) for x in state.segments]}; this loader: {self.num_shards} shards "
+                f"x {self.batch_size}), and only by reading its steps again: rocAL has no checkpoint "
+                f"and no seek (a reset moves the read position on), so this backend reaches step s by "
+                f"reading and dropping steps 0..s-1 of fresh pipelines, and which samples were "
+                f"delivered is rocAL's order on the old shards, which pipelines over other shards "
+                f"cannot skip. Use order='plan' (loaders.elastic_plan's order, on any shard count)")
+        return st
+
     # ---- order="plan" ------------------------------------------------------
 
-    def _plan_steps(self, epoch: int, plan: loaders.Plan, start: int):
+    def _plan_steps(self, epoch: int, plan: loaders.Plan, row: int, first: int):
+        """Rows ``row ..`` of ``plan`` (a fresh epoch's or a resumed segment's), global
+        steps ``first ..`` of the epoch."""
         local, B = loaders.local_positions(self.mesh), self.batch_size
-        if start == len(self):
+        stop = len(plan.indices)
+        if row == stop:  # nothing left (drop's segment of 0 steps, or a state at the end)
             return
         os.makedirs(self.cache_dir, exist_ok=True)
         scratch = tempfile.mkdtemp(dir=self.cache_dir, prefix=f".rocal-epoch-{epoch}-")
@@ -450,7 +543,7 @@ class RocalLoader:
             for k in local:
                 folder = os.path.join(scratch, f"shard-{k:05d}")
                 os.mkdir(folder)
-                rows = plan.indices[start:, k].reshape(-1)  # padding slots included: rocAL pads nothing
+                rows = plan.indices[row:, k].reshape(-1)  # padding slots included: rocAL pads nothing
                 # TAIL_BATCHES more (never run): see TAIL_BATCHES.
                 rows = np.concatenate([rows, np.full(TAIL_BATCHES * B, rows[-1])])
                 loaders.write_cifar10(os.path.join(folder, SHARD_FILE), self.images[rows], self.labels[rows])
@@ -458,19 +551,19 @@ class RocalLoader:
                 _check_remaining(pipelines[k], f"rocAL, shard {k}, epoch {epoch}", len(rows),
                                  f"a file of {len(rows)} records (whole batches of {B})")
             devices = list(self.mesh.devices.flat)
-            for step in range(start, len(self)):
-                where = f"rocAL, shard {{}} on {{}}, epoch {epoch} step {step}"
+            for r in range(row, stop):
+                where = f"rocAL, shard {{}} on {{}}, epoch {epoch} step {first + r - row}"
                 transfers.before_runs()
                 blocks = {}
                 for k in local:
                     here = where.format(k, devices[k])
-                    images, labels = self._run(pipelines[k], devices[k], (len(self) - step + TAIL_BATCHES) * B,
+                    images, labels = self._run(pipelines[k], devices[k], (stop - r + TAIL_BATCHES) * B,
                                                here, transfers)
-                    want = self.labels[plan.indices[step, k]]
+                    want = self.labels[plan.indices[r, k]]
                     if not np.array_equal(labels, want):
                         raise RuntimeError(f"{here}: rocAL read labels {labels.tolist()} from the epoch's "
                                            f"file, which holds {want.tolist()} there")
-                    blocks[k] = {"images": images, "labels": labels, "mask": plan.mask[step, k]}
+                    blocks[k] = {"images": images, "labels": labels, "mask": plan.mask[r, k]}
                 transfers.after_runs()
                 yield loaders.global_batch(blocks, self.mesh, self.layout)
         finally:
@@ -487,7 +580,7 @@ class RocalLoader:
         pipelines, transfers = {}, _Transfers(self.dlpack)
         runs = {k: 0 for k in self.shards}
         seen = {k: 0 for k in self.shards}  # slots holding the shard's last record
-        real = 0
+        real = [0] * len(self)  # real slots per step, every shard of this process
         try:
             for k, shard in self.shards.items():
                 native = dict(shard_id=k, num_shards=self.num_shards) if self.sharding == "rocal" else {}
@@ -511,7 +604,7 @@ class RocalLoader:
                             f"{here}: the shard's last record sits in slots {np.flatnonzero(~mask).tolist()} "
                             f"as padding, the plan pads slots {np.flatnonzero(~plan_mask[step, k]).tolist()}: "
                             f"rocAL's order is not the plan's, so the mask cannot be the plan's")
-                    real += int(mask.sum())
+                    real[step] += int(mask.sum())
                     blocks[k] = {"images": images, "labels": labels, "mask": mask}
                 transfers.after_runs()
                 if step >= start:  # resuming: the steps before are read by rocAL and dropped
@@ -530,7 +623,7 @@ class RocalLoader:
                         f"own records, so {found} padding copies; rocAL padded {shard.padded}. The masks "
                         f"of this epoch cannot be trusted")
             if len(self.shards) == self.num_shards:
-                self.known_real["count"] = real
+                self.known_real["steps"] = real
         finally:
             transfers.drain()
             release_pipelines(pipelines, f"rocAL, epoch {epoch}")
