@@ -54,6 +54,21 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# One XLA compilation cache for the whole run, shared by this process, pytest-xdist's workers
+# (they inherit this environment) and every child process (child_env): the same program is
+# compiled once per run, not once per process that needs it (the refimpl.py children compile
+# the same steps; a quarter of the suite's CPU time on 2 cores). It starts empty and is
+# removed at the end (pytest_unconfigure), so every run is timed cold; a JAX cache the user
+# configured (JAX_COMPILATION_CACHE_DIR) is used as it is instead. A hit returns the
+# executable that the same program, options, backend and JAX version compiled to: the bits
+# the tests check are those of a fresh compilation.
+_OWN_XLA_CACHE = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _OWN_XLA_CACHE = tempfile.mkdtemp(prefix="refimpl-tests-xla-cache-")
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_OWN_XLA_CACHE,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",  # JAX's defaults skip
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # the small programs
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -313,7 +328,17 @@ def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow")
 
 
+# The files that take longest (seconds of one core, measured on 2 cores), run first: xdist's
+# loadfile hands whole files to workers as they come free, so a long file started last would
+# leave one worker running alone at the end. A file not named here goes after these.
+HEAVY_FIRST = ("test_equivalence.py", "test_dali.py", "test_refimpl.py", "test_multiprocess.py",
+               "test_rocal.py", "test_loaders.py", "test_resume.py", "test_own_job.py", "test_bench.py",
+               "test_model.py", "test_harness.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))  # stable
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow (about 20 s): run with --run-slow")
@@ -344,6 +369,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: launches several JAX processes (jax.distributed)")
     config.addinivalue_line("markers", "rocal: needs amd.rocal (rocAL's CPU or GPU backend)")
     config.addinivalue_line("markers", "dali: needs nvidia.dali (runs its CPU pipelines)")
+
+
+def pytest_unconfigure(config):
+    if _OWN_XLA_CACHE and not os.environ.get("PYTEST_XDIST_WORKER"):  # the process that made it
+        shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)
 
 
 def watchdog_seconds(item) -> float | None:
