@@ -1242,8 +1242,10 @@ def test_refimpl_dali_and_reference_resize_to_identical_params(tmp_path):
     delivered exactly once across the change, and end with the very same params. The
     issue's two resizes, through DALI, run with --run-slow."""
     data = loaders.synthetic_cifar10(tmp_path / "data", num_train=96, num_test=16, seed=2)
+    # The notebook's MLP with narrow hidden layers (the same code, a fraction of the compute).
     common = ["--data-dir", data, "--cache-dir", str(tmp_path), "--epochs", "1", "--batch-size", "4",
-              "--eval-batch-size", "16", "--strategies", "sharded", "--normalize", "dali_cpu", "--seed", "5"]
+              "--eval-batch-size", "16", "--strategies", "sharded", "--normalize", "dali_cpu", "--seed", "5",
+              "--hidden", "64,64"]
     backends = ("dali", "reference")
     outputs = refimpl_resized(tmp_path, common, backends, ["--devices", "4", "--stop-after-step", "2"],
                               ["--devices", "3"])
@@ -1258,7 +1260,7 @@ def test_refimpl_dali_and_reference_resize_to_identical_params(tmp_path):
         assert f"steps 1-2 on 4 cpu device(s) x 4 ({how}): 32; steps 3-8 on 3 cpu device(s) x 4" in line, line
     assert_same_params(tmp_path, backends, 6)
     # The params did train (a loader that delivered nothing would also agree).
-    assert not np.array_equal(np.load(tmp_path / "dali.npz")["sharded/0"], model_init_leaf0())
+    assert not np.array_equal(np.load(tmp_path / "dali.npz")["sharded/0"], model_init_leaf0((3072, 64, 64, 10)))
 
 
 # Issue 25's two resizes: (name, stop options, resume options, the stopped run, the resumed run).
@@ -1325,9 +1327,9 @@ def test_params_out_is_checked_before_any_work(tmp_path, capsys):
         assert info.value.code == 2 and f"--params-out {path}: " in err and why in err, err
 
 
-def model_init_leaf0():
+def model_init_leaf0(layers=None):
     import model
-    return np.asarray(jax.tree.leaves(model.init_model(model.LAYERS))[0])
+    return np.asarray(jax.tree.leaves(model.init_model(layers or model.LAYERS))[0])
 
 
 # --------------------------------------------------------------------------

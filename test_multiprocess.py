@@ -133,7 +133,7 @@ def refimpl_runs(dataset):
         "missing peer": refimpl + ["--devices", "4", "--num-processes", "2", "--process-id", "0",
                                    "--coordinator", coordinator, "--peer-timeout", "3"],
         # 1000 samples over 8 devices at batch 64: 2 steps an epoch.
-        "local processes": refimpl + ["--batch-size", "64", "--local-processes", "2"],
+        "local processes": refimpl + ["--batch-size", "64", "--local-processes", "2", "--hidden", "64,64"],
     }
     return dict(zip(commands, run_children(list(commands.values()), timeout=100, cwd=HERE)))
 

@@ -107,7 +107,7 @@ def test_placements_train_identically_and_auto_says_its_choice(runs):
 # MNIST, the DALI notebook's dataset, also holds the strategy choice and the drop policy.
 RUNS["mnist, pmap, drop"] = ["--dataset", "mnist", "--cache-dir", "{tmp}/mnist", "--epochs", "2",
                              "--strategies", "pmap", "--batch-size", "300", "--devices", "2",
-                             "--last-batch", "drop"]
+                             "--last-batch", "drop", "--hidden", "64,64"]
 
 
 def test_mnist_the_dali_notebooks_dataset(runs):
@@ -129,7 +129,7 @@ def test_strategy_order_and_drop_policy(runs):
 # As "every strategy" (there: sharded and single end a few ulps apart on CPU, within
 # strategies.ulp_bound, exit 0), here held to --max-ulps-per-step 0.
 RUNS["outside the bound"] = ["--data-dir", "{data}", "--epochs", "1", "--batch-size", "32", "--devices", "2",
-                             "--strategies", "sharded,single", "--max-ulps-per-step", "0"]
+                             "--strategies", "sharded,single", "--max-ulps-per-step", "0", "--hidden", "64,64"]
 
 
 def test_params_outside_the_bound_are_said_last_and_exit_1(runs):
@@ -157,6 +157,7 @@ REFUSED = {
     "unknown strategy": (["--data-dir", "{data}", "--strategies", "sharded,warp"], ["--strategies", "warp"]),
     "seed": (["--seed", str(2**32)], ["--seed", "2**32"]),
     "negative lr": (["--lr", "-0.1"], ["--lr must be > 0", "-0.1"]),
+    "a hidden width of 0": (["--hidden", "64,0"], ["--hidden '64,0'", "positive integers"]),
     "zero lr": (["--lr", "0"], ["--lr must be > 0", "got 0.0"]),
     "process id too large": (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
                              ["--process-id 2 is outside 0..1"]),

@@ -381,7 +381,8 @@ def test_a_checkpoint_write_that_dies_leaves_the_previous_one(tmp_path, monkeypa
 @pytest.mark.parametrize("change, field", [
     (["--seed", "1"], "--seed=0"), (["--strategies", "sharded"], "--strategies="),
     (["--last-batch", "drop"], "--last-batch="), (["--lr", "0.01"], "--lr="),
-    (["--matmul-precision", "high"], "--matmul-precision="), (["--dataset", "mnist"], "--dataset=")])
+    (["--matmul-precision", "high"], "--matmul-precision="), (["--dataset", "mnist"], "--dataset="),
+    (["--hidden", "64,64"], "--hidden=")])
 def test_a_checkpoint_of_another_run_is_refused_naming_the_field(change, field):
     train = (np.zeros((4, 3, 2, 2), np.uint8), np.arange(4, dtype=np.int32))
     saved = refimpl.run_identity(refimpl.parse_args([]), train, "rocal")
@@ -444,7 +445,7 @@ def exactly_once_lines(out):
 
 def test_refimpl_stops_on_4_devices_and_resumes_on_3(tiny_dir, tmp_path):
     common = ["--data-dir", tiny_dir, "--epochs", "1", "--batch-size", "4", "--eval-batch-size", "16",
-              "--strategies", "sharded,pmap"]
+              "--strategies", "sharded,pmap", "--hidden", "64,64"]  # narrow: the same code, less compute
     out = refimpl_run(*common, "--devices", "4", "--stop-after-step", "2", "--checkpoint-dir",
                       str(tmp_path / "ck"))
     assert "stopped after run step 2 (epoch 1, step 2)" in out, out

@@ -1984,7 +1984,9 @@ def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_
     test_dali's runs sharded) each report every sample of the interrupted epoch delivered
     exactly once across the change, and end with the same final params, bit for bit; rocAL's
     console lines are kept off the output. The issue's two resizes run with --run-slow."""
-    common = ["--epochs", "1", "--batch-size", "4", "--eval-batch-size", "16", "--strategies", "pmap"]
+    # The notebook's MLP with narrow hidden layers (the same code, a fraction of the compute).
+    common = ["--epochs", "1", "--batch-size", "4", "--eval-batch-size", "16", "--strategies", "pmap",
+              "--hidden", "64,64"]
     outputs = refimpl_resized(tiny_cifar, tmp_path, common, ["--devices", "4", "--stop-after-step", "2"],
                               ["--devices", "3"])
     rocal = outputs["rocal"]
@@ -1998,7 +2000,7 @@ def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_
         assert f"steps 1-2 on 4 cpu device(s) x 4 ({how}): 32; steps 3-8 on 3 cpu device(s) x 4" in line, line
     assert_same_params_after_the_resize(tmp_path, 6)
     import model
-    initial = np.asarray(jax.tree.leaves(model.init_model(model.LAYERS))[0])
+    initial = np.asarray(jax.tree.leaves(model.init_model((3072, 64, 64, 10)))[0])
     assert bits_differ(np.load(tmp_path / "rocal.npz")["pmap/0"], initial), "the params did not train"
 
 
