@@ -12,7 +12,8 @@ Guarantees checked:
   vocabulary 500, embedding + mean pool + linear, 5 classes, a dict of params; 120
   steps) and the MLP (40 steps): within the growth-scaled bound at the rates that
   hold (token lr 5, MLP lr 0.5), "outside the domain where a bound is derived" at
-  the rates where a difference grows chaotically (token lr 20 and 40, MLP lr 5),
+  the rates where a difference grows chaotically (token lr 20, MLP lr 5; lr 40 in
+  ``python test_equivalence.py rates``),
   never OUTSIDE for a correct pair, never "within" for a dropped device.
 * negative controls: a strategy that drops one device's gradient and one whose
   gradient is off by a relative 1e-6 are OUTSIDE at the small rates (token lr 5
@@ -21,15 +22,18 @@ Guarantees checked:
   rounding-sized bound: ``python test_equivalence.py rates``); the notebooks'
   ``pmean(grads)`` with uneven masks and the shard_map port that trains with n
   times the gradient.
-* the strategies follow the mesh: on CPU devices [4, 5, 6, 7] and in a
-  permuted order they give the same params as on [0, 1, 2, 3], pmap's results
+* the strategies follow the mesh: on CPU devices [6, 4, 7] they give the same
+  params as on [0, 1, 2], pmap's results on [4, 5, 6, 7] and a permuted order
   stay on the mesh's devices (a pmap without ``devices=`` is caught), and
   ``single`` keeps its state on the mesh's first device, not JAX's default.
 * a batch in the wrong layout is refused with a message naming the layout; host
   (NumPy) batches are placed on the mesh: the same bits as the loader's arrays.
-* end to end: one epoch of the real loader (dataset resident on the devices)
-  and the full-size MLP gives equal params and equal test accuracy with every
-  strategy (the placements' batches are bit-identical: test_loaders.py).
+* end to end: one epoch of the real loader (dataset resident on the devices,
+  1000 images, 32 steps of 8 x 4) gives equal params and equal test accuracy
+  with every strategy (the placements' batches are bit-identical:
+  test_loaders.py); the MLP is the small one here (the same code, a 3072-wide
+  input), the notebooks' full-size one trains through every strategy in
+  test_refimpl.py's ``every strategy`` run.
 * any model: the property test draws the model too, from two shapes passed in
   as pure functions: the notebooks' MLP over images (a list of (w, b)) and a
   linear softmax over 40 float features with 3 classes (a dict of params).
@@ -209,7 +213,7 @@ def test_parallel_strategies_agree_and_match_single(count_mesh, small_params):
     platform = mesh.devices.flat[0].platform
     initial = {"mlp": small_params, "linear": linear_init()}
 
-    @settings(max_examples=examples(15 if n == 8 else 6))
+    @settings(max_examples=examples(10 if n == 8 else 4))
     @given(seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 8), counts=real_counts(n),
            learning_rate=st.sampled_from([1e-3, 1e-2, 0.1, 0.5]), kind=st.sampled_from(list(MODELS)))
     def check(seed, steps, counts, learning_rate, kind):
@@ -384,15 +388,15 @@ def long_hosts(kind: str, steps: int) -> list:
 
 
 def test_a_correct_run_is_never_outside_at_any_rate(pair_mesh):
-    # The issue's runs: 120 steps, lr 5 (held), 20 and 40 (413,484 and 69,561 ulps against a
-    # count-only bound of 240, while training converged); the MLP at 0.5 and 5, 40 steps.
+    # The issue's runs: 120 steps, lr 5 (held) and 20 (413,484 ulps against a count-only
+    # bound of 240, while training converged; lr 40, alike: ``python test_equivalence.py
+    # rates``); the MLP at 0.5 and 5, 40 steps.
     token = long_hosts("token", 120)
     held = verdicts("token", token, pair_mesh, 5.0, {})
     assert held["sharded"].case in ("identical", "within"), held["sharded"].text
     chaotic = verdicts("token", token, pair_mesh, 20.0, {"dropped device": dropped_device})
     assert chaotic["sharded"].case == "outside the domain", chaotic["sharded"].text  # never OUTSIDE
     assert chaotic["dropped device"].case != "within", chaotic["dropped device"].text
-    assert verdicts("token", token, pair_mesh, 40.0, {})["sharded"].case == "outside the domain"
     mlp = long_hosts("mlp", 40)
     assert verdicts("mlp", mlp, pair_mesh, 0.5, {})["sharded"].case in ("identical", "within")
     assert verdicts("mlp", mlp, pair_mesh, 5.0, {})["sharded"].case == "outside the domain"
@@ -425,11 +429,12 @@ def cpu_mesh(ids) -> jax.sharding.Mesh:
 
 
 def test_strategies_on_other_devices_give_the_same_params():
-    # CPU devices 4..7, permuted: neither the default devices nor their order. The
+    # CPU devices 4, 6 and 7, permuted: neither the default devices nor their order. The
     # linear model (quick to compile): where a strategy runs does not depend on the model.
-    ids = (6, 4, 7, 5)
-    base, other = cpu_mesh((0, 1, 2, 3)), cpu_mesh(ids)
-    hosts = host_batches(seed=11, steps=2, n=4, real_per_device=[4, 1, 0, 3], kind="linear")
+    # (CPU 0-2 is the 3-device mesh of the property test above: its steps are compiled.)
+    ids = (6, 4, 7)
+    base, other = cpu_mesh((0, 1, 2)), cpu_mesh(ids)
+    hosts = host_batches(seed=11, steps=2, n=3, real_per_device=[4, 1, 0], kind="linear")
     for name, fn in strategies.STRATEGIES.items():
         want = train(name, fn, linear_init(), hosts, 0.1, base, linear_loss_terms)[0]
         got = train(name, fn, linear_init(), hosts, 0.1, other, linear_loss_terms)[0]
@@ -691,16 +696,17 @@ def test_n_times_gradient_shard_map_port_is_caught(mesh, small_params):
 
 
 # --------------------------------------------------------------------------
-# End to end through the real loader with the notebooks' full-size MLP
+# End to end through the real loader (the full-size MLP: test_refimpl.py)
 # --------------------------------------------------------------------------
 
 
-def test_one_epoch_end_to_end(synthetic_dir, mesh, devices):
-    params0 = model.init_model()
+def test_one_epoch_end_to_end(synthetic_dir, mesh, devices, small_params):
+    params0 = small_params
     test_loader = loaders.make_loader(synthetic_dir, devices[:1], 50, filename_prefix=loaders.TEST_PREFIX)
     trained, accuracy = {}, {}
     for name, fn in strategies.STRATEGIES.items():
-        train_loader = loaders.make_loader(synthetic_dir, mesh, 16, layout=strategies.LAYOUT[name],
+        # B (4 per device, the property test's shapes: its compiled steps serve here too)
+        train_loader = loaders.make_loader(synthetic_dir, mesh, B, layout=strategies.LAYOUT[name],
                                            shuffle=True, seed=7, placement="device")
         trained[name], losses, _ = fn(params0, train_loader.epoch(0), mesh, loss_terms=model.loss_terms,
                                       optimizer=strategies.sgd(0.001))

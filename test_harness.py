@@ -181,17 +181,23 @@ def test_the_watchdog_fails_a_hung_test_with_its_stack(tmp_path, request):
     assert config.getini("faulthandler_exit_on_timeout") is True
     (tmp_path / "test_hung.py").write_text(HUNG_TESTS)
     ini = os.path.join(HERE, "pytest.ini")
+    # The native wait through xdist as the suite runs (pytest.ini's addopts), with one worker:
+    # a worker that faulthandler ends is not replaced (--max-worker-restart=0 there), so the
+    # run ends. The Python wait in this process (-n 0): pytest-timeout acts inside the
+    # process running the test, an xdist worker or not.
     common = [sys.executable, "-m", "pytest", "-c", ini, "--rootdir", str(tmp_path), "-p", "no:cacheprovider",
               "-q", str(tmp_path / "test_hung.py")]
     start = time.monotonic()
     (python_code, python_out, python_err), (native_code, native_out, native_err) = run_children([
-        common + ["-k", "python", "-o", "timeout=1"],
-        common + ["-k", "native", "-o", "timeout=0", "-o", "faulthandler_timeout=1"]], timeout=60)
+        common + ["-n", "0", "-k", "python", "-o", "timeout=1"],
+        common + ["-n", "1", "-k", "native", "-o", "timeout=0", "-o", "faulthandler_timeout=1"]], timeout=60)
     assert time.monotonic() - start < 30
     assert python_code == 1 and "1 failed" in python_out and "Failed: Timeout" in python_out, python_out
     assert "test_waits_in_python" in python_out and "threading.Event().wait()" in python_out, python_out
     assert native_code == 1, (native_code, native_out, native_err)
-    assert "Timeout (0:00:01)!" in native_err and "in test_waits_in_native" in native_err, native_err
+    native = native_out + native_err
+    assert "Timeout (0:00:01)!" in native and "in test_waits_in_native" in native, native
+    assert "crashed while running 'test_hung.py::test_waits_in_native'" in native, native
 
 
 def test_the_deeper_profiles_scale_the_watchdog(request):
