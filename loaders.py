@@ -822,6 +822,24 @@ class LoaderState:
         return cls(**{k: doc[k] for k in keys[1:-1]}, segments=tuple(doc["segments"]))
 
 
+def resume_state(where: str, state, epoch: int, *, num_samples: int, seed: int, shuffle: bool,
+                 last_batch: str, num_shards: int, batch_size: int) -> LoaderState:
+    """The state from which a loader of this run (``num_samples``, ``seed``, ``shuffle``,
+    ``last_batch``) over ``num_shards`` shards of ``batch_size`` resumes ``epoch``:
+    ``state`` resized to those shards (``LoaderState.resized``), after checking that it is
+    a LoaderState, of this run (``check_same_run``) and of this epoch. ValueError naming
+    ``where`` otherwise. Every backend that resumes from a state (Loader, and the vendor
+    loaders built on this module) checks it here."""
+    if not isinstance(state, LoaderState):
+        raise ValueError(f"{where}: state must be a loaders.LoaderState (LoaderState.from_json "
+                         f"reads a saved one), got {type(state).__name__}")
+    state.check_same_run(where, num_samples=num_samples, seed=seed, shuffle=shuffle, last_batch=last_batch)
+    if epoch != state.epoch:
+        raise ValueError(f"{where}: epoch={epoch!r}, but the state is of epoch {state.epoch}; a state "
+                         f"resumes its own epoch (the next one is fresh: epoch({state.epoch + 1}))")
+    return state.resized(num_shards, batch_size)
+
+
 def _check_int(where: str, name: str, value, minimum: int) -> None:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{where}: {name} must be an int, got {value!r}")
@@ -1579,15 +1597,9 @@ class Loader:
 
     def _resumed(self, where: str, epoch: int, state) -> LoaderState:
         """``state`` checked against this loader's run and ``epoch``, resized to its shards."""
-        if not isinstance(state, LoaderState):
-            raise ValueError(f"{where}: state must be a loaders.LoaderState (LoaderState.from_json "
-                             f"reads a saved one), got {type(state).__name__}")
-        state.check_same_run(where, num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle,
-                             last_batch=self.last_batch)
-        if epoch != state.epoch:
-            raise ValueError(f"{where}: epoch={epoch!r}, but the state is of epoch {state.epoch}; a state "
-                             f"resumes its own epoch (the next one is fresh: epoch({state.epoch + 1}))")
-        return state.resized(self.num_shards, self.batch_size)
+        return resume_state(where, state, epoch, num_samples=self.num_samples, seed=self.seed,
+                            shuffle=self.shuffle, last_batch=self.last_batch, num_shards=self.num_shards,
+                            batch_size=self.batch_size)
 
     def host_rows(self, plan: Plan, step: int) -> dict[str, np.ndarray]:
         """This process's rows at ``step`` of ``plan``: (n_local * B, ...) per name, its

@@ -507,15 +507,9 @@ class RocalLoader:
     def _resumed(self, where: str, epoch: int, state) -> loaders.LoaderState:
         """``state`` checked against this run and ``epoch`` (as loaders.Loader checks
         it), resized to this loader's shards; order="vendor" refuses a resize."""
-        if not isinstance(state, loaders.LoaderState):
-            raise ValueError(f"{where}: state must be a loaders.LoaderState (LoaderState.from_json "
-                             f"reads a saved one), got {type(state).__name__}")
-        state.check_same_run(where, num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle,
-                             last_batch=self.last_batch)
-        if epoch != state.epoch:
-            raise ValueError(f"{where}: epoch={epoch!r}, but the state is of epoch {state.epoch}; a state "
-                             f"resumes its own epoch (the next one is fresh: epoch({state.epoch + 1}))")
-        st = state.resized(self.num_shards, self.batch_size)
+        st = loaders.resume_state(where, state, epoch, num_samples=self.num_samples, seed=self.seed,
+                                  shuffle=self.shuffle, last_batch=self.last_batch,
+                                  num_shards=self.num_shards, batch_size=self.batch_size)
         if self.order == "vendor" and len(st.segments) > 1:
             raise ValueError(
                 f"{where}: order='vendor' resumes only on the shards and batch that wrote the state "
