@@ -442,8 +442,10 @@ def test_strategies_on_other_devices_give_the_same_params():
 
 
 def pmap_outputs_on_the_mesh(step_fn, mesh, params) -> None:
-    """Runs one pmap step and checks that replica k of every output is on mesh position k."""
-    host = host_batches(seed=12, steps=1, n=mesh.devices.size, real_per_device=[B] * mesh.devices.size)[0]
+    """Runs one pmap step of the linear model and checks that replica k of every output is
+    on mesh position k."""
+    host = host_batches(seed=12, steps=1, n=mesh.devices.size, real_per_device=[B] * mesh.devices.size,
+                        kind="linear")[0]
     state = strategies.stack_replicas((params, strategies.sgd(0.1).init(params)), mesh)
     new, losses = step_fn(state, place(host, mesh, "pmap"))
     for leaf in jax.tree.leaves(new) + [losses]:
@@ -452,22 +454,22 @@ def pmap_outputs_on_the_mesh(step_fn, mesh, params) -> None:
 
 
 @pytest.mark.parametrize("ids", [(4, 5, 6, 7), (6, 4, 7, 5)], ids=["cpu4-7", "permuted"])
-def test_pmap_results_stay_on_the_mesh(small_params, ids):
+def test_pmap_results_stay_on_the_mesh(ids):
     mesh = cpu_mesh(ids)
-    step = strategies.pmap_step(model.loss_terms, strategies.sgd_update, tuple(mesh.devices.flat))
-    pmap_outputs_on_the_mesh(step, mesh, small_params)
+    step = strategies.pmap_step(linear_loss_terms, strategies.sgd_update, tuple(mesh.devices.flat))
+    pmap_outputs_on_the_mesh(step, mesh, linear_init())
 
 
-def test_pmap_without_devices_is_caught(small_params):
+def test_pmap_without_devices_is_caught():
     # Negative control: the notebooks' pmap (no devices=) maps over the default
     # backend's first devices. On CPU devices [4..7] its results come back on
     # [0..3] (on a GPU host it fails outright); either way the check catches it.
-    legacy = jax.pmap(strategies._parallel_step(model.loss_terms, strategies.sgd_update),
+    legacy = jax.pmap(strategies._parallel_step(linear_loss_terms, strategies.sgd_update),
                       axis_name=strategies.AXIS)
     on_cpu = jax.devices()[0].platform == "cpu"
     with pytest.raises(AssertionError if on_cpu else Exception,
                        match=r"pmap's results are on \[CpuDevice\(id=0\)" if on_cpu else None):
-        pmap_outputs_on_the_mesh(legacy, cpu_mesh((4, 5, 6, 7)), small_params)
+        pmap_outputs_on_the_mesh(legacy, cpu_mesh((4, 5, 6, 7)), linear_init())
 
 
 @pytest.mark.parametrize("name, given", [("pmap", "sharded"), ("sharded", "pmap"),
