@@ -96,7 +96,8 @@ def test_a_hung_child_fails_within_its_bound_with_its_stacks(tmp_path):
 
 def test_a_childs_own_children_are_dumped_and_killed(tmp_path):
     # As refimpl --local-processes does: the child starts a process in a session of its own,
-    # out of reach of a kill of the child's process group.
+    # out of reach of a kill of the child's process group. (Neither imports JAX; both inherit
+    # run_children's child_env, JAX_PLATFORMS=cpu.)
     (tmp_path / "hung.py").write_text(HUNG)
     (tmp_path / "parent.py").write_text(
         "import subprocess, sys, time\n"
