@@ -375,14 +375,7 @@ class DaliLoader:
         order="vendor" refuses a ``state`` of other shards as ``epoch`` does."""
         if state is None:
             return self.spec.state(epoch, step)
-        fresh = self._resumed("DaliLoader.state", epoch, state)
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < fresh.step:
-            raise ValueError(f"DaliLoader.state: step={step!r} is before the state's step {fresh.step}, "
-                             f"where the resumed epoch starts")
-        try:
-            return fresh.at_step(step)
-        except ValueError as error:
-            raise ValueError(f"DaliLoader.state: step={step!r}: {error}") from None
+        return self._resumed("DaliLoader.state", epoch, state).saved_at("DaliLoader.state", step, resumed=True)
 
     def describe(self) -> str:
         import nvidia.dali

@@ -752,6 +752,19 @@ class LoaderState:
         """The same epoch on the same shards at another ``step`` (validated as above)."""
         return dataclasses.replace(self, step=step)
 
+    def saved_at(self, where: str, step, *, resumed: bool) -> "LoaderState":
+        """What a loader's ``state(epoch, step)`` returns from this state: ``at_step(step)``,
+        its ValueError prefixed with ``where`` and the step. A state the epoch was
+        resumed from (``resumed``) also refuses a step before its own, where the
+        resumed epoch starts. Every backend's ``state`` ends here."""
+        if resumed and (not _is_int(step) or step < self.step):
+            raise ValueError(f"{where}: step={step!r} is before the state's step {self.step}, "
+                             f"where the resumed epoch starts")
+        try:
+            return self.at_step(step)
+        except ValueError as error:
+            raise ValueError(f"{where}: step={step!r}: {error}") from None
+
     def resized(self, num_shards: int, batch_size: int) -> "LoaderState":
         """The state a loader of ``num_shards`` shards of ``batch_size`` resumes from, at
         the same step. A last segment that has run no step yet (step == its start) is
@@ -1587,13 +1600,7 @@ class Loader:
                                       seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch)
         else:
             fresh = self._resumed("Loader.state", epoch, state)
-            if not _is_int(step) or step < fresh.step:
-                raise ValueError(f"Loader.state: step={step!r} is before the state's step "
-                                 f"{fresh.step}, where the resumed epoch starts")
-        try:
-            return fresh.at_step(step)
-        except ValueError as error:
-            raise ValueError(f"Loader.state: step={step!r}: {error}") from None
+        return fresh.saved_at("Loader.state", step, resumed=state is not None)
 
     def _resumed(self, where: str, epoch: int, state) -> LoaderState:
         """``state`` checked against this loader's run and ``epoch``, resized to its shards."""

@@ -468,13 +468,7 @@ class RocalLoader:
                                               last_batch=self.last_batch)
         else:
             fresh = self._resumed("RocalLoader.state", epoch, state)
-            if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < fresh.step:
-                raise ValueError(f"RocalLoader.state: step={step!r} is before the state's step "
-                                 f"{fresh.step}, where the resumed epoch starts")
-        try:
-            return fresh.at_step(step)
-        except ValueError as error:
-            raise ValueError(f"RocalLoader.state: step={step!r}: {error}") from None
+        return fresh.saved_at("RocalLoader.state", step, resumed=state is not None)
 
     def epoch(self, epoch: int, start_step: int = 0, *,
               state: loaders.LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:

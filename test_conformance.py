@@ -219,7 +219,7 @@ def test_non_integer_negative_and_non_finite_floats_encode_nothing(dtype):
     values = np.array([2.5, 0.5, -1.0, -2.0, -96.0, -0.0, np.inf, -np.inf, np.nan, 3.0], np.float64)
     samples = np.repeat(values[:, None], 4, axis=1).astype(dtype)
     # -0.0 is the integer 0; 3.0 is 3: the controls that decode.
-    assert conformance.decode_indices(samples).tolist() == [-1, -1, -1, -1, -1, 0, -1, -1, -1, 3]
+    np.testing.assert_array_equal(conformance.decode_indices(samples), [-1, -1, -1, -1, -1, 0, -1, -1, -1, 3])
 
 
 LIMITS = {np.uint8: 65536, np.float16: 2048, ml_dtypes.bfloat16: 256, np.float32: 2**24,
