@@ -56,11 +56,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import loaders
 import model
 import strategies
+from arithmetic import Normalize
+from cifar_mnist import RECORD_BYTES, read_cifar10, synthetic_cifar10
+from plan import shard_bounds
 
 GLOBAL_BATCHES = (128, 1024)  # training; per device 16 and 128 on 8 devices
 REFERENCE = "reference, host"  # the row the others are compared with
 LEARNING_RATE = 0.01
-MEAN = STD = np.float32(127.5)  # loaders.Normalize()'s default, written out for the peers
+MEAN = STD = np.float32(127.5)  # arithmetic.Normalize()'s default, written out for the peers
 
 
 # --------------------------------------------------------------------------
@@ -113,7 +116,7 @@ def naive_batches(images, labels, mesh, batch_size: int, seed: int = 0):
     sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
     n = mesh.devices.size
     rng = np.random.default_rng(seed)
-    orders = [rng.permutation(np.arange(*loaders.shard_bounds(len(labels), k, n))) for k in range(n)]
+    orders = [rng.permutation(np.arange(*shard_bounds(len(labels), k, n))) for k in range(n)]
     for step in range(min(map(len, orders)) // batch_size):
         xs, ys = [], []
         for order in orders:
@@ -234,7 +237,7 @@ def dali_loader_or_none(images, labels, mesh, batch_size: int, args):
         dali_loader.import_dali()
     except ImportError:
         return None
-    norm = loaders.Normalize(arithmetic="dali_cpu")
+    norm = Normalize(arithmetic="dali_cpu")
     return dali_loader.make_dali_loader((images, labels), mesh, batch_size, shuffle=True, normalize=norm,
                                         cache_dir=args.cache_dir, num_threads=1)
 
@@ -402,7 +405,7 @@ def memory_child(root: str, batch_size: int, prefetch: int, placement: str) -> d
     jax.block_until_ready(jax.device_put(np.zeros(8), NamedSharding(mesh, P())))
     base = rss_mb()
     reset_peak()
-    images, labels = loaders.read_cifar10(root)
+    images, labels = read_cifar10(root)
     read_peak, after_read = rss_mb("VmHWM"), rss_mb()
     loader = loaders.make_loader((images, labels), mesh, batch_size, shuffle=True, prefetch=prefetch,
                                  placement=placement)
@@ -414,7 +417,7 @@ def memory_child(root: str, batch_size: int, prefetch: int, placement: str) -> d
             jax.block_until_ready(previous)
         previous = batch
     jax.block_until_ready(previous)
-    return {"raw_mb": len(labels) * loaders.RECORD_BYTES / 2**20, "batch_mb": batch_mb,
+    return {"raw_mb": len(labels) * RECORD_BYTES / 2**20, "batch_mb": batch_mb,
             "baseline_mb": base, "after_read_mb": after_read - base,
             "read_peak_mb": read_peak - base, "epoch_peak_mb": rss_mb("VmHWM") - base}
 
@@ -427,7 +430,7 @@ def donation_section(mesh, args) -> dict:
     n = mesh.devices.size
     rng = np.random.default_rng(0)
     params = model.init_model(args.donation_layers)
-    host = {"images": loaders.Normalize()(rng.integers(0, 256, (n * args.donation_batch, 3, 32, 32),
+    host = {"images": Normalize()(rng.integers(0, 256, (n * args.donation_batch, 3, 32, 32),
                                                         dtype=np.uint8)),
             "labels": rng.integers(0, 10, n * args.donation_batch).astype(np.int32),
             "mask": np.ones(n * args.donation_batch, bool)}
@@ -636,9 +639,9 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as root:
         args.cache_dir = os.path.join(root, "cache")
         data = os.path.join(root, "cifar10")
-        loaders.synthetic_cifar10(data, num_train=args.num_train, num_test=16)
+        synthetic_cifar10(data, num_train=args.num_train, num_test=16)
         start = time.perf_counter()
-        images, labels = loaders.read_cifar10(data)
+        images, labels = read_cifar10(data)
         read_s = time.perf_counter() - start
         results = {
             "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, "

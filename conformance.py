@@ -13,68 +13,38 @@ feeds each one a wrong epoch, two broken loaders (a shuffle that ignores the
 epoch, labels shifted by one sample), and two broken resumes on other devices (the
 epoch restarted from step 0, the new size's fresh plan read from the step).
 
-What it checks:
+What it checks (each describer's docstring has the whole list, and what it
+cannot see):
 
-* ``describe_epoch``, one epoch against ``loaders.epoch_plan``. In both
-  partition modes: the step count the loader reports and the batches each shard
-  delivers; slots that decode to no sample; shards delivering the same batch at
-  a step; a sample in real slots of two shards; padding slots holding samples the
-  shard delivers in no real slot. ``partition="contiguous"`` (the default) holds
-  the loader to the reference partition (shard k = [N*k//n, N*(k+1)//n)) and
-  plan: the plan's step count and masks, its order when not shuffled (a constant
-  shift named as one), only the shard's own samples, every one once in a real
-  slot (fill) or none twice (drop). ``partition="any"`` checks what every
-  sharded loader owes, whatever its partition (strided k::n, hashed, ...): every
-  shard the same step count, no sample outside range(N), every sample of
-  range(N) in exactly one real slot across all shards (fill) or at most one
-  (drop).
-* ``describe_resized_epoch``, one epoch run on a chain of shard sets (a job
-  resumed mid-epoch on other devices: ``loaders.elastic_plan``'s segments). Each
-  segment's blocks go through describe_epoch's per-shard checks with its rows
-  numbered as the epoch's global steps, held to that segment's plan (contiguous:
-  elastic_plan's step count, masks, runs, owed samples and, unshuffled, order) or
-  to what any loader owes (any: every shard of a segment the same steps); every
-  finding names its segment. Over the whole epoch: a sample in real slots of two
-  segments (named with the step and shard where the repeats start), a sample in
-  none (fill), elastic_plan's stated count (drop), the reported step count.
-* ``describe_epochs``, several epochs of one loader: two reads of one epoch are
-  the same; without shuffle every epoch is the same; with shuffle, a shard's
-  order is not repeated in another epoch (when a uniform shuffle would repeat it
-  with probability below ``CHANCE``).
-* ``describe_values``, any key (labels of any shape and dtype, float targets,
-  unnormalised samples): every slot holds its own sample's value, bit for bit
-  within a dtype (a shift by a few samples or slots named as such).
-* ``describe_content``, normalised images: the pixels equal the vendor's
-  ``Normalize`` table bit for bit (mirrored images, or a few ulps off, named so),
-  and the labels equal the file's.
+* ``describe_epoch``, one epoch against ``plan.epoch_plan``: the step count, the
+  batches, slots that decode to no sample, shards delivering one batch, samples on
+  two shards, padding that is no padding; ``partition="contiguous"`` (the default)
+  also holds the loader to the reference partition and plan (masks, order when not
+  shuffled, only its own samples, exactly once), ``partition="any"`` to what every
+  sharded loader owes whatever its partition (equal steps, exactly once).
+* ``describe_resized_epoch``, one epoch run on a chain of shard sets (a job resumed
+  mid-epoch on other devices: ``plan.elastic_plan``'s segments): the same per
+  segment, and over the whole epoch exactly once across the changes.
+* ``describe_epochs``, several epochs of one loader: reads of one epoch agree;
+  without shuffle every epoch is the same; with shuffle the order changes (when a
+  uniform shuffle would repeat it with probability below ``CHANCE``).
+* ``describe_values``, any key: every slot holds its own sample's value, bit for
+  bit (a shift by a few samples or slots named as such).
+* ``describe_content``, normalised images: the pixels are the vendor's
+  ``Normalize`` table's bits, and the labels are the file's.
 
-What it cannot see:
+What no describer can see: anything the index encoding does not carry (a crop or
+noise on a sample that still decodes, unless describe_content or describe_values
+holds the content); without masks, which slots are padding; with shuffle, whether
+the order is the plan's (only that it stays in its shard, changes with the epoch
+and covers the samples); epochs it is not given; which device a block lives on
+(decode each device's block from ``addressable_shards`` for that); speed, or
+several processes' agreement unless their blocks are described together.
 
-* Anything the index encoding does not carry: a crop, a colour change or noise
-  on a sample that still decodes; a sample's content other than its index, unless
-  ``describe_content`` or ``describe_values`` holds it to the dataset.
-* Without masks (raw pipelines), which slots are padding: with fill, a repeat
-  within one shard is then not flagged (with drop it is; a repeat across shards
-  always is).
-* With shuffle, whether the order is the plan's, or random at all: only that it
-  stays within each shard (contiguous), changes with the epoch, and covers the
-  samples. ``partition="contiguous"`` with ``shuffle=False`` is the only check
-  of the order against the plan's.
-* A shuffled shard whose repeat across epochs is likely by chance (small
-  shards, see ``describe_epochs``); epochs it is not given (a loader that repeats
-  every third epoch is caught only when given epochs three apart).
-* Which device a block lives on: ``shard_blocks`` takes mesh order as the
-  caller gives it; decode each device's block from ``addressable_shards`` to
-  check placement. Nor speed, prefetching, or several processes' agreement,
-  unless each process's blocks are gathered and described together.
-* Values in slots that decode to no sample (those are findings already).
-* Across a resize: whether the segments the caller gives are the shard sets the
-  job really ran on (they are taken as given), and, without masks, a segment with
-  fewer samples left than shards (its empty runs' padding reads as another
-  shard's samples). A resized epoch is one epoch: ``describe_epochs`` compares
-  epochs of one shard set.
-
-Needs loaders.py (the plans, elastic ones included, and the normalisation tables) and NumPy.
+Imports: plan.py (the plans, elastic ones included), arithmetic.py (the
+normalisation tables), cifar_mnist.py (CIFAR-10's image shape, a default) and
+NumPy; no JAX: it reads what a loader delivered, as host arrays. Imported by the
+tests only (and by a user's job: copy it with those three).
 """
 
 from __future__ import annotations
@@ -85,9 +55,13 @@ from collections import defaultdict
 
 import numpy as np
 
-import loaders
+from arithmetic import Normalize
+from cifar_mnist import IMAGE_SHAPE
+from plan import (LAST_BATCH_POLICIES, Segment, elastic_num_steps, elastic_plan, epoch_plan,
+                  shard_bounds)
 
 EXAMPLES = 3  # per kind of deviation
+LAYOUTS = ("sharded", "pmap")  # a batch's two shapes, (n*B, ...) and (n, B, ...): loaders.LAYOUTS
 
 
 # --------------------------------------------------------------------------
@@ -95,7 +69,7 @@ EXAMPLES = 3  # per kind of deviation
 # --------------------------------------------------------------------------
 
 
-def index_limit(shape: tuple[int, ...] = loaders.IMAGE_SHAPE, dtype=np.uint8) -> int:
+def index_limit(shape: tuple[int, ...] = IMAGE_SHAPE, dtype=np.uint8) -> int:
     """How many samples ``encoded_images`` can number in ``shape`` and ``dtype``: indices
     0 .. limit - 1, each of which ``decode_indices`` recovers exactly; the limit itself
     is refused. S = the sample's size (product of ``shape``); S = 0 gives 0.
@@ -135,7 +109,7 @@ def _mantissa_bits(dtype: np.dtype) -> int | None:
     return None
 
 
-def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = loaders.IMAGE_SHAPE,
+def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = IMAGE_SHAPE,
                    dtype=np.uint8) -> np.ndarray:
     """Samples (N, *shape) of ``dtype`` that encode their own index, for ``decode_indices``.
 
@@ -179,7 +153,7 @@ def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = loaders.IMAGE_S
     return images
 
 
-def decode_indices(images: np.ndarray, normalize: loaders.Normalize | None = None) -> np.ndarray:
+def decode_indices(images: np.ndarray, normalize: Normalize | None = None) -> np.ndarray:
     """The sample index each delivered sample encodes (``encoded_images``), int64 (B,);
     -1 where it encodes none. ``images``: (B, ...) as delivered, one block of one shard.
 
@@ -250,8 +224,8 @@ def shard_blocks(array, num_shards: int, layout: str = "sharded") -> np.ndarray:
     "pmap" (n, B, ...), a NumPy array or a fully addressable jax.Array. Raises
     ValueError when the leading axis does not match ``num_shards``."""
     x = np.asarray(array)
-    if layout not in loaders.LAYOUTS:
-        raise ValueError(f"shard_blocks: layout must be one of {loaders.LAYOUTS}, got {layout!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"shard_blocks: layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "pmap":
         if x.ndim < 2 or x.shape[0] != num_shards:
             raise ValueError(f"shard_blocks: a 'pmap' batch must be (n, B, ...) with n = "
@@ -268,7 +242,7 @@ def _planes(sample_shape: tuple[int, ...]) -> bool:
     return len(sample_shape) == 3 and sample_shape[0] >= 3
 
 
-def _unnormalize(images: np.ndarray, normalize: loaders.Normalize) -> tuple[np.ndarray, np.ndarray]:
+def _unnormalize(images: np.ndarray, normalize: Normalize) -> tuple[np.ndarray, np.ndarray]:
     """(uint8 value of the nearest table entry, whether it is within a quarter step) per
     element of (B, C, H, W) normalised images."""
     if images.ndim != 4:
@@ -370,10 +344,10 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
     n = len(delivered)
     arrived = [len(got) for got in delivered]
     if partition == "contiguous":
-        plan = loaders.epoch_plan(num_samples, n, batch_size, last_batch=last_batch)
+        plan = epoch_plan(num_samples, n, batch_size, last_batch=last_batch)
         true_steps = plan.indices.shape[0]
         what = f"the plan has {true_steps} (N={num_samples}, {n} shards, batch {batch_size}, {last_batch})"
-        bounds = [loaders.shard_bounds(num_samples, k, n) for k in range(n)]
+        bounds = [shard_bounds(num_samples, k, n) for k in range(n)]
         runs = [(np.arange(start, stop), f"its range [{start}, {stop})") for start, stop in bounds]
         owed = [(run, f"its {len(run)} samples") for run, _ in runs] if last_batch == "fill" else None
     else:
@@ -394,8 +368,8 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
 def _check_mode(where: str, partition: str, last_batch: str) -> None:
     if partition not in PARTITIONS:
         raise ValueError(f"{where}: partition must be one of {PARTITIONS}, got {partition!r}")
-    if last_batch not in loaders.LAST_BATCH_POLICIES:
-        raise ValueError(f"{where}: last_batch must be one of {loaders.LAST_BATCH_POLICIES}, "
+    if last_batch not in LAST_BATCH_POLICIES:
+        raise ValueError(f"{where}: last_batch must be one of {LAST_BATCH_POLICIES}, "
                          f"got {last_batch!r}")
 
 
@@ -493,7 +467,7 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
                            shuffle: bool, last_batch: str, masks=None, length: int | None = None,
                            findings: Findings | None = None,
                            partition: str = "contiguous") -> Findings:
-    """How one epoch delivered across resizes departs from ``loaders.elastic_plan`` and
+    """How one epoch delivered across resizes departs from ``plan.elastic_plan`` and
     from exactly-once over the whole epoch.
 
     ``segments``: elastic_plan's ``[(t_0, n_0, B_0), (t_1, n_1, B_1), ...]``, the
@@ -576,13 +550,13 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
     where = "describe_resized_epoch"
     _check_mode(where, partition, last_batch)
     try:
-        total = loaders.elastic_num_steps(num_samples, segments, last_batch)
-        plans = loaders.elastic_plan(num_samples, segments, epoch=epoch, seed=seed, shuffle=shuffle,
+        total = elastic_num_steps(num_samples, segments, last_batch)
+        plans = elastic_plan(num_samples, segments, epoch=epoch, seed=seed, shuffle=shuffle,
                                      last_batch=last_batch) if partition == "contiguous" else None
     except ValueError as error:
         raise ValueError(f"{where}: segments={segments!r} is not an epoch elastic_plan accepts: "
                          f"{error}") from None
-    segments = [loaders.Segment(*(int(v) for v in s)) for s in segments]
+    segments = [Segment(*(int(v) for v in s)) for s in segments]
     for name, value in (("delivered", delivered), ("masks", masks)):
         if value is None and name == "masks":
             continue
@@ -1093,7 +1067,7 @@ def _order(k: int, got: np.ndarray, want: np.ndarray, found, offset: int = 0) ->
 
 
 def describe_content(images_BCHW, labels_B, indices_B, ref_images, ref_labels,
-                     normalize: loaders.Normalize) -> list[str]:
+                     normalize: Normalize) -> list[str]:
     """Labels and pixels of one delivered batch against the file and the table, in words.
 
     ``images_BCHW``: one shard's block, normalised float32; ``indices_B`` its decoded

@@ -24,7 +24,7 @@ Device policy, the same for every test, helper and child process:
   starts), so it holds only what the tests use.
 * Matmul precision is "highest" for the whole suite: on NVIDIA GPUs a float32
   matmul is TF32 by default (10-bit mantissas), which the float64 references
-  and the strategies' ulp bounds (strategies.ulp_bound) do not allow. On CPU it
+  and the strategies' ulp bounds (equivalence.ulp_bound) do not allow. On CPU it
   changes nothing.
 
 ``jax_num_cpu_devices`` only takes effect before JAX first touches a device,
@@ -40,9 +40,15 @@ derandomised with modest example counts, ``dev`` random with more examples,
 jitted test pays for compilation. A test that sets its own count (an expensive
 one) takes it from ``examples(n)``, which scales n like the profile (ci x1,
 dev x4, thorough x40), so every property test goes deeper under ``thorough``.
+
+Helpers that several test files share live here too, at the end, each section
+naming the files that use it (``from conftest import ...``, as for
+``assert_same_bits``); a helper that one file alone uses stays in that file, and
+no test file imports another.
 """
 
 import collections
+import math
 import os
 import resource
 import shutil
@@ -51,6 +57,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from fractions import Fraction
+from typing import NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -74,11 +82,17 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, settings, strategies as st
 
 import loaders
+import model
+import strategies
+from arithmetic import Normalize
+from cifar_mnist import MNIST_SHAPE, synthetic_cifar10
+from plan import LAST_BATCH_POLICIES
 
 settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=25,
                           print_blob=True, suppress_health_check=[HealthCheck.too_slow])
@@ -332,8 +346,9 @@ def pytest_addoption(parser):
 # loadfile hands whole files to workers as they come free, so a long file started last would
 # leave one worker running alone at the end. A file not named here goes after these.
 HEAVY_FIRST = ("test_equivalence.py", "test_dali.py", "test_refimpl.py", "test_multiprocess.py",
-               "test_rocal.py", "test_loaders.py", "test_resume.py", "test_own_job.py", "test_bench.py",
-               "test_model.py", "test_harness.py")
+               "test_rocal.py", "test_loaders.py", "test_own_job.py", "test_strategies.py", "test_bench.py",
+               "test_checkpoints.py", "test_arithmetic.py", "test_model.py", "test_loaders_resume.py",
+               "test_harness.py", "test_plan.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -420,7 +435,7 @@ def mesh(devices):
 @pytest.fixture(scope="session")
 def synthetic_dir(tmp_path_factory):
     """A CIFAR-10-format folder: 1000 training and 200 test images, seed 0."""
-    return loaders.synthetic_cifar10(tmp_path_factory.mktemp("cifar10"), num_train=1000,
+    return synthetic_cifar10(tmp_path_factory.mktemp("cifar10"), num_train=1000,
                                      num_test=200, seed=0)
 
 
@@ -466,3 +481,262 @@ def examples(ci_count: int) -> int:
     HYPOTHESIS_PROFILE=thorough deepens every property test, not only the ones
     that leave the count to the profile."""
     return max(1, ci_count * settings.default.max_examples // 25)
+
+
+# --------------------------------------------------------------------------
+# Shared by several test files, imported by name (``from conftest import ...``); a
+# helper one file alone uses stays in that file. Never import one test file from another.
+# --------------------------------------------------------------------------
+
+
+# Checks and drawn inputs: test_plan.py, test_loaders.py, test_arithmetic.py,
+# test_cifar_mnist.py.
+def assert_raises_naming(error, fn, *fragments):
+    """``fn()`` raises ``error`` and its message contains every fragment."""
+    with pytest.raises(error) as info:
+        fn()
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
+
+
+SEEDS = st.integers(0, 2**32 - 1)
+EPOCHS = st.integers(0, 1000)
+POLICIES = st.sampled_from(LAST_BATCH_POLICIES)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def expected_steps(N: int, n: int, B: int, last_batch: str) -> int:
+    return ceil_div(ceil_div(N, n), B) if last_batch == "fill" else (N // n) // B
+
+
+@st.composite
+def crop_cases(draw):
+    n, h, w = draw(st.integers(1, 4)), draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    crop = draw(st.integers(1, h)), draw(st.integers(1, w))
+    crop_pos = draw(st.tuples(st.floats(0, 1), st.floats(0, 1)))
+    mirror = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    mean = draw(st.lists(st.floats(-300, 300), min_size=3, max_size=3))
+    std = draw(st.lists(st.floats(0.01, 300) | st.floats(-300, -0.01), min_size=3, max_size=3))
+    images = np.random.default_rng(draw(SEEDS)).integers(0, 256, (n, 3, h, w), dtype=np.uint8)
+    return images, crop, crop_pos, mirror, mean, std
+
+
+def random_mnist(seed: int, count: int):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (count,) + MNIST_SHAPE, dtype=np.uint8), rng.integers(0, 10, count)
+
+
+# --------------------------------------------------------------------------
+# arithmetic.py's docstrings read again, exactly (test_arithmetic.py; test_loaders.py
+# holds every placement to the same bits): float32 as exact rationals, each operation
+# rounded once, the sign of a zero as IEEE 754 gives it.
+# --------------------------------------------------------------------------
+
+
+FLOAT32_MAX = Fraction(2) ** 128 - Fraction(2) ** 104
+
+
+def text_r32(exact: Fraction) -> Fraction:
+    """Round-to-nearest-even to float32, with integers: |v| = q * 2**e, q in [2**23, 2**24)
+    for normal numbers, e >= -149 below; Python's round() of a Fraction rounds half to even."""
+    if exact == 0:
+        return Fraction(0)
+    e = math.floor(math.log2(abs(exact))) - 23
+    while abs(exact) / Fraction(2) ** e >= 2**24:  # log2 of a Fraction can be off by one
+        e += 1
+    while abs(exact) / Fraction(2) ** e < 2**23:
+        e -= 1
+    e = max(e, -149)
+    value = round(exact / Fraction(2) ** e) * Fraction(2) ** e
+    assert abs(value) <= FLOAT32_MAX, "overflow: the spec says this is refused"
+    return value
+
+
+class F32(NamedTuple):
+    """A float32 as the text sees it: its exact value and its sign bit (which
+    matters only for a zero)."""
+    value: Fraction
+    negative: bool
+
+
+def f32(exact: Fraction, negative_if_zero: bool) -> F32:
+    """An operation's exact result rounded once to float32. A non-zero result that
+    rounds to zero keeps its sign (underflow); an exact zero takes the sign the
+    operation's rule gives (``negative_if_zero``)."""
+    value = text_r32(exact)
+    if value != 0:
+        return F32(value, value < 0)
+    return F32(value, exact < 0 if exact != 0 else negative_if_zero)
+
+
+def from_double(d: float) -> F32:
+    return f32(Fraction(d), math.copysign(1.0, d) < 0)
+
+
+# IEEE 754's rules for the sign of an exact zero (round to nearest), as the text restates them.
+def mul(a: F32, b: F32) -> F32:
+    return f32(a.value * b.value, a.negative != b.negative)
+
+
+def div(a: F32, b: F32) -> F32:
+    return f32(a.value / b.value, a.negative != b.negative)
+
+
+def add(a: F32, b: F32) -> F32:
+    return f32(a.value + b.value, a.negative and b.negative)
+
+
+def neg(a: F32) -> F32:
+    return F32(-a.value, not a.negative)
+
+
+def fma(a: F32, b: F32, c: F32) -> F32:
+    return f32(a.value * b.value + c.value, (a.negative != b.negative) and c.negative)
+
+
+def bits(x: F32) -> int:
+    """The float32 bit pattern of ``x``."""
+    if x.value == 0:
+        return 0x80000000 if x.negative else 0
+    return int(np.float32(float(x.value)).view(np.uint32))  # exact: x.value is a float32
+
+
+def text_normalize_table(mean, std, arithmetic) -> list[list[int]]:
+    """normalize_table's docstring, as float32 bit patterns: float() of each entry,
+    then every operation on signed exact values rounded once."""
+    C = len(mean)
+    one = F32(Fraction(1), False)
+    table = []
+    for c in range(C):
+        m, s = from_double(float(mean[c])), from_double(float(std[c]))
+        inv = div(one, s)
+        xs = [F32(Fraction(x), False) for x in range(256)]
+        if arithmetic == "dali_cpu":
+            table.append([bits(mul(add(x, neg(m)), inv)) for x in xs])
+            continue
+        off = neg(div(m, s)) if arithmetic == "rocal" and C == 1 else neg(mul(m, inv))
+        table.append([bits(fma(x, inv, off)) for x in xs])
+    return table
+
+
+# Values that are not doubles (test_arithmetic.py: through float() first; test_loaders.py:
+# the same bits in every placement).
+ONE_PLUS = Fraction(1) + Fraction(1, 2**24) + Fraction(1, 2**60)  # float() gives 1 + 2**-24: a float32 tie
+BIG = 2**60 + 2**36 + 1  # float() gives 2**60 + 2**36: a float32 tie
+NOT_DOUBLES = [((ONE_PLUS,), (127.5,)), ((BIG,), (2**62,)), ((0.0,), (BIG,)), ((np.float32(125.3),), (66.7,))]
+if np.finfo(np.longdouble).nmant >= 63:  # an x86 extended long double holds 1 + 2**-24 + 2**-60 exactly
+    NOT_DOUBLES.append(((np.longdouble(1) + np.longdouble(2) ** -24 + np.longdouble(2) ** -60,), (127.5,)))
+
+
+# --------------------------------------------------------------------------
+# Resumes on other meshes: test_loaders_resume.py, test_checkpoints.py
+# --------------------------------------------------------------------------
+
+
+def meshes(devices):
+    """Sub-meshes of the suite's devices: all 8, 3 others, 4 in a permuted order."""
+    three = devices[-3:] if len(devices) >= 3 else devices[:1]
+    four = [devices[i % len(devices)] for i in (6, 1, 3, 0)] if len(devices) >= 8 else devices[::-1]
+    return [loaders.data_mesh(devices), loaders.data_mesh(three), loaders.data_mesh(four)]
+
+
+# --------------------------------------------------------------------------
+# The strategies' test models and batches: test_equivalence.py, test_strategies.py
+# --------------------------------------------------------------------------
+
+
+B = 4  # per device
+SMALL_LAYERS = (3072, 32, 16, 10)  # same code path as the notebook MLP, faster to compile
+
+
+FEATURES, CLASSES = 40, 3  # the linear model's input and output
+
+
+def linear_loss_terms(params: dict, batch: dict):
+    """A linear softmax over float features (B, 40): not an MLP, not images, params a dict."""
+    logits_BxC = batch["images"] @ params["w"] + params["b"]
+    logp_BxC = logits_BxC - jax.nn.logsumexp(logits_BxC, axis=1, keepdims=True)
+    nll_B = -jnp.take_along_axis(logp_BxC, batch["labels"].reshape(-1, 1), axis=1)[:, 0]
+    mask_B = batch["mask"].astype(logp_BxC.dtype)
+    return jnp.sum(mask_B * nll_B), jnp.sum(mask_B)
+
+
+def linear_init() -> dict:
+    rng = np.random.default_rng(0)
+    return {"w": (0.3 * rng.standard_normal((FEATURES, CLASSES))).astype(np.float32),
+            "b": np.zeros(CLASSES, np.float32)}
+
+
+def mlp_features(rng, rows: int) -> np.ndarray:
+    return Normalize()(rng.integers(0, 256, size=(rows, 3, 32, 32), dtype=np.uint8))
+
+
+def linear_features(rng, rows: int) -> np.ndarray:
+    return rng.standard_normal((rows, FEATURES), dtype=np.float32)
+
+
+# Fixed shapes (one compilation each): the model is drawn, not its sizes.
+MODELS = {"mlp": (model.loss_terms, lambda: model.init_model(SMALL_LAYERS), mlp_features, 10),
+          "linear": (linear_loss_terms, linear_init, linear_features, CLASSES)}
+
+
+def assert_params_close(a, b, *, ulps_per_step: float, steps: int, what: str):
+    """Every leaf of a within ``ulps_per_step * steps`` ulps of b (0 means bit-identical).
+
+    The ulp is that of the leaf's largest magnitude: a reordered gradient sum is
+    off relative to the size of its terms, not of its result, so an entry near
+    zero can legitimately differ by more than its own ulp."""
+    for i, (x, y) in enumerate(zip(jax.tree.leaves(a), jax.tree.leaves(b))):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape and x.dtype == y.dtype, f"{what}: leaf {i} {x.shape} vs {y.shape}"
+        allowed = ulps_per_step * steps * np.spacing(max(np.abs(x).max(), np.abs(y).max()))
+        off = np.abs(x - y) > allowed
+        assert not off.any(), (
+            f"{what}: leaf {i} differs in {off.sum()} of {x.size} entries; max |diff| "
+            f"{np.max(np.abs(x - y)):.3g} (allowed {ulps_per_step} ulps x {steps} steps)"
+        )
+
+
+def host_batches(seed: int, steps: int, n: int, real_per_device: list[int], kind: str = "mlp"):
+    """Random global batches (n*B rows) for model ``kind``; device k's block has
+    real_per_device[k] real rows."""
+    _, _, features, classes = MODELS[kind]
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        x = features(rng, n * B)
+        mask = np.zeros((n, B), bool)
+        for k, real in enumerate(real_per_device):
+            mask[k, rng.permutation(B)[:real]] = True  # padding anywhere in the block
+        out.append({
+            "images": x,
+            "labels": rng.integers(0, classes, size=n * B).astype(np.int32),
+            "mask": mask.reshape(-1),
+        })
+    return out
+
+
+def place(host: dict, mesh, layout: str):
+    """The same global batch through the loader's own code path (loaders.global_batch)."""
+    n = mesh.devices.size
+    blocks = {k: {name: rows[k * B:(k + 1) * B] for name, rows in host.items()} for k in range(n)}
+    return loaders.global_batch(blocks, mesh, layout)
+
+
+def train(name, step_fn, params, hosts, learning_rate, mesh, loss_terms=model.loss_terms,
+          optimizer=None):
+    """(params, losses) of strategy ``step_fn`` on ``hosts``; SGD(learning_rate) unless
+    ``optimizer`` is given."""
+    layout = strategies.LAYOUT.get(name, "sharded")
+    optimizer = strategies.sgd(learning_rate) if optimizer is None else optimizer
+    params, losses, _ = step_fn(params, [place(h, mesh, layout) for h in hosts], mesh,
+                                loss_terms=loss_terms, optimizer=optimizer)
+    return params, losses
+
+
+@pytest.fixture(scope="module")
+def small_params():
+    return model.init_model(SMALL_LAYERS)

@@ -14,11 +14,11 @@ and the loader's arguments, nothing else: epoch 3 read twice, by two loaders
 built alike, in any order of calls, after any other epoch, gives the same
 batches, and ``epoch(e, s)`` yields steps s.. of ``epoch(e)``.
 
-Resuming from a saved ``loaders.LoaderState`` (``epoch(e, state=saved)``,
+Resuming from a saved ``plan.LoaderState`` (``epoch(e, state=saved)``,
 ``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning):
 
 * order="plan", on any device or process count and batch size: with ``st =
-  saved.resized(n, B)`` and ``plan, row = st.plan()`` (``loaders.elastic_plan``'s
+  saved.resized(n, B)`` and ``plan, row = st.plan()`` (``plan.elastic_plan``'s
   last segment), pipeline k's reader gets the files of ``plan.indices[row:, k]``
   (padding slots included), and the iterator yields global steps ``st.step ..
   st.num_steps - 1`` with the plan's mask: the batches of ``loaders.make_loader(...)
@@ -40,7 +40,7 @@ Resuming from a saved ``loaders.LoaderState`` (``epoch(e, state=saved)``,
 ``order`` says who orders the samples:
 
 * ``"plan"`` (the default): pipeline k's reader gets the list of files
-  ``loaders.epoch_plan(...).indices[start_step:, k]`` (padding slots included)
+  ``plan.epoch_plan(...).indices[start_step:, k]`` (padding slots included)
   with their labels (``fn.readers.file(files=..., labels=...)``), DALI's own
   shuffle off and one shard: DALI's epoch is exactly ``(len() - start_step) * B``
   samples in the plan's order. DALI still reads every file and computes every
@@ -57,9 +57,9 @@ Resuming from a saved ``loaders.LoaderState`` (``epoch(e, state=saved)``,
   delivered sample; drop: no sample twice. Not the plan's: the order of the
   samples within each shard (conformance.describe_epoch names it "order").
 
-Also guaranteed, in both orders: ``len()`` is ``loaders.num_steps(N, n, B,
+Also guaranteed, in both orders: ``len()`` is ``plan.num_steps(N, n, B,
 last_batch)``, the same on every shard; the mask is the plan's
-(``loaders.epoch_plan``); pixels are ``normalize.table``'s bit for bit.
+(``plan.epoch_plan``); pixels are ``normalize.table``'s bit for bit.
 
 Arithmetic per device kind (``arithmetic_for``): a pipeline computes its own
 kernel's bits, so the Normalize passed in must name them, else ValueError:
@@ -150,7 +150,7 @@ Caches, each keyed by everything that determines its bits: the per-sample files
 (``sample_files``: the images' shape and bytes and the int32 labels, refused
 outside int32) and, in that folder, the shard lists (``shard_list``: k and n). No
 table or compiled step is cached here: DALI computes the pixels from the mean and
-std it is given, and the spec's table is ``loaders.normalize_table`` (keyed by bit
+std it is given, and the spec's table is ``arithmetic.normalize_table`` (keyed by bit
 patterns, so -0.0 is not 0.0; test_dali runs -0.0 after 0.0 through DALI).
 
 Needs loaders.py and ``pip install -r requirements-dali.txt`` (imported lazily:
@@ -172,6 +172,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import loaders
+from arithmetic import Normalize
+from cifar_mnist import TRAIN_PREFIX, read_cifar10
+from plan import LoaderState, Plan, check_seed, shard_bounds
 
 INSTALL_HINT = ("the DALI backend needs NVIDIA DALI: pip install -r requirements-dali.txt "
                 "(it installs nvidia-dali-cuda130; on CUDA 12 hosts install nvidia-dali-cuda120)")
@@ -311,7 +314,7 @@ def shard_list(folder: str, shard_id: int, num_shards: int) -> str:
         return path
     with open(os.path.join(folder, LIST_NAME)) as f:
         lines = f.readlines()
-    start, stop = loaders.shard_bounds(len(lines), shard_id, num_shards)
+    start, stop = shard_bounds(len(lines), shard_id, num_shards)
     fd, scratch = tempfile.mkstemp(dir=folder, prefix=".list-writing-")
     try:
         with os.fdopen(fd, "w") as f:
@@ -355,27 +358,26 @@ class DaliLoader:
     def __len__(self) -> int:
         return len(self.spec)
 
-    def plan(self, epoch: int) -> loaders.Plan:
+    def plan(self, epoch: int) -> Plan:
         return self.spec.plan(epoch)
 
-    def real_samples(self, epoch: int, *, state: loaders.LoaderState | None = None) -> int:
+    def real_samples(self, epoch: int, *, state: LoaderState | None = None) -> int:
         """How many mask-True slots ``epoch`` has in the whole global batch; with a
         ``state``, how many the steps ``epoch(epoch, state=state)`` yields have."""
-        if state is None:
-            return self.spec.real_samples(epoch)
-        plan, row = self._resumed("DaliLoader.real_samples", epoch, state).plan()
-        return int(plan.mask[row:].sum())
+        if state is not None:
+            self._resumed("DaliLoader.real_samples", epoch, state)  # order="vendor" refuses a resize
+        return self.spec.schedule.real_samples("DaliLoader.real_samples", epoch, state=state)
 
     def state(self, epoch: int, step: int = 0, *,
-              state: loaders.LoaderState | None = None) -> loaders.LoaderState:
-        """The ``loaders.LoaderState`` to save after ``step`` steps of ``epoch``:
+              state: LoaderState | None = None) -> LoaderState:
+        """The ``plan.LoaderState`` to save after ``step`` steps of ``epoch``:
         ``loaders.Loader.state``'s meaning, range and refusals (without ``state``:
         of a fresh epoch on this loader's shards; with the ``state`` the epoch was
         resumed from: ``state.resized(n, B).at_step(step)``, step from its step on).
         order="vendor" refuses a ``state`` of other shards as ``epoch`` does."""
-        if state is None:
-            return self.spec.state(epoch, step)
-        return self._resumed("DaliLoader.state", epoch, state).saved_at("DaliLoader.state", step, resumed=True)
+        if state is not None:
+            self._resumed("DaliLoader.state", epoch, state)  # order="vendor" refuses a resize
+        return self.spec.schedule.state("DaliLoader.state", epoch, step, state=state)
 
     def describe(self) -> str:
         import nvidia.dali
@@ -391,9 +393,9 @@ class DaliLoader:
                 f"files in {self.folder}")
 
     def epoch(self, epoch: int, start_step: int = 0, *,
-              state: loaders.LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
+              state: LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
         """Steps ``start_step .. len-1`` of ``epoch``, a function of (seed, epoch,
-        start_step, shard) alone; with ``state`` (a saved ``loaders.LoaderState`` of
+        start_step, shard) alone; with ``state`` (a saved ``plan.LoaderState`` of
         this run), the rest of the epoch it was taken in, from its step (the module
         docstring's "Resuming"), and ``start_step`` must stay 0. Raises ValueError
         for an epoch outside [0, 2**32), a state of another run or epoch, a
@@ -401,124 +403,130 @@ class DaliLoader:
         IndexError for a start_step outside [0, len]; RuntimeError once closed."""
         if self.closed:
             raise RuntimeError("DaliLoader.epoch: the loader is closed")
-        loaders.check_seed("epoch", epoch, "DaliLoader.epoch")
+        check_seed("epoch", epoch, "DaliLoader.epoch")
         if state is not None:
             st = self._resumed("DaliLoader.epoch", epoch, state)
             if start_step != 0:
                 raise ValueError(f"DaliLoader.epoch: start_step={start_step!r} with a state; the state "
                                  f"says where the epoch resumes (step {state.step})")
             plan, row = st.plan()  # one segment (0, n, B): epoch_plan, row = step
-            return self._steps(epoch, plan, row)
+            return _steps(self, epoch, plan, row)
         if not 0 <= start_step <= len(self):
             raise IndexError(f"start_step={start_step} is outside [0, {len(self)}]")
-        return self._steps(epoch, self.plan(epoch), start_step)
+        return _steps(self, epoch, self.plan(epoch), start_step)
 
     def close(self) -> None:
         """No further epochs. Pipelines live only while an epoch's iterator does."""
         self.closed = True
 
-    def _resumed(self, where: str, epoch: int, state) -> loaders.LoaderState:
+    def _resumed(self, where: str, epoch: int, state) -> LoaderState:
         """``state`` checked against this run and ``epoch`` (as loaders.Loader checks
         it), resized to this loader's shards; order="vendor" refuses a resize."""
-        spec = self.spec
-        st = loaders.resume_state(where, state, epoch, num_samples=spec.num_samples, seed=spec.seed,
-                                  shuffle=spec.shuffle, last_batch=spec.last_batch,
-                                  num_shards=self.num_shards, batch_size=spec.batch_size)
+        st = self.spec.schedule.resumed(where, epoch, state)
         if self.order == "vendor" and len(st.segments) > 1:
             raise ValueError(
                 f"{where}: order='vendor' resumes only on the shards and batch that wrote the state "
                 f"(segments {[tuple(x) for x in state.segments]}; this loader: {self.num_shards} shards "
-                f"x {spec.batch_size}): which samples the old shards delivered is DALI's shuffle inside "
+                f"x {self.spec.batch_size}): which samples the old shards delivered is DALI's shuffle inside "
                 f"its readers, and DALI's checkpoints restore one reader state per pipeline onto as "
                 f"many pipelines, so no reader over other shards continues that order exactly once. "
-                f"Use order='plan' (loaders.elastic_plan's order, on any shard count)")
+                f"Use order='plan' (plan.elastic_plan's order, on any shard count)")
         return st
 
-    def _steps(self, epoch: int, plan: loaders.Plan, row: int):
-        """The global batches of rows ``row ..`` of ``plan`` (a fresh epoch's or a
-        resumed segment's)."""
-        devices = list(self.mesh.devices.flat)
-        local = loaders.local_positions(self.mesh)
-        make = self._plan_blocks if self.order == "plan" else self._vendor_blocks
-        shards = {k: make(epoch, plan, k, devices[k], row) for k in local}
-        try:
-            for r in range(row, len(plan.indices)):
-                blocks = {}
-                for k, blocks_k in shards.items():
-                    images, labels = next(blocks_k)
-                    blocks[k] = {"images": images, "labels": labels, "mask": plan.mask[r, k]}
-                yield loaders.global_batch(blocks, self.mesh, self.spec.layout)
-        finally:
-            for blocks_k in shards.values():
-                blocks_k.close()  # drops the pipeline now, not at garbage collection
 
-    def _plan_blocks(self, epoch: int, plan: loaders.Plan, k: int, device, row: int):
-        """Shard k's (images, labels) per row ``row ..`` of ``plan``, read by DALI in
-        that order (padding slots included)."""
-        steps = len(plan.indices) - row
-        if not steps:
-            return
-        indices = plan.indices[row:, k].reshape(-1)
-        N = len(self.spec.labels)
-        reader = dict(files=[sample_name(i, N) for i in indices.tolist()],
-                      labels=self.spec.labels[indices].tolist(), shard_id=0, num_shards=1,
+# --------------------------------------------------------------------------
+# Reading an epoch: the plan's order and DALI's own
+# --------------------------------------------------------------------------
+
+
+def _steps(loader: DaliLoader, epoch: int, plan: Plan, row: int):
+    """The global batches of rows ``row ..`` of ``plan`` (a fresh epoch's or a
+    resumed segment's)."""
+    devices = list(loader.mesh.devices.flat)
+    local = loaders.local_positions(loader.mesh)
+    make = _plan_blocks if loader.order == "plan" else _vendor_blocks
+    shards = {k: make(loader, epoch, plan, k, devices[k], row) for k in local}
+    try:
+        for r in range(row, len(plan.indices)):
+            blocks = {}
+            for k, blocks_k in shards.items():
+                images, labels = next(blocks_k)
+                blocks[k] = {"images": images, "labels": labels, "mask": plan.mask[r, k]}
+            yield loaders.global_batch(blocks, loader.mesh, loader.spec.layout)
+    finally:
+        for blocks_k in shards.values():
+            blocks_k.close()  # drops the pipeline now, not at garbage collection
+
+
+def _plan_blocks(loader: DaliLoader, epoch: int, plan: Plan, k: int, device, row: int):
+    """Shard k's (images, labels) per row ``row ..`` of ``plan``, read by DALI in
+    that order (padding slots included)."""
+    steps = len(plan.indices) - row
+    if not steps:
+        return
+    indices = plan.indices[row:, k].reshape(-1)
+    N = len(loader.spec.labels)
+    reader = dict(files=[sample_name(i, N) for i in indices.tolist()],
+                  labels=loader.spec.labels[indices].tolist(), shard_id=0, num_shards=1,
+                  random_shuffle=False)
+    pipe = _pipeline(loader, reader, device, seed=0)
+    _check_size(pipe, k, (len(indices), len(indices)), "the plan's files")
+    for _ in range(steps):
+        yield _run(pipe, device)
+
+
+def _vendor_blocks(loader: DaliLoader, epoch: int, plan: Plan, k: int, device, start_step: int):
+    """Shard k's (images, labels) per step in DALI's own order, from step 0 of a
+    fresh pipeline, the first ``start_step`` run and discarded."""
+    n, N, B = loader.num_shards, len(loader.spec.labels), loader.spec.batch_size
+    if loader.spec.shuffle:  # DALI's random_shuffle would cut a pre-permuted list: one list per shard
+        start, stop = shard_bounds(N, k, n)
+        reader = dict(file_list=shard_list(loader.folder, k, n), shard_id=0, num_shards=1,
+                      random_shuffle=True, initial_fill=stop - start)
+        expect = (stop - start, stop - start)
+    else:
+        reader = dict(file_list=os.path.join(loader.folder, LIST_NAME), shard_id=k, num_shards=n,
                       random_shuffle=False)
-        pipe = self._pipeline(reader, device, seed=0)
-        self._check_size(pipe, k, (len(indices), len(indices)), "the plan's files")
-        for _ in range(steps):
-            yield self._run(pipe, device)
+        expect = (N, -(-N // n))
+    seed = int(np.random.SeedSequence([loader.spec.seed, epoch, k]).generate_state(1)[0])
+    pipe = _pipeline(loader, reader, device, seed=seed)
+    _check_size(pipe, k, expect, reader["file_list"])
+    batches = -(-expect[1] // B)  # DALI's epoch; pad_last_batch ends it on a batch
+    last = None
+    for step in range(len(loader)):
+        if step < batches:
+            images, labels = _run(pipe, device)
+            last = images[-1:], labels[-1:]
+        else:  # one list per shard: this shard's DALI epoch is a batch short of the plan
+            images, labels = jnp.repeat(last[0], B, axis=0), np.repeat(last[1], B, axis=0)
+        if step >= start_step:
+            yield images, labels
 
-    def _vendor_blocks(self, epoch: int, plan: loaders.Plan, k: int, device, start_step: int):
-        """Shard k's (images, labels) per step in DALI's own order, from step 0 of a
-        fresh pipeline, the first ``start_step`` run and discarded."""
-        n, N, B = self.num_shards, len(self.spec.labels), self.spec.batch_size
-        if self.spec.shuffle:  # DALI's random_shuffle would cut a pre-permuted list: one list per shard
-            start, stop = loaders.shard_bounds(N, k, n)
-            reader = dict(file_list=shard_list(self.folder, k, n), shard_id=0, num_shards=1,
-                          random_shuffle=True, initial_fill=stop - start)
-            expect = (stop - start, stop - start)
-        else:
-            reader = dict(file_list=os.path.join(self.folder, LIST_NAME), shard_id=k, num_shards=n,
-                          random_shuffle=False)
-            expect = (N, -(-N // n))
-        seed = int(np.random.SeedSequence([self.spec.seed, epoch, k]).generate_state(1)[0])
-        pipe = self._pipeline(reader, device, seed=seed)
-        self._check_size(pipe, k, expect, reader["file_list"])
-        batches = -(-expect[1] // B)  # DALI's epoch; pad_last_batch ends it on a batch
-        last = None
-        for step in range(len(self)):
-            if step < batches:
-                images, labels = self._run(pipe, device)
-                last = images[-1:], labels[-1:]
-            else:  # one list per shard: this shard's DALI epoch is a batch short of the plan
-                images, labels = jnp.repeat(last[0], B, axis=0), np.repeat(last[1], B, axis=0)
-            if step >= start_step:
-                yield images, labels
 
-    def _pipeline(self, reader: dict, device, *, seed: int):
-        return dali_pipeline(self.folder, reader, device, self.spec.images.shape[1:],
-                             self.spec.normalize, self.spec.batch_size, seed=seed,
-                             num_threads=self.num_threads)
+def _pipeline(loader: DaliLoader, reader: dict, device, *, seed: int):
+    return dali_pipeline(loader.folder, reader, device, loader.spec.images.shape[1:],
+                         loader.spec.normalize, loader.spec.batch_size, seed=seed,
+                         num_threads=loader.num_threads)
 
-    @staticmethod
-    def _check_size(pipe, k: int, expect: tuple[int, int], source: str) -> None:
-        meta = pipe.reader_meta(READER)
-        got = (meta["epoch_size"], meta["epoch_size_padded"] // meta["number_of_shards"])
-        if got != expect:
-            raise RuntimeError(f"DALI's reader of shard {k} sees {got[0]} samples, {got[1]} per shard "
-                               f"(reader_meta {meta}); expected {expect} from {source}")
 
-    @staticmethod
-    def _run(pipe, device):
-        images, labels = pipe.run()
-        labels = labels.as_array().reshape(-1).astype(np.int32, copy=False)
-        return to_jax(images, device, buffers_reused=not pipe.exec_dynamic), labels
+def _check_size(pipe, k: int, expect: tuple[int, int], source: str) -> None:
+    meta = pipe.reader_meta(READER)
+    got = (meta["epoch_size"], meta["epoch_size_padded"] // meta["number_of_shards"])
+    if got != expect:
+        raise RuntimeError(f"DALI's reader of shard {k} sees {got[0]} samples, {got[1]} per shard "
+                           f"(reader_meta {meta}); expected {expect} from {source}")
+
+
+def _run(pipe, device):
+    images, labels = pipe.run()
+    labels = labels.as_array().reshape(-1).astype(np.int32, copy=False)
+    return to_jax(images, device, buffers_reused=not pipe.exec_dynamic), labels
 
 
 def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
-                     layout: str = "sharded", filename_prefix: str = loaders.TRAIN_PREFIX,
+                     layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
                      shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
-                     normalize: loaders.Normalize | None = None, order: str = "plan",
+                     normalize: Normalize | None = None, order: str = "plan",
                      cache_dir: str | os.PathLike | None = None, num_threads: int = 1) -> DaliLoader:
     """A ``DaliLoader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``) or an
     ``(images_NCHW uint8, labels_N)`` pair (MNIST's (N, 1, 28, 28) too). ``batch_size`` is
@@ -537,12 +545,12 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
     arithmetic = arithmetic_for(devices)  # before anything else: a ROCm GPU is refused by name
     mesh = loaders.data_mesh(devices)
     if normalize is None:
-        normalize = loaders.Normalize(arithmetic=arithmetic)
-    if not isinstance(normalize, loaders.Normalize) or normalize.arithmetic != arithmetic:
+        normalize = Normalize(arithmetic=arithmetic)
+    if not isinstance(normalize, Normalize) or normalize.arithmetic != arithmetic:
         got = getattr(normalize, "arithmetic", type(normalize).__name__)
         raise ValueError(f"make_dali_loader: normalize={normalize!r} (arithmetic={got!r}): DALI's "
                          f"pipelines on {mesh.devices.flat[0].platform} devices compute "
-                         f"arithmetic={arithmetic!r}; pass loaders.Normalize(..., "
+                         f"arithmetic={arithmetic!r}; pass arithmetic.Normalize(..., "
                          f"arithmetic={arithmetic!r}), the spec of their bits")
     if order not in ORDERS:
         raise ValueError(f"make_dali_loader: order must be one of {ORDERS}, got {order!r}")
@@ -550,7 +558,7 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
         raise ValueError(f"make_dali_loader: num_threads must be >= 1, got {num_threads}")
     import_dali()  # how to install it, before any data is read
     if isinstance(data, (str, os.PathLike)):
-        data = loaders.read_cifar10(data, filename_prefix)
+        data = read_cifar10(data, filename_prefix)
     # The reference loader checks every argument as make_loader does, and is the
     # plan the DALI epochs are held to. It does no device work.
     spec = loaders.make_loader(data, mesh, batch_size, layout=layout, shuffle=shuffle, seed=seed,
@@ -560,7 +568,7 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
 
 
 def dali_pipeline(folder: str, reader: dict, device: jax.Device, image_shape: tuple[int, int, int],
-                  normalize: loaders.Normalize, batch_size: int, *, seed: int, num_threads: int = 1):
+                  normalize: Normalize, batch_size: int, *, seed: int, num_threads: int = 1):
     """A built DALI Pipeline: ``fn.readers.file(file_root=folder, **reader)`` with
     stick_to_shard and pad_last_batch, the raw bytes reshaped to ``image_shape`` (C, H, W),
     then crop_mirror_normalize to float32 CHW; outputs (images, labels). CPU-only for a CPU

@@ -2,7 +2,7 @@
 
 Batches are dicts with "images" (B, C, H, W) or (B, C*H*W) float32 (CIFAR-10:
 (B, 3, 32, 32); MNIST: (B, 1, 28, 28)), "labels" (B,) int, and "mask" (B,) bool; mask False marks a padding slot that must not
-count (see loaders.epoch_plan). With an all-True mask every function here is the
+count (see plan.epoch_plan). With an all-True mask every function here is the
 notebooks' function.
 
 Two SGD steps:

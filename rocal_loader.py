@@ -6,62 +6,35 @@ runs ``fn.crop_mirror_normalize`` to float32 NCHW. Its outputs become row block
 k of global ``jax.Array``s through ``loaders.global_batch``, in both layouts, as
 ``loaders.Loader`` gives them.
 
-What the rocAL notebook's code does on the rocAL that exists. Observed on rocAL
-2.3.0 (RPP 2.0.0, MIVisionX rocm-7.0.0), its CPU backend, built from ROCm's
-release-staging/rocm-rel-7.0 branches. test_rocal.py's conformance test checks
-the sharding, padding, DROP and shuffle facts on a real rocAL and fails when
-one changes; the race, the rotation and the defaults were measured by probes:
-
-* ``fn.readers.cifar10(shard_id=k, num_shards=n)`` ignores ``shard_id``: the
-  node builds one internal loader per shard, overwrites the caller's shard_id
-  and takes turns between them batch by batch. Every pipeline delivers the
-  same stream over the whole dataset, so EVERY DEVICE TRAINS ON THE SAME BATCH,
-  and an epoch is n times too long (3120 steps instead of 390 for the
-  notebook's 50000 samples, 8 GPUs, batch 16). Each stream also starts with a
-  sample from another shard.
-* ``LAST_BATCH_DROP`` (the notebook's policy) and ``pad_last_batch=False``
-  silently lose records; only ``LAST_BATCH_FILL`` with ``pad_last_batch=True``
-  delivers every record, padding with copies of the shard's last record and
-  not saying which slots are copies. DROP also moves the read position on by
-  B at every reset: a shard of whole batches starts its next epoch B late.
-* ``random_shuffle`` shuffles those padding copies in among the real samples;
-  it is seeded by the shard index (``std::mt19937(shard_id)``), not by the
-  Pipeline's seed: a fresh pipeline always starts with the same order, and
-  each reset reshuffles.
-* ``rocal_run()`` can return OK once past the end of an epoch with a stale
-  batch, after which ``get_image_labels()`` raises "No meta data has been
-  loaded" (a race in ``MasterGraph::run``); an epoch stopped early and reset
-  restarts wherever the prefetcher had got to.
-* ``rocal_release()`` waits up to 0.1 s when the pipeline's reader has
-  nothing left to load (its output thread sleeps in 100 ms steps), and can
-  block for ever (a lost wake-up: its worker threads wait without a predicate
-  and are stopped by a notify sent without the lock). So every release here is
-  bounded: ``release_pipelines`` calls rocAL's C ``rocalRelease`` through
-  ctypes (the pybind binding holds the GIL while it blocks) on a daemon thread,
-  waits at most ``RELEASE_TIMEOUT_S``, and otherwise warns
-  (``RocalReleaseWarning``, naming the epoch and shard) and leaves that
-  pipeline unreleased. The backend never hangs there.
-* ``crop_mirror_normalize`` flips every image unless told ``mirror=0``.
-* Files are read in raw ``readdir`` order. The notebook's ``ROCALJaxIterator``
-  is not in this rocAL (no ``plugin/jax.py``); the one upstream imports
-  ``PositionalSharding``, removed in JAX 0.7.
+What the rocAL notebook's code does on the rocAL that exists (rocAL 2.3.0, its
+CPU backend; docs/vendors.md has each fact with its evidence, and test_rocal.py's
+conformance test fails when one changes): ``fn.readers.cifar10(shard_id=k,
+num_shards=n)`` ignores ``shard_id``, so every pipeline delivers the same stream
+over the whole dataset (EVERY DEVICE TRAINS ON THE SAME BATCH, and an epoch is n
+times too long); DROP and ``pad_last_batch=False`` silently lose records, and only
+FILL with ``pad_last_batch=True`` delivers every record, padding with unmarked
+copies; ``random_shuffle`` is seeded by the shard index, not the Pipeline's seed,
+and shuffles those copies in; ``rocal_run()`` can return a stale batch past an
+epoch's end; ``rocal_release()`` can block for ever (a lost wake-up), so every
+release here is bounded (``release_pipelines``, ``RELEASE_TIMEOUT_S``,
+``RocalReleaseWarning``); ``crop_mirror_normalize`` flips every image unless told
+``mirror=0``; files are read in raw ``readdir`` order; and the notebook's
+``ROCALJaxIterator`` imports ``PositionalSharding``, removed in JAX 0.7.
 
 So this module never uses rocAL's sharding, shuffle or resets for the data a
 model trains on. Two orders:
 
 * ``order="plan"`` (the default). Every ``epoch(e, start_step)`` call builds its
   own pipelines. Pipeline k reads ONE CIFAR-10 file holding exactly the slots
-  ``plan.indices[start_step:, k]`` of ``loaders.epoch_plan`` (padding slots
+  ``plan.indices[start_step:, k]`` of ``plan.epoch_plan`` (padding slots
   included, in plan order), followed by ``TAIL_BATCHES`` batches that are never
   run, with rocAL's shuffle off, ``num_shards=1`` and FILL + pad_last_batch:
   rocAL's epoch is exactly the planned ``steps * B`` records and pads nothing.
   rocAL reads and decodes the records and runs crop_mirror_normalize; the mask
   is the plan's. The files are written (each atomically) into a temporary
   folder ``cache_dir/.rocal-epoch-<e>-*`` that the iterator deletes, with the
-  pipelines released, when it ends, is closed or is collected. Cost, measured
-  on 8 CPU devices, B=16: an epoch of 2048 samples 0.18 s (reference loader,
-  host_float32: 0.02 s), of 50000 samples 2.0 s (reference 0.57 s; writing the
-  eight files 0.52 s of it); releasing the pipelines about 1 ms each.
+  pipelines released, when it ends, is closed or is collected (its cost:
+  docs/vendors.md).
 * ``order="vendor"``: rocAL's own order, for the conformance tests and to show
   what rocAL does. Pipelines are built per epoch too (stateless), over
   sharding="files" (shard k's records ``[N*k//n, N*(k+1)//n)`` as one file
@@ -76,7 +49,7 @@ model trains on. Two orders:
 
 Guaranteed, both orders:
 
-* ``len()`` is ``loaders.num_steps(N, n, B, last_batch)``; ``epoch(e, s)``
+* ``len()`` is ``plan.num_steps(N, n, B, last_batch)``; ``epoch(e, s)``
   yields steps s .. len()-1 of epoch e, and is a function of (seed, e, s,
   shard) alone: the same batches whatever was read before, in any call order,
   from any number of loaders built alike, also with several epochs in flight.
@@ -108,11 +81,11 @@ before it. In files mode a shard of floor(N/n) samples, a multiple of B, gets
 an epoch of ``ceil(S_k/B)`` rocAL batches, one fewer than ``len()``: that step
 is filled here with B copies of the shard's last record, mask False.
 
-Resuming from a saved ``loaders.LoaderState`` (``epoch(e, state=saved)``,
+Resuming from a saved ``plan.LoaderState`` (``epoch(e, state=saved)``,
 ``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning):
 
 * order="plan", on any device or process count and batch size: with ``st =
-  saved.resized(n, B)`` and ``plan, row = st.plan()`` (``loaders.elastic_plan``'s
+  saved.resized(n, B)`` and ``plan, row = st.plan()`` (``plan.elastic_plan``'s
   last segment), pipeline k's file holds ``plan.indices[row:, k]`` (padding
   slots included, then the tail), and the iterator yields global steps
   ``st.step .. st.num_steps - 1`` with the plan's mask: bit for bit
@@ -120,14 +93,10 @@ Resuming from a saved ``loaders.LoaderState`` (``epoch(e, state=saved)``,
   hold and a fresh epoch never does (a batch larger than a shard's run, a shard
   whose run is empty and holds only padding, 0 steps under drop) is written
   into the files like any other slot; a segment of 0 steps builds nothing.
-* order="vendor": on the saved shards and batch only (``st`` has the one
-  segment ``(0, n, B)``: then ``epoch(e, start_step=st.step)``, steps 0..s-1
-  read and dropped). Any other state is refused (ValueError): rocAL has no
-  checkpoint and no seek (the rocAL JAX plugin has no resume API; a reset moves
-  the read position on instead of rewinding), so rocAL itself cannot resume at
-  all; this backend re-reads the epoch's first steps, which continues only the
-  same shards: on other shards, the samples the old shards delivered in rocAL's
-  order cannot be skipped.
+* order="vendor": on the saved shards and batch only (then ``epoch(e,
+  start_step=st.step)``, steps 0..s-1 read and dropped); any other state is
+  refused, saying why: rocAL has no checkpoint and no seek, and which samples the
+  old shards delivered in rocAL's order no pipeline over other shards can skip.
 
 Worked example, N=9, n=2, B=2 (fill: 3 steps; drop: 2). Shard 0 is {0,1,2,3},
 shard 1 is {4,...,8}. ``*`` marks a padding slot (mask False); rows marked
@@ -144,43 +113,26 @@ shard 1 is {4,...,8}. ``*`` marks a padding slot (mask False); rows marked
     order vendor, fill, shuffled     | [p p][p p][3* 3*]   | [6 8][7 4][5 8*], every epoch
     order vendor, drop, shuffled     | [p p][p p]          | [6 8][7 4], every epoch
 
-How the output reaches JAX:
-
-* CPU devices: rocAL's CPU backend (``rocal_cpu=True``, ``HOST_MEMORY``);
-  ``copy_output`` copies each output into a fresh 64-byte-aligned float32
-  buffer, and ``global_batch`` places block k on device k.
-* AMD GPUs (platform "rocm", or "gpu" on a ROCm JAX; never CUDA devices): the
-  GPU backend (``rocal_cpu=False``, ``DEVICE_MEMORY``, ``device_id`` = the
-  device's local hardware id). ``make_rocal_loader`` first checks that this
-  rocAL was built with DLPack (``check_dlpack``). rocAL's tensor offers
-  ``dlpack_device(device_id)`` and ``__dlpack__(device_id)`` (a legacy capsule,
-  no stream argument), not ``__dlpack_device__``; ``RocalDLPack`` adapts it for
-  ``jax.dlpack.from_dlpack``, and the imported alias is copied on the device
-  (JAX 0.10.2's ``copy=True`` still aliased on CPU). rocAL's outputs are views
-  of a ring buffer that its second next run overwrites, so before the runs of
-  step s one ``jax.block_until_ready`` waits for the copies of step s-2 (done
-  long before: the device runs its queue in order), and the rest are waited for
-  before the pipelines are released: no wait per shard and step (order="vendor"
-  reads back, per shard and step, which slots hold the shard's last record).
-  NOT RUN on a GPU (none was available): the GPU path runs in the tests on CPU
-  devices with a double of rocAL's tensor and, for the conversion, with real
-  rocAL's CPU tensors (its archive is built with DLPack). Read in rocAL's
-  source, not run: the HIP kernel computes the "rocal" table (one FMA) and the
-  crop anchor is the CPU's (test_rocal.py pins both). Also read, not run: for
-  a crop width that is not a multiple of 8, RPP's HIP kernel stores 8 floats
-  per thread past the end of each output row (the row stride is the crop
-  width), which may overwrite the next row's first pixels; the notebook's
-  32-wide images do not meet it, and this module does not vouch for other
-  widths on a GPU.
+How the output reaches JAX: on CPU devices, rocAL's CPU backend, each output
+copied (``copy_output``, after its layout, shape and dtype are checked) into an
+aligned float32 buffer that ``global_batch`` places on device k. On AMD GPUs
+(platform "rocm", or "gpu" on a ROCm JAX; never CUDA devices), the GPU backend
+through DLPack (``check_dlpack``, ``RocalDLPack``), the imported alias copied on
+the device; rocAL's outputs are ring-buffer slots its second next run overwrites,
+so before the runs of step s one wait covers the copies of step s-2. NOT RUN on a
+GPU (none was available): that path runs in the tests on CPU devices with a double
+of rocAL's tensor and with real rocAL CPU tensors; what its HIP kernels compute
+was read in rocAL's source (docs/vendors.md, pinned in test_rocal.py).
 
 Caches, each keyed by everything that determines its bits: the shard files of
 order="vendor" (``shard_folders``: N, n and a hash of the images' shape and bytes
 and the int32 labels, which must be 0..9, checked before hashing); the epoch files
 of order="plan" are never reused (one temporary folder per ``epoch()`` call). No
-table or compiled step is cached here: tables come from ``loaders.normalize_table``
+table or compiled step is cached here: tables come from ``arithmetic.normalize_table``
 (keyed by the float32 bit patterns of mean and std, so -0.0 is not 0.0).
 
-Needs loaders.py; amd.rocal is imported lazily (this module loads without it).
+Imports: plan.py, arithmetic.py, cifar_mnist.py, and loaders.py to place each step's
+blocks on the devices (``global_batch``); amd.rocal lazily (this module loads without it).
 """
 
 from __future__ import annotations
@@ -207,6 +159,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import loaders
+from arithmetic import Normalize, aligned_empty
+from cifar_mnist import IMAGE_SHAPE, RECORD_BYTES, TRAIN_PREFIX, write_cifar10
+from plan import LoaderState, Plan, Schedule, check_seed, shard_bounds
 
 INSTALL_HINT = (
     "the rocAL backend needs AMD rocAL's Python package amd.rocal, which is not on PyPI: on a "
@@ -288,7 +243,7 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
     samples, or a cached file of the wrong size (named).
     """
     images_NCHW, labels_N = np.ascontiguousarray(images_NCHW), np.asarray(labels_N)
-    if images_NCHW.dtype != np.uint8 or images_NCHW.shape[1:] != loaders.IMAGE_SHAPE \
+    if images_NCHW.dtype != np.uint8 or images_NCHW.shape[1:] != IMAGE_SHAPE \
             or labels_N.shape != images_NCHW.shape[:1]:
         raise ValueError(f"shard_folders: rocAL's cifar10 reader needs uint8 images (N, 3, 32, 32) "
                          f"and N labels, got images {images_NCHW.dtype} {images_NCHW.shape}, "
@@ -299,7 +254,7 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
                          f"[{labels_N.min() if labels_N.size else ''}, {labels_N.max() if labels_N.size else ''}]"
                          f" (checked before the cache key is taken: they are hashed as int32)")
     N = len(labels_N)
-    loaders.shard_bounds(N, 0, num_shards)  # more shards than samples
+    shard_bounds(N, 0, num_shards)  # more shards than samples
     digest = hashlib.blake2b(repr(images_NCHW.shape).encode(), digest_size=16)
     digest.update(memoryview(images_NCHW).cast("B"))
     digest.update(labels_N.astype(np.int32).tobytes())
@@ -311,9 +266,9 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
         scratch = tempfile.mkdtemp(dir=cache_dir, prefix=".rocal-shards-writing-")
         try:
             for k in range(num_shards):
-                start, stop = loaders.shard_bounds(N, k, num_shards)
+                start, stop = shard_bounds(N, k, num_shards)
                 os.mkdir(os.path.join(scratch, os.path.basename(folders[k])))
-                loaders.write_cifar10(os.path.join(scratch, os.path.basename(folders[k]), SHARD_FILE),
+                write_cifar10(os.path.join(scratch, os.path.basename(folders[k]), SHARD_FILE),
                                       images_NCHW[start:stop], labels_N[start:stop])
             os.rename(scratch, top)
         except OSError:
@@ -324,11 +279,11 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
             shutil.rmtree(scratch, ignore_errors=True)
             raise
     for k, folder in enumerate(folders):  # a damaged cache is named, never read
-        start, stop = loaders.shard_bounds(N, k, num_shards)
+        start, stop = shard_bounds(N, k, num_shards)
         path = os.path.join(folder, SHARD_FILE)
         size = os.path.getsize(path) if os.path.isfile(path) else None
         names = sorted(os.listdir(folder)) if os.path.isdir(folder) else None
-        if size != (stop - start) * loaders.RECORD_BYTES or names != [SHARD_FILE]:
+        if size != (stop - start) * RECORD_BYTES or names != [SHARD_FILE]:
             raise ValueError(f"{path}: the cached shard should hold {stop - start} records, alone in "
                              f"its folder (size {size}, folder holds {names}); delete {top} to have "
                              f"it written again")
@@ -341,7 +296,7 @@ def rocal_padded_size(num_samples: int, num_shards: int, shard_id: int, batch_si
     with copies of its last record up to a whole number of batches of the largest
     shard, or not at all when the largest shard is a whole number of batches
     (``CIFAR10DataReader::subfolder_reading``)."""
-    start, stop = loaders.shard_bounds(num_samples, shard_id, num_shards)
+    start, stop = shard_bounds(num_samples, shard_id, num_shards)
     largest = -(-num_samples // num_shards)
     return -(-largest // batch_size) * batch_size if largest % batch_size else stop - start
 
@@ -385,7 +340,7 @@ class RocalLoader:
     shuffle: bool
     seed: int
     last_batch: str
-    normalize: loaders.Normalize
+    normalize: Normalize
     order: str  # "plan" or "vendor"
     sharding: str  # order="vendor": "files" or "rocal"
     on_gpu: bool  # rocAL's GPU backend (AMD GPUs) or its CPU backend
@@ -393,7 +348,7 @@ class RocalLoader:
     cache_dir: str
     num_threads: int = 1
     folders: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> folder
-    prefix: str = loaders.TRAIN_PREFIX  # vendor: the filename_prefix rocAL reads with
+    prefix: str = TRAIN_PREFIX  # vendor: the filename_prefix rocAL reads with
     shards: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> ShardInfo
     # order="vendor", drop + shuffle: {"steps": real slots of each step} once an epoch has been
     # read (every epoch alike). Not an argument: a loader made with dataclasses.replace starts its own.
@@ -407,13 +362,18 @@ class RocalLoader:
     def num_samples(self) -> int:
         return len(self.labels)
 
-    def __len__(self) -> int:
-        return loaders.num_steps(self.num_samples, self.num_shards, self.batch_size, self.last_batch)
+    @property
+    def schedule(self) -> Schedule:
+        """This loader's epochs as pure schedule (plan.Schedule)."""
+        return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
+                        self.last_batch)
 
-    def plan(self, epoch: int) -> loaders.Plan:
+    def __len__(self) -> int:
+        return self.schedule.steps
+
+    def plan(self, epoch: int) -> Plan:
         """The reference plan of ``epoch`` (what order="plan" delivers)."""
-        return loaders.epoch_plan(self.num_samples, self.num_shards, self.batch_size, epoch=epoch,
-                                  seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch)
+        return self.schedule.plan(epoch)
 
     def describe(self) -> str:
         if self.order == "plan":
@@ -428,7 +388,7 @@ class RocalLoader:
                 f"{len(loaders.local_positions(self.mesh))} pipeline(s) per epoch, one per local "
                 f"device, shard = mesh position; {how}")
 
-    def real_samples(self, epoch: int, *, state: loaders.LoaderState | None = None) -> int:
+    def real_samples(self, epoch: int, *, state: LoaderState | None = None) -> int:
         """Mask-True slots of ``epoch`` in the whole global batch: the plan's (fill: N;
         drop: n * len() * B); with a ``state``, those of the steps ``epoch(epoch,
         state=state)`` yields (order="plan": ``plan.mask[row:]`` of the resumed
@@ -455,55 +415,48 @@ class RocalLoader:
         return sum(self.known_real["steps"][first:])
 
     def state(self, epoch: int, step: int = 0, *,
-              state: loaders.LoaderState | None = None) -> loaders.LoaderState:
-        """The ``loaders.LoaderState`` to save after ``step`` steps of ``epoch``:
+              state: LoaderState | None = None) -> LoaderState:
+        """The ``plan.LoaderState`` to save after ``step`` steps of ``epoch``:
         ``loaders.Loader.state``'s meaning, range and refusals (without ``state``:
         of a fresh epoch on this loader's shards; with the ``state`` the epoch was
         resumed from: ``state.resized(n, B).at_step(step)``, step from its step on).
         order="vendor" refuses a ``state`` of other shards as ``epoch`` does."""
-        if state is None:
-            loaders.check_seed("epoch", epoch, "RocalLoader.state")
-            fresh = loaders.LoaderState.start(self.num_samples, self.num_shards, self.batch_size,
-                                              epoch=epoch, seed=self.seed, shuffle=self.shuffle,
-                                              last_batch=self.last_batch)
-        else:
-            fresh = self._resumed("RocalLoader.state", epoch, state)
-        return fresh.saved_at("RocalLoader.state", step, resumed=state is not None)
+        if state is not None:
+            self._resumed("RocalLoader.state", epoch, state)  # order="vendor" refuses a resize
+        return self.schedule.state("RocalLoader.state", epoch, step, state=state)
 
     def epoch(self, epoch: int, start_step: int = 0, *,
-              state: loaders.LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
+              state: LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
         """Steps ``start_step .. len()-1`` of ``epoch``; with ``state`` (a saved
-        ``loaders.LoaderState`` of this run), the rest of the epoch it was taken in,
+        ``plan.LoaderState`` of this run), the rest of the epoch it was taken in,
         from its step (the module docstring's "Resuming"), and ``start_step`` must
         stay 0. Raises ValueError for an epoch outside [0, 2**32), a state of another
         run or epoch, a start_step with a state, or (order="vendor") a state of other
         shards; IndexError for a start_step outside [0, len()]. The pipelines are
         built, and the epoch's files written, at the first ``next()``."""
-        loaders.check_seed("epoch", epoch, "RocalLoader.epoch")
+        check_seed("epoch", epoch, "RocalLoader.epoch")
         if state is not None:
             st = self._resumed("RocalLoader.epoch", epoch, state)
             if start_step != 0:
                 raise ValueError(f"RocalLoader.epoch: start_step={start_step!r} with a state; the state "
                                  f"says where the epoch resumes (step {state.step})")
             if self.order == "vendor":  # one segment (0, n, B): the saved shards' fresh epoch
-                return self._vendor_steps(epoch, st.step)
+                return _vendor_steps(self, epoch, st.step)
             plan, row = st.plan()
-            return self._plan_steps(epoch, plan, row, st.step)
+            return _plan_steps(self, epoch, plan, row, st.step)
         if not 0 <= start_step <= len(self):
             raise IndexError(f"RocalLoader.epoch: start_step={start_step} is outside [0, {len(self)}]")
         if self.order == "plan":
-            return self._plan_steps(epoch, self.plan(epoch), start_step, start_step)
-        return self._vendor_steps(epoch, start_step)
+            return _plan_steps(self, epoch, self.plan(epoch), start_step, start_step)
+        return _vendor_steps(self, epoch, start_step)
 
     def close(self) -> None:
         """Nothing to release: pipelines live as long as one epoch's iterator."""
 
-    def _resumed(self, where: str, epoch: int, state) -> loaders.LoaderState:
+    def _resumed(self, where: str, epoch: int, state) -> LoaderState:
         """``state`` checked against this run and ``epoch`` (as loaders.Loader checks
         it), resized to this loader's shards; order="vendor" refuses a resize."""
-        st = loaders.resume_state(where, state, epoch, num_samples=self.num_samples, seed=self.seed,
-                                  shuffle=self.shuffle, last_batch=self.last_batch,
-                                  num_shards=self.num_shards, batch_size=self.batch_size)
+        st = self.schedule.resumed(where, epoch, state)
         if self.order == "vendor" and len(st.segments) > 1:
             raise ValueError(
                 f"{where}: order='vendor' resumes only on the shards and batch that wrote the state "
@@ -512,168 +465,173 @@ class RocalLoader:
                 f"and no seek (a reset moves the read position on), so this backend reaches step s by "
                 f"reading and dropping steps 0..s-1 of fresh pipelines, and which samples were "
                 f"delivered is rocAL's order on the old shards, which pipelines over other shards "
-                f"cannot skip. Use order='plan' (loaders.elastic_plan's order, on any shard count)")
+                f"cannot skip. Use order='plan' (plan.elastic_plan's order, on any shard count)")
         return st
 
-    # ---- order="plan" ------------------------------------------------------
 
-    def _plan_steps(self, epoch: int, plan: loaders.Plan, row: int, first: int):
-        """Rows ``row ..`` of ``plan`` (a fresh epoch's or a resumed segment's), global
-        steps ``first ..`` of the epoch."""
-        local, B = loaders.local_positions(self.mesh), self.batch_size
-        stop = len(plan.indices)
-        if row == stop:  # nothing left (drop's segment of 0 steps, or a state at the end)
-            return
-        os.makedirs(self.cache_dir, exist_ok=True)
-        scratch = tempfile.mkdtemp(dir=self.cache_dir, prefix=f".rocal-epoch-{epoch}-")
-        pipelines, transfers = {}, _Transfers(self.dlpack)
-        try:
+# --------------------------------------------------------------------------
+# Reading an epoch: the plan's order and rocAL's own
+# --------------------------------------------------------------------------
+
+
+def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: int):
+    """Rows ``row ..`` of ``plan`` (a fresh epoch's or a resumed segment's), global
+    steps ``first ..`` of the epoch."""
+    local, B = loaders.local_positions(loader.mesh), loader.batch_size
+    stop = len(plan.indices)
+    if row == stop:  # nothing left (drop's segment of 0 steps, or a state at the end)
+        return
+    os.makedirs(loader.cache_dir, exist_ok=True)
+    scratch = tempfile.mkdtemp(dir=loader.cache_dir, prefix=f".rocal-epoch-{epoch}-")
+    pipelines, transfers = {}, _Transfers(loader.dlpack)
+    try:
+        for k in local:
+            folder = os.path.join(scratch, f"shard-{k:05d}")
+            os.mkdir(folder)
+            rows = plan.indices[row:, k].reshape(-1)  # padding slots included: rocAL pads nothing
+            # TAIL_BATCHES more (never run): see TAIL_BATCHES.
+            rows = np.concatenate([rows, np.full(TAIL_BATCHES * B, rows[-1])])
+            write_cifar10(os.path.join(folder, SHARD_FILE), loader.images[rows], loader.labels[rows])
+            pipelines[k] = _pipeline(loader, folder, k, shuffle=False)
+            _check_remaining(pipelines[k], f"rocAL, shard {k}, epoch {epoch}", len(rows),
+                             f"a file of {len(rows)} records (whole batches of {B})")
+        devices = list(loader.mesh.devices.flat)
+        for r in range(row, stop):
+            where = f"rocAL, shard {{}} on {{}}, epoch {epoch} step {first + r - row}"
+            transfers.before_runs()
+            blocks = {}
             for k in local:
-                folder = os.path.join(scratch, f"shard-{k:05d}")
-                os.mkdir(folder)
-                rows = plan.indices[row:, k].reshape(-1)  # padding slots included: rocAL pads nothing
-                # TAIL_BATCHES more (never run): see TAIL_BATCHES.
-                rows = np.concatenate([rows, np.full(TAIL_BATCHES * B, rows[-1])])
-                loaders.write_cifar10(os.path.join(folder, SHARD_FILE), self.images[rows], self.labels[rows])
-                pipelines[k] = self._pipeline(folder, k, shuffle=False)
-                _check_remaining(pipelines[k], f"rocAL, shard {k}, epoch {epoch}", len(rows),
-                                 f"a file of {len(rows)} records (whole batches of {B})")
-            devices = list(self.mesh.devices.flat)
-            for r in range(row, stop):
-                where = f"rocAL, shard {{}} on {{}}, epoch {epoch} step {first + r - row}"
-                transfers.before_runs()
-                blocks = {}
-                for k in local:
-                    here = where.format(k, devices[k])
-                    images, labels = self._run(pipelines[k], devices[k], (stop - r + TAIL_BATCHES) * B,
-                                               here, transfers)
-                    want = self.labels[plan.indices[r, k]]
-                    if not np.array_equal(labels, want):
-                        raise RuntimeError(f"{here}: rocAL read labels {labels.tolist()} from the epoch's "
-                                           f"file, which holds {want.tolist()} there")
-                    blocks[k] = {"images": images, "labels": labels, "mask": plan.mask[r, k]}
-                transfers.after_runs()
-                yield loaders.global_batch(blocks, self.mesh, self.layout)
-        finally:
-            transfers.drain()  # the copies read rocAL's buffers: finished before they are released
-            try:
-                release_pipelines(pipelines, f"rocAL, epoch {epoch}")
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-
-    # ---- order="vendor" ----------------------------------------------------
-
-    def _vendor_steps(self, epoch: int, start: int):
-        devices, B = list(self.mesh.devices.flat), self.batch_size
-        pipelines, transfers = {}, _Transfers(self.dlpack)
-        runs = {k: 0 for k in self.shards}
-        seen = {k: 0 for k in self.shards}  # slots holding the shard's last record
-        real = [0] * len(self)  # real slots per step, every shard of this process
+                here = where.format(k, devices[k])
+                images, labels = _run(loader, pipelines[k], devices[k], (stop - r + TAIL_BATCHES) * B,
+                                           here, transfers)
+                want = loader.labels[plan.indices[r, k]]
+                if not np.array_equal(labels, want):
+                    raise RuntimeError(f"{here}: rocAL read labels {labels.tolist()} from the epoch's "
+                                       f"file, which holds {want.tolist()} there")
+                blocks[k] = {"images": images, "labels": labels, "mask": plan.mask[r, k]}
+            transfers.after_runs()
+            yield loaders.global_batch(blocks, loader.mesh, loader.layout)
+    finally:
+        transfers.drain()  # the copies read rocAL's buffers: finished before they are released
         try:
-            for k, shard in self.shards.items():
-                native = dict(shard_id=k, num_shards=self.num_shards) if self.sharding == "rocal" else {}
-                pipelines[k] = self._pipeline(self.folders[k], k, shuffle=self.shuffle, **native)
-                _check_remaining(pipelines[k], f"rocAL, shard {k}, epoch {epoch}", shard.batches * B,
-                                 f"shard {k} ({shard.size} records read with FILL + pad_last_batch)")
-            plan_mask = None if self.shuffle else self.plan(epoch).mask
-            for step in range(len(self)):
-                transfers.before_runs()
-                blocks = {}
-                for k, shard in self.shards.items():
-                    here = f"rocAL, shard {k} on {devices[k]}, epoch {epoch} step {step}"
-                    if runs[k] < shard.batches:
-                        images, labels, mask = self._read_by_content(pipelines[k], k, devices[k], runs, seen,
-                                                                     here, transfers)
-                    else:  # files mode: this shard's rocAL epoch is a batch short of the plan
-                        images, labels = self._padding(k, devices[k])
-                        mask = np.zeros(B, bool)
-                    if plan_mask is not None and not np.array_equal(mask, plan_mask[step, k]):
-                        raise RuntimeError(
-                            f"{here}: the shard's last record sits in slots {np.flatnonzero(~mask).tolist()} "
-                            f"as padding, the plan pads slots {np.flatnonzero(~plan_mask[step, k]).tolist()}: "
-                            f"rocAL's order is not the plan's, so the mask cannot be the plan's")
-                    real[step] += int(mask.sum())
-                    blocks[k] = {"images": images, "labels": labels, "mask": mask}
-                transfers.after_runs()
-                if step >= start:  # resuming: the steps before are read by rocAL and dropped
-                    yield loaders.global_batch(blocks, self.mesh, self.layout)
-            for k, shard in self.shards.items():  # run out rocAL's epoch, then check its padding
-                while runs[k] < shard.batches:
-                    transfers.before_runs()
-                    self._read_by_content(pipelines[k], k, devices[k], runs, seen,
-                                          f"rocAL, shard {k}, the end of epoch {epoch}", transfers)
-                    transfers.after_runs()
-                found = seen[k] - shard.copies
-                if found != shard.padded:
-                    raise RuntimeError(
-                        f"rocAL, shard {k}, at the end of epoch {epoch}: its epoch held {seen[k]} slots with "
-                        f"the content of the shard's last record, of which {shard.copies} are the shard's "
-                        f"own records, so {found} padding copies; rocAL padded {shard.padded}. The masks "
-                        f"of this epoch cannot be trusted")
-            if len(self.shards) == self.num_shards:
-                self.known_real["steps"] = real
-        finally:
-            transfers.drain()
             release_pipelines(pipelines, f"rocAL, epoch {epoch}")
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
-    def _read_by_content(self, pipe, k: int, device, runs: dict, seen: dict, where: str, transfers):
-        """One rocAL run of shard k: (images, labels int32 (B,), mask found by content)."""
-        shard, B = self.shards[k], self.batch_size
-        where = f"{where} (batch {runs[k] + 1} of its {shard.batches})"
-        images, labels = self._run(pipe, device, (shard.batches - runs[k]) * B, where, transfers)
-        runs[k] += 1
-        if self.dlpack:  # one small read back per shard and step: order="vendor" only
-            same = np.asarray(jnp.all(images == jax.device_put(shard.last_image, device), axis=(1, 2, 3)))
-        else:
-            same = np.all(images == shard.last_image, axis=(1, 2, 3))
-        mask = np.ones(B, bool)
-        for j in np.flatnonzero(same & (labels == shard.last_label)):
-            mask[j] = seen[k] < shard.copies  # the first `copies` are the shard's own records
-            seen[k] += 1
-        return images, labels, mask
 
-    def _padding(self, k: int, device: jax.Device):
-        shard, B = self.shards[k], self.batch_size
-        images = loaders.aligned_empty((B,) + shard.last_image.shape, np.float32)
-        images[:] = shard.last_image
-        if self.dlpack:
-            images = jax.device_put(images, device)
-        return images, np.full(B, shard.last_label, np.int32)
+def _vendor_steps(loader: RocalLoader, epoch: int, start: int):
+    devices, B = list(loader.mesh.devices.flat), loader.batch_size
+    pipelines, transfers = {}, _Transfers(loader.dlpack)
+    runs = {k: 0 for k in loader.shards}
+    seen = {k: 0 for k in loader.shards}  # slots holding the shard's last record
+    real = [0] * len(loader)  # real slots per step, every shard of this process
+    try:
+        for k, shard in loader.shards.items():
+            native = dict(shard_id=k, num_shards=loader.num_shards) if loader.sharding == "rocal" else {}
+            pipelines[k] = _pipeline(loader, loader.folders[k], k, shuffle=loader.shuffle, **native)
+            _check_remaining(pipelines[k], f"rocAL, shard {k}, epoch {epoch}", shard.batches * B,
+                             f"shard {k} ({shard.size} records read with FILL + pad_last_batch)")
+        plan_mask = None if loader.shuffle else loader.plan(epoch).mask
+        for step in range(len(loader)):
+            transfers.before_runs()
+            blocks = {}
+            for k, shard in loader.shards.items():
+                here = f"rocAL, shard {k} on {devices[k]}, epoch {epoch} step {step}"
+                if runs[k] < shard.batches:
+                    images, labels, mask = _read_by_content(loader, pipelines[k], k, devices[k], runs, seen,
+                                                                 here, transfers)
+                else:  # files mode: this shard's rocAL epoch is a batch short of the plan
+                    images, labels = _padding(loader, k, devices[k])
+                    mask = np.zeros(B, bool)
+                if plan_mask is not None and not np.array_equal(mask, plan_mask[step, k]):
+                    raise RuntimeError(
+                        f"{here}: the shard's last record sits in slots {np.flatnonzero(~mask).tolist()} "
+                        f"as padding, the plan pads slots {np.flatnonzero(~plan_mask[step, k]).tolist()}: "
+                        f"rocAL's order is not the plan's, so the mask cannot be the plan's")
+                real[step] += int(mask.sum())
+                blocks[k] = {"images": images, "labels": labels, "mask": mask}
+            transfers.after_runs()
+            if step >= start:  # resuming: the steps before are read by rocAL and dropped
+                yield loaders.global_batch(blocks, loader.mesh, loader.layout)
+        for k, shard in loader.shards.items():  # run out rocAL's epoch, then check its padding
+            while runs[k] < shard.batches:
+                transfers.before_runs()
+                _read_by_content(loader, pipelines[k], k, devices[k], runs, seen,
+                                      f"rocAL, shard {k}, the end of epoch {epoch}", transfers)
+                transfers.after_runs()
+            found = seen[k] - shard.copies
+            if found != shard.padded:
+                raise RuntimeError(
+                    f"rocAL, shard {k}, at the end of epoch {epoch}: its epoch held {seen[k]} slots with "
+                    f"the content of the shard's last record, of which {shard.copies} are the shard's "
+                    f"own records, so {found} padding copies; rocAL padded {shard.padded}. The masks "
+                    f"of this epoch cannot be trusted")
+        if len(loader.shards) == loader.num_shards:
+            loader.known_real["steps"] = real
+    finally:
+        transfers.drain()
+        release_pipelines(pipelines, f"rocAL, epoch {epoch}")
 
-    # ---- both --------------------------------------------------------------
 
-    def _pipeline(self, folder: str, k: int, *, shuffle: bool, **native):
-        device = self.mesh.devices.flat[k]
-        prefix = self.prefix if self.order == "vendor" else loaders.TRAIN_PREFIX
-        return rocal_pipeline(folder, batch_size=self.batch_size, normalize=self.normalize,
-                              on_gpu=self.on_gpu, device_id=_hardware_id(device) if self.on_gpu else 0,
-                              filename_prefix=prefix, shuffle=shuffle, seed=self.seed,
-                              num_threads=self.num_threads, **native)
+def _read_by_content(loader: RocalLoader, pipe, k: int, device, runs: dict, seen: dict, where: str, transfers):
+    """One rocAL run of shard k: (images, labels int32 (B,), mask found by content)."""
+    shard, B = loader.shards[k], loader.batch_size
+    where = f"{where} (batch {runs[k] + 1} of its {shard.batches})"
+    images, labels = _run(loader, pipe, device, (shard.batches - runs[k]) * B, where, transfers)
+    runs[k] += 1
+    if loader.dlpack:  # one small read back per shard and step: order="vendor" only
+        same = np.asarray(jnp.all(images == jax.device_put(shard.last_image, device), axis=(1, 2, 3)))
+    else:
+        same = np.all(images == shard.last_image, axis=(1, 2, 3))
+    mask = np.ones(B, bool)
+    for j in np.flatnonzero(same & (labels == shard.last_label)):
+        mask[j] = seen[k] < shard.copies  # the first `copies` are the shard's own records
+        seen[k] += 1
+    return images, labels, mask
 
-    def _run(self, pipe, device, left: int, where: str, transfers):
-        """One ``rocal_run()`` with ``left`` samples left of rocAL's epoch (checked first:
-        a pipeline is never run at 0, where rocAL 2.3.0 can return a stale batch):
-        (images float32 (B, C, ch, cw) on the host or, ``dlpack``, on ``device``,
-        labels int32 (B,))."""
-        B = self.batch_size
-        remaining = _call(where, "get_remaining_images()", pipe.get_remaining_images)
-        if remaining != left:
-            raise RuntimeError(f"{where}: get_remaining_images() says {remaining}, but {left} samples "
-                               f"are left of this epoch")
-        status = _call(where, "rocal_run()", pipe.rocal_run)
-        if status != _rocal_ok():
-            raise RuntimeError(f"{where}: rocal_run() returned {status!r} with {remaining} samples left")
-        tensor = _call(where, "get_output_tensors()", pipe.get_output_tensors)[0]
-        shape = self.normalize.output_shape(loaders.IMAGE_SHAPE)
-        if self.dlpack:
-            images = transfers.add(device_images(tensor, device, shape, B, where))
-        else:
-            images = loaders.aligned_empty((B,) + shape, np.float32)
-            copy_output(tensor, images, where)
-        labels = np.asarray(_call(where, "get_image_labels()", pipe.get_image_labels))
-        if labels.shape != (B,):
-            raise RuntimeError(f"{where}: get_image_labels() gave shape {labels.shape}, expected ({B},)")
-        return images, labels.astype(np.int32)
+
+def _padding(loader: RocalLoader, k: int, device: jax.Device):
+    shard, B = loader.shards[k], loader.batch_size
+    images = aligned_empty((B,) + shard.last_image.shape, np.float32)
+    images[:] = shard.last_image
+    if loader.dlpack:
+        images = jax.device_put(images, device)
+    return images, np.full(B, shard.last_label, np.int32)
+
+
+def _pipeline(loader: RocalLoader, folder: str, k: int, *, shuffle: bool, **native):
+    device = loader.mesh.devices.flat[k]
+    prefix = loader.prefix if loader.order == "vendor" else TRAIN_PREFIX
+    return rocal_pipeline(folder, batch_size=loader.batch_size, normalize=loader.normalize,
+                          on_gpu=loader.on_gpu, device_id=_hardware_id(device) if loader.on_gpu else 0,
+                          filename_prefix=prefix, shuffle=shuffle, seed=loader.seed,
+                          num_threads=loader.num_threads, **native)
+
+
+def _run(loader: RocalLoader, pipe, device, left: int, where: str, transfers):
+    """One ``rocal_run()`` with ``left`` samples left of rocAL's epoch (checked first:
+    a pipeline is never run at 0, where rocAL 2.3.0 can return a stale batch):
+    (images float32 (B, C, ch, cw) on the host or, ``dlpack``, on ``device``,
+    labels int32 (B,))."""
+    B = loader.batch_size
+    remaining = _call(where, "get_remaining_images()", pipe.get_remaining_images)
+    if remaining != left:
+        raise RuntimeError(f"{where}: get_remaining_images() says {remaining}, but {left} samples "
+                           f"are left of this epoch")
+    status = _call(where, "rocal_run()", pipe.rocal_run)
+    if status != _rocal_ok():
+        raise RuntimeError(f"{where}: rocal_run() returned {status!r} with {remaining} samples left")
+    tensor = _call(where, "get_output_tensors()", pipe.get_output_tensors)[0]
+    shape = loader.normalize.output_shape(IMAGE_SHAPE)
+    if loader.dlpack:
+        images = transfers.add(device_images(tensor, device, shape, B, where))
+    else:
+        images = aligned_empty((B,) + shape, np.float32)
+        copy_output(tensor, images, where)
+    labels = np.asarray(_call(where, "get_image_labels()", pipe.get_image_labels))
+    if labels.shape != (B,):
+        raise RuntimeError(f"{where}: get_image_labels() gave shape {labels.shape}, expected ({B},)")
+    return images, labels.astype(np.int32)
 
 
 # order="plan" writes this many batches more than the epoch's at the end of each file and
@@ -720,29 +678,15 @@ class _Transfers:
 
 # ---- releasing a pipeline: bounded ----------------------------------------------------
 #
-# rocAL 2.3.0's rocal_release() can block for ever: a lost wake-up. Its two worker threads
-# each loop `while (flag) { ...; buffer.block_if_full(); ... }`, where block_if_full waits on a
-# condition variable with no predicate, and the release stops them with `flag = false;
-# notify` without taking the buffer's lock (MasterGraph::stop_processing with
-# RingBuffer::block_if_full for the output thread; CIFAR10Loader::stop_internal_thread with
-# CircularBuffer::block_if_full for the loading thread). A thread that has read the flag
-# but not yet started to wait misses the notify, waits for ever, and the release joins it
-# for ever. A release even moves the threads it is about to stop: an output thread waiting
-# on a full ring (as after every order="plan" step, its file having TAIL_BATCHES left) is
-# woken and pops one more batch from the loading thread's buffer (load_next() comes before
-# its next flag check), which wakes the loading thread just before it is stopped. No delay
-# before the release can close that window, so the release is bounded instead:
-# ``release_pipelines`` runs rocAL's C function rocalRelease through ctypes (which drops the
-# GIL; rocAL's pybind binding holds it while it blocks, so a Python thread could not bound
-# that) on a daemon thread, waits at most RELEASE_TIMEOUT_S for it, and otherwise warns
-# (RocalReleaseWarning, naming the pipeline) and leaves that pipeline unreleased: its two
-# blocked threads and its buffers stay until the process exits (``unreleased()``).
-# GPU backend, read and not run: the context's teardown (hipFree, hipHostFree, and
-# hipStreamDestroy in DeviceManagerHip::~DeviceManagerHip) neither sets nor needs the
-# calling thread's current device, so releasing from another thread frees the same.
-# A release that returns takes 5-7 ms in plan order (measured: 30 epochs of 4 pipelines beside
-# two busy-looping processes on 2 cores) and at most ~0.1 s elsewhere (the output thread's
-# sleep): 2 s is 20 times the slowest. One that is merely slow still finishes on its thread.
+# rocAL 2.3.0's rocal_release() can block for ever: a lost wake-up (its worker threads wait
+# on a condition variable without a predicate, and the release notifies them without the
+# lock: docs/vendors.md has the code paths and the evidence). No delay before a release can
+# close that window, and rocAL's pybind binding holds the GIL while it blocks, so
+# ``release_pipelines`` runs rocAL's C rocalRelease through ctypes (which drops the GIL) on a
+# daemon thread, waits at most RELEASE_TIMEOUT_S, and otherwise warns (RocalReleaseWarning)
+# and leaves that pipeline, its two blocked threads and its buffers, until the process exits
+# (``unreleased()``). A release that returns takes 5-7 ms in plan order (measured beside two
+# busy processes on 2 cores) and at most ~0.1 s elsewhere: 2 s is 20 times the slowest.
 RELEASE_TIMEOUT_S = 2.0
 _UNRELEASED: list = []  # (where, thread) of every release that did not return within its bound
 
@@ -868,9 +812,9 @@ DLPACK_MISSING = (
 
 
 def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
-                      layout: str = "sharded", filename_prefix: str = loaders.TRAIN_PREFIX,
+                      layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
                       shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
-                      normalize: loaders.Normalize = loaders.Normalize(), order: str = "plan",
+                      normalize: Normalize = Normalize(), order: str = "plan",
                       cache_dir: str | os.PathLike | None = None, sharding: str = "files",
                       num_threads: int = 1) -> RocalLoader:
     """A ``RocalLoader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``),
@@ -892,9 +836,9 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
     ``read_cifar10``; RuntimeError for a rocAL GPU build without DLPack, when
     rocAL's sharding does not work (rocal mode), or a pipeline cannot be built.
     """
-    if not isinstance(normalize, loaders.Normalize) or normalize.arithmetic != "rocal":
+    if not isinstance(normalize, Normalize) or normalize.arithmetic != "rocal":
         raise ValueError(f"make_rocal_loader: normalize={normalize!r}: rocAL computes rocAL's "
-                         f"arithmetic; pass loaders.Normalize(..., arithmetic='rocal'), the spec of its bits")
+                         f"arithmetic; pass arithmetic.Normalize(..., arithmetic='rocal'), the spec of its bits")
     if order not in ORDERS:
         raise ValueError(f"make_rocal_loader: order must be one of {ORDERS}, got {order!r}")
     if sharding not in SHARDINGS:
@@ -915,7 +859,7 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
                                shuffle=shuffle, seed=seed, last_batch=last_batch,
                                normalize=normalize, prefetch=0)
     images, labels, mesh = spec.images, spec.labels, spec.mesh
-    if images.shape[1:] != loaders.IMAGE_SHAPE:
+    if images.shape[1:] != IMAGE_SHAPE:
         raise ValueError(f"make_rocal_loader: images of shape {images.shape[1:]}; rocAL's reader "
                          f"is CIFAR-10's, (3, 32, 32) (for MNIST use the dali or reference backend)")
     device_list = list(mesh.devices.flat)
@@ -931,16 +875,16 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
     local = loaders.local_positions(mesh)
     if sharding == "files":
         folders = shard_folders(images, labels, n, cache)
-        prefix = loaders.TRAIN_PREFIX
+        prefix = TRAIN_PREFIX
     else:
         _check_native_folder(os.fspath(data), filename_prefix)
         folders, prefix = [os.fspath(data)] * n, filename_prefix
     shards = {}
     for k in local:
-        start, stop = loaders.shard_bounds(N, k, n)
+        start, stop = shard_bounds(N, k, n)
         want = rocal_padded_size(N, n, k, B) if sharding == "rocal" else -(-(stop - start) // B) * B
         if sharding == "rocal":  # rocAL 2.3.0's sharding bug shows in the first pipeline's count
-            pipe = loader._pipeline(folders[k], k, shuffle=shuffle, shard_id=k, num_shards=n)
+            pipe = _pipeline(loader, folders[k], k, shuffle=shuffle, shard_id=k, num_shards=n)
             try:
                 remaining = _call(f"rocAL, shard {k}, after build()", "get_remaining_images()",
                                   pipe.get_remaining_images)
@@ -960,9 +904,9 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
     return dataclasses.replace(loader, folders={k: folders[k] for k in local}, prefix=prefix, shards=shards)
 
 
-def rocal_pipeline(file_root: str, *, batch_size: int, normalize: loaders.Normalize, on_gpu: bool,
+def rocal_pipeline(file_root: str, *, batch_size: int, normalize: Normalize, on_gpu: bool,
                    device_id: int = 0, shard_id: int = 0, num_shards: int = 1,
-                   filename_prefix: str = loaders.TRAIN_PREFIX, shuffle: bool = False, seed: int = 0,
+                   filename_prefix: str = TRAIN_PREFIX, shuffle: bool = False, seed: int = 0,
                    num_threads: int = 1, last_batch_policy: str = "FILL", pad_last_batch: bool = True):
     """A built rocAL Pipeline: ``fn.readers.cifar10`` then ``fn.crop_mirror_normalize`` to
     float32 NCHW, ``mirror`` always explicit. CPU backend (``rocal_cpu=True``,
@@ -976,7 +920,7 @@ def rocal_pipeline(file_root: str, *, batch_size: int, normalize: loaders.Normal
     are kept off stdout (and put in the error where the graph does not verify).
     """
     Pipeline, fn, types = import_rocal()
-    crop = normalize.crop or loaders.IMAGE_SHAPE[1:]
+    crop = normalize.crop or IMAGE_SHAPE[1:]
     failures = []
     for _ in range(BUILD_ATTEMPTS):
         said: list[str] = []
@@ -1117,7 +1061,7 @@ def _call(where: str, what: str, fn, *args):
 
 
 def _shard_info(images: np.ndarray, labels: np.ndarray, start: int, stop: int, batch_size: int,
-                batches: int, normalize: loaders.Normalize) -> ShardInfo:
+                batches: int, normalize: Normalize) -> ShardInfo:
     """Shard [start, stop)'s last record normalised, and how many of its records
     normalise to the same image with the same label (found on the uint8 window:
     two pixel values are alike where the table maps them to the same float)."""

@@ -8,6 +8,14 @@ samples that encode nothing. Two broken loaders built on loaders.make_loader,
 which describe_epoch alone passes, are named in words by the checks across
 epochs (a shuffle that ignores the epoch) and by index (labels shifted by one
 sample), for samples of several shapes and dtypes, normalised or not.
+
+For any loader (moved from the loader's any-data tests): index encoding
+round-trips for any sample shape and dtype (uint8 and float), through a Normalize
+for images, and each dtype's index limit is exact; strided partitions (k::n)
+pass the "every sample exactly once" mode and fail the contiguous one (controls:
+the any mode still catches a lost sample, a sample on two shards and an uneven
+shard); the plan's own layout (steps, n, B) is accepted, bad input is refused
+clearly, every finding names real steps, and shard_blocks splits both layouts.
 """
 
 import itertools
@@ -22,12 +30,16 @@ from hypothesis import example, given, settings, strategies as st
 import conformance
 import loaders
 from conftest import assert_same_bits, examples
+from arithmetic import ARITHMETICS, Normalize
+from plan import (LAST_BATCH_POLICIES, elastic_num_steps, elastic_plan, epoch_plan, num_steps,
+                  remaining_samples, shard_bounds)
+
 
 N, n, B = 13, 2, 2  # shards [0, 6) and [6, 13); 4 fill steps, 3 drop steps
 
 
 def plan_delivery(last_batch="fill", shuffle=False):
-    plan = loaders.epoch_plan(N, n, B, last_batch=last_batch)
+    plan = epoch_plan(N, n, B, last_batch=last_batch)
     delivered = [plan.indices[:, k].copy() for k in range(n)]
     if shuffle:
         rng = np.random.default_rng(0)
@@ -39,7 +51,7 @@ def plan_delivery(last_batch="fill", shuffle=False):
 
 
 def kinds(delivered, masks=None, *, last_batch="fill", shuffle=False, length=None):
-    length = loaders.num_steps(N, n, B, last_batch) if length is None else length
+    length = num_steps(N, n, B, last_batch) if length is None else length
     return set(conformance.describe_epoch(delivered, N, B, shuffle=shuffle, last_batch=last_batch,
                                           length=length, masks=masks).kinds)
 
@@ -126,17 +138,17 @@ def test_a_wrong_mask_and_stray_padding():
     assert "padding" in kinds(delivered, masks)
 
 
-@pytest.mark.parametrize("arithmetic", loaders.ARITHMETICS)
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
 def test_decode_recovers_indices_through_either_arithmetic(arithmetic):
     indices = np.array([0, 1, 255, 256, 1002, 65535])
-    for norm in (loaders.Normalize(arithmetic=arithmetic),
-                 loaders.Normalize(mean=(10.0, 20.0, 30.0), std=(2.0, 3.0, 4.0), arithmetic=arithmetic)):
+    for norm in (Normalize(arithmetic=arithmetic),
+                 Normalize(mean=(10.0, 20.0, 30.0), std=(2.0, 3.0, 4.0), arithmetic=arithmetic)):
         images = norm(conformance.encoded_images(indices))
         np.testing.assert_array_equal(conformance.decode_indices(images, norm), indices)
 
 
 def test_decode_marks_images_that_encode_nothing():
-    norm = loaders.Normalize()
+    norm = Normalize()
     images = norm(conformance.encoded_images(np.array([5, 6, 7])))
     images[0, 0, 3, 3] += 0.5  # plane 0 no longer flat
     images[1, 1] += 0.003  # between two table values (they are 1/127.5 apart)
@@ -144,7 +156,7 @@ def test_decode_marks_images_that_encode_nothing():
 
 
 def test_content_names_labels_mirrored_pixels_and_another_arithmetic():
-    norm = loaders.Normalize()
+    norm = Normalize()
     ref_images = conformance.encoded_images(np.arange(8))
     ref_labels = (np.arange(8) % 10).astype(np.int32)
     indices = np.array([3, 4, 5])
@@ -155,7 +167,7 @@ def test_content_names_labels_mirrored_pixels_and_another_arithmetic():
     assert found[0] == ("1 labels differ from the file (slot 1 holds sample 4 with label 9, "
                         "the file says 4)")
     assert "mirror=0 was not honoured" in found[1]
-    dali = loaders.Normalize(arithmetic="dali_cpu")(ref_images[indices])
+    dali = Normalize(arithmetic="dali_cpu")(ref_images[indices])
     [text] = conformance.describe_content(dali, ref_labels[indices], indices, ref_images, ref_labels, norm)
     assert "another arithmetic than the table's" in text
 
@@ -275,7 +287,7 @@ USTEPS = {"fill": 3, "drop": 2}
 def test_uneven_shards_have_the_documented_step_counts(last_batch):
     steps = USTEPS[last_batch]
     for shuffle in (False, True):
-        plan = loaders.epoch_plan(UN, Un, UB, shuffle=shuffle, last_batch=last_batch, seed=4)
+        plan = epoch_plan(UN, Un, UB, shuffle=shuffle, last_batch=last_batch, seed=4)
         assert plan.indices.shape == (steps, Un, UB)
         args = dict(shuffle=shuffle, last_batch=last_batch, masks=plan.mask)
         assert not conformance.describe_epoch(plan.indices, UN, UB, length=steps, **args)
@@ -292,7 +304,7 @@ def planted(kind, last_batch, shard, step, slot, seed):
     must hold)."""
     steps = USTEPS[last_batch]
     shuffle = kind not in ("order",)
-    plan = loaders.epoch_plan(UN, Un, UB, shuffle=shuffle, seed=seed, last_batch=last_batch)
+    plan = epoch_plan(UN, Un, UB, shuffle=shuffle, seed=seed, last_batch=last_batch)
     got, mask = plan.indices.copy(), plan.mask.copy()
     args = dict(shuffle=shuffle, last_batch=last_batch, length=steps, partition="contiguous")
     other = (shard + 1) % Un
@@ -308,7 +320,7 @@ def planted(kind, last_batch, shard, step, slot, seed):
         mask[step, shard, slot] = ~mask[step, shard, slot]
         return got, mask, args, {step}, f"first: step {step} slot {slot}"
     if kind == "order":  # another sample of the shard's own in one slot
-        start = loaders.shard_bounds(UN, shard, Un)[0]
+        start = shard_bounds(UN, shard, Un)[0]
         got[step, shard, slot] = start if got[step, shard, slot] != start else start + 1
         return got, mask, args, {step}, f"shard {shard} step {step} slot {slot}:"
     if kind == "outside the shard":
@@ -320,7 +332,7 @@ def planted(kind, last_batch, shard, step, slot, seed):
         (a, at_a), (b, at_b) = sorted([(shard, step), (other, there)])
         return got, mask, args, {step, there}, f"at step {at_a} of shard {a} and step {at_b} of shard {b})"
     if kind == "repeated":  # drop (2 steps, no padding): the sample at (1 - s, slot) again at (s, slot)
-        plan = loaders.epoch_plan(UN, Un, UB, shuffle=True, seed=seed, last_batch="drop")
+        plan = epoch_plan(UN, Un, UB, shuffle=True, seed=seed, last_batch="drop")
         got, mask = plan.indices.copy(), plan.mask.copy()
         args.update(last_batch="drop", length=USTEPS["drop"])
         step = min(step, 1)
@@ -329,7 +341,7 @@ def planted(kind, last_batch, shard, step, slot, seed):
             f"(e.g. [{got[step, shard, slot]}]; at steps [0, 1])"
     if kind == "padding":  # fill: shard 0's padding slot (step 2, slot 1) holds shard 1's sample
         args.update(last_batch="fill", length=3)
-        plan = loaders.epoch_plan(UN, Un, UB, shuffle=True, seed=seed, last_batch="fill")
+        plan = epoch_plan(UN, Un, UB, shuffle=True, seed=seed, last_batch="fill")
         got, mask = plan.indices.copy(), plan.mask.copy()
         got[2, 0, 1] = got[0, 1, 0]
         return got, mask, args, {2}, "first at step 2)"
@@ -373,7 +385,7 @@ def test_every_finding_names_the_step_it_sits_at_with_uneven_shards(kind, last_b
 # 48 samples over 4 devices (12 each: a repeated shuffle has chance 1/12! per shard), batch 3.
 EN, En, EB = 48, 4, 3
 SAMPLES = {  # any sample shape and dtype, normalised or not: (shape, dtype, normalize)
-    "uint8 images, normalised": ((3, 4, 4), np.uint8, loaders.Normalize()),
+    "uint8 images, normalised": ((3, 4, 4), np.uint8, Normalize()),
     "uint8 (7,)": ((7,), np.uint8, None),
     "float32 features": ((5,), np.float32, None),
     "int16 (2, 3)": ((2, 3), np.int16, None),
@@ -472,7 +484,7 @@ def test_epochs_without_shuffle_stay_and_reads_do_not_depend_on_history(devices)
     assert set(found.kinds) == {"epoch read twice"} and len(found.kinds["epoch read twice"]) == En
     assert "the epoch depends on what was read before" in found.report()
     # A read with a batch fewer differs in the slots it lacks (-1 in the text).
-    plan = loaders.epoch_plan(UN, Un, UB)
+    plan = epoch_plan(UN, Un, UB)
     short = [plan.indices[:, k] for k in range(Un)]
     short[2] = short[2][:-1]
     found = conformance.describe_epochs({0: plan.indices, 1: short}, UB, shuffle=False)
@@ -534,7 +546,7 @@ TARGETS = {  # any label shape and dtype: per-token targets, float targets, sign
 @given(seed=st.integers(0, 2**32 - 1), d=st.sampled_from([1, -1, 2, -3, 4]), shard=st.integers(0, Un - 1))
 def test_values_of_any_shape_and_dtype_are_held_to_their_sample(name, last_batch, seed, d, shard):
     reference = TARGETS[name]
-    plan = loaders.epoch_plan(UN, Un, UB, shuffle=True, seed=seed, last_batch=last_batch)
+    plan = epoch_plan(UN, Un, UB, shuffle=True, seed=seed, last_batch=last_batch)
     values = reference[plan.indices]  # (steps, n, B, ...)
     assert not conformance.describe_values(plan.indices, values, reference, name="targets")
     shifted = np.roll(reference, -d, axis=0)[plan.indices]
@@ -542,7 +554,9 @@ def test_values_of_any_shape_and_dtype_are_held_to_their_sample(name, last_batch
     texts = [text for text, *_ in found.kinds["targets"]]
     assert texts and all(t.endswith(f"targets shifted by {d:+d} sample(s)") for t in texts), texts
     one = values.copy()
-    one[-1, shard, 0] = reference[(plan.indices[-1, shard, 0] + 1) % UN]  # one slot, the last step
+    i = plan.indices[-1, shard, 0]  # one slot, the last step, given another sample's (different) value
+    other = next(j for j in ((i + m) % UN for m in range(1, UN)) if not np.array_equal(reference[j], reference[i]))
+    one[-1, shard, 0] = reference[other]
     [(text, shards, steps, samples)] = conformance.describe_values(plan.indices, one, reference,
                                                                    name="targets").kinds["targets"]
     assert shards == {shard} and steps == {len(plan.indices) - 1}
@@ -585,7 +599,7 @@ def test_values_compare_bits_within_a_dtype_and_numbers_across_dtypes():
 # 48 encoded images; the epoch runs on 4 shards of 3 for steps 0-1, 3 of 2 for steps 2-3,
 # 6 of 1 for steps 4-5 (24, then 12, then 12 samples; fill and drop alike).
 RN, RSEGMENTS, RSEED, REPOCH = 48, [(0, 4, 3), (2, 3, 2), (4, 6, 1)], 11, 3
-RNORM = loaders.Normalize()
+RNORM = Normalize()
 
 
 def resized(delivered, segments, *, masks, last_batch, shuffle=True, partition="contiguous", length=None,
@@ -610,7 +624,7 @@ def resize_loaders():
     return {(n, B, last_batch): loaders.make_loader((images, labels), cpus[:n], B, shuffle=True,
                                                    seed=RSEED, last_batch=last_batch, normalize=RNORM,
                                                    prefetch=0, placement="host_float32")
-            for _, n, B in RSEGMENTS for last_batch in loaders.LAST_BATCH_POLICIES}
+            for _, n, B in RSEGMENTS for last_batch in LAST_BATCH_POLICIES}
 
 
 def decoded(batches, n):
@@ -632,8 +646,8 @@ def resized_epochs(resize_loaders):
     4-device loader's own epoch (elastic segment 0 is its epoch_plan), later segments from
     each new loader's gather (host_rows) of elastic_plan's rows; all decoded from images."""
     out = {}
-    for last_batch in loaders.LAST_BATCH_POLICIES:
-        plans = loaders.elastic_plan(RN, RSEGMENTS, epoch=REPOCH, seed=RSEED, shuffle=True,
+    for last_batch in LAST_BATCH_POLICIES:
+        plans = elastic_plan(RN, RSEGMENTS, epoch=REPOCH, seed=RSEED, shuffle=True,
                                      last_batch=last_batch)
         (_, n0, B0), *later = RSEGMENTS
         blocks = [loader_steps(resize_loaders[(n0, B0, last_batch)], 0, RSEGMENTS[1][0])]
@@ -647,10 +661,10 @@ def resized_epochs(resize_loaders):
     return out
 
 
-@pytest.mark.parametrize("last_batch", loaders.LAST_BATCH_POLICIES)
+@pytest.mark.parametrize("last_batch", LAST_BATCH_POLICIES)
 def test_a_resized_epoch_delivered_by_loaders_conforms(resized_epochs, last_batch):
     delivered, masks = resized_epochs[last_batch]
-    steps = loaders.elastic_num_steps(RN, RSEGMENTS, last_batch)
+    steps = elastic_num_steps(RN, RSEGMENTS, last_batch)
     for partition in conformance.PARTITIONS:
         for given in (masks, None):  # no segment has fewer samples left than shards
             found = resized(delivered, RSEGMENTS, masks=given, last_batch=last_batch,
@@ -668,7 +682,7 @@ def first_repeat(before, after, start):
     return where[0], sorted(seen & set(got1[mask1].tolist()))
 
 
-@pytest.mark.parametrize("last_batch", loaders.LAST_BATCH_POLICIES)
+@pytest.mark.parametrize("last_batch", LAST_BATCH_POLICIES)
 def test_a_restart_from_step_0_on_the_new_shards_is_named(resized_epochs, resize_loaders, last_batch):
     """Negative control: after 2 steps on 4 shards, the 3 new shards start the epoch again:
     the samples of steps 0-1 come twice, named with the segment and step where that starts."""
@@ -690,7 +704,7 @@ def test_a_restart_from_step_0_on_the_new_shards_is_named(resized_epochs, resize
             assert "outside the shard" in found.kinds and "batches arrived" in found.kinds, found.report()
 
 
-@pytest.mark.parametrize("last_batch", loaders.LAST_BATCH_POLICIES)
+@pytest.mark.parametrize("last_batch", LAST_BATCH_POLICIES)
 def test_a_resume_on_the_new_sizes_fresh_plan_is_named(resized_epochs, resize_loaders, last_batch):
     """Negative control: the 3 new shards read their own fresh epoch_plan from step 2: some
     samples come twice and others never (fill) or fewer than stated (drop), each named."""
@@ -720,14 +734,14 @@ def test_a_resume_on_the_new_sizes_fresh_plan_is_named(resized_epochs, resize_lo
         # not to what the loader itself delivered (any).
         assert ("step count" in found.kinds) == (partition == "contiguous"), found.report()
         # Control: the same loader's gather of the resized plan's rows conforms.
-        plan = loaders.elastic_plan(RN, segments, epoch=REPOCH, seed=RSEED, shuffle=True,
+        plan = elastic_plan(RN, segments, epoch=REPOCH, seed=RSEED, shuffle=True,
                                     last_batch=last_batch)[1]
         rest = decoded([loader.host_rows(plan, r) for r in range(len(plan.indices))], 3)
         assert not resized([delivered[0], rest[0]], segments, masks=[masks[0], rest[1]],
                            last_batch=last_batch, partition=partition, length=6)
 
 
-@pytest.mark.parametrize("last_batch", loaders.LAST_BATCH_POLICIES)
+@pytest.mark.parametrize("last_batch", LAST_BATCH_POLICIES)
 def test_a_segment_whose_shards_run_different_step_counts(resized_epochs, last_batch):
     """Negative control: shard 2 of segment 1 (global steps 2-3) and shard 4 of the last
     segment (steps 4-5) each lose their last batch; named by segment and global step."""
@@ -763,7 +777,7 @@ def planted_resize(kind, last_batch, shuffle, seed, epoch, segment, shard, row, 
     """(delivered, masks, partition, the segment whose words the finding carries or None,
     words its text must hold, a global step its steps must hold) for one deviation of
     ``kind`` planted in elastic_plan's epoch, its indices encoded and decoded first."""
-    plans = loaders.elastic_plan(PN, PSEGMENTS, epoch=epoch, seed=seed, shuffle=shuffle,
+    plans = elastic_plan(PN, PSEGMENTS, epoch=epoch, seed=seed, shuffle=shuffle,
                                  last_batch=last_batch)
     got = [conformance.decode_indices(conformance.encoded_images(p.indices.ravel(), (2,), np.float32))
            .reshape(p.indices.shape) for p in plans]
@@ -877,11 +891,11 @@ def test_every_resize_finding_names_its_segment_and_global_step(kind, data, seed
 def resize_chains(draw):
     """(N, segments, last_batch): up to two changes, each at a drawn step of the segment
     before it (its end included), onto drawn (n, B)."""
-    N, last_batch = draw(st.integers(1, 30)), draw(st.sampled_from(loaders.LAST_BATCH_POLICIES))
+    N, last_batch = draw(st.integers(1, 30)), draw(st.sampled_from(LAST_BATCH_POLICIES))
     shards, batches = st.integers(1, min(N, 6)), st.integers(1, 4)
     segments = [(0, draw(shards), draw(batches))]
     for _ in range(draw(st.integers(0, 2))):
-        end, start = loaders.elastic_num_steps(N, segments, last_batch), segments[-1][0]
+        end, start = elastic_num_steps(N, segments, last_batch), segments[-1][0]
         if end == start:
             break
         segments.append((draw(st.integers(start + 1, end)), draw(shards), draw(batches)))
@@ -902,15 +916,15 @@ def test_elastic_plans_conform_and_a_restart_never_does(chain, seed, epoch, shuf
     control: the last segment restarting the epoch (its fresh epoch_plan from step 0)
     repeats segment 0's samples, named."""
     N, segments, last_batch = chain
-    plans = loaders.elastic_plan(N, segments, epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
+    plans = elastic_plan(N, segments, epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
     got = [conformance.decode_indices(conformance.encoded_images(p.indices.ravel(), (3,), np.uint8))
            .reshape(p.indices.shape) for p in plans]
     masks = [p.mask for p in plans]
-    steps = loaders.elastic_num_steps(N, segments, last_batch)
+    steps = elastic_num_steps(N, segments, last_batch)
     args = dict(last_batch=last_batch, shuffle=shuffle, N=N, seed=seed, epoch=epoch)
     run = dict(epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
     crowded = {i for i, (t, n, _) in enumerate(segments)  # fewer samples left than shards
-               if len(loaders.remaining_samples(N, segments, t, **run)) < n and len(plans[i].indices)}
+               if len(remaining_samples(N, segments, t, **run)) < n and len(plans[i].indices)}
     for partition in conformance.PARTITIONS:
         found = resized(got, segments, masks=masks, partition=partition, length=steps, **args)
         assert not found, found.report(f"{chain}, {partition}")
@@ -920,7 +934,7 @@ def test_elastic_plans_conform_and_a_restart_never_does(chain, seed, epoch, shuf
         assert {s for items in bare.kinds.values() for _, shards, *_ in items for s, _ in shards} == crowded
     if len(segments) > 1 and len(plans[0].indices) and masks[0].any():
         (_, n, B) = segments[-1]
-        again = loaders.epoch_plan(N, n, B, epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
+        again = epoch_plan(N, n, B, epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
         if again.mask.any():
             found = resized(got[:-1] + [again.indices], segments, masks=masks[:-1] + [again.mask],
                             partition="any", **args)
@@ -956,7 +970,7 @@ def test_one_segment_gives_describe_epochs_findings_by_segment(kind):
 
 def test_describe_resized_epoch_refuses_what_it_cannot_read():
     segments = [(0, 2, 2), (1, 3, 1)]
-    plans = loaders.elastic_plan(7, segments)
+    plans = elastic_plan(7, segments)
     good = dict(epoch=0, seed=0, shuffle=False, last_batch="fill")
     for args, kw, words in [
             (([p.indices for p in plans], 7, [(0, 2, 2), (5, 3, 1)]), {},
@@ -991,16 +1005,16 @@ def test_no_samples_encode_and_decode_to_nothing(shape, dtype):
     assert conformance.decode_indices(samples).shape == (0,)
 
 
-@pytest.mark.parametrize("last_batch", loaders.LAST_BATCH_POLICIES)
+@pytest.mark.parametrize("last_batch", LAST_BATCH_POLICIES)
 def test_another_exactly_once_partition_after_the_resize_conforms_only_to_any(resized_epochs, last_batch):
     """After the change the 3 new shards split what is left strided (shard k takes every
     third remaining sample from the k-th), as many steps as the plan: exactly once still
     (partition="any" finds nothing), not the plan's runs (contiguous names them)."""
     delivered, masks = resized_epochs[last_batch]
     segments = RSEGMENTS[:2]
-    pool = loaders.remaining_samples(RN, segments, 2, epoch=REPOCH, seed=RSEED, shuffle=True,
+    pool = remaining_samples(RN, segments, 2, epoch=REPOCH, seed=RSEED, shuffle=True,
                                      last_batch=last_batch)
-    steps = loaders.elastic_num_steps(RN, segments, last_batch) - 2
+    steps = elastic_num_steps(RN, segments, last_batch) - 2
     strided = np.stack([pool[k::3][:steps * 2].reshape(steps, 2) for k in range(3)], axis=1)
     mask = np.ones(strided.shape, bool)  # 24 left, 8 a shard: 4 whole steps of 2, no padding
     assert not resized([delivered[0], strided], segments, masks=[masks[0], mask], last_batch=last_batch,
@@ -1009,3 +1023,130 @@ def test_another_exactly_once_partition_after_the_resize_conforms_only_to_any(re
     # (drop's last segment owes no particular samples: which are skipped is the shuffle's)
     want = {"outside the shard", "missing"} if last_batch == "fill" else {"outside the shard"}
     assert set(found.kinds) == want, found.report()
+
+
+# --------------------------------------------------------------------------
+# conformance.py for any loader
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, dtype, normalize", [
+    ((3, 32, 32), np.uint8, Normalize(mirror=True)),
+    ((3, 32, 32), np.uint8, Normalize(crop=(20, 24), arithmetic="dali_cpu")),
+    ((1, 16, 16), np.uint8, Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu")),
+    ((1, 16, 16), np.uint8, None),
+    ((40,), np.uint8, None),
+    ((40,), np.float32, None),
+    ((4, 4), np.int16, None),
+    ((2,), np.float16, None),
+])
+def test_indices_round_trip_for_any_sample(shape, dtype, normalize):
+    limit = conformance.index_limit(shape, dtype)
+    indices = np.array([0, 1, 255, 256, 1000, limit - 1]) % limit
+    samples = conformance.encoded_images(indices, shape, dtype)
+    assert samples.shape == (len(indices),) + shape and samples.dtype == dtype
+    delivered = samples if normalize is None else normalize(samples)
+    np.testing.assert_array_equal(conformance.decode_indices(delivered, normalize), indices)
+    # Control: a sample whose digit-carrying part is not flat decodes to -1.
+    broken = np.array(delivered, copy=True)
+    broken.reshape(len(broken), -1)[1, 0] += 1
+    assert conformance.decode_indices(broken, normalize)[1] == -1
+    with pytest.raises(ValueError, match=r"index_limit"):
+        conformance.encoded_images([limit], shape, dtype)
+
+
+def test_index_limits_are_the_exact_integers_of_each_dtype():
+    assert conformance.index_limit((1, 16, 16), np.uint8) == 65536
+    assert conformance.index_limit((40,), np.float32) == 2**24
+    assert conformance.index_limit((40,), np.float16) == 2048
+    # 2**24 + 1 is the first integer float32 cannot hold: the limit is where encoding breaks.
+    assert np.float32(2**24 + 1) == np.float32(2**24)
+    assert conformance.index_limit((1,), np.uint8) == 0  # one byte cannot hold two digits
+
+
+def strided_epoch(N, n, B, drop_last=False):
+    """A correct loader with another partition: shard k is k::n, padded to equal steps."""
+    steps = -(-(-(-N // n)) // B)
+    delivered = np.empty((steps, n, B), np.int64)
+    masks = np.zeros((steps, n, B), bool)
+    for k in range(n):
+        own = np.arange(k, N, n)
+        slots = np.concatenate([own, np.full(steps * B - len(own), own[-1])])
+        delivered[:, k] = slots.reshape(steps, B)
+        masks[:, k] = (np.arange(steps * B) < len(own)).reshape(steps, B)
+    return delivered, masks
+
+
+def test_a_strided_partition_passes_the_any_mode_and_fails_the_contiguous_one():
+    N, n, B = 1003, 8, 16
+    delivered, masks = strided_epoch(N, n, B)
+    args = dict(shuffle=False, last_batch="fill", length=len(delivered), masks=masks)
+    assert not conformance.describe_epoch(delivered, N, B, partition="any", **args)
+    contiguous = conformance.describe_epoch(delivered, N, B, **args)
+    assert {"outside the shard", "missing"} <= set(contiguous.kinds)
+    # Controls: the any mode still catches a lost sample, a sample on two shards and an uneven shard.
+    lost = delivered.copy()
+    lost[0, 0, 0] = lost[0, 1, 0]  # shard 0 loses sample 0 and repeats shard 1's sample 1
+    found = conformance.describe_epoch(lost, N, B, partition="any", **args)
+    assert {"missing", "samples on two shards"} <= set(found.kinds), found.report()
+    [(text, shards, steps, samples)] = found.kinds["samples on two shards"]
+    assert steps == {0} and "sample 1 at step 0 of shard 0 and step 0 of shard 1" in text
+    assert "0 step(s)" not in found.report()
+    short = [delivered[:, k] for k in range(n)]
+    short[3] = short[3][:-1]
+    found = conformance.describe_epoch(short, N, B, partition="any", shuffle=False, last_batch="fill",
+                                       length=len(delivered), masks=[masks[:, k] for k in range(n)])
+    assert "batches arrived" in found.kinds
+    outside = delivered.copy()
+    outside[2, 5, 1] = N + 7
+    assert "outside the dataset" in conformance.describe_epoch(outside, N, B, partition="any", **args).kinds
+
+
+def test_the_plan_layout_is_accepted_and_bad_input_is_refused_clearly():
+    N, n, B = 13, 2, 2
+    plan = epoch_plan(N, n, B)
+    args = dict(shuffle=False, last_batch="fill", length=4)
+    assert not conformance.describe_epoch(plan.indices, N, B, masks=plan.mask, **args)
+    listed = conformance.describe_epoch([plan.indices[:, k] for k in range(n)], N, B,
+                                        masks=[plan.mask[:, k] for k in range(n)], **args)
+    assert not listed
+    bad = [((plan.indices[:, 0], N, B), {}, "must be (steps, n, B) like Plan.indices"),
+           ((plan.indices, N, 3), {}, "B = batch_size = 3"),
+           ((plan.indices.astype(float), N, B), {}, "must hold integer values"),
+           ((plan.indices, N, B), {"masks": plan.mask[:, :1]}, "masks has 1 shards, delivered 2"),
+           ((plan.indices, N, B), {"partition": "strided"}, "partition must be one of"),
+           (([np.zeros(4, np.int64)], N, B), {}, "delivered[0] must be (steps, B)")]
+    for positional, kwargs, words in bad:
+        with pytest.raises(ValueError) as error:
+            conformance.describe_epoch(*positional, **{**args, **kwargs})
+        assert words in str(error.value) and "describe_epoch" in str(error.value), str(error.value)
+
+
+def test_every_finding_names_its_steps():
+    N, n, B = 13, 2, 2
+    plan = epoch_plan(N, n, B)
+    delivered, masks = plan.indices.copy(), plan.mask.copy()
+    delivered[0, 0, 0] = 12  # outside shard 0, on two shards, shard 0 misses sample 0
+    delivered[1, 1, 0] = -1  # undecodable
+    delivered[3, 0, 1] = 8  # padding from another shard
+    masks[3, 1, 1] = False  # a mask unlike the plan's
+    found = conformance.describe_epoch(delivered, N, B, shuffle=False, last_batch="fill", length=5,
+                                       masks=masks)
+    shifted = plan.indices.copy()
+    shifted[:, 1] = np.roll(shifted[:, 1].ravel(), 1).reshape(-1, B)  # a stream one slot late
+    found = conformance.describe_epoch(shifted, N, B, shuffle=False, last_batch="fill", length=5,
+                                       masks=masks, findings=found)
+    assert len(found.kinds) >= 7 and "shifted by 1 slots" in found.report(), found.report()
+    for kind, items in found.kinds.items():
+        for text, shards, steps, samples in items:
+            assert steps and "step" in text, f"{kind}: {text!r} names no step"
+
+
+def test_shard_blocks_in_both_layouts():
+    x = np.arange(24).reshape(12, 2)
+    np.testing.assert_array_equal(conformance.shard_blocks(x, 3)[1], x[4:8])
+    np.testing.assert_array_equal(conformance.shard_blocks(x.reshape(3, 4, 2), 3, "pmap")[2], x[8:])
+    with pytest.raises(ValueError, match="num_shards = 5"):
+        conformance.shard_blocks(x, 5)
+    with pytest.raises(ValueError, match="'pmap' batch must be"):
+        conformance.shard_blocks(x, 3, "pmap")

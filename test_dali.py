@@ -58,13 +58,16 @@ if __name__ != "__main__":  # the worker below runs in a child process that sets
 import conformance  # noqa: E402
 import dali_loader  # noqa: E402
 import loaders  # noqa: E402
+from arithmetic import Normalize, aligned_empty, crop_anchor, normalize_table
+from cifar_mnist import IMAGE_SHAPE, MNIST_SHAPE, synthetic_cifar10
+from plan import LAST_BATCH_POLICIES, LoaderState, epoch_plan, num_steps, shard_bounds
 
 # The profile-scaled example count from conftest, under pytest. Not imported here:
 # this file is also the two-process worker, and conftest starts JAX's backend.
 examples = getattr(sys.modules.get("conftest"), "examples", lambda count: count)
 pytestmark = pytest.mark.dali
 
-DALI = loaders.Normalize(arithmetic="dali_cpu")  # mean = std = 127.5: every index decodes
+DALI = Normalize(arithmetic="dali_cpu")  # mean = std = 127.5: every index decodes
 CIFAR_MEAN, CIFAR_STD = (125.3, 123.0, 113.9), (63.0, 62.1, 66.7)
 
 
@@ -178,7 +181,7 @@ def cases(draw):
     n = draw(st.sampled_from([1, 2, 3, 8]))
     N = draw(st.integers(20, 300))
     B = draw(st.integers(1, min(8, N // n)))
-    return (N, n, B, draw(st.sampled_from(loaders.LAST_BATCH_POLICIES)), draw(st.booleans()),
+    return (N, n, B, draw(st.sampled_from(LAST_BATCH_POLICIES)), draw(st.booleans()),
             draw(st.sampled_from(loaders.LAYOUTS)), draw(st.integers(0, 2**32 - 1)),
             draw(st.sampled_from(dali_loader.ORDERS)))
 
@@ -198,7 +201,7 @@ def test_dali_epochs_conform_to_the_plan(devices, cache, case):
     # host_float32: the same bits as every placement (test_loaders.py), without a jit per shape.
     reference = loaders.make_loader((images, labels), devices[:n], B, prefetch=0,
                                     placement="host_float32", **args)
-    assert len(loader) == len(reference) == loaders.num_steps(N, n, B, last_batch)
+    assert len(loader) == len(reference) == num_steps(N, n, B, last_batch)
     for epoch in (1, 0):
         check_epoch(list(loader.epoch(epoch)), reference, epoch, 0, order, str(case))
         assert loader.real_samples(epoch) == reference.real_samples(epoch)
@@ -211,7 +214,7 @@ MATRIX_CI = {("plan", "fill", True, "sharded"), ("plan", "drop", False, "pmap"),
 
 @pytest.mark.parametrize("order, last_batch, shuffle, layout", [
     pytest.param(*cell, marks=() if cell in MATRIX_CI else pytest.mark.slow)
-    for cell in [(o, p, s, l) for o in dali_loader.ORDERS for p in loaders.LAST_BATCH_POLICIES
+    for cell in [(o, p, s, l) for o in dali_loader.ORDERS for p in LAST_BATCH_POLICIES
                  for s in (True, False) for l in loaders.LAYOUTS]])
 def test_conformance_matrix(devices, cache, order, last_batch, shuffle, layout):
     """One process, N=53 over 4 shards (13, 13, 13, 14) in batches of 3: fill pads
@@ -306,24 +309,24 @@ def test_epochs_are_a_function_of_seed_epoch_step_and_shard(devices, cache, orde
 ])
 def test_crop_mirror_normalize_is_the_dali_table(devices, cache, crop, crop_pos, mirror, wrong):
     rng = np.random.default_rng(7)
-    images = rng.integers(0, 256, size=(16,) + loaders.IMAGE_SHAPE, dtype=np.uint8)
+    images = rng.integers(0, 256, size=(16,) + IMAGE_SHAPE, dtype=np.uint8)
     labels = rng.integers(0, 10, size=16).astype(np.int32)
-    norm = loaders.Normalize(mean=CIFAR_MEAN, std=CIFAR_STD, crop=crop, crop_pos=crop_pos,
+    norm = Normalize(mean=CIFAR_MEAN, std=CIFAR_STD, crop=crop, crop_pos=crop_pos,
                              mirror=mirror, arithmetic="dali_cpu")
     loader = dali_loader.make_dali_loader((images, labels), devices[:2], 8, normalize=norm, cache_dir=cache)
     (batch,) = list(loader.epoch(0))
     loader.close()
     got = np.asarray(batch["images"])  # rows: shard 0 = samples 0..7, shard 1 = 8..15
     if crop_pos == (0.7, 0.7):
-        assert norm.window((32, 32))[:2] == (3, 3) == loaders.Normalize(**{**norm.__dict__, "arithmetic": "dali_gpu"}).window((32, 32))[:2]
+        assert norm.window((32, 32))[:2] == (3, 3) == Normalize(**{**norm.__dict__, "arithmetic": "dali_gpu"}).window((32, 32))[:2]
     assert got.shape == (16, 3) + crop and got.dtype == np.float32
     assert_same_bits(got, norm(images), "DALI's pixels against the dali table")
     np.testing.assert_array_equal(np.asarray(batch["labels"]), labels)
     # Negative controls: the rocAL table, and the same arguments with one thing changed, do not match.
-    rocal = loaders.Normalize(mean=CIFAR_MEAN, std=CIFAR_STD, crop=crop, crop_pos=crop_pos,
+    rocal = Normalize(mean=CIFAR_MEAN, std=CIFAR_STD, crop=crop, crop_pos=crop_pos,
                               mirror=mirror, arithmetic="rocal")
     assert not np.array_equal(got, rocal(images))
-    assert not np.array_equal(got, loaders.Normalize(**{**norm.__dict__, **wrong})(images))
+    assert not np.array_equal(got, Normalize(**{**norm.__dict__, **wrong})(images))
 
 
 # --------------------------------------------------------------------------
@@ -414,7 +417,7 @@ def test_without_stick_to_shard_readers_move_to_the_next_shard(cache):
     (k + e) mod n in epoch e (each padded with its own last sample)."""
     N, n, B = 13, 4, 3
     folder = dali_loader.sample_files(*encoded(N), cache)
-    plan = loaders.epoch_plan(N, n, B)
+    plan = epoch_plan(N, n, B)
     for k in (0, 3):
         pipe = raw_pipeline(folder, B, shard_id=k, num_shards=n, stick_to_shard=False, pad_last_batch=True)
         for epoch in range(3):
@@ -480,10 +483,10 @@ def test_refusals(devices, cache):
         return lambda: dali_loader.make_dali_loader(args.pop("data"), args.pop("devices"),
                                                     args.pop("batch_size"), **args)
 
-    assert_raises_naming(ValueError, make(normalize=loaders.Normalize()), "arithmetic='rocal'",
+    assert_raises_naming(ValueError, make(normalize=Normalize()), "arithmetic='rocal'",
                          "compute arithmetic='dali_cpu'")
     # DALI's GPU kernel's bits are not its CPU pipelines': refused on CPU devices.
-    assert_raises_naming(ValueError, make(normalize=loaders.Normalize(arithmetic="dali_gpu")),
+    assert_raises_naming(ValueError, make(normalize=Normalize(arithmetic="dali_gpu")),
                          "arithmetic='dali_gpu'", "cpu devices compute arithmetic='dali_cpu'")
     assert_raises_naming(ValueError, make(normalize=lambda x: x), "normalize=", "arithmetic='dali_cpu'")
     assert_raises_naming(ValueError, make(order="dali"), "order", "'dali'")
@@ -505,9 +508,9 @@ def test_refusals(devices, cache):
 @pytest.mark.parametrize("layout", loaders.LAYOUTS)
 def test_mnist_shaped_data_equals_the_reference(devices, cache, layout):
     rng = np.random.default_rng(3)
-    images = rng.integers(0, 256, size=(50,) + loaders.MNIST_SHAPE, dtype=np.uint8)
+    images = rng.integers(0, 256, size=(50,) + MNIST_SHAPE, dtype=np.uint8)
     labels = rng.integers(0, 10, size=50).astype(np.int32)
-    norm = loaders.Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu")  # the DALI notebook's
+    norm = Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu")  # the DALI notebook's
     args = dict(layout=layout, last_batch="fill", normalize=norm)
     loader = dali_loader.make_dali_loader((images, labels), devices[:4], 5, cache_dir=cache, **args)
     reference = loaders.make_loader((images, labels), devices[:4], 5, prefetch=0, **args)
@@ -571,7 +574,7 @@ def test_vendor_shuffle_draws_from_the_whole_shard(devices, cache):
     N, B = 2048, 32
     images = conformance.encoded_images(np.arange(N), (1, 2, 2))  # [i % 256, i % 256, i // 256, i // 256]
     labels = (np.arange(N) % 10).astype(np.int32)
-    identity = loaders.Normalize(mean=(0.0,), std=(1.0,), arithmetic="dali_cpu")
+    identity = Normalize(mean=(0.0,), std=(1.0,), arithmetic="dali_cpu")
     loader = dali_loader.make_dali_loader((images, labels), devices[:1], B, shuffle=True, seed=1,
                                           order="vendor", normalize=identity, cache_dir=cache)
     steps = loader.epoch(0)
@@ -624,7 +627,7 @@ def test_a_shard_list_is_keyed_by_the_shard_count(tmp_path):
     folder = dali_loader.sample_files(*encoded(12), tmp_path)
     lines = open(os.path.join(folder, dali_loader.LIST_NAME)).read().splitlines()
     for k, n in ((0, 2), (0, 3), (1, 3), (1, 2), (0, 1), (0, 2)):
-        start, stop = loaders.shard_bounds(12, k, n)
+        start, stop = shard_bounds(12, k, n)
         assert open(dali_loader.shard_list(folder, k, n)).read().splitlines() == lines[start:stop], (k, n)
 
 
@@ -647,7 +650,7 @@ def test_a_negative_zero_mean_gives_the_reference_tables_bits(devices, cache, ch
     images[:, :, 0, 1], images[:, :, 0, 2] = 7, 255
     labels = np.arange(8) % 10
     for mean in (0.0, -0.0):
-        norm = loaders.Normalize(mean=(mean,) * channels, std=(-2.0,) * channels, arithmetic="dali_cpu")
+        norm = Normalize(mean=(mean,) * channels, std=(-2.0,) * channels, arithmetic="dali_cpu")
         loader = dali_loader.make_dali_loader((images, labels), devices[:2], 2, normalize=norm, cache_dir=cache)
         got = np.asarray(next(iter(loader.epoch(0)))["images"])
         assert_same_bits(got, norm(images[:len(got)]), f"DALI, mean {mean!r}")
@@ -783,12 +786,12 @@ def test_the_default_arithmetic_follows_the_devices(monkeypatch):
 
     monkeypatch.setattr(loaders, "data_mesh", lambda devices: types.SimpleNamespace(devices=np.array(devices)))
     monkeypatch.setattr(loaders, "make_loader", spec_loader)
-    for normalize in (None, loaders.Normalize(arithmetic="dali_gpu")):
+    for normalize in (None, Normalize(arithmetic="dali_gpu")):
         with pytest.raises(Stop):
             dali_loader.make_dali_loader(encoded(8), NVIDIA, 2, normalize=normalize)
     with pytest.raises(Stop):
         dali_loader.make_dali_loader(encoded(8), CPU, 2)
-    assert seen == [loaders.Normalize(arithmetic="dali_gpu")] * 2 + [loaders.Normalize(arithmetic="dali_cpu")]
+    assert seen == [Normalize(arithmetic="dali_gpu")] * 2 + [Normalize(arithmetic="dali_cpu")]
     with pytest.raises(ValueError, match="compute arithmetic='dali_gpu'"):
         dali_loader.make_dali_loader(encoded(8), NVIDIA, 2, normalize=DALI)
 
@@ -846,7 +849,7 @@ def test_dali_gpu_table_is_the_gpu_kernels_fma(mean_std):
     So table[c, x] = fma(x, inv, -(mean*inv)) with inv = f32(1/std) (a double quotient of
     floats rounded to float is the float quotient) and the product rounded to float."""
     mean, std = zip(*mean_std)
-    table = loaders.normalize_table(mean, std, "dali_gpu")
+    table = normalize_table(mean, std, "dali_gpu")
     for c, (m, s) in enumerate(mean_std):
         inv = np.float32(1.0 / float(np.float32(s)))
         add = np.float32(-(np.float32(m) * inv))
@@ -859,18 +862,18 @@ def test_dali_gpu_and_dali_cpu_tables_differ_where_the_roundings_do():
     the product: two roundings. At the rocAL notebook's mean = std = 127.5 that differs
     from the GPU kernel's one rounding on 762 of the 768 entries; at the DALI notebook's
     MNIST (0, 255) on none (x - 0 is exact)."""
-    gpu = loaders.normalize_table((127.5,) * 3, (127.5,) * 3, "dali_gpu")
-    cpu = loaders.normalize_table((127.5,) * 3, (127.5,) * 3, "dali_cpu")
+    gpu = normalize_table((127.5,) * 3, (127.5,) * 3, "dali_gpu")
+    cpu = normalize_table((127.5,) * 3, (127.5,) * 3, "dali_cpu")
     assert (gpu != cpu).sum() == 762 and np.flatnonzero(gpu[0] == cpu[0]).tolist() == [0, 32]
     x = np.arange(256, dtype=np.float32)  # the CPU table, independently: two float32 roundings
     assert_same_bits(cpu[0], (x - np.float32(127.5)) * (np.float32(1) / np.float32(127.5)), "dali_cpu")
-    mnist = [loaders.normalize_table((0.0,), (255.0,), a) for a in ("dali_gpu", "dali_cpu")]
+    mnist = [normalize_table((0.0,), (255.0,), a) for a in ("dali_gpu", "dali_cpu")]
     assert_same_bits(mnist[0], mnist[1], "MNIST's table, GPU vs CPU")
     # The GPU operator's crop window comes from CropAttr::CalculateAnchor (crop_attr.cc),
     # shared with the CPU operator: std::round(double(pos) * (W - cw)), as dali_cpu.
     for pos, size, crop in [(0.5, 32, 29), (0.5, 32, 27), (0.25, 32, 30), (1 / 6, 32, 28), (0.7, 32, 27)]:
-        assert loaders.crop_anchor(pos, size, crop, "dali_gpu") == loaders.crop_anchor(pos, size, crop, "dali_cpu")
-    assert loaders.crop_anchor(0.5, 32, 27, "dali_gpu") == 3 != loaders.crop_anchor(0.5, 32, 27, "rocal")
+        assert crop_anchor(pos, size, crop, "dali_gpu") == crop_anchor(pos, size, crop, "dali_cpu")
+    assert crop_anchor(0.5, 32, 27, "dali_gpu") == 3 != crop_anchor(0.5, 32, 27, "rocal")
 
 
 # --------------------------------------------------------------------------
@@ -960,7 +963,7 @@ def test_jax_from_dlpack_copy_true_still_wraps_a_cpu_buffer():
     """JAX 0.10.2, CPU: from_dlpack(x, copy=True) returns an array on x's own memory
     (its docstring promises a copy). Why to_jax copies with jnp.array instead. If this
     fails, JAX copies now, and to_jax could pass copy=True."""
-    x = loaders.aligned_empty((256,), np.float32)
+    x = aligned_empty((256,), np.float32)
     x[:] = 0
     wrapped = jax.dlpack.from_dlpack(x, device=jax.devices("cpu")[0], copy=True)
     x[:] = 7
@@ -982,7 +985,7 @@ def test_the_loaders_pipelines_use_the_dynamic_executor(devices, cache, monkeypa
 
 
 # --------------------------------------------------------------------------
-# Resuming a saved epoch (loaders.LoaderState) on other shards: issue 25.2
+# Resuming a saved epoch (plan.LoaderState) on other shards: issue 25.2
 # --------------------------------------------------------------------------
 
 # (n0, B0, stop, n1, B1): epoch 1 of 48 samples saved after `stop` steps on n0 shards of B0,
@@ -991,7 +994,7 @@ def test_the_loaders_pipelines_use_the_dynamic_executor(devices, cache, monkeypa
 RESIZES = [(8, 2, 1, 3, 4), (4, 3, 2, 6, 2)]
 RESUMED_IN_CI = {(8, 2, 1, 3, 4, "fill", True, "sharded"), (4, 3, 2, 6, 2, "drop", False, "pmap")}
 RESUMED_CELLS = [pytest.param(*cell, marks=() if cell in RESUMED_IN_CI else pytest.mark.slow)
-                 for cell in [(*r, p, s, l) for r in RESIZES for p in loaders.LAST_BATCH_POLICIES
+                 for cell in [(*r, p, s, l) for r in RESIZES for p in LAST_BATCH_POLICIES
                               for s in (True, False) for l in loaders.LAYOUTS]]
 
 
@@ -1002,10 +1005,10 @@ def cpu_devices(count: int) -> list:
     return devices[:count]
 
 
-def saved_state(N: int, n0: int, B0: int, stop: int, **run) -> loaders.LoaderState:
+def saved_state(N: int, n0: int, B0: int, stop: int, **run) -> LoaderState:
     """What a loader of N samples on n0 shards of B0 saves after ``stop`` steps of epoch 1
     (loaders.Loader.state's value)."""
-    return loaders.LoaderState.start(N, n0, B0, epoch=1, **run).at_step(stop)
+    return LoaderState.start(N, n0, B0, epoch=1, **run).at_step(stop)
 
 
 def resumed_pair(N: int, n1: int, B1: int, cache: str, order: str = "plan", **args):
@@ -1018,7 +1021,7 @@ def resumed_pair(N: int, n1: int, B1: int, cache: str, order: str = "plan", **ar
     return loader, reference
 
 
-def check_resumed(loader, reference, saved: loaders.LoaderState, where: str) -> list:
+def check_resumed(loader, reference, saved: LoaderState, where: str) -> list:
     """DALI's ``epoch(1, state=saved)`` is the reference's, bit for bit, with the same count,
     real slots and state after it; returns DALI's batches."""
     got, want = list(loader.epoch(1, state=saved)), list(reference.epoch(1, state=saved))
@@ -1036,7 +1039,7 @@ def check_resumed(loader, reference, saved: loaders.LoaderState, where: str) -> 
 def test_plan_order_resumes_on_other_shards_as_the_reference(cache, n0, B0, stop, n1, B1, last_batch, shuffle,
                                                             layout):
     """order="plan": a state saved on n0 shards of B0 resumes on n1 of B1 with the reference
-    loader's batches (loaders.elastic_plan's last segment), and the state after one more
+    loader's batches (plan.elastic_plan's last segment), and the state after one more
     step resumes again, back on n0 x B0 (a chain of two changes)."""
     run = dict(seed=5, shuffle=shuffle, last_batch=last_batch)
     saved = saved_state(48, n0, B0, stop, **run)
@@ -1088,7 +1091,7 @@ def test_resume_refusals_name_the_field(cache):
                          "DaliLoader.epoch", "seed=6", "this run has seed=5")
     assert_raises_naming(ValueError, lambda: loader.epoch(2, state=saved), "epoch=2", "state is of epoch 1")
     assert_raises_naming(ValueError, lambda: loader.epoch(1, 1, state=saved), "start_step=1 with a state")
-    assert_raises_naming(ValueError, lambda: loader.epoch(1, state=saved.to_json()), "must be a loaders.LoaderState")
+    assert_raises_naming(ValueError, lambda: loader.epoch(1, state=saved.to_json()), "must be a plan.LoaderState")
     assert_raises_naming(ValueError, lambda: loader.real_samples(1, state=dataclasses.replace(saved, shuffle=False)),
                          "DaliLoader.real_samples", "shuffle")
     assert_raises_naming(ValueError, lambda: loader.state(1, 0, state=saved),
@@ -1157,7 +1160,7 @@ def worker(out_dir: str, coordinator: str, process_id: int) -> None:
         loader = dali_loader.make_dali_loader((images, labels), devices, B, cache_dir=out_dir, **args)
         reference = loaders.make_loader((images, labels), devices, B, prefetch=0, placement="host_float32",
                                         **args)
-        saved = loaders.LoaderState.start(N, 3, 5, epoch=0, seed=9, shuffle=True, last_batch=last_batch).at_step(2)
+        saved = LoaderState.start(N, 3, 5, epoch=0, seed=9, shuffle=True, last_batch=last_batch).at_step(2)
         resumed = zip(loader.epoch(0, state=saved), reference.epoch(0, state=saved), strict=True)
         for epoch, start_step, pairs in ((1, 0, None), (0, 2, None), (0, saved.step, resumed)):
             if pairs is None:
@@ -1192,7 +1195,7 @@ def test_two_processes_read_the_plan_bit_for_bit(tmp_path):
     # N=101 over 8 shards, B=3: fill 5 steps, drop 4; epoch 1 whole, epoch 0 from step 2, and
     # epoch 0 from a state saved on 3 shards of 5 after 2 steps (71 samples left: fill 3
     # steps, drop 2); 3 fields on 4 local devices.
-    resumed = {p: loaders.LoaderState.start(101, 3, 5, shuffle=True, last_batch=p).at_step(2).resized(8, 3)
+    resumed = {p: LoaderState.start(101, 3, 5, shuffle=True, last_batch=p).at_step(2).resized(8, 3)
                for p in ("fill", "drop")}
     assert [st.num_steps - st.step for st in resumed.values()] == [3, 2]
     for i in range(2):
@@ -1238,11 +1241,11 @@ def assert_same_params(tmp_path, backends: tuple, leaves: int) -> None:
 
 def test_refimpl_dali_and_reference_resize_to_identical_params(tmp_path):
     """The consequence, through refimpl.py: 4 devices stop after run step 2, 3 devices resume
-    (loaders.elastic_plan's order); DALI (shuffled, the main job's default) and the reference,
+    (plan.elastic_plan's order); DALI (shuffled, the main job's default) and the reference,
     with the same seed and --normalize, each report every sample of the interrupted epoch
     delivered exactly once across the change, and end with the very same params. The
     issue's two resizes, through DALI, run with --run-slow."""
-    data = loaders.synthetic_cifar10(tmp_path / "data", num_train=96, num_test=16, seed=2)
+    data = synthetic_cifar10(tmp_path / "data", num_train=96, num_test=16, seed=2)
     # The notebook's MLP with narrow hidden layers (the same code, a fraction of the compute).
     common = ["--data-dir", data, "--cache-dir", str(tmp_path), "--epochs", "1", "--batch-size", "4",
               "--eval-batch-size", "16", "--strategies", "sharded", "--normalize", "dali_cpu", "--seed", "5",
@@ -1304,7 +1307,7 @@ def test_refimpl_two_processes_dali_and_reference_identical_params(tmp_path):
     """The issue's case: --local-processes 2 --epochs 2, where DALI's stateful epochs used
     to train the second strategy on other epochs (733 ulps apart). About 15 s."""
     here = os.path.dirname(os.path.abspath(__file__))
-    data = loaders.synthetic_cifar10(tmp_path / "data", num_train=512, num_test=64, seed=2)
+    data = synthetic_cifar10(tmp_path / "data", num_train=512, num_test=64, seed=2)
     for backend in ("dali", "reference"):  # one after the other: 2 processes each
         [(code, out, err)] = run_children([[
             sys.executable, os.path.join(here, "refimpl.py"), "--backend", backend, "--normalize", "dali_cpu",
@@ -1355,7 +1358,7 @@ def test_gpu_pipelines_equal_the_reference(cache, layout, order):
         pytest.skip("needs an NVIDIA GPU: JAX sees none here")
     N, B = 37 * len(gpus), 4
     images, labels = encoded(N)
-    norm = loaders.Normalize(arithmetic="dali_gpu")
+    norm = Normalize(arithmetic="dali_gpu")
     args = dict(layout=layout, normalize=norm, shuffle=order == "plan", seed=3)
     loader = dali_loader.make_dali_loader((images, labels), gpus, B, cache_dir=cache, order=order, **args)
     assert dali_loader.usable(gpus) and "GPU pipeline(s)" in loader.describe()
@@ -1403,7 +1406,7 @@ def test_equal_size_shards_shuffle_differently(devices, cache):
         loader.close()
     local = []
     for k in range(n):
-        start, stop = loaders.shard_bounds(N, k, n)
+        start, stop = shard_bounds(N, k, n)
         order = np.concatenate([conformance.decode_indices(b["images"][k], DALI) for b in blocks])
         assert sorted(order.tolist()) == list(range(start, stop))  # control: each is its own shard
         local.append((order - start).tolist())

@@ -39,9 +39,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import conformance  # noqa: E402
 import loaders  # noqa: E402
+from plan import epoch_plan, num_steps, shard_bounds, shard_permutation
 
 N, n, B, SEED = 27, 4, 2, 42  # Grain's shards 7, 7, 7, 6; the plan's [0, 6), [6, 13), [13, 20), [20, 27)
-S = loaders.num_steps(N, n, B, "drop")  # 3 = floor(floor(27/4)/2) = floor(27/(4*2)): both recipes' epoch
+S = num_steps(N, n, B, "drop")  # 3 = floor(floor(27/4)/2) = floor(27/(4*2)): both recipes' epoch
 SAMPLES = conformance.encoded_images(np.arange(N), (4,), np.int16)
 LABELS = (np.arange(N) * 7 % 10).astype(np.int32)
 
@@ -198,7 +199,7 @@ def test_grain_departs_from_the_plan_exactly_as_known(name, dataloader, tutorial
 def test_the_known_departures_check_fails_when_one_disappears():
     """Negative control: the plan's own epochs (drop, shuffled) held to Grain's known
     departures fail, naming the departure that is gone."""
-    plan = {e: loaders.epoch_plan(N, n, B, epoch=e, seed=SEED, shuffle=True, last_batch="drop").indices
+    plan = {e: epoch_plan(N, n, B, epoch=e, seed=SEED, shuffle=True, last_batch="drop").indices
             for e in (0, 1)}
     for name, known in KNOWN.items():
         gone = r"the known departure\(s\) \['outside the shard'\] are gone"
@@ -219,7 +220,7 @@ def test_shard_options_are_contiguous_with_the_remainder_on_the_first_shards(dat
             seen = np.unique(np.concatenate([indices[0][k].ravel(), indices[1][k].ravel()]))
             np.testing.assert_array_equal(seen, np.arange(start, stop), err_msg=f"drop={drop_remainder} {k}")
     assert [grain_bounds(k, False) for k in range(n)] == [(0, 7), (7, 14), (14, 21), (21, 27)]
-    assert [loaders.shard_bounds(N, k, n) for k in range(n)] == [(0, 6), (6, 13), (13, 20), (20, 27)]
+    assert [shard_bounds(N, k, n) for k in range(n)] == [(0, 6), (6, 13), (13, 20), (20, 27)]
     dropped = conformance.describe_epoch(dataloader[True][0][0], N, B, shuffle=True, last_batch="fill",
                                          length=S, partition="any")
     assert dropped.kinds["missing"][0][3] == {24, 25, 26}  # never delivered, in any epoch
@@ -276,7 +277,7 @@ def test_the_shuffle_seed_is_added_to_the_epoch():
     assert sampler(SEED, 1) == sampler(SEED + 1, 0)
     assert dataset(SEED, 1) == dataset(SEED + 1, 0)
     assert sampler(SEED, 1) != sampler(SEED, 0)  # control: the epochs do differ
-    plan = lambda seed, epoch: loaders.shard_permutation(L, seed=seed, epoch=epoch, shard=0).tolist()
+    plan = lambda seed, epoch: shard_permutation(L, seed=seed, epoch=epoch, shard=0).tolist()
     assert plan(SEED, 1) != plan(SEED + 1, 0)
 
 
@@ -289,5 +290,5 @@ def test_shards_of_one_size_shuffle_alike(dataloader):
         local = [indices[e][k].ravel() - grain_bounds(k, True)[0] for k in range(n)]
         assert all(np.array_equal(local[0], x) for x in local[1:]), (e, local)
         assert not np.array_equal(local[0], np.arange(len(local[0])))  # control: it is shuffled
-    plan = loaders.epoch_plan(24, n, B, seed=SEED, shuffle=True, last_batch="drop").indices
+    plan = epoch_plan(24, n, B, seed=SEED, shuffle=True, last_batch="drop").indices
     assert len({tuple(plan[:, k].ravel() - 6 * k) for k in range(n)}) > 1  # the plan's differ

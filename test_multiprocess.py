@@ -30,6 +30,8 @@ import sys
 
 import numpy as np
 import pytest
+from arithmetic import Normalize
+from cifar_mnist import read_cifar10, synthetic_cifar10
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYERS = (3072, 64, 32, 10)
@@ -61,7 +63,7 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
     meshes = {"sharded": loaders.data_mesh(devices),
               "shard_map": loaders.data_mesh([d for pair in zip(*by_process) for d in pair])}
     read = []
-    images, labels = loaders.read_cifar10(data_dir)
+    images, labels = read_cifar10(data_dir)
     for name, mesh in meshes.items():
         layout = strategies.LAYOUT[name]
         by_placement = {p: loaders.make_loader(data_dir, mesh, B, layout=layout, shuffle=True, seed=5,
@@ -76,7 +78,7 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
                     for shard in array.addressable_shards:
                         k = position[shard.device]
                         idx = plan.indices[step, k]
-                        want = {"images": loaders.Normalize()(images[idx]), "labels": labels[idx],
+                        want = {"images": Normalize()(images[idx]), "labels": labels[idx],
                                 "mask": plan.mask[step, k]}[field]
                         got = np.asarray(shard.data).reshape(want.shape)
                         assert np.array_equal(got, want), f"{name} mesh, placement {p}: {field} of shard {k}"
@@ -101,8 +103,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    import loaders
-    return loaders.synthetic_cifar10(tmp_path_factory.mktemp("mp"), num_train=1000, num_test=100, seed=4)
+    return synthetic_cifar10(tmp_path_factory.mktemp("mp"), num_train=1000, num_test=100, seed=4)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ functions only (no name starting with "_" is used in any job):
   own loop's callback reports every step in order, the user's own loop
   (``train_loop`` + ``sharded_step``) continues ``sharded``'s params and optimizer
   state bit for bit, and with SGD the four strategies train the user's tabular
-  model (a dict of params) to within the bound ``strategies.verdict`` derives
+  model (a dict of params) to within the bound ``equivalence.verdict`` derives
   (sharded and single also the image model: fewer compilations);
 * conformance.py: the user's strided loader (shard k = k::n) passes the
   exactly-once mode and is flagged by the contiguous one; a planted overlap is
@@ -53,6 +53,7 @@ SNIPPETS = {
 import jax
 import numpy as np
 import loaders
+from arithmetic import Normalize
 
 devices = jax.devices()  # shard k goes to devices[k]
 data = {"x": features, "y": labels.astype(np.int32)}  # your names; int64 is refused (JAX would convert)
@@ -66,7 +67,7 @@ pmap_loader = loaders.make_loader(data, devices, batch_size=32, shuffle=True, se
 
 image_loader = loaders.make_loader({"images": images, "labels": image_labels.astype(np.int32)},
                                    devices, batch_size=32,  # uint8 (N, C, H, W): channels first
-                                   normalize={"images": loaders.Normalize(mean=(127.5,), std=(127.5,))})
+                                   normalize={"images": Normalize(mean=(127.5,), std=(127.5,))})
 ''',
     "strategies": '''\
 import jax
@@ -172,6 +173,7 @@ np.testing.assert_array_equal(np.asarray(image_loader.batch(0, 0)["labels"]), im
 print("JOB OK")
 ''',
     "strategies": '''
+import equivalence
 mlp_params = {"hidden": (0.05 * rng.standard_normal((256, 32))).astype(np.float32),
               "out": (0.05 * rng.standard_normal((32, 4))).astype(np.float32)}
 
@@ -205,9 +207,9 @@ for terms, start, (x, y) in ((loss_terms, zeros, (features, labels)), (mlp_terms
         pmap = strategies.LAYOUT[name] == "pmap"
         batches = my_batches(x, y, pmap=pmap)
         done[name] = train(start, batches, mesh, loss_terms=terms, optimizer=sgd).params
-    growth = strategies.twin_growth(start, my_batches(x, y), mesh, loss_terms=terms, optimizer=sgd)
+    growth = equivalence.twin_growth(start, my_batches(x, y), mesh, loss_terms=terms, optimizer=sgd)
     for name in done:
-        found = strategies.verdict(done[name], done["sharded"], strategies.ulp_bound("sharded", name, "cpu", n), growth)
+        found = equivalence.verdict(done[name], done["sharded"], equivalence.ulp_bound("sharded", name, "cpu", n), growth)
         assert found.case in ("identical", "within"), (name, found.text)
 print("JOB OK")
 ''',
@@ -226,8 +228,9 @@ assert steps == {5} and shards == {3, 4}, text
 
 import jax
 import loaders
+from arithmetic import Normalize
 encoded = conformance.encoded_images(np.arange(N), (1, 16, 16))  # uint8, one channel
-norm = loaders.Normalize(mean=(127.5,), std=(127.5,))
+norm = Normalize(mean=(127.5,), std=(127.5,))
 loader = loaders.make_loader((encoded, image_labels), jax.devices(), B, shuffle=True, seed=1, normalize=norm)
 got, got_masks = [], []
 for batch in loader.epoch(0):
@@ -295,8 +298,16 @@ def my_loader(samples, n, B):
 ''',
 }
 
-MODULES = {"loaders": ["loaders.py"], "strategies": ["strategies.py"],
-           "conformance": ["conformance.py", "loaders.py"]}
+# What each job copies: the module and what README's module table says to copy with it
+# (the strategies job also judges the strategies with equivalence.py; the conformance
+# job also holds the reference loader to conformance, so loaders.py's set comes too).
+NEEDS = {"plan.py": [], "arithmetic.py": [], "cifar_mnist.py": [], "strategies.py": [],
+         "loaders.py": ["plan.py", "arithmetic.py", "cifar_mnist.py"],
+         "conformance.py": ["plan.py", "arithmetic.py", "cifar_mnist.py"],
+         "equivalence.py": ["strategies.py"], "model.py": []}
+MODULES = {"loaders": ["loaders.py", *NEEDS["loaders.py"]],
+           "strategies": ["strategies.py", "equivalence.py"],
+           "conformance": ["conformance.py", *NEEDS["conformance.py"], "loaders.py"]}
 
 
 def readme_snippets() -> dict | None:
@@ -353,3 +364,21 @@ def test_no_job_uses_a_private_name():
     for name in MODULES:
         text = SNIPPETS[name] + EXTRA[name] + CHECKS[name]
         assert not re.search(r"\b(loaders|strategies|conformance)\._", text), name
+
+
+def test_each_module_imports_only_what_it_is_copied_with():
+    # The module table's "copy it with" column, held against the code: every import of a
+    # module of this repository, at any depth of the file (lazy ones too), is in NEEDS.
+    import ast
+
+    ours = {f[:-3] for f in os.listdir(HERE) if f.endswith(".py")}
+    for module, needs in NEEDS.items():
+        tree = ast.parse(open(os.path.join(HERE, module)).read())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
+        project = {f"{name}.py" for name in imported & ours}
+        assert project == set(needs), (module, sorted(project ^ set(needs)))

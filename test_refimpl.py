@@ -17,8 +17,9 @@ import types
 import numpy as np
 import pytest
 
-import loaders
 from conftest import run_children
+import equivalence
+from cifar_mnist import read_cifar10, synthetic_cifar10, write_cifar10
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REFIMPL = os.path.join(HERE, "refimpl.py")
@@ -32,7 +33,7 @@ def refimpl(*args, cwd=HERE, timeout=75):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return loaders.synthetic_cifar10(tmp_path_factory.mktemp("tiny"), num_train=256, num_test=64, seed=3)
+    return synthetic_cifar10(tmp_path_factory.mktemp("tiny"), num_train=256, num_test=64, seed=3)
 
 
 # The runs that train, by name: each test below reads its own (``runs[name]``), but all run
@@ -131,7 +132,7 @@ def test_strategy_order_and_drop_policy(runs):
 
 
 # As "every strategy" (there: sharded and single end a few ulps apart on CPU, within
-# strategies.ulp_bound, exit 0), here held to --max-ulps-per-step 0.
+# equivalence.ulp_bound, exit 0), here held to --max-ulps-per-step 0.
 RUNS["outside the bound"] = ["--data-dir", "{data}", "--epochs", "1", "--batch-size", "32", "--devices", "2",
                              "--strategies", "sharded,single", "--max-ulps-per-step", "0", "--hidden", "64,64"]
 
@@ -194,7 +195,7 @@ def rocal_installed() -> bool:
 @pytest.fixture(scope="module")
 def refused(tiny_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("refused")
-    folder = loaders.synthetic_cifar10(tmp / "truncated", num_train=50, num_test=10, seed=0)
+    folder = synthetic_cifar10(tmp / "truncated", num_train=50, num_test=10, seed=0)
     path = os.path.join(folder, "data_batch_3.bin")
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 100)
@@ -225,14 +226,14 @@ def test_full_size_epoch_with_prefetch_does_not_deadlock(tmp_path):
     # Regression: with unbounded async dispatch, 49 steps of per-device batch 128
     # on 8 CPU devices, fed by the prefetching loader, deadlocked XLA's all-reduce
     # rendezvous (the process aborts after 40 s). strategies.train_loop now keeps at most
-    # two steps in flight (test_equivalence.py checks that in a second). 24 steps
+    # two steps in flight (test_strategies.py checks that in a second). 24 steps
     # did not reproduce it; 49 did, every time. About 20 s: run with --run-slow.
-    small = loaders.synthetic_cifar10(tmp_path / "small", num_train=5_000, num_test=64, seed=1)
-    images, labels = loaders.read_cifar10(small)
+    small = synthetic_cifar10(tmp_path / "small", num_train=5_000, num_test=64, seed=1)
+    images, labels = read_cifar10(small)
     folder = tmp_path / "big"  # what it holds does not matter, only how many steps
     folder.mkdir()
-    loaders.write_cifar10(folder / "data_batch_1.bin", np.tile(images, (10, 1, 1, 1)), np.tile(labels, 10))
-    loaders.write_cifar10(folder / "test_batch.bin", images[:64], labels[:64])
+    write_cifar10(folder / "data_batch_1.bin", np.tile(images, (10, 1, 1, 1)), np.tile(labels, 10))
+    write_cifar10(folder / "test_batch.bin", images[:64], labels[:64])
     folder = str(folder)
     done = refimpl("--data-dir", folder, "--epochs", "1", "--strategies", "sharded",
                    "--batch-size", "128", "--devices", "8", "--placement", "host")
@@ -241,7 +242,7 @@ def test_full_size_epoch_with_prefetch_does_not_deadlock(tmp_path):
 
 
 # --------------------------------------------------------------------------
-# report_differences: the verdict lines, in process (strategies.verdict's bound)
+# report_differences: the verdict lines, in process (equivalence.verdict's bound)
 # --------------------------------------------------------------------------
 
 
@@ -251,8 +252,7 @@ def params_apart(ulps: int) -> list:
 
 
 def flat_growth(steps: int):
-    import strategies
-    return strategies.Growth(np.full((2, 1, steps + 1), 64.0), 0.0, np.zeros(1))  # nothing grows: G_t = 1
+    return equivalence.Growth(np.full((2, 1, steps + 1), 64.0), 0.0, np.zeros(1))  # nothing grows: G_t = 1
 
 
 def report(final, steps, counts, growth, capsys):
@@ -274,8 +274,7 @@ def test_pairs_outside_their_bound_are_printed_after_every_other_verdict(capsys)
     assert "OUTSIDE the documented bound of 4 ulps" in lines[2] and "(test counts)" in lines[2]
     assert lines[-1].startswith("refimpl.py: FAILED: 2 pair(s)") and outside == lines[2:4]
     # Where the growth leaves the domain: no verdict for a counted pair, said before OUTSIDE.
-    import strategies
-    chaotic = strategies.Growth(np.array([[[64.0, 1e3, 1e6, 1e7, 1e7]]] * 2), 0.9, np.zeros(1))
+    chaotic = equivalence.Growth(np.array([[[64.0, 1e3, 1e6, 1e7, 1e7]]] * 2), 0.9, np.zeros(1))
     outside, lines = report(final, 4, counts, chaotic, capsys)
     pairs = [line.split(":")[0].split(" vs ")[1] for line in lines[:-1]]
     assert pairs == ["same", "far", "near", "other program"], lines
@@ -290,8 +289,7 @@ def test_the_bound_grows_with_the_step_count(capsys):
     final = {"a": params_apart(0), "b": params_apart(10)}
     assert report(final, 4, {"b": 2}, flat_growth(4), capsys)[0]
     assert not report(final, 5, {"b": 2}, flat_growth(5), capsys)[0]
-    import strategies
-    doubling = strategies.Growth(np.array([[[64.0, 32.0, 32.0, 64.0]]] * 2), 0.0, np.zeros(1))  # G = 2, 2, 1
+    doubling = equivalence.Growth(np.array([[[64.0, 32.0, 32.0, 64.0]]] * 2), 0.0, np.zeros(1))  # G = 2, 2, 1
     outside, lines = report(final, 3, {"b": 2}, doubling, capsys)
     assert not outside and "within the documented bound of 10 ulps" in lines[0]
     with pytest.raises(ValueError, match="steps=6, but the growth was measured over 5 steps"):

@@ -66,8 +66,11 @@ if __name__ != "__main__":  # two_process_worker runs in a child process that se
 import conformance
 import loaders
 import rocal_loader
+from arithmetic import Normalize, crop_anchor, crop_mirror_normalize
+from cifar_mnist import read_cifar10, synthetic_cifar10, write_cifar10
+from plan import LAST_BATCH_POLICIES, LoaderState, num_steps, shard_bounds
 
-NORM = loaders.Normalize()  # the notebook's: mean = std = 127.5, rocAL's arithmetic
+NORM = Normalize()  # the notebook's: mean = std = 127.5, rocAL's arithmetic
 B = 4  # the conformance test's batch
 
 
@@ -81,9 +84,9 @@ def write_encoded(folder, N: int) -> str:
     """One data_batch file where sample i encodes i (label i % 10), plus a test_batch."""
     os.makedirs(folder, exist_ok=True)
     index = np.arange(N)
-    loaders.write_cifar10(os.path.join(folder, "data_batch_1.bin"), conformance.encoded_images(index),
+    write_cifar10(os.path.join(folder, "data_batch_1.bin"), conformance.encoded_images(index),
                           index % 10)
-    loaders.write_cifar10(os.path.join(folder, "test_batch.bin"), conformance.encoded_images(index[:4]),
+    write_cifar10(os.path.join(folder, "test_batch.bin"), conformance.encoded_images(index[:4]),
                           index[:4] % 10)
     return str(folder)
 
@@ -271,7 +274,7 @@ class FakePipeline:
             exit(0)
         root, prefix = self.reader["file_root"], self.reader["filename_prefix"]
         names = [n for n in os.listdir(root) if prefix in n]  # readdir order, substring match
-        parts = [loaders.read_cifar10(root, name) for name in names]
+        parts = [read_cifar10(root, name) for name in names]
         self.images = np.concatenate([p[0] for p in parts])
         self.labels = np.concatenate([p[1] for p in parts])
         count, shard = self.reader["num_shards"], self.reader["shard_id"]
@@ -323,7 +326,7 @@ class FakePipeline:
     def _normalize(self, images):
         cmn = self.cmn
         crop = tuple(cmn.get("crop", (32, 32)))
-        out = loaders.crop_mirror_normalize(
+        out = crop_mirror_normalize(
             images, crop=crop, mirror=bool(cmn.get("mirror", 1)),  # rocAL's default flips
             mean=cmn.get("mean", [0.0] * 3), std=cmn.get("std", [1.0] * 3),
             crop_pos=(cmn.get("crop_pos_y", 0.5), cmn.get("crop_pos_x", 0.5)), arithmetic="rocal")
@@ -436,7 +439,7 @@ def test_refusals_build_no_pipeline(monkeypatch, small_dir, mesh4, fake, cache, 
         with pytest.raises(ValueError, match=match):
             rocal_loader.make_rocal_loader(data, mesh4, 2, cache_dir=cache, **kwargs)
 
-    refused("rocAL computes rocAL's arithmetic", normalize=loaders.Normalize(arithmetic="dali_cpu"))
+    refused("rocAL computes rocAL's arithmetic", normalize=Normalize(arithmetic="dali_cpu"))
     refused("rocAL computes rocAL's arithmetic", normalize=lambda x: x)
     refused("sharding must be one of", sharding="dali", order="vendor")
     refused("order must be one of", order="shuffled")
@@ -444,18 +447,18 @@ def test_refusals_build_no_pipeline(monkeypatch, small_dir, mesh4, fake, cache, 
     refused("num_threads must be >= 1", num_threads=0)
     with pytest.raises(ValueError, match="larger than the smallest shard"):
         rocal_loader.make_rocal_loader(small_dir, mesh4, 13, cache_dir=cache)
-    refused("does not fit", normalize=loaders.Normalize(crop=(40, 40)))
+    refused("does not fit", normalize=Normalize(crop=(40, 40)))
     mnist = (np.zeros((40, 1, 28, 28), np.uint8), np.zeros(40, np.int32))
     refused(r"rocAL's reader is CIFAR-10's", data=mnist,
-            normalize=loaders.Normalize(mean=(0.0,), std=(255.0,)))
-    refused("pass the folder", data=loaders.read_cifar10(small_dir), sharding="rocal", order="vendor")
+            normalize=Normalize(mean=(0.0,), std=(255.0,)))
+    refused("pass the folder", data=read_cifar10(small_dir), sharding="rocal", order="vendor")
     # rocal mode: rocAL must read what read_cifar10 reads, in the same order.
     odd = write_encoded(tmp_path / "odd", 16)
-    loaders.write_cifar10(os.path.join(odd, "old_data_batch_1.bin"), conformance.encoded_images(np.arange(4)),
+    write_cifar10(os.path.join(odd, "old_data_batch_1.bin"), conformance.encoded_images(np.arange(4)),
                           np.arange(4))
     refused(r"rocAL would also read \['old_data_batch_1.bin'\]", data=odd, sharding="rocal", order="vendor")
     two = write_encoded(tmp_path / "two", 16)
-    loaders.write_cifar10(os.path.join(two, "data_batch_2.bin"), conformance.encoded_images(np.arange(4)),
+    write_cifar10(os.path.join(two, "data_batch_2.bin"), conformance.encoded_images(np.arange(4)),
                           np.arange(4))
     listdir = os.listdir
     monkeypatch.setattr(rocal_loader.os, "listdir", lambda root: sorted(listdir(root), reverse=True))
@@ -481,7 +484,7 @@ def test_rocal_sharding_is_refused_naming_the_bug(small_dir, mesh4, fake, cache)
 # --------------------------------------------------------------------------
 
 
-NORM_ARGS = loaders.Normalize(mean=(1.0, 2.0, 3.0), std=(4.0, 5.0, 6.0), mirror=True, crop=(28, 30),
+NORM_ARGS = Normalize(mean=(1.0, 2.0, 3.0), std=(4.0, 5.0, 6.0), mirror=True, crop=(28, 30),
                               crop_pos=(0.25, 0.75))
 
 
@@ -507,7 +510,7 @@ def test_plan_order_feeds_each_pipeline_a_file_of_its_planned_slots(small_dir, m
     ends, and nothing is built before the first step is asked for."""
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=shuffle, last_batch=last_batch,
                                             normalize=NORM_ARGS, seed=7, cache_dir=cache)
-    images, labels = loaders.read_cifar10(small_dir)
+    images, labels = read_cifar10(small_dir)
     steps = loader.epoch(3, start_step=1)
     assert fake.pipelines == []
     next(steps)
@@ -538,7 +541,7 @@ def test_plan_order_feeds_each_pipeline_a_file_of_its_planned_slots(small_dir, m
 def test_vendor_order_gets_a_fill_pipeline_over_each_shards_file(small_dir, mesh4, fake, cache, shuffle):
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=shuffle, last_batch="drop",
                                             normalize=NORM_ARGS, seed=7, cache_dir=cache, order="vendor")
-    images, labels = loaders.read_cifar10(small_dir)
+    images, labels = read_cifar10(small_dir)
     assert fake.pipelines == []  # built per epoch
     list(loader.epoch(0))
     assert len(fake.pipelines) == 4
@@ -546,8 +549,8 @@ def test_vendor_order_gets_a_fill_pipeline_over_each_shards_file(small_dir, mesh
         assert_pipeline_arguments(pipe, seed=7, shuffle=shuffle)
         root = pipe.reader["file_root"]
         assert root.startswith(cache) and os.listdir(root) == ["data_batch_1.bin"]
-        start, stop = loaders.shard_bounds(50, k, 4)
-        got = loaders.read_cifar10(root)
+        start, stop = shard_bounds(50, k, 4)
+        got = read_cifar10(root)
         assert np.array_equal(got[0], images[start:stop]) and np.array_equal(got[1], labels[start:stop])
 
 
@@ -581,8 +584,8 @@ def test_shard_files_are_written_once_atomically_and_keyed_by_content(cache):
     assert len(folders) == 4 and len({os.path.dirname(f) for f in folders}) == 1
     assert sorted(os.listdir(cache)) == [os.path.basename(os.path.dirname(folders[0]))]  # no scratch left
     for k, folder in enumerate(folders):
-        start, stop = loaders.shard_bounds(30, k, 4)
-        got_images, got_labels = loaders.read_cifar10(folder)
+        start, stop = shard_bounds(30, k, 4)
+        got_images, got_labels = read_cifar10(folder)
         assert np.array_equal(got_images, images[start:stop])
         assert np.array_equal(got_labels, labels[start:stop])
     inode = os.stat(os.path.join(folders[0], "data_batch_1.bin")).st_ino
@@ -601,7 +604,7 @@ def test_shard_files_are_written_once_atomically_and_keyed_by_content(cache):
         rocal_loader.shard_folders(images, np.where(np.arange(30) == 5, 5, labels), 4, cache)
 
 
-PIXELS = loaders.Normalize(mean=(125.3, 123.0, 113.9), std=(63.0, 62.1, 66.7), crop=(29, 27),
+PIXELS = Normalize(mean=(125.3, 123.0, 113.9), std=(63.0, 62.1, 66.7), crop=(29, 27),
                           crop_pos=(0.25, 0.75), mirror=True)
 
 
@@ -711,7 +714,7 @@ def test_vendor_shuffled_masks_are_found_by_content(small_dir, mesh4, fake, cach
     mask = np.stack([b["mask"] for b in blocks], 1)
     assert loader.real_samples(0) == mask.sum() == loader.real_samples(7)  # every epoch alike
     for k in range(4):
-        start, stop = loaders.shard_bounds(50, k, 4)
+        start, stop = shard_bounds(50, k, 4)
         real = got[k][mask[k]]
         assert np.all(got[k][~mask[k]] == stop - 1), "padding holds the shard's last record"
         if last_batch == "fill":
@@ -822,7 +825,7 @@ def test_padding_that_is_not_rocals_is_an_error_not_a_guess(monkeypatch, small_d
                                            r"32 records \(whole batches of 4\); expected 32"):
         list(rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache).epoch(0))
     assert os.listdir(cache) == [os.path.basename(os.path.dirname(rocal_loader.shard_folders(
-        *loaders.read_cifar10(small_dir), 4, cache)[0]))]  # the shard files; no epoch files left
+        *read_cifar10(small_dir), 4, cache)[0]))]  # the shard files; no epoch files left
     FakeRocal().install(monkeypatch)
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, cache_dir=cache, order="vendor")
     loader.shards[1] = dataclasses.replace(loader.shards[1], padded=2)  # rocAL said 2 copies, gave 3
@@ -880,7 +883,7 @@ def test_a_resumed_vendor_epoch_is_checked_as_a_whole_one(monkeypatch, small_dir
     # Shard 3 = [37, 50): record 38 made a twin of its last record 49, and the loader told that
     # the shard holds none of that content (copies=0): step 0's twin is then taken for padding
     # where the plan has a real sample. Resumed at the last step, that step 0 is still checked.
-    images, labels = (np.array(x) for x in loaders.read_cifar10(small_dir))
+    images, labels = (np.array(x) for x in read_cifar10(small_dir))
     images[38], labels[38] = images[49], labels[49]
     loader = rocal_loader.make_rocal_loader((images, labels), mesh4, 4, cache_dir=cache, order="vendor")
     assert loader.shards[3].copies == 2
@@ -923,10 +926,10 @@ def test_an_evenly_divisible_largest_shard_is_not_padded():
     shard is a whole number of batches (then each shard keeps its own size)."""
     for N in range(1, 41):
         for n in range(1, min(N, 6) + 1):
-            largest = max(stop - start for start, stop in (loaders.shard_bounds(N, k, n) for k in range(n)))
+            largest = max(stop - start for start, stop in (shard_bounds(N, k, n) for k in range(n)))
             for B in range(1, 7):
                 for k in range(n):
-                    start, stop = loaders.shard_bounds(N, k, n)
+                    start, stop = shard_bounds(N, k, n)
                     want = stop - start if largest % B == 0 else (largest + B - 1) // B * B
                     assert rocal_loader.rocal_padded_size(N, n, k, B) == want, (N, n, k, B)
     assert rocal_loader.rocal_padded_size(10, 4, 0, 3) == 2  # shards 2,3,2,3, B=3: none padded
@@ -1191,7 +1194,7 @@ def test_rocals_gpu_kernel_computes_the_rocal_table(mean, std):
     x = np.arange(256, dtype=np.float64)
     fused = (x[None] * inv[:, None].astype(np.float64) + shift[:, None].astype(np.float64)).astype(np.float32)
     separate = (np.float32(x[None]) * inv[:, None] + shift[:, None]).astype(np.float32)
-    table = loaders.Normalize(mean=mean, std=std, arithmetic="rocal").table
+    table = Normalize(mean=mean, std=std, arithmetic="rocal").table
     assert_same_bits(table, fused, "rocal table against one FMA")
     assert (separate != fused).sum() > 0  # the contraction matters: a kernel without it is another table
 
@@ -1200,12 +1203,12 @@ def test_rocals_crop_anchor_is_the_same_on_both_backends():
     """READ, NOT RUN (GPU). The crop window's anchor is computed on the host, in rocAL, for both
     backends: rocAL/source/parameters/parameter_rocal_crop.cpp, RocalCropParam::fill_crop_dims,
     ``std::nearbyintf(anchor * (W - cw))`` (float32 product, round half to even), then given to
-    RPP as the ROI (CropMirrorNormalizeNode::update_node). loaders.crop_anchor(arithmetic="rocal")
+    RPP as the ROI (CropMirrorNormalizeNode::update_node). arithmetic.crop_anchor(arithmetic="rocal")
     is that; DALI's rounds half away from zero (negative control)."""
     for pos, size, crop in [(0.5, 32, 27), (0.5, 32, 29), (0.25, 32, 30), (0.75, 32, 26), (0.3, 32, 1)]:
         want = int(np.rint(np.float32(pos) * np.float32(size - crop)))
-        assert loaders.crop_anchor(pos, size, crop, "rocal") == want
-    assert loaders.crop_anchor(0.5, 32, 27, "rocal") == 2 and loaders.crop_anchor(0.5, 32, 27, "dali_cpu") == 3
+        assert crop_anchor(pos, size, crop, "rocal") == want
+    assert crop_anchor(0.5, 32, 27, "rocal") == 2 and crop_anchor(0.5, 32, 27, "dali_cpu") == 3
 
 
 # --------------------------------------------------------------------------
@@ -1277,7 +1280,7 @@ def conformance_run(mesh, folder: str, cache: str, *, sharding: str, raw: bool, 
     """Two epochs through the raw pipelines (FILL + pad for fill, the notebook's DROP + pad
     for drop) or the loader (``sharding`` "plan": order="plan", else order="vendor" with
     that sharding); every deviation from the plan as a finding, nothing raised."""
-    images, labels = loaders.read_cifar10(folder)
+    images, labels = read_cifar10(folder)
     observed = Observed(conformance.Findings(), set(), collections.defaultdict(set), [])
     run = _raw_epochs if raw else functools.partial(_loader_epochs, layout=layout)
     reads = {}  # the loader's epochs as delivered, for describe_epochs
@@ -1289,7 +1292,7 @@ def conformance_run(mesh, folder: str, cache: str, *, sharding: str, raw: bool, 
         if delivered is not None:
             N, n = len(labels), len(delivered)
             for k in range(n):
-                stop = loaders.shard_bounds(N, k, n)[1]
+                stop = shard_bounds(N, k, n)[1]
                 if (delivered[k] == stop - 1).sum() > 1:
                     observed.surplus.add((epoch, k))
             if shuffle and masks is not None:
@@ -1415,7 +1418,7 @@ def _loader_epochs(mesh, folder, cache, images, labels, *, sharding, shuffle, la
                         found.add("content", f"shard {k} step {step}: {text}", shards=[k], steps=[step])
             plan = loader.plan(epoch)
             for k in range(n):
-                stop = loaders.shard_bounds(N, k, n)[1]
+                stop = shard_bounds(N, k, n)[1]
                 padding = delivered[k][~masks[k]]
                 # The plan pads with its last real slot; rocAL with the shard's last record.
                 want = plan.indices[:, k][~plan.mask[:, k]] if order == "plan" else stop - 1
@@ -1517,7 +1520,7 @@ def test_conformance_checker_on_the_double(monkeypatch, encoded_dir, cache, case
                                 sharding_bug=sharding_bug, surplus=observed.surplus)
     check_known(observed, expected, setup_line(mesh, dataset_size(4), case, "the double"))
     if sharding == "rocal" and sharding_bug and raw:
-        assert observed.lengths[0][1] == 4 * loaders.num_steps(dataset_size(4), 4, B, last_batch)  # n x
+        assert observed.lengths[0][1] == 4 * num_steps(dataset_size(4), 4, B, last_batch)  # n x
     if sharding == "rocal" and sharding_bug and not raw:
         assert "sharding bug" in observed.found.report()
 
@@ -1679,7 +1682,7 @@ def test_rocal_negative_zero_mean_gives_the_reference_tables_bits(rocal_mesh, tm
     labels = np.arange(8) % 10
     signs = []
     for mean in (0.0, -0.0):
-        norm = loaders.Normalize(mean=(mean,) * 3, std=(-2.0,) * 3)
+        norm = Normalize(mean=(mean,) * 3, std=(-2.0,) * 3)
         loader = rocal_loader.make_rocal_loader((images, labels), rocal_mesh, 2, normalize=norm,
                                                 cache_dir=str(tmp_path))
         got = np.asarray(next(iter(loader.epoch(0)))["images"])
@@ -1720,7 +1723,7 @@ def test_rocal_pixels_are_the_rocal_table(rocal_mesh, tmp_path):
 
 
 # --------------------------------------------------------------------------
-# Resuming a saved epoch (loaders.LoaderState) on other shards: issue 25.2
+# Resuming a saved epoch (plan.LoaderState) on other shards: issue 25.2
 # --------------------------------------------------------------------------
 
 # (n0, B0, stop, n1, B1): epoch 1 of 48 samples saved after `stop` steps on n0 shards of B0,
@@ -1729,7 +1732,7 @@ def test_rocal_pixels_are_the_rocal_table(rocal_mesh, tmp_path):
 RESIZES = [(8, 2, 1, 3, 4), (4, 3, 2, 6, 2)]
 RESUMED_IN_CI = {(8, 2, 1, 3, 4, "fill", True, "sharded"), (4, 3, 2, 6, 2, "drop", False, "pmap")}
 RESUMED_CELLS = [pytest.param(*cell, marks=() if cell in RESUMED_IN_CI else pytest.mark.slow)
-                 for cell in [(*r, p, s, l) for r in RESIZES for p in loaders.LAST_BATCH_POLICIES
+                 for cell in [(*r, p, s, l) for r in RESIZES for p in LAST_BATCH_POLICIES
                               for s in (True, False) for l in loaders.LAYOUTS]]
 
 
@@ -1740,10 +1743,10 @@ def cpu_devices(count: int) -> list:
     return devices[:count]
 
 
-def saved_state(N: int, n0: int, B0: int, stop: int, **run) -> loaders.LoaderState:
+def saved_state(N: int, n0: int, B0: int, stop: int, **run) -> LoaderState:
     """What a loader of N samples on n0 shards of B0 saves after ``stop`` steps of epoch 1
     (loaders.Loader.state's value)."""
-    return loaders.LoaderState.start(N, n0, B0, epoch=1, **run).at_step(stop)
+    return LoaderState.start(N, n0, B0, epoch=1, **run).at_step(stop)
 
 
 def resumed_pair(N: int, n1: int, B1: int, cache: str, order: str = "plan", **args):
@@ -1754,7 +1757,7 @@ def resumed_pair(N: int, n1: int, B1: int, cache: str, order: str = "plan", **ar
     return loader, reference
 
 
-def check_resumed(loader, reference, saved: loaders.LoaderState, where: str) -> list:
+def check_resumed(loader, reference, saved: LoaderState, where: str) -> list:
     """rocAL's ``epoch(1, state=saved)`` is the reference's, bit for bit, with the same count,
     real slots and state after it, and leaves no file behind; returns rocAL's batches."""
     got, want = list(loader.epoch(1, state=saved)), list(reference.epoch(1, state=saved))
@@ -1783,7 +1786,7 @@ def real_rocal():
 def test_plan_order_resumes_on_other_shards_as_the_reference(real_rocal, tmp_path, n0, B0, stop, n1, B1,
                                                             last_batch, shuffle, layout):
     """order="plan" on real rocAL: a state saved on n0 shards of B0 resumes on n1 of B1 with
-    the reference loader's batches (loaders.elastic_plan's last segment), and the state after
+    the reference loader's batches (plan.elastic_plan's last segment), and the state after
     one more step resumes again, back on n0 x B0 (a chain of two changes)."""
     run = dict(seed=5, shuffle=shuffle, last_batch=last_batch)
     cache = str(tmp_path / "cache")
@@ -1846,7 +1849,7 @@ def test_resume_refusals_name_the_field(fake, cache):
              ("RocalLoader.epoch", "seed=6", "this run has seed=5")),
             (lambda: loader.epoch(2, state=saved), ("epoch=2", "state is of epoch 1")),
             (lambda: loader.epoch(1, 1, state=saved), ("start_step=1 with a state",)),
-            (lambda: loader.epoch(1, state=saved.to_json()), ("must be a loaders.LoaderState",)),
+            (lambda: loader.epoch(1, state=saved.to_json()), ("must be a plan.LoaderState",)),
             (lambda: loader.real_samples(1, state=dataclasses.replace(saved, shuffle=False)),
              ("RocalLoader.real_samples", "shuffle")),
             (lambda: loader.state(1, 0, state=saved), ("step=0 is before the state's step 1",)),
@@ -1857,7 +1860,7 @@ def test_resume_refusals_name_the_field(fake, cache):
     assert fake.pipelines == []
 
 
-@pytest.mark.parametrize("last_batch", loaders.LAST_BATCH_POLICIES)
+@pytest.mark.parametrize("last_batch", LAST_BATCH_POLICIES)
 def test_vendor_order_resumes_only_on_the_saved_shards(fake, cache, last_batch):
     """order="vendor": rocAL's own order continues only on the shards and batch that saved the
     state, by reading again (there ``epoch(e, state=s)`` is ``epoch(e, start_step=s.step)``,
@@ -1932,7 +1935,7 @@ def assert_identical_final_params(results, tmp_path) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_cifar(tmp_path_factory):
-    return loaders.synthetic_cifar10(tmp_path_factory.mktemp("rocal-tiny"), num_train=96, num_test=16, seed=3)
+    return synthetic_cifar10(tmp_path_factory.mktemp("rocal-tiny"), num_train=96, num_test=16, seed=3)
 
 
 def refimpl_resized(data_dir: str, tmp_path, common: list, stop: list, resume: list, *,
@@ -1979,7 +1982,7 @@ def assert_same_params_after_the_resize(tmp_path, leaves: int) -> None:
 @pytest.mark.rocal
 def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_cifar, tmp_path):
     """``refimpl.py --backend rocal`` end to end, as a user runs it, through a resize: 4 devices
-    stop after run step 2, 3 devices resume (loaders.elastic_plan's order); rocAL and the
+    stop after run step 2, 3 devices resume (plan.elastic_plan's order); rocAL and the
     reference backend (rocAL's arithmetic, the same seed, shuffled epochs, the pmap strategy:
     test_dali's runs sharded) each report every sample of the interrupted epoch delivered
     exactly once across the change, and end with the same final params, bit for bit; rocAL's
@@ -2013,7 +2016,7 @@ ISSUE_RESIZES = [
 
 @pytest.fixture(scope="module")
 def cifar_2048(tmp_path_factory):
-    return loaders.synthetic_cifar10(tmp_path_factory.mktemp("cifar-2048"), num_train=2048, num_test=256, seed=0)
+    return synthetic_cifar10(tmp_path_factory.mktemp("cifar-2048"), num_train=2048, num_test=256, seed=0)
 
 
 @pytest.mark.rocal
@@ -2070,7 +2073,7 @@ def two_process_worker(folder: str, cache: str, coordinator: str, process_id: in
         common = dict(layout=layout, shuffle=shuffle, seed=6, last_batch=last_batch)
         loader = rocal_loader.make_rocal_loader(folder, devices, B, cache_dir=cache, **common)
         reference = loaders.make_loader(folder, devices, B, placement="host_float32", prefetch=0, **common)
-        saved = loaders.LoaderState.start(len(reference.labels), 3, 5, epoch=0, seed=6, shuffle=shuffle,
+        saved = LoaderState.start(len(reference.labels), 3, 5, epoch=0, seed=6, shuffle=shuffle,
                                           last_batch=last_batch).at_step(2)
         resumed = zip(loader.epoch(0, state=saved), reference.epoch(0, state=saved), strict=True)
         for epoch, start, pairs in ((1, 0, None), (0, 1, None), (0, saved.step, resumed)):
@@ -2107,8 +2110,8 @@ def test_rocal_plan_order_in_two_processes_equals_the_reference(rocal_mesh, enco
                        f"stdout: {out[-2000:]}\nstderr: {err[-3000:]}" for i, (code, out, err) in enumerate(results))
     steps = 0  # the worker's: epoch 1 whole, epoch 0 from step 1, epoch 0 resumed from its state
     for shuffle, last_batch in ((True, "fill"), (False, "drop"), (True, "drop")):
-        fresh = loaders.num_steps(dataset_size(8), 8, B, last_batch)
-        resumed = loaders.LoaderState.start(dataset_size(8), 3, 5, shuffle=shuffle, last_batch=last_batch) \
+        fresh = num_steps(dataset_size(8), 8, B, last_batch)
+        resumed = LoaderState.start(dataset_size(8), 3, 5, shuffle=shuffle, last_batch=last_batch) \
             .at_step(2).resized(8, B)
         steps += fresh + fresh - 1 + resumed.num_steps - resumed.step
     for i, (code, out, err) in enumerate(results):  # every child's output, whichever failed

@@ -1,83 +1,47 @@
-"""Unit tests of strategies.py's parts: the checks on what a caller passes in, the
-measure and the bounds, the twin measurement of growth, and stack_losses.
+"""Unit tests of strategies.py's mechanics: the checks on what a caller passes in,
+where each strategy runs, train_loop, and stack_losses.
 
-* ``ulps_apart`` is the measure every equivalence test and refimpl's final report
-  rely on, so it is checked against an independent count in exact rationals, leaf
-  by leaf.
 * ``checked`` is the guard that stops a strategy training on batches it cannot
   honour: shown refusing each wrong layout (told from "mask"), other devices and a
   batch not sharded on 'data', placing host arrays in one process and refusing
   them across processes, and passing the right ones.
-* ``ulp_bound``'s counts are pinned, CPU and GPU, 1, 3 and 8 devices, as its
-  docstring derives them (a looser count is a bug too); ``Growth`` and ``verdict``
-  against hand-computed bounds and every edge of the domain.
-* ``twin_growth`` on a model whose growth is known exactly (a quadratic whose one
-  entry doubles each step: the twins' distance must double too), with a
-  contracting control.
+* the strategies follow the mesh, not JAX's default devices: on CPU devices
+  [6, 4, 7] each gives the same params as on [0, 1, 2], pmap's results on
+  [4, 5, 6, 7] and a permuted order stay on the mesh's devices (a pmap without
+  ``devices=`` is caught), and ``single`` keeps its state on the mesh's first
+  device, not JAX's default.
+* a batch in the wrong layout or on other devices is refused with a message
+  naming it; host (NumPy) batches are placed on the mesh: the same bits as the
+  loader's arrays, not single's.
 * the refusals: float64 params without x64, a ``loss_terms`` that returns a mean
   or a vector, an optimizer without ``init``/``update`` or whose updates do not
   match the params, each naming the contract; with x64 on, float64 trains in
   float64.
+* ``train_loop`` keeps at most two steps in flight, with a callback too, which
+  sees each step once, in order, finished (controls that fail); the compiled
+  steps consume the state they replace on accelerators (not on CPU, where it
+  only adds a copy), never the caller's arrays.
+* ``stack_losses`` stacks any pytree of values and refuses a sharded one.
+
+The strategies' equivalence (equivalence.py's bound and verdict): test_equivalence.py,
+which shares the models and batches here (conftest's linear_loss_terms, host_batches,
+place, train).
 """
 
 import re
-from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import equivalence
 import loaders
+import model
 import strategies
-from conftest import assert_same_bits
-
-
-def exact_ulps_apart(a: list, b: list) -> Fraction:
-    """The docstring's measure, exactly: max over leaves of max|x - y| / ulp(leaf's
-    largest magnitude), the ulp as float32's spacing at that magnitude."""
-    worst = Fraction(0)
-    for x, y in zip(a, b):
-        x, y = np.asarray(x, np.float32).ravel(), np.asarray(y, np.float32).ravel()
-        big = max(max(abs(float(v)) for v in x), max(abs(float(v)) for v in y))
-        unit = Fraction(float(np.spacing(np.float32(big))))
-        worst = max(worst, max(abs(Fraction(float(p)) - Fraction(float(q))) for p, q in zip(x, y)) / unit)
-    return worst
-
-
-FLOATS = st.floats(-1e3, 1e3, width=32)
-
-
-@given(st.lists(st.tuples(FLOATS, st.integers(-50, 50)), min_size=3, max_size=3), st.integers(0, 2))
-def test_ulps_apart_counts_float32_ulps_of_each_leafs_largest_magnitude(entries, which):
-    a = {"w": np.array([e[0] for e in entries], np.float32), "b": np.float32(3.0),
-         "c": np.array([[0.5, -8.0]], np.float32)}
-    b = jax.tree.map(np.copy, a)
-    # Move one entry of one leaf (not only the last leaf) by a number of its own ulps.
-    leaf = ["w", "b", "c"][which]
-    x = np.asarray(b[leaf]).copy().ravel()
-    x[0] = x[0] + entries[0][1] * np.spacing(np.float32(np.abs(x).max()))
-    b[leaf] = x.reshape(np.shape(a[leaf])).astype(np.float32)
-    got = strategies.ulps_apart(a, b)
-    want = exact_ulps_apart(jax.tree.leaves(a), jax.tree.leaves(b))
-    assert got == float(want)
-
-
-def test_ulps_apart_sees_a_difference_in_any_leaf():
-    a = [np.array([1.0, 2.0], np.float32), np.array([4.0], np.float32)]
-    b = [np.array([1.0 + 3 * 2.0**-22, 2.0], np.float32), np.array([4.0], np.float32)]
-    assert strategies.ulps_apart(a, b) == 3.0  # 2.0's ulp is 2**-22: 3 ulps, in the first leaf
-    assert strategies.ulps_apart(b, a) == 3.0
-    assert strategies.ulps_apart(a, a) == 0.0  # control: no difference, no ulps
-
-
-def test_ulps_apart_takes_the_worst_leaf():
-    a = [np.array([1.0], np.float32), np.array([1.0], np.float32), np.array([1.0], np.float32)]
-    b = [np.array([1.0 + 5 * 2.0**-23], np.float32), np.array([1.0 + 2.0**-23], np.float32),
-         np.array([1.0], np.float32)]
-    assert strategies.ulps_apart(a, b) == 5.0
+from conftest import (B, CLASSES, FEATURES, SMALL_LAYERS, assert_params_close, assert_same_bits, host_batches,
+                      linear_init, linear_loss_terms, place, train)
 
 
 def batch(mask_shape, images_tail=(3, 4, 4)):
@@ -144,141 +108,107 @@ def test_checked_refuses_host_arrays_across_processes(devices, monkeypatch):
 
 
 # --------------------------------------------------------------------------
-# The counts, pinned: what ulp_bound's docstring derives
+# The strategies follow the mesh, not JAX's default devices
 # --------------------------------------------------------------------------
 
 
-def derived_count(a: str, b: str, gpu: bool, n: int) -> int:
-    """ulp_bound's docstring, read again: stages whose order differs, 1 ulp each a step;
-    a library-ordered all-reduce is n - 1 more (GPUs only)."""
-    if a == b:
-        return 0
-    pair = {a, b}
-    if "single" in pair:  # one pass vs per-device sums + the reduction of n partial sums
-        return 1 + 1 + (n - 1 if gpu else 0)
-    if pair == {"pmap", "shard_map"}:  # the same program; on GPUs the reduction's order, n
-        return n if gpu else 0
-    return n if gpu else 1  # sharded vs pmap/shard_map: XLA's own partition (+ the reduction)
+def cpu_mesh(ids) -> jax.sharding.Mesh:
+    cpus = jax.devices("cpu")
+    return loaders.data_mesh([cpus[i] for i in ids])
 
 
-@pytest.mark.parametrize("platform", ["cpu", "gpu", "cuda", "rocm"])
-@pytest.mark.parametrize("n", [1, 3, 8])
-def test_ulp_bound_returns_exactly_the_derived_counts(platform, n):
-    names = list(strategies.STRATEGIES)
-    table = {(a, b): strategies.ulp_bound(a, b, platform, n) for a in names for b in names}
-    want = {(a, b): derived_count(a, b, platform != "cpu", n) for a in names for b in names}
-    assert table == want
-    if platform == "cpu":  # the whole CPU table, as the docstring states it
-        assert [table["pmap", "shard_map"], table["sharded", "pmap"], table["sharded", "shard_map"],
-                table["sharded", "single"], table["pmap", "single"], table["shard_map", "single"]] == [0, 1, 1, 2, 2, 2]
+def test_strategies_on_other_devices_give_the_same_params():
+    # CPU devices 4, 6 and 7, permuted: neither the default devices nor their order. The
+    # linear model (quick to compile): where a strategy runs does not depend on the model.
+    # (CPU 0-2 is the 3-device mesh of test_equivalence.py's property test: in one process its
+    # steps are compiled once.)
+    ids = (6, 4, 7)
+    base, other = cpu_mesh((0, 1, 2)), cpu_mesh(ids)
+    hosts = host_batches(seed=11, steps=2, n=3, real_per_device=[4, 1, 0], kind="linear")
+    for name, fn in strategies.STRATEGIES.items():
+        want = train(name, fn, linear_init(), hosts, 0.1, base, linear_loss_terms)[0]
+        got = train(name, fn, linear_init(), hosts, 0.1, other, linear_loss_terms)[0]
+        assert_params_close(got, want, steps=2, ulps_per_step=0, what=f"{name} on CPU {ids}")
 
 
-# --------------------------------------------------------------------------
-# Growth and verdict: the bound from the count and the measured growth
-# --------------------------------------------------------------------------
+def pmap_outputs_on_the_mesh(step_fn, mesh, params) -> None:
+    """Runs one pmap step of the linear model and checks that replica k of every output is
+    on mesh position k."""
+    host = host_batches(seed=12, steps=1, n=mesh.devices.size, real_per_device=[B] * mesh.devices.size,
+                        kind="linear")[0]
+    state = strategies.stack_replicas((params, strategies.sgd(0.1).init(params)), mesh)
+    new, losses = step_fn(state, place(host, mesh, "pmap"))
+    for leaf in jax.tree.leaves(new) + [losses]:
+        devices = [shard.device for shard in sorted(leaf.addressable_shards, key=lambda s: s.index[0].start)]
+        assert devices == list(mesh.devices.flat), f"pmap's results are on {devices}"
 
 
-def growth(*rows, off_centre=0.0):
-    """A Growth of one leaf: each row one twin's distances after steps 0..T; the unit the
-    params' own (scale 0)."""
-    return strategies.Growth(np.array(rows, np.float64)[:, None, :], off_centre, np.zeros(1))
+@pytest.mark.parametrize("ids", [(4, 5, 6, 7), (6, 4, 7, 5)], ids=["cpu4-7", "permuted"])
+def test_pmap_results_stay_on_the_mesh(ids):
+    mesh = cpu_mesh(ids)
+    step = strategies.pmap_step(linear_loss_terms, strategies.sgd_update, tuple(mesh.devices.flat))
+    pmap_outputs_on_the_mesh(step, mesh, linear_init())
 
 
-def test_no_growth_gives_the_count_times_the_steps():
-    for steps in (1, 4, 120):
-        flat = growth([64.0] * (steps + 1), [64.0] * (steps + 1))
-        assert flat.factors().tolist() == [[1.0] * steps]
-        assert flat.bound(2) == [2 * steps] and flat.bound(1) == [steps] and flat.bound(0) == [0]
-        assert flat.outside() is None
+def test_pmap_without_devices_is_caught():
+    # Negative control: the notebooks' pmap (no devices=) maps over the default
+    # backend's first devices. On CPU devices [4..7] its results come back on
+    # [0..3] (on a GPU host it fails outright); either way the check catches it.
+    legacy = jax.pmap(strategies._parallel_step(linear_loss_terms, strategies.sgd_update),
+                      axis_name=strategies.AXIS)
+    on_cpu = jax.devices()[0].platform == "cpu"
+    with pytest.raises(AssertionError if on_cpu else Exception,
+                       match=r"pmap's results are on \[CpuDevice\(id=0\)" if on_cpu else None):
+        pmap_outputs_on_the_mesh(legacy, cpu_mesh((4, 5, 6, 7)), linear_init())
 
 
-def test_growth_factors_are_the_largest_later_distance_over_this_one():
-    # e = 64, 128, 96, 512: a difference after step 1 (128) grows to at most 512 (x4),
-    # after step 2 (96) to 512 (x5.33), after step 3 stays (x1); the other twin grows less.
-    g = growth([64, 128, 96, 512], [64, 64, 64, 128])
-    np.testing.assert_array_equal(g.factors(), [[4.0, 512 / 96, 1.0]])
-    assert g.bound(2) == [2 * (4.0 + 512 / 96 + 1.0)]
-    shrinking = growth([64, 32, 16, 8], [64, 32, 16, 8])  # contraction: never below 1
-    assert shrinking.factors().tolist() == [[1.0, 1.0, 1.0]] and shrinking.bound(3) == [9]
-    # Leaf by leaf: each leaf's bound from its own growth.
-    two = strategies.Growth(np.array([[[64, 64, 64], [64, 128, 256]]] * 2, np.float64), 0.0, np.zeros(2))
-    np.testing.assert_array_equal(two.bound(2), [2 * (1 + 1), 2 * (2 + 1)])
+@pytest.mark.parametrize("name, given", [("pmap", "sharded"), ("sharded", "pmap"),
+                                         ("shard_map", "pmap"), ("single", "pmap")])
+def test_a_batch_in_the_wrong_layout_is_refused(small_params, name, given):
+    mesh = cpu_mesh((0, 1, 2, 3))
+    host = host_batches(seed=13, steps=1, n=4, real_per_device=[B] * 4)[0]
+    with pytest.raises(ValueError, match=f"needs batches in layout '{strategies.LAYOUT[name]}'"):
+        strategies.STRATEGIES[name](small_params, [place(host, mesh, given)], mesh,
+                                    loss_terms=model.loss_terms)
 
 
-def test_the_domain_ends_where_the_doc_says():
-    inside = growth([64, 200], [64, 200], off_centre=strategies.MAX_OFF_CENTRE)
-    assert inside.outside() is None and inside.bound(2) == [2]
-    skewed = growth([64, 200], [64, 200], off_centre=np.nextafter(strategies.MAX_OFF_CENTRE, 1))
-    assert "not linearly" in skewed.outside() and skewed.bound(2) is None
-    assert skewed.bound(0) == [0]  # the same program: no rounding to propagate
-    calm = growth([64, 64], [64, 40], off_centre=0.9)  # off centre, but nothing grew
-    assert calm.outside() is None
-    big = strategies.MAX_TWIN_ULPS
-    assert growth([64, big], [64, big]).outside() is None
-    assert "beyond 65536" in growth([64, np.nextafter(big, np.inf)], [64, 64]).outside()
-    assert "met the reference" in growth([64, 0, 5], [64, 64, 64]).outside()
-    assert growth([64, 0, 0], [64, 64, 64]).outside() is None
+def test_a_batch_on_other_devices_is_refused(small_params):
+    host = host_batches(seed=14, steps=1, n=4, real_per_device=[B] * 4)[0]
+    batch = place(host, cpu_mesh((4, 5, 6, 7)), "sharded")
+    with pytest.raises(ValueError, match="not on the mesh's devices"):
+        strategies.sharded(small_params, [batch], cpu_mesh((0, 1, 2, 3)), loss_terms=model.loss_terms)
 
 
-def test_verdict_cases_and_their_words():
-    a = [np.array([1.0, 2.0], np.float32)]
-    near = [np.array([1.0, 2.0 + 10 * 2.0**-22], np.float32)]  # 10 ulps of 2.0
-    flat4 = growth([64] * 5, [64] * 5)  # 4 steps, nothing grows: the bound is count x 4
-    assert strategies.verdict(a, a, 2, None).case == "identical"
-    within = strategies.verdict(a, near, 3, flat4)  # 10 <= 12
-    assert within.case == "within" and within.bound == 12 and within.ulps == 10
-    assert "10.0 ulps after 4 steps, within the documented bound of 12 ulps" in within.text
-    # The unit is the ulp of the largest magnitude the leaf held (growth.scale): at 4.0, 5 ulps.
-    held = strategies.Growth(flat4.distances, 0.0, np.array([4.0]))
-    assert strategies.verdict(a, near, 3, held).ulps == 5
-    outside = strategies.verdict(a, near, 2, flat4)  # 10 > 8
-    assert outside.case == "OUTSIDE" and "OUTSIDE the documented bound of 8 ulps" in outside.text
-    assert strategies.verdict(a, near, 0, None).case == "OUTSIDE"  # the same program
-    lost = strategies.verdict(a, near, 2, growth([64] * 5, [64, 128, 1e6, 1e6, 1e6], off_centre=0.9))
-    assert lost.case == "outside the domain" and lost.bound is None
-    assert "outside the domain where a bound is derived" in lost.text
-    assert strategies.verdict(a, [np.array([1.0, np.nan], np.float32)], 2, flat4).case == "OUTSIDE"
-    with pytest.raises(ValueError, match="need the measured growth"):
-        strategies.verdict(a, near, 2, None)
-    # No growth measured: within count x steps is within whatever the growth (every G >= 1).
-    close = strategies.verdict(a, near, 3, None, steps=4)
-    assert close.case == "within" and close.bound == 12 and "no growth had to be measured" in close.text
-    with pytest.raises(ValueError, match="need the measured growth"):
-        strategies.verdict(a, near, 2, None, steps=4)  # 10 > 8: only the growth can tell
-    with pytest.raises(ValueError, match="steps=5, but the growth was measured over 4 steps"):
-        strategies.verdict(a, near, 2, flat4, steps=5)
+def test_single_keeps_its_state_on_the_meshs_first_device():
+    # Mesh CPU [5, 6], JAX's default device CPU 0 (conftest): while single trains, its
+    # params live on CPU 5 and nowhere else. Seen from the batches' iterator between steps.
+    mesh = cpu_mesh((5, 6))
+    hosts = host_batches(seed=15, steps=3, n=2, real_per_device=[B, 2], kind="linear")
+    seen = []
+
+    def batches():
+        for h in hosts:
+            seen.append({d for a in jax.live_arrays() if a.shape == (FEATURES, CLASSES) for d in a.devices()})
+            yield place(h, mesh, "sharded")
+
+    assert jax.devices()[0] not in mesh.devices.flat
+    strategies.single(linear_init(), batches(), mesh, loss_terms=linear_loss_terms, optimizer=strategies.sgd(0.1))
+    assert seen[1:] == [{mesh.devices.flat[0]}] * 2, seen
 
 
-# --------------------------------------------------------------------------
-# twin_growth: measured on a model whose growth is known exactly
-# --------------------------------------------------------------------------
-
-
-H = np.array([0.0, 1.0, 0.25], np.float32)  # curvature per entry: 0 keeps the leaf's largest
-
-
-def quadratic_terms(params, batch):
-    """0.5 * sum(H p^2) per real sample: grad = H p, so SGD maps p to (1 - lr H) p."""
-    mask = batch["mask"].astype(jnp.float32)
-    return jnp.sum(mask) * 0.5 * jnp.sum(H * params["p"] ** 2), jnp.sum(mask)
-
-
-@pytest.mark.parametrize("rate, per_step", [(3.0, 2.0), (0.5, 1.0)], ids=["doubling", "contracting"])
-def test_twin_growth_measures_a_known_growth(devices, rate, per_step):
-    # lr 3: entry 1 becomes -2 x itself each step (exact in float32), entry 0 (1.0,
-    # curvature 0) keeps the unit, so a 64-ulp difference doubles every step. lr 0.5:
-    # every entry shrinks or stays, the difference stays at 64 (entry 0).
-    mesh = loaders.data_mesh(devices[:2])
-    steps = 6
-    params = {"p": np.array([1.0, 2.0**-10, 2.0**-12], np.float32)}
-    host = {"mask": np.ones(16, bool)}
-    g = strategies.twin_growth(params, [host] * steps, mesh, loss_terms=quadratic_terms,
-                               optimizer=strategies.sgd(rate))
-    want = 64 * per_step ** np.arange(steps + 1)
-    np.testing.assert_array_equal(g.distances, [[want], [want]])
-    assert g.off_centre == 0.0 and g.scale.tolist() == [1.0]  # linear: the twins end exactly opposite
-    np.testing.assert_array_equal(g.factors(), [per_step ** np.arange(steps - 1, -1, -1)])
-    assert g.bound(2) == [2 * sum(per_step ** k for k in range(steps))]
+def test_host_batches_are_placed_on_the_mesh(mesh):
+    # NumPy batches given to sharded run sharded (the loader's bits), not on one device:
+    # not single's bits, which the issue found they gave.
+    n = mesh.devices.size
+    hosts = host_batches(seed=16, steps=3, n=n, real_per_device=[B] + [1] * (n - 1))
+    params0 = model.init_model(SMALL_LAYERS)
+    on_host = strategies.sharded(params0, hosts, mesh, loss_terms=model.loss_terms,
+                                 optimizer=strategies.sgd(0.5)).params
+    placed = train("sharded", strategies.sharded, params0, hosts, 0.5, mesh, optimizer=strategies.sgd(0.5))[0]
+    for i, (x, y) in enumerate(zip(jax.tree.leaves(on_host), jax.tree.leaves(placed))):
+        assert_same_bits(x, y, f"host batches vs the loader's global arrays, leaf {i}")
+    oracle = train("single", strategies.single, params0, hosts, 0.5, mesh)[0]
+    assert equivalence.ulps_apart(on_host, oracle) > 0, "sharded gave single's bits: the batch was not sharded"
 
 
 # --------------------------------------------------------------------------
@@ -311,11 +241,11 @@ def for_layout(name: str, batches: list, n: int):
 
 def test_float64_params_without_x64_are_refused(devices):
     mesh = loaders.data_mesh(devices[:2])
-    for name, train in strategies.STRATEGIES.items():
+    for name, fn in strategies.STRATEGIES.items():
         with pytest.raises(ValueError, match=rf"strategy '{name}': params: leaf \['w'\] is float64, which "
                                              r"JAX would silently train as float32 because jax_enable_x64 is off; "
                                              r"cast it .*jax_enable_x64', True"):
-            train(tiny_params(np.float64), for_layout(name, tiny_batches(2), 2), mesh, loss_terms=linear_terms)
+            fn(tiny_params(np.float64), for_layout(name, tiny_batches(2), 2), mesh, loss_terms=linear_terms)
     with pytest.raises(ValueError, match=r"strategies.replicate: leaf \[0\] is int64"):
         strategies.replicate([np.arange(3)], mesh)
     strategies.replicate([np.float32(1), 0.5, 3], mesh)  # float32 and Python scalars pass
@@ -324,9 +254,9 @@ def test_float64_params_without_x64_are_refused(devices):
 def test_float64_params_train_in_float64_with_x64_on(devices):
     mesh = loaders.data_mesh(devices[:2])
     with jax.enable_x64(True):  # shard_map places its state as sharded does (replicate)
-        for name, train in [(name, strategies.STRATEGIES[name]) for name in ("sharded", "pmap", "single")]:
-            wide = train(tiny_params(np.float64), for_layout(name, tiny_batches(2, dtype=np.float64), 2), mesh,
-                         loss_terms=linear_terms, optimizer=strategies.sgd(0.5))
+        for name, fn in [(name, strategies.STRATEGIES[name]) for name in ("sharded", "pmap", "single")]:
+            wide = fn(tiny_params(np.float64), for_layout(name, tiny_batches(2, dtype=np.float64), 2), mesh,
+                      loss_terms=linear_terms, optimizer=strategies.sgd(0.5))
             w = wide.params["w"]
             assert w.dtype == np.float64 and wide.losses.dtype == np.float64, name
             # Computed in float64, not in float32 and widened: float32 cannot hold these values.
@@ -341,9 +271,9 @@ def test_float64_params_train_in_float64_with_x64_on(devices):
 def test_a_loss_terms_that_breaks_its_contract_is_refused(devices, returned, said):
     mesh = loaders.data_mesh(devices[:2])
     broken = lambda params, batch: returned(*linear_terms(params, batch))
-    for name, train in strategies.STRATEGIES.items():
+    for name, fn in strategies.STRATEGIES.items():
         with pytest.raises(TypeError, match=r"loss_terms\(params, batch\) must return \(total, count\).*" + said):
-            train(tiny_params(), for_layout(name, tiny_batches(2, steps=1), 2), mesh, loss_terms=broken)
+            fn(tiny_params(), for_layout(name, tiny_batches(2, steps=1), 2), mesh, loss_terms=broken)
 
 
 def test_an_optimizer_that_breaks_its_contract_is_refused(devices):
@@ -354,6 +284,112 @@ def test_an_optimizer_that_breaks_its_contract_is_refused(devices):
     with pytest.raises(TypeError, match=r"optimizer.update\(grads, state, params\) must return \(updates, "
                                         r"new_state\) as optax does.*got updates"):
         strategies.sharded(tiny_params(), tiny_batches(2), mesh, loss_terms=linear_terms, optimizer=lost)
+
+
+# --------------------------------------------------------------------------
+# train_loop: at most two steps in flight, the callback, donation
+# --------------------------------------------------------------------------
+
+
+class FakeValue:
+    def __init__(self, log: list, step: int):
+        self.log, self.step, self.done = log, step, False
+
+    def block_until_ready(self):
+        self.done = True
+        return self
+
+
+def test_at_most_two_steps_in_flight():
+    # The fix for a deadlock of XLA's CPU all-reduce under unbounded async dispatch
+    # (test_refimpl.py's slow regression test reproduces the original): before
+    # step s is dispatched, every step up to s - 2 has finished.
+    values = []
+
+    def step(state, batch):
+        pending = [v.step for v in values if not v.done]
+        assert len(pending) <= 1, f"steps {pending} still in flight when step {len(values)} starts"
+        values.append(FakeValue(values, len(values)))
+        return state, values[-1]
+
+    state, out = strategies.train_loop(step, None, range(6))
+    assert len(values) == 6 and out == values
+    # Control: a loop that never waits is caught by the same check.
+    values.clear()
+    with pytest.raises(AssertionError, match="still in flight"):
+        for batch in range(6):
+            step(None, batch)
+
+
+def test_the_callback_sees_each_finished_step_once_in_order():
+    # Step t is reported right after step t + 1 is dispatched (the loop has just waited
+    # for t), the last one after the loop; the two-in-flight guard holds throughout.
+    values, events = [], []
+
+    def step(state, batch):
+        pending = [v.step for v in values if not v.done]
+        assert len(pending) <= 1, f"steps {pending} still in flight when step {len(values)} starts"
+        values.append(FakeValue(values, len(values)))
+        events.append(("dispatch", len(values) - 1))
+        return state, values[-1]
+
+    def callback(t, value):
+        assert value is values[t] and value.done, f"step {t} reported before it finished"
+        events.append(("report", t))
+
+    strategies.train_loop(step, None, range(5), callback)
+    want = [("dispatch", 0)] + [e for t in range(1, 5) for e in (("dispatch", t), ("report", t - 1))]
+    assert events == want + [("report", 4)]
+    # Control: a loop that reports a step as soon as it is dispatched is caught.
+    values.clear()
+    with pytest.raises(AssertionError, match="reported before it finished"):
+        for t in range(2):
+            callback(t, step(None, t)[1])
+
+
+def test_the_callback_gets_the_loops_values(mesh):
+    n = mesh.devices.size
+    hosts = host_batches(seed=17, steps=4, n=n, real_per_device=[B] * n, kind="linear")
+    step = strategies.sharded_step(linear_loss_terms, strategies.sgd_update)
+    state = strategies.replicate((linear_init(), strategies.sgd(0.1).init(None)), mesh)
+    seen = {}
+    state, values = strategies.train_loop(step, state, [place(h, mesh, "sharded") for h in hosts],
+                                          lambda t, loss: seen.setdefault(t, float(loss)))
+    assert list(seen) == [0, 1, 2, 3]
+    assert_same_bits(np.float32(list(seen.values())), strategies.stack_losses(values), "callback's losses")
+
+
+def test_steps_consume_the_state_they_replace_where_donating_never_the_callers_arrays(mesh):
+    # Donated on accelerators, kept on CPU devices (strategies.donates: on CPU a donated
+    # step only adds a copy); donate=True forces it, and then the state is consumed.
+    n = mesh.devices.size
+    rows = host_batches(seed=18, steps=1, n=n, real_per_device=[B] * n, kind="linear")[0]
+    host, pmap_batch = place(rows, mesh, "sharded"), place(rows, mesh, "pmap")
+    state0 = (linear_init(), strategies.sgd(0.1).init(None))
+    donating = strategies.donates(mesh.devices.flat)
+    assert donating == (mesh.devices.flat[0].platform != "cpu")
+    steps = {"sharded_step": (strategies.sharded_step(linear_loss_terms, strategies.sgd_update),
+                              strategies.replicate, host),
+             "shard_map_step": (strategies.shard_map_step(linear_loss_terms, strategies.sgd_update, mesh),
+                                strategies.replicate, host),
+             "pmap_step": (strategies.pmap_step(linear_loss_terms, strategies.sgd_update, tuple(mesh.devices.flat)),
+                           strategies.stack_replicas, pmap_batch)}
+    for name, (step, put, batch) in steps.items():
+        state = put(state0, mesh)
+        step(state, batch)
+        deleted = [leaf.is_deleted() for leaf in jax.tree.leaves(state)]
+        assert deleted == [donating] * len(deleted), f"{name}: donated {deleted}, expected {donating}"
+    forced = strategies.replicate(state0, mesh)  # the control: a donating step consumes it
+    strategies.sharded_step(linear_loss_terms, strategies.sgd_update, donate=True)(forced, host)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(forced))
+    # The caller's arrays (jax.Arrays on the mesh's first device) survive every strategy.
+    mine = jax.device_put(linear_init(), mesh.devices.flat[0])
+    for name, fn in strategies.STRATEGIES.items():
+        batch = pmap_batch if strategies.LAYOUT[name] == "pmap" else host
+        fn(mine, [batch], mesh, loss_terms=linear_loss_terms, optimizer=strategies.sgd(0.1))
+        for key, leaf in mine.items():
+            assert not leaf.is_deleted(), f"{name} consumed the caller's params[{key!r}]"
+            assert_same_bits(np.asarray(leaf), linear_init()[key], f"{name}: the caller's params[{key!r}]")
 
 
 # --------------------------------------------------------------------------

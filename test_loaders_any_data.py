@@ -1,4 +1,4 @@
-"""loaders.make_loader and conformance.py over any arrays, not only uint8 images.
+"""loaders.make_loader over any arrays, not only uint8 images.
 
 Guarantees checked (the loader's, test_loaders.py, held on other samples):
 
@@ -25,12 +25,12 @@ Guarantees checked (the loader's, test_loaders.py, held on other samples):
   transpose), a key "mask", an empty dict, names that are not strings, arrays
   of different N, a bare Normalize for a dict dataset, a normalize naming a
   missing key, a callable on a placement other than host_float32 or breaking
-  its contract, non-int batch sizes, a non-bool shuffle;
-* conformance: index encoding round-trips for any sample shape (uint8 and
-  float), through a Normalize for images; strided partitions (k::n) pass the
-  "every sample exactly once" mode and fail the contiguous one; the plan's own
-  layout (steps, n, B) is accepted, bad input is refused clearly, and every
-  finding names real steps.
+  its contract, non-int batch sizes, a non-bool shuffle; the device budget
+  counts every array's bytes;
+* the reference loader over float features that encode their index conforms
+  (conformance.describe_epoch finds nothing), in both layouts.
+
+conformance.py's own checks on any sample and any partition: test_conformance.py.
 """
 
 import jax
@@ -41,7 +41,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import conformance
 import loaders
+from arithmetic import Normalize
 from conftest import assert_same_bits, examples
+from plan import LAST_BATCH_POLICIES, epoch_plan
+
 
 N = 103  # shards of 12/13 on 8 devices: uneven, so fill pads
 B = 3
@@ -79,7 +82,7 @@ def dataset(kind: str, count: int = N):
         return ({"features": rng.standard_normal((count, 40), dtype=np.float32),
                  "targets": index.astype(np.float32)}, None, "targets")
     images = rng.integers(0, 256, (count, 3, 8, 8)).astype(np.uint8)
-    norm = loaders.Normalize(crop=(6, 7), crop_pos=(0.25, 0.5), mirror=True)
+    norm = Normalize(crop=(6, 7), crop_pos=(0.25, 0.5), mirror=True)
     return {"images": images, "labels": index.astype(np.int32)}, {"images": norm}, "labels"
 
 
@@ -104,13 +107,13 @@ def block(array, k: int, layout: str, B: int = B) -> np.ndarray:
 
 @settings(max_examples=examples(10))
 @given(kind=st.sampled_from(TUPLES + DICTS), layout=st.sampled_from(loaders.LAYOUTS),
-       shuffle=st.booleans(), last_batch=st.sampled_from(loaders.LAST_BATCH_POLICIES),
+       shuffle=st.booleans(), last_batch=st.sampled_from(LAST_BATCH_POLICIES),
        seed=st.integers(0, 2**32 - 1), epoch=st.integers(0, 3))
 def test_any_samples_follow_the_plan_in_every_placement(devices, kind, layout, shuffle, last_batch,
                                                          seed, epoch):
     data, normalize, _ = dataset(kind)
     n = len(devices)
-    plan = loaders.epoch_plan(N, n, B, epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
+    plan = epoch_plan(N, n, B, epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
     epochs = {}
     for placement in loaders.PLACEMENTS:
         loader = loaders.make_loader(data, devices, B, layout=layout, shuffle=shuffle,
@@ -223,7 +226,7 @@ def test_bad_data_is_refused_by_name(devices):
     features, labels = samples("float32")
     cases = [
         ((features.astype(np.float64), labels), {}, "samples of dtype float64"),
-        ((features, labels), {"normalize": loaders.Normalize()}, "pass normalize=None"),
+        ((features, labels), {"normalize": Normalize()}, "pass normalize=None"),
         ((features, labels.astype(np.float32)), {"normalize": None}, "labels must be integers"),
         ((features, labels[:-1]), {"normalize": None}, "labels (N,)"),
         ((features.astype(object), labels), {"normalize": None}, "samples of dtype object"),
@@ -260,14 +263,14 @@ def test_a_normalize_needs_uint8_nchw_images(devices):
     for shape, hint in [((N, 32, 32), "images[:, None]"), ((N, 3072), "reshape them to (N, C, H, W)"),
                         ((N, 1, 3, 32, 32), "")]:
         images = rng.integers(0, 256, shape).astype(np.uint8)
-        for data, norm in (((images, labels), loaders.Normalize()),
-                           ({"pixels": images, "labels": labels}, {"pixels": loaders.Normalize()})):
+        for data, norm in (((images, labels), Normalize()),
+                           ({"pixels": images, "labels": labels}, {"pixels": Normalize()})):
             message = refusal(data, devices, normalize=norm)
             for fragment in ("make_loader", "needs uint8 images (N, C, H, W)", f"uint8 {shape}", hint):
                 assert fragment in message, (fragment, message)
     # Channels last: "NCHW expected" and the transpose that fixes it, 3 channels and 1.
-    for shape, norm in [((N, 32, 32, 3), loaders.Normalize()),
-                        ((N, 16, 16, 1), loaders.Normalize(mean=(127.5,), std=(127.5,)))]:
+    for shape, norm in [((N, 32, 32, 3), Normalize()),
+                        ((N, 16, 16, 1), Normalize(mean=(127.5,), std=(127.5,)))]:
         images = rng.integers(0, 256, shape).astype(np.uint8)
         message = refusal((images, labels), devices, normalize=norm)
         assert "NCHW expected" in message and "images.transpose(0, 3, 1, 2)" in message, message
@@ -278,7 +281,7 @@ def test_a_normalize_needs_uint8_nchw_images(devices):
 def test_dict_datasets_are_refused_by_name(devices):
     x = np.zeros((N, 4), np.float32)
     images = np.zeros((N, 1, 4, 4), np.uint8)
-    norm = loaders.Normalize(mean=(0.0,), std=(1.0,))
+    norm = Normalize(mean=(0.0,), std=(1.0,))
     cases = [
         ({"x": x, "mask": np.ones(N, bool)}, {}, "named 'mask'"),
         ({}, {}, "empty dict"),
@@ -352,130 +355,8 @@ def test_device_budget_counts_the_samples_bytes(devices):
 
 
 # --------------------------------------------------------------------------
-# conformance.py for any loader
+# The reference loader through conformance.py
 # --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("shape, dtype, normalize", [
-    ((3, 32, 32), np.uint8, loaders.Normalize(mirror=True)),
-    ((3, 32, 32), np.uint8, loaders.Normalize(crop=(20, 24), arithmetic="dali_cpu")),
-    ((1, 16, 16), np.uint8, loaders.Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu")),
-    ((1, 16, 16), np.uint8, None),
-    ((40,), np.uint8, None),
-    ((40,), np.float32, None),
-    ((4, 4), np.int16, None),
-    ((2,), np.float16, None),
-])
-def test_indices_round_trip_for_any_sample(shape, dtype, normalize):
-    limit = conformance.index_limit(shape, dtype)
-    indices = np.array([0, 1, 255, 256, 1000, limit - 1]) % limit
-    samples = conformance.encoded_images(indices, shape, dtype)
-    assert samples.shape == (len(indices),) + shape and samples.dtype == dtype
-    delivered = samples if normalize is None else normalize(samples)
-    np.testing.assert_array_equal(conformance.decode_indices(delivered, normalize), indices)
-    # Control: a sample whose digit-carrying part is not flat decodes to -1.
-    broken = np.array(delivered, copy=True)
-    broken.reshape(len(broken), -1)[1, 0] += 1
-    assert conformance.decode_indices(broken, normalize)[1] == -1
-    with pytest.raises(ValueError, match=r"index_limit"):
-        conformance.encoded_images([limit], shape, dtype)
-
-
-def test_index_limits_are_the_exact_integers_of_each_dtype():
-    assert conformance.index_limit((1, 16, 16), np.uint8) == 65536
-    assert conformance.index_limit((40,), np.float32) == 2**24
-    assert conformance.index_limit((40,), np.float16) == 2048
-    # 2**24 + 1 is the first integer float32 cannot hold: the limit is where encoding breaks.
-    assert np.float32(2**24 + 1) == np.float32(2**24)
-    assert conformance.index_limit((1,), np.uint8) == 0  # one byte cannot hold two digits
-
-
-def strided_epoch(N, n, B, drop_last=False):
-    """A correct loader with another partition: shard k is k::n, padded to equal steps."""
-    steps = -(-(-(-N // n)) // B)
-    delivered = np.empty((steps, n, B), np.int64)
-    masks = np.zeros((steps, n, B), bool)
-    for k in range(n):
-        own = np.arange(k, N, n)
-        slots = np.concatenate([own, np.full(steps * B - len(own), own[-1])])
-        delivered[:, k] = slots.reshape(steps, B)
-        masks[:, k] = (np.arange(steps * B) < len(own)).reshape(steps, B)
-    return delivered, masks
-
-
-def test_a_strided_partition_passes_the_any_mode_and_fails_the_contiguous_one():
-    N, n, B = 1003, 8, 16
-    delivered, masks = strided_epoch(N, n, B)
-    args = dict(shuffle=False, last_batch="fill", length=len(delivered), masks=masks)
-    assert not conformance.describe_epoch(delivered, N, B, partition="any", **args)
-    contiguous = conformance.describe_epoch(delivered, N, B, **args)
-    assert {"outside the shard", "missing"} <= set(contiguous.kinds)
-    # Controls: the any mode still catches a lost sample, a sample on two shards and an uneven shard.
-    lost = delivered.copy()
-    lost[0, 0, 0] = lost[0, 1, 0]  # shard 0 loses sample 0 and repeats shard 1's sample 1
-    found = conformance.describe_epoch(lost, N, B, partition="any", **args)
-    assert {"missing", "samples on two shards"} <= set(found.kinds), found.report()
-    [(text, shards, steps, samples)] = found.kinds["samples on two shards"]
-    assert steps == {0} and "sample 1 at step 0 of shard 0 and step 0 of shard 1" in text
-    assert "0 step(s)" not in found.report()
-    short = [delivered[:, k] for k in range(n)]
-    short[3] = short[3][:-1]
-    found = conformance.describe_epoch(short, N, B, partition="any", shuffle=False, last_batch="fill",
-                                       length=len(delivered), masks=[masks[:, k] for k in range(n)])
-    assert "batches arrived" in found.kinds
-    outside = delivered.copy()
-    outside[2, 5, 1] = N + 7
-    assert "outside the dataset" in conformance.describe_epoch(outside, N, B, partition="any", **args).kinds
-
-
-def test_the_plan_layout_is_accepted_and_bad_input_is_refused_clearly():
-    N, n, B = 13, 2, 2
-    plan = loaders.epoch_plan(N, n, B)
-    args = dict(shuffle=False, last_batch="fill", length=4)
-    assert not conformance.describe_epoch(plan.indices, N, B, masks=plan.mask, **args)
-    listed = conformance.describe_epoch([plan.indices[:, k] for k in range(n)], N, B,
-                                        masks=[plan.mask[:, k] for k in range(n)], **args)
-    assert not listed
-    bad = [((plan.indices[:, 0], N, B), {}, "must be (steps, n, B) like Plan.indices"),
-           ((plan.indices, N, 3), {}, "B = batch_size = 3"),
-           ((plan.indices.astype(float), N, B), {}, "must hold integer values"),
-           ((plan.indices, N, B), {"masks": plan.mask[:, :1]}, "masks has 1 shards, delivered 2"),
-           ((plan.indices, N, B), {"partition": "strided"}, "partition must be one of"),
-           (([np.zeros(4, np.int64)], N, B), {}, "delivered[0] must be (steps, B)")]
-    for positional, kwargs, words in bad:
-        with pytest.raises(ValueError) as error:
-            conformance.describe_epoch(*positional, **{**args, **kwargs})
-        assert words in str(error.value) and "describe_epoch" in str(error.value), str(error.value)
-
-
-def test_every_finding_names_its_steps():
-    N, n, B = 13, 2, 2
-    plan = loaders.epoch_plan(N, n, B)
-    delivered, masks = plan.indices.copy(), plan.mask.copy()
-    delivered[0, 0, 0] = 12  # outside shard 0, on two shards, shard 0 misses sample 0
-    delivered[1, 1, 0] = -1  # undecodable
-    delivered[3, 0, 1] = 8  # padding from another shard
-    masks[3, 1, 1] = False  # a mask unlike the plan's
-    found = conformance.describe_epoch(delivered, N, B, shuffle=False, last_batch="fill", length=5,
-                                       masks=masks)
-    shifted = plan.indices.copy()
-    shifted[:, 1] = np.roll(shifted[:, 1].ravel(), 1).reshape(-1, B)  # a stream one slot late
-    found = conformance.describe_epoch(shifted, N, B, shuffle=False, last_batch="fill", length=5,
-                                       masks=masks, findings=found)
-    assert len(found.kinds) >= 7 and "shifted by 1 slots" in found.report(), found.report()
-    for kind, items in found.kinds.items():
-        for text, shards, steps, samples in items:
-            assert steps and "step" in text, f"{kind}: {text!r} names no step"
-
-
-def test_shard_blocks_in_both_layouts():
-    x = np.arange(24).reshape(12, 2)
-    np.testing.assert_array_equal(conformance.shard_blocks(x, 3)[1], x[4:8])
-    np.testing.assert_array_equal(conformance.shard_blocks(x.reshape(3, 4, 2), 3, "pmap")[2], x[8:])
-    with pytest.raises(ValueError, match="num_shards = 5"):
-        conformance.shard_blocks(x, 5)
-    with pytest.raises(ValueError, match="'pmap' batch must be"):
-        conformance.shard_blocks(x, 3, "pmap")
 
 
 @pytest.mark.parametrize("layout", loaders.LAYOUTS)

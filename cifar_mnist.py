@@ -1,0 +1,299 @@
+"""The notebooks' datasets on disk: CIFAR-10's binary files and MNIST's IDX files.
+
+``read_cifar10`` reads the CIFAR-10 "binary version" (3073-byte records: one
+label byte 0..9, then the R, G, B planes of 32x32, row-major); ``read_mnist``
+reads MNIST's IDX files, gzipped or not. Both give ``(images_NCHW uint8,
+labels_N int32)``. ``write_cifar10`` and ``write_mnist`` write the same formats
+(atomically), and ``synthetic_cifar10`` / ``synthetic_mnist`` write small
+deterministic datasets in them, so that every test and the main job run without
+a download.
+
+Guarantees (test_cifar_mnist.py): what a writer writes its reader reads back bit
+for bit; a malformed file (a truncated record, a label out of range, a wrong
+magic number or shape) is refused naming the file.
+
+Deliberate difference from rocAL: files are read in sorted name order. rocAL
+lists a folder in raw ``readdir`` order, which depends on the filesystem, so the
+same folder can give a different sample order on another machine.
+
+Imports: NumPy only. Imported by loaders.py (a CIFAR-10 folder is one of
+make_loader's forms), rocal_loader.py, dali_loader.py and refimpl.py. Named
+after its two datasets, not ``datasets``, so that copying it beside Hugging
+Face's ``datasets`` package shadows nothing.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import tempfile
+
+import numpy as np
+
+RECORD_BYTES = 3073
+IMAGE_SHAPE = (3, 32, 32)  # CIFAR-10
+MNIST_SHAPE = (1, 28, 28)
+NUM_CLASSES = 10
+TRAIN_PREFIX = "data_batch_"
+TEST_PREFIX = "test_batch"
+
+
+# --------------------------------------------------------------------------
+# Reading and writing the CIFAR-10 binary format
+# --------------------------------------------------------------------------
+
+
+def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREFIX):
+    """Reads every file in ``file_root`` whose name starts with ``filename_prefix``.
+
+    Files are read in sorted name order, so the sample order is the same on every
+    filesystem. Returns ``(images_NCHW, labels_N)``: uint8 (N, 3, 32, 32) and
+    int32 (N,). With one matching file the images are a read-only view of a
+    memory map (no copy); with several they are one in-memory copy, never more.
+
+    Raises FileNotFoundError (folder missing, no matching file) or ValueError (a
+    file whose size is not a whole number of 3073-byte records, a label > 9, no
+    records at all); each message names the file and the offending value.
+    """
+    root = os.fspath(file_root)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"read_cifar10: file_root={root!r} is not a directory")
+    names = sorted(
+        name for name in os.listdir(root)
+        if name.startswith(filename_prefix) and os.path.isfile(os.path.join(root, name))
+    )
+    if not names:
+        raise FileNotFoundError(
+            f"read_cifar10: no file in {root!r} starts with filename_prefix={filename_prefix!r}"
+        )
+    counts = {}
+    for name in names:
+        path = os.path.join(root, name)
+        size = os.path.getsize(path)
+        if size % RECORD_BYTES:
+            raise ValueError(
+                f"{path}: size {size} bytes is not a multiple of the {RECORD_BYTES}-byte "
+                f"CIFAR-10 record ({size % RECORD_BYTES} bytes left over: truncated or not CIFAR-10)"
+            )
+        if size:  # np.memmap cannot map an empty file; it holds no record anyway.
+            counts[name] = size // RECORD_BYTES
+    if not counts:
+        raise ValueError(
+            f"read_cifar10: the files matching {filename_prefix!r} in {root!r} hold no record "
+            f"(all empty: {names})"
+        )
+    if len(counts) == 1:
+        rows = np.memmap(os.path.join(root, *counts), dtype=np.uint8, mode="r").reshape(-1, RECORD_BYTES)
+    else:
+        # Read into one array, file by file. Concatenating memory maps would hold
+        # every file's mapped pages and the copy at once: twice the dataset.
+        rows = np.empty((sum(counts.values()), RECORD_BYTES), np.uint8)
+        start = 0
+        for name, count in counts.items():
+            with open(os.path.join(root, name), "rb") as f:
+                f.readinto(memoryview(rows[start:start + count]).cast("B"))
+            start += count
+    start = 0
+    for name, count in counts.items():
+        bad = np.flatnonzero(rows[start:start + count, 0] >= NUM_CLASSES)
+        if bad.size:
+            raise ValueError(f"{os.path.join(root, name)}: record {bad[0]} has label "
+                             f"{rows[start + bad[0], 0]}; CIFAR-10 labels are 0..9")
+        start += count
+    images = rows[:, 1:].reshape((-1,) + IMAGE_SHAPE)
+    labels = rows[:, 0].astype(np.int32)
+    return images, labels
+
+
+def write_cifar10(path: str | os.PathLike, images_NCHW: np.ndarray, labels_N: np.ndarray) -> None:
+    """Writes one CIFAR-10 binary file, atomically (a reader never sees half a file).
+
+    ``images_NCHW`` must be uint8 (N, 3, 32, 32) and ``labels_N`` integers 0..9.
+    """
+    path = os.fspath(path)
+    images_NCHW, labels_N = _check_images_and_labels(f"write_cifar10({path!r})", images_NCHW,
+                                                     labels_N, IMAGE_SHAPE)
+    rows = np.empty((len(labels_N), RECORD_BYTES), np.uint8)
+    rows[:, 0] = labels_N
+    rows[:, 1:] = images_NCHW.reshape(len(labels_N), RECORD_BYTES - 1)  # not -1: N may be 0
+    _write_atomically(path, rows.tobytes())
+
+
+def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000,
+                      num_test: int = 10_000, seed: int = 0) -> str:
+    """Writes a CIFAR-10-format folder: data_batch_1..5.bin and test_batch.bin.
+
+    Each class has a fixed random low-frequency colour pattern; an image is its
+    class pattern at a random contrast, shifted by a random brightness, plus
+    strong per-pixel noise. Classes are learnable by the seed MLP but not
+    separable at a glance (accuracy climbs over several epochs, as with real
+    data). The bytes are a function of (num_train, num_test, seed) alone.
+    Returns ``root``.
+    """
+    root = os.fspath(root)
+    os.makedirs(root, exist_ok=True)
+    draw = _synthetic_images(IMAGE_SHAPE, num_train, num_test, seed, salt=0xC1FA)
+    images, labels = draw(num_train)
+    for i, part in enumerate(np.array_split(np.arange(num_train), 5), start=1):
+        write_cifar10(os.path.join(root, f"{TRAIN_PREFIX}{i}.bin"), images[part], labels[part])
+    images, labels = draw(num_test)
+    write_cifar10(os.path.join(root, f"{TEST_PREFIX}.bin"), images, labels)
+    return root
+
+
+# --------------------------------------------------------------------------
+# Reading and writing MNIST's IDX files (the DALI notebook's dataset)
+# --------------------------------------------------------------------------
+
+MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+               "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+_IDX_MAGIC = {"images": 0x00000803, "labels": 0x00000801}  # uint8 data, 3 or 1 dimensions
+
+
+def read_mnist(folder: str | os.PathLike, split: str = "train"):
+    """MNIST's ``split`` ("train" or "test") from the IDX files users download.
+
+    Looks for ``train-images-idx3-ubyte`` / ``train-labels-idx1-ubyte`` (or
+    ``t10k-*`` for "test"), each optionally gzipped (``.gz``) and also under the
+    ``train-images.idx3-ubyte`` spelling some mirrors use. Returns
+    ``(images_NCHW uint8 (N, 1, 28, 28), labels_N int32)``; uncompressed images
+    are a read-only memory map.
+
+    Raises FileNotFoundError (folder or file missing) or ValueError (a bad magic
+    number, a header that is not 28x28, a file shorter or longer than its header
+    says, image and label counts that differ, a label > 9); each names the file
+    and the value.
+    """
+    if split not in MNIST_FILES:
+        raise ValueError(f"read_mnist: split must be one of {tuple(MNIST_FILES)}, got {split!r}")
+    root = os.fspath(folder)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"read_mnist: folder={root!r} is not a directory")
+    images = _read_idx(_find_idx(root, MNIST_FILES[split][0]), "images")
+    labels_path = _find_idx(root, MNIST_FILES[split][1])
+    labels = _read_idx(labels_path, "labels")
+    if len(images) != len(labels):
+        raise ValueError(f"{labels_path}: {len(labels)} labels, but the images file of split "
+                         f"{split!r} holds {len(images)} images")
+    bad = np.flatnonzero(labels >= NUM_CLASSES)
+    if bad.size:
+        raise ValueError(f"{labels_path}: label {bad[0]} is {labels[bad[0]]}; MNIST labels are 0..9")
+    return images.reshape((-1,) + MNIST_SHAPE), labels.astype(np.int32)
+
+
+def write_mnist(folder: str | os.PathLike, split: str, images_NCHW: np.ndarray,
+                labels_N: np.ndarray) -> None:
+    """Writes ``split``'s two IDX files (uncompressed) into ``folder``, each atomically."""
+    folder = os.fspath(folder)
+    images_NCHW, labels_N = _check_images_and_labels(f"write_mnist({folder!r})", images_NCHW,
+                                                     labels_N, MNIST_SHAPE)
+    count = len(labels_N)
+    header = np.array([_IDX_MAGIC["images"], count, 28, 28], ">u4").tobytes()
+    images_name, labels_name = MNIST_FILES[split]
+    _write_atomically(os.path.join(folder, images_name), header + images_NCHW.tobytes())
+    header = np.array([_IDX_MAGIC["labels"], count], ">u4").tobytes()
+    _write_atomically(os.path.join(folder, labels_name), header + labels_N.astype(np.uint8).tobytes())
+
+
+def synthetic_mnist(root: str | os.PathLike, *, num_train: int = 60_000, num_test: int = 10_000,
+                    seed: int = 0) -> str:
+    """Writes MNIST-format IDX files (train and t10k) of synthetic 28x28 grey images,
+    made like ``synthetic_cifar10``'s; a function of (num_train, num_test, seed). Returns ``root``."""
+    root = os.fspath(root)
+    os.makedirs(root, exist_ok=True)
+    draw = _synthetic_images(MNIST_SHAPE, num_train, num_test, seed, salt=0x3A15)
+    write_mnist(root, "train", *draw(num_train))
+    write_mnist(root, "test", *draw(num_test))
+    return root
+
+
+def _find_idx(root: str, name: str) -> str:
+    dotted = name.replace("-idx", ".idx")  # train-images.idx3-ubyte, as some mirrors name it
+    for candidate in (name, name + ".gz", dotted, dotted + ".gz"):
+        path = os.path.join(root, candidate)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"read_mnist: no {name} (or {name}.gz) in {root!r}")
+
+
+def _read_idx(path: str, kind: str) -> np.ndarray:
+    dims = 3 if kind == "images" else 1
+    header_bytes = 4 * (1 + dims)
+    if path.endswith(".gz"):
+        with gzip.open(path, "rb") as f:
+            raw = f.read()
+        size = len(raw)
+    else:
+        raw, size = None, os.path.getsize(path)
+    head = raw[:header_bytes] if raw is not None else open(path, "rb").read(header_bytes)
+    if len(head) < header_bytes:
+        raise ValueError(f"{path}: {size} bytes, shorter than the {header_bytes}-byte IDX header")
+    magic, *shape = np.frombuffer(head, ">u4").tolist()
+    if magic != _IDX_MAGIC[kind]:
+        raise ValueError(f"{path}: magic number {magic:#010x}, expected {_IDX_MAGIC[kind]:#010x} "
+                         f"for MNIST {kind} (not an MNIST {kind} file, or still compressed)")
+    if kind == "images" and shape[1:] != [28, 28]:
+        raise ValueError(f"{path}: images of {shape[1]}x{shape[2]}, MNIST's are 28x28")
+    want = header_bytes + int(np.prod(shape))
+    if size != want:
+        raise ValueError(f"{path}: {size} bytes, but its header ({shape[0]} {kind}) needs "
+                         f"{want}: {'truncated' if size < want else 'trailing bytes'}")
+    if raw is not None:
+        return np.frombuffer(raw, np.uint8, offset=header_bytes).reshape(shape)
+    if not shape[0]:
+        return np.zeros(shape, np.uint8)
+    return np.memmap(path, np.uint8, mode="r", offset=header_bytes).reshape(shape)
+
+
+# --------------------------------------------------------------------------
+# Shared by the readers and writers
+# --------------------------------------------------------------------------
+
+
+def _check_images_and_labels(where: str, images_NCHW, labels_N, shape: tuple[int, ...]):
+    images_NCHW, labels_N = np.asarray(images_NCHW), np.asarray(labels_N)
+    if images_NCHW.dtype != np.uint8 or images_NCHW.shape[1:] != shape:
+        raise ValueError(f"{where}: images must be uint8 (N, {', '.join(map(str, shape))}), "
+                         f"got {images_NCHW.dtype} {images_NCHW.shape}")
+    if labels_N.shape != images_NCHW.shape[:1]:
+        raise ValueError(f"{where}: labels shape {labels_N.shape} does not match "
+                         f"{images_NCHW.shape[0]} images")
+    if labels_N.size and (labels_N.min() < 0 or labels_N.max() >= NUM_CLASSES):
+        raise ValueError(f"{where}: labels must be 0..9, got range [{labels_N.min()}, {labels_N.max()}]")
+    return images_NCHW, labels_N
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _synthetic_images(shape: tuple[int, ...], num_train: int, num_test: int, seed: int, salt: int):
+    for name, value in (("num_train", num_train), ("num_test", num_test)):
+        if value < 0:
+            raise ValueError(f"synthetic data: {name} must be >= 0, got {value}")
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, salt])))
+    c, h, w = shape
+    coarse = rng.normal(size=(NUM_CLASSES, c, 4, 4))
+    patterns = np.repeat(np.repeat(coarse, -(-h // 4), axis=2), -(-w // 4), axis=3)[:, :, :h, :w]
+
+    def draw(count: int):
+        labels = rng.integers(0, NUM_CLASSES, size=count)
+        images = np.empty((count,) + shape, np.uint8)
+        for start in range(0, count, 4096):  # float64 temporaries stay ~100 MB
+            part = slice(start, min(start + 4096, count))
+            n = part.stop - part.start
+            contrast = rng.uniform(0.2, 1.0, size=(n, 1, 1, 1))
+            brightness = rng.normal(0.0, 0.5, size=(n, 1, 1, 1))
+            x = contrast * patterns[labels[part]] + brightness + rng.normal(0.0, 1.0, size=(n,) + shape)
+            images[part] = np.clip(np.rint(127.5 + 40.0 * x), 0, 255)
+        return images, labels
+
+    return draw

@@ -1,0 +1,225 @@
+"""Tests for cifar_mnist.py, the notebooks' datasets on disk: each guarantee its
+docstrings state, checked.
+
+* The CIFAR-10 binary reader/writer round-trips, reads files in sorted name
+  order, maps a single file without copying, and names the file and the value
+  in every error; synthetic_cifar10 is a function of its seed.
+* MNIST's IDX files round-trip plain, gzipped and with dotted names;
+  synthetic_mnist is a function of its seed; a wrong magic number, a truncated
+  file, trailing bytes, a label count unlike the image count, a label above 9
+  and a missing file are refused naming the file and the value.
+"""
+
+import mmap
+import os
+import tempfile
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from cifar_mnist import (IMAGE_SHAPE, RECORD_BYTES, TEST_PREFIX, read_cifar10, read_mnist, synthetic_cifar10,
+                         synthetic_mnist, write_cifar10, write_mnist)
+from conftest import SEEDS, assert_raises_naming, random_mnist
+
+
+# --------------------------------------------------------------------------
+# CIFAR-10 binary files
+# --------------------------------------------------------------------------
+
+
+def random_cifar(seed: int, count: int):
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, size=(count,) + IMAGE_SHAPE, dtype=np.uint8)
+    return images, rng.integers(0, 10, size=count)
+
+
+def memmap_backed(array: np.ndarray) -> bool:
+    """Whether the ``.base`` chain of ``array`` ends in a memory map."""
+    while isinstance(array, np.ndarray):
+        array = array.base
+    return isinstance(array, mmap.mmap)
+
+
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=4), SEEDS)
+def test_write_read_round_trip(counts, seed):
+    images, labels = random_cifar(seed, sum(counts))
+    with tempfile.TemporaryDirectory() as root:
+        start = 0
+        for i, count in enumerate(counts):
+            write_cifar10(os.path.join(root, f"data_batch_{i}.bin"),
+                                  images[start:start + count], labels[start:start + count])
+            start += count
+        if not labels.size:
+            return  # all files empty: an error, tested below
+        got_images, got_labels = read_cifar10(root)
+        assert got_images.dtype == np.uint8 and got_images.shape == images.shape
+        assert got_labels.dtype == np.int32 and got_labels.shape == labels.shape
+        np.testing.assert_array_equal(got_images, images)
+        np.testing.assert_array_equal(got_labels, labels)
+
+
+def test_files_are_read_in_sorted_name_order(tmp_path, monkeypatch):
+    for name, label in [("data_batch_3", 3), ("data_batch_1", 1), ("data_batch_2", 2)]:
+        images = np.full((2, 3, 32, 32), label, np.uint8)
+        write_cifar10(tmp_path / name, images, [label] * 2)
+    write_cifar10(tmp_path / "test_batch", np.zeros((1, 3, 32, 32), np.uint8), [9])
+    # Whatever order the filesystem lists them in, here reverse sorted.
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path: sorted(real_listdir(path), reverse=True))
+    images, labels = read_cifar10(tmp_path)
+    assert labels.tolist() == [1, 1, 2, 2, 3, 3]
+    assert images[:, 0, 0, 0].tolist() == [1, 1, 2, 2, 3, 3]
+
+
+def test_single_file_is_a_read_only_memmap_view(tmp_path):
+    images, labels = random_cifar(0, 5)
+    write_cifar10(tmp_path / "data_batch_1.bin", images, labels)
+    got, _ = read_cifar10(tmp_path)
+    assert memmap_backed(got) and not got.flags.writeable
+    write_cifar10(tmp_path / "data_batch_2.bin", images, labels)
+    both, _ = read_cifar10(tmp_path)
+    assert not memmap_backed(both)  # several files: one in-memory copy
+
+
+def test_synthetic_cifar10_is_a_function_of_the_seed(tmp_path):
+    def folder(name, seed):
+        return synthetic_cifar10(tmp_path / name, num_train=23, num_test=4, seed=seed)
+
+    def contents(root):
+        return {name: open(os.path.join(root, name), "rb").read() for name in os.listdir(root)}
+
+    first, again = contents(folder("a", 7)), contents(folder("b", 7))
+    other = contents(folder("c", 8))
+    assert sorted(first) == [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
+    assert first == again
+    assert all(first[name] != other[name] for name in first)
+    train_images, train_labels = read_cifar10(tmp_path / "a")
+    assert train_images.shape == (23, 3, 32, 32) and train_labels.shape == (23,)
+    assert read_cifar10(tmp_path / "a", TEST_PREFIX)[1].shape == (4,)
+
+
+def test_synthetic_cifar10_with_fewer_images_than_files(tmp_path):
+    # Three training images over five files: two files hold no record.
+    synthetic_cifar10(tmp_path, num_train=3, num_test=0)
+    assert read_cifar10(tmp_path)[1].shape == (3,)
+    assert os.path.getsize(tmp_path / "test_batch.bin") == 0
+
+
+def test_read_errors_name_the_folder_and_prefix(tmp_path):
+    missing = tmp_path / "nowhere"
+    assert_raises_naming(FileNotFoundError, lambda: read_cifar10(missing), str(missing))
+    write_cifar10(tmp_path / "test_batch.bin", *random_cifar(0, 1))
+    assert_raises_naming(FileNotFoundError, lambda: read_cifar10(tmp_path, "data_batch_"),
+                         str(tmp_path), "'data_batch_'")
+
+
+def test_truncated_file_is_named(tmp_path):
+    path = tmp_path / "data_batch_1.bin"
+    write_cifar10(path, *random_cifar(0, 2))
+    os.truncate(path, 2 * RECORD_BYTES - 5)
+    assert_raises_naming(ValueError, lambda: read_cifar10(tmp_path),
+                         str(path), str(2 * RECORD_BYTES - 5))
+
+
+def test_label_out_of_range_is_named(tmp_path):
+    path = tmp_path / "data_batch_1.bin"
+    records = np.zeros((3, RECORD_BYTES), np.uint8)
+    records[:, 0] = [4, 10, 2]  # written by hand: write_cifar10 refuses label 10
+    path.write_bytes(records.tobytes())
+    assert_raises_naming(ValueError, lambda: read_cifar10(tmp_path),
+                         str(path), "record 1", "label 10")
+
+
+def test_empty_dataset_is_an_error(tmp_path):
+    for name in ("data_batch_1.bin", "data_batch_2.bin"):
+        (tmp_path / name).write_bytes(b"")
+    assert_raises_naming(ValueError, lambda: read_cifar10(tmp_path),
+                         str(tmp_path), "data_batch_1.bin", "data_batch_2.bin")
+
+
+# --------------------------------------------------------------------------
+# MNIST's IDX files
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compress, dotted", [(False, False), (True, False), (False, True)])
+def test_mnist_round_trip_plain_gzipped_and_dotted_names(tmp_path, compress, dotted):
+    images, labels = random_mnist(1, 7)
+    write_mnist(tmp_path, "test", images, labels)
+    for name in os.listdir(tmp_path):
+        path = tmp_path / name
+        new = name.replace("-idx", ".idx") if dotted else name
+        if compress:
+            import gzip
+            with gzip.open(tmp_path / (new + ".gz"), "wb") as f:
+                f.write(path.read_bytes())
+            path.unlink()
+        else:
+            path.rename(tmp_path / new)
+    got_images, got_labels = read_mnist(tmp_path, "test")
+    assert got_images.dtype == np.uint8 and got_images.shape == (7, 1, 28, 28)
+    assert got_labels.dtype == np.int32
+    np.testing.assert_array_equal(got_images, images)
+    np.testing.assert_array_equal(got_labels, labels)
+
+
+def test_synthetic_mnist_is_a_function_of_the_seed(tmp_path):
+    a = read_mnist(synthetic_mnist(tmp_path / "a", num_train=9, num_test=3, seed=2))
+    b = read_mnist(synthetic_mnist(tmp_path / "b", num_train=9, num_test=3, seed=2))
+    c = read_mnist(synthetic_mnist(tmp_path / "c", num_train=9, num_test=3, seed=3))
+    np.testing.assert_array_equal(a[0], b[0])
+    assert not np.array_equal(a[0], c[0])
+    assert read_mnist(tmp_path / "a", "test")[0].shape == (3, 1, 28, 28)
+
+
+def _corrupt(tmp_path, name: str, edit) -> str:
+    path = tmp_path / name
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(edit(data)))
+    return str(path)
+
+
+def test_mnist_errors_name_the_file_and_the_value(tmp_path):
+    images, labels = random_mnist(2, 5)
+
+    def fresh():
+        for name in os.listdir(tmp_path):
+            os.unlink(tmp_path / name)
+        write_mnist(tmp_path, "train", images, labels)
+
+    read = lambda: read_mnist(tmp_path)
+    fresh()
+    path = _corrupt(tmp_path, "train-images-idx3-ubyte", lambda d: d[:4] and b"\x00\x00\x08\x01" + d[4:])
+    assert_raises_naming(ValueError, read, path, "magic number 0x00000801")
+    fresh()
+    path = _corrupt(tmp_path, "train-images-idx3-ubyte", lambda d: d[:-10])
+    assert_raises_naming(ValueError, read, path, "truncated", str(16 + 5 * 784 - 10))
+    fresh()
+    path = _corrupt(tmp_path, "train-labels-idx1-ubyte", lambda d: d[:4] + (4).to_bytes(4, "big") + d[8:-1])
+    assert_raises_naming(ValueError, read, path, "4 labels", "5 images")
+    fresh()
+    path = _corrupt(tmp_path, "train-labels-idx1-ubyte", lambda d: d[:9] + b"\x0c" + d[10:])
+    assert_raises_naming(ValueError, read, path, "label 1 is 12")
+    os.unlink(path)
+    assert_raises_naming(FileNotFoundError, read, "train-labels-idx1-ubyte", str(tmp_path))
+
+
+# --------------------------------------------------------------------------
+# Sentences of the spec that only another module's tests held (issue 18's mutants)
+# --------------------------------------------------------------------------
+
+
+def test_mnist_label_10_and_trailing_bytes_are_refused(tmp_path):
+    # "a label > 9" (10 is the first one out) and "longer than its header says".
+    images, labels = random_mnist(4, 5)
+    read = lambda: read_mnist(tmp_path)
+    write_mnist(tmp_path, "train", images, labels)
+    path = _corrupt(tmp_path, "train-labels-idx1-ubyte", lambda d: d[:10] + b"\x0a" + d[11:])
+    assert_raises_naming(ValueError, read, path, "label 2 is 10")
+    for name, count in (("train-images-idx3-ubyte", 16 + 5 * 784), ("train-labels-idx1-ubyte", 8 + 5)):
+        write_mnist(tmp_path, "train", images, labels)
+        path = _corrupt(tmp_path, name, lambda d: d + b"\x00")
+        assert_raises_naming(ValueError, read, path, "trailing bytes", str(count + 1), str(count))
+    write_mnist(tmp_path, "train", images, labels)
+    read()  # the control: the same files, untouched, are read
