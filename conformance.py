@@ -529,18 +529,12 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
     * any: "outside the dataset", a sample not in range(N) (contiguous: those are
       "outside the shard").
 
-    It cannot see, besides what describe_epoch cannot: which step a shard's batch
-    belongs to other than by its row (a segment's blocks must be given as they
-    arrived from its first step); whether the job's ``segments`` are the shard
-    sets it really ran on (they are taken as given: a loader that kept its old
-    shards after a resize shows as blocks of the wrong shape, which raises); the
-    order within a shard when shuffled (only the set a cut-short segment owes,
-    which the next segment's runs follow from). Without masks every slot counts as
-    real, so a segment with an empty run (fewer samples left than shards) is
-    reported as delivering another shard's sample ("samples on two shards", "same
-    batch on several shards", contiguous also "outside the shard"), on that segment
-    only; a repeat across segments is still seen (padding repeats a sample of its
-    own segment).
+    It cannot see, besides what describe_epoch cannot: which step a batch belongs to
+    other than by its row (a segment's blocks as they arrived from its first step);
+    whether ``segments`` are the shard sets the job ran on (taken as given); the order
+    within a shuffled shard. Without masks every slot counts as real, so a segment
+    with an empty run reads as delivering another shard's sample, on that segment
+    only (a repeat across segments is still seen).
 
     Raises ValueError for ``segments`` that elastic_plan refuses (its reason
     quoted), ``delivered`` or ``masks`` without one entry per segment, a segment's
