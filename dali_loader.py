@@ -174,7 +174,7 @@ from jax.sharding import Mesh
 import loaders
 from arithmetic import Normalize
 from cifar_mnist import TRAIN_PREFIX, read_cifar10
-from plan import LoaderState, Plan, check_seed, shard_bounds
+from plan import LoaderState, Plan, check_seed, on_devices, shard_bounds
 
 INSTALL_HINT = ("the DALI backend needs NVIDIA DALI: pip install -r requirements-dali.txt "
                 "(it installs nvidia-dali-cuda130; on CUDA 12 hosts install nvidia-dali-cuda120)")
@@ -444,6 +444,7 @@ def _steps(loader: DaliLoader, epoch: int, plan: Plan, row: int):
     resumed segment's)."""
     devices = list(loader.mesh.devices.flat)
     local = loaders.local_positions(loader.mesh)
+    plan = on_devices(plan, loader.mesh.devices.size)  # device k's logical shards, one block
     make = _plan_blocks if loader.order == "plan" else _vendor_blocks
     shards = {k: make(loader, epoch, plan, k, devices[k], row) for k in local}
     try:
@@ -505,7 +506,7 @@ def _vendor_blocks(loader: DaliLoader, epoch: int, plan: Plan, k: int, device, s
 
 def _pipeline(loader: DaliLoader, reader: dict, device, *, seed: int):
     return dali_pipeline(loader.folder, reader, device, loader.spec.images.shape[1:],
-                         loader.spec.normalize, loader.spec.batch_size, seed=seed,
+                         loader.spec.normalize, loader.spec.device_rows, seed=seed,
                          num_threads=loader.num_threads)
 
 
@@ -527,13 +528,16 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
                      layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
                      shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
                      normalize: Normalize | None = None, order: str = "plan",
-                     cache_dir: str | os.PathLike | None = None, num_threads: int = 1) -> DaliLoader:
+                     cache_dir: str | os.PathLike | None = None, num_threads: int = 1,
+                     logical_shards: int | None = None) -> DaliLoader:
     """A ``DaliLoader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``) or an
     ``(images_NCHW uint8, labels_N)`` pair (MNIST's (N, 1, 28, 28) too). ``batch_size`` is
     per device; shard k goes to ``devices[k]`` (or mesh position k). ``normalize``
     defaults to ``Normalize(arithmetic=arithmetic_for(devices))`` (mean = std = 127.5).
     ``order``: "plan" or "vendor" (module docstring). The per-sample files go under
-    ``cache_dir`` (default ~/.cache/refimpl).
+    ``cache_dir`` (default ~/.cache/refimpl). ``logical_shards``: as
+    ``loaders.make_loader``'s (order="plan" only): reader k reads its device's
+    logical shards' blocks, (L/n)*B samples a step.
 
     Raises ImportError (how to install DALI) without nvidia.dali; ValueError for
     everything ``loaders.make_loader`` refuses (a batch larger than the smallest
@@ -556,13 +560,17 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
         raise ValueError(f"make_dali_loader: order must be one of {ORDERS}, got {order!r}")
     if num_threads < 1:
         raise ValueError(f"make_dali_loader: num_threads must be >= 1, got {num_threads}")
+    if order == "vendor" and logical_shards not in (None, mesh.devices.size):
+        raise ValueError(f"make_dali_loader: logical_shards={logical_shards!r} with order='vendor': "
+                         f"DALI's own sharding is one shard a device; use order='plan'")
     import_dali()  # how to install it, before any data is read
     if isinstance(data, (str, os.PathLike)):
         data = read_cifar10(data, filename_prefix)
     # The reference loader checks every argument as make_loader does, and is the
     # plan the DALI epochs are held to. It does no device work.
     spec = loaders.make_loader(data, mesh, batch_size, layout=layout, shuffle=shuffle, seed=seed,
-                               last_batch=last_batch, normalize=normalize, prefetch=0)
+                               last_batch=last_batch, normalize=normalize, prefetch=0,
+                               logical_shards=logical_shards)
     folder = sample_files(spec.images, spec.labels, cache_dir if cache_dir is not None else DEFAULT_CACHE)
     return DaliLoader(spec, order, folder, num_threads)
 

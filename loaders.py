@@ -68,7 +68,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from arithmetic import Normalize, aligned_empty, keyed_table, one_row, table_key
 from cifar_mnist import TRAIN_PREFIX, read_cifar10
-from plan import LoaderState, Plan, Schedule, check_policy, check_seed, shard_bounds
+from plan import LoaderState, Plan, Schedule, check_policy, check_seed, on_devices, shard_bounds
 
 DATA_AXIS = "data"
 LAYOUTS = ("sharded", "pmap")
@@ -219,14 +219,22 @@ class Loader:
     ``loader.epoch(e)`` yields one dict per step, ``loader.batch(e, s)`` is step
     s alone (random access), ``loader.plan(e)`` is the epoch's ``Plan``.
 
-    A batch holds every name of ``arrays``, in its order, then "mask" (bool):
-    global ``jax.Array``s in ``layout``, "sharded" (n*B, ...) or "pmap" (n, B,
-    ...), both ``NamedSharding(mesh, P('data'))``, block k (rows k*B..k*B+B-1, or
-    row k for "pmap") on the device at mesh position k. With P = plan(e), for
-    every name, step s and shard k:
+    Logical shards: the plan has L = ``num_shards`` shards of B = ``batch_size``
+    rows (``logical_shards``; L = n, the mesh's device count, unless set), and
+    device k of the n reads logical shards k*L/n .. (k+1)*L/n - 1, so each device
+    holds (L/n)*B rows a step (``device_rows``). A batch holds every name of
+    ``arrays``, in its order, then "mask" (bool): global ``jax.Array``s in
+    ``layout``, "sharded" (L*B, ...) or "pmap" (n, (L/n)*B, ...), both
+    ``NamedSharding(mesh, P('data'))``, block k (rows k*(L/n)*B .. (k+1)*(L/n)*B - 1,
+    or row k for "pmap") on the device at mesh position k. With P =
+    ``plan.on_devices(plan(e), n)`` (device k's row: its logical shards' blocks in
+    order), for every name, step s and device k:
 
         block k of name   = f(arrays[name][P.indices[s, k]])
         block k of "mask" = P.mask[s, k]
+
+    so the global batch of a step (which samples, in which rows, which are masked)
+    is the same for every n that divides L.
 
     where f is ``normalizers[name]`` when there is one (a ``Normalize``: its
     ``crop_mirror_normalize``, float32 (B, C, ch, cw) looked up in
@@ -261,8 +269,10 @@ class Loader:
     ``loader.state(e, s)`` (after s steps of epoch e: a small plain value,
     ``to_json``); a loader on any other mesh or batch size, built by
     ``make_loader`` from the same data, seed, shuffle and last_batch, resumes
-    with ``loader.epoch(e, state=saved)``. With ``st = saved.resized(n, B)``
-    (this loader's shard count and batch) and ``plan, row = st.plan()``, that
+    with ``loader.epoch(e, state=saved)``. With ``st = saved.resized(L, B)``
+    (this loader's shard count and batch: with the same logical shards and batch
+    on any devices that divide L, the saved plan itself, no new segment) and
+    ``plan, row = st.plan()``, that
     iterator yields global steps ``st.step .. st.num_steps - 1`` of the epoch,
     ``st.num_steps - st.step`` of them, where step ``st.step + r`` is
     ``Plan`` row ``row + r`` by the rule above: so the epoch's samples not yet
@@ -272,9 +282,14 @@ class Loader:
     k more steps is ``loader.state(e, st.step + k, state=saved)``. ``len(loader)``
     keeps meaning a fresh epoch, and epoch e + 1 is fresh on this loader's
     shards (``loader.epoch(e + 1)``). In placement "device" a resumed segment on
-    other shards first places, once, what its shards still need: on device k the
-    distinct samples of ``plan.indices[row:, k]`` (at most ceil(m/n) samples,
-    m the samples left), beside the resident shard.
+    other shards first places, once, what its devices still need: on device k
+    the distinct samples of its rows of ``plan.on_devices(plan, n).indices[row:]``,
+    beside the resident shard.
+
+    ``epoch(e, start_step=s)`` is steps s.. of this loader's own fresh plan: the
+    same steps on any devices only with the same (L, B); after a resize, or to
+    resume what another loader delivered, resume from its state
+    (``epoch(e, state=saved)``), which says whose plan it was.
     """
     arrays: dict[str, np.ndarray]
     mesh: Mesh
@@ -287,6 +302,7 @@ class Loader:
     prefetch: int = 2
     placement: str = "host"
     resident: dict | None = dataclasses.field(default=None, repr=False)  # placement="device"
+    logical_shards: int | None = None  # None: one a device
 
     @property
     def images(self) -> np.ndarray:
@@ -316,7 +332,17 @@ class Loader:
 
     @property
     def num_shards(self) -> int:
+        """The plan's shards: ``logical_shards``, or the device count when it is None."""
+        return self.logical_shards or self.mesh.devices.size
+
+    @property
+    def num_devices(self) -> int:
         return self.mesh.devices.size
+
+    @property
+    def device_rows(self) -> int:
+        """Rows a device holds a step: (L/n) x batch_size."""
+        return self.num_shards // self.num_devices * self.batch_size
 
     @property
     def schedule(self) -> Schedule:
@@ -354,13 +380,14 @@ class Loader:
         return self.schedule.resumed(where, epoch, state)
 
     def host_rows(self, plan: Plan, step: int) -> dict[str, np.ndarray]:
-        """This process's rows at ``step`` of ``plan``: (n_local * B, ...) per name, its
-        shards' blocks in mesh order, each name in one aligned buffer: as stored
-        (placements "host" and "device", and names without a normaliser), or
-        normalised for "host_float32"; then "mask"."""
+        """This process's rows at ``step`` of ``plan`` (this loader's L shards): (n_local *
+        (L/n)*B, ...) per name, its devices' blocks in mesh order, each name in one
+        aligned buffer: as stored (placements "host" and "device", and names without a
+        normaliser), or normalised for "host_float32"; then "mask"."""
         local = local_positions(self.mesh)
-        idx = plan.indices[step, local]  # (n_local, B)
-        B = self.batch_size
+        plan = on_devices(plan, self.num_devices)
+        idx = plan.indices[step, local]  # (n_local, (L/n)*B)
+        B = self.device_rows
         norms = self.normalizers if self.placement == "host_float32" else {}
         rows = {}
         for name, source in self.arrays.items():
@@ -484,9 +511,12 @@ def _host_step(loader: Loader, work, plan: Plan, step: int) -> dict[str, jax.Arr
 
 
 def _place_plan(loader: Loader, plan: Plan) -> dict[str, jax.Array]:
-    """The epoch's plan on the devices: per shard (1, steps, B) local indices and mask."""
-    starts = np.array([shard_bounds(loader.num_samples, k, loader.num_shards)[0]
-                       for k in range(loader.num_shards)])
+    """The epoch's plan on the devices: per device (1, steps, (L/n)*B) local indices and
+    mask. Device k's logical shards together are shard k of n (plan.on_devices), the
+    samples it holds resident."""
+    n = loader.num_devices
+    plan = on_devices(plan, n)
+    starts = np.array([shard_bounds(loader.num_samples, k, n)[0] for k in range(n)])
     local = (plan.indices - starts[None, :, None]).astype(np.int32).swapaxes(0, 1)
     mask = plan.mask.swapaxes(0, 1)
     return {"indices": _by_position(local, loader.mesh), "mask": _by_position(mask, loader.mesh)}
@@ -496,9 +526,11 @@ def _place_segment(loader: Loader, plan: Plan, row: int) -> tuple[dict, dict]:
     """(placed plan, resident samples) for rows ``row..`` of a resumed segment:
     device k holds the distinct samples of ``plan.indices[row:, k]``, ascending,
     zero-padded to the largest count, and the placed indices are positions in
-    them (searchsorted); row 0 of the placed plan is ``plan`` row ``row``."""
+    them (searchsorted); row 0 of the placed plan is ``plan`` row ``row`` (device k's
+    rows: plan.on_devices)."""
+    n = loader.num_devices
+    plan = on_devices(plan, n)
     rest, mask = plan.indices[row:], plan.mask[row:]
-    n = loader.num_shards
     needed = [np.unique(rest[:, k]) for k in range(n)]
     size = max(len(u) for u in needed)
     local = np.stack([np.searchsorted(needed[k], rest[:, k]) for k in range(n)]).astype(np.int32)
@@ -527,7 +559,8 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
                 layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
                 shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
                 normalize: Normalize | Callable | dict | str | None = "default", prefetch: int = 2,
-                placement: str = "host", device_budget: int | None = None) -> Loader:
+                placement: str = "host", device_budget: int | None = None,
+                logical_shards: int | None = None) -> Loader:
     """A ``Loader`` over ``data``, in one of three forms:
 
     * a dict of named arrays ``{name: array}``: any string names but "mask",
@@ -549,6 +582,13 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
     depend on (N, n, B, seed, epoch, shuffle, last_batch) only (``Loader``
     states what each block holds).
 
+    ``logical_shards``: L, the plan's shards, when they are not the devices: the
+    plan is then over L logical shards of ``batch_size`` rows each, and device k of
+    the n reads logical shards k*L/n .. (k+1)*L/n - 1 ((L/n)*B rows a step), so the
+    global batch of a step is the same L*B rows for every n that divides L: the
+    same steps on 8 devices, on 2, or on 1 (``plan.on_devices``). None (the
+    default) is L = n: one logical shard a device, batch_size per device.
+
     ``normalize``: for a dict dataset, None or a dict ``{name: Normalize or
     callable}`` naming the arrays to normalise (the others are delivered as
     stored; the default, "default", normalises nothing). For the tuple form and a
@@ -566,7 +606,8 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
     host's available memory shared among this process's devices).
 
     Raises ValueError, naming the parameter, the value and the fix, for:
-    batch_size not an int >= 1, a batch larger than the smallest shard (every
+    batch_size not an int >= 1, logical_shards not an int that the device count
+    divides, a batch larger than the smallest shard (every
     step of a fresh epoch would be mostly padding, or with drop there would be
     no step; an epoch resumed from a state may leave runs smaller than the
     batch, which elastic_plan allows: fill pads, drop gives 0 steps), more
@@ -604,19 +645,27 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
         raise ValueError(f"make_loader: shuffle must be a bool, got {shuffle!r}")
     if device_budget is not None and not _is_int(device_budget):
         raise ValueError(f"make_loader: device_budget must be None or an int (bytes), got {device_budget!r}")
+    n = mesh.devices.size
+    if logical_shards is not None and (not _is_int(logical_shards) or logical_shards < 1
+                                       or logical_shards % n):
+        raise ValueError(f"make_loader: logical_shards={logical_shards!r} must be an int that the "
+                         f"{n} device(s) divide (each device reads L/n whole logical shards)")
     loader = Loader(arrays, mesh, int(batch_size), layout, bool(shuffle), seed, last_batch, normalize,
-                    int(prefetch), placement)
+                    int(prefetch), placement,
+                    logical_shards=None if logical_shards is None else int(logical_shards))
     for name, f in loader.normalizers.items():
         if not isinstance(f, Normalize) and placement != "host_float32":
             raise ValueError(f"make_loader: placement={placement!r} needs a Normalize for {name!r} (its "
                              f"table runs on the devices); the callable {f!r} needs placement='host_float32'")
-    n, N = mesh.devices.size, loader.num_samples
-    if n > N:
-        raise ValueError(f"make_loader: {n} devices but only {N} samples: some shard would be empty")
-    if batch_size > N // n:
+    L, N = loader.num_shards, loader.num_samples
+    shards = f"{L} logical shards" if logical_shards is not None else f"{L} devices"
+    if L > N:
+        raise ValueError(f"make_loader: {shards} but only {N} samples: some shard would be empty")
+    if batch_size > N // L:
+        per = "per logical shard" if logical_shards is not None else "per device"
         raise ValueError(
-            f"make_loader: batch_size={batch_size} per device is larger than the smallest shard "
-            f"({N // n} samples = {N} samples / {n} devices)"
+            f"make_loader: batch_size={batch_size} {per} is larger than the smallest shard "
+            f"({N // L} samples = {N} samples / {shards})"
         )
     if placement == "device":
         loader = dataclasses.replace(loader, resident=_place_dataset(arrays, mesh, device_budget))

@@ -17,6 +17,13 @@ The contract, in the order the pieces are used:
   (mask False). Batches are therefore a pure function of (seed, epoch, step,
   shard): resuming mid-epoch on the same shards needs the step number and
   nothing else. ``shard_permutation`` is its shuffle, specified bit for bit.
+* Logical shards: the plan's n shards need not be the devices. A plan over L
+  logical shards of b rows (``epoch_plan(N, L, b)``) runs on any n devices that
+  divide L: device k reads logical shards k*L/n .. (k+1)*L/n - 1, their blocks one
+  after the other (``on_devices``). The global batch of a step is then the same
+  L*b rows, in the same order, with the same mask, whatever n: a function of (N, L,
+  b, seed, epoch, step) alone. L = n, one logical shard a device, is the default
+  and the notebooks' case.
 * ``elastic_plan`` is an epoch resumed on another number of shards or batch
   size: a chain of ``Segment``s, the samples not yet delivered split among the
   new shards. ``LoaderState`` is the small plain value a job saves
@@ -50,6 +57,21 @@ Guarantees (each is tested in test_plan.py):
   a segment (rocAL's and DALI's ``stick_to_shard`` behaviour).
 * An epoch resumed on other shards (``elastic_plan``) delivers the samples not
   yet delivered exactly once (fill), or at most once with a stated count (drop).
+
+Logical shards, worked (N=7, L=4 logical shards of b=1, fill, no shuffle: logical
+shards [0, 1), [1, 3), [3, 5), [5, 7); 2 steps; ``*`` a padding slot). The global
+batch is [0, 1, 3, 5] at step 0 and [0*, 2, 4, 6] at step 1 on every device count:
+
+    devices | device 0          | device 1          | device 2 | device 3
+    --------+-------------------+-------------------+----------+---------
+    4       | [0] [0*]          | [1] [2]           | [3] [4]  | [5] [6]
+    2       | [0,1] [0*,2]      | [3,5] [4,6]       |          |
+    1       | [0,1,3,5] [0*,2,4,6]                  |          |
+
+(each cell: the device's rows at step 0, then at step 1). 3 devices do not divide
+L = 4 and are refused. A device's logical shards together are exactly shard k of n
+(N*(k*L/n)//L = N*k//n), so a device holds the same samples whatever L; only the
+order and the batching follow L.
 
 Deliberate differences from rocAL and DALI: shuffle honours ``seed`` and changes
 every epoch (rocAL seeds its shuffle with the shard index alone; DALI
@@ -180,6 +202,25 @@ def epoch_plan(num_samples: int, num_shards: int, batch_size: int, *, epoch: int
         mask[k, :real] = True
     shape = (num_shards, steps, batch_size)
     return Plan(indices.reshape(shape).swapaxes(0, 1).copy(), mask.reshape(shape).swapaxes(0, 1).copy())
+
+
+def on_devices(plan: Plan, num_devices: int) -> Plan:
+    """``plan`` (steps, L, b) over L logical shards as ``num_devices`` = n devices read it:
+    a Plan (steps, n, (L/n)*b) whose row k at step s is device k's block, the blocks
+    of logical shards k*L/n .. (k+1)*L/n - 1 at step s one after the other:
+
+        out.indices[s, k, j*b + i] = plan.indices[s, k*L/n + j, i]   (0 <= j < L/n, 0 <= i < b)
+
+    and ``out.mask`` likewise (a reshape of the last two axes: a view, no copy). With
+    n = L it is ``plan`` itself in shape. The global batch, the blocks of devices
+    0 .. n-1 one after the other, is therefore ``plan.indices[s].reshape(-1)`` for
+    every n. ValueError unless n is an int in [1, L] that divides L."""
+    steps, L, b = plan.indices.shape
+    if not _is_int(num_devices) or not 1 <= num_devices <= L or L % num_devices:
+        raise ValueError(f"on_devices: num_devices={num_devices!r} does not divide the plan's "
+                         f"{L} logical shards (a device reads L/n whole logical shards)")
+    shape = (steps, num_devices, (L // num_devices) * b)
+    return Plan(plan.indices.reshape(shape), plan.mask.reshape(shape))
 
 
 def shard_permutation(size: int, *, seed: int, epoch: int, shard: int) -> np.ndarray:
