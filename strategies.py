@@ -243,54 +243,92 @@ def check_dtypes(tree, where: str) -> None:
 
 
 def sharded(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-            optimizer: Optimizer = sgd(), opt_state=None) -> Trained:
+            optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
+            logical_shards: int | None = None) -> Trained:
+    L = _reduction("sharded", reduction, logical_shards, mesh)
     state = replicate(start_state("sharded", optimizer, params, opt_state, mesh), mesh)
-    state, losses = train_loop(sharded_step(loss_terms, optimizer.update), state,
-                               checked(batches, "sharded", mesh))
+    step = (sharded_step(loss_terms, optimizer.update) if reduction == "plain"
+            else canonical_step(loss_terms, optimizer.update, mesh, L))
+    state, losses = train_loop(step, state, checked(batches, "sharded", mesh, L))
     return Trained(to_host(state[0]), stack_losses(losses), to_host(state[1]))
 
 
 def pmap(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-         optimizer: Optimizer = sgd(), opt_state=None) -> Trained:
+         optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
+         logical_shards: int | None = None) -> Trained:
     _single_process_only("pmap", "pmap maps over this process's devices only")
-    step = pmap_step(loss_terms, optimizer.update, tuple(mesh.devices.flat))
+    L = _reduction("pmap", reduction, logical_shards, mesh)
+    devices = tuple(mesh.devices.flat)
+    step = (pmap_step(loss_terms, optimizer.update, devices) if reduction == "plain"
+            else canonical_pmap_step(loss_terms, optimizer.update, devices, L))
     state = stack_replicas(start_state("pmap", optimizer, params, opt_state, mesh), mesh)
-    state, losses = train_loop(step, state, checked(batches, "pmap", mesh))
+    state, losses = train_loop(step, state, checked(batches, "pmap", mesh, L))
     return Trained(first_replica(state[0]), stack_losses([v[0] for v in losses]),
                    first_replica(state[1]))
 
 
 def shard_map(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-              optimizer: Optimizer = sgd(), opt_state=None) -> Trained:
+              optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
+              logical_shards: int | None = None) -> Trained:
+    L = _reduction("shard_map", reduction, logical_shards, mesh)
     state = replicate(start_state("shard_map", optimizer, params, opt_state, mesh), mesh)
-    state, losses = train_loop(shard_map_step(loss_terms, optimizer.update, mesh), state,
-                               checked(batches, "shard_map", mesh))
+    step = (shard_map_step(loss_terms, optimizer.update, mesh) if reduction == "plain"
+            else canonical_step(loss_terms, optimizer.update, mesh, L))
+    state, losses = train_loop(step, state, checked(batches, "shard_map", mesh, L))
     return Trained(to_host(state[0]), stack_losses(losses), to_host(state[1]))
 
 
 def single(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-           optimizer: Optimizer = sgd(), opt_state=None) -> Trained:
+           optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
+           logical_shards: int | None = None) -> Trained:
     _single_process_only("single", "one device cannot hold another process's rows")
+    L = _reduction("single", reduction, logical_shards, mesh)
     device = mesh.devices.flat[0]
-    jitted = sharded_step(loss_terms, optimizer.update)
+    if reduction == "plain":
+        jitted = sharded_step(loss_terms, optimizer.update)
+    else:  # one device adds its L logical blocks as microbatches
+        jitted = canonical_step(loss_terms, optimizer.update, Mesh(np.array([device]), (AXIS,)), L)
     step = lambda state, batch: jitted(state, jax.device_put(batch, device))
     state = on_device(start_state("single", optimizer, params, opt_state, mesh), device)
-    state, losses = train_loop(step, state, checked(batches, "single", mesh))
+    state, losses = train_loop(step, state, checked(batches, "single", mesh, L))
     return Trained(to_host(state[0]), stack_losses(losses), to_host(state[1]))
 
 
 STRATEGIES = {"sharded": sharded, "pmap": pmap, "shard_map": shard_map, "single": single}
+REDUCTIONS = ("plain", "canonical")
 
 
-def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict]:
+def _reduction(name: str, reduction: str, logical_shards, mesh: Mesh) -> int | None:
+    """The canonical reduction's L (``logical_shards``, default the mesh's device count),
+    checked; None for the plain reduction, which takes no logical shards."""
+    n = mesh.devices.size
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"strategy {name!r}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if reduction == "plain":
+        if logical_shards is not None:
+            raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} needs "
+                             f"reduction='canonical' (the plain reduction adds whatever each device "
+                             f"holds, in the order its collective picks)")
+        return None
+    L = n if logical_shards is None else logical_shards
+    if isinstance(L, (bool, np.bool_)) or not isinstance(L, (int, np.integer)) or L < 1 or L % n:
+        raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be an int that "
+                         f"the mesh's {n} device(s) divide")
+    return int(L)
+
+
+def checked(batches: Iterable[dict], strategy: str, mesh: Mesh,
+            logical_shards: int | None = None) -> Iterator[dict]:
     """``batches``, each checked to be in ``strategy``'s layout and on the mesh, host leaves placed.
 
     The layout is told from "mask": (n*B,) in layout "sharded", (n, B) in "pmap",
     n the mesh's device count. Every jax.Array leaf must be sharded on 'data' over
     exactly the mesh's devices (``NamedSharding(mesh, P('data'))`` or equivalent);
     NumPy leaves are placed so in one process (``single`` moves them to its device
-    directly) and refused across processes. Raises ValueError naming the strategy,
-    the step, the key and what the strategy needs."""
+    directly) and refused across processes. With ``logical_shards`` L (the canonical
+    reduction) the global batch's rows must split into L equal blocks, each device's
+    into L/n. Raises ValueError naming the strategy, the step, the key and what the
+    strategy needs."""
     layout, n = LAYOUT[strategy], mesh.devices.size
     devices = set(mesh.devices.flat)
     want = NamedSharding(mesh, P(AXIS))
@@ -311,6 +349,12 @@ def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict
                 f"strategy {strategy!r} needs batches in layout 'sharded' (mask (n*B,), every other "
                 f"key (n*B, ...); make_loader(..., layout='sharded')), got a mask of shape {shape} "
                 f"at step {step}")
+        rows = shape[0] * (shape[1] if layout == "pmap" else 1)
+        if logical_shards is not None and rows % logical_shards:
+            raise ValueError(
+                f"strategy {strategy!r}: the batch at step {step} has {rows} rows, which do not split "
+                f"into logical_shards={logical_shards} blocks of one size (the canonical reduction "
+                f"adds one gradient sum per logical block)")
         placed = {}
         for key, leaf in batch.items():
             if not isinstance(leaf, jax.Array):
@@ -548,6 +592,156 @@ def shard_map_step(loss_terms: LossTerms, update: Callable, mesh: Mesh) -> Calla
 
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P())),
                    donate_argnums=(0,) if donates(mesh.devices.flat) else ())
+
+
+
+# --------------------------------------------------------------------------
+# The canonical reduction: the same bits on every topology
+# --------------------------------------------------------------------------
+
+
+def canonical_sums(loss_terms: LossTerms, num_devices: int, logical_shards: int) -> Callable:
+    """The per-device half of ``canonical_step``, uncompiled, for a shard_map or pmap over
+    axis 'data' of ``num_devices`` = n devices: (params, rows) -> (gradient sums, loss sum,
+    count), every output the same bits on every device. ``rows`` is this device's part
+    of the global batch: L/n logical blocks of b rows, L = ``logical_shards``.
+
+    1. Each block's (gradient of its loss sum, loss sum, count) by one program of one
+       shape (b rows): ``lax.map`` over the device's blocks, in block order.
+    2. Every leaf of one dtype, and the loss sum and count, raveled into one vector per
+       block and zero-padded to n chunks: (L/n, n, C).
+    3. ``all_to_all``: device c receives chunk c of every block of every device, in
+       global block order (device 0's blocks first): (L, C).
+    4. A left fold over the L blocks with explicit adds, g_0 + g_1, then + g_2, ...,
+       + g_{L-1}: the one order of summation, whatever n (a ``jnp.sum`` would let XLA
+       pick one). It starts from g_0 itself, never from 0 + g_0 (a sign of zero).
+    5. ``all_gather`` of the folded chunks: the whole sums on every device.
+
+    Why n cannot change the bits: every block's sums come from the same program on the
+    same b rows; the fold adds the same L values in the same order (the chunking splits
+    only which device adds which entries; each entry's sum is the same sequence of
+    IEEE additions); moving values between devices and padding with zeros are exact.
+    So the result is that of one device adding its L microbatches' sums in order. It
+    holds within one backend and one device kind, the program compiled alike there
+    (measured on CPU: test_equivalence.py); nothing promises CPU bits equal GPU bits,
+    or one GPU model another's. Bytes a device sends: (L/n + 1) x (n-1)/n gradients,
+    an all-reduce's 2 x (n-1)/n when L = n."""
+    if logical_shards % num_devices:
+        raise ValueError(f"canonical reduction: {num_devices} devices do not divide "
+                         f"logical_shards={logical_shards}")
+    per_device = logical_shards // num_devices
+
+    def block(params, rows):
+        (total, count), grads = jax.value_and_grad(
+            lambda p: checked_terms(loss_terms, p, rows), has_aux=True)(params)
+        return grads, total, count
+
+    def sums(params, rows):
+        size = jax.tree.leaves(rows)[0].shape[0]
+        if size % per_device:
+            raise ValueError(f"canonical reduction: a device's {size} rows do not split into its "
+                             f"{per_device} logical blocks (logical_shards={logical_shards} over "
+                             f"{num_devices} devices)")
+        blocks = jax.tree.map(lambda x: x.reshape((per_device, size // per_device) + x.shape[1:]), rows)
+        grads, total, count = lax.map(lambda b: block(params, b), blocks)
+        leaves, tree = jax.tree.flatten(grads)
+        count = jnp.asarray(count, total.dtype)
+        folded = _fold_across(leaves + [total, count], per_device, num_devices)
+        return jax.tree.unflatten(tree, folded[:-2]), folded[-2], folded[-1]
+    return sums
+
+
+def _fold_across(leaves: list, per_device: int, n: int) -> list:
+    """canonical_sums' steps 2-5: each leaf (per_device, ...) folded over every device's
+    blocks in global block order, the result on every device."""
+    groups: dict = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(jnp.dtype(x.dtype), []).append(i)
+    out = [None] * len(leaves)
+    for indices in groups.values():
+        vector = jnp.concatenate([leaves[i].reshape(per_device, -1) for i in indices], axis=1)
+        size = vector.shape[1]
+        chunk = -(-size // n)
+        vector = jnp.pad(vector, ((0, 0), (0, n * chunk - size)))
+        blocks = lax.all_to_all(vector, AXIS, 1, 0, tiled=True)  # (L, chunk), global block order
+        total = blocks[0]
+        for l in range(1, blocks.shape[0]):
+            total = total + blocks[l]
+        whole = lax.all_gather(total, AXIS, tiled=True)[:size]
+        offset = 0
+        for i in indices:
+            shape = leaves[i].shape[1:]
+            width = int(np.prod(shape, dtype=np.int64))
+            out[i] = whole[offset:offset + width].reshape(shape)
+            offset += width
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def canonical_gradients(loss_terms: LossTerms, mesh: Mesh, logical_shards: int) -> Callable:
+    """jit(shard_map(canonical_sums)) on ``mesh``: (params replicated, batch sharded on
+    'data') -> (gradient sums, loss sum, count), replicated."""
+    sums = canonical_sums(loss_terms, mesh.devices.size, logical_shards)
+    return jax.jit(jax.shard_map(sums, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(),
+                                 check_vma=False))
+
+
+@functools.lru_cache(maxsize=64)
+def update_program(update: Callable) -> Callable:
+    """The update as its own program: jit((params, opt_state), gradient sums, loss sum,
+    count) -> ((params, opt_state), loss), dividing the sums by max(count, 1), the
+    step's global count of real samples, then ``update`` and ``params + updates``.
+
+    Its own program so that it compiles alike on every topology: inside a step's
+    program the same optax arithmetic is fused with whatever surrounds it, and XLA's
+    CPU compiler contracts a multiply and an add that land in one fusion into one
+    FMA (one rounding instead of two), so pmap and shard_map steps ended apart under
+    Adam. On replicated inputs the program each device runs is the same."""
+    def apply(state, sums, total, count):
+        params, opt_state = state
+        denominator = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / denominator.astype(g.dtype), sums)
+        return _updated(update, grads, opt_state, params), total / denominator
+    return jax.jit(apply)
+
+
+def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_shards: int) -> Callable:
+    """One training step with the canonical reduction: (state, batch) -> (state, loss),
+    state = (params, opt_state) replicated on ``mesh``, the batch's L*b rows sharded on
+    'data' (L = ``logical_shards``, a multiple of the mesh's device count). The
+    gradient is ``canonical_sums``' (the L logical blocks' gradient sums added in one
+    fixed order) divided by the step's global count of real samples, then
+    ``update_program``: the same params and optimizer state, bit for bit, on every
+    mesh whose device count divides L, across processes, and on one device computing
+    the L blocks as microbatches (a mesh of one device)."""
+    gradients, apply = canonical_gradients(loss_terms, mesh, logical_shards), update_program(update)
+
+    def step(state, batch):
+        return apply(state, *gradients(state[0], batch))
+    return step
+
+
+@functools.lru_cache(maxsize=64)
+def canonical_pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple,
+                        logical_shards: int) -> Callable:
+    """``canonical_step`` for the pmap layout: state stacked (n, ...), batch (n, rows,
+    ...). The gradient sums come from ``jax.pmap(canonical_sums)`` over ``devices``; the
+    update is ``update_program`` on one replica's view of them, replicated, as in every
+    other layout, and the new state is stacked again."""
+    mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
+    sums = jax.pmap(canonical_sums(loss_terms, len(devices), logical_shards), axis_name=AXIS,
+                    devices=list(devices))
+    apply = update_program(update)
+    unstack = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[0], x), mesh=mesh,
+                                    in_specs=P(AXIS), out_specs=P(), check_vma=False))
+    stack = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[None], x), mesh=mesh,
+                                  in_specs=P(), out_specs=P(AXIS), check_vma=False))
+
+    def step(state, batch):
+        grads = sums(state[0], batch)
+        new_state, loss = apply(unstack(state), *unstack(grads))
+        return stack(new_state), stack(loss)
+    return step
 
 
 
