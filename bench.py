@@ -23,7 +23,11 @@ images:
    prebuilt batches, at global batch 1024 and 8192.
 3. Training: per-step time of each strategy at global batch 128 and 1024, its
    ratio to ``single``, and its compile time (first call minus a warm call).
-4. Memory: peak RSS while reading and over a loader epoch, in a fresh process,
+4. The canonical reduction against the plain one: per-step time of
+   ``shard_map`` with ``reduction="canonical"`` (L = the device count) over the
+   plain ``shard_map`` step, at global batch 128 and 1024, and the peak RSS a few
+   steps of each add, in a fresh process each.
+5. Memory: peak RSS while reading and over a loader epoch, in a fresh process,
    against the raw dataset and the batches the design keeps alive; and the
    compiled steps' donation: what one training step holds with the state donated
    against kept (XLA's memory_analysis), and their step times.
@@ -382,6 +386,60 @@ def synchronous_epoch(loader, params) -> float:
 # --------------------------------------------------------------------------
 
 
+def reduction_section(images, labels, mesh, args) -> dict:
+    """shard_map's step with the canonical reduction over its plain step (prebuilt batches,
+    the notebooks' MLP and SGD, L = the device count), interleaved rounds; and the peak
+    RSS of a few steps of each in a fresh process (8 CPU devices live in this host's
+    memory: the figure is every device's together)."""
+    params = model.init_model(args.layers)
+    n = mesh.devices.size
+    out = {}
+    for global_batch in args.reduction_batches:
+        loader = loaders.make_loader((images, labels), mesh, global_batch // n)
+        batches = [loader.batch(0, s % len(loader)) for s in range(args.train_steps + 1)]
+        cases = {}
+        for reduction in strategies.REDUCTIONS:
+            def run(batches, reduction=reduction):
+                return strategies.shard_map(params, batches, mesh, loss_terms=model.loss_terms,
+                                            optimizer=strategies.sgd(LEARNING_RATE), reduction=reduction)
+            run(batches[:1])  # compiled before the rounds
+            cases[reduction, 1] = lambda run=run: run(batches[:1])
+            cases[reduction, 0] = lambda run=run: run(batches)
+        times = rounds(cases, args.repeats)
+        row = {r: {"step_ms": 1e3 * paired(times, (r, 0), (r, 1), lambda many, one: (many - one) / args.train_steps)}
+               for r in strategies.REDUCTIONS}
+        for reduction in strategies.REDUCTIONS:
+            command = [sys.executable, os.path.abspath(__file__), "--reduction-child", reduction,
+                       str(global_batch // n), ",".join(map(str, args.layers))]
+            env = dict(os.environ, JAX_PLATFORMS=jax.devices()[0].platform, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+            done = subprocess.run(command, check=True, capture_output=True, env=env, text=True, timeout=600)
+            row[reduction]["peak_mb"] = json.loads(done.stdout.splitlines()[-1])["peak_mb"]
+        row["ratio"] = {"step_time": row["canonical"]["step_ms"] / row["plain"]["step_ms"],
+                        "peak_rss": row["canonical"]["peak_mb"] / row["plain"]["peak_mb"]}
+        out[f"global_{global_batch}"] = row
+    return out
+
+
+def reduction_child(reduction: str, batch_size: int, layers: tuple) -> dict:
+    """Runs in its own process: the peak RSS (MiB over the RSS before) of 3 steps of
+    shard_map with ``reduction`` on random CIFAR-sized batches."""
+    mesh = loaders.data_mesh(jax.devices())
+    n = mesh.devices.size
+    rng = np.random.default_rng(0)
+    host = {"images": rng.standard_normal((n * batch_size, 3, 32, 32), dtype=np.float32),
+            "labels": rng.integers(0, 10, n * batch_size).astype(np.int32),
+            "mask": np.ones(n * batch_size, bool)}
+    batch = jax.device_put(host, NamedSharding(mesh, P(loaders.DATA_AXIS)))
+    params = model.init_model(layers)
+    jax.block_until_ready(batch)
+    base = rss_mb()
+    reset_peak()
+    done = strategies.shard_map(params, [batch] * 3, mesh, loss_terms=model.loss_terms,
+                                optimizer=strategies.sgd(LEARNING_RATE), reduction=reduction)
+    jax.block_until_ready(done.params)
+    return {"peak_mb": rss_mb("VmHWM") - base}
+
+
 def rss_mb(field: str = "VmRSS") -> float:
     """VmRSS (now) or VmHWM (peak) of this process, in MiB."""
     with open("/proc/self/status") as f:
@@ -509,6 +567,9 @@ def goals(results: dict) -> list[dict]:
         rows.append((f"epoch peak RSS / budget, {name}", m["epoch_peak_mb"] / m["budget_mb"], "<=", 1.0))
     first = next(iter(memory.values()))
     rows.append(("read_cifar10 peak RSS / raw dataset", first["read_peak_mb"] / first["raw_mb"], "<=", 1.05))
+    largest = f"global_{max(results['reduction_batches'])}"
+    rows.append((f"canonical / plain reduction, shard_map step time, {largest.replace('_', ' ')}",
+                 results["reduction"][largest]["ratio"]["step_time"], "<=", 1.5))
     if strategies.donates(jax.devices()):  # on CPU devices the steps do not donate: nothing to meet
         rows.append(("a training step's memory, donated / kept", results["donation"]["ratio"]["step_memory"],
                      "<", 1.0))
@@ -541,6 +602,9 @@ def implausible(results: dict) -> list[str]:
     for key, row in results["training"].items():
         for name, r in row.items():
             check(f"training {key} {name} step_ms", r["step_ms"], lambda v: v > 0)
+    for key, row in results["reduction"].items():
+        for name in strategies.REDUCTIONS:
+            check(f"reduction {key} {name} step_ms", row[name]["step_ms"], lambda v: v > 0)
     return found
 
 
@@ -573,6 +637,14 @@ def markdown(results: dict) -> str:
         for name, r in row.items():
             lines.append(f"| {key.split('_')[1]} | {name} | {r['step_ms']:.1f} | "
                          f"{r['ratio_to_single']:.2f} | {r['compile_s']:.2f} |")
+    lines += ["", "**The canonical reduction** (shard_map, L = the device count; step median over "
+              "interleaved rounds; peak RSS of 3 steps in a fresh process, every device's together)", "",
+              "| global batch | plain step ms | canonical step ms | canonical / plain time | plain peak MiB "
+              "| canonical peak MiB | canonical / plain peak |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for key, row in results["reduction"].items():
+        lines.append(f"| {key.split('_')[1]} | {row['plain']['step_ms']:.1f} | {row['canonical']['step_ms']:.1f} | "
+                     f"{row['ratio']['step_time']:.2f} | {row['plain']['peak_mb']:.0f} | "
+                     f"{row['canonical']['peak_mb']:.0f} | {row['ratio']['peak_rss']:.2f} |")
     lines += ["", "**Memory** (one epoch, per-device batch 128, fresh process; MiB over the RSS before reading)", "",
               "| case | raw dataset | global batch | peak in read_cifar10 | held after read | peak in epoch | budget |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -617,10 +689,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-grain", action="store_true", help="skip Grain even if installed")
     parser.add_argument("--no-dali", action="store_true", help="skip DALI even if installed")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--reduction-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
         root, batch_size, prefetch, placement = args.memory_child
         print(json.dumps(memory_child(root, int(batch_size), int(prefetch), placement)))
+        return {}
+    if args.reduction_child:
+        reduction, batch_size, layers = args.reduction_child
+        print(json.dumps(reduction_child(reduction, int(batch_size), tuple(int(w) for w in layers.split(",")))))
         return {}
     # (full, quick, smoke)
     size = 2 if args.smoke else 1 if args.quick else 0
@@ -630,6 +707,7 @@ def main(argv=None) -> dict:
     args.placement_images = (16_384, 1_024, 256)[size]
     args.placement_batches = [(1024, 8192), (128, 512), (64,)][size]
     args.training_batches = GLOBAL_BATCHES if size < 2 else GLOBAL_BATCHES[:1]
+    args.reduction_batches = GLOBAL_BATCHES if size < 2 else GLOBAL_BATCHES[:1]
     args.dataloader_cap = (4_096, 1_024, 256)[size]
     args.memory_cases = [tuple(MEMORY_CASES), ("host prefetch 2", "device"), ("device",)][size]
     args.layers = model.LAYERS if size < 2 else (3072, 64, 10)  # smoke: the code paths, not the figures
@@ -652,11 +730,13 @@ def main(argv=None) -> dict:
             "read_cifar10_s": read_s,
             "placements_batches": list(args.placement_batches),
             "training_batches": list(args.training_batches),
+            "reduction_batches": list(args.reduction_batches),
             "section_s": {},
         }
         sections = {"loader": lambda: loader_section(images, labels, mesh, args),
                     "placements": lambda: placement_section(images, labels, mesh, args),
                     "training": lambda: training_section(images, labels, mesh, args),
+                    "reduction": lambda: reduction_section(images, labels, mesh, args),
                     "memory": lambda: memory_section(data, args, results)}
         for name, section in sections.items():
             start = time.perf_counter()

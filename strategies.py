@@ -258,11 +258,13 @@ def pmap(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: Los
          logical_shards: int | None = None) -> Trained:
     _single_process_only("pmap", "pmap maps over this process's devices only")
     L = _reduction("pmap", reduction, logical_shards, mesh)
-    devices = tuple(mesh.devices.flat)
-    step = (pmap_step(loss_terms, optimizer.update, devices) if reduction == "plain"
-            else canonical_pmap_step(loss_terms, optimizer.update, devices, L))
-    state = stack_replicas(start_state("pmap", optimizer, params, opt_state, mesh), mesh)
-    state, losses = train_loop(step, state, checked(batches, "pmap", mesh, L))
+    state = start_state("pmap", optimizer, params, opt_state, mesh)
+    if reduction == "canonical":  # the canonical step's programs, on batches (n, B, ...)
+        state, losses = train_loop(canonical_step(loss_terms, optimizer.update, mesh, L),
+                                   replicate(state, mesh), checked(batches, "pmap", mesh, L))
+        return Trained(to_host(state[0]), stack_losses(losses), to_host(state[1]))
+    step = pmap_step(loss_terms, optimizer.update, tuple(mesh.devices.flat))
+    state, losses = train_loop(step, stack_replicas(state, mesh), checked(batches, "pmap", mesh))
     return Trained(first_replica(state[0]), stack_losses([v[0] for v in losses]),
                    first_replica(state[1]))
 
@@ -497,8 +499,9 @@ def _mean_loss(loss_terms: LossTerms) -> Callable:
 
 def one_step(loss_terms: LossTerms, update: Callable) -> Callable:
     """The plain step, uncompiled: (state, batch) -> (state, the batch's masked mean loss),
-    state = (params, opt_state), the gradient of that mean applied through ``update``
-    (what ``sharded_step`` jits, and what equivalence.twin_growth vmaps)."""
+    state = (params, opt_state), the gradient of that mean applied through ``update``,
+    in one function (what equivalence.twin_growth vmaps; the strategies' steps compute
+    the gradient and the update in programs of their own: ``apply_program``)."""
     def step(state, batch):
         params, opt_state = state
         value, grads = jax.value_and_grad(_mean_loss(loss_terms))(params, batch)
@@ -507,17 +510,43 @@ def one_step(loss_terms: LossTerms, update: Callable) -> Callable:
 
 
 @functools.lru_cache(maxsize=64)
-def sharded_step(loss_terms: LossTerms, update: Callable, donate: bool | None = None) -> Callable:
-    """jit of one step on state (params, opt_state): (state, batch) -> (state, loss).
+def apply_program(update: Callable, donate: bool = False) -> Callable:
+    """The update, its own program, shared by every strategy's plain step: jit of
+    ((params, opt_state), grads, loss) -> ((params + updates, new opt_state), loss) on
+    replicated (or single-device) values; the state is donated when ``donate``.
 
-    On replicated state and a batch sharded on 'data' (``sharded``) XLA adds the
-    cross-device sums; on one device (``single``) it is the plain step. ``update``
-    has optax's contract; the step applies ``params + updates``. ``donate``: whether
-    the state passed in is donated (consumed, its buffers reused for the new state);
-    None (the default) donates where that saves memory, on accelerators, and not
-    on CPU devices (``donates``)."""
+    Its own program so that the same optax arithmetic compiles alike whatever computed
+    the gradient: fused into a step's program it follows that program's layouts, and
+    XLA:CPU contracts a multiply and an add into one FMA in an order that follows its
+    operands' layout (Adam's first moment, 0.1 g + 0.9 m, rounded as fma(0.1, g, 0.9 m)
+    in pmap's program and fma(0.9, m, 0.1 g) in shard_map's for the 1-d leaves, where
+    one got biases as [n] and the other as [1, n]): pmap and shard_map then ended a few
+    ulps apart under Adam, and 8.7e6 apart at a chaotic rate. Measured by disabling FMA
+    (XLA_FLAGS=--xla_cpu_max_isa=AVX): bit-identical again."""
+    def apply(state, grads, loss):
+        params, opt_state = state
+        return _updated(update, grads, opt_state, params), loss
+    return jax.jit(apply, donate_argnums=(0,) if donate else ())
+
+
+@functools.lru_cache(maxsize=64)
+def sharded_step(loss_terms: LossTerms, update: Callable, donate: bool | None = None) -> Callable:
+    """One plain step on state (params, opt_state): (state, batch) -> (state, loss): the
+    gradient of the batch's global masked mean by a jit of its own (on replicated
+    state and a batch sharded on 'data', ``sharded``, XLA adds the cross-device sums;
+    on one device, ``single``, it is the plain gradient), then ``apply_program``.
+    ``update`` has optax's contract; the step applies ``params + updates``. ``donate``:
+    whether the state passed in is donated (consumed, its buffers reused for the new
+    state); None (the default) donates where that saves memory, on accelerators, and
+    not on CPU devices (``donates``)."""
     if donate is not None:
-        return jax.jit(one_step(loss_terms, update), donate_argnums=(0,) if donate else ())
+        gradient = _mean_gradient(loss_terms)
+        apply = apply_program(update, donate)
+
+        def fixed(state, batch):
+            loss, grads = gradient(state[0], batch)
+            return apply(state, grads, loss)
+        return fixed
     donating, keeping = sharded_step(loss_terms, update, True), sharded_step(loss_terms, update, False)
 
     def step(state, batch):
@@ -525,6 +554,12 @@ def sharded_step(loss_terms: LossTerms, update: Callable, donate: bool | None = 
         chosen = donating if leaf is not None and donates(leaf.devices()) else keeping
         return chosen(state, batch)
     return step
+
+
+@functools.lru_cache(maxsize=64)
+def _mean_gradient(loss_terms: LossTerms) -> Callable:
+    """jit: (params, batch) -> (the batch's masked mean loss, its gradient)."""
+    return jax.jit(jax.value_and_grad(_mean_loss(loss_terms)))
 
 
 def donates(devices) -> bool:
@@ -542,62 +577,92 @@ def donates(devices) -> bool:
 def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callable:
     """The pmap step over exactly ``devices``, in that order (one per mesh position).
 
-    Takes state (params, opt_state) stacked (n, ...), donated where ``donates``, and a batch (n, B,
-    ...); returns (new state (n, ...), global masked loss (n,)), every replica
-    equal, on the same devices. The denominator is the real-sample count of the
-    whole global batch; it does not depend on params, so each device
-    back-propagates 1/count through its own total and the per-device gradients
-    simply add up (psum). The notebooks' ``pmean(grads)`` of per-device means is
-    that gradient only when every device holds the same number of real samples.
-    A pmap without ``devices=`` would map over the default backend's first n
+    Takes state (params, opt_state) stacked (n, ...), consumed where ``donates``, and a
+    batch (n, B, ...); returns (new state (n, ...), global masked loss (n,)), every
+    replica equal, on the same devices. The gradient is jax.pmap's (``_parallel_gradient``:
+    each device back-propagates 1/count through its own total, count the real samples
+    of the whole global batch, and the per-device gradients add up in a psum; the
+    notebooks' ``pmean(grads)`` of per-device means is that gradient only when every
+    device holds the same number of real samples); the update is ``apply_program`` on
+    one replica, replicated, as in every other strategy, and the new state is stacked
+    again. A pmap without ``devices=`` would map over the default backend's first n
     devices, whatever devices its inputs live on."""
-    return jax.pmap(_parallel_step(loss_terms, update), axis_name=AXIS, devices=list(devices),
-                    donate_argnums=(0,) if donates(devices) else ())
+    mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
+    donate = donates(devices)
+    gradient = jax.pmap(_parallel_gradient(loss_terms), axis_name=AXIS, devices=list(devices))
+    apply = apply_program(update, donate)
+    first = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[0], x), mesh=mesh, in_specs=P(AXIS),
+                                  out_specs=P(), check_vma=False), donate_argnums=(0,) if donate else ())
+    stacked = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[None], x), mesh=mesh, in_specs=P(),
+                                    out_specs=P(AXIS), check_vma=False))
 
-
-def _parallel_step(loss_terms: LossTerms, update: Callable) -> Callable:
-    """pmap_step's per-device function (uncompiled): collectives over axis 'data'."""
     def step(state, batch):
-        params, opt_state = state
+        loss, grads = gradient(state[0], batch)
+        new, loss = apply(first(state), *first((grads, loss)))
+        return stacked((new, loss))
+    return step
+
+
+def _parallel_gradient(loss_terms: LossTerms) -> Callable:
+    """pmap_step's per-device function (uncompiled): (params, batch) -> (global masked loss,
+    its gradient), collectives over axis 'data'."""
+    def gradient(params, batch):
         total, vjp, count = jax.vjp(lambda p: checked_terms(loss_terms, p, batch), params, has_aux=True)
         denominator = jnp.maximum(lax.psum(count, AXIS), 1.0)
         grads = lax.psum(vjp((1.0 / denominator).astype(total.dtype))[0], AXIS)
-        return _updated(update, grads, opt_state, params), lax.psum(total, AXIS) / denominator
-    return step
+        return lax.psum(total, AXIS) / denominator, grads
+    return gradient
 
 
 @functools.lru_cache(maxsize=64)
 def shard_map_step(loss_terms: LossTerms, update: Callable, mesh: Mesh) -> Callable:
-    """The jit-compiled shard_map step for ``mesh``: (state, batch) -> (state, loss).
+    """The shard_map step for ``mesh``: (state, batch) -> (state, loss), the gradient by a
+    jit(shard_map) of its own, then ``apply_program`` (the state donated where
+    ``donates(mesh.devices.flat)``).
 
-    Why this form is correct: with ``check_vma=True`` (the default), the state
-    enters replicated (``P()``) and JAX knows it is the same on every device. The
+    Why this form is correct: with ``check_vma=True`` (the default), the params enter
+    replicated (``P()``) and JAX knows they are the same on every device. The
     gradient of a device-varying value with respect to such an input is summed
     over devices automatically (the transpose of the implicit broadcast is a
     psum). So we differentiate the *global* loss, psum(total) / psum(count), and
     the automatic sum adds each device's share exactly once. The trap is porting
     pmap's ``grad(local mean loss)`` then ``pmean(grads)``: the automatic psum
     has already summed n per-device means, pmean of that replicated sum changes
-    nothing, and training runs with n times the gradient. The state is donated where
-    ``donates(mesh.devices.flat)``.
+    nothing, and training runs with n times the gradient.
     """
-    def step(state, batch):
-        params, opt_state = state
-
+    def gradient(params, batch):
         def global_loss(p):
             total, count = checked_terms(loss_terms, p, batch)
             return lax.psum(total, AXIS) / jnp.maximum(lax.psum(count, AXIS), 1.0)
-        value, grads = jax.value_and_grad(global_loss)(params)
-        return _updated(update, grads, opt_state, params), value
+        return jax.value_and_grad(global_loss)(params)
 
-    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P())),
-                   donate_argnums=(0,) if donates(mesh.devices.flat) else ())
+    gradient = jax.jit(jax.shard_map(gradient, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P())))
+    apply = apply_program(update, donates(mesh.devices.flat))
 
+    def step(state, batch):
+        loss, grads = gradient(state[0], batch)
+        return apply(state, grads, loss)
+    return step
 
 
 # --------------------------------------------------------------------------
 # The canonical reduction: the same bits on every topology
 # --------------------------------------------------------------------------
+#
+# Two things make the bits the same on every topology: the order of summation, fixed
+# by construction (canonical_sums), and the same compiled arithmetic for each block
+# and for the update, whatever the mesh. The second is XLA's, and it needed one
+# setting: XLA compiles a program for one device and a program partitioned over
+# several through different pass pipelines, and the partitioned one runs a CSE before
+# the algebraic simplifier, which then rewrites what CSE left differently (measured on
+# CPU, JAX 0.10.2: an attention block's softmax gradient kept a divide by a broadcast
+# on 2, 4 and 8 devices that became a multiply by a reciprocal on one device, and
+# XLA:CPU contracted that multiply and the following add into one FMA: other bits).
+# With XLA's CSE passes off in these programs (CANONICAL_XLA_OPTIONS) the two
+# pipelines give the same arithmetic on every model tested (ReLU MLPs, the notebooks'
+# MLP, attention; SGD, Adam, AdamW with clipping), and test_equivalence.py holds it
+# on every run: an XLA that compiles them apart fails there, not in silence.
+CANONICAL_XLA_OPTIONS = {"xla_disable_hlo_passes": "cse"}
 
 
 def canonical_sums(loss_terms: LossTerms, num_devices: int, logical_shards: int) -> Callable:
@@ -608,24 +673,25 @@ def canonical_sums(loss_terms: LossTerms, num_devices: int, logical_shards: int)
 
     1. Each block's (gradient of its loss sum, loss sum, count) by one program of one
        shape (b rows): ``lax.map`` over the device's blocks, in block order.
-    2. Every leaf of one dtype, and the loss sum and count, raveled into one vector per
-       block and zero-padded to n chunks: (L/n, n, C).
-    3. ``all_to_all``: device c receives chunk c of every block of every device, in
-       global block order (device 0's blocks first): (L, C).
-    4. A left fold over the L blocks with explicit adds, g_0 + g_1, then + g_2, ...,
+    2. Leaf by leaf (the loss sums and counts too): ``all_to_all`` gives device c chunk c
+       of that leaf of every block of every device (raveled, zero-padded to n chunks),
+       in global block order, device 0's blocks first: (L, chunk). A leaf under
+       SMALL_LEAF entries is ``all_gather``ed whole instead: (L, ...) on every device.
+    3. A left fold over the L blocks with explicit adds, g_0 + g_1, then + g_2, ...,
        + g_{L-1}: the one order of summation, whatever n (a ``jnp.sum`` would let XLA
        pick one). It starts from g_0 itself, never from 0 + g_0 (a sign of zero).
-    5. ``all_gather`` of the folded chunks: the whole sums on every device.
+    4. ``all_gather`` of the folded chunks: the whole sums on every device.
 
     Why n cannot change the bits: every block's sums come from the same program on the
-    same b rows; the fold adds the same L values in the same order (the chunking splits
-    only which device adds which entries; each entry's sum is the same sequence of
-    IEEE additions); moving values between devices and padding with zeros are exact.
-    So the result is that of one device adding its L microbatches' sums in order. It
-    holds within one backend and one device kind, the program compiled alike there
-    (measured on CPU: test_equivalence.py); nothing promises CPU bits equal GPU bits,
-    or one GPU model another's. Bytes a device sends: (L/n + 1) x (n-1)/n gradients,
-    an all-reduce's 2 x (n-1)/n when L = n."""
+    same b rows (compiled alike on every mesh: CANONICAL_XLA_OPTIONS); the fold adds
+    the same L values in the same order (the chunking splits only which device adds
+    which entries; each entry's sum is the same sequence of IEEE additions); moving
+    values between devices and padding with zeros are exact. So the result is that of
+    one device adding its L microbatches' sums in order. It holds within one backend
+    and one device kind (measured on CPU: test_equivalence.py); nothing promises CPU
+    bits equal GPU bits, or one GPU model another's. Bytes a device sends: (L/n + 1) x
+    (n-1)/n gradients, an all-reduce's 2 x (n-1)/n when L = n. Either batch layout:
+    rows (L/n*b, ...) or, in layout "pmap", (1, L/n*b, ...)."""
     if logical_shards % num_devices:
         raise ValueError(f"canonical reduction: {num_devices} devices do not divide "
                          f"logical_shards={logical_shards}")
@@ -637,6 +703,8 @@ def canonical_sums(loss_terms: LossTerms, num_devices: int, logical_shards: int)
         return grads, total, count
 
     def sums(params, rows):
+        if jnp.ndim(rows["mask"]) == 2:  # layout "pmap": this device's (1, L/n*b, ...)
+            rows = jax.tree.map(lambda x: x.reshape(x.shape[1:]), rows)
         size = jax.tree.leaves(rows)[0].shape[0]
         if size % per_device:
             raise ValueError(f"canonical reduction: a device's {size} rows do not split into its "
@@ -651,30 +719,38 @@ def canonical_sums(loss_terms: LossTerms, num_devices: int, logical_shards: int)
     return sums
 
 
+SMALL_LEAF = 1 << 14  # entries: a leaf this small is gathered whole and folded on every device
+
+
 def _fold_across(leaves: list, per_device: int, n: int) -> list:
-    """canonical_sums' steps 2-5: each leaf (per_device, ...) folded over every device's
-    blocks in global block order, the result on every device."""
-    groups: dict = {}
-    for i, x in enumerate(leaves):
-        groups.setdefault(jnp.dtype(x.dtype), []).append(i)
-    out = [None] * len(leaves)
-    for indices in groups.values():
-        vector = jnp.concatenate([leaves[i].reshape(per_device, -1) for i in indices], axis=1)
-        size = vector.shape[1]
-        chunk = -(-size // n)
-        vector = jnp.pad(vector, ((0, 0), (0, n * chunk - size)))
+    """_fold_program's body: each leaf (per_device, ...) folded over every device's blocks
+    in global block order (device 0's first), the result (...) on every device. A leaf of
+    SMALL_LEAF entries or more goes by ``all_to_all`` (device c folds chunk c of every
+    block, raveled and zero-padded to n chunks) and an ``all_gather`` of the folded chunks;
+    a smaller one is all_gathered whole and folded on every device. Either way each entry
+    is the same left fold of the same L values."""
+    out = []
+    for x in leaves:
+        shape = x.shape[1:]
+        width = int(np.prod(shape, dtype=np.int64))
+        if width < SMALL_LEAF or n == 1:
+            out.append(_left_fold(lax.all_gather(x, AXIS, tiled=True)))  # (L, ...)
+            continue
+        chunk = -(-width // n)
+        vector = jnp.pad(x.reshape(per_device, width), ((0, 0), (0, n * chunk - width)))
         blocks = lax.all_to_all(vector, AXIS, 1, 0, tiled=True)  # (L, chunk), global block order
-        total = blocks[0]
-        for l in range(1, blocks.shape[0]):
-            total = total + blocks[l]
-        whole = lax.all_gather(total, AXIS, tiled=True)[:size]
-        offset = 0
-        for i in indices:
-            shape = leaves[i].shape[1:]
-            width = int(np.prod(shape, dtype=np.int64))
-            out[i] = whole[offset:offset + width].reshape(shape)
-            offset += width
+        whole = lax.all_gather(_left_fold(blocks), AXIS, tiled=True)[:width]
+        out.append(whole.reshape(shape))
     return out
+
+
+def _left_fold(blocks):
+    """blocks[0] + blocks[1], then + blocks[2], ...: explicit adds in that order (a jnp.sum
+    would let XLA pick the order), starting from blocks[0] itself (0 + x is not x for -0.0)."""
+    total = blocks[0]
+    for l in range(1, blocks.shape[0]):
+        total = total + blocks[l]
+    return total
 
 
 @functools.lru_cache(maxsize=64)
@@ -683,7 +759,7 @@ def canonical_gradients(loss_terms: LossTerms, mesh: Mesh, logical_shards: int) 
     'data') -> (gradient sums, loss sum, count), replicated."""
     sums = canonical_sums(loss_terms, mesh.devices.size, logical_shards)
     return jax.jit(jax.shard_map(sums, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(),
-                                 check_vma=False))
+                                 check_vma=False), compiler_options=CANONICAL_XLA_OPTIONS)
 
 
 @functools.lru_cache(maxsize=64)
@@ -702,47 +778,27 @@ def update_program(update: Callable) -> Callable:
         denominator = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denominator.astype(g.dtype), sums)
         return _updated(update, grads, opt_state, params), total / denominator
-    return jax.jit(apply)
+    return jax.jit(apply, compiler_options=CANONICAL_XLA_OPTIONS)
 
 
 def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_shards: int) -> Callable:
-    """One training step with the canonical reduction: (state, batch) -> (state, loss),
-    state = (params, opt_state) replicated on ``mesh``, the batch's L*b rows sharded on
-    'data' (L = ``logical_shards``, a multiple of the mesh's device count). The
-    gradient is ``canonical_sums``' (the L logical blocks' gradient sums added in one
-    fixed order) divided by the step's global count of real samples, then
-    ``update_program``: the same params and optimizer state, bit for bit, on every
-    mesh whose device count divides L, across processes, and on one device computing
-    the L blocks as microbatches (a mesh of one device)."""
+    """One training step with the canonical reduction: (state, batch) -> (state, loss).
+
+    ``state`` = (params, opt_state) replicated on ``mesh``; ``batch`` a global batch of
+    L*b rows sharded on 'data', in layout "sharded" (L*b, ...) or "pmap" (n, L/n*b,
+    ...), L = ``logical_shards`` a multiple of the mesh's n devices: logical block l is
+    rows l*b .. (l+1)*b - 1, so device k holds blocks k*L/n .. (k+1)*L/n - 1. The
+    gradient is ``canonical_sums``' (the L blocks' gradient sums added in one fixed
+    order) divided by the step's global count of real samples (never a per-device or
+    per-microbatch mean), then ``update_program``. So the params, the optimizer state
+    and the losses are the same bits on every mesh whose device count divides L, in
+    one process or several, and on one device adding the L blocks as microbatches (a
+    mesh of one device), at any learning rate: the same arithmetic in the same order."""
     gradients, apply = canonical_gradients(loss_terms, mesh, logical_shards), update_program(update)
 
     def step(state, batch):
         return apply(state, *gradients(state[0], batch))
     return step
-
-
-@functools.lru_cache(maxsize=64)
-def canonical_pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple,
-                        logical_shards: int) -> Callable:
-    """``canonical_step`` for the pmap layout: state stacked (n, ...), batch (n, rows,
-    ...). The gradient sums come from ``jax.pmap(canonical_sums)`` over ``devices``; the
-    update is ``update_program`` on one replica's view of them, replicated, as in every
-    other layout, and the new state is stacked again."""
-    mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
-    sums = jax.pmap(canonical_sums(loss_terms, len(devices), logical_shards), axis_name=AXIS,
-                    devices=list(devices))
-    apply = update_program(update)
-    unstack = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[0], x), mesh=mesh,
-                                    in_specs=P(AXIS), out_specs=P(), check_vma=False))
-    stack = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[None], x), mesh=mesh,
-                                  in_specs=P(), out_specs=P(AXIS), check_vma=False))
-
-    def step(state, batch):
-        grads = sums(state[0], batch)
-        new_state, loss = apply(unstack(state), *unstack(grads))
-        return stack(new_state), stack(loss)
-    return step
-
 
 
 def start_state(name: str, optimizer: Optimizer, params: Params, opt_state, mesh: Mesh) -> tuple:
