@@ -64,10 +64,14 @@ CPU devices they do not: XLA's CPU compiler keeps a copy for a donated state, so
 the peak stays the same and the copy costs time (``donates``).
 
 Guarantees (test_strategies.py and test_equivalence.py), after the same steps on
-the same global batches, masks included, at matmul precision "highest": pmap and
-shard_map end bit-identical on CPU (the same program); every pair of strategies
-ends within the bound that equivalence.py derives (``equivalence.verdict``), a
-model checked by measurement, not a proof.
+the same global batches, masks included, at matmul precision "highest": every
+strategy applies the update in one shared program (``apply_program``), so the
+strategies differ only in their gradient programs; pmap and shard_map add the same
+sums for a leaf used once (bit-identical on CPU, measured on every model tested) but
+not for a leaf used twice (a tied embedding: shard_map's transpose psums each use's
+gradient, pmap psums their sum), so they are not one program; every pair of
+strategies ends within the bound that equivalence.py derives (``equivalence.verdict``),
+a model checked by measurement, not a proof.
 
 Devices: every strategy runs on exactly the mesh's devices, in mesh order
 (pmap is given them explicitly; single uses the mesh's first device), never
