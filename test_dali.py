@@ -1415,3 +1415,29 @@ def test_equal_size_shards_shuffle_differently(devices, cache):
 
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+
+
+# --------------------------------------------------------------------------
+# Logical shards read by DALI (order="plan"): the reference's batches on any devices dividing L
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["sharded", "pmap"])
+def test_logical_shards_read_by_dali_are_the_references_on_2_and_4_devices(devices, cache, layout):
+    # make_dali_loader(logical_shards=8): reader k reads its device's 8/n logical shards'
+    # blocks, bit for bit the reference loader's, fresh and resumed from a state of 8
+    # logical shards taken on other devices (the same plan: no new segment).
+    data = encoded(48)
+    run = dict(seed=6, shuffle=True, last_batch="fill", logical_shards=8, layout=layout, normalize=DALI)
+    saved = LoaderState.start(48, 8, 2, epoch=1, seed=6, shuffle=True).at_step(2)
+    for n in (2, 4):
+        loader = dali_loader.make_dali_loader(data, devices[:n], 2, cache_dir=cache, **run)
+        reference = loaders.make_loader(data, devices[:n], 2, prefetch=0, **run)
+        for step, (g, w) in enumerate(zip(loader.epoch(1), reference.epoch(1))):
+            assert_same_arrays(g, w, f"{n} devices, step {step}")
+        resumed = list(loader.epoch(1, state=saved))
+        assert len(resumed) == 1
+        assert_same_arrays(resumed[0], reference.batch(1, 2), f"{n} devices, resumed at step 2")
+        assert loader.state(1, 3, state=saved).segments == saved.segments
+    with pytest.raises(ValueError, match="logical_shards=8 with order='vendor'"):
+        dali_loader.make_dali_loader(data, devices[:2], 2, cache_dir=cache, order="vendor", **run)

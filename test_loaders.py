@@ -474,3 +474,63 @@ def test_global_batch_puts_block_k_on_mesh_position_k(devices, layout):
     np.testing.assert_array_equal(np.asarray(out["mask"]).ravel(), [True, True, True, False, True, True])
     with pytest.raises(ValueError, match=r"no block for the local shards \[1\]"):
         loaders.global_batch({0: blocks[0], 2: blocks[2]}, mesh, layout)
+
+
+# --------------------------------------------------------------------------
+# Logical shards: the same global batch on every device count that divides L
+# --------------------------------------------------------------------------
+
+
+def test_logical_shards_give_the_same_global_batch_on_every_device_count(devices):
+    # make_loader(logical_shards=L): device k of n reads logical shards k*L/n.., so every
+    # step's global batch (rows, values, mask) is the same for n = 1, 2, 8, in every
+    # placement and layout, and it is plan.on_devices(loader.plan(e), n)'s.
+    N, L, b = 103, 8, 3
+    data = {"x": np.arange(N, dtype=np.int32), "y": np.arange(2 * N, dtype=np.float32).reshape(N, 2)}
+    want = None
+    for n in (1, 2, 8):
+        for placement in loaders.PLACEMENTS:
+            for layout in loaders.LAYOUTS:
+                loader = loaders.make_loader(data, devices[:n], b, logical_shards=L, shuffle=True, seed=5,
+                                             placement=placement, layout=layout)
+                assert loader.num_shards == L and loader.device_rows == L // n * b and len(loader) == 5
+                got = [{k: np.asarray(v).reshape((L * b,) + np.shape(v)[2 if layout == "pmap" else 1:])
+                        for k, v in batch.items()} for batch in loader.epoch(1)]
+                plan = loader.plan(1)
+                assert_same_bits(np.array([g["x"] for g in got]), plan.indices.reshape(len(got), L * b).astype(np.int32))
+                assert_same_bits(np.array([g["mask"] for g in got]), plan.mask.reshape(len(got), L * b))
+                if want is None:
+                    want = got
+                for s, (g, w) in enumerate(zip(got, want)):
+                    for key in g:
+                        assert_same_bits(g[key], w[key], f"n={n} {placement} {layout} step {s} {key}")
+
+
+def test_logical_shards_resume_on_other_devices_without_a_resize(devices):
+    # A state taken on 8 devices with L = 8 resumes on 2 with L = 8: the same plan (one
+    # segment), the same batches from its step; the control: without logical shards the
+    # 2-device loader's state is of 2 shards, a resize (a new segment).
+    data = {"x": np.arange(103, dtype=np.int32)}
+    eight = loaders.make_loader(data, devices, 3, logical_shards=8, shuffle=True, seed=5)
+    full = [np.asarray(batch["x"]) for batch in eight.epoch(0)]
+    saved = eight.state(0, 2)
+    two = loaders.make_loader(data, devices[:2], 3, logical_shards=8, shuffle=True, seed=5)
+    rest = [np.asarray(batch["x"]) for batch in two.epoch(0, state=saved)]
+    assert len(rest) == len(full) - 2
+    for s, (got, want) in enumerate(zip(rest, full[2:])):
+        assert_same_bits(got, want, f"step {s + 2}")
+    assert two.state(0, 3, state=saved).segments == saved.segments
+    plain = loaders.make_loader(data, devices[:2], 3, shuffle=True, seed=5)
+    assert len(plain.state(0, 3, state=saved).segments) == 2
+
+
+def test_logical_shards_refuse_a_device_count_that_does_not_divide(devices):
+    data = {"x": np.arange(103, dtype=np.int32)}
+    for bad in (7, 3.0, True, 0, "8"):
+        assert_raises_naming(ValueError, lambda bad=bad: loaders.make_loader(data, devices[:2], 3, logical_shards=bad),
+                             f"logical_shards={bad!r}")
+    assert_raises_naming(ValueError, lambda: loaders.make_loader(data, devices[:3], 3, logical_shards=8),
+                         "logical_shards=8", "3 device(s)")
+    assert_raises_naming(ValueError, lambda: loaders.make_loader(data, devices[:2], 13, logical_shards=8),
+                         "batch_size=13 per logical shard", "8 logical shards")
+    assert loaders.make_loader(data, devices[:2], 12, logical_shards=8).device_rows == 48  # control

@@ -47,8 +47,9 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import (EPOCHS, POLICIES, SEEDS, assert_raises_naming, assert_same_bits, examples,
                       expected_steps)
+import plan as plan_module  # its docstring's worked tables
 from plan import (LoaderState, Plan, elastic_num_steps, elastic_plan, epoch_plan, num_steps,
-                  remaining_samples, shard_bounds, shard_permutation)
+                  on_devices, remaining_samples, shard_bounds, shard_permutation)
 
 
 @st.composite
@@ -981,3 +982,75 @@ def test_from_json_refuses_what_is_not_a_state():
         with pytest.raises(ValueError) as info:
             LoaderState.from_json(bad)
         assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
+
+
+
+# --------------------------------------------------------------------------
+# Logical shards: a plan over L logical shards on any n devices that divide L (on_devices)
+# --------------------------------------------------------------------------
+
+
+def docstring_logical_table() -> dict[int, list[str]]:
+    """plan.py's worked logical-shards table: {devices: [device k's cell, ...]}."""
+    doc = plan_module.__doc__
+    table = doc[doc.index("    devices | device 0"):].split("\n\n")[0].splitlines()[2:]
+    return {int(cells[0]): [c.strip() for c in cells[1:] if c.strip()]
+            for cells in (line.split("|") for line in table)}
+
+
+def render_devices(view: Plan) -> list[str]:
+    """Each device's rows at every step, in the docstring's cell notation."""
+    return [" ".join("[" + ",".join(f"{i}{'' if m else '*'}" for i, m in zip(view.indices[s, k], view.mask[s, k]))
+                     + "]" for s in range(len(view.indices))) for k in range(view.indices.shape[1])]
+
+
+def test_logical_shards_worked_table():
+    # N=7, L=4 logical shards of b=1, fill, no shuffle, on 4, 2 and 1 devices: the
+    # docstring's rows, read back from it, and the global batch the same on each.
+    table = docstring_logical_table()
+    assert sorted(table) == [1, 2, 4]
+    whole = epoch_plan(7, 4, 1)
+    for n, cells in table.items():
+        view = on_devices(whole, n)
+        assert render_devices(view) == cells, (n, render_devices(view), cells)
+        assert_same_bits(view.indices.reshape(len(view.indices), -1), whole.indices.reshape(len(whole.indices), -1))
+    assert "3 devices do not divide" in plan_module.__doc__
+    assert_raises_naming(ValueError, lambda: on_devices(whole, 3), "num_devices=3", "4 logical shards")
+
+
+@settings(max_examples=examples(40))
+@given(N=st.integers(12, 200), L=st.sampled_from([4, 6, 8, 12]), b=st.integers(1, 4), seed=SEEDS,
+       epoch=EPOCHS, shuffle=st.booleans(), last_batch=POLICIES)
+def test_on_devices_gives_each_device_its_logical_shards_in_order(N, L, b, seed, epoch, shuffle, last_batch):
+    whole = epoch_plan(N, L, b, seed=seed, epoch=epoch, shuffle=shuffle, last_batch=last_batch)
+    steps = len(whole.indices)
+    for n in [n for n in range(1, L + 1) if L % n == 0]:
+        view = on_devices(whole, n)
+        assert view.indices.shape == view.mask.shape == (steps, n, (L // n) * b)
+        for k in range(n):
+            mine = whole.indices[:, k * (L // n):(k + 1) * (L // n)].reshape(steps, (L // n) * b)  # in order
+            assert_same_bits(view.indices[:, k], mine, f"n={n}, device {k}")
+            # A device's logical shards together are shard k of n: the samples it holds.
+            lo, hi = shard_bounds(N, k, n)
+            assert set(view.indices[:, k][view.mask[:, k]].tolist()) <= set(range(lo, hi))
+        # The global batch of every step is the same L*b rows, mask included, for every n.
+        assert_same_bits(view.indices.reshape(steps, L * b), whole.indices.reshape(steps, L * b))
+        assert_same_bits(view.mask.reshape(steps, L * b), whole.mask.reshape(steps, L * b))
+
+
+def test_on_devices_refuses_what_does_not_divide():
+    whole = epoch_plan(30, 6, 2)
+    for bad in (4, 5, 7, 0, -1, 2.0, True, "2", None):
+        assert_raises_naming(ValueError, lambda bad=bad: on_devices(whole, bad), f"num_devices={bad!r}")
+    # Control: what divides is accepted, n = L included.
+    assert [on_devices(whole, n).indices.shape[1] for n in (1, 2, 3, 6)] == [1, 2, 3, 6]
+
+
+def test_a_state_of_the_same_logical_shards_continues_on_any_devices():
+    # A loader's state is of its plan's shards: L and b, not the devices. Resumed on any
+    # device count that divides L with the same (L, b), it continues the same plan (no
+    # new segment); another (L, b) is today's elastic resize (a new segment).
+    saved = LoaderState.start(100, 8, 3, seed=5, shuffle=True).at_step(2)
+    assert saved.resized(8, 3).segments == saved.segments  # the same plan, whatever n divides 8
+    assert saved.resized(8, 3).plan()[0].indices.tolist() == epoch_plan(100, 8, 3, seed=5, shuffle=True).indices.tolist()
+    assert len(saved.resized(4, 6).segments) == 2  # control: another (L, b) is a resize

@@ -2122,3 +2122,27 @@ def test_rocal_plan_order_in_two_processes_equals_the_reference(rocal_mesh, enco
 
 if __name__ == "__main__":
     two_process_worker(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+
+
+# --------------------------------------------------------------------------
+# Logical shards on real rocAL (order="plan"): the reference's batches on any devices dividing L
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.rocal
+@pytest.mark.parametrize("layout", ["sharded", "pmap"])
+def test_logical_shards_read_by_rocal_are_the_references_on_2_and_4_devices(real_rocal, tmp_path, layout):
+    """make_rocal_loader(logical_shards=8): pipeline k reads its device's 8/n logical shards'
+    blocks, (8/n)*B records a step, bit for bit the reference loader's, fresh and resumed
+    from a state of 8 logical shards on other devices (the same plan: no new segment)."""
+    run = dict(seed=6, shuffle=True, last_batch="fill", logical_shards=8, layout=layout)
+    saved = LoaderState.start(48, 8, 2, epoch=1, seed=6, shuffle=True).at_step(2)
+    for n in (2, 4):
+        loader, reference = resumed_pair(48, n, 2, str(tmp_path / f"cache{n}"), **run)
+        assert loader.device_rows == 16 // n and len(loader) == len(reference) == 3
+        for step, (g, w) in enumerate(zip(loader.epoch(1), reference.epoch(1))):
+            assert_same_arrays(g, w, f"{n} devices, step {step}")
+        got = check_resumed(loader, reference, saved, f"{n} devices, resumed at step 2")
+        assert len(got) == 1 and loader.state(1, 3, state=saved).segments == saved.segments
+    with pytest.raises(ValueError, match="logical_shards=8 with order='vendor'"):
+        resumed_pair(48, 2, 2, str(tmp_path / "cache-vendor"), order="vendor", **run)
