@@ -2,8 +2,8 @@
 
 Every strategy has one signature::
 
-    strategy(params, batches, mesh, *, loss_terms, optimizer=sgd(0.001), opt_state=None)
-        -> Trained(params, losses, opt_state)
+    strategy(params, batches, mesh, *, loss_terms, optimizer=sgd(0.001), opt_state=None,
+             reduction="plain", logical_shards=None) -> Trained(params, losses, opt_state)
 
 * ``params``: any pytree of float arrays (a list of (w, b), a dict, ...). In and
   out they are host-side (NumPy), and so is ``opt_state``, so epochs chain by
@@ -39,6 +39,19 @@ Every strategy has one signature::
 * ``losses`` (steps,): each step's global masked loss, computed before that
   step's update, in the loss's dtype (float32 for float32 params). The mesh is
   one axis named 'data' (loaders.data_mesh).
+* ``reduction``: how a step's gradient is summed. "plain" (the default, the
+  notebooks'): each device's gradient, added across devices in the order the
+  collective picks; strategies and topologies then end apart by rounding, within
+  the bound equivalence.py measures. "canonical": the global batch is
+  ``logical_shards`` = L blocks of equal rows (default: one a device), each block's
+  gradient sum is computed by one program of one shape, the L sums are added in one
+  fixed order and divided by the step's global count of real samples, and the update
+  runs in a program of its own (``canonical_step``): the params, the optimizer state
+  and the losses are then the same bits on every mesh whose device count divides L,
+  in one process or several, through every strategy, and on one device adding the
+  L blocks as microbatches (``single``), at any learning rate. Feed it a loader with
+  the same logical shards (``loaders.make_loader(..., logical_shards=L)``), whose
+  global batch is the same on any such mesh. Cost: bench.py's canonical/plain table.
 
 The strategies:
 
@@ -64,10 +77,14 @@ CPU devices they do not: XLA's CPU compiler keeps a copy for a donated state, so
 the peak stays the same and the copy costs time (``donates``).
 
 Guarantees (test_strategies.py and test_equivalence.py), after the same steps on
-the same global batches, masks included, at matmul precision "highest": pmap and
-shard_map end bit-identical on CPU (the same program); every pair of strategies
-ends within the bound that equivalence.py derives (``equivalence.verdict``), a
-model checked by measurement, not a proof.
+the same global batches, masks included, at matmul precision "highest": with
+reduction="canonical", the same bits on every topology, every strategy, every
+optimizer and rate tested (ReLU and attention models; SGD, Adam, AdamW with
+clipping; chaotic rates), across processes too; with the plain reduction, every
+pair of strategies ends within the bound equivalence.py derives
+(``equivalence.verdict``), a model checked by measurement, not a proof. Every
+strategy's plain step computes its gradient in a program of its own and shares one
+update program (``apply_program``).
 
 Devices: every strategy runs on exactly the mesh's devices, in mesh order
 (pmap is given them explicitly; single uses the mesh's first device), never
