@@ -105,7 +105,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 AXIS = "data"  # the mesh axis the batch is sharded on (loaders.DATA_AXIS)
 LAYOUT = {"sharded": "sharded", "pmap": "pmap", "shard_map": "sharded", "single": "sharded"}
@@ -306,7 +306,9 @@ def single(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: L
     if reduction == "plain":
         jitted = sharded_step(loss_terms, optimizer.update)
     else:  # one device adds its L logical blocks as microbatches
-        jitted = canonical_step(loss_terms, optimizer.update, Mesh(np.array([device]), (AXIS,)), L)
+        # The mesh loaders.data_mesh([device]) builds (Auto axes), so a step compiled for it is reused.
+        jitted = canonical_step(loss_terms, optimizer.update,
+                                Mesh(np.array([device]), (AXIS,), axis_types=(AxisType.Auto,)), L)
     step = lambda state, batch: jitted(state, jax.device_put(batch, device))
     state = on_device(start_state("single", optimizer, params, opt_state, mesh), device)
     state, losses = train_loop(step, state, checked(batches, "single", mesh, L))
