@@ -93,10 +93,14 @@ def run_identity(args: argparse.Namespace, train_data, arithmetic: str) -> dict:
 
 
 def carried_options(args: argparse.Namespace) -> dict:
-    """The CARRIED options of this run, as a checkpoint holds them (batch_size only
-    without logical shards: with them it is identity)."""
-    return json.loads(json.dumps({name: getattr(args, name) for name in CARRIED
-                                  if name not in identity_options(args)}))
+    """The CARRIED options of this run, as a checkpoint holds them: the folders made
+    absolute (a resume may start elsewhere), batch_size only without logical shards
+    (with them it is identity)."""
+    carried = {name: getattr(args, name) for name in CARRIED if name not in identity_options(args)}
+    for name in ("data_dir", "cache_dir"):
+        if carried[name] is not None:
+            carried[name] = os.path.abspath(carried[name])
+    return json.loads(json.dumps(carried))
 
 
 IDENTITY_EXTRAS = ("shuffle", "num_train", "train_data_blake2b")  # not options

@@ -389,6 +389,8 @@ def test_resume_from_alone_takes_the_run_from_its_checkpoint(tmp_path):
     for name in checkpoints.IDENTITY + checkpoints.CARRIED:
         if name != "normalize":
             assert getattr(mine, name) == getattr(want, name), name
+    relative = checkpoint_of(tmp_path / "relative", ["--data-dir", "data", "--cache-dir", "cache"])
+    assert refimpl.parse_args(["--resume-from", relative]).data_dir == os.path.abspath("data")  # from anywhere
     assert mine.normalize == "dali_cpu"  # the arithmetic the run used, not the backend's default
     assert mine.strategies == ("shard_map", "sharded")  # the run's order, not the default sharded,pmap
     assert mine.from_checkpoint == set(checkpoints.IDENTITY) | set(checkpoints.CARRIED)
