@@ -30,7 +30,13 @@ functions only (no name starting with "_" is used in any job):
 * conformance.py: the user's strided loader (shard k = k::n) passes the
   exactly-once mode and is flagged by the contiguous one; a planted overlap is
   found at its step; the reference loader over encoded one-channel images
-  conforms in the contiguous mode.
+  conforms in the contiguous mode;
+* checkpoints (loaders.py with its three and strategies.py, with the peers
+  orbax-checkpoint and optax; skipped without them, run in CI): params, Adam's
+  state and the LoaderState saved with orbax on 8 devices, restored onto 2 (the
+  arrays replicated there), the epoch finished there with the canonical reduction
+  over 8 logical shards: the bits of the run that never stopped, optimizer state
+  included; control, Adam restarted on resume ends elsewhere.
 
 The snippets are read from README.md between ``<!-- own-job: NAME -->`` and the
 end of the next ```python block when the README has those markers; until then
