@@ -1240,7 +1240,7 @@ def assert_same_params(tmp_path, backends: tuple, leaves: int) -> None:
 
 
 def test_refimpl_dali_and_reference_resize_to_identical_params(tmp_path):
-    """The consequence, through refimpl.py: 4 devices stop after run step 2, 3 devices resume
+    """The consequence, through refimpl.py: 4 devices stop after 2 run steps, 3 devices resume
     (plan.elastic_plan's order); DALI (shuffled, the main job's default) and the reference,
     with the same seed and --normalize, each report every sample of the interrupted epoch
     delivered exactly once across the change, and end with the very same params. The

@@ -1982,7 +1982,7 @@ def assert_same_params_after_the_resize(tmp_path, leaves: int) -> None:
 @pytest.mark.rocal
 def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_cifar, tmp_path):
     """``refimpl.py --backend rocal`` end to end, as a user runs it, through a resize: 4 devices
-    stop after run step 2, 3 devices resume (plan.elastic_plan's order); rocAL and the
+    stop after 2 run steps, 3 devices resume (plan.elastic_plan's order); rocAL and the
     reference backend (rocAL's arithmetic, the same seed, shuffled epochs, the pmap strategy:
     test_dali's runs sharded) each report every sample of the interrupted epoch delivered
     exactly once across the change, and end with the same final params, bit for bit; rocAL's
