@@ -1240,7 +1240,7 @@ def assert_same_params(tmp_path, backends: tuple, leaves: int) -> None:
 
 
 def test_refimpl_dali_and_reference_resize_to_identical_params(tmp_path):
-    """The consequence, through refimpl.py: 4 devices stop after run step 2, 3 devices resume
+    """The consequence, through refimpl.py: 4 devices stop after 2 run steps, 3 devices resume
     (plan.elastic_plan's order); DALI (shuffled, the main job's default) and the reference,
     with the same seed and --normalize, each report every sample of the interrupted epoch
     delivered exactly once across the change, and end with the very same params. The
@@ -1258,11 +1258,11 @@ def test_refimpl_dali_and_reference_resize_to_identical_params(tmp_path):
     assert "segments [(0, 4, 4), (2, 3, 4)]" in dali, dali
     for backend, out in outputs.items():
         [line] = exactly_once(out)
-        assert line.startswith("sharded epoch 1: every one of the 96 samples delivered in exactly one real "
+        assert line.startswith("sharded epoch 0: every one of the 96 samples delivered in exactly one real "
                                "slot, counted from the delivered rows"), line
         how = "dali" if backend == "dali" else "reference loader, placement host_float32"
-        assert f"steps 1-2 on 4 cpu device(s) x 4 ({how}): 32; steps 3-8 on 3 cpu device(s) x 4" in line, line
-    assert_same_params(tmp_path, backends, 6)
+        assert f"steps 0-1 on 4 cpu device(s) x 4 ({how}): 32; steps 2-7 on 3 cpu device(s) x 4" in line, line
+    assert_same_params(tmp_path, backends, 7)  # 6 params, 1 SGD state
     # The params did train (a loader that delivered nothing would also agree).
     assert not np.array_equal(np.load(tmp_path / "dali.npz")["sharded/0"], model_init_leaf0((3072, 64, 64, 10)))
 
@@ -1294,11 +1294,11 @@ def test_refimpl_the_issues_resizes_through_dali(tmp_path, name, stop, resume, b
         for line in lines:
             print(f"{name}, --backend {backend}: {line}")
             assert "every one of the 2048 samples delivered in exactly one real slot" in line, line
-            assert f"steps 1-7 on {before}" in line and ": 896; steps 8-" in line and after in line, line
+            assert f"steps 0-6 on {before}" in line and ": 896; steps 7-" in line and after in line, line
         for line in out.splitlines():
             if line.startswith("final params"):
                 print(f"{name}, --backend {backend}: {line}")
-    assert_same_params(tmp_path, backends, 12)
+    assert_same_params(tmp_path, backends, 14)  # 2 x (6 params, 1 SGD state)
 
 
 @pytest.mark.slow
@@ -1316,7 +1316,7 @@ def test_refimpl_two_processes_dali_and_reference_identical_params(tmp_path):
         assert code == 0, f"{backend}:\n{err[-3000:]}"
         assert "OUTSIDE" not in out, out
     dali, reference = (np.load(tmp_path / f"{b}.npz") for b in ("dali", "reference"))
-    assert sorted(dali.files) == sorted(reference.files) and len(dali.files) == 12  # sharded, shard_map
+    assert sorted(dali.files) == sorted(reference.files) and len(dali.files) == 14  # sharded, shard_map: 6 params, 1 SGD state
     for name in dali.files:
         assert_same_bits(dali[name], reference[name], f"{name}: DALI's params against the reference's")
 

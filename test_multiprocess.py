@@ -215,7 +215,7 @@ def test_refimpl_local_processes_prints_one_report(refimpl_runs):
     assert code == 0, err[-3000:]
     assert "8 cpu device(s) in 2 processes" in out
     for name in ("sharded", "shard_map"):
-        assert out.count(f"{name:>9} epoch 1/1") == 1, out
+        assert out.count(f"{name:>9} epoch 0 of 1") == 1, out
     assert "[Gloo]" not in out + err and "peer ranks" not in out + err, err
 
 

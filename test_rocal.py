@@ -1982,7 +1982,7 @@ def assert_same_params_after_the_resize(tmp_path, leaves: int) -> None:
 @pytest.mark.rocal
 def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_cifar, tmp_path):
     """``refimpl.py --backend rocal`` end to end, as a user runs it, through a resize: 4 devices
-    stop after run step 2, 3 devices resume (plan.elastic_plan's order); rocAL and the
+    stop after 2 run steps, 3 devices resume (plan.elastic_plan's order); rocAL and the
     reference backend (rocAL's arithmetic, the same seed, shuffled epochs, the pmap strategy:
     test_dali's runs sharded) each report every sample of the interrupted epoch delivered
     exactly once across the change, and end with the same final params, bit for bit; rocAL's
@@ -1998,10 +1998,10 @@ def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_
     for backend, out in outputs.items():
         [line] = exactly_once(out)
         how = "rocal" if backend == "rocal" else "reference loader, placement host_float32"
-        assert line.startswith("pmap epoch 1: every one of the 96 samples delivered in exactly one real "
+        assert line.startswith("pmap epoch 0: every one of the 96 samples delivered in exactly one real "
                                "slot, counted from the delivered rows"), line
-        assert f"steps 1-2 on 4 cpu device(s) x 4 ({how}): 32; steps 3-8 on 3 cpu device(s) x 4" in line, line
-    assert_same_params_after_the_resize(tmp_path, 6)
+        assert f"steps 0-1 on 4 cpu device(s) x 4 ({how}): 32; steps 2-7 on 3 cpu device(s) x 4" in line, line
+    assert_same_params_after_the_resize(tmp_path, 7)  # 6 params, 1 SGD state
     import model
     initial = np.asarray(jax.tree.leaves(model.init_model((3072, 64, 64, 10)))[0])
     assert bits_differ(np.load(tmp_path / "rocal.npz")["pmap/0"], initial), "the params did not train"
@@ -2040,11 +2040,11 @@ def test_refimpl_the_issues_resizes_through_rocal(rocal_mesh, cifar_2048, tmp_pa
         for line in lines:
             print(f"{name}, --backend {backend}: {line}")
             assert "every one of the 2048 samples delivered in exactly one real slot" in line, line
-            assert f"steps 1-7 on {before}" in line and ": 896; steps 8-" in line and after in line, line
+            assert f"steps 0-6 on {before}" in line and ": 896; steps 7-" in line and after in line, line
         for line in out.splitlines():
             if line.startswith("final params"):
                 print(f"{name}, --backend {backend}: {line}")
-    assert_same_params_after_the_resize(tmp_path, 12)
+    assert_same_params_after_the_resize(tmp_path, 14)  # 2 x (6 params, 1 SGD state)
 
 
 @pytest.mark.rocal
