@@ -82,13 +82,9 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import types
 from typing import Callable
@@ -96,6 +92,7 @@ from typing import Callable
 from arithmetic import Normalize
 from cifar_mnist import (TEST_PREFIX, TRAIN_PREFIX, read_cifar10, read_mnist, synthetic_cifar10,
                          synthetic_mnist)
+import processes
 from checkpoints import CHECKPOINT_FILE, Elastic, resume_options
 
 DEFAULT_CPU_DEVICES = 8
@@ -310,6 +307,18 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, given:
             parser.error(f"--{flag.replace('_', '-')} {path}: {problem}")
     if args.compare_to and not os.path.isfile(args.compare_to):
         parser.error(f"--compare-to {args.compare_to}: no such file (give another run's --params-out)")
+    check_backend_args(parser, args)
+    check_process_args(parser, args, several)
+    devices = known_device_count(args)
+    if args.logical_shards is not None and devices is not None:
+        problem = logical_shards_problem(args, devices)
+        if problem:
+            parser.error(problem)
+    check_checkpoint_options(parser, args)
+
+
+def check_backend_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """check_args' part for the backend, its arithmetic, the optimizer and the reduction."""
     if args.dataset == "mnist" and args.backend == "rocal":
         parser.error("--backend rocal reads CIFAR-10 only (rocAL's cifar10 reader); use "
                      "--dataset cifar10, or --backend dali or reference for mnist")
@@ -330,6 +339,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, given:
     if args.reduction == "canonical" and args.max_ulps_per_step is not None:
         parser.error(f"--max-ulps-per-step {args.max_ulps_per_step}: --reduction canonical holds every "
                      f"pair of strategies to bit-identical; drop --max-ulps-per-step")
+
+
+def check_process_args(parser: argparse.ArgumentParser, args: argparse.Namespace, several) -> None:
+    """check_args' part for more than one process: the options that go together, and the
+    strategies that run across processes."""
     explicit = [args.coordinator, args.num_processes, args.process_id]
     if any(v is not None for v in explicit) and any(v is None for v in explicit):
         parser.error("--coordinator, --num-processes and --process-id go together")
@@ -353,12 +367,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, given:
         if unsupported:
             parser.error(f"--strategies {','.join(unsupported)}: across processes only sharded and "
                          f"shard_map run ({why})")
-    devices = known_device_count(args)
-    if args.logical_shards is not None and devices is not None:
-        problem = logical_shards_problem(args, devices)
-        if problem:
-            parser.error(problem)
-    check_checkpoint_options(parser, args)
 
 
 def known_device_count(args: argparse.Namespace) -> int | None:
@@ -945,8 +953,8 @@ def connect(args: argparse.Namespace) -> None:
     print(f"refimpl.py: {who}: joining coordinator {where}; if a peer has not joined within "
           f"{args.peer_timeout} s, or stops answering for that long, JAX ends this process",
           file=sys.stderr, flush=True)
-    if os.environ.get(LOCAL_CHILD) == "1":
-        hide_native_stdout()
+    if os.environ.get(processes.LOCAL_CHILD) == "1":
+        processes.hide_native_stdout()
     host = (args.coordinator or "").rsplit(":", 1)[0]
     bind = args.coordinator if host in ("127.0.0.1", "localhost", "[::1]") else None
     try:
@@ -967,120 +975,24 @@ def connect(args: argparse.Namespace) -> None:
 
 
 OUTSIDE_BOUND = 1  # exit status: final params outside the documented bound (2: bad input)
-LOCAL_CHILD = "REFIMPL_LOCAL_CHILD"  # set by launch_local in the processes it starts
-
-
-def hide_native_stdout() -> None:
-    """Python's prints keep going to stdout; what native code writes to file
-    descriptor 1 (gloo's "[Gloo] Rank N is connected to M peer ranks" notes,
-    several threads at once, so interleaved mid-line) goes to /dev/null."""
-    sys.stdout.flush()
-    python_stdout = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.close(devnull)
-    sys.stdout = os.fdopen(python_stdout, "w", buffering=1)
 
 
 def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
-    """Runs this program in ``--local-processes`` processes on 127.0.0.1 and waits.
-
-    Every child runs on CPU devices (JAX_PLATFORMS=cpu: several processes must
-    not share one accelerator) in its own process group, which is killed
-    whatever happens. Process 0's output is shown, without the collective
-    library's "[Gloo] Rank ... connected" chatter; the others' only on error.
-    If any process fails, the rest are stopped and its exit status is returned."""
+    """Runs this program in ``--local-processes`` processes on 127.0.0.1 and waits
+    (processes.run_local), the synthetic data generated once first (not racing)."""
     import socket
 
     count = args.local_processes
     per_process = (args.devices or DEFAULT_CPU_DEVICES) // count
-    data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.dataset, args.seed)  # once, not racing
+    data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.dataset, args.seed)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     base = [sys.executable, os.path.abspath(__file__),
-            *strip_options(argv, ("--local-processes", "--devices", "--data-dir", "--platform")),
+            *processes.strip_options(argv, ("--local-processes", "--devices", "--data-dir", "--platform")),
             "--data-dir", data_dir, "--devices", str(per_process), "--num-processes", str(count),
             "--coordinator", f"127.0.0.1:{port}"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **{LOCAL_CHILD: "1"})
-    children, errors = [], []
-    try:
-        for i in range(count):
-            log = tempfile.TemporaryFile("w+")
-            child = subprocess.Popen(base + ["--process-id", str(i)], env=env, start_new_session=True,
-                                     stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE if i == 0 else log, text=True)
-            children.append(child)
-            errors.append(log)
-        forwards = [threading.Thread(target=forward, args=(stream, target), daemon=True)
-                    for stream, target in ((children[0].stdout, sys.stdout), (children[0].stderr, sys.stderr))]
-        for thread in forwards:
-            thread.start()
-        while True:
-            codes = [child.poll() for child in children]
-            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-            if failed == [0] and codes[0] == OUTSIDE_BOUND:
-                for thread in forwards:
-                    thread.join()  # process 0 has said why, last; nothing to add after it
-                return OUTSIDE_BOUND
-            if failed:
-                i = failed[0]
-                how = (f"exited with status {codes[i]}" if codes[i] > 0
-                       else f"was killed by signal {signal.Signals(-codes[i]).name}")
-                if i:
-                    errors[i].seek(0)
-                    tail = [l for l in map(without_gloo_chatter, errors[i].read().splitlines())
-                            if l.strip()][-5:]
-                    print("\n".join(tail), file=sys.stderr)
-                print(f"refimpl.py: error: local process {i} {how}; stopping the others",
-                      file=sys.stderr)
-                return codes[i] if codes[i] > 0 else 1
-            if all(code == 0 for code in codes):
-                for thread in forwards:
-                    thread.join()  # the streams end when process 0 has exited
-                return 0
-            time.sleep(0.1)
-    finally:
-        for child in children:
-            try:
-                os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            child.wait()
-        for log in errors:
-            log.close()
-
-
-GLOO_CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
-                          r"Expected number of connected peer ranks is : \d+")
-
-
-def without_gloo_chatter(line: str) -> str:
-    """``line`` without the collective library's "[Gloo] Rank N is connected" notes
-    (written by C++ to the same stream, so one can land inside another line)."""
-    return GLOO_CHATTER.sub("", line)
-
-
-def forward(stream, target) -> None:
-    """Copies a child's output to ours, without the collective library's connection notes."""
-    for line in stream:
-        line = without_gloo_chatter(line)
-        if line.strip():
-            target.write(line if line.endswith("\n") else line + "\n")
-            target.flush()
-
-
-def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    """``argv`` without the given options and their values (``--x v`` or ``--x=v``)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in names:
-            skip = True
-        elif not any(arg.startswith(name + "=") for name in names):
-            out.append(arg)
-    return out
+    return processes.run_local(base, count, passthrough=OUTSIDE_BOUND)
 
 
 def report_differences(final: dict, steps: int, platform: str, num_devices: int,

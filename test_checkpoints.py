@@ -53,6 +53,7 @@ import pytest
 import checkpoints
 import equivalence
 import loaders
+import processes
 import refimpl
 from arithmetic import Normalize
 from cifar_mnist import synthetic_cifar10
@@ -622,7 +623,7 @@ def test_canonical_2_processes_to_1_process_of_6_devices(uninterrupted, tmp_path
     """2 processes of 4 devices stop before the masked step, 1 process of 6 devices resumes
     (L = 24): the uninterrupted 8-device run's bits, exactly once across the change."""
     straight, _, common = uninterrupted
-    refimpl_phases([refimpl.strip_options(common, ("--devices",)) + [
+    refimpl_phases([processes.strip_options(common, ("--devices",)) + [
         "--local-processes", "2", "--stop-after-step", str(TAIL_STOP), "--checkpoint-dir", str(tmp_path / "ck")]])
     [out] = refimpl_phases([["--resume-from", str(tmp_path / "ck"), "--devices", "6", "--params-out",
                              str(tmp_path / "resumed.npz"), "--compare-to", str(straight)]])

@@ -386,7 +386,8 @@ def my_loader(samples, n, B):
 NEEDS = {"plan.py": [], "arithmetic.py": [], "cifar_mnist.py": [], "strategies.py": [],
          "loaders.py": ["plan.py", "arithmetic.py", "cifar_mnist.py"],
          "conformance.py": ["plan.py", "arithmetic.py", "cifar_mnist.py"],
-         "equivalence.py": ["strategies.py"], "model.py": []}
+         "equivalence.py": ["strategies.py"], "model.py": [], "processes.py": [],
+         "checkpoints.py": ["plan.py"]}
 MODULES = {"loaders": ["loaders.py", *NEEDS["loaders.py"]],
            "strategies": ["strategies.py", "equivalence.py"],
            "conformance": ["conformance.py", *NEEDS["conformance.py"], "loaders.py"],
