@@ -77,6 +77,12 @@ Deliberate differences from rocAL and DALI: shuffle honours ``seed`` and changes
 every epoch (rocAL seeds its shuffle with the shard index alone; DALI
 pre-permutes with a fixed seed).
 
+Inputs, everywhere in this module: an int parameter takes a Python or NumPy integer,
+never a bool (True is not 1 here) and never a float, even a whole one (5.0 would
+make float bounds); a bool parameter takes Python's or NumPy's bool, nothing else.
+A wrong type or value raises ValueError at the call, naming the function, the
+parameter and the value.
+
 Imports: NumPy only. Imported by loaders.py, conformance.py, dali_loader.py,
 rocal_loader.py, checkpoints.py and refimpl.py. NumPy >= 1.25.
 """
@@ -84,7 +90,6 @@ rocal_loader.py, checkpoints.py and refimpl.py. NumPy >= 1.25.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -107,19 +112,13 @@ def shard_bounds(num_samples: int, shard_id: int, num_shards: int) -> tuple[int,
     n=3 gives [0, 2), [2, 4), [4, 7)). It is rocAL's and DALI's partition, so a
     vendor reader fed shard k reads the same samples.
 
-    Validated here: ValueError for num_shards < 1, num_shards > num_samples (a
-    shard would be empty), or shard_id outside [0, num_shards).
+    Accepted: three ints (Python or NumPy integers; every int parameter of this
+    module takes exactly these: never a bool, nor a float even when it is whole).
+    Returns Python ints. Validated here: ValueError, naming the parameter and the
+    value, for a parameter that is not an int, num_shards < 1, num_shards >
+    num_samples (a shard would be empty), or shard_id outside [0, num_shards).
     """
-    if num_shards < 1:
-        raise ValueError(f"shard_bounds: num_shards must be >= 1, got {num_shards}")
-    if num_shards > num_samples:
-        raise ValueError(
-            f"shard_bounds: num_shards={num_shards} is more than num_samples={num_samples}; "
-            f"some shard would be empty"
-        )
-    if not 0 <= shard_id < num_shards:
-        raise ValueError(f"shard_bounds: shard_id={shard_id} is outside [0, {num_shards})")
-    return num_samples * shard_id // num_shards, num_samples * (shard_id + 1) // num_shards
+    return _bounds("shard_bounds", num_samples, shard_id, num_shards)
 
 
 class Plan(NamedTuple):
@@ -140,13 +139,15 @@ def num_steps(num_samples: int, num_shards: int, batch_size: int, last_batch: st
         drop: floor(floor(N/n) / B) -- the smallest shard's whole batches
 
     A batch larger than the smallest shard is allowed here (fill pads, drop gives
-    0 steps); ``make_loader`` refuses it as a policy. Validated here: ValueError
-    for an unknown last_batch, batch_size < 1, or num_shards outside [1, N].
+    0 steps); ``make_loader`` refuses it as a policy. Accepted: ints (as
+    ``shard_bounds``) and a policy string; returns a Python int. Validated here: ValueError for an
+    unknown last_batch, a count that is not an int, batch_size < 1, or
+    num_shards outside [1, N].
     """
     check_policy(last_batch)
-    if batch_size < 1:
-        raise ValueError(f"num_steps: batch_size must be >= 1, got {batch_size}")
-    shard_bounds(num_samples, 0, num_shards)  # validates num_shards against num_samples
+    _bounds("num_steps", num_samples, 0, num_shards)  # the counts' types, num_shards against N
+    _check_int("num_steps", "batch_size", batch_size, 1)
+    num_samples, num_shards, batch_size = int(num_samples), int(num_shards), int(batch_size)
     if last_batch == "fill":
         return -(-(-(-num_samples // num_shards)) // batch_size)
     return (num_samples // num_shards) // batch_size
@@ -176,17 +177,22 @@ def epoch_plan(num_samples: int, num_shards: int, batch_size: int, *, epoch: int
     ones the vendors' readers produce when fed this order (DALI and rocAL pad by
     repeating the last sample read).
 
-    Validated here: ValueError for an unknown last_batch, batch_size < 1,
-    num_shards outside [1, N], or a seed or epoch outside [0, 2**32) (checked
-    with or without shuffle, so a plan that is valid unshuffled stays valid
-    shuffled). A batch larger than the smallest shard is allowed (see num_steps).
+    Accepted: ints for the counts, seed and epoch (as ``shard_bounds``), shuffle
+    a bool (Python's or NumPy's), last_batch a policy string. Validated here:
+    ValueError, naming the parameter and the value, for an unknown last_batch, a
+    parameter of another type, batch_size < 1, num_shards outside [1, N], or a
+    seed or epoch outside [0, 2**32) (checked with or without shuffle, so a plan
+    that is valid unshuffled stays valid shuffled). A batch larger than the
+    smallest shard is allowed (see num_steps).
     """
+    where = "epoch_plan"
     check_policy(last_batch)
-    if batch_size < 1:
-        raise ValueError(f"epoch_plan: batch_size must be >= 1, got {batch_size}")
-    check_seed("seed", seed, "epoch_plan")
-    check_seed("epoch", epoch, "epoch_plan")
-    shard_bounds(num_samples, 0, num_shards)  # validates num_shards against num_samples
+    _bounds(where, num_samples, 0, num_shards)
+    _check_int(where, "batch_size", batch_size, 1)
+    check_seed("epoch", epoch, where)
+    check_seed("seed", seed, where)
+    _check_bool(where, "shuffle", shuffle)
+    num_samples, num_shards, batch_size = int(num_samples), int(num_shards), int(batch_size)
     steps = num_steps(num_samples, num_shards, batch_size, last_batch)
     slots = steps * batch_size
     indices = np.empty((num_shards, slots), np.int64)
@@ -214,7 +220,11 @@ def on_devices(plan: Plan, num_devices: int) -> Plan:
     and ``out.mask`` likewise (a reshape of the last two axes: a view, no copy). With
     n = L it is ``plan`` itself in shape. The global batch, the blocks of devices
     0 .. n-1 one after the other, is therefore ``plan.indices[s].reshape(-1)`` for
-    every n. ValueError unless n is an int in [1, L] that divides L."""
+    every n. ValueError unless ``plan`` is a Plan of two 3-d arrays and n an int in
+    [1, L] that divides L."""
+    if not isinstance(plan, Plan) or np.ndim(plan.indices) != 3 or np.shape(plan.mask) != np.shape(plan.indices):
+        raise ValueError(f"on_devices: plan must be a Plan of (steps, L, b) indices and mask, got "
+                         f"{type(plan).__name__}")
     steps, L, b = plan.indices.shape
     if not _is_int(num_devices) or not 1 <= num_devices <= L or L % num_devices:
         raise ValueError(f"on_devices: num_devices={num_devices!r} does not divide the plan's "
@@ -238,30 +248,33 @@ def shard_permutation(size: int, *, seed: int, epoch: int, shard: int) -> np.nda
     three numbers are mixed by SeedSequence, never added, so (seed 1, epoch 0)
     and (seed 0, epoch 1) give unrelated orders. size 0 gives an empty array.
 
-    Validated here: ValueError for a negative size, or a seed, epoch or shard
-    outside [0, 2**32) (check_seed says why).
+    Accepted: four ints (as ``shard_bounds``). Validated here: ValueError, naming
+    the parameter and the value, for one that is not an int, a negative size, or
+    a seed, epoch or shard outside [0, 2**32) (check_seed says why).
     """
-    if size < 0:
-        raise ValueError(f"shard_permutation: size must be >= 0, got {size}")
+    size = _check_int("shard_permutation", "size", size, 0)
     check_seed("seed", seed, "shard_permutation")
     check_seed("epoch", epoch, "shard_permutation")
     check_seed("shard", shard, "shard_permutation")
-    keys = np.random.PCG64(np.random.SeedSequence([seed, epoch, shard])).random_raw(size)
+    keys = np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), int(shard)])).random_raw(size)
     return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
 
 
 def check_seed(name: str, value: int, where: str) -> None:
-    """Raises ValueError unless 0 <= value < 2**32.
+    """Raises ValueError, starting with ``where`` and naming ``name`` and the value, unless
+    ``value`` is an int (as ``shard_bounds``: never a bool or a float) with 0 <= value < 2**32.
 
     SeedSequence splits an int >= 2**32 into several 32-bit words, so a larger
     value would alias another triple: (seed 2**32, epoch 0) reads as (0, 1, 0)."""
+    if not _is_int(value):
+        raise ValueError(f"{where}: {name} must be an int in [0, 2**32), got {value!r}")
     if not 0 <= value < 2**32:
         raise ValueError(f"{where}: {name}={value} is outside [0, 2**32)")
 
 
 def check_policy(last_batch: str) -> None:
-    """Raises ValueError unless ``last_batch`` is one of LAST_BATCH_POLICIES."""
-    if last_batch not in LAST_BATCH_POLICIES:
+    """Raises ValueError unless ``last_batch`` is a string, one of LAST_BATCH_POLICIES."""
+    if not isinstance(last_batch, str) or last_batch not in LAST_BATCH_POLICIES:
         raise ValueError(f"last_batch must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}")
 
 
@@ -381,14 +394,13 @@ def elastic_plan(num_samples: int, segments: Sequence, *, epoch: int = 0, seed: 
     where = "elastic_plan"
     check_seed("seed", seed, where)
     check_seed("epoch", epoch, where)
-    if not isinstance(shuffle, (bool, np.bool_)):
-        raise ValueError(f"{where}: shuffle must be a bool, got {shuffle!r}")
+    shuffle = _check_bool(where, "shuffle", shuffle)
     segments, steps = _elastic_steps(where, num_samples, segments, last_batch)
     taken = np.zeros(num_samples, bool)
     plans = []
     for i, ((_, n, B), (S, rows)) in enumerate(zip(segments, steps)):
-        full = _segment_plan(np.flatnonzero(~taken), n, B, S, segment=i, epoch=epoch, seed=seed,
-                             shuffle=bool(shuffle))
+        full = _segment_plan(np.flatnonzero(~taken), n, B, S, segment=i, epoch=int(epoch), seed=int(seed),
+                             shuffle=shuffle)
         plan = Plan(full.indices[:rows].copy(), full.mask[:rows].copy())
         taken[plan.indices[plan.mask]] = True
         plans.append(plan)
@@ -408,12 +420,16 @@ def remaining_samples(num_samples: int, segments: Sequence, step: int, *, epoch:
     """The samples not delivered in a real slot of ``elastic_plan``'s epoch before global
     ``step``, ascending (int64): at a segment's start, its pool R_i. ``step`` must lie in
     [0, elastic_num_steps(...)]; at the end it is the empty array (fill) or the skipped
-    samples (drop)."""
+    samples (drop). Validated as elastic_plan validates its arguments, and step an int."""
+    where = "remaining_samples"
+    segments, _ = _elastic_steps(where, num_samples, segments, last_batch)
+    check_seed("seed", seed, where)
+    check_seed("epoch", epoch, where)
+    _check_bool(where, "shuffle", shuffle)
+    step = _check_int(where, "step", step, 0)
     plans = elastic_plan(num_samples, segments, epoch=epoch, seed=seed, shuffle=shuffle,
                          last_batch=last_batch)
-    segments = [Segment(*s) for s in segments]
     end = segments[-1].start + len(plans[-1].indices)
-    _check_int("remaining_samples", "step", step, 0)
     if step > end:
         raise ValueError(f"remaining_samples: step={step} is outside [0, {end}] (the epoch's steps)")
     taken = np.zeros(num_samples, bool)
@@ -457,8 +473,7 @@ class LoaderState:
         where = "LoaderState"
         for name in ("seed", "epoch"):
             _check_int(where, name, getattr(self, name), 0)
-        if not isinstance(self.shuffle, (bool, np.bool_)):
-            raise ValueError(f"{where}: shuffle must be a bool, got {self.shuffle!r}")
+        _check_bool(where, "shuffle", self.shuffle)
         check_seed("seed", self.seed, where)
         check_seed("epoch", self.epoch, where)
         segments, steps = _elastic_steps(where, self.num_samples, self.segments, self.last_batch)
@@ -476,7 +491,14 @@ class LoaderState:
     @classmethod
     def start(cls, num_samples: int, num_shards: int, batch_size: int, *, epoch: int = 0,
               seed: int = 0, shuffle: bool = False, last_batch: str = "fill") -> "LoaderState":
-        """Step 0 of ``epoch`` on one set of shards: segments ((0, num_shards, batch_size),)."""
+        """Step 0 of ``epoch`` on one set of shards: segments ((0, num_shards, batch_size),).
+        ValueError, naming the parameter, as the constructor's (the counts ints, 1 <=
+        num_shards <= num_samples, batch_size >= 1)."""
+        where = "LoaderState.start"
+        _bounds(where, num_samples, 0, num_shards)
+        _check_int(where, "batch_size", batch_size, 1)
+        check_seed("epoch", epoch, where)
+        check_seed("seed", seed, where)
         return cls(num_samples, seed, epoch, 0, shuffle, last_batch, ((0, num_shards, batch_size),))
 
     @property
@@ -485,8 +507,12 @@ class LoaderState:
         return elastic_num_steps(self.num_samples, self.segments, self.last_batch)
 
     def at_step(self, step: int) -> "LoaderState":
-        """The same epoch on the same shards at another ``step`` (validated as above)."""
-        return dataclasses.replace(self, step=step)
+        """The same epoch on the same shards at another ``step``, an int within [the last
+        segment's start, the epoch's end] (ValueError naming it otherwise)."""
+        try:
+            return dataclasses.replace(self, step=step)
+        except ValueError as error:
+            raise ValueError(f"LoaderState.at_step: {str(error).removeprefix('LoaderState: ')}") from None
 
     def saved_at(self, where: str, step, *, resumed: bool) -> "LoaderState":
         """What a loader's ``state(epoch, step)`` returns from this state: ``at_step(step)``,
@@ -508,7 +534,10 @@ class LoaderState:
         on the new shards, and a resize back before a step ran restores the earlier
         plan. Then the segments are kept as they are when their last one has this
         (num_shards, batch_size) (the same shards continue their plan), and
-        (step, num_shards, batch_size) is appended otherwise."""
+        (step, num_shards, batch_size) is appended otherwise. Both are ints >= 1
+        (ValueError naming them; num_shards at most num_samples)."""
+        _check_int("LoaderState.resized", "num_shards", num_shards, 1)
+        _check_int("LoaderState.resized", "batch_size", batch_size, 1)
         last = self.segments[-1]
         kept = self.segments[:-1] if self.step == last.start else self.segments
         if kept and (kept[-1].num_shards, kept[-1].batch_size) == (num_shards, batch_size):
@@ -534,11 +563,16 @@ class LoaderState:
                        last_batch: str) -> None:
         """Raises ValueError, naming the first field that differs, unless the state was
         taken with this dataset size, seed, shuffle and last_batch (a state of another
-        run would deliver another epoch's samples)."""
+        run would deliver another epoch's samples); also, naming it, for a parameter
+        that is not of its type (num_samples and seed ints, shuffle a bool)."""
+        _check_int(where, "num_samples", num_samples)
+        check_seed("seed", seed, where)
+        _check_bool(where, "shuffle", shuffle)
+        check_policy(last_batch)
         for name, mine in (("num_samples", num_samples), ("seed", seed), ("shuffle", shuffle),
                            ("last_batch", last_batch)):
             theirs = getattr(self, name)
-            if theirs != mine or name == "shuffle" and not isinstance(mine, (bool, np.bool_)):
+            if theirs != mine:
                 raise ValueError(f"{where}: the loader state was taken with {name}={theirs!r}, "
                                  f"this run has {name}={mine!r}; a state resumes only the run it "
                                  f"was taken in")
@@ -577,11 +611,16 @@ def resume_state(where: str, state, epoch: int, *, num_samples: int, seed: int, 
     ``last_batch``) over ``num_shards`` shards of ``batch_size`` resumes ``epoch``:
     ``state`` resized to those shards (``LoaderState.resized``), after checking that it is
     a LoaderState, of this run (``check_same_run``) and of this epoch. ValueError naming
-    ``where`` otherwise. Every backend that resumes from a state (Loader, and the vendor
-    loaders built on this module) checks it here."""
+    ``where`` otherwise, also for a parameter not of its type (epoch, num_samples,
+    seed, num_shards, batch_size ints; shuffle a bool), named. Every backend that
+    resumes from a state (Loader, and the vendor loaders built on this module)
+    checks it here."""
     if not isinstance(state, LoaderState):
         raise ValueError(f"{where}: state must be a plan.LoaderState (LoaderState.from_json "
                          f"reads a saved one), got {type(state).__name__}")
+    check_seed("epoch", epoch, where)
+    _check_int(where, "num_shards", num_shards, 1)
+    _check_int(where, "batch_size", batch_size, 1)
     state.check_same_run(where, num_samples=num_samples, seed=seed, shuffle=shuffle, last_batch=last_batch)
     if epoch != state.epoch:
         raise ValueError(f"{where}: epoch={epoch!r}, but the state is of epoch {state.epoch}; a state "
@@ -608,7 +647,12 @@ class Schedule:
       num_steps] (``LoaderState.saved_at``). ValueError for an epoch outside [0,
       2**32), a state of another run or epoch, or a step outside that range;
     * ``real_samples(where, e, state=None)``: the mask-True slots of epoch e, or of the
-      steps that resuming epoch e from ``state`` delivers."""
+      steps that resuming epoch e from ``state`` delivers.
+
+    Validated on construction (ValueError naming the field and the value): the three
+    counts ints (as ``shard_bounds``) with 1 <= num_shards <= num_samples and
+    batch_size >= 1, seed an int in [0, 2**32), shuffle a bool, a known last_batch;
+    every epoch and step an int (``check_seed``, ``LoaderState``)."""
     num_samples: int
     num_shards: int
     batch_size: int
@@ -616,11 +660,23 @@ class Schedule:
     shuffle: bool = False
     last_batch: str = "fill"
 
+    def __post_init__(self):
+        where = "Schedule"
+        _bounds(where, self.num_samples, 0, self.num_shards)
+        _check_int(where, "batch_size", self.batch_size, 1)
+        check_seed("seed", self.seed, where)
+        _check_bool(where, "shuffle", self.shuffle)
+        check_policy(self.last_batch)
+        for name in ("num_samples", "num_shards", "batch_size", "seed"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "shuffle", bool(self.shuffle))
+
     @property
     def steps(self) -> int:
         return num_steps(self.num_samples, self.num_shards, self.batch_size, self.last_batch)
 
     def plan(self, epoch: int) -> Plan:
+        check_seed("epoch", epoch, "Schedule.plan")
         return epoch_plan(self.num_samples, self.num_shards, self.batch_size, epoch=epoch,
                           seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch)
 
@@ -639,6 +695,7 @@ class Schedule:
         return fresh.saved_at(where, step, resumed=state is not None)
 
     def real_samples(self, where: str, epoch: int, *, state=None) -> int:
+        check_seed("epoch", epoch, where)
         if state is None:
             return int(self.plan(epoch).mask.sum())
         plan, row = self.resumed(where, epoch, state).plan()
@@ -646,14 +703,41 @@ class Schedule:
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    """The module's one rule for an int: a Python or NumPy integer, never a bool (True is
+    not 1 here) and never a float, even a whole one (5.0 would give float bounds)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def _check_int(where: str, name: str, value, minimum: int) -> None:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+def _check_int(where: str, name: str, value, minimum: int | None = None) -> int:
+    """``value`` as a Python int; ValueError naming ``where``, ``name`` and the value unless
+    it is an int (``_is_int``) of at least ``minimum``."""
+    if not _is_int(value):
         raise ValueError(f"{where}: {name} must be an int, got {value!r}")
-    if value < minimum:
+    if minimum is not None and value < minimum:
         raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_bool(where: str, name: str, value) -> bool:
+    """``value`` as a Python bool; ValueError unless it is one (Python's or NumPy's)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{where}: {name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _bounds(where: str, num_samples, shard_id, num_shards) -> tuple[int, int]:
+    """shard_bounds' text, its errors naming ``where``."""
+    num_samples = _check_int(where, "num_samples", num_samples)
+    shard_id = _check_int(where, "shard_id", shard_id)
+    num_shards = _check_int(where, "num_shards", num_shards)
+    if num_shards < 1:
+        raise ValueError(f"{where}: num_shards must be >= 1, got {num_shards}")
+    if num_shards > num_samples:
+        raise ValueError(f"{where}: num_shards={num_shards} is more than num_samples={num_samples}; "
+                         f"some shard would be empty")
+    if not 0 <= shard_id < num_shards:
+        raise ValueError(f"{where}: shard_id={shard_id} is outside [0, {num_shards})")
+    return num_samples * shard_id // num_shards, num_samples * (shard_id + 1) // num_shards
 
 
 def _elastic_steps(where: str, num_samples: int, segments,

@@ -955,13 +955,15 @@ def test_state_refuses_another_run_by_name():
     state = LoaderState.start(1000, 4, 8, seed=3, shuffle=True)
     run = dict(num_samples=1000, seed=3, shuffle=True, last_batch="fill")
     state.check_same_run("resume", **run)
-    for name, value in [("num_samples", 999), ("seed", 4), ("shuffle", False), ("shuffle", 1),
-                        ("last_batch", "drop")]:
+    for name, value in [("num_samples", 999), ("seed", 4), ("shuffle", False), ("last_batch", "drop")]:
         with pytest.raises(ValueError) as info:
             state.check_same_run("resume", **{**run, name: value})
         message = str(info.value)
         assert message.startswith("resume: ") and f"{name}={getattr(state, name)!r}" in message \
             and f"{name}={value!r}" in message, message
+    # shuffle=1 is not shuffle=True taken for another run: it is no bool (issue 30.7)
+    assert_raises_naming(ValueError, lambda: state.check_same_run("resume", **{**run, "shuffle": 1}),
+                         "resume: shuffle must be a bool, got 1")
 
 
 def test_from_json_refuses_what_is_not_a_state():
@@ -981,3 +983,103 @@ def test_from_json_refuses_what_is_not_a_state():
         with pytest.raises(ValueError) as info:
             LoaderState.from_json(bad)
         assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
+
+
+# --------------------------------------------------------------------------
+# Issue 30.7: a wrong type or value is refused at the call, naming the function,
+# the parameter and the value (ints: Python and NumPy integers, never a bool or a
+# whole float)
+# --------------------------------------------------------------------------
+
+from conftest import assert_refuses_naming_value, not_ints  # noqa: E402
+from plan import (Schedule, check_seed, on_devices,  # noqa: E402
+                  resume_state)
+
+STATE = LoaderState.start(7, 2, 2)
+RUN = dict(num_samples=7, seed=0, shuffle=False, last_batch="fill")
+
+# (the function as its messages name it, the call with one int parameter v, that parameter, a valid v)
+PLAN_INT_PARAMETERS = [
+    ("shard_bounds", lambda v: shard_bounds(v, 0, 2), "num_samples", 5),
+    ("shard_bounds", lambda v: shard_bounds(5, v, 2), "shard_id", 1),
+    ("shard_bounds", lambda v: shard_bounds(5, 0, v), "num_shards", 2),
+    ("num_steps", lambda v: num_steps(v, 2, 2, "fill"), "num_samples", 7),
+    ("num_steps", lambda v: num_steps(7, v, 2, "fill"), "num_shards", 2),
+    ("num_steps", lambda v: num_steps(7, 2, v, "drop"), "batch_size", 2),
+    ("epoch_plan", lambda v: epoch_plan(v, 2, 2), "num_samples", 7),
+    ("epoch_plan", lambda v: epoch_plan(7, v, 2), "num_shards", 2),
+    ("epoch_plan", lambda v: epoch_plan(7, 2, v), "batch_size", 2),
+    ("epoch_plan", lambda v: epoch_plan(7, 2, 2, epoch=v), "epoch", 1),
+    ("epoch_plan", lambda v: epoch_plan(7, 2, 2, seed=v, shuffle=True), "seed", 1),
+    ("on_devices", lambda v: on_devices(epoch_plan(8, 4, 1), v), "num_devices", 2),
+    ("shard_permutation", lambda v: shard_permutation(v, seed=0, epoch=0, shard=0), "size", 5),
+    ("shard_permutation", lambda v: shard_permutation(5, seed=v, epoch=0, shard=0), "seed", 1),
+    ("shard_permutation", lambda v: shard_permutation(5, seed=0, epoch=v, shard=0), "epoch", 1),
+    ("shard_permutation", lambda v: shard_permutation(5, seed=0, epoch=0, shard=v), "shard", 1),
+    ("caller", lambda v: check_seed("seed", v, "caller"), "seed", 1),
+    ("elastic_plan", lambda v: elastic_plan(v, [(0, 2, 2)]), "num_samples", 7),
+    ("elastic_plan", lambda v: elastic_plan(7, [(0, 2, 2)], epoch=v), "epoch", 1),
+    ("elastic_plan", lambda v: elastic_plan(7, [(0, 2, 2)], seed=v), "seed", 1),
+    ("elastic_plan", lambda v: elastic_plan(7, [(0, 2, 2), (1, v, 1)]), "segments[1].num_shards", 3),
+    ("elastic_num_steps", lambda v: elastic_num_steps(v, [(0, 2, 2)]), "num_samples", 7),
+    ("remaining_samples", lambda v: remaining_samples(7, [(0, 2, 2)], v), "step", 1),
+    ("remaining_samples", lambda v: remaining_samples(v, [(0, 2, 2)], 1), "num_samples", 7),
+    ("LoaderState", lambda v: LoaderState(v, 0, 0, 0, False, "fill", ((0, 2, 2),)), "num_samples", 7),
+    ("LoaderState", lambda v: LoaderState(7, v, 0, 0, False, "fill", ((0, 2, 2),)), "seed", 1),
+    ("LoaderState", lambda v: LoaderState(7, 0, v, 0, False, "fill", ((0, 2, 2),)), "epoch", 1),
+    ("LoaderState", lambda v: LoaderState(7, 0, 0, v, False, "fill", ((0, 2, 2),)), "step", 1),
+    ("LoaderState.start", lambda v: LoaderState.start(v, 2, 2), "num_samples", 7),
+    ("LoaderState.start", lambda v: LoaderState.start(7, v, 2), "num_shards", 2),
+    ("LoaderState.start", lambda v: LoaderState.start(7, 2, v), "batch_size", 2),
+    ("LoaderState.start", lambda v: LoaderState.start(7, 2, 2, epoch=v), "epoch", 1),
+    ("LoaderState.at_step", lambda v: STATE.at_step(v), "step", 1),
+    ("LoaderState.resized", lambda v: STATE.at_step(1).resized(v, 1), "num_shards", 3),
+    ("LoaderState.resized", lambda v: STATE.at_step(1).resized(3, v), "batch_size", 1),
+    ("caller", lambda v: STATE.saved_at("caller", v, resumed=False), "step", 1),
+    ("caller", lambda v: STATE.check_same_run("caller", **{**RUN, "num_samples": v}), "num_samples", 7),
+    ("caller", lambda v: STATE.check_same_run("caller", **{**RUN, "seed": v}), "seed", 0),
+    ("caller", lambda v: resume_state("caller", STATE, v, **RUN, num_shards=2, batch_size=2), "epoch", 0),
+    ("caller", lambda v: resume_state("caller", STATE, 0, **RUN, num_shards=v, batch_size=2), "num_shards", 2),
+    ("caller", lambda v: resume_state("caller", STATE, 0, **RUN, num_shards=2, batch_size=v), "batch_size", 2),
+    ("Schedule", lambda v: Schedule(v, 2, 2), "num_samples", 7),
+    ("Schedule", lambda v: Schedule(7, v, 2), "num_shards", 2),
+    ("Schedule", lambda v: Schedule(7, 2, v), "batch_size", 2),
+    ("Schedule", lambda v: Schedule(7, 2, 2, seed=v), "seed", 1),
+    ("Schedule.plan", lambda v: Schedule(7, 2, 2).plan(v), "epoch", 1),
+    ("caller", lambda v: Schedule(7, 2, 2).state("caller", v), "epoch", 1),
+    ("caller", lambda v: Schedule(7, 2, 2).state("caller", 0, v), "step", 1),
+    ("caller", lambda v: Schedule(7, 2, 2).real_samples("caller", v), "epoch", 1),
+]
+
+
+@pytest.mark.parametrize("where, call, name, valid", PLAN_INT_PARAMETERS,
+                         ids=[f"{w}-{n}" for w, _, n, _ in PLAN_INT_PARAMETERS])
+@given(data=st.data())
+@settings(max_examples=examples(8))
+def test_every_int_parameter_refuses_what_is_not_an_int(where, call, name, valid, data):
+    call(valid)  # the control: the call is valid with an int, Python's or NumPy's
+    call(np.int64(valid))
+    assert_refuses_naming_value(call, where, name, data.draw(not_ints(valid), label=name))
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda: shard_bounds(5.0, 0, 2), "shard_bounds: num_samples must be an int, got 5.0"),
+    (lambda: shard_bounds(True, 0, 1), "shard_bounds: num_samples must be an int, got True"),
+    (lambda: shard_bounds(2, False, 1), "shard_bounds: shard_id must be an int, got False"),
+    (lambda: num_steps(5, True, 2, "fill"), "num_steps: num_shards must be an int, got True"),
+    (lambda: num_steps(5, 1, True, "fill"), "num_steps: batch_size must be an int, got True"),
+    (lambda: shard_permutation(True, seed=0, epoch=0, shard=0), "shard_permutation: size must be an int"),
+    (lambda: shard_permutation(3, seed=0, epoch=0, shard=False), "shard_permutation: shard must be an int"),
+    (lambda: epoch_plan(5, True, True), "epoch_plan: num_shards must be an int, got True"),
+    (lambda: epoch_plan(5, 1, 1, seed=True), "epoch_plan: seed must be an int in [0, 2**32), got True"),
+    (lambda: check_seed("seed", "1", "caller"), "caller: seed must be an int in [0, 2**32), got '1'"),
+    (lambda: check_seed("seed", None, "caller"), "caller: seed must be an int in [0, 2**32), got None"),
+    (lambda: epoch_plan(5, 1, 1, shuffle=1), "epoch_plan: shuffle must be a bool, got 1"),
+    (lambda: on_devices((np.zeros((1, 2, 1)), np.ones((1, 2, 1), bool)), 1), "on_devices: plan must be a Plan"),
+    (lambda: Schedule(7, 2, 2, shuffle="yes"), "Schedule: shuffle must be a bool, got 'yes'"),
+    (lambda: STATE.check_same_run("caller", **{**RUN, "seed": 0.0}), "caller: seed must be an int in [0, 2**32), got 0.0"),
+])
+def test_the_reports_inputs_are_refused_at_the_call(call, fragment):
+    # Each was accepted (returning floats, or reading a bool as 0 and 1) or raised a
+    # TypeError from inside a comparison before issue 30.7.
+    assert_raises_naming(ValueError, call, fragment)
