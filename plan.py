@@ -15,8 +15,9 @@ The contract, in the order the pieces are used:
   epoch as data (a ``Plan``): which sample sits in which slot of which shard's
   batch at which step, and whether that slot is real (mask True) or padding
   (mask False). Batches are therefore a pure function of (seed, epoch, step,
-  shard): resuming mid-epoch on the same shards needs the step number and
-  nothing else. ``shard_permutation`` is its shuffle, specified bit for bit.
+  shard): resuming mid-epoch on the same shards (the same n and B; with logical
+  shards, the same L and b on any devices) needs the step number and nothing
+  else, and on any other shards a ``LoaderState``. ``shard_permutation`` is its shuffle, specified bit for bit.
 * Logical shards: the plan's n shards need not be the devices. A plan over L
   logical shards of b rows (``epoch_plan(N, L, b)``) runs on any n devices that
   divide L: device k reads logical shards k*L/n .. (k+1)*L/n - 1, their blocks one
@@ -27,8 +28,9 @@ The contract, in the order the pieces are used:
 * ``elastic_plan`` is an epoch resumed on another number of shards or batch
   size: a chain of ``Segment``s, the samples not yet delivered split among the
   new shards. ``LoaderState`` is the small plain value a job saves
-  (``to_json``) and a loader resumes from, on any shards (``resized``);
-  ``resume_state`` is the one check every backend makes of it.
+  (``to_json``) and a loader resumes from, on any shards (``resized``), naming
+  the data it was taken on (``dataset_digest``: a digest of every name, dtype,
+  shape and byte); ``resume_state`` is the one check every backend makes of it.
 
 Remainder handling, worked (DALI's LastBatchPolicy table, for shards). Data is
 samples 0..6 (N=7), two shards (n=2), per-shard batch B=2, no shuffle.
@@ -83,14 +85,16 @@ make float bounds); a bool parameter takes Python's or NumPy's bool, nothing els
 A wrong type or value raises ValueError at the call, naming the function, the
 parameter and the value.
 
-Imports: NumPy only. Imported by loaders.py, conformance.py, dali_loader.py,
+Imports: NumPy, and hashlib and json of the standard library (where they are used).
+Imported by loaders.py, conformance.py, dali_loader.py,
 rocal_loader.py, checkpoints.py and refimpl.py. NumPy >= 1.25.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from collections.abc import Mapping
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -439,6 +443,75 @@ def remaining_samples(num_samples: int, segments: Sequence, step: int, *, epoch:
     return np.flatnonzero(~taken).astype(np.int64)
 
 
+# --------------------------------------------------------------------------
+# The data a state was taken on
+# --------------------------------------------------------------------------
+
+DIGEST_BLOCK_BYTES = 16 * 2**20  # dataset_digest reads this much at a time (a memory map is never copied whole)
+
+
+def dataset_digest(arrays: Mapping) -> str:
+    """The identity of a dataset of named arrays, as a ``LoaderState`` names it: 32
+    lowercase hex digits, the BLAKE2b digest of 16 bytes (``hashlib.blake2b(
+    digest_size=16)``: no key, salt or personalisation) of, in this order,
+
+        for name in sorted(arrays):          # the names in code-point order, each once
+            a = numpy.asarray(arrays[name])
+            header = json.dumps([name, a.dtype.str, list(a.shape)], separators=(",", ":"))
+            hash header.encode("utf-8") + b"\n"          # e.g. ["labels","<i4",[50000]]
+            hash the bytes of a in C (row-major) order, each element as stored
+                 (dtype.str says its byte order: "<i4" and ">i4" are other bytes)
+
+    So it covers every name, dtype, shape and element of the data, and nothing else:
+    not the order of the names in the mapping, not the memory layout (a strided view
+    hashes as its C-order copy would: read_cifar10's memory-mapped images as the same
+    images in memory), not how a loader normalises, batches or places them. The bytes
+    are read in blocks of rows of at most DIGEST_BLOCK_BYTES (one row when a row is
+    larger), so a memory-mapped dataset is read once and never copied whole: one pass,
+    about 0.2 s for CIFAR-10's 150 MB on a quiet core. A loader computes it once, the
+    first time it makes or checks a state, and keeps it.
+
+    ``arrays`` is a mapping of str names to arrays (anything ``numpy.asarray`` makes a
+    NumPy array of, NumPy's and ml_dtypes' dtypes; not of dtype object, whose bytes are
+    pointers): ValueError naming what is not."""
+    import hashlib
+    import json
+    where = "dataset_digest"
+    if not isinstance(arrays, Mapping):
+        raise ValueError(f"{where}: arrays must be a mapping of names to arrays, got {type(arrays).__name__}")
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(arrays, key=lambda name: _named(where, name)):
+        a = np.asarray(arrays[name])
+        if a.dtype.hasobject:
+            raise ValueError(f"{where}: arrays[{name!r}] is of dtype {a.dtype}, whose bytes are not its values")
+        header = json.dumps([name, a.dtype.str, list(a.shape)], separators=(",", ":"))
+        digest.update(header.encode("utf-8") + b"\n")
+        if a.ndim == 0 or a.size == 0:
+            digest.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+            continue
+        rows = max(1, DIGEST_BLOCK_BYTES // max(1, a[0].nbytes))
+        for start in range(0, len(a), rows):
+            block = np.ascontiguousarray(a[start:start + rows])  # a copy only of a strided block
+            digest.update(block.reshape(-1).view(np.uint8))
+    return digest.hexdigest()
+
+
+def _named(where: str, name) -> str:
+    if not isinstance(name, str):
+        raise ValueError(f"{where}: the names of arrays must be strings, got {name!r}")
+    return name
+
+
+def _check_digest(where: str, value) -> str | None:
+    """None, or ``dataset_digest``'s form (32 lowercase hex digits) as a plain str."""
+    if value is None:
+        return None
+    if not (isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)):
+        raise ValueError(f"{where}: dataset must be None or 32 lowercase hex digits (plan.dataset_digest "
+                         f"of the data), got {value!r}")
+    return str(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoaderState:
     """Where a loader stands in an epoch, as a small plain value a job saves with its
@@ -447,17 +520,28 @@ class LoaderState:
     ``step`` is the epoch's global step of the next batch (the number of steps of
     ``epoch`` already delivered); ``segments`` the epoch's shard sets so far, the last
     one being the shards that wrote the state (``elastic_plan``'s argument). A fresh
-    epoch is ``LoaderState.start(...)``: segments ((0, n, B),), step 0.
+    epoch is ``LoaderState.start(...)``: segments ((0, n, B),), step 0. ``dataset`` is
+    the data it was taken on, ``dataset_digest(arrays)`` (a plain str of 32 hex
+    digits), or None: a state made by hand (``LoaderState.start`` without it) or read
+    from format 1, which names no data. Every state a loader gives names its data.
 
     The JSON form (``to_json``/``from_json``) is one object with exactly the keys
-    format ("plan.LoaderState/1"), num_samples, seed, epoch, step, shuffle (a
-    bool), last_batch and segments (a list of [start, num_shards, batch_size]):
-    about 150 bytes, plus about 12 a segment (CIFAR-10 on 8, then 4, then 3 shards,
-    the largest seed: 173). Validated on construction (ValueError naming the field
-    and value): what ``elastic_plan`` validates, shuffle a bool, and step within
-    [the last segment's start, the epoch's end]. A state resumes only the run it
-    was taken in: ``check_same_run`` refuses another dataset size, seed, shuffle
-    or last_batch by name.
+    format ("plan.LoaderState/2"), num_samples, dataset (the digest or null), seed,
+    epoch, step, shuffle (a bool), last_batch and segments (a list of [start,
+    num_shards, batch_size]): about 190 bytes, plus about 12 a segment (CIFAR-10 on
+    8 shards of 32, then 4, then 3, the largest seed, epoch 0: 211). ``from_json``
+    also reads format 1 ("loaders.LoaderState/1": the same keys but dataset), as a
+    state that names no data. Why accepted, not refused: a format-1 state was written before states named
+    their data, so it says no more than a hand-made state does, and refusing it would
+    strand a job in the middle of its epoch (and refimpl's checkpoints, which embed
+    one and check their training data by their own digest, checkpoints.run_identity);
+    it resumes as it did before, and the states saved after it name their data.
+
+    Validated on construction (ValueError naming the field and value): what
+    ``elastic_plan`` validates, shuffle a bool, step within [the last segment's
+    start, the epoch's end], dataset None or a digest. A state resumes only the run it
+    was taken in: ``check_same_run`` refuses another dataset size, dataset (when both
+    name one), seed, shuffle or last_batch by name.
     """
     num_samples: int
     seed: int
@@ -466,8 +550,10 @@ class LoaderState:
     shuffle: bool
     last_batch: str
     segments: tuple
+    dataset: str | None = None
 
-    FORMAT = "loaders.LoaderState/1"
+    FORMAT = "plan.LoaderState/2"
+    FORMAT_1 = "loaders.LoaderState/1"  # read, as naming no data; never written
 
     def __post_init__(self):
         where = "LoaderState"
@@ -487,19 +573,22 @@ class LoaderState:
             raise ValueError(f"{where}: step={self.step} is outside [{first}, {end}] (the last "
                              f"segment's start .. the epoch's end)")
         object.__setattr__(self, "step", int(self.step))
+        object.__setattr__(self, "dataset", _check_digest(where, self.dataset))
 
     @classmethod
     def start(cls, num_samples: int, num_shards: int, batch_size: int, *, epoch: int = 0,
-              seed: int = 0, shuffle: bool = False, last_batch: str = "fill") -> "LoaderState":
+              seed: int = 0, shuffle: bool = False, last_batch: str = "fill",
+              dataset: str | None = None) -> "LoaderState":
         """Step 0 of ``epoch`` on one set of shards: segments ((0, num_shards, batch_size),).
         ValueError, naming the parameter, as the constructor's (the counts ints, 1 <=
-        num_shards <= num_samples, batch_size >= 1)."""
+        num_shards <= num_samples, batch_size >= 1, dataset None or a digest)."""
         where = "LoaderState.start"
         _bounds(where, num_samples, 0, num_shards)
         _check_int(where, "batch_size", batch_size, 1)
         check_seed("epoch", epoch, where)
         check_seed("seed", seed, where)
-        return cls(num_samples, seed, epoch, 0, shuffle, last_batch, ((0, num_shards, batch_size),))
+        return cls(num_samples, seed, epoch, 0, shuffle, last_batch, ((0, num_shards, batch_size),),
+                   _check_digest(where, dataset))
 
     @property
     def num_steps(self) -> int:
@@ -553,79 +642,102 @@ class LoaderState:
         return plans[-1], self.step - self.segments[-1].start
 
     def next_epoch(self) -> "LoaderState":
-        """Step 0 of epoch + 1 on the last segment's shards: a fresh epoch_plan there."""
+        """Step 0 of epoch + 1 on the last segment's shards: a fresh epoch_plan there, of
+        the same data."""
         last = self.segments[-1]
         return LoaderState.start(self.num_samples, last.num_shards, last.batch_size,
                                  epoch=self.epoch + 1, seed=self.seed, shuffle=self.shuffle,
-                                 last_batch=self.last_batch)
+                                 last_batch=self.last_batch, dataset=self.dataset)
 
     def check_same_run(self, where: str, *, num_samples: int, seed: int, shuffle: bool,
-                       last_batch: str) -> None:
-        """Raises ValueError, naming the first field that differs, unless the state was
-        taken with this dataset size, seed, shuffle and last_batch (a state of another
-        run would deliver another epoch's samples); also, naming it, for a parameter
-        that is not of its type (num_samples and seed ints, shuffle a bool)."""
+                       last_batch: str, dataset: str | None = None) -> None:
+        """Raises ValueError, naming the first field that differs (in the order
+        num_samples, dataset, seed, shuffle, last_batch), unless the state was taken
+        with this dataset size, data, seed, shuffle and last_batch (a state of another
+        run would deliver another epoch's samples, or the same positions of other
+        samples). The data is compared when both the state and ``dataset`` name one
+        (``dataset_digest``); a state that names none is taken on trust (see the class
+        docstring). Also ValueError, naming it, for a parameter that is not of its type
+        (num_samples and seed ints, shuffle a bool, dataset None or a digest)."""
         _check_int(where, "num_samples", num_samples)
         check_seed("seed", seed, where)
         _check_bool(where, "shuffle", shuffle)
         check_policy(last_batch)
-        for name, mine in (("num_samples", num_samples), ("seed", seed), ("shuffle", shuffle),
-                           ("last_batch", last_batch)):
+        dataset = _check_digest(where, dataset)
+        for name, mine in (("num_samples", num_samples), ("dataset", dataset), ("seed", seed),
+                           ("shuffle", shuffle), ("last_batch", last_batch)):
             theirs = getattr(self, name)
+            if name == "dataset" and (theirs is None or mine is None):
+                continue
             if theirs != mine:
+                why = (" (plan.dataset_digest of the arrays: another dataset of the same size, or "
+                       "this one changed)" if name == "dataset" else "")
                 raise ValueError(f"{where}: the loader state was taken with {name}={theirs!r}, "
-                                 f"this run has {name}={mine!r}; a state resumes only the run it "
-                                 f"was taken in")
+                                 f"this run has {name}={mine!r}{why}; a state resumes only the run "
+                                 f"it was taken in")
 
     def to_json(self) -> str:
+        """The class docstring's JSON form, format 2."""
         import json  # local: this section leaves the module's imports as they are
-        return json.dumps({"format": self.FORMAT, "num_samples": self.num_samples, "seed": self.seed,
-                           "epoch": self.epoch, "step": self.step, "shuffle": self.shuffle,
-                           "last_batch": self.last_batch,
+        return json.dumps({"format": self.FORMAT, "num_samples": self.num_samples, "dataset": self.dataset,
+                           "seed": self.seed, "epoch": self.epoch, "step": self.step,
+                           "shuffle": self.shuffle, "last_batch": self.last_batch,
                            "segments": [list(s) for s in self.segments]}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "LoaderState":
-        """The state ``to_json`` wrote. ValueError for text that is not JSON, another
-        format, a missing or unknown key, or a value the constructor refuses."""
+        """The state ``to_json`` wrote (format 2), or a format-1 state, read as naming no
+        data (the class docstring says why). ValueError for text that is not JSON,
+        another format, a missing or unknown key, or a value the constructor refuses."""
         import json
         try:
             doc = json.loads(text)
         except (TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"LoaderState.from_json: not a JSON document ({e})") from None
-        keys = ("format", "num_samples", "seed", "epoch", "step", "shuffle", "last_batch", "segments")
-        if not isinstance(doc, dict) or set(doc) != set(keys):
-            got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-            raise ValueError(f"LoaderState.from_json: expected an object with keys {list(keys)}, "
-                             f"got {got}")
-        if doc["format"] != cls.FORMAT:
-            raise ValueError(f"LoaderState.from_json: format={doc['format']!r}, expected {cls.FORMAT!r}")
+        fields = ["num_samples", "seed", "epoch", "step", "shuffle", "last_batch"]
+        formats = {cls.FORMAT: ["format", "num_samples", "dataset", *fields[1:], "segments"],
+                   cls.FORMAT_1: ["format", *fields, "segments"]}
+        if not isinstance(doc, dict):
+            raise ValueError(f"LoaderState.from_json: expected an object with keys {formats[cls.FORMAT]}, "
+                             f"got {type(doc).__name__}")
+        if not isinstance(doc.get("format"), str) or doc["format"] not in formats:
+            raise ValueError(f"LoaderState.from_json: format={doc.get('format')!r}, expected {cls.FORMAT!r} "
+                             f"(or {cls.FORMAT_1!r}, read as naming no data)")
+        keys = formats[doc["format"]]
+        if set(doc) != set(keys):
+            raise ValueError(f"LoaderState.from_json: expected an object with keys {keys}, got {sorted(doc)}")
         if not isinstance(doc["segments"], list):
             raise ValueError(f"LoaderState.from_json: segments={doc['segments']!r} is not a list")
-        return cls(**{k: doc[k] for k in keys[1:-1]}, segments=tuple(doc["segments"]))
+        return cls(**{k: doc[k] for k in fields}, segments=tuple(doc["segments"]),
+                   dataset=doc.get("dataset"))
 
 
 def resume_state(where: str, state, epoch: int, *, num_samples: int, seed: int, shuffle: bool,
-                 last_batch: str, num_shards: int, batch_size: int) -> LoaderState:
-    """The state from which a loader of this run (``num_samples``, ``seed``, ``shuffle``,
-    ``last_batch``) over ``num_shards`` shards of ``batch_size`` resumes ``epoch``:
-    ``state`` resized to those shards (``LoaderState.resized``), after checking that it is
-    a LoaderState, of this run (``check_same_run``) and of this epoch. ValueError naming
-    ``where`` otherwise, also for a parameter not of its type (epoch, num_samples,
-    seed, num_shards, batch_size ints; shuffle a bool), named. Every backend that
-    resumes from a state (Loader, and the vendor loaders built on this module)
-    checks it here."""
+                 last_batch: str, num_shards: int, batch_size: int,
+                 dataset: str | None = None) -> LoaderState:
+    """The state from which a loader of this run (``num_samples``, ``dataset``, ``seed``,
+    ``shuffle``, ``last_batch``) over ``num_shards`` shards of ``batch_size`` resumes
+    ``epoch``: ``state`` resized to those shards (``LoaderState.resized``), naming
+    ``dataset`` (when the state named none, it names this run's data from here on), after
+    checking that it is a LoaderState, of this run (``check_same_run``: the data too,
+    when both name it) and of this epoch. ValueError naming ``where`` otherwise, also
+    for a parameter not of its type (epoch, num_samples, seed, num_shards, batch_size
+    ints; shuffle a bool; dataset None or a digest), named. Every backend that resumes
+    from a state (Loader, and the vendor loaders built on this module) checks it here,
+    through ``Schedule.resumed``."""
     if not isinstance(state, LoaderState):
         raise ValueError(f"{where}: state must be a plan.LoaderState (LoaderState.from_json "
                          f"reads a saved one), got {type(state).__name__}")
     check_seed("epoch", epoch, where)
     _check_int(where, "num_shards", num_shards, 1)
     _check_int(where, "batch_size", batch_size, 1)
-    state.check_same_run(where, num_samples=num_samples, seed=seed, shuffle=shuffle, last_batch=last_batch)
+    state.check_same_run(where, num_samples=num_samples, seed=seed, shuffle=shuffle, last_batch=last_batch,
+                         dataset=dataset)
     if epoch != state.epoch:
         raise ValueError(f"{where}: epoch={epoch!r}, but the state is of epoch {state.epoch}; a state "
                          f"resumes its own epoch (the next one is fresh: epoch({state.epoch + 1}))")
-    return state.resized(num_shards, batch_size)
+    resized = state.resized(num_shards, batch_size)
+    return resized if dataset is None else dataclasses.replace(resized, dataset=dataset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -633,32 +745,42 @@ class Schedule:
     """One run's epochs on one set of shards: every epoch's ``Plan``, every state a loader
     gives or takes. The part of a loader that is pure schedule, the same for every
     backend (loaders.Loader, dali_loader.DaliLoader, rocal_loader.RocalLoader): those
-    six numbers decide which sample every slot holds, in every epoch. ``where`` names
-    the caller in every error (e.g. "Loader.state").
+    six numbers decide which sample every slot holds, in every epoch, and ``dataset``
+    which data the states name. ``where`` names the caller in every error (e.g.
+    "Loader.state").
 
     * ``steps``: ``num_steps(N, n, B, last_batch)``, every fresh epoch's length;
     * ``plan(e)``: ``epoch_plan(N, n, B, epoch=e, seed=, shuffle=, last_batch=)``;
     * ``resumed(where, e, state)``: ``resume_state``: the state checked against this
-      run and epoch, resized to these shards;
+      run (its data included) and epoch, resized to these shards, naming this data;
     * ``state(where, e, step, state=None)``: the ``LoaderState`` to save after ``step``
       steps of epoch e. Without ``state``, of a fresh epoch: ``LoaderState.start(N, n,
-      B, ...).at_step(step)``, step in [0, steps]; with the ``state`` the epoch was
-      resumed from, ``resumed(...).at_step(step)``, step in [state.step, its
-      num_steps] (``LoaderState.saved_at``). ValueError for an epoch outside [0,
-      2**32), a state of another run or epoch, or a step outside that range;
+      B, ..., dataset=).at_step(step)``, step in [0, steps]; with the ``state`` the
+      epoch was resumed from, ``resumed(...).at_step(step)``, step in [state.step,
+      its num_steps] (``LoaderState.saved_at``). ValueError for an epoch outside [0,
+      2**32), a state of another run (another dataset named) or epoch, or a step
+      outside that range;
     * ``real_samples(where, e, state=None)``: the mask-True slots of epoch e, or of the
       steps that resuming epoch e from ``state`` delivers.
 
+    ``dataset``: the data's ``dataset_digest``, or a function of no arguments that
+    returns it, called only when a state is made or checked (so ``steps`` and
+    ``plan`` never read the data; a loader passes its cached digest), or None (the
+    states name no data and any is accepted). Not compared: two schedules are equal
+    when their plans are.
+
     Validated on construction (ValueError naming the field and the value): the three
     counts ints (as ``shard_bounds``) with 1 <= num_shards <= num_samples and
-    batch_size >= 1, seed an int in [0, 2**32), shuffle a bool, a known last_batch;
-    every epoch and step an int (``check_seed``, ``LoaderState``)."""
+    batch_size >= 1, seed an int in [0, 2**32), shuffle a bool, a known last_batch,
+    dataset None, a digest or a callable; every epoch and step an int
+    (``check_seed``, ``LoaderState``)."""
     num_samples: int
     num_shards: int
     batch_size: int
     seed: int = 0
     shuffle: bool = False
     last_batch: str = "fill"
+    dataset: str | Callable[[], str] | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         where = "Schedule"
@@ -667,9 +789,16 @@ class Schedule:
         check_seed("seed", self.seed, where)
         _check_bool(where, "shuffle", self.shuffle)
         check_policy(self.last_batch)
+        if not callable(self.dataset):
+            object.__setattr__(self, "dataset", _check_digest(where, self.dataset))
         for name in ("num_samples", "num_shards", "batch_size", "seed"):
             object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "shuffle", bool(self.shuffle))
+
+    @property
+    def digest(self) -> str | None:
+        """``dataset`` itself, or what its function returns (checked: None or a digest)."""
+        return _check_digest("Schedule.dataset", self.dataset() if callable(self.dataset) else self.dataset)
 
     @property
     def steps(self) -> int:
@@ -683,13 +812,15 @@ class Schedule:
     def resumed(self, where: str, epoch: int, state) -> LoaderState:
         return resume_state(where, state, epoch, num_samples=self.num_samples, seed=self.seed,
                             shuffle=self.shuffle, last_batch=self.last_batch,
-                            num_shards=self.num_shards, batch_size=self.batch_size)
+                            num_shards=self.num_shards, batch_size=self.batch_size,
+                            dataset=self.digest if isinstance(state, LoaderState) else None)
 
     def state(self, where: str, epoch: int, step: int = 0, *, state=None) -> LoaderState:
         if state is None:
             check_seed("epoch", epoch, where)
             fresh = LoaderState.start(self.num_samples, self.num_shards, self.batch_size, epoch=epoch,
-                                      seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch)
+                                      seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch,
+                                      dataset=self.digest)
         else:
             fresh = self.resumed(where, epoch, state)
         return fresh.saved_at(where, step, resumed=state is not None)

@@ -972,9 +972,11 @@ def test_from_json_refuses_what_is_not_a_state():
     for bad, fragment in [
         ("{", "not a JSON document"),
         ("[1, 2]", "expected an object with keys"),
-        (json.dumps({k: v for k, v in doc.items() if k != "step"}), "got ['epoch', 'format'"),
+        (json.dumps({k: v for k, v in doc.items() if k != "step"}), "got ['dataset', 'epoch', 'format'"),
         (json.dumps({**doc, "extra": 1}), "'extra'"),
-        (json.dumps({**doc, "format": "plan.LoaderState/2"}), "format='plan.LoaderState/2'"),
+        (json.dumps({**doc, "format": "plan.LoaderState/3"}), "format='plan.LoaderState/3'"),
+        (json.dumps({**doc, "format": None}), "format=None"),
+        (json.dumps({**doc, "dataset": "not a digest"}), "dataset must be None or 32 lowercase hex digits"),
         (json.dumps({**doc, "segments": "0,2,2"}), "segments='0,2,2' is not a list"),
         (json.dumps({**doc, "segments": [[0, 2]]}), "segments[0]=[0, 2] is not"),
         (json.dumps({**doc, "shuffle": "false"}), "shuffle must be a bool"),
@@ -1083,3 +1085,131 @@ def test_the_reports_inputs_are_refused_at_the_call(call, fragment):
     # Each was accepted (returning floats, or reading a bool as 0 and 1) or raised a
     # TypeError from inside a comparison before issue 30.7.
     assert_raises_naming(ValueError, call, fragment)
+
+
+# --------------------------------------------------------------------------
+# Issue 30.3: the data a state was taken on (plan.dataset_digest, LoaderState.dataset)
+# --------------------------------------------------------------------------
+
+import hashlib  # noqa: E402
+
+import ml_dtypes  # noqa: E402
+
+import plan as plan_module  # noqa: E402
+from plan import dataset_digest  # noqa: E402
+
+
+def text_dataset_digest(arrays) -> str:
+    """dataset_digest's docstring read literally: the whole of each array at once."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(arrays):
+        a = np.asarray(arrays[name])
+        digest.update(json.dumps([name, a.dtype.str, list(a.shape)], separators=(",", ":")).encode("utf-8") + b"\n")
+        digest.update(a.tobytes(order="C"))
+    return digest.hexdigest()
+
+
+def some_data(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"labels": rng.integers(0, 10, 12).astype(np.int32),
+            "images": rng.integers(0, 256, (12, 3, 4, 5)).astype(np.uint8),
+            "big_endian": rng.integers(-9, 9, (12, 2)).astype(">i4"),
+            "x": rng.standard_normal((12, 3)).astype(ml_dtypes.bfloat16),
+            "keep": rng.integers(0, 2, 12).astype(bool)}
+
+
+@given(SEEDS)
+@settings(max_examples=examples(10))
+def test_dataset_digest_is_its_docstring(seed):
+    data = some_data(seed)
+    got = dataset_digest(data)
+    assert got == text_dataset_digest(data) and len(got) == 32 and set(got) <= set("0123456789abcdef")
+    assert dataset_digest(dict(reversed(list(data.items())))) == got, "the names' order is not the data"
+
+
+def test_dataset_digest_reads_blocks_of_rows_and_a_view_as_its_copy(monkeypatch, tmp_path):
+    records = np.random.default_rng(3).integers(0, 256, (40, 3073)).astype(np.uint8)
+    path = tmp_path / "records.bin"
+    records.tofile(path)
+    mapped = np.memmap(path, np.uint8, mode="r").reshape(40, 3073)
+    view = {"images": mapped[:, 1:].reshape(40, 3, 32, 32), "labels": mapped[:, 0].astype(np.int32)}
+    copy = {name: np.ascontiguousarray(a) for name, a in view.items()}
+    want = text_dataset_digest(copy)
+    for block in (plan_module.DIGEST_BLOCK_BYTES, 5000, 100):  # 100: a row (3072 bytes) at a time
+        monkeypatch.setattr(plan_module, "DIGEST_BLOCK_BYTES", block)
+        assert dataset_digest(view) == dataset_digest(copy) == want, block
+    assert not view["images"].flags.c_contiguous  # the control: the view is strided
+
+
+def test_dataset_digest_tells_other_data_apart():
+    data = some_data(0)
+    same = dataset_digest(data)
+    changed = {"one byte": {**data, "images": data["images"].copy()},
+               "a dtype, the same bytes": {**data, "labels": data["labels"].view(np.float32)},
+               "a shape, the same bytes": {**data, "images": data["images"].reshape(12, 3, 5, 4)},
+               "a byte order": {**data, "big_endian": data["big_endian"].astype("<i4")},
+               "a name": {**{k: v for k, v in data.items() if k != "x"}, "y": data["x"]},
+               "one more array": {**data, "more": np.zeros(12, np.int32)},
+               "one fewer": {k: v for k, v in data.items() if k != "keep"}}
+    changed["one byte"]["images"][7, 1, 2, 3] ^= 1
+    for what, other in changed.items():
+        assert dataset_digest(other) != same, what
+    assert dataset_digest({k: v.copy() for k, v in data.items()}) == same  # the control: a copy is the data
+    for bad, fragment in [([data["labels"]], "arrays must be a mapping"), ({1: data["labels"]}, "must be strings"),
+                          ({"a": np.array([object()])}, "dtype object")]:
+        assert_raises_naming(ValueError, lambda: dataset_digest(bad), "dataset_digest: ", fragment)
+
+
+DIGEST = dataset_digest(some_data(0))
+
+
+def test_a_state_names_its_dataset_through_json_and_format_1_names_none():
+    state = LoaderState.start(7, 2, 2, dataset=DIGEST).at_step(1).resized(3, 1)
+    assert state.dataset == DIGEST and type(state.dataset) is str and state.next_epoch().dataset == DIGEST
+    text = state.to_json()
+    assert json.loads(text)["format"] == "plan.LoaderState/2" and json.loads(text)["dataset"] == DIGEST
+    assert LoaderState.from_json(text) == state
+    cifar = LoaderState.start(50_000, 8, 32, seed=2**32 - 1, shuffle=True, dataset=DIGEST)
+    assert len(cifar.to_json()) == 190  # the docstring's sizes
+    assert len(cifar.at_step(10).resized(4, 32).at_step(20).resized(3, 32).to_json()) == 211
+    # Format 1, as loaders.LoaderState/1 wrote it: read as a state that names no data.
+    old = ('{"format":"loaders.LoaderState/1","num_samples":7,"seed":0,"epoch":0,"step":1,"shuffle":false,'
+           '"last_batch":"fill","segments":[[0,2,2],[1,3,1]]}')
+    assert LoaderState.from_json(old) == dataclasses.replace(state, dataset=None)
+    assert_raises_naming(ValueError, lambda: LoaderState.from_json(old.replace('"seed"', '"dataset":null,"seed"')),
+                         "expected an object with keys")
+    for bad in ("ABC", DIGEST.upper(), DIGEST[:-1], 5, b"0" * 32):
+        assert_raises_naming(ValueError, lambda: LoaderState.start(7, 2, 2, dataset=bad), "LoaderState.start: dataset")
+
+
+def test_a_state_of_other_data_is_refused_naming_the_dataset():
+    state = LoaderState.start(7, 2, 2, dataset=DIGEST)
+    other = dataset_digest(some_data(1))
+    assert_raises_naming(ValueError, lambda: state.check_same_run("resume", **RUN, dataset=other),
+                         "resume: the loader state was taken with dataset=", repr(DIGEST), repr(other))
+    assert_raises_naming(ValueError, lambda: resume_state("Loader.epoch", state, 0, **RUN, num_shards=2,
+                                                          batch_size=2, dataset=other), "Loader.epoch: ", "dataset=")
+    state.check_same_run("resume", **RUN, dataset=DIGEST)  # the control: the same data
+    state.check_same_run("resume", **RUN)  # a run that names no data checks none
+    unnamed = LoaderState.start(7, 2, 2)
+    unnamed.check_same_run("resume", **RUN, dataset=other)  # a state that names none is taken on trust
+    # ... and names this run's data from then on
+    assert resume_state("r", unnamed, 0, **RUN, num_shards=3, batch_size=1, dataset=other).dataset == other
+    assert resume_state("r", state, 0, **RUN, num_shards=3, batch_size=1, dataset=DIGEST).dataset == DIGEST
+
+
+def test_a_schedule_reads_its_dataset_only_for_a_state():
+    calls = []
+    schedule = Schedule(7, 2, 2, dataset=lambda: calls.append(1) or DIGEST)
+    schedule.steps, schedule.plan(0), schedule.real_samples("r", 0)
+    assert calls == [], "the plan needs no digest"
+    assert schedule.state("s", 0, 1).dataset == DIGEST and len(calls) == 1
+    saved = schedule.state("s", 0, 1)
+    assert schedule.resumed("r", 0, saved).dataset == DIGEST
+    other = Schedule(7, 2, 2, dataset=dataset_digest(some_data(1)))
+    assert_raises_naming(ValueError, lambda: other.resumed("RocalLoader.epoch", 0, saved),
+                         "RocalLoader.epoch: the loader state was taken with dataset=")
+    assert_raises_naming(ValueError, lambda: other.state("DaliLoader.state", 0, 1, state=saved), "dataset=")
+    assert_raises_naming(ValueError, lambda: Schedule(7, 2, 2, dataset="x"), "Schedule: dataset must be")
+    assert_raises_naming(ValueError, lambda: Schedule(7, 2, 2, dataset=lambda: "x").state("s", 0),
+                         "Schedule.dataset: dataset must be")
