@@ -15,7 +15,9 @@ built alike, in any order of calls, after any other epoch, gives the same
 batches, and ``epoch(e, s)`` yields steps s.. of ``epoch(e)``.
 
 Resuming from a saved ``plan.LoaderState`` (``epoch(e, state=saved)``,
-``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning):
+``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning; every
+state names this loader's data, ``dataset``, and a state naming other data is
+refused, through ``plan.Schedule``, as the reference loader refuses it):
 
 * order="plan", on any device or process count and batch size: with ``st =
   saved.resized(n, B)`` and ``plan, row = st.plan()`` (``plan.elastic_plan``'s
@@ -355,6 +357,12 @@ class DaliLoader:
     def on_gpu(self) -> bool:
         return is_nvidia_gpu(self.mesh.devices.flat[0])
 
+    @property
+    def dataset(self) -> str:
+        """The identity of this loader's data, its spec's (``loaders.Loader.dataset``):
+        what every state names and is checked against, computed once."""
+        return self.spec.dataset
+
     def __len__(self) -> int:
         return len(self.spec)
 
@@ -394,13 +402,17 @@ class DaliLoader:
 
     def epoch(self, epoch: int, start_step: int = 0, *,
               state: LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
-        """Steps ``start_step .. len-1`` of ``epoch``, a function of (seed, epoch,
-        start_step, shard) alone; with ``state`` (a saved ``plan.LoaderState`` of
-        this run), the rest of the epoch it was taken in, from its step (the module
-        docstring's "Resuming"), and ``start_step`` must stay 0. Raises ValueError
-        for an epoch outside [0, 2**32), a state of another run or epoch, a
-        start_step with a state, or (order="vendor") a state of other shards;
-        IndexError for a start_step outside [0, len]; RuntimeError once closed."""
+        """With ``state`` (a saved ``plan.LoaderState`` of this run: the same data, seed,
+        shuffle and last_batch), the rest of the epoch it was taken in, from its step
+        (the module docstring's "Resuming"), and ``start_step`` must stay 0. Without
+        it, steps ``start_step .. len-1`` of this loader's own fresh plan, a function
+        of (seed, epoch, start_step, shard) alone: what another loader delivered there
+        only if it had the same logical shards and batch_size (``loaders.Loader``'s
+        last paragraph); after any other, resume from its state. Raises ValueError
+        for an epoch outside [0, 2**32), a state of another run (num_samples,
+        dataset, seed, shuffle, last_batch: named) or epoch, a start_step with a
+        state, or (order="vendor") a state of other shards; IndexError for a
+        start_step outside [0, len]; RuntimeError once closed."""
         if self.closed:
             raise RuntimeError("DaliLoader.epoch: the loader is closed")
         check_seed("epoch", epoch, "DaliLoader.epoch")

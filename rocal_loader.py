@@ -82,7 +82,9 @@ an epoch of ``ceil(S_k/B)`` rocAL batches, one fewer than ``len()``: that step
 is filled here with B copies of the shard's last record, mask False.
 
 Resuming from a saved ``plan.LoaderState`` (``epoch(e, state=saved)``,
-``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning):
+``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning; every
+state names this loader's data, ``dataset``, and a state naming other data is
+refused, through ``plan.Schedule``, as the reference loader refuses it):
 
 * order="plan", on any device or process count and batch size: with ``st =
   saved.resized(n, B)`` and ``plan, row = st.plan()`` (``plan.elastic_plan``'s
@@ -161,7 +163,7 @@ from jax.sharding import Mesh
 import loaders
 from arithmetic import Normalize, aligned_empty
 from cifar_mnist import IMAGE_SHAPE, RECORD_BYTES, TRAIN_PREFIX, write_cifar10
-from plan import LoaderState, Plan, Schedule, check_seed, on_devices, shard_bounds
+from plan import LoaderState, Plan, Schedule, check_seed, dataset_digest, on_devices, shard_bounds
 
 INSTALL_HINT = (
     "the rocAL backend needs AMD rocAL's Python package amd.rocal, which is not on PyPI: on a "
@@ -369,11 +371,23 @@ class RocalLoader:
     def num_samples(self) -> int:
         return len(self.labels)
 
+    @functools.cached_property
+    def dataset(self) -> str:
+        """The identity of this loader's data, ``plan.dataset_digest({"images": images,
+        "labels": labels})``: what ``loaders.make_loader`` over the same data gives, so a
+        state moves between the two. Computed the first time a state is made or
+        checked, then kept."""
+        return dataset_digest({"images": self.images, "labels": self.labels})
+
     @property
     def schedule(self) -> Schedule:
-        """This loader's epochs as pure schedule (plan.Schedule)."""
+        """This loader's epochs as pure schedule (plan.Schedule), its data's identity
+        (``dataset``) read when a state is made or checked."""
         return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
-                        self.last_batch)
+                        self.last_batch, dataset=self._dataset)
+
+    def _dataset(self) -> str:
+        return self.dataset
 
     def __len__(self) -> int:
         return self.schedule.steps
@@ -434,13 +448,17 @@ class RocalLoader:
 
     def epoch(self, epoch: int, start_step: int = 0, *,
               state: LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
-        """Steps ``start_step .. len()-1`` of ``epoch``; with ``state`` (a saved
-        ``plan.LoaderState`` of this run), the rest of the epoch it was taken in,
-        from its step (the module docstring's "Resuming"), and ``start_step`` must
-        stay 0. Raises ValueError for an epoch outside [0, 2**32), a state of another
-        run or epoch, a start_step with a state, or (order="vendor") a state of other
-        shards; IndexError for a start_step outside [0, len()]. The pipelines are
-        built, and the epoch's files written, at the first ``next()``."""
+        """With ``state`` (a saved ``plan.LoaderState`` of this run: the same data, seed,
+        shuffle and last_batch), the rest of the epoch it was taken in, from its step
+        (the module docstring's "Resuming"), and ``start_step`` must stay 0. Without
+        it, steps ``start_step .. len()-1`` of this loader's own fresh plan: what
+        another loader delivered there only if it had the same logical shards and
+        batch_size (``loaders.Loader``'s last paragraph); after any other, resume from
+        its state. Raises ValueError for an epoch outside [0, 2**32), a state of
+        another run (num_samples, dataset, seed, shuffle, last_batch: named) or epoch,
+        a start_step with a state, or (order="vendor") a state of other shards;
+        IndexError for a start_step outside [0, len()]. The pipelines are built, and
+        the epoch's files written, at the first ``next()``."""
         check_seed("epoch", epoch, "RocalLoader.epoch")
         if state is not None:
             st = self._resumed("RocalLoader.epoch", epoch, state)

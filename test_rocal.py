@@ -1873,7 +1873,7 @@ def test_vendor_order_resumes_only_on_the_saved_shards(fake, cache, last_batch):
     got = list(loader.epoch(1, state=same))
     for step, (g, w) in enumerate(zip(got, list(loader.epoch(1, start_step=2)), strict=True), start=2):
         assert_same_arrays(g, w, f"vendor order, resumed on the saved shards, step {step}")
-    assert loader.state(1, 3, state=same) == same.at_step(3)
+    assert loader.state(1, 3, state=same) == dataclasses.replace(same.at_step(3), dataset=loader.dataset)
     assert loader.real_samples(1, state=same) == sum(int(np.asarray(b["mask"]).sum()) for b in got)
     # Another shard count; another batch; these shards and batch, after a resize in the epoch.
     for other in (saved_state(50, 8, 2, 1, **run), saved_state(50, 4, 2, 1, **run),
@@ -2118,6 +2118,28 @@ def test_rocal_plan_order_in_two_processes_equals_the_reference(rocal_mesh, enco
         assert code == 0, report
         assert f"process {i}: {steps} steps equal the reference on 4 local shards" in out, report
     assert os.listdir(tmp_path / "cache") == []
+
+
+
+# --------------------------------------------------------------------------
+# Issue 30.3: a state names its data, and rocAL's loader checks it (through plan.Schedule)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", rocal_loader.ORDERS)
+def test_a_state_of_other_data_is_refused_naming_dataset(small_dir, mesh4, fake, cache, order):
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, seed=5, cache_dir=cache, order=order)
+    images, labels = read_cifar10(small_dir)
+    foreign = loaders.make_loader((images, (labels + 1) % 10), mesh4, 4, shuffle=True, seed=5).state(0, 1)
+    for what, call in [("epoch", lambda: loader.epoch(0, state=foreign)),
+                       ("state", lambda: loader.state(0, 2, state=foreign)),
+                       ("real_samples", lambda: loader.real_samples(0, state=foreign))]:
+        with pytest.raises(ValueError, match=rf"RocalLoader.{what}: the loader state was taken with "
+                                             rf"dataset='{foreign.dataset}', this run has dataset='{loader.dataset}'"):
+            call()
+    assert fake.pipelines == [], "refused before any pipeline is built"
+    # The control: its state is the reference loader's over the same data (the same digest).
+    assert loader.state(0, 1) == loaders.make_loader(small_dir, mesh4, 4, shuffle=True, seed=5).state(0, 1)
 
 
 if __name__ == "__main__":
