@@ -9,8 +9,10 @@ float32 CHW. Its outputs become row block k of global ``jax.Array``s through
 
 Stateless: ``epoch(e, start_step)`` builds its pipelines when its first step is
 asked for (a build takes about 2 ms on CPU) and drops them when the iterator
-ends or is closed. What it yields is a function of (seed, e, start_step, shard)
-and the loader's arguments, nothing else: epoch 3 read twice, by two loaders
+ends, is closed or collected, or is left unfinished at the interpreter's exit
+(``loaders.EpochIterator``: before modules are torn down, printing nothing).
+What it yields is a function of (seed, e, start_step, shard) and the loader's
+arguments, nothing else: epoch 3 read twice, by two loaders
 built alike, in any order of calls, after any other epoch, gives the same
 batches, and ``epoch(e, s)`` yields steps s.. of ``epoch(e)``.
 
@@ -422,10 +424,10 @@ class DaliLoader:
                 raise ValueError(f"DaliLoader.epoch: start_step={start_step!r} with a state; the state "
                                  f"says where the epoch resumes (step {state.step})")
             plan, row = st.plan()  # one segment (0, n, B): epoch_plan, row = step
-            return _steps(self, epoch, plan, row)
+            return loaders.EpochIterator(_steps(self, epoch, plan, row))
         if not 0 <= start_step <= len(self):
             raise IndexError(f"start_step={start_step} is outside [0, {len(self)}]")
-        return _steps(self, epoch, self.plan(epoch), start_step)
+        return loaders.EpochIterator(_steps(self, epoch, self.plan(epoch), start_step))
 
     def close(self) -> None:
         """No further epochs. Pipelines live only while an epoch's iterator does."""

@@ -38,6 +38,10 @@ test_loaders_resume.py):
   the shuffle) holds for what the devices receive.
 * Every name of a dataset follows the same plan, mask, layout and resume.
 * The three placements give bit-identical global arrays, in both layouts.
+* An epoch's iterator ends what it started (a prefetch thread; a vendor's
+  pipelines and files, through ``EpochIterator``) however it ends: exhausted,
+  closed, collected, or left unfinished at the interpreter's exit, where it ends
+  before modules are torn down and prints nothing.
 
 Devices: nothing here uses JAX's default device or backend. Every array goes to
 the devices of the mesh it was given, so a mesh of CPU devices on a GPU host
@@ -58,6 +62,7 @@ import numbers
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Callable, Iterator, Sequence
 
@@ -458,10 +463,12 @@ class Loader:
         another loader would have delivered there only if it had the same logical
         shards and batch_size (the class docstring's last paragraph); after any other,
         resume from its state. Host placements
-        prepare steps ``prefetch`` ahead on a background thread: a worker error is
-        raised here in the caller, and closing the iterator early (``break``,
-        garbage collection) stops and joins the thread. "device" needs no thread:
-        each step is one asynchronous dispatch.
+        prepare steps ``prefetch`` ahead on a background thread, started at the
+        first ``next()``: a worker error is raised here in the caller, and an
+        iterator left unfinished (``close()``, ``break``, garbage collection, or the
+        interpreter's exit, before modules are torn down) stops and joins the thread,
+        printing nothing. "device" needs no thread: each step is one asynchronous
+        dispatch.
 
         Raises IndexError for a start_step outside [0, len]; ValueError for a
         state that is not a LoaderState, of another run (num_samples, dataset, seed,
@@ -973,20 +980,84 @@ def _replicated_table(key: tuple[bytes, bytes, str], mesh: Mesh) -> jax.Array:
 
 
 # --------------------------------------------------------------------------
-# Prefetching
+# Prefetching, and an epoch's end however it comes
 # --------------------------------------------------------------------------
 
 
 def _prefetched(make, steps, depth: int):
     if depth == 0:
         return (make(s) for s in steps)
-    return _prefetch_thread(make, steps, depth)
+    return _Prefetched(make, steps, depth)
 
 
-def _prefetch_thread(make, steps, depth: int):
-    out: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+class EpochIterator:
+    """An epoch's batches, from a generator that holds something to release (a vendor's
+    pipelines, an epoch's files). An iterator (``next``, ``iter``) with ``close()``; the
+    generator is closed, so its ``finally`` releases what it holds, exactly once and at
+    the first of: the epoch's end, ``close()``, this object's garbage collection, or the
+    interpreter's exit with the epoch unfinished. That last one runs as a
+    ``weakref.finalize`` at exit, before modules are torn down, so nothing is printed
+    and nothing is left running (a generator left to the interpreter's teardown is
+    closed after its modules are gone, and its ``finally`` fails there: "Exception
+    ignored in: <generator ...>"). The generator never references this object."""
 
+    def __init__(self, generator: Iterator):
+        self._generator = generator
+        self._end = weakref.finalize(self, generator.close)
+
+    def __iter__(self) -> "EpochIterator":
+        return self
+
+    def __next__(self):
+        if not self._end.alive:
+            raise StopIteration
+        try:
+            return next(self._generator)
+        except BaseException:  # the end (StopIteration) or an error: release now
+            self._end()
+            raise
+
+    def close(self) -> None:
+        self._end()
+
+
+class _Prefetched:
+    """``make(s)`` for each s of ``steps``, made ``depth`` ahead by a worker thread started
+    at the first ``next()``; a worker error is raised in the consumer. The worker is
+    stopped and joined, exactly once, at the first of: the epoch's end, an error,
+    ``close()``, garbage collection, or the interpreter's exit (``weakref.finalize``,
+    before modules are torn down: a daemon thread still inside JAX at teardown aborts the
+    process). The worker references the queue, the stop event, ``make`` and ``steps``,
+    never this object, so an iterator that is dropped is collected at once."""
+
+    def __init__(self, make: Callable, steps, depth: int):
+        self._out: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+        self._worker = threading.Thread(target=_prefetch_work, args=(make, steps, self._out, stop),
+                                        name="loader-prefetch", daemon=True)
+        self._end = weakref.finalize(self, _stop_worker, stop, self._worker)
+
+    def __iter__(self) -> "_Prefetched":
+        return self
+
+    def __next__(self):
+        if not self._end.alive:
+            raise StopIteration
+        if self._worker.ident is None:
+            self._worker.start()
+        kind, value = self._out.get()
+        if kind == "batch":
+            return value
+        self._end()
+        if kind == "error":
+            raise value
+        raise StopIteration
+
+    def close(self) -> None:
+        self._end()
+
+
+def _prefetch_work(make: Callable, steps, out: queue.Queue, stop: threading.Event) -> None:
     def put(item) -> bool:
         while not stop.is_set():
             try:
@@ -996,25 +1067,17 @@ def _prefetch_thread(make, steps, depth: int):
                 pass
         return False
 
-    def work():
-        try:
-            for s in steps:
-                if not put(("batch", make(s))):
-                    return
-            put(("end", None))
-        except BaseException as error:  # handed to the consumer, raised there
-            put(("error", error))
-
-    worker = threading.Thread(target=work, name="loader-prefetch", daemon=True)
-    worker.start()
     try:
-        while True:
-            kind, value = out.get()
-            if kind == "end":
+        for s in steps:
+            if not put(("batch", make(s))):
                 return
-            if kind == "error":
-                raise value
-            yield value
-    finally:
-        stop.set()
+        put(("end", None))
+    except BaseException as error:  # handed to the consumer, raised there
+        put(("error", error))
+
+
+def _stop_worker(stop: threading.Event, worker: threading.Thread) -> None:
+    stop.set()
+    # Not when the worker collects its own iterator (a cycle the collector breaks there).
+    if worker.ident is not None and worker is not threading.current_thread():
         worker.join()

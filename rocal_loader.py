@@ -33,8 +33,9 @@ model trains on. Two orders:
   rocAL reads and decodes the records and runs crop_mirror_normalize; the mask
   is the plan's. The files are written (each atomically) into a temporary
   folder ``cache_dir/.rocal-epoch-<e>-*`` that the iterator deletes, with the
-  pipelines released, when it ends, is closed or is collected (its cost:
-  docs/vendors.md).
+  pipelines released, when it ends, is closed or is collected, or is left
+  unfinished at the interpreter's exit (``loaders.EpochIterator``: before modules
+  are torn down, printing nothing; its cost: docs/vendors.md).
 * ``order="vendor"``: rocAL's own order, for the conformance tests and to show
   what rocAL does. Pipelines are built per epoch too (stateless), over
   sharding="files" (shard k's records ``[N*k//n, N*(k+1)//n)`` as one file
@@ -330,8 +331,8 @@ class RocalLoader:
     ``{"images" float32, "labels" int32, "mask" bool}`` global arrays in
     ``layout``; ``epoch(e, state=saved)`` the rest of a saved epoch (the module
     docstring's "Resuming"). The loader holds no pipeline: each ``epoch()``
-    iterator builds its own, and releases them (and deletes its files) when it ends
-    or is closed, so epoch e is a function of (seed, e, start_step, shard) whatever
+    iterator builds its own, and releases them (and deletes its files) when it ends,
+    is closed or collected, or is left unfinished at exit, so epoch e is a function of (seed, e, start_step, shard) whatever
     was read before, and several epochs may be iterated at once.
     """
     images: np.ndarray = dataclasses.field(repr=False)  # uint8 (N, 3, 32, 32), read_cifar10's order
@@ -466,14 +467,15 @@ class RocalLoader:
                 raise ValueError(f"RocalLoader.epoch: start_step={start_step!r} with a state; the state "
                                  f"says where the epoch resumes (step {state.step})")
             if self.order == "vendor":  # one segment (0, n, B): the saved shards' fresh epoch
-                return _vendor_steps(self, epoch, st.step)
+                return loaders.EpochIterator(_vendor_steps(self, epoch, st.step))
             plan, row = st.plan()
-            return _plan_steps(self, epoch, plan, row, st.step)
+            return loaders.EpochIterator(_plan_steps(self, epoch, plan, row, st.step))
         if not 0 <= start_step <= len(self):
             raise IndexError(f"RocalLoader.epoch: start_step={start_step} is outside [0, {len(self)}]")
         if self.order == "plan":
-            return _plan_steps(self, epoch, self.plan(epoch), start_step, start_step)
-        return _vendor_steps(self, epoch, start_step)
+            return loaders.EpochIterator(_plan_steps(self, epoch, self.plan(epoch), start_step,
+                                                     start_step))
+        return loaders.EpochIterator(_vendor_steps(self, epoch, start_step))
 
     def close(self) -> None:
         """Nothing to release: pipelines live as long as one epoch's iterator."""
