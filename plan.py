@@ -148,7 +148,7 @@ def num_steps(num_samples: int, num_shards: int, batch_size: int, last_batch: st
     unknown last_batch, a count that is not an int, batch_size < 1, or
     num_shards outside [1, N].
     """
-    check_policy(last_batch)
+    check_policy(last_batch, "num_steps")
     _bounds("num_steps", num_samples, 0, num_shards)  # the counts' types, num_shards against N
     _check_int("num_steps", "batch_size", batch_size, 1)
     num_samples, num_shards, batch_size = int(num_samples), int(num_shards), int(batch_size)
@@ -190,7 +190,7 @@ def epoch_plan(num_samples: int, num_shards: int, batch_size: int, *, epoch: int
     smallest shard is allowed (see num_steps).
     """
     where = "epoch_plan"
-    check_policy(last_batch)
+    check_policy(last_batch, where)
     _bounds(where, num_samples, 0, num_shards)
     _check_int(where, "batch_size", batch_size, 1)
     check_seed("epoch", epoch, where)
@@ -276,10 +276,12 @@ def check_seed(name: str, value: int, where: str) -> None:
         raise ValueError(f"{where}: {name}={value} is outside [0, 2**32)")
 
 
-def check_policy(last_batch: str) -> None:
-    """Raises ValueError unless ``last_batch`` is a string, one of LAST_BATCH_POLICIES."""
+def check_policy(last_batch: str, where: str | None = None) -> None:
+    """Raises ValueError, starting with ``where`` when given, unless ``last_batch`` is a
+    string, one of LAST_BATCH_POLICIES."""
     if not isinstance(last_batch, str) or last_batch not in LAST_BATCH_POLICIES:
-        raise ValueError(f"last_batch must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}")
+        prefix = f"{where}: " if where else ""
+        raise ValueError(f"{prefix}last_batch must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}")
 
 
 # --------------------------------------------------------------------------
@@ -662,7 +664,7 @@ class LoaderState:
         _check_int(where, "num_samples", num_samples)
         check_seed("seed", seed, where)
         _check_bool(where, "shuffle", shuffle)
-        check_policy(last_batch)
+        check_policy(last_batch, where)
         dataset = _check_digest(where, dataset)
         for name, mine in (("num_samples", num_samples), ("dataset", dataset), ("seed", seed),
                            ("shuffle", shuffle), ("last_batch", last_batch)):
@@ -788,7 +790,7 @@ class Schedule:
         _check_int(where, "batch_size", self.batch_size, 1)
         check_seed("seed", self.seed, where)
         _check_bool(where, "shuffle", self.shuffle)
-        check_policy(self.last_batch)
+        check_policy(self.last_batch, where)
         if not callable(self.dataset):
             object.__setattr__(self, "dataset", _check_digest(where, self.dataset))
         for name in ("num_samples", "num_shards", "batch_size", "seed"):
@@ -874,7 +876,7 @@ def _bounds(where: str, num_samples, shard_id, num_shards) -> tuple[int, int]:
 def _elastic_steps(where: str, num_samples: int, segments,
                    last_batch: str) -> tuple[list[Segment], list[tuple[int, int]]]:
     """(the validated segments, [(S_i, d_i)]) of elastic_plan's text, from counts alone."""
-    check_policy(last_batch)
+    check_policy(last_batch, where)
     _check_int(where, "num_samples", num_samples, 1)
     if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence) or not segments:
         raise ValueError(f"{where}: segments must be a non-empty list of (start, num_shards, "

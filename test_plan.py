@@ -1077,6 +1077,8 @@ def test_every_int_parameter_refuses_what_is_not_an_int(where, call, name, valid
     (lambda: check_seed("seed", "1", "caller"), "caller: seed must be an int in [0, 2**32), got '1'"),
     (lambda: check_seed("seed", None, "caller"), "caller: seed must be an int in [0, 2**32), got None"),
     (lambda: epoch_plan(5, 1, 1, shuffle=1), "epoch_plan: shuffle must be a bool, got 1"),
+    (lambda: epoch_plan(5, 1, 1, last_batch="pad"), "epoch_plan: last_batch must be one of"),
+    (lambda: Schedule(5, 1, 1, last_batch=None), "Schedule: last_batch must be one of ('fill', 'drop'), got None"),
     (lambda: on_devices((np.zeros((1, 2, 1)), np.ones((1, 2, 1), bool)), 1), "on_devices: plan must be a Plan"),
     (lambda: Schedule(7, 2, 2, shuffle="yes"), "Schedule: shuffle must be a bool, got 'yes'"),
     (lambda: STATE.check_same_run("caller", **{**RUN, "seed": 0.0}), "caller: seed must be an int in [0, 2**32), got 0.0"),
