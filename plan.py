@@ -459,10 +459,14 @@ def dataset_digest(arrays: Mapping) -> str:
 
         for name in sorted(arrays):          # the names in code-point order, each once
             a = numpy.asarray(arrays[name])
-            header = json.dumps([name, a.dtype.str, list(a.shape)], separators=(",", ":"))
-            hash header.encode("utf-8") + b"\n"          # e.g. ["labels","<i4",[50000]]
+            header = json.dumps([name, a.dtype.str, a.dtype.name, list(a.shape)],
+                                separators=(",", ":"))    # json's defaults otherwise (ASCII)
+            hash header.encode("utf-8") + b"\n"          # e.g. ["labels","<i4","int32",[50000]]
             hash the bytes of a in C (row-major) order, each element as stored
-                 (dtype.str says its byte order: "<i4" and ">i4" are other bytes)
+
+    (dtype.str gives the byte order and size, "<i4" and ">i4" being other bytes;
+    dtype.name the kind, which dtype.str alone does not for ml_dtypes: float8_e4m3fn
+    and int4 are both "<V1").
 
     So it covers every name, dtype, shape and element of the data, and nothing else:
     not the order of the names in the mapping, not the memory layout (a strided view
@@ -474,8 +478,9 @@ def dataset_digest(arrays: Mapping) -> str:
     first time it makes or checks a state, and keeps it.
 
     ``arrays`` is a mapping of str names to arrays (anything ``numpy.asarray`` makes a
-    NumPy array of, NumPy's and ml_dtypes' dtypes; not of dtype object, whose bytes are
-    pointers): ValueError naming what is not."""
+    NumPy array of) of NumPy's number or bool dtypes or ml_dtypes' (bfloat16, the
+    float8s, int4): ValueError naming what is not (an object dtype, whose bytes are
+    pointers; a structured or raw void one, whose name does not say its fields)."""
     import hashlib
     import json
     where = "dataset_digest"
@@ -484,9 +489,11 @@ def dataset_digest(arrays: Mapping) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(arrays, key=lambda name: _named(where, name)):
         a = np.asarray(arrays[name])
-        if a.dtype.hasobject:
-            raise ValueError(f"{where}: arrays[{name!r}] is of dtype {a.dtype}, whose bytes are not its values")
-        header = json.dumps([name, a.dtype.str, list(a.shape)], separators=(",", ":"))
+        ml_dtype = a.dtype.type.__module__.split(".")[0] == "ml_dtypes"
+        if a.dtype.kind not in "biufc" and not ml_dtype:
+            raise ValueError(f"{where}: arrays[{name!r}] is of dtype {a.dtype}, not numbers or bools (an "
+                             f"object dtype's bytes are pointers, a structured one's name hides its fields)")
+        header = json.dumps([name, a.dtype.str, a.dtype.name, list(a.shape)], separators=(",", ":"))
         digest.update(header.encode("utf-8") + b"\n")
         if a.ndim == 0 or a.size == 0:
             digest.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))

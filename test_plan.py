@@ -1106,7 +1106,8 @@ def text_dataset_digest(arrays) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(arrays):
         a = np.asarray(arrays[name])
-        digest.update(json.dumps([name, a.dtype.str, list(a.shape)], separators=(",", ":")).encode("utf-8") + b"\n")
+        header = json.dumps([name, a.dtype.str, a.dtype.name, list(a.shape)], separators=(",", ":"))
+        digest.update(header.encode("utf-8") + b"\n")
         digest.update(a.tobytes(order="C"))
     return digest.hexdigest()
 
@@ -1157,8 +1158,12 @@ def test_dataset_digest_tells_other_data_apart():
     for what, other in changed.items():
         assert dataset_digest(other) != same, what
     assert dataset_digest({k: v.copy() for k, v in data.items()}) == same  # the control: a copy is the data
+    f8 = {"x": np.arange(12, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)}
+    assert np.dtype(ml_dtypes.int4).str == f8["x"].dtype.str == "<V1"  # why the header has dtype.name
+    assert dataset_digest(f8) != dataset_digest({"x": f8["x"].view(ml_dtypes.int4)})
     for bad, fragment in [([data["labels"]], "arrays must be a mapping"), ({1: data["labels"]}, "must be strings"),
-                          ({"a": np.array([object()])}, "dtype object")]:
+                          ({"a": np.array([object()])}, "dtype object"),
+                          ({"a": np.zeros(2, [("f", "<i4")])}, "not numbers or bools")]:
         assert_raises_naming(ValueError, lambda: dataset_digest(bad), "dataset_digest: ", fragment)
 
 
