@@ -238,12 +238,14 @@ def on_device(params: Params, device: jax.Device) -> Params:
 
 def check_dtypes(tree, where: str) -> None:
     """Raises ValueError naming the leaf if JAX would silently change a leaf's dtype:
-    a 64-bit NumPy or JAX array (float64, int64, complex128) while ``jax_enable_x64``
-    is off, which JAX narrows to 32 bits. Python scalars are weakly typed (JAX's own
-    rules) and pass."""
+    a 64-bit NumPy or JAX array or NumPy scalar (float64, int64, complex128) while
+    ``jax_enable_x64`` is off, which JAX narrows to 32 bits. Python's own scalars
+    (exactly bool, int, float, complex) are weakly typed (JAX's own rules) and pass;
+    ``np.float64(1.0)`` is not one of them, although it is a subclass of float (and
+    ``np.complex128`` of complex), and is refused like a float64 array."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         dtype = getattr(leaf, "dtype", None)
-        if dtype is None or isinstance(leaf, (int, float, complex)):
+        if dtype is None or type(leaf) in (bool, int, float, complex):
             continue
         narrowed = jax.dtypes.canonicalize_dtype(dtype)
         if narrowed != dtype:

@@ -1108,7 +1108,7 @@ def test_vendor_order_resumes_only_on_the_saved_shards(cache):
     same = saved_state(48, 4, 3, 2, **run)
     for got, want in zip(list(loader.epoch(1, state=same)), list(loader.epoch(1, start_step=2)), strict=True):
         assert_same_arrays(got, want, "vendor order, resumed on the saved shards")
-    assert loader.state(1, 3, state=same) == same.at_step(3)
+    assert loader.state(1, 3, state=same) == dataclasses.replace(same.at_step(3), dataset=loader.dataset)
     assert loader.real_samples(1, state=same) == int(loader.plan(1).mask[2:].sum())
     # Another shard count; another batch; these shards and batch, after a resize in the epoch.
     for other in (saved_state(48, 8, 2, 1, **run), saved_state(48, 4, 2, 1, **run),
@@ -1411,6 +1411,32 @@ def test_equal_size_shards_shuffle_differently(devices, cache):
         assert sorted(order.tolist()) == list(range(start, stop))  # control: each is its own shard
         local.append((order - start).tolist())
     assert local[0] != local[1], "both shards shuffled alike"
+
+
+
+# --------------------------------------------------------------------------
+# Issue 30.3: a state names its data, and DALI's loader checks it (through plan.Schedule)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", dali_loader.ORDERS)
+def test_a_state_of_other_data_is_refused_naming_dataset(cache, order):
+    run = dict(seed=5, shuffle=True, last_batch="fill")
+    images, labels = encoded(48)
+    loader = dali_loader.make_dali_loader((images, labels), cpu_devices(4), 3, cache_dir=cache, normalize=DALI,
+                                          order=order, **run)
+    reference = loaders.make_loader((images, (labels + 1) % 10), cpu_devices(4), 3, normalize=DALI, **run)
+    foreign = reference.state(1, 2)  # the same size and run, other labels
+    for what, call in [("epoch", lambda: loader.epoch(1, state=foreign)),
+                       ("state", lambda: loader.state(1, 3, state=foreign)),
+                       ("real_samples", lambda: loader.real_samples(1, state=foreign))]:
+        assert_raises_naming(ValueError, call, f"DaliLoader.{what}: the loader state was taken with dataset=",
+                             f"this run has dataset={loader.dataset!r}")
+    # The controls: its own state, and one the reference loader takes over the same data
+    # (the same digest: loaders.Loader.dataset), resume.
+    own = loader.state(1, 2)
+    assert own.dataset == loaders.make_loader((images, labels), cpu_devices(4), 3, normalize=DALI, **run).dataset
+    assert loader.real_samples(1, state=own) == loader.real_samples(1) - 24
 
 
 if __name__ == "__main__":

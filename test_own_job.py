@@ -17,7 +17,11 @@ functions only (no name starting with "_" is used in any job):
 
 * loaders.py: a dict dataset of the user's names delivers them (then "mask")
   as stored, every sample exactly once a fill epoch (from the plan's masks),
-  the batches are the plan's rows, resuming at step 30 gives the same steps,
+  the batches are the plan's rows, the state saved after step 30 resumes on 4
+  devices of batch 64 with every sample of the epoch delivered exactly once
+  (counted from the delivered features), through JSON, and names its data (a
+  state of other data of the same size is refused, naming ``dataset``),
+  start_step=30 on the same loader gives the same steps,
   the pmap layout stacks the same rows, shard k lives on devices[k] (devices
   given reversed), int64 labels are refused with the int32 fix, and
   one-channel images come out normalised by the table;
@@ -67,7 +71,10 @@ loader = loaders.make_loader(data, devices, batch_size=32, shuffle=True, seed=0)
 for batch in loader.epoch(0):  # global jax.Arrays, sharded over the devices
     x, y, mask = batch["x"], batch["y"], batch["mask"]  # (8*32, 40), (8*32,), (8*32,)
     # ... your step: weight each sample's loss by mask (False marks padding)
-resumed = loader.epoch(0, start_step=30)  # the same steps 30.. again: resume anywhere
+saved = loader.state(0, 30)  # after 30 steps of epoch 0; saved.to_json() goes in your checkpoint
+elsewhere = loaders.make_loader(data, devices[:4], batch_size=64, shuffle=True, seed=0)  # the same data
+resumed = elsewhere.epoch(0, state=saved)  # the rest of epoch 0: each sample not yet delivered, once
+again = loader.epoch(0, start_step=30)  # steps 30.. of this plan: only for the same devices and batch
 pmap_loader = loaders.make_loader(data, devices, batch_size=32, shuffle=True, seed=0,
                                   layout="pmap")  # (8, 32, ...) for jax.pmap
 
@@ -200,7 +207,20 @@ for s in (0, 17, len(loader) - 1):
     np.testing.assert_array_equal(np.asarray(batches[s]["y"]), labels[plan.indices[s].ravel()])
     np.testing.assert_array_equal(np.asarray(batches[s]["mask"]), plan.mask[s].ravel())
 assert batches[0]["x"].dtype == np.float32 and batches[0]["y"].dtype == np.int32
-for s, batch in enumerate(resumed, start=30):
+index = {row.tobytes(): i for i, row in enumerate(features)}  # the user's rows tell their samples apart
+delivered = lambda batch: [index[row.tobytes()] for row in np.asarray(batch["x"])[np.asarray(batch["mask"])]]
+before = [i for s in range(30) for i in delivered(batches[s])]
+after = [i for batch in resumed for i in delivered(batch)]
+assert sorted(before + after) == list(range(N)), "the resumed epoch: not every sample exactly once"
+from plan import LoaderState
+assert LoaderState.from_json(saved.to_json()) == saved and saved.dataset
+shuffled = {"x": features[::-1].copy(), "y": labels[::-1].astype(np.int32)}  # the same size, other data
+try:
+    loaders.make_loader(shuffled, devices[:4], batch_size=64, shuffle=True, seed=0).epoch(0, state=saved)
+    raise SystemExit("a state of other data was accepted")
+except ValueError as error:
+    assert "dataset=" in str(error), error
+for s, batch in enumerate(again, start=30):
     np.testing.assert_array_equal(np.asarray(batch["x"]), np.asarray(batches[s]["x"]))
 stacked = pmap_loader.batch(0, 5)
 assert stacked["x"].shape == (n, 32, 40) and stacked["mask"].shape == (n, 32)
@@ -463,6 +483,8 @@ def test_readme_holds_the_snippets():
         pytest.skip("README.md has no '<!-- own-job: NAME -->' markers yet: the proposed snippets in "
                     "test_own_job.SNIPPETS run instead (the lead pastes them)")
     assert set(snippets) == set(SNIPPETS), sorted(snippets)
+    for name in SNIPPETS:  # the copy here is the README's, word for word
+        assert snippets[name] == SNIPPETS[name], f"README.md's {name} snippet and test_own_job.SNIPPETS differ"
 
 
 def test_no_job_uses_a_private_name():
