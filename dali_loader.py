@@ -9,13 +9,17 @@ float32 CHW. Its outputs become row block k of global ``jax.Array``s through
 
 Stateless: ``epoch(e, start_step)`` builds its pipelines when its first step is
 asked for (a build takes about 2 ms on CPU) and drops them when the iterator
-ends or is closed. What it yields is a function of (seed, e, start_step, shard)
-and the loader's arguments, nothing else: epoch 3 read twice, by two loaders
+ends, is closed or collected, or is left unfinished at the interpreter's exit
+(``loaders.EpochIterator``: before modules are torn down, printing nothing).
+What it yields is a function of (seed, e, start_step, shard) and the loader's
+arguments, nothing else: epoch 3 read twice, by two loaders
 built alike, in any order of calls, after any other epoch, gives the same
 batches, and ``epoch(e, s)`` yields steps s.. of ``epoch(e)``.
 
 Resuming from a saved ``plan.LoaderState`` (``epoch(e, state=saved)``,
-``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning):
+``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning; every
+state names this loader's data, ``dataset``, and a state naming other data is
+refused, through ``plan.Schedule``, as the reference loader refuses it):
 
 * order="plan", on any device or process count and batch size: with ``st =
   saved.resized(n, B)`` and ``plan, row = st.plan()`` (``plan.elastic_plan``'s
@@ -355,6 +359,12 @@ class DaliLoader:
     def on_gpu(self) -> bool:
         return is_nvidia_gpu(self.mesh.devices.flat[0])
 
+    @property
+    def dataset(self) -> str:
+        """The identity of this loader's data, its spec's (``loaders.Loader.dataset``):
+        what every state names and is checked against, computed once."""
+        return self.spec.dataset
+
     def __len__(self) -> int:
         return len(self.spec)
 
@@ -394,13 +404,17 @@ class DaliLoader:
 
     def epoch(self, epoch: int, start_step: int = 0, *,
               state: LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
-        """Steps ``start_step .. len-1`` of ``epoch``, a function of (seed, epoch,
-        start_step, shard) alone; with ``state`` (a saved ``plan.LoaderState`` of
-        this run), the rest of the epoch it was taken in, from its step (the module
-        docstring's "Resuming"), and ``start_step`` must stay 0. Raises ValueError
-        for an epoch outside [0, 2**32), a state of another run or epoch, a
-        start_step with a state, or (order="vendor") a state of other shards;
-        IndexError for a start_step outside [0, len]; RuntimeError once closed."""
+        """With ``state`` (a saved ``plan.LoaderState`` of this run: the same data, seed,
+        shuffle and last_batch), the rest of the epoch it was taken in, from its step
+        (the module docstring's "Resuming"), and ``start_step`` must stay 0. Without
+        it, steps ``start_step .. len-1`` of this loader's own fresh plan, a function
+        of (seed, epoch, start_step, shard) alone: what another loader delivered there
+        only if it had the same logical shards and batch_size (``loaders.Loader``'s
+        last paragraph); after any other, resume from its state. Raises ValueError
+        for an epoch outside [0, 2**32), a state of another run (num_samples,
+        dataset, seed, shuffle, last_batch: named) or epoch, a start_step with a
+        state, or (order="vendor") a state of other shards; IndexError for a
+        start_step outside [0, len]; RuntimeError once closed."""
         if self.closed:
             raise RuntimeError("DaliLoader.epoch: the loader is closed")
         check_seed("epoch", epoch, "DaliLoader.epoch")
@@ -410,10 +424,10 @@ class DaliLoader:
                 raise ValueError(f"DaliLoader.epoch: start_step={start_step!r} with a state; the state "
                                  f"says where the epoch resumes (step {state.step})")
             plan, row = st.plan()  # one segment (0, n, B): epoch_plan, row = step
-            return _steps(self, epoch, plan, row)
+            return loaders.EpochIterator(_steps(self, epoch, plan, row))
         if not 0 <= start_step <= len(self):
             raise IndexError(f"start_step={start_step} is outside [0, {len(self)}]")
-        return _steps(self, epoch, self.plan(epoch), start_step)
+        return loaders.EpochIterator(_steps(self, epoch, self.plan(epoch), start_step))
 
     def close(self) -> None:
         """No further epochs. Pipelines live only while an epoch's iterator does."""

@@ -33,8 +33,9 @@ model trains on. Two orders:
   rocAL reads and decodes the records and runs crop_mirror_normalize; the mask
   is the plan's. The files are written (each atomically) into a temporary
   folder ``cache_dir/.rocal-epoch-<e>-*`` that the iterator deletes, with the
-  pipelines released, when it ends, is closed or is collected (its cost:
-  docs/vendors.md).
+  pipelines released, when it ends, is closed or is collected, or is left
+  unfinished at the interpreter's exit (``loaders.EpochIterator``: before modules
+  are torn down, printing nothing; its cost: docs/vendors.md).
 * ``order="vendor"``: rocAL's own order, for the conformance tests and to show
   what rocAL does. Pipelines are built per epoch too (stateless), over
   sharding="files" (shard k's records ``[N*k//n, N*(k+1)//n)`` as one file
@@ -82,7 +83,9 @@ an epoch of ``ceil(S_k/B)`` rocAL batches, one fewer than ``len()``: that step
 is filled here with B copies of the shard's last record, mask False.
 
 Resuming from a saved ``plan.LoaderState`` (``epoch(e, state=saved)``,
-``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning):
+``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning; every
+state names this loader's data, ``dataset``, and a state naming other data is
+refused, through ``plan.Schedule``, as the reference loader refuses it):
 
 * order="plan", on any device or process count and batch size: with ``st =
   saved.resized(n, B)`` and ``plan, row = st.plan()`` (``plan.elastic_plan``'s
@@ -161,7 +164,7 @@ from jax.sharding import Mesh
 import loaders
 from arithmetic import Normalize, aligned_empty
 from cifar_mnist import IMAGE_SHAPE, RECORD_BYTES, TRAIN_PREFIX, write_cifar10
-from plan import LoaderState, Plan, Schedule, check_seed, on_devices, shard_bounds
+from plan import LoaderState, Plan, Schedule, check_seed, dataset_digest, on_devices, shard_bounds
 
 INSTALL_HINT = (
     "the rocAL backend needs AMD rocAL's Python package amd.rocal, which is not on PyPI: on a "
@@ -328,8 +331,8 @@ class RocalLoader:
     ``{"images" float32, "labels" int32, "mask" bool}`` global arrays in
     ``layout``; ``epoch(e, state=saved)`` the rest of a saved epoch (the module
     docstring's "Resuming"). The loader holds no pipeline: each ``epoch()``
-    iterator builds its own, and releases them (and deletes its files) when it ends
-    or is closed, so epoch e is a function of (seed, e, start_step, shard) whatever
+    iterator builds its own, and releases them (and deletes its files) when it ends,
+    is closed or collected, or is left unfinished at exit, so epoch e is a function of (seed, e, start_step, shard) whatever
     was read before, and several epochs may be iterated at once.
     """
     images: np.ndarray = dataclasses.field(repr=False)  # uint8 (N, 3, 32, 32), read_cifar10's order
@@ -369,11 +372,23 @@ class RocalLoader:
     def num_samples(self) -> int:
         return len(self.labels)
 
+    @functools.cached_property
+    def dataset(self) -> str:
+        """The identity of this loader's data, ``plan.dataset_digest({"images": images,
+        "labels": labels})``: what ``loaders.make_loader`` over the same data gives, so a
+        state moves between the two. Computed the first time a state is made or
+        checked, then kept."""
+        return dataset_digest({"images": self.images, "labels": self.labels})
+
     @property
     def schedule(self) -> Schedule:
-        """This loader's epochs as pure schedule (plan.Schedule)."""
+        """This loader's epochs as pure schedule (plan.Schedule), its data's identity
+        (``dataset``) read when a state is made or checked."""
         return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
-                        self.last_batch)
+                        self.last_batch, dataset=self._dataset)
+
+    def _dataset(self) -> str:
+        return self.dataset
 
     def __len__(self) -> int:
         return self.schedule.steps
@@ -434,13 +449,17 @@ class RocalLoader:
 
     def epoch(self, epoch: int, start_step: int = 0, *,
               state: LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
-        """Steps ``start_step .. len()-1`` of ``epoch``; with ``state`` (a saved
-        ``plan.LoaderState`` of this run), the rest of the epoch it was taken in,
-        from its step (the module docstring's "Resuming"), and ``start_step`` must
-        stay 0. Raises ValueError for an epoch outside [0, 2**32), a state of another
-        run or epoch, a start_step with a state, or (order="vendor") a state of other
-        shards; IndexError for a start_step outside [0, len()]. The pipelines are
-        built, and the epoch's files written, at the first ``next()``."""
+        """With ``state`` (a saved ``plan.LoaderState`` of this run: the same data, seed,
+        shuffle and last_batch), the rest of the epoch it was taken in, from its step
+        (the module docstring's "Resuming"), and ``start_step`` must stay 0. Without
+        it, steps ``start_step .. len()-1`` of this loader's own fresh plan: what
+        another loader delivered there only if it had the same logical shards and
+        batch_size (``loaders.Loader``'s last paragraph); after any other, resume from
+        its state. Raises ValueError for an epoch outside [0, 2**32), a state of
+        another run (num_samples, dataset, seed, shuffle, last_batch: named) or epoch,
+        a start_step with a state, or (order="vendor") a state of other shards;
+        IndexError for a start_step outside [0, len()]. The pipelines are built, and
+        the epoch's files written, at the first ``next()``."""
         check_seed("epoch", epoch, "RocalLoader.epoch")
         if state is not None:
             st = self._resumed("RocalLoader.epoch", epoch, state)
@@ -448,14 +467,15 @@ class RocalLoader:
                 raise ValueError(f"RocalLoader.epoch: start_step={start_step!r} with a state; the state "
                                  f"says where the epoch resumes (step {state.step})")
             if self.order == "vendor":  # one segment (0, n, B): the saved shards' fresh epoch
-                return _vendor_steps(self, epoch, st.step)
+                return loaders.EpochIterator(_vendor_steps(self, epoch, st.step))
             plan, row = st.plan()
-            return _plan_steps(self, epoch, plan, row, st.step)
+            return loaders.EpochIterator(_plan_steps(self, epoch, plan, row, st.step))
         if not 0 <= start_step <= len(self):
             raise IndexError(f"RocalLoader.epoch: start_step={start_step} is outside [0, {len(self)}]")
         if self.order == "plan":
-            return _plan_steps(self, epoch, self.plan(epoch), start_step, start_step)
-        return _vendor_steps(self, epoch, start_step)
+            return loaders.EpochIterator(_plan_steps(self, epoch, self.plan(epoch), start_step,
+                                                     start_step))
+        return loaders.EpochIterator(_vendor_steps(self, epoch, start_step))
 
     def close(self) -> None:
         """Nothing to release: pipelines live as long as one epoch's iterator."""

@@ -2,8 +2,8 @@
 
 Every strategy has one signature::
 
-    strategy(params, batches, mesh, *, loss_terms, optimizer=sgd(0.001), opt_state=None)
-        -> Trained(params, losses, opt_state)
+    strategy(params, batches, mesh, *, loss_terms, optimizer=sgd(0.001), opt_state=None,
+             reduction="plain", logical_shards=None) -> Trained(params, losses, opt_state)
 
 * ``params``: any pytree of float arrays (a list of (w, b), a dict, ...). In and
   out they are host-side (NumPy), and so is ``opt_state``, so epochs chain by
@@ -39,6 +39,19 @@ Every strategy has one signature::
 * ``losses`` (steps,): each step's global masked loss, computed before that
   step's update, in the loss's dtype (float32 for float32 params). The mesh is
   one axis named 'data' (loaders.data_mesh).
+* ``reduction``: how a step's gradient is summed. "plain" (the default, the
+  notebooks'): each device's gradient, added across devices in the order the
+  collective picks; strategies and topologies then end apart by rounding, within
+  the bound equivalence.py measures. "canonical": the global batch is
+  ``logical_shards`` = L blocks of equal rows (default: one a device), each block's
+  gradient sum is computed by one program of one shape, the L sums are added in one
+  fixed order and divided by the step's global count of real samples, and the update
+  runs in a program of its own (``canonical_step``): the params, the optimizer state
+  and the losses are then the same bits on every mesh whose device count divides L,
+  in one process or several, through every strategy, and on one device adding the
+  L blocks as microbatches (``single``), at any learning rate. Feed it a loader with
+  the same logical shards (``loaders.make_loader(..., logical_shards=L)``), whose
+  global batch is the same on any such mesh. Cost: bench.py's canonical/plain table.
 
 The strategies:
 
@@ -64,14 +77,17 @@ CPU devices they do not: XLA's CPU compiler keeps a copy for a donated state, so
 the peak stays the same and the copy costs time (``donates``).
 
 Guarantees (test_strategies.py and test_equivalence.py), after the same steps on
-the same global batches, masks included, at matmul precision "highest": every
-strategy applies the update in one shared program (``apply_program``), so the
-strategies differ only in their gradient programs; pmap and shard_map add the same
-sums for a leaf used once (bit-identical on CPU, measured on every model tested) but
-not for a leaf used twice (a tied embedding: shard_map's transpose psums each use's
-gradient, pmap psums their sum), so they are not one program; every pair of
-strategies ends within the bound that equivalence.py derives (``equivalence.verdict``),
-a model checked by measurement, not a proof.
+the same global batches, masks included, at matmul precision "highest": with
+reduction="canonical", the same bits on every topology, every strategy, every
+optimizer and rate tested (ReLU and attention models; SGD, Adam, AdamW with
+clipping; chaotic rates), across processes too. With the plain reduction, every
+strategy's plain step computes its gradient in a program of its own and shares one
+update program (``apply_program``), so the strategies differ only in their gradient
+programs: pmap and shard_map add the same sums for a leaf used once (bit-identical on
+CPU, measured on every model tested) but not for a leaf used twice (a tied embedding:
+shard_map's transpose psums each use's gradient, pmap psums their sum); every pair of
+strategies ends within the bound that equivalence.py derives (``equivalence.verdict``,
+``equivalence.stepwise_verdict``), a model checked by measurement, not a proof.
 
 Devices: every strategy runs on exactly the mesh's devices, in mesh order
 (pmap is given them explicitly; single uses the mesh's first device), never
@@ -92,7 +108,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 AXIS = "data"  # the mesh axis the batch is sharded on (loaders.DATA_AXIS)
 LAYOUT = {"sharded": "sharded", "pmap": "pmap", "shard_map": "sharded", "single": "sharded"}
@@ -225,12 +241,14 @@ def on_device(params: Params, device: jax.Device) -> Params:
 
 def check_dtypes(tree, where: str) -> None:
     """Raises ValueError naming the leaf if JAX would silently change a leaf's dtype:
-    a 64-bit NumPy or JAX array (float64, int64, complex128) while ``jax_enable_x64``
-    is off, which JAX narrows to 32 bits. Python scalars are weakly typed (JAX's own
-    rules) and pass."""
+    a 64-bit NumPy or JAX array or NumPy scalar (float64, int64, complex128) while
+    ``jax_enable_x64`` is off, which JAX narrows to 32 bits. Python's own scalars
+    (exactly bool, int, float, complex) are weakly typed (JAX's own rules) and pass;
+    ``np.float64(1.0)`` is not one of them, although it is a subclass of float (and
+    ``np.complex128`` of complex), and is refused like a float64 array."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         dtype = getattr(leaf, "dtype", None)
-        if dtype is None or isinstance(leaf, (int, float, complex)):
+        if dtype is None or type(leaf) in (bool, int, float, complex):
             continue
         narrowed = jax.dtypes.canonicalize_dtype(dtype)
         if narrowed != dtype:
@@ -293,7 +311,9 @@ def single(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: L
     if reduction == "plain":
         jitted = sharded_step(loss_terms, optimizer.update)
     else:  # one device adds its L logical blocks as microbatches
-        jitted = canonical_step(loss_terms, optimizer.update, Mesh(np.array([device]), (AXIS,)), L)
+        # The mesh loaders.data_mesh([device]) builds (Auto axes), so a step compiled for it is reused.
+        jitted = canonical_step(loss_terms, optimizer.update,
+                                Mesh(np.array([device]), (AXIS,), axis_types=(AxisType.Auto,)), L)
     step = lambda state, batch: jitted(state, jax.device_put(batch, device))
     state = on_device(start_state("single", optimizer, params, opt_state, mesh), device)
     state, losses = train_loop(step, state, checked(batches, "single", mesh, L))

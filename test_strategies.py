@@ -411,3 +411,18 @@ def test_stack_losses_stacks_any_pytree(devices):
     sharded = jax.device_put(np.arange(2, dtype=np.float32), NamedSharding(mesh, P("data")))
     with pytest.raises(ValueError, match=r"is sharded .*pass one replica"):
         strategies.stack_losses([sharded])
+
+
+# --------------------------------------------------------------------------
+# Issue 30.7: check_dtypes refuses a NumPy 64-bit scalar leaf (np.float64 is a Python float)
+# --------------------------------------------------------------------------
+
+
+def test_check_dtypes_refuses_a_numpy_float64_scalar():
+    # Why it matters: without x64, JAX narrows the scalar to float32 in silence.
+    assert not jax.config.jax_enable_x64 and jnp.asarray(np.float64(0.1)).dtype == jnp.float32
+    for leaf, name in ((np.float64(0.1), "float64"), (np.complex128(1j), "complex128"), (np.int64(3), "int64")):
+        with pytest.raises(ValueError, match=rf"where: leaf \['lr'\] is {name}, which JAX would silently train"):
+            strategies.check_dtypes({"lr": leaf}, "where")
+    # the control: Python's own scalars are weakly typed and pass, and so does a float32 scalar
+    strategies.check_dtypes({"a": 0.1, "b": 3, "c": True, "d": 1j, "e": np.float32(0.1)}, "where")
