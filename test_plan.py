@@ -48,7 +48,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import (EPOCHS, POLICIES, SEEDS, assert_raises_naming, assert_same_bits, examples,
                       expected_steps)
 from plan import (LoaderState, Plan, elastic_num_steps, elastic_plan, epoch_plan, num_steps,
-                  remaining_samples, shard_bounds, shard_permutation)
+                  remaining_samples, resume_state, shard_bounds, shard_permutation)
 
 
 @st.composite
@@ -981,3 +981,50 @@ def test_from_json_refuses_what_is_not_a_state():
         with pytest.raises(ValueError) as info:
             LoaderState.from_json(bad)
         assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
+
+
+# --------------------------------------------------------------------------
+# The state every backend gives and takes (LoaderState.saved_at, resume_state): held here,
+# where the mutation run (mutation.py pure) found them held only by the loaders' tests
+# --------------------------------------------------------------------------
+
+
+def test_saved_at_is_at_step_and_a_resumed_state_refuses_only_steps_before_its_own():
+    # saved_at: at_step(step), its ValueError prefixed with ``where`` and the step; with
+    # resumed, a step before the state's own is refused, that step and later ones are not.
+    state = LoaderState(7, 0, 0, 1, False, "fill", ((0, 2, 2), (1, 3, 1)))
+    for resumed in (False, True):
+        for step in (1, 2):  # the state's own step and the epoch's end
+            assert state.saved_at("Loader.state", step, resumed=resumed) == state.at_step(step)
+        assert_raises_naming(ValueError, lambda: state.saved_at("Loader.state", 3, resumed=resumed),
+                             "Loader.state: step=3: ", "step=3 is outside [1, 2]")
+    fresh = LoaderState.start(7, 2, 2)
+    assert fresh.saved_at("Loader.state", 0, resumed=True) == fresh
+    later = fresh.at_step(1)
+    assert later.saved_at("Loader.state", 1, resumed=True) == later
+    assert later.saved_at("Loader.state", 2, resumed=True) == fresh.at_step(2)
+    assert later.saved_at("Loader.state", 0, resumed=False) == fresh  # not resumed: any step
+    for step in (0, -1, 1.0, "1"):
+        assert_raises_naming(ValueError, lambda: later.saved_at("Loader.state", step, resumed=True),
+                             f"Loader.state: step={step!r} is before the state's step 1")
+
+
+def test_resume_state_checks_the_type_the_run_and_the_epoch_then_resizes():
+    # resume_state: a LoaderState, of this run (check_same_run), of this epoch (either
+    # neighbour refused), resized to these shards; ValueError naming ``where`` otherwise.
+    state = LoaderState.start(100, 4, 8, epoch=5, seed=3, shuffle=True).at_step(2)
+    run = dict(num_samples=100, seed=3, shuffle=True, last_batch="fill")
+    for n, B in ((4, 8), (3, 5), (1, 1)):
+        assert resume_state("Loader", state, 5, **run, num_shards=n, batch_size=B) == state.resized(n, B)
+    for epoch in (4, 6):
+        assert_raises_naming(ValueError, lambda: resume_state("Loader", state, epoch, **run, num_shards=4,
+                                                              batch_size=8),
+                             f"Loader: epoch={epoch}, but the state is of epoch 5")
+    for name, value in (("num_samples", 99), ("seed", 4), ("shuffle", False), ("last_batch", "drop")):
+        assert_raises_naming(ValueError, lambda: resume_state("Loader", state, 5, **{**run, name: value},
+                                                              num_shards=4, batch_size=8),
+                             "Loader: ", f"{name}=")
+    for other in (None, state.to_json(), dataclasses.asdict(state)):
+        assert_raises_naming(ValueError, lambda: resume_state("Loader", other, 5, **run, num_shards=4,
+                                                              batch_size=8),
+                             "Loader: state must be a plan.LoaderState", type(other).__name__)
