@@ -1150,3 +1150,26 @@ def test_shard_blocks_in_both_layouts():
         conformance.shard_blocks(x, 5)
     with pytest.raises(ValueError, match="'pmap' batch must be"):
         conformance.shard_blocks(x, 3, "pmap")
+
+
+# --------------------------------------------------------------------------
+# real_first (used by test_rocal.py alone until the mutation run asked for its own test)
+# --------------------------------------------------------------------------
+
+
+def test_real_first_moves_every_real_slot_first_in_order_and_keeps_the_shapes():
+    # "Each shard's slots reordered real first (stable)": for every shard, the real
+    # slots in their order, then the padding in its order; masks the same way, cut to
+    # the batches that arrived; each shard (steps, B) as it came.
+    delivered = [np.arange(6).reshape(3, 2), np.arange(10, 16).reshape(3, 2), np.arange(20, 24).reshape(2, 2)]
+    masks = [np.array([[False, True], [True, False], [False, True]]),
+             np.ones((3, 2), bool),
+             np.array([[False, False], [False, False], [True, True]])]  # a batch more than arrived
+    got, got_masks = conformance.real_first(delivered, masks)
+    want = [[1, 2, 5, 0, 3, 4], list(range(10, 16)), [20, 21, 22, 23]]
+    want_masks = [[True] * 3 + [False] * 3, [True] * 6, [False] * 4]
+    assert len(got) == len(got_masks) == 3
+    for k in range(3):
+        assert got[k].shape == got_masks[k].shape == delivered[k].shape
+        assert got[k].ravel().tolist() == want[k], k
+        assert got_masks[k].ravel().tolist() == want_masks[k], k
