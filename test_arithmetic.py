@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from arithmetic import ARITHMETICS, Normalize, crop_anchor, crop_mirror_normalize, normalize_table
+from arithmetic import ARITHMETICS, Normalize, crop_anchor, crop_mirror_normalize, crop_window, normalize_table
 from conftest import (NOT_DOUBLES, SEEDS, assert_raises_naming, assert_same_bits, crop_cases, examples,
                       text_normalize_table, text_r32)
 
@@ -413,3 +413,44 @@ def test_crop_mirror_normalize_is_its_docstring(mean_std, crop, crop_pos, mirror
         return
     want = text_crop_mirror_normalize(images, crop, crop_pos, mirror, mean, std, arithmetic)
     np.testing.assert_array_equal(got.view(np.uint32), want)
+
+
+
+# --------------------------------------------------------------------------
+# Normalize's methods are the functions they name (test_arithmetic.py's own test of them)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm", [
+    Normalize(),
+    Normalize(mean=(1.0, 2.0, 3.0), std=(4.0, -5.0, 6.0), mirror=True, crop=(5, 7), crop_pos=(0.25, 0.75),
+              arithmetic="dali_cpu"),
+    Normalize(mean=(0.0,), std=(255.0,), crop=(12, 1), crop_pos=(1.0, 0.0), arithmetic="dali_gpu"),
+], ids=["default", "every field", "one channel"])
+def test_normalize_is_crop_mirror_normalize_with_its_fields(norm):
+    # A Normalize applies crop_mirror_normalize with its own mean, std, mirror, crop,
+    # crop_pos and arithmetic (into ``out`` when given); window is crop_window's, and
+    # output_shape is (C, ch, cw) of that window, the shape __call__ returns.
+    c = len(norm.mean)
+    images = np.random.default_rng(c).integers(0, 256, (2, c, 12, 10), dtype=np.uint8)
+    want = crop_mirror_normalize(images, crop=norm.crop, mirror=norm.mirror, mean=norm.mean, std=norm.std,
+                                 crop_pos=norm.crop_pos, arithmetic=norm.arithmetic)
+    assert_same_bits(norm(images), want, "Normalize()(images)")
+    out = np.full(want.shape, np.nan, np.float32)
+    assert norm(images, out=out) is out
+    assert_same_bits(out, want, "Normalize()(images, out=)")
+    window = crop_window((12, 10), norm.crop, norm.crop_pos, norm.arithmetic)
+    assert norm.window((12, 10)) == window
+    assert norm.output_shape((c, 12, 10)) == (c,) + tuple(window[2:]) == want.shape[1:]
+
+
+def test_normalize_output_shape_refuses_what_does_not_fit_naming_why():
+    norm = Normalize()
+    assert_raises_naming(ValueError, lambda: norm.output_shape((12, 10)), "(N, C, H, W)", "(12, 10)")
+    assert_raises_naming(ValueError, lambda: norm.output_shape((1, 3, 12, 10)), "(N, C, H, W)")
+    assert_raises_naming(ValueError, lambda: norm.output_shape((12, 10, 3)), "mean and std need 12 entries",
+                         "channels-last (NHWC)", "transpose(0, 3, 1, 2)")
+    with pytest.raises(ValueError) as info:
+        norm.output_shape((2, 12, 10))
+    assert "need 2 entries" in str(info.value) and "NHWC" not in str(info.value)
+    assert_raises_naming(ValueError, lambda: Normalize(crop=(13, 4)).output_shape((3, 12, 10)), "crop")

@@ -47,7 +47,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import (EPOCHS, POLICIES, SEEDS, assert_raises_naming, assert_same_bits, examples,
                       expected_steps)
-from plan import (LoaderState, Plan, elastic_num_steps, elastic_plan, epoch_plan, num_steps,
+from plan import (LoaderState, Plan, Schedule, elastic_num_steps, elastic_plan, epoch_plan, num_steps,
                   remaining_samples, resume_state, shard_bounds, shard_permutation)
 
 
@@ -1028,3 +1028,36 @@ def test_resume_state_checks_the_type_the_run_and_the_epoch_then_resizes():
         assert_raises_naming(ValueError, lambda: resume_state("Loader", other, 5, **run, num_shards=4,
                                                               batch_size=8),
                              "Loader: state must be a plan.LoaderState", type(other).__name__)
+
+
+@pytest.mark.parametrize("seed, shuffle, last_batch", [(0, False, "fill"), (7, True, "drop"), (3, True, "fill")])
+def test_schedule_is_its_docstring(seed, shuffle, last_batch):
+    # Schedule: steps, plan(e), resumed(...), state(...) and real_samples(...) as its
+    # docstring defines each, every argument passed on (N=23 on 3 shards of 4).
+    s = Schedule(23, 3, 4, seed=seed, shuffle=shuffle, last_batch=last_batch)
+    run = dict(seed=seed, shuffle=shuffle, last_batch=last_batch)
+    assert s.steps == num_steps(23, 3, 4, last_batch)
+    for epoch in (0, 1, 2**32 - 1):
+        want = epoch_plan(23, 3, 4, epoch=epoch, **run)
+        assert_same_bits(s.plan(epoch).indices, want.indices, f"plan({epoch})")
+        assert_same_bits(s.plan(epoch).mask, want.mask, f"plan({epoch}).mask")
+        assert s.real_samples("Loader", epoch) == int(want.mask.sum())
+        for step in (0, s.steps):
+            assert s.state("Loader", epoch, step) == LoaderState.start(23, 3, 4, epoch=epoch, **run).at_step(step)
+        for step in (-1, s.steps + 1):
+            assert_raises_naming(ValueError, lambda: s.state("Loader", epoch, step), "Loader: step=")
+    for epoch in (-1, 2**32):
+        assert_raises_naming(ValueError, lambda: s.state("Loader", epoch), "Loader: epoch=")
+    # Resumed from a state taken on 2 shards of 5 at step 1: resized to these shards.
+    other = LoaderState.start(23, 2, 5, epoch=4, **run).at_step(1)
+    resumed = s.resumed("Loader", 4, other)
+    assert resumed == other.resized(3, 4)
+    end = resumed.num_steps
+    for step in (1, end):
+        assert s.state("Loader", 4, step, state=other) == resumed.at_step(step)
+    for step in (0, end + 1):
+        assert_raises_naming(ValueError, lambda: s.state("Loader", 4, step, state=other), "Loader: step=")
+    plan, row = resumed.plan()
+    assert s.real_samples("Loader", 4, state=other) == int(plan.mask[row:].sum())
+    assert_raises_naming(ValueError, lambda: s.state("Loader", 5, 1, state=other), "Loader: epoch=5")
+    assert_raises_naming(ValueError, lambda: s.real_samples("Loader", 3, state=other), "Loader: epoch=3")
