@@ -61,30 +61,45 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 
-# The modules each set mutates, and the test files that judge them.
+# The modules each set mutates, each with the test files that judge it: a mutant of a
+# module is tested by the tests of its own files that reach its function (see
+# ``_own_tests_fastest_first``), so that a module's score is what its own tests hold.
 SETS = {
     "pure": {
-        "modules": ["plan.py", "arithmetic.py", "cifar_mnist.py", "conformance.py", "equivalence.py",
-                    "model.py"],
-        "tests": ["test_plan.py", "test_arithmetic.py", "test_cifar_mnist.py", "test_conformance.py",
-                  "test_equivalence.py", "test_model.py"],
+        "plan.py": ["test_plan.py"],
+        "arithmetic.py": ["test_arithmetic.py"],
+        "cifar_mnist.py": ["test_cifar_mnist.py"],
+        "conformance.py": ["test_conformance.py"],
+        "equivalence.py": ["test_equivalence.py"],
+        "model.py": ["test_model.py"],
     },
     "vendor": {
-        "modules": ["loaders.py", "strategies.py", "dali_loader.py", "rocal_loader.py", "checkpoints.py",
-                    "refimpl.py"],
-        "tests": ["test_loaders.py", "test_loaders_any_data.py", "test_loaders_resume.py",
-                  "test_strategies.py", "test_dali.py", "test_rocal.py", "test_checkpoints.py",
-                  "test_refimpl.py", "test_multiprocess.py", "test_own_job.py"],
+        "loaders.py": ["test_loaders.py", "test_loaders_any_data.py", "test_loaders_resume.py"],
+        "strategies.py": ["test_strategies.py"],
+        "dali_loader.py": ["test_dali.py"],
+        "rocal_loader.py": ["test_rocal.py"],
+        "checkpoints.py": ["test_checkpoints.py"],
+        "refimpl.py": ["test_refimpl.py", "test_multiprocess.py"],
     },
 }
+
+
+def test_files(name: str) -> list[str]:
+    return sorted({f for files in SETS[name].values() for f in files})
+
 
 # Every project file a test may import or read; each set's folder links to all of them.
 PROJECT_FILES = ["*.py", "pytest.ini", "README.md"]
 
-# Imported by the fork server before it forks a mutant's process: slow to import, and
-# none of them starts a JAX backend (that would deadlock the forked processes).
+# Imported by the fork server before it forks a mutant's process, so that no mutant pays
+# for them: the slow third-party imports, then the project's modules (mutated: megabytes
+# of source each). None of them starts a JAX backend or a thread at import (a backend or
+# thread in the server would deadlock the forked processes); conftest.py does, so it is
+# imported by each mutant's process.
 PRELOAD = ["numpy", "jax", "jax.numpy", "jax.sharding", "hypothesis", "pytest", "xdist",
-           "pytest_timeout"]
+           "pytest_timeout", "plan", "arithmetic", "cifar_mnist", "conformance", "model",
+           "strategies", "equivalence", "loaders", "checkpoints", "dali_loader", "rocal_loader",
+           "refimpl"]
 
 DECORATORS_TO_MUTATE_UNDER = {"functools.lru_cache", "functools.cache", "jax.jit"}
 
@@ -100,12 +115,12 @@ def mutmut_config(name: str) -> str:
     option("source_paths", sorted(p.name for pattern in PROJECT_FILES for p in ROOT.glob(pattern)
                                   if p.suffix == ".py" and p.name != "mutation.py"
                                   and not p.name.startswith("test_") and p.name != "conftest.py"))
-    option("only_mutate", s["modules"])
+    option("only_mutate", list(s))
     option("also_copy", ["conftest.py", "pytest.ini", "README.md"])
     # -n 0: pytest.ini's xdist workers off (mutmut runs pytest in its own process);
     # no cache provider: nothing written next to the mutants.
     option("pytest_add_cli_args", ["-n", "0", "-p", "no:cacheprovider"])
-    option("pytest_add_cli_args_test_selection", s["tests"])
+    option("pytest_add_cli_args_test_selection", test_files(name))
     lines += [
         "process_isolation = forkserver",
         "forkserver_warmup = import",
@@ -203,6 +218,31 @@ def _mutate_decorated() -> None:
     file_mutation.MutationVisitor._skip_node_and_children = skip_unless_allowed
 
 
+def _own_tests_fastest_first(name: str) -> None:
+    """After mutmut has loaded its call statistics (which tests reached which function),
+    keeps for each function only the tests in its module's own files (SETS), and hands
+    them out fastest first: mutmut stops at the first failing test (-x), so a mutant that
+    a quick test kills costs that test, not the slow ones (mutmut's order is a set's)."""
+    import mutmut.__main__ as main
+    from mutmut.state import state
+    collect = main.collect_or_load_stats
+
+    def collect_then_filter(*args, **kwargs):
+        collect(*args, **kwargs)
+        durations = state().duration_by_test
+
+        class FastestFirst(set):
+            def __iter__(self):
+                return iter(sorted(set.__iter__(self), key=lambda t: (durations.get(t, 0.0), t)))
+
+        mapping = state().tests_by_mangled_function_name
+        for key in list(mapping):
+            own = SETS[name].get(key.split(".")[0] + ".py", [])
+            mapping[key] = FastestFirst(t for t in mapping[key] if t.split("::")[0] in own)
+
+    main.collect_or_load_stats = collect_then_filter
+
+
 def mutmut(name: str, args: list[str]) -> None:
     """mutmut's command line, run in the set's folder (in this process: the patch above)."""
     folder = prepare(name)
@@ -211,8 +251,13 @@ def mutmut(name: str, args: list[str]) -> None:
                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     os.environ.setdefault("HYPOTHESIS_PROFILE", "ci")  # derandomised: the same examples every run
+    # Bytecode on (a PYTHONDONTWRITEBYTECODE=1 environment has it off): a mutated module is
+    # megabytes of source, compiled once instead of once per mutant (6 of a mutant's 7 s).
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
     _mutate_decorated()
     _exclude_messages()
+    _own_tests_fastest_first(name)
     from mutmut.__main__ import cli
     try:
         cli.main(args, prog_name=f"mutation.py {name}", standalone_mode=False)
@@ -236,7 +281,7 @@ def verdicts(name: str) -> dict[str, dict[str, str]]:
     """{module: {mutant: status}} from mutmut's records in the set's folder."""
     from mutmut.stats import status_by_exit_code
     out = {}
-    for module in SETS[name]["modules"]:
+    for module in SETS[name]:
         meta = ROOT / ".mutation" / name / "mutants" / (module + ".meta")
         if meta.exists():
             codes = json.loads(meta.read_text())["exit_code_by_key"]
@@ -256,7 +301,10 @@ def planted_line(text: str) -> str:
 
 
 def table(name: str) -> None:
-    """The per-module score: survivors argued equivalent are counted apart (and checked)."""
+    """The per-module score, from mutmut's verdicts: survivors argued equivalent
+    (mutation-equivalent.txt) are counted apart, each checked against its mutant's diff.
+    Score: (killed + timeout) / (checked - equivalent); "no tests" counts against it (no
+    test of the module's own files reaches that function)."""
     known = equivalents()
     rows, stale = [], []
     for module, by_mutant in verdicts(name).items():
@@ -268,19 +316,20 @@ def table(name: str) -> None:
                     equivalent += 1
                 else:
                     stale.append(mutant)
-        survived = count["survived"] - equivalent
-        other = sum(v for k, v in count.items() if k not in ("killed", "survived"))
-        judged = count["killed"] + survived
-        score = f"{100 * count['killed'] / judged:.1f}%" if judged else "-"
-        rows.append((module, sum(count.values()), count["killed"], equivalent, survived,
-                     ", ".join(f"{v} {k}" for k, v in sorted(count.items())
-                               if k not in ("killed", "survived")) or "-", score))
-        del other
-    print(f"| module | mutants | killed | equivalent | survived | other | killed of non-equivalent |")
-    print("|---|---|---|---|---|---|---|")
+        count["survived"] -= equivalent
+        detected = count["killed"] + count["timeout"]
+        judged = sum(count.values()) - count["not checked"]
+        score = f"{100 * detected / judged:.1f}%" if judged else "-"
+        rest = ", ".join(f"{v} {k}" for k, v in sorted(count.items())
+                         if v and k not in ("killed", "survived", "not checked"))
+        rows.append((module, sum(count.values()) + equivalent, count["killed"], equivalent,
+                     count["survived"], rest or "-", count["not checked"] or "-", score))
+    print("| module | mutants | killed | equivalent | survived | other | not checked yet | score |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(str(x) for x in row) + " |")
-    print(f"\n`nice python mutation.py {name}`, mutmut 3.8.1, {date.today().isoformat()}")
+    print(f"\n`nice python mutation.py {name}`, mutmut 3.8.1, {date.today().isoformat()}; score = "
+          f"(killed + timeout) / (checked - equivalent)")
     for mutant in stale:
         print(f"mutation-equivalent.txt: {mutant} no longer plants {known[mutant][0]!r}: argue it again")
 
@@ -303,7 +352,7 @@ def excluded(name: str) -> None:
     configuration._config = configuration.Config.__new__(configuration.Config)
     configuration._config.do_not_mutate_patterns = []
     by_pattern = pragma_handling.get_lines_ignored_by_pattern
-    for module in SETS[name]["modules"]:
+    for module in SETS[name]:
         code = (ROOT / module).read_text()
         counts = []
         for extra in (lambda source: set(), message_lines):

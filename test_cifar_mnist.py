@@ -270,3 +270,13 @@ def test_synthetic_mnist_writes_into_an_existing_folder_and_defaults_to_seed_0(t
     first = read_mnist(tmp_path)[0].copy()
     assert synthetic_mnist(tmp_path, num_train=4, num_test=2) == str(tmp_path)
     np.testing.assert_array_equal(read_mnist(tmp_path)[0], first)
+
+
+def test_synthetic_mnist_across_a_4096_image_chunk_holds_every_class(tmp_path):
+    # num_train is any count (here one past the generator's 4096-image chunk, both sides of
+    # its edge in one file), and the labels are CIFAR/MNIST classes: every one of 0..9 drawn.
+    synthetic_mnist(tmp_path, num_train=4097, num_test=1, seed=1)
+    images, labels = read_mnist(tmp_path)
+    assert images.shape == (4097, 1, 28, 28) and labels.shape == (4097,)
+    assert sorted(set(labels.tolist())) == list(range(10))
+    assert len(set(map(bytes, images[4094:4098]))) == 3  # the chunk's last two and the next: images
