@@ -454,3 +454,27 @@ def test_normalize_output_shape_refuses_what_does_not_fit_naming_why():
         norm.output_shape((2, 12, 10))
     assert "need 2 entries" in str(info.value) and "NHWC" not in str(info.value)
     assert_raises_naming(ValueError, lambda: Normalize(crop=(13, 4)).output_shape((3, 12, 10)), "crop")
+
+
+
+def test_normalize_values_are_equal_and_hash_alike_exactly_when_every_field_is_the_same():
+    # "Two Normalize are equal (and hash alike) exactly when every field is the same,
+    # floats bit for bit": equal values built from other types hash alike; a change of
+    # any one field, each float entry included (0.0 and -0.0 too), makes another value.
+    base = dict(mean=(1.0, 2.0, 0.0), std=(4.0, 5.0, 6.0), mirror=False, crop=(5, 7), crop_pos=(0.25, 0.75),
+                arithmetic="rocal")
+    a = Normalize(**base)
+    same = Normalize(mean=[1, 2, 0], std=np.array([4.0, 5.0, 6.0]), mirror=np.bool_(False), crop=[5, 7],
+                     crop_pos=(np.float32(0.25), 0.75), arithmetic="rocal")
+    assert a == same and hash(a) == hash(same) and len({a, same}) == 1
+    changes = [("mirror", True), ("crop", (5, 6)), ("crop", None), ("arithmetic", "dali_cpu")]
+    for name in ("mean", "std", "crop_pos"):
+        for i in range(len(base[name])):
+            value = list(base[name])
+            value[i] = -0.0 if value[i] == 0.0 else value[i] + 0.5
+            changes.append((name, tuple(value)))
+    for name, value in changes:
+        other = Normalize(**{**base, name: value})
+        assert other != a and a != other, (name, value)
+    assert Normalize(mean=(0.0,), std=(1.0,)) != Normalize(mean=(-0.0,), std=(1.0,))
+    assert Normalize(mean=(1.0,), std=(1.0,)) != Normalize(mean=(1.0, 1.0), std=(1.0, 1.0))
