@@ -280,3 +280,14 @@ def test_synthetic_mnist_across_a_4096_image_chunk_holds_every_class(tmp_path):
     assert images.shape == (4097, 1, 28, 28) and labels.shape == (4097,)
     assert sorted(set(labels.tolist())) == list(range(10))
     assert len(set(map(bytes, images[4094:4098]))) == 3  # the chunk's last two and the next: images
+
+
+def test_uncompressed_mnist_images_are_a_read_only_memory_map(tmp_path):
+    # read_mnist: "uncompressed images are a read-only memory map" (gzipped ones are read).
+    images, labels = random_mnist(7, 3)
+    write_mnist(tmp_path, "train", images, labels)
+    got, _ = read_mnist(tmp_path)
+    assert memmap_backed(got) and not got.flags.writeable
+    with pytest.raises(ValueError):
+        got[0, 0, 0, 0] = 1
+    np.testing.assert_array_equal(read_mnist(tmp_path)[0], images)  # the file is as written

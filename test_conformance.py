@@ -1227,3 +1227,25 @@ def test_content_names_up_to_8_ulps_as_another_arithmetic_and_not_beyond(ulps):
                                           ref_labels, norm)
     assert text == ("3 images differ from the rocal table of their sample; they equal the mirrored "
                     "images: mirror=0 was not honoured")
+
+
+@pytest.mark.parametrize("resized", [False, True], ids=["describe_epoch", "describe_resized_epoch"])
+def test_any_partition_flags_sample_N_and_not_sample_N_minus_1(resized):
+    # partition="any": "no sample outside range(N)", at the dataset's end on both sides:
+    # sample N (one past the last) is outside, sample N - 1 is not.
+    N, n, B = 1003, 8, 16
+    delivered, masks = strided_epoch(N, n, B)
+    found = {}
+    for sample in (N - 1, N):
+        got = delivered.copy()
+        got[2, 5, 1] = sample
+        if resized:
+            found[sample] = conformance.describe_resized_epoch(
+                [got], N, [(0, n, B)], epoch=0, seed=0, shuffle=False, last_batch="fill", masks=[masks],
+                length=len(got), partition="any")
+        else:
+            found[sample] = conformance.describe_epoch(got, N, B, partition="any", shuffle=False,
+                                                       last_batch="fill", length=len(got), masks=masks)
+    assert "outside the dataset" not in found[N - 1].kinds, found[N - 1].report()
+    [(_, _, steps, samples)] = found[N].kinds["outside the dataset"]
+    assert samples == {N} and steps == {2}
