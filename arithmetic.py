@@ -19,6 +19,13 @@ exactly when their tables and windows are.
 Deliberate difference from rocAL: a crop larger than the image is an error
 here; rocAL silently clamps it.
 
+Inputs, everywhere in this module: an int parameter (a size, a crop, a shape) takes a
+Python or NumPy integer, never a bool and never a float, even a whole one; a real
+number (a mean, a std, a crop position) takes what ``normalize_table`` states, never
+a bool; a bool parameter (mirror) takes Python's or NumPy's bool, not 0 or 1. A
+wrong type or value raises ValueError at the call, naming the function, the
+parameter and the value.
+
 Imports: NumPy only. Imported by loaders.py, conformance.py, dali_loader.py,
 rocal_loader.py and refimpl.py. NumPy >= 1.25.
 """
@@ -65,10 +72,15 @@ ARITHMETICS = ("rocal", "dali_cpu", "dali_gpu")
 def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str = "rocal") -> np.ndarray:
     """(C, 256) float32: the vendor's normalised value of each uint8 pixel value, per channel.
 
-    Inputs: ``mean`` and ``std`` hold C real numbers each (``numbers.Real``: Python
-    ints and floats, ``fractions.Fraction``, NumPy integer and floating scalars,
-    ``np.longdouble`` included; also 0-d NumPy or JAX arrays of an integer or
-    float dtype, as iterating a JAX array gives). Each entry is converted by Python's ``float()``
+    Inputs: ``mean`` and ``std`` are each a sequence (a list, a tuple, a 1-d NumPy or
+    JAX array; not a set, whose order is not defined, nor a generator) of C real
+    numbers: ``numbers.Real`` (Python ints and floats, ``fractions.Fraction``, NumPy
+    integer and floating scalars, ``np.longdouble`` included) or 0-d NumPy or JAX
+    arrays of an integer or float dtype, as iterating a JAX array gives, ml_dtypes'
+    included (bfloat16, the float8s, int4: JAX's own low-precision dtypes, whose
+    every value is a double, so ``float()`` is exact for them and accepting them
+    loses nothing). Never a bool (True is not the number 1 here) nor a complex
+    number. Each entry is converted by Python's ``float()``
     to a double (correctly rounded, ties to even) and that double is rounded to
     float32: a value that is not a double is rounded twice, as the vendors'
     Python bindings round it. For example 1 + 2**-24 + 2**-60 (a Fraction or a
@@ -105,7 +117,8 @@ def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str
     payload reaches a table.
 
     Validated here: ValueError for an unknown arithmetic; mean or std not a
-    one-dimensional sequence of real numbers (a scalar, a string, a 2-d array),
+    one-dimensional sequence of real numbers (a scalar, a string, a 2-d array, a
+    set, a generator, an entry that is a bool or of another type),
     of different lengths or empty (there is no broadcasting: a one-entry mean
     is a one-channel table, and ``crop_mirror_normalize`` refuses it for
     3-channel images); a mean or std that is not finite after f32 (NaN, inf,
@@ -125,10 +138,22 @@ def table_key(mean, std, arithmetic: str, where: str) -> tuple[bytes, bytes, str
     return mean32.tobytes(), std32.tobytes(), _check_arithmetic(arithmetic)
 
 
-@functools.lru_cache(maxsize=64)
 def keyed_table(key: tuple[bytes, bytes, str]) -> np.ndarray:
     """The table of a ``table_key``, computed once per key and read-only (the cache
-    every table user shares); ``normalize_table`` returns a writable copy."""
+    every table user shares); ``normalize_table`` returns a writable copy. ``key`` must
+    be what ``table_key`` returns: ValueError otherwise (two byte strings of the same
+    whole number of float32 values, at least one, and an arithmetic)."""
+    ok = isinstance(key, tuple) and len(key) == 3 and all(isinstance(k, bytes) for k in key[:2]) \
+        and len(key[0]) == len(key[1]) and len(key[0]) and not len(key[0]) % 4
+    if not ok:
+        raise ValueError(f"keyed_table: key must be what table_key returns (mean's and std's float32 "
+                         f"bytes, an arithmetic), got {key!r}")
+    _check_arithmetic(key[2])
+    return _keyed_table(key)
+
+
+@functools.lru_cache(maxsize=64)
+def _keyed_table(key: tuple[bytes, bytes, str]) -> np.ndarray:
     mean32, std32 = np.frombuffer(key[0], np.float32), np.frombuffer(key[1], np.float32)
     channels, arithmetic = len(mean32), key[2]
     where = f"normalize_table: mean={mean32.tolist()}, std={std32.tolist()}"
@@ -191,12 +216,18 @@ def crop_anchor(pos: float, size: int, crop: int, arithmetic: str = "rocal") -> 
     CPU and GPU operators alike, computes the anchor on the host in
     CropAttr::CalculateAnchor (dali/operators/image/crop/crop_attr.cc) from
     double(float32 pos): pos=0.7, span 5 is 3.4999999 -> 3 there, where a float32
-    product would give 3.5 -> 4. The anchor lies in [0, size - crop]. Validated
-    here: ValueError for an unknown arithmetic, crop outside [1, size], or pos
-    outside [0, 1] (NaN included).
+    product would give 3.5 -> 4. The anchor lies in [0, size - crop]. Accepted:
+    ``pos`` a real number as normalize_table's entries (never a bool), ``size`` and
+    ``crop`` ints (Python or NumPy integers; never a bool, nor a float even when
+    whole). Validated here: ValueError, naming the parameter and the value, for an
+    unknown arithmetic, a parameter of another type, size < 1, crop outside [1,
+    size], or pos outside [0, 1] (NaN included).
     """
     _check_arithmetic(arithmetic)
-    if not 0 < crop <= size:
+    size = _check_int("crop_anchor", "size", size, 1)
+    crop = _check_int("crop_anchor", "crop", crop, 1)
+    pos = _real("crop_anchor", "pos", pos)
+    if not crop <= size:
         raise ValueError(f"crop_anchor: crop={crop} does not fit in size={size}")
     if not 0.0 <= pos <= 1.0:
         raise ValueError(f"crop_anchor: pos={pos} must lie in [0, 1]")
@@ -223,12 +254,16 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
         x' = cw - 1 - x if mirror[n] else x     # a horizontal flip inside the window
 
     So crop, then flip, then normalise: the output is a pure lookup, and no other
-    rounding happens. ``mirror`` is a bool (every image) or a bool array (N,).
+    rounding happens. ``mirror`` is a bool (every image; Python's or NumPy's) or
+    an array of N bools (a list of bools, or a NumPy array of dtype bool; not
+    ints). ``crop`` is None or two ints (``crop_anchor``'s), ``crop_pos`` two real
+    numbers (``crop_anchor``'s pos).
 
     Validated here: ValueError for images that are not uint8 4-d, mean/std without
-    exactly C entries (or anything normalize_table refuses), a crop larger than
-    the image or < 1 (rocAL clamps it silently), a crop_pos outside [0, 1], a
-    mirror of another shape, or an ``out`` that is not float32 (N, C, ch, cw).
+    exactly C entries (or anything normalize_table refuses), a crop that is not two
+    ints, larger than the image or < 1 (rocAL clamps it silently), a crop_pos that
+    is not two real numbers in [0, 1], a mirror that is not a bool or N bools, or
+    an ``out`` that is not float32 (N, C, ch, cw).
     ``out``: the array to write into (default: a new one, 64-byte aligned so that
     JAX on CPU can use it in place).
     """
@@ -241,15 +276,17 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
     if table.shape[0] != c:
         raise ValueError(f"crop_mirror_normalize: mean and std need {c} entries (one per channel), "
                          f"got mean={list(mean)}, std={list(std)}")
-    y0, x0, ch, cw = crop_window((h, w), crop, crop_pos, arithmetic)
-    flip = np.asarray(mirror, bool)
-    if flip.ndim == 0:
-        flip = np.full(n, bool(flip))
-    if flip.shape != (n,):
-        raise ValueError(f"crop_mirror_normalize: mirror must be a bool or shape ({n},), got {flip.shape}")
+    y0, x0, ch, cw = _window("crop_mirror_normalize", (h, w), crop, crop_pos, arithmetic)
+    if isinstance(mirror, (bool, np.bool_)):
+        flip = np.full(n, bool(mirror))
+    else:
+        flip = np.asarray(mirror) if isinstance(mirror, (list, tuple, np.ndarray)) else None
+        if flip is None or flip.dtype != np.bool_ or flip.shape != (n,):
+            raise ValueError(f"crop_mirror_normalize: mirror must be a bool or {n} bools (one per "
+                             f"image), got {mirror!r}")
     if out is None:
         out = aligned_empty((n, c, ch, cw), np.float32)
-    elif out.shape != (n, c, ch, cw) or out.dtype != np.float32:
+    elif not isinstance(out, np.ndarray) or out.shape != (n, c, ch, cw) or out.dtype != np.float32:
         raise ValueError(f"crop_mirror_normalize: out must be float32 {(n, c, ch, cw)}, "
                          f"got {out.dtype} {out.shape}")
     window = images_NCHW[:, :, y0:y0 + ch, x0:x0 + cw]
@@ -265,23 +302,39 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
 
 def crop_window(image_hw: tuple[int, int], crop: tuple[int, int] | None,
                 crop_pos: tuple[float, float], arithmetic: str = "rocal") -> tuple[int, int, int, int]:
-    """``(y0, x0, ch, cw)``: the crop window in an image of ``image_hw``; ValueError if it does not fit."""
-    h, w = image_hw
-    ch, cw = (h, w) if crop is None else crop
-    if not (0 < ch <= h and 0 < cw <= w):
-        raise ValueError(f"crop_mirror_normalize: crop={crop} does not fit in images of {h}x{w}")
-    if not all(0.0 <= p <= 1.0 for p in crop_pos):
-        raise ValueError(f"crop_mirror_normalize: crop_pos={crop_pos} must lie in [0, 1]")
-    return (crop_anchor(crop_pos[0], h, ch, arithmetic), crop_anchor(crop_pos[1], w, cw, arithmetic),
-            ch, cw)
+    """``(y0, x0, ch, cw)``: the crop window in an image of ``image_hw`` (two ints >= 1),
+    Python ints. ``crop`` is None (the whole image) or two ints, ``crop_pos`` two real
+    numbers, as ``crop_mirror_normalize`` takes them. ValueError, naming the parameter
+    and the value, for one of another type, or a window that does not fit."""
+    return _window("crop_window", image_hw, crop, crop_pos, arithmetic)
+
+
+def _window(where: str, image_hw, crop, crop_pos, arithmetic: str) -> tuple[int, int, int, int]:
+    """crop_window's text, its errors naming ``where``."""
+    h, w = _ints(where, "image_hw", image_hw, 2, 1)
+    ch, cw = (h, w) if crop is None else _ints(where, "crop", crop, 2, 1)
+    if not (ch <= h and cw <= w):
+        raise ValueError(f"{where}: crop={crop} does not fit in images of {h}x{w}")
+    pos_y, pos_x = _crop_pos(where, crop_pos)
+    _check_arithmetic(arithmetic)
+    return (crop_anchor(pos_y, h, ch, arithmetic), crop_anchor(pos_x, w, cw, arithmetic), ch, cw)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
     """``np.empty`` whose data starts on an ``align``-byte boundary.
 
     JAX's CPU client wraps a 64-byte-aligned host buffer without copying it (it
-    copies anything else); NumPy's allocator only promises 16 bytes.
+    copies anything else); NumPy's allocator only promises 16 bytes. ``shape`` is an
+    int or a sequence of ints >= 0, ``align`` an int >= 1, ``dtype`` what
+    ``np.dtype`` takes (ValueError, naming the parameter and the value, otherwise).
     """
+    shape = (shape,) if _is_int(shape) else shape
+    shape = _ints("aligned_empty", "shape", shape, None, 0)
+    align = _check_int("aligned_empty", "align", align, 1)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"aligned_empty: dtype={dtype!r} is not a NumPy dtype") from None
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     raw = np.empty(nbytes + align, np.uint8)
     start = -raw.ctypes.data % align
@@ -290,26 +343,67 @@ def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
 
 def _doubles(name: str, values, where: str) -> tuple[float, ...]:
     """``values`` as a tuple of doubles, each entry converted by ``float()`` (normalize_table's text)."""
-    try:
-        one_dimensional = np.iterable(values) and np.ndim(values) == 1
-    except ValueError:  # a ragged nesting
-        one_dimensional = False
-    if isinstance(values, (str, bytes)) or not one_dimensional:
+    ordered = isinstance(values, Sequence) or (hasattr(values, "__len__") and getattr(values, "ndim", None) == 1)
+    nested = ordered and any(isinstance(v, (list, tuple)) or getattr(v, "ndim", 0) for v in values)
+    if isinstance(values, (str, bytes)) or not ordered or nested or getattr(values, "ndim", 1) != 1:
         raise ValueError(f"{where}: {name} must be a sequence of real numbers, one per channel, "
                          f"got {values!r}")
-    out = []
-    for value in values:
-        zero_d = hasattr(value, "dtype") and np.ndim(value) == 0 and np.dtype(value.dtype).kind in "biuf"
-        if not (isinstance(value, numbers.Real) or zero_d):
-            raise ValueError(f"{where}: {name}={list(values)!r} holds {value!r} of type "
-                             f"{type(value).__name__}, not a real number (int, float, Fraction, "
-                             f"NumPy scalar)")
-        try:
-            out.append(float(value))
-        except OverflowError:
-            raise ValueError(f"{where}: {name}={list(values)!r}: {value!r} is beyond a double's "
-                             f"range, so not finite") from None
-    return tuple(out)
+    return tuple(_real(where, name, value, values) for value in values)
+
+
+def _real(where: str, name: str, value, values=None) -> float:
+    """One real number (normalize_table's text) as the double ``float()`` gives; ValueError
+    naming ``name`` (and the whole of ``values``, when it is an entry of one) otherwise."""
+    dtype = getattr(value, "dtype", None)
+    zero_d = dtype is not None and np.ndim(value) == 0 and (
+        np.dtype(dtype).kind in "iuf" or np.dtype(dtype).type.__module__.split(".")[0] == "ml_dtypes")
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or zero_d):
+        held = f"{list(values)!r} holds {value!r} of type {type(value).__name__}, " if values is not None \
+            else f"{value!r} of type {type(value).__name__} is "
+        raise ValueError(f"{where}: {name}={held}not a real number (int, float, Fraction, a NumPy "
+                         f"or ml_dtypes scalar; never a bool)")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{where}: {name}={list(values) if values is not None else value!r}: {value!r} "
+                         f"is beyond a double's range, so not finite") from None
+
+
+def _is_int(value) -> bool:
+    """The module's one rule for an int: a Python or NumPy integer, never a bool, never a
+    float (even a whole one)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_int(where: str, name: str, value, minimum: int) -> int:
+    """``value`` as a Python int; ValueError naming ``where``, ``name`` and the value unless
+    it is an int (``_is_int``) >= ``minimum``."""
+    if not _is_int(value):
+        raise ValueError(f"{where}: {name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _ints(where: str, name: str, values, count: int | None, minimum: int) -> tuple[int, ...]:
+    """``values`` as a tuple of Python ints (``count`` of them, when given), each an int
+    >= ``minimum``; ValueError naming ``name`` and the whole value otherwise."""
+    ok = isinstance(values, (tuple, list, np.ndarray)) and np.ndim(values) == 1 \
+        and (count is None or len(values) == count) and all(_is_int(v) and v >= minimum for v in values)
+    if not ok:
+        what = {None: "ints", 2: "two ints", 3: "three ints"}.get(count, f"{count} ints")
+        raise ValueError(f"{where}: {name} must be {what} >= {minimum}, got {values!r}")
+    return tuple(int(v) for v in values)
+
+
+def _crop_pos(where: str, crop_pos) -> tuple[float, float]:
+    """Two real numbers (``_real``) in [0, 1], as doubles; ValueError naming crop_pos otherwise."""
+    pos = _doubles("crop_pos", crop_pos, where)
+    if len(pos) != 2:
+        raise ValueError(f"{where}: crop_pos must be two numbers (y, x), got {crop_pos!r}")
+    if not all(0.0 <= p <= 1.0 for p in pos):  # NaN fails both comparisons
+        raise ValueError(f"{where}: crop_pos={tuple(crop_pos)} must lie in [0, 1]")
+    return pos
 
 
 def _mean_std(mean, std, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -349,10 +443,14 @@ class Normalize:
     specification. The DALI notebook's MNIST is ``Normalize(mean=(0.0,),
     std=(255.0,), arithmetic="dali_cpu")``.
 
-    ``mean`` and ``std`` take what ``normalize_table`` takes (any real numbers)
-    and are stored as tuples of ``float()`` of each entry, the doubles
-    normalize_table rounds to float32; ``crop_pos`` likewise. ``crop`` is None
-    or two ints, ``mirror`` a bool. Two Normalize are equal (and hash alike)
+    ``mean`` and ``std`` take what ``normalize_table`` takes (any real numbers,
+    bfloat16 included; never a bool) and are stored as tuples of ``float()`` of
+    each entry, the doubles normalize_table rounds to float32; ``crop_pos`` likewise
+    (two of them, each in [0, 1]). ``crop`` is None or two ints >= 1 (Python or
+    NumPy integers; never a bool, nor a whole float), ``mirror`` a bool (Python's or
+    NumPy's; not 0 or 1). All of it is checked on construction (ValueError naming
+    the field and the value), so a Normalize that exists fails later only for
+    images it does not fit (``output_shape``). Two Normalize are equal (and hash alike)
     exactly when every field is the same, floats bit for bit: mean 0.0 and
     -0.0, whose tables differ, are different values. The images it takes are
     uint8 (N, C, H, W) with C = len(mean), channels first (NCHW).
@@ -365,22 +463,18 @@ class Normalize:
     arithmetic: str = "rocal"
 
     def __post_init__(self):
-        _mean_std(self.mean, self.std, "Normalize")
+        where = "Normalize"
+        _mean_std(self.mean, self.std, where)
         _check_arithmetic(self.arithmetic)
-        if self.mirror not in (True, False):
-            raise ValueError(f"Normalize: mirror must be a bool, got {self.mirror!r}")
-        crop = self.crop
-        if crop is not None and (np.ndim(crop) != 1 or len(crop) != 2 or not all(
-                isinstance(c, numbers.Integral) and not isinstance(c, (bool, np.bool_)) for c in crop)):
-            raise ValueError(f"Normalize: crop must be None or two ints (height, width), got {crop!r}")
-        crop_pos = _doubles("crop_pos", self.crop_pos, "Normalize")
-        if len(crop_pos) != 2:
-            raise ValueError(f"Normalize: crop_pos must be two numbers (y, x), got {self.crop_pos!r}")
+        if not isinstance(self.mirror, (bool, np.bool_)):
+            raise ValueError(f"{where}: mirror must be a bool, got {self.mirror!r}")
+        crop = None if self.crop is None else _ints(where, "crop (height, width)", self.crop, 2, 1)
+        crop_pos = _crop_pos(where, self.crop_pos)
         # Plain Python values whatever was passed (lists, NumPy scalars): a Normalize is a hashable value.
-        object.__setattr__(self, "mean", _doubles("mean", self.mean, "Normalize"))
-        object.__setattr__(self, "std", _doubles("std", self.std, "Normalize"))
+        object.__setattr__(self, "mean", _doubles("mean", self.mean, where))
+        object.__setattr__(self, "std", _doubles("std", self.std, where))
         object.__setattr__(self, "mirror", bool(self.mirror))
-        object.__setattr__(self, "crop", None if crop is None else tuple(int(c) for c in crop))
+        object.__setattr__(self, "crop", crop)
         object.__setattr__(self, "crop_pos", crop_pos)
 
     def _identity(self) -> tuple:
@@ -401,15 +495,16 @@ class Normalize:
         return normalize_table(self.mean, self.std, self.arithmetic)
 
     def window(self, image_hw: tuple[int, int]) -> tuple[int, int, int, int]:
-        return crop_window(image_hw, self.crop, self.crop_pos, self.arithmetic)
+        """``crop_window`` of this crop in an image of ``image_hw`` (two ints >= 1)."""
+        return _window("Normalize", image_hw, self.crop, self.crop_pos, self.arithmetic)
 
     def output_shape(self, image_chw: tuple[int, ...]) -> tuple[int, int, int]:
-        """(C, ch, cw) of a normalised image of ``image_chw`` = (C, H, W); ValueError
-        if that is not 3-d, or mean/std or the crop do not fit it."""
-        if len(image_chw) != 3:
+        """(C, ch, cw) of a normalised image of ``image_chw`` = (C, H, W), three ints >= 1;
+        ValueError if it is not that, or mean/std or the crop do not fit it."""
+        if not isinstance(image_chw, (tuple, list)) or len(image_chw) != 3:
             raise ValueError(f"Normalize: images must be (N, C, H, W), one image (C, H, W), got an image "
-                             f"of shape {tuple(image_chw)}")
-        c, h, w = image_chw
+                             f"of shape {image_chw!r}")
+        c, h, w = _ints("Normalize", "image_chw", image_chw, 3, 1)
         if len(self.mean) != c:
             hint = ""
             if image_chw[-1] == len(self.mean):
@@ -426,7 +521,11 @@ class Normalize:
 
 
 def one_row(table: np.ndarray) -> bool:
-    """Whether every row of ``table`` is row 0, bit for bit (-0.0 is not 0.0): then one
-    lookup serves every channel."""
+    """Whether every row of ``table`` (a float32 (C, 256) NumPy array, C >= 1: ValueError
+    otherwise) is row 0, bit for bit (-0.0 is not 0.0): then one lookup serves every channel."""
+    if not isinstance(table, np.ndarray) or table.dtype != np.float32 or table.ndim != 2 \
+            or table.shape[1] != 256 or not len(table):
+        raise ValueError(f"one_row: table must be a float32 (C, 256) array, got "
+                         f"{getattr(table, 'dtype', type(table).__name__)} {np.shape(table)}")
     bits = table.view(np.uint32)
     return bool((bits == bits[:1]).all())

@@ -23,7 +23,11 @@ images:
    prebuilt batches, at global batch 1024 and 8192.
 3. Training: per-step time of each strategy at global batch 128 and 1024, its
    ratio to ``single``, and its compile time (first call minus a warm call).
-4. Memory: peak RSS while reading and over a loader epoch, in a fresh process,
+4. The canonical reduction against the plain one: per-step time of
+   ``shard_map`` with ``reduction="canonical"`` (L = the device count) over the
+   plain ``shard_map`` step, at global batch 128 and 1024, and the peak RSS a few
+   steps of each add, in a fresh process each.
+5. Memory: peak RSS while reading and over a loader epoch, in a fresh process,
    against the raw dataset and the batches the design keeps alive; and the
    compiled steps' donation: what one training step holds with the state donated
    against kept (XLA's memory_analysis), and their step times.
@@ -382,6 +386,60 @@ def synchronous_epoch(loader, params) -> float:
 # --------------------------------------------------------------------------
 
 
+def reduction_section(images, labels, mesh, args) -> dict:
+    """shard_map's step with the canonical reduction over its plain step (prebuilt batches,
+    the notebooks' MLP and SGD, L = the device count), interleaved rounds; and the peak
+    RSS of a few steps of each in a fresh process (8 CPU devices live in this host's
+    memory: the figure is every device's together)."""
+    params = model.init_model(args.layers)
+    n = mesh.devices.size
+    out = {}
+    for global_batch in args.reduction_batches:
+        loader = loaders.make_loader((images, labels), mesh, global_batch // n)
+        batches = [loader.batch(0, s % len(loader)) for s in range(args.train_steps + 1)]
+        cases = {}
+        for reduction in strategies.REDUCTIONS:
+            def run(batches, reduction=reduction):
+                return strategies.shard_map(params, batches, mesh, loss_terms=model.loss_terms,
+                                            optimizer=strategies.sgd(LEARNING_RATE), reduction=reduction)
+            run(batches[:1])  # compiled before the rounds
+            cases[reduction, 1] = lambda run=run: run(batches[:1])
+            cases[reduction, 0] = lambda run=run: run(batches)
+        times = rounds(cases, args.repeats)
+        row = {r: {"step_ms": 1e3 * paired(times, (r, 0), (r, 1), lambda many, one: (many - one) / args.train_steps)}
+               for r in strategies.REDUCTIONS}
+        for reduction in strategies.REDUCTIONS:
+            command = [sys.executable, os.path.abspath(__file__), "--reduction-child", reduction,
+                       str(global_batch // n), ",".join(map(str, args.layers))]
+            env = dict(os.environ, JAX_PLATFORMS=jax.devices()[0].platform, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+            done = subprocess.run(command, check=True, capture_output=True, env=env, text=True, timeout=600)
+            row[reduction]["peak_mb"] = json.loads(done.stdout.splitlines()[-1])["peak_mb"]
+        row["ratio"] = {"step_time": row["canonical"]["step_ms"] / row["plain"]["step_ms"],
+                        "peak_rss": row["canonical"]["peak_mb"] / row["plain"]["peak_mb"]}
+        out[f"global_{global_batch}"] = row
+    return out
+
+
+def reduction_child(reduction: str, batch_size: int, layers: tuple) -> dict:
+    """Runs in its own process: the peak RSS (MiB over the RSS before) of 3 steps of
+    shard_map with ``reduction`` on random CIFAR-sized batches."""
+    mesh = loaders.data_mesh(jax.devices())
+    n = mesh.devices.size
+    rng = np.random.default_rng(0)
+    host = {"images": rng.standard_normal((n * batch_size, 3, 32, 32), dtype=np.float32),
+            "labels": rng.integers(0, 10, n * batch_size).astype(np.int32),
+            "mask": np.ones(n * batch_size, bool)}
+    batch = jax.device_put(host, NamedSharding(mesh, P(loaders.DATA_AXIS)))
+    params = model.init_model(layers)
+    jax.block_until_ready(batch)
+    base = rss_mb()
+    reset_peak()
+    done = strategies.shard_map(params, [batch] * 3, mesh, loss_terms=model.loss_terms,
+                                optimizer=strategies.sgd(LEARNING_RATE), reduction=reduction)
+    jax.block_until_ready(done.params)
+    return {"peak_mb": rss_mb("VmHWM") - base}
+
+
 def rss_mb(field: str = "VmRSS") -> float:
     """VmRSS (now) or VmHWM (peak) of this process, in MiB."""
     with open("/proc/self/status") as f:
@@ -423,10 +481,14 @@ def memory_child(root: str, batch_size: int, prefetch: int, placement: str) -> d
 
 
 def donation_section(mesh, args) -> dict:
-    """An MLP's ``sharded_step`` (the notebook's, but for --smoke) with the state donated and kept: XLA's own memory
-    accounting of the compiled step (``memory_analysis()``, per device: arguments + outputs
-    - aliased + temporaries, the bytes one step holds at once) and the median step time,
-    interleaved rounds (what ``strategies.donates`` decides from)."""
+    """An MLP's ``sharded_step`` (the notebook's, but for --smoke) with the state donated and
+    kept. A plain step is two compiled programs, the gradient (params, batch) -> (loss, grads)
+    and the update (``strategies.apply_program``: state, grads, loss -> state, loss), and the
+    donation acts in the update only. For each, XLA's own memory accounting
+    (``memory_analysis()``, per device: arguments + outputs - aliased + temporaries, the bytes
+    the program holds at once); the step's figure is the larger of the two programs (they run
+    one after the other). And the median step time, interleaved rounds (what
+    ``strategies.donates`` decides from)."""
     n = mesh.devices.size
     rng = np.random.default_rng(0)
     params = model.init_model(args.donation_layers)
@@ -437,14 +499,22 @@ def donation_section(mesh, args) -> dict:
     batch = jax.device_put(host, NamedSharding(mesh, P(loaders.DATA_AXIS)))
     start = (params, strategies.sgd(LEARNING_RATE).init(params))
     out, cases = {"batch": args.donation_batch, "layers": list(args.donation_layers)}, {}
+
+    def held(stats):
+        return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+                + stats.temp_size_in_bytes)
+    state = strategies.replicate(start, mesh)
+    gradient = strategies._mean_gradient(model.loss_terms)  # the plain step's gradient program itself
+    loss, grads = gradient(state[0], batch)
+    gradient_stats = gradient.lower(state[0], batch).compile().memory_analysis()
     for name, donate in (("donated", True), ("kept", False)):
         step = strategies.sharded_step(model.loss_terms, strategies.sgd_update, donate)
-        stats = step.lower(strategies.replicate(start, mesh), batch).compile().memory_analysis()
-        held = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-                + stats.temp_size_in_bytes)
+        stats = strategies.apply_program(strategies.sgd_update, donate).lower(state, grads, loss).compile() \
+            .memory_analysis()
         out[name] = {"state_mb": sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20,
                      "aliased_mb": stats.alias_size_in_bytes / 2**20, "temp_mb": stats.temp_size_in_bytes / 2**20,
-                     "step_mb": held / 2**20}
+                     "update_mb": held(stats) / 2**20, "gradient_mb": held(gradient_stats) / 2**20,
+                     "step_mb": max(held(stats), held(gradient_stats)) / 2**20}
 
         def run(step=step):
             state, values = strategies.train_loop(step, strategies.replicate(start, mesh),
@@ -509,6 +579,9 @@ def goals(results: dict) -> list[dict]:
         rows.append((f"epoch peak RSS / budget, {name}", m["epoch_peak_mb"] / m["budget_mb"], "<=", 1.0))
     first = next(iter(memory.values()))
     rows.append(("read_cifar10 peak RSS / raw dataset", first["read_peak_mb"] / first["raw_mb"], "<=", 1.05))
+    largest = f"global_{max(results['reduction_batches'])}"
+    rows.append((f"canonical / plain reduction, shard_map step time, {largest.replace('_', ' ')}",
+                 results["reduction"][largest]["ratio"]["step_time"], "<=", 1.5))
     if strategies.donates(jax.devices()):  # on CPU devices the steps do not donate: nothing to meet
         rows.append(("a training step's memory, donated / kept", results["donation"]["ratio"]["step_memory"],
                      "<", 1.0))
@@ -541,6 +614,9 @@ def implausible(results: dict) -> list[str]:
     for key, row in results["training"].items():
         for name, r in row.items():
             check(f"training {key} {name} step_ms", r["step_ms"], lambda v: v > 0)
+    for key, row in results["reduction"].items():
+        for name in strategies.REDUCTIONS:
+            check(f"reduction {key} {name} step_ms", row[name]["step_ms"], lambda v: v > 0)
     return found
 
 
@@ -573,6 +649,14 @@ def markdown(results: dict) -> str:
         for name, r in row.items():
             lines.append(f"| {key.split('_')[1]} | {name} | {r['step_ms']:.1f} | "
                          f"{r['ratio_to_single']:.2f} | {r['compile_s']:.2f} |")
+    lines += ["", "**The canonical reduction** (shard_map, L = the device count; step median over "
+              "interleaved rounds; peak RSS of 3 steps in a fresh process, every device's together)", "",
+              "| global batch | plain step ms | canonical step ms | canonical / plain time | plain peak MiB "
+              "| canonical peak MiB | canonical / plain peak |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for key, row in results["reduction"].items():
+        lines.append(f"| {key.split('_')[1]} | {row['plain']['step_ms']:.1f} | {row['canonical']['step_ms']:.1f} | "
+                     f"{row['ratio']['step_time']:.2f} | {row['plain']['peak_mb']:.0f} | "
+                     f"{row['canonical']['peak_mb']:.0f} | {row['ratio']['peak_rss']:.2f} |")
     lines += ["", "**Memory** (one epoch, per-device batch 128, fresh process; MiB over the RSS before reading)", "",
               "| case | raw dataset | global batch | peak in read_cifar10 | held after read | peak in epoch | budget |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -582,14 +666,16 @@ def markdown(results: dict) -> str:
     d = results["donation"]
     lines += ["", f"**Donation** (MLP {'-'.join(map(str, d['layers']))}, sharded_step, per-device batch "
               f"{d['batch']}; per device, "
-              f"XLA's memory_analysis: arguments + outputs - aliased + temporaries; step time median)", "",
-              "| state | params MiB | aliased MiB | temporaries MiB | one step holds MiB | step ms |",
-              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+              f"XLA's memory_analysis: arguments + outputs - aliased + temporaries, of the update program, where "
+              f"the donation acts, and of the gradient program; a step holds the larger; step time median)", "",
+              "| state | params MiB | aliased MiB | update temporaries MiB | update holds MiB "
+              "| gradient holds MiB | one step holds MiB | step ms |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in ("donated", "kept"):
         r = d[name]
         lines.append(f"| {name} | {r['state_mb']:.1f} | {r['aliased_mb']:.1f} | {r['temp_mb']:.1f} | "
-                     f"{r['step_mb']:.1f} | {r['step_ms']:.1f} |")
-    lines.append(f"| donated / kept | | | | {d['ratio']['step_memory']:.2f} | {d['ratio']['step_time']:.2f} |")
+                     f"{r['update_mb']:.1f} | {r['gradient_mb']:.1f} | {r['step_mb']:.1f} | {r['step_ms']:.1f} |")
+    lines.append(f"| donated / kept | | | | | | {d['ratio']['step_memory']:.2f} | {d['ratio']['step_time']:.2f} |")
     lines += ["", "**Goals**", "", "| goal | measured | target | met |", "| --- | ---: | --- | --- |"]
     for g in results["goals"]:
         lines.append(f"| {g['goal']} | {g['measured']:.2f} | {g['target']} | {'yes' if g['met'] else 'no'} |")
@@ -616,11 +702,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", metavar="FILE", help="also write the figures here")
     parser.add_argument("--no-grain", action="store_true", help="skip Grain even if installed")
     parser.add_argument("--no-dali", action="store_true", help="skip DALI even if installed")
+    parser.add_argument("--sections", default="loader,placements,training,reduction,memory",
+                        help="comma-separated sections to run (default: all of them)")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--reduction-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
         root, batch_size, prefetch, placement = args.memory_child
         print(json.dumps(memory_child(root, int(batch_size), int(prefetch), placement)))
+        return {}
+    if args.reduction_child:
+        reduction, batch_size, layers = args.reduction_child
+        print(json.dumps(reduction_child(reduction, int(batch_size), tuple(int(w) for w in layers.split(",")))))
         return {}
     # (full, quick, smoke)
     size = 2 if args.smoke else 1 if args.quick else 0
@@ -630,6 +723,7 @@ def main(argv=None) -> dict:
     args.placement_images = (16_384, 1_024, 256)[size]
     args.placement_batches = [(1024, 8192), (128, 512), (64,)][size]
     args.training_batches = GLOBAL_BATCHES if size < 2 else GLOBAL_BATCHES[:1]
+    args.reduction_batches = GLOBAL_BATCHES if size < 2 else GLOBAL_BATCHES[:1]
     args.dataloader_cap = (4_096, 1_024, 256)[size]
     args.memory_cases = [tuple(MEMORY_CASES), ("host prefetch 2", "device"), ("device",)][size]
     args.layers = model.LAYERS if size < 2 else (3072, 64, 10)  # smoke: the code paths, not the figures
@@ -652,20 +746,31 @@ def main(argv=None) -> dict:
             "read_cifar10_s": read_s,
             "placements_batches": list(args.placement_batches),
             "training_batches": list(args.training_batches),
+            "reduction_batches": list(args.reduction_batches),
             "section_s": {},
         }
         sections = {"loader": lambda: loader_section(images, labels, mesh, args),
                     "placements": lambda: placement_section(images, labels, mesh, args),
                     "training": lambda: training_section(images, labels, mesh, args),
+                    "reduction": lambda: reduction_section(images, labels, mesh, args),
                     "memory": lambda: memory_section(data, args, results)}
+        chosen = args.sections.split(",")
+        unknown = sorted(set(chosen) - set(sections))
+        if unknown:
+            parser.error(f"--sections: unknown {unknown}; choose from {list(sections)}")
         for name, section in sections.items():
+            if name not in chosen:
+                continue
             start = time.perf_counter()
             results[name] = section()
             results["section_s"][name] = time.perf_counter() - start
             print(f"bench: {name} section {results['section_s'][name]:.1f} s", file=sys.stderr, flush=True)
-    results["goals"] = goals(results)
-    results["implausible"] = implausible(results)
-    print(markdown(results))
+    if set(chosen) == set(sections):
+        results["goals"] = goals(results)
+        results["implausible"] = implausible(results)
+        print(markdown(results))
+    else:  # a part of the run: its figures as JSON, no goals
+        print(json.dumps({name: results[name] for name in chosen}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

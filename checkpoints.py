@@ -1,14 +1,16 @@
 """refimpl's checkpoints: stop after a run step, resume on any devices, count every sample.
 
-``--stop-after-step S --checkpoint-dir DIR`` stops every strategy after run step
-S and writes one checkpoint; ``--resume-from DIR`` continues it on any device or
-process count and batch size. This module is that machinery, apart from the
-notebooks' program (refimpl.py):
+``--stop-after-step S --checkpoint-dir DIR`` stops every strategy once it has
+trained S run steps (0..S-1) and writes one checkpoint; ``--resume-from DIR`` alone
+continues it, on any device or process count (and, without logical shards, batch
+size). This module is that machinery, apart from the notebooks' program (refimpl.py):
 
-* ``run_identity`` / ``check_identity``: what a checkpoint shares with every run
-  that resumes it (the options that decide what is trained, the arithmetic, a
-  digest of the training data); another run's checkpoint is refused naming the
-  field.
+* ``IDENTITY`` / ``CARRIED`` / ``OWN``: refimpl's options by what a resume does with
+  them. ``resume_options`` completes a resumed run's options from the checkpoint
+  (what it trains, and what it carries over unless given) before any work, and
+  refuses a flag that contradicts the checkpoint's run by name; ``run_identity`` /
+  ``check_identity`` hold the run to it once its data is read (a digest of the
+  training data, the arithmetic actually used).
 * ``write_checkpoint`` / ``read_checkpoint``: one JSON document and one .npz of
   arrays, written so that a reader never sees half a checkpoint.
 * ``Deliveries``: which samples an epoch delivered, counted from the delivered
@@ -39,24 +41,43 @@ if TYPE_CHECKING:  # annotations only: the options check imports neither
 # Checkpoint and resume: --stop-after-step, --checkpoint-dir, --resume-from
 # --------------------------------------------------------------------------
 
-CHECKPOINT_FORMAT = "refimpl.checkpoint/1"
+CHECKPOINT_FORMAT = "refimpl.checkpoint/2"
 CHECKPOINT_FILE = "checkpoint.json"
-# Options a resumed run may change: where and how it runs, not what it trains.
-# Every other option (the dataset, seed, --last-batch, --lr, --strategies as a
-# set, --matmul-precision, and any option added later) must be the checkpoint's.
-# --normalize is compared as the arithmetic it resolved to.
-CHANGEABLE = frozenset({
-    "data_dir", "cache_dir", "epochs", "batch_size", "eval_batch_size", "platform", "devices",
-    "backend", "placement", "normalize", "metrics_out", "params_out", "max_ulps_per_step",
-    "coordinator", "num_processes", "process_id", "auto_distributed", "local_processes",
-    "peer_timeout", "stop_after_step", "checkpoint_dir", "resume_from"})
+
+# refimpl's options in three groups, for a resume; every option is in exactly one
+# (test_checkpoints.py holds refimpl's parser to that, so an option added later is placed).
+#
+# IDENTITY: what the run trains. A resume takes each from the checkpoint; a flag that
+# contradicts it is refused by name (``resume_options``). --normalize is held as the
+# arithmetic it resolved to, and --batch-size joins them in a run with logical shards
+# (there b is part of the plan: L logical shards of b rows); the training data itself
+# (its size and digest) is checked once it is read (``check_identity``).
+IDENTITY = ("dataset", "hidden", "strategies", "seed", "optimizer", "lr", "last_batch", "normalize",
+            "matmul_precision", "reduction", "logical_shards")
+# CARRIED: the run's length, where its data is, the loader that reads it and, without
+# logical shards, --batch-size (the elastic resize): from the checkpoint unless given,
+# and free to change.
+CARRIED = ("epochs", "data_dir", "cache_dir", "backend", "eval_batch_size", "batch_size")
+# OWN: this run's, never from the checkpoint: its devices and processes, where the loader
+# works, what it writes, how it is judged, when it stops.
+OWN = ("platform", "devices", "placement", "max_ulps_per_step", "metrics_out", "params_out", "compare_to",
+       "coordinator", "num_processes", "process_id", "auto_distributed", "local_processes",
+       "peer_timeout", "stop_after_step", "checkpoint_dir", "resume_from")
+IDENTITY_WORDS = ("dataset and data, hidden widths, strategies, seed, optimizer, lr, last batch, "
+                  "arithmetic, matmul precision, reduction, and with logical shards L and b")
+
+
+def identity_options(args: argparse.Namespace) -> tuple[str, ...]:
+    """The options of IDENTITY, with batch_size in a run with logical shards."""
+    return IDENTITY + (("batch_size",) if args.logical_shards is not None else ())
 
 
 def run_identity(args: argparse.Namespace, train_data, arithmetic: str) -> dict:
-    """What a checkpoint shares with every run that resumes it: each option outside
-    CHANGEABLE (the strategies as a sorted list), the arithmetic actually used, the
-    loader's shuffle (always on here), and the training data: its size and the
-    BLAKE2b-128 digest of its image bytes then its int32 label bytes, in order."""
+    """What a checkpoint shares with every run that resumes it: each option of
+    ``identity_options`` (the strategies in the run's order, compared as a set;
+    normalize as ``arithmetic``, the one actually used), the loader's shuffle (always on
+    here), and the training data: its size and the BLAKE2b-128 digest of its image
+    bytes then its int32 label bytes, in order."""
     import hashlib
     import numpy as np
 
@@ -65,40 +86,105 @@ def run_identity(args: argparse.Namespace, train_data, arithmetic: str) -> dict:
     for lo in range(0, len(images), 4096):  # read_cifar10's images are a strided view
         digest.update(np.ascontiguousarray(images[lo:lo + 4096]).tobytes())
     digest.update(np.ascontiguousarray(labels, np.int32).tobytes())
-    identity = {name: value for name, value in vars(args).items() if name not in CHANGEABLE}
-    identity["strategies"] = sorted(args.strategies)
-    identity.update(arithmetic=arithmetic, shuffle=True, num_train=len(labels),
+    identity = {name: getattr(args, name) for name in identity_options(args)}
+    identity.update(normalize=arithmetic, shuffle=True, num_train=len(labels),
                     train_data_blake2b=digest.hexdigest())
     return json.loads(json.dumps(identity, sort_keys=True))  # as a checkpoint holds it
 
 
-IDENTITY_EXTRAS = ("arithmetic", "shuffle", "num_train", "train_data_blake2b")  # not options
+def carried_options(args: argparse.Namespace) -> dict:
+    """The CARRIED options of this run, as a checkpoint holds them: the folders made
+    absolute (a resume may start elsewhere), batch_size only without logical shards
+    (with them it is identity)."""
+    carried = {name: getattr(args, name) for name in CARRIED if name not in identity_options(args)}
+    for name in ("data_dir", "cache_dir"):
+        if carried[name] is not None:
+            carried[name] = os.path.abspath(carried[name])
+    return json.loads(json.dumps(carried))
+
+
+IDENTITY_EXTRAS = ("shuffle", "num_train", "train_data_blake2b")  # not options
+
+
+def flag_value(value) -> str:
+    """An option's value as it is written on the command line (lists comma-joined)."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return "(not given)" if value is None else str(value)
+
+
+def same_value(name: str, saved, mine) -> bool:
+    """Whether option ``name`` has the same value in a checkpoint (JSON) and in this run;
+    the strategies compare as a set."""
+    mine = json.loads(json.dumps(mine))
+    if name == "strategies":
+        return sorted(saved or []) == sorted(mine or [])
+    return saved == mine
 
 
 def check_identity(folder: str, saved: dict, mine: dict) -> None:
     """ValueError naming the first field (sorted by name) in which a checkpoint's run
-    differs from this one: an option as --name, else arithmetic, shuffle, num_train
-    or train_data_blake2b."""
+    differs from this one: an option as --name (normalize: the arithmetic), else
+    shuffle, num_train or train_data_blake2b."""
     for name in sorted(set(saved) | set(mine)):
         theirs = saved.get(name)
-        if theirs != mine.get(name):
+        if not same_value(name, theirs, mine.get(name)):
             field = name if name in IDENTITY_EXTRAS else f"--{name.replace('_', '-')}"
-            if name == "arithmetic":
-                fix = f"pass --normalize {theirs}"
-            elif name in ("num_train", "train_data_blake2b", "shuffle"):
+            if name in IDENTITY_EXTRAS:
                 fix = "train on the checkpoint's data"
-            elif theirs is None or theirs is False:
-                fix = f"leave {field} out"
-            elif theirs is True:
-                fix = f"pass {field}"
-            elif isinstance(theirs, list):
-                fix = f"pass {field} {','.join(map(str, theirs))}"
+            elif name == "normalize":
+                fix = (f"the arithmetic this run's backend computes is not the checkpoint's {theirs}: "
+                       f"pass --normalize {theirs} or a backend that computes it")
             else:
-                fix = f"pass {field} {theirs}"
+                fix = f"leave {field} out: a resumed run takes it from its checkpoint"
             raise ValueError(f"--resume-from {folder}: the checkpoint was taken with {field}="
                              f"{theirs!r}, this run has {field}={mine.get(name)!r} ({fix}); a "
-                             f"checkpoint resumes only its own run (same dataset and data, seed, "
-                             f"--last-batch, arithmetic, strategies, optimizer, matmul precision)")
+                             f"checkpoint resumes only its own run ({IDENTITY_WORDS})")
+
+
+def read_document(folder: str) -> dict:
+    """The JSON document of the checkpoint in ``folder`` (no arrays read). ValueError,
+    naming the file, for one that is not JSON or of another format."""
+    path = os.path.join(folder, CHECKPOINT_FILE)
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--resume-from {folder}: {path} is not JSON ({error})") from None
+    if not isinstance(doc, dict) or doc.get("format") != CHECKPOINT_FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else None
+        older = " (written by an older refimpl.py: rerun it to checkpoint)" if found == "refimpl.checkpoint/1" else ""
+        raise ValueError(f"--resume-from {folder}: {path} is not a {CHECKPOINT_FORMAT} checkpoint "
+                         f"(format {found!r}){older}")
+    return doc
+
+
+def resume_options(folder: str, args: argparse.Namespace, given: set) -> set[str]:
+    """Completes ``args`` (refimpl's options, resolved) for a resume of the checkpoint in
+    ``folder``, reading only its checkpoint.json, so before any work: each option of the
+    checkpoint's identity (``identity_options`` of its run) and each CARRIED one it holds
+    is set from it, unless ``given`` (the options on the command line); returns the names
+    set. A given identity option with another value than the checkpoint's raises
+    ValueError naming the flag, both values and the fix; a given CARRIED option is this
+    run's (it may change)."""
+    doc = read_document(folder)
+    run, carried = doc["run"], doc.get("carried", {})
+    filled = set()
+    for name in (n for n in IDENTITY + ("batch_size",) if n in run):
+        flag = f"--{name.replace('_', '-')}"
+        if name not in given:
+            setattr(args, name, tuple(run[name]) if isinstance(run[name], list) else run[name])
+            filled.add(name)
+        elif not same_value(name, run[name], getattr(args, name)):
+            raise ValueError(f"--resume-from {folder}: {flag} {flag_value(getattr(args, name))} contradicts "
+                             f"the checkpoint's run, which has {flag} {flag_value(run[name])}; leave "
+                             f"{flag} out (a resumed run takes what it trains from its checkpoint: "
+                             f"{IDENTITY_WORDS})")
+    for name, value in carried.items():
+        if name not in given:
+            setattr(args, name, value)
+            filled.add(name)
+    return filled
 
 
 def write_checkpoint(folder: str, doc: dict, arrays: dict) -> str:
@@ -147,14 +233,7 @@ def read_checkpoint(folder: str) -> tuple[dict, dict]:
     import numpy as np
 
     path = os.path.join(folder, CHECKPOINT_FILE)
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--resume-from {folder}: {path} is not JSON ({error})") from None
-    if not isinstance(doc, dict) or doc.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"--resume-from {folder}: {path} is not a {CHECKPOINT_FORMAT} checkpoint "
-                         f"(format {doc.get('format') if isinstance(doc, dict) else None!r})")
+    doc = read_document(folder)
     arrays_path = os.path.join(folder, doc["arrays_file"])
     try:
         with open(arrays_path, "rb") as f:
@@ -272,12 +351,14 @@ class Deliveries:
 class Elastic:
     """The training loop's position across --stop-after-step and --resume-from.
 
-    Run steps: the steps of every epoch in order, from epoch 1's first; each
-    strategy trains the same run steps. With --stop-after-step S, every strategy
-    stops after run step S (within epoch e at global step s of that epoch), and
-    one checkpoint is written: each strategy's params and optimizer state, the
-    loader state (plan.LoaderState: epoch e, step s, its shard segments; at
-    the end of an epoch, step 0 of the next), that epoch's losses so far, and the
+    Numbering (refimpl's, stated in its docstring): epochs and steps are indices
+    from 0, as plan.LoaderState numbers them; run step r is the r-th step of the
+    whole run, epoch 0's steps first; "steps a-b" includes both ends. Each strategy
+    trains the same run steps. With --stop-after-step S, every strategy trains run
+    steps 0..S-1 and stops; run step S, the next, is (epoch e, step s), and one
+    checkpoint is written: each strategy's params and optimizer state, the loader
+    state at that position (plan.LoaderState: epoch e, step s, its shard segments;
+    after an epoch's last step, step 0 of the next), that epoch's losses so far, the
     delivered-sample counts (``Deliveries``) of that epoch so far, summed over the
     processes. With --resume-from, every strategy restarts from its params and
     optimizer state, epoch e runs its remaining steps on this run's shards (every
@@ -287,19 +368,25 @@ class Elastic:
     from the delivered rows of both runs, whether every sample was delivered
     exactly once across the change (drop: at most once, elastic_plan's count
     skipped). A run can be resumed and stopped again (a chain of changes).
+
+    Shards: the plan's, ``num_shards`` of ``args.batch_size`` rows: the devices
+    without logical shards (a resume on other devices or another batch size adds a
+    segment: elastic_plan), or L logical shards of b (--logical-shards: the plan is
+    the same on every device count that divides L, so a resume adds no segment).
     """
 
-    def __init__(self, args, *, mesh, train_data, normalize, arithmetic: str, backend: str,
-                 loaders_by_layout: dict, where: str, say):
+    def __init__(self, args, *, mesh, num_shards: int, train_data, normalize, arithmetic: str,
+                 backend: str, loaders_by_layout: dict, where: str, say):
         self.say = say
         self.where = where
         self.folder = args.checkpoint_dir
         self.last_batch = args.last_batch
         self.identity = run_identity(args, train_data, arithmetic)
+        self.carried = carried_options(args)
         self.num_samples = len(train_data[1])
         n, B = mesh.devices.size, args.batch_size
-        self.shards, self.seed = (n, B), args.seed
-        steps = num_steps(self.num_samples, n, B, args.last_batch)
+        self.shards, self.seed = (num_shards, B), args.seed
+        steps = num_steps(self.num_samples, num_shards, B, args.last_batch)
         self.saved, self.arrays = None, {}
         self.first_epoch, done = 0, 0
         first_span = None
@@ -322,27 +409,28 @@ class Elastic:
     def _resume(self, args, loaders_by_layout: dict, backend: str) -> int:
         """Reads and checks ``--resume-from``'s checkpoint (its run, the epochs asked for,
         whether the backend can resume on these shards); returns its run step."""
-        n, B = self.shards
+        L, B = self.shards
         self.saved, self.arrays = read_checkpoint(args.resume_from)
         check_identity(args.resume_from, self.saved["run"], self.identity)
         state = self.saved["loader_state"]
         self.first_epoch, done = state.epoch, self.saved["run_step"]
-        self.resumed = state.resized(n, B)
+        self.resumed = state.resized(L, B)
         needed = state.epoch + (1 if state.step else 0)
         if args.epochs < needed:
-            raise ValueError(f"--epochs {args.epochs}: the checkpoint in {args.resume_from} is "
-                             f"in epoch {state.epoch + 1}; give --epochs {needed} or more")
+            raise ValueError(f"--epochs {args.epochs}: the checkpoint in {args.resume_from} is at "
+                             f"epoch {state.epoch}, step {state.step}; give --epochs {needed} or more "
+                             f"(epochs 0-{needed - 1})")
         if len(self.resumed.segments) > 1:
             for loader in loaders_by_layout.values():
                 if "state" not in inspect.signature(loader.epoch).parameters:
                     raise ValueError(
                         f"--backend {backend}: its loader cannot yet resume an epoch on another "
                         f"shard count or batch size (its epoch() takes no loader state): resume "
-                        f"on the checkpoint's {state.segments[-1].num_shards} device(s) x "
+                        f"on the checkpoint's {state.segments[-1].num_shards} shard(s) x "
                         f"{state.segments[-1].batch_size}, or with --backend reference")
-        self.say(f"resuming {args.resume_from}: run step {done}, epoch {state.epoch + 1} at step "
+        self.say(f"resuming {args.resume_from} at run step {done} = epoch {state.epoch}, step "
                  f"{state.step} (written on {self.saved['where']}); this run: {self.where}: "
-                 f"{self.resumed.num_steps - self.resumed.step} more step(s) in epoch {state.epoch + 1}"
+                 f"steps {state.step}-{self.resumed.num_steps - 1} of epoch {state.epoch}"
                  + (f" (plan.elastic_plan, segments {[tuple(x) for x in self.resumed.segments]})"
                     if len(self.resumed.segments) > 1 else ""))
         return done
@@ -383,9 +471,9 @@ class Elastic:
         note, lines = "", []
         if self.resumed is not None and epoch == self.first_epoch:
             losses = np.concatenate([self.arrays.get(f"losses/{name}", np.zeros(0, np.float32)), losses])
-            note = f"  (steps {lo + 1}-{hi} of {state.num_steps}: resumed)"
+            note = f"  (steps {lo}-{hi - 1} of 0-{state.num_steps - 1}: resumed)"
         if self.stop is not None and epoch == self.stop[0]:
-            note += f"  (stopped after step {hi} of {state.num_steps})"
+            note += f"  (steps {lo}-{hi - 1} of 0-{state.num_steps - 1}: stopped before step {hi})"
             self.kept[name] = (params, opt_state, losses)
         if epoch not in self.counted:
             return real, losses, note, lines
@@ -403,12 +491,12 @@ class Elastic:
             ok, said = self.deliveries.verdict(total, self.last_batch, skipped)
             runs = "; ".join(f"steps {run['steps']} on {run['where']}: {run['delivered']}"
                              for run in self.epoch_runs(epoch, name, real))
-            lines.append(f"{name} epoch {epoch + 1}: {said}, counted from the delivered rows "
+            lines.append(f"{name} epoch {epoch}: {said}, counted from the delivered rows "
                          f"(real slots by run: {runs})")
         else:
             extra = np.maximum(total[:-1] - self.deliveries.expected, 0)
             ok = not extra.any() and not total[-1]
-            lines.append(f"{name} epoch {epoch + 1} so far, counted from the delivered rows: "
+            lines.append(f"{name} epoch {epoch} so far, counted from the delivered rows: "
                          f"{int(total[:-1].sum())} real slot(s), {int(np.count_nonzero(extra))} "
                          f"sample(s) more than once, {int(total[-1])} row(s) that are no sample")
         if not ok:
@@ -433,12 +521,13 @@ class Elastic:
 
     def epoch_runs(self, epoch: int, name: str, delivered: int) -> list[dict]:
         """The runs that delivered ``epoch`` for strategy ``name``, this one last with
-        ``delivered`` real slots: [{"steps": "first-last" (1-based), "where", "delivered"}]."""
+        ``delivered`` real slots: [{"steps": "first-last" (the epoch's step indices, both
+        included), "where", "delivered"}]."""
         lo, hi = self.spans[epoch]
         runs = []
         if self.resumed is not None and epoch == self.first_epoch:
             runs = list(self.saved.get("epoch_runs", {}).get(name, []))
-        return runs + [{"steps": f"{lo + 1}-{hi}", "where": self.where, "delivered": delivered}]
+        return runs + [{"steps": f"{lo}-{hi - 1}", "where": self.where, "delivered": delivered}]
 
     def bound_over_runs(self, bound: Callable, num_devices: int) -> Callable:
         """``bound`` (ulps a step, equivalence.ulp_bound's signature) as the largest over
@@ -452,21 +541,22 @@ class Elastic:
 
         if self.stop is not None:
             state = self.state_at_stop()
-            epoch, hi = self.stop
+            epoch, _ = self.stop
             if jax.process_index() == 0:
                 finishing = state.epoch == epoch  # an epoch to finish: its losses and deliveries so far
                 arrays = checkpoint_arrays(self.kept, {name: self.vectors[(name, epoch)] for name in self.kept}
                                            if finishing else None)
-                doc = {"format": CHECKPOINT_FORMAT, "run": self.identity,
+                doc = {"format": CHECKPOINT_FORMAT, "run": self.identity, "carried": self.carried,
                        "run_step": self.steps_trained, "where": self.where,
                        "loader_state": json.loads(state.to_json()),
                        "epoch_runs": self.runs if state.epoch == epoch else {},
                        "strategies": sorted(self.kept),
                        "device_counts": self.device_counts}
                 path = write_checkpoint(self.folder, doc, arrays)
-                self.say(f"stopped after run step {self.steps_trained} (epoch {epoch + 1}, step {hi}); "
-                         f"checkpoint {path} (params, optimizer state, loader state {state.to_json()}); "
-                         f"resume on any device or process count with --resume-from {self.folder}")
+                self.say(f"stopped after run steps 0-{self.steps_trained - 1}: the next, run step "
+                         f"{self.steps_trained}, is epoch {state.epoch}, step {state.step}; checkpoint "
+                         f"{path} (params, optimizer state, loader state {state.to_json()}); resume on "
+                         f"any device or process count with --resume-from {self.folder}")
 
     def failed(self) -> list[str]:
         """The report lines of broken exactly-once promises (refimpl prints a FAILED line
@@ -521,12 +611,13 @@ def checkpoint_arrays(kept: dict, delivered: dict | None) -> dict:
 
 def run_spans(epochs: int, stop_after_step: int | None, done: int, first_epoch: int,
               first_span: tuple[int, int] | None, steps: int) -> tuple[dict, tuple | None]:
-    """(the epochs this run trains, each as {epoch: (first, stop)} global steps of it; the
-    stop as (epoch, global step of it), or None). The run starts at run step ``done``, in
-    ``first_epoch``, whose span is ``first_span`` (a resumed epoch's rest) or a whole
-    epoch of ``steps``; every later epoch through ``epochs`` is whole. With
-    ``stop_after_step`` S, the epochs end after run step S. ValueError for an S at or
-    before ``done``, or after the run's last step."""
+    """(the epochs this run trains, each as {epoch: (first, stop)}: its steps first ..
+    stop - 1; the stop as (epoch, its step that comes next), or None). The run starts at
+    run step ``done`` (that many trained), in ``first_epoch``, whose span is
+    ``first_span`` (a resumed epoch's rest) or a whole epoch of ``steps``; every later
+    epoch up to ``epochs`` - 1 is whole. With ``stop_after_step`` S (a count), the run
+    ends once run steps 0..S-1 are trained. ValueError for an S at or below ``done``, or
+    past the run's last step."""
     spans, run_step = {}, done
     for epoch in range(first_epoch, epochs):
         lo, hi = first_span if epoch == first_epoch and first_span else (0, steps)
@@ -535,11 +626,12 @@ def run_spans(epochs: int, stop_after_step: int | None, done: int, first_epoch: 
     total, stop = run_step, None
     if stop_after_step is not None:
         if stop_after_step <= done:
-            raise ValueError(f"--stop-after-step {stop_after_step}: the checkpoint is already at "
-                             f"run step {done}")
+            raise ValueError(f"--stop-after-step {stop_after_step}: the checkpoint has already "
+                             f"trained run steps 0-{done - 1}; stop after more than {done}")
         if stop_after_step > total:
             raise ValueError(f"--stop-after-step {stop_after_step}: this run has only {total} run "
-                             f"steps (through epoch {epochs}); raise --epochs or lower it")
+                             f"steps (run steps 0-{total - 1}, epochs 0-{epochs - 1}); raise --epochs "
+                             f"or lower it")
         run_step = done
         for epoch, (lo, hi) in spans.items():
             if stop_after_step <= run_step + hi - lo:
@@ -560,7 +652,7 @@ def resumed_epoch(loader, epoch: int, state, num_shards: int, batch_size: int):
     resized = state.resized(num_shards, batch_size)
     if len(resized.segments) > 1:
         raise ValueError(f"{type(loader).__name__}.epoch takes no loader state: it cannot resume "
-                         f"epoch {epoch + 1} on another shard count or batch size")
+                         f"epoch {epoch} on another shard count or batch size")
     return loader.epoch(epoch, start_step=resized.step)
 
 

@@ -16,6 +16,11 @@ Deliberate difference from rocAL: files are read in sorted name order. rocAL
 lists a folder in raw ``readdir`` order, which depends on the filesystem, so the
 same folder can give a different sample order on another machine.
 
+Inputs: a count or seed takes a Python or NumPy integer, never a bool and never a
+float, even a whole one; a path a str or an ``os.PathLike``; labels an integer
+dtype. A wrong type or value raises ValueError at the call, naming the function,
+the parameter and the value.
+
 Imports: NumPy only. Imported by loaders.py (a CIFAR-10 folder is one of
 make_loader's forms), rocal_loader.py, dali_loader.py and refimpl.py. Named
 after its two datasets, not ``datasets``, so that copying it beside Hugging
@@ -51,11 +56,15 @@ def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREF
     int32 (N,). With one matching file the images are a read-only view of a
     memory map (no copy); with several they are one in-memory copy, never more.
 
-    Raises FileNotFoundError (folder missing, no matching file) or ValueError (a
-    file whose size is not a whole number of 3073-byte records, a label > 9, no
-    records at all); each message names the file and the offending value.
+    ``file_root`` is a str or an ``os.PathLike``, ``filename_prefix`` a str. Raises
+    ValueError for a parameter of another type (named, with its value),
+    FileNotFoundError (folder missing, no matching file) or ValueError (a file
+    whose size is not a whole number of 3073-byte records, a label > 9, no records
+    at all); each message names the file and the offending value.
     """
-    root = os.fspath(file_root)
+    root = _path("read_cifar10", "file_root", file_root)
+    if not isinstance(filename_prefix, str):
+        raise ValueError(f"read_cifar10: filename_prefix must be a str, got {filename_prefix!r}")
     if not os.path.isdir(root):
         raise FileNotFoundError(f"read_cifar10: file_root={root!r} is not a directory")
     names = sorted(
@@ -108,9 +117,11 @@ def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREF
 def write_cifar10(path: str | os.PathLike, images_NCHW: np.ndarray, labels_N: np.ndarray) -> None:
     """Writes one CIFAR-10 binary file, atomically (a reader never sees half a file).
 
-    ``images_NCHW`` must be uint8 (N, 3, 32, 32) and ``labels_N`` integers 0..9.
+    ``path`` is a str or an ``os.PathLike``; ``images_NCHW`` must be uint8 (N, 3, 32,
+    32) and ``labels_N`` N integers 0..9 (an integer dtype: not bool, not float).
+    ValueError, naming the parameter and the value, otherwise.
     """
-    path = os.fspath(path)
+    path = _path("write_cifar10", "path", path)
     images_NCHW, labels_N = _check_images_and_labels(f"write_cifar10({path!r})", images_NCHW,
                                                      labels_N, IMAGE_SHAPE)
     rows = np.empty((len(labels_N), RECORD_BYTES), np.uint8)
@@ -128,11 +139,14 @@ def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000,
     strong per-pixel noise. Classes are learnable by the seed MLP but not
     separable at a glance (accuracy climbs over several epochs, as with real
     data). The bytes are a function of (num_train, num_test, seed) alone.
-    Returns ``root``.
+    Returns ``root``. ``num_train`` and ``num_test`` are ints >= 0 and ``seed`` an
+    int in [0, 2**32) (Python or NumPy integers; never a bool, nor a float even
+    when whole), ``root`` a str or an ``os.PathLike``: ValueError, naming the
+    parameter and the value, before anything is written, otherwise.
     """
-    root = os.fspath(root)
+    draw = _synthetic_images("synthetic_cifar10", IMAGE_SHAPE, num_train, num_test, seed, salt=0xC1FA)
+    root = _path("synthetic_cifar10", "root", root)
     os.makedirs(root, exist_ok=True)
-    draw = _synthetic_images(IMAGE_SHAPE, num_train, num_test, seed, salt=0xC1FA)
     images, labels = draw(num_train)
     for i, part in enumerate(np.array_split(np.arange(num_train), 5), start=1):
         write_cifar10(os.path.join(root, f"{TRAIN_PREFIX}{i}.bin"), images[part], labels[part])
@@ -159,14 +173,14 @@ def read_mnist(folder: str | os.PathLike, split: str = "train"):
     ``(images_NCHW uint8 (N, 1, 28, 28), labels_N int32)``; uncompressed images
     are a read-only memory map.
 
-    Raises FileNotFoundError (folder or file missing) or ValueError (a bad magic
-    number, a header that is not 28x28, a file shorter or longer than its header
-    says, image and label counts that differ, a label > 9); each names the file
-    and the value.
+    ``folder`` is a str or an ``os.PathLike``. Raises ValueError for a parameter of
+    another type or an unknown split (named, with its value), FileNotFoundError
+    (folder or file missing) or ValueError (a bad magic number, a header that is
+    not 28x28, a file shorter or longer than its header says, image and label
+    counts that differ, a label > 9); each names the file and the value.
     """
-    if split not in MNIST_FILES:
-        raise ValueError(f"read_mnist: split must be one of {tuple(MNIST_FILES)}, got {split!r}")
-    root = os.fspath(folder)
+    _check_split("read_mnist", split)
+    root = _path("read_mnist", "folder", folder)
     if not os.path.isdir(root):
         raise FileNotFoundError(f"read_mnist: folder={root!r} is not a directory")
     images = _read_idx(_find_idx(root, MNIST_FILES[split][0]), "images")
@@ -183,8 +197,12 @@ def read_mnist(folder: str | os.PathLike, split: str = "train"):
 
 def write_mnist(folder: str | os.PathLike, split: str, images_NCHW: np.ndarray,
                 labels_N: np.ndarray) -> None:
-    """Writes ``split``'s two IDX files (uncompressed) into ``folder``, each atomically."""
-    folder = os.fspath(folder)
+    """Writes ``split``'s two IDX files (uncompressed) into ``folder``, each atomically.
+    ``split`` is "train" or "test", ``images_NCHW`` uint8 (N, 1, 28, 28), ``labels_N`` N
+    integers 0..9 (an integer dtype), ``folder`` a str or an ``os.PathLike``:
+    ValueError, naming the parameter and the value, otherwise."""
+    _check_split("write_mnist", split)
+    folder = _path("write_mnist", "folder", folder)
     images_NCHW, labels_N = _check_images_and_labels(f"write_mnist({folder!r})", images_NCHW,
                                                      labels_N, MNIST_SHAPE)
     count = len(labels_N)
@@ -198,10 +216,11 @@ def write_mnist(folder: str | os.PathLike, split: str, images_NCHW: np.ndarray,
 def synthetic_mnist(root: str | os.PathLike, *, num_train: int = 60_000, num_test: int = 10_000,
                     seed: int = 0) -> str:
     """Writes MNIST-format IDX files (train and t10k) of synthetic 28x28 grey images,
-    made like ``synthetic_cifar10``'s; a function of (num_train, num_test, seed). Returns ``root``."""
-    root = os.fspath(root)
+    made like ``synthetic_cifar10``'s; a function of (num_train, num_test, seed), which
+    it validates as synthetic_cifar10 does. Returns ``root``."""
+    draw = _synthetic_images("synthetic_mnist", MNIST_SHAPE, num_train, num_test, seed, salt=0x3A15)
+    root = _path("synthetic_mnist", "root", root)
     os.makedirs(root, exist_ok=True)
-    draw = _synthetic_images(MNIST_SHAPE, num_train, num_test, seed, salt=0x3A15)
     write_mnist(root, "train", *draw(num_train))
     write_mnist(root, "test", *draw(num_test))
     return root
@@ -258,6 +277,8 @@ def _check_images_and_labels(where: str, images_NCHW, labels_N, shape: tuple[int
     if labels_N.shape != images_NCHW.shape[:1]:
         raise ValueError(f"{where}: labels shape {labels_N.shape} does not match "
                          f"{images_NCHW.shape[0]} images")
+    if labels_N.dtype.kind not in "iu":  # a float label 1.5 would be written as 1, a bool as 0 or 1
+        raise ValueError(f"{where}: labels must be integers 0..9, got dtype {labels_N.dtype}")
     if labels_N.size and (labels_N.min() < 0 or labels_N.max() >= NUM_CLASSES):
         raise ValueError(f"{where}: labels must be 0..9, got range [{labels_N.min()}, {labels_N.max()}]")
     return images_NCHW, labels_N
@@ -275,10 +296,40 @@ def _write_atomically(path: str, data: bytes) -> None:
         raise
 
 
-def _synthetic_images(shape: tuple[int, ...], num_train: int, num_test: int, seed: int, salt: int):
-    for name, value in (("num_train", num_train), ("num_test", num_test)):
-        if value < 0:
-            raise ValueError(f"synthetic data: {name} must be >= 0, got {value}")
+def _is_int(value) -> bool:
+    """The module's one rule for an int: a Python or NumPy integer, never a bool, never a
+    float (even a whole one)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_int(where: str, name: str, value, minimum: int) -> int:
+    """``value`` as a Python int; ValueError naming ``where``, ``name`` and the value unless
+    it is an int (``_is_int``) >= ``minimum``."""
+    if not _is_int(value):
+        raise ValueError(f"{where}: {name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _path(where: str, name: str, path) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{where}: {name} must be a path (a str or an os.PathLike), got {path!r}")
+    return os.fspath(path)
+
+
+def _check_split(where: str, split) -> None:
+    if not isinstance(split, str) or split not in MNIST_FILES:
+        raise ValueError(f"{where}: split must be one of {tuple(MNIST_FILES)}, got {split!r}")
+
+
+def _synthetic_images(where: str, shape: tuple[int, ...], num_train: int, num_test: int, seed: int,
+                      salt: int):
+    num_train = _check_int(where, "num_train", num_train, 0)
+    num_test = _check_int(where, "num_test", num_test, 0)
+    seed = _check_int(where, "seed", seed, 0)
+    if seed >= 2**32:  # SeedSequence would split it into two words: [seed, salt] would alias another
+        raise ValueError(f"{where}: seed={seed} is outside [0, 2**32)")
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, salt])))
     c, h, w = shape
     coarse = rng.normal(size=(NUM_CLASSES, c, 4, 4))

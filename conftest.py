@@ -512,6 +512,24 @@ def expected_steps(N: int, n: int, B: int, last_batch: str) -> int:
     return ceil_div(ceil_div(N, n), B) if last_batch == "fill" else (N // n) // B
 
 
+# What an int parameter must refuse (issue 30.7; test_plan.py, test_arithmetic.py,
+# test_cifar_mnist.py): a bool (Python's or NumPy's), a whole float (Python's or NumPy's,
+# the valid value itself among them), the valid value as a string, None.
+def not_ints(valid: int):
+    return st.one_of(st.sampled_from([True, False, np.True_, None, float(valid), np.float64(valid),
+                                      np.float32(valid), str(valid)]),
+                     st.integers(0, 2**40).map(float), st.integers(0, 99).map(np.float64))
+
+
+def assert_refuses_naming_value(call, where: str, name: str, wrong) -> None:
+    """``call(wrong)`` raises ValueError whose message starts with ``where`` (the function)
+    and names the parameter ``name`` and the value (its repr)."""
+    with pytest.raises(ValueError) as info:
+        call(wrong)
+    text = str(info.value)
+    assert text.startswith(f"{where}: ") and name in text and repr(wrong) in text, (where, name, wrong, text)
+
+
 @st.composite
 def crop_cases(draw):
     n, h, w = draw(st.integers(1, 4)), draw(st.integers(1, 40)), draw(st.integers(1, 40))

@@ -9,13 +9,17 @@ float32 CHW. Its outputs become row block k of global ``jax.Array``s through
 
 Stateless: ``epoch(e, start_step)`` builds its pipelines when its first step is
 asked for (a build takes about 2 ms on CPU) and drops them when the iterator
-ends or is closed. What it yields is a function of (seed, e, start_step, shard)
-and the loader's arguments, nothing else: epoch 3 read twice, by two loaders
+ends, is closed or collected, or is left unfinished at the interpreter's exit
+(``loaders.EpochIterator``: before modules are torn down, printing nothing).
+What it yields is a function of (seed, e, start_step, shard) and the loader's
+arguments, nothing else: epoch 3 read twice, by two loaders
 built alike, in any order of calls, after any other epoch, gives the same
 batches, and ``epoch(e, s)`` yields steps s.. of ``epoch(e)``.
 
 Resuming from a saved ``plan.LoaderState`` (``epoch(e, state=saved)``,
-``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning):
+``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning; every
+state names this loader's data, ``dataset``, and a state naming other data is
+refused, through ``plan.Schedule``, as the reference loader refuses it):
 
 * order="plan", on any device or process count and batch size: with ``st =
   saved.resized(n, B)`` and ``plan, row = st.plan()`` (``plan.elastic_plan``'s
@@ -174,7 +178,7 @@ from jax.sharding import Mesh
 import loaders
 from arithmetic import Normalize
 from cifar_mnist import TRAIN_PREFIX, read_cifar10
-from plan import LoaderState, Plan, check_seed, shard_bounds
+from plan import LoaderState, Plan, check_seed, on_devices, shard_bounds
 
 INSTALL_HINT = ("the DALI backend needs NVIDIA DALI: pip install -r requirements-dali.txt "
                 "(it installs nvidia-dali-cuda130; on CUDA 12 hosts install nvidia-dali-cuda120)")
@@ -355,6 +359,12 @@ class DaliLoader:
     def on_gpu(self) -> bool:
         return is_nvidia_gpu(self.mesh.devices.flat[0])
 
+    @property
+    def dataset(self) -> str:
+        """The identity of this loader's data, its spec's (``loaders.Loader.dataset``):
+        what every state names and is checked against, computed once."""
+        return self.spec.dataset
+
     def __len__(self) -> int:
         return len(self.spec)
 
@@ -394,13 +404,17 @@ class DaliLoader:
 
     def epoch(self, epoch: int, start_step: int = 0, *,
               state: LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
-        """Steps ``start_step .. len-1`` of ``epoch``, a function of (seed, epoch,
-        start_step, shard) alone; with ``state`` (a saved ``plan.LoaderState`` of
-        this run), the rest of the epoch it was taken in, from its step (the module
-        docstring's "Resuming"), and ``start_step`` must stay 0. Raises ValueError
-        for an epoch outside [0, 2**32), a state of another run or epoch, a
-        start_step with a state, or (order="vendor") a state of other shards;
-        IndexError for a start_step outside [0, len]; RuntimeError once closed."""
+        """With ``state`` (a saved ``plan.LoaderState`` of this run: the same data, seed,
+        shuffle and last_batch), the rest of the epoch it was taken in, from its step
+        (the module docstring's "Resuming"), and ``start_step`` must stay 0. Without
+        it, steps ``start_step .. len-1`` of this loader's own fresh plan, a function
+        of (seed, epoch, start_step, shard) alone: what another loader delivered there
+        only if it had the same logical shards and batch_size (``loaders.Loader``'s
+        last paragraph); after any other, resume from its state. Raises ValueError
+        for an epoch outside [0, 2**32), a state of another run (num_samples,
+        dataset, seed, shuffle, last_batch: named) or epoch, a start_step with a
+        state, or (order="vendor") a state of other shards; IndexError for a
+        start_step outside [0, len]; RuntimeError once closed."""
         if self.closed:
             raise RuntimeError("DaliLoader.epoch: the loader is closed")
         check_seed("epoch", epoch, "DaliLoader.epoch")
@@ -410,10 +424,10 @@ class DaliLoader:
                 raise ValueError(f"DaliLoader.epoch: start_step={start_step!r} with a state; the state "
                                  f"says where the epoch resumes (step {state.step})")
             plan, row = st.plan()  # one segment (0, n, B): epoch_plan, row = step
-            return _steps(self, epoch, plan, row)
+            return loaders.EpochIterator(_steps(self, epoch, plan, row))
         if not 0 <= start_step <= len(self):
             raise IndexError(f"start_step={start_step} is outside [0, {len(self)}]")
-        return _steps(self, epoch, self.plan(epoch), start_step)
+        return loaders.EpochIterator(_steps(self, epoch, self.plan(epoch), start_step))
 
     def close(self) -> None:
         """No further epochs. Pipelines live only while an epoch's iterator does."""
@@ -444,6 +458,7 @@ def _steps(loader: DaliLoader, epoch: int, plan: Plan, row: int):
     resumed segment's)."""
     devices = list(loader.mesh.devices.flat)
     local = loaders.local_positions(loader.mesh)
+    plan = on_devices(plan, loader.mesh.devices.size)  # device k's logical shards, one block
     make = _plan_blocks if loader.order == "plan" else _vendor_blocks
     shards = {k: make(loader, epoch, plan, k, devices[k], row) for k in local}
     try:
@@ -505,7 +520,7 @@ def _vendor_blocks(loader: DaliLoader, epoch: int, plan: Plan, k: int, device, s
 
 def _pipeline(loader: DaliLoader, reader: dict, device, *, seed: int):
     return dali_pipeline(loader.folder, reader, device, loader.spec.images.shape[1:],
-                         loader.spec.normalize, loader.spec.batch_size, seed=seed,
+                         loader.spec.normalize, loader.spec.device_rows, seed=seed,
                          num_threads=loader.num_threads)
 
 
@@ -527,13 +542,16 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
                      layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
                      shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
                      normalize: Normalize | None = None, order: str = "plan",
-                     cache_dir: str | os.PathLike | None = None, num_threads: int = 1) -> DaliLoader:
+                     cache_dir: str | os.PathLike | None = None, num_threads: int = 1,
+                     logical_shards: int | None = None) -> DaliLoader:
     """A ``DaliLoader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``) or an
     ``(images_NCHW uint8, labels_N)`` pair (MNIST's (N, 1, 28, 28) too). ``batch_size`` is
     per device; shard k goes to ``devices[k]`` (or mesh position k). ``normalize``
     defaults to ``Normalize(arithmetic=arithmetic_for(devices))`` (mean = std = 127.5).
     ``order``: "plan" or "vendor" (module docstring). The per-sample files go under
-    ``cache_dir`` (default ~/.cache/refimpl).
+    ``cache_dir`` (default ~/.cache/refimpl). ``logical_shards``: as
+    ``loaders.make_loader``'s (order="plan" only): reader k reads its device's
+    logical shards' blocks, (L/n)*B samples a step.
 
     Raises ImportError (how to install DALI) without nvidia.dali; ValueError for
     everything ``loaders.make_loader`` refuses (a batch larger than the smallest
@@ -556,13 +574,17 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
         raise ValueError(f"make_dali_loader: order must be one of {ORDERS}, got {order!r}")
     if num_threads < 1:
         raise ValueError(f"make_dali_loader: num_threads must be >= 1, got {num_threads}")
+    if order == "vendor" and logical_shards not in (None, mesh.devices.size):
+        raise ValueError(f"make_dali_loader: logical_shards={logical_shards!r} with order='vendor': "
+                         f"DALI's own sharding is one shard a device; use order='plan'")
     import_dali()  # how to install it, before any data is read
     if isinstance(data, (str, os.PathLike)):
         data = read_cifar10(data, filename_prefix)
     # The reference loader checks every argument as make_loader does, and is the
     # plan the DALI epochs are held to. It does no device work.
     spec = loaders.make_loader(data, mesh, batch_size, layout=layout, shuffle=shuffle, seed=seed,
-                               last_batch=last_batch, normalize=normalize, prefetch=0)
+                               last_batch=last_batch, normalize=normalize, prefetch=0,
+                               logical_shards=logical_shards)
     folder = sample_files(spec.images, spec.labels, cache_dir if cache_dir is not None else DEFAULT_CACHE)
     return DaliLoader(spec, order, folder, num_threads)
 

@@ -38,6 +38,10 @@ test_loaders_resume.py):
   the shuffle) holds for what the devices receive.
 * Every name of a dataset follows the same plan, mask, layout and resume.
 * The three placements give bit-identical global arrays, in both layouts.
+* An epoch's iterator ends what it started (a prefetch thread; a vendor's
+  pipelines and files, through ``EpochIterator``) however it ends: exhausted,
+  closed, collected, or left unfinished at the interpreter's exit, where it ends
+  before modules are torn down and prints nothing.
 
 Devices: nothing here uses JAX's default device or backend. Every array goes to
 the devices of the mesh it was given, so a mesh of CPU devices on a GPU host
@@ -58,6 +62,7 @@ import numbers
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Callable, Iterator, Sequence
 
@@ -68,7 +73,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from arithmetic import Normalize, aligned_empty, keyed_table, one_row, table_key
 from cifar_mnist import TRAIN_PREFIX, read_cifar10
-from plan import LoaderState, Plan, Schedule, check_policy, check_seed, shard_bounds
+from plan import (LoaderState, Plan, Schedule, check_policy, check_seed, dataset_digest, on_devices,
+                  shard_bounds)
 
 DATA_AXIS = "data"
 LAYOUTS = ("sharded", "pmap")
@@ -219,14 +225,22 @@ class Loader:
     ``loader.epoch(e)`` yields one dict per step, ``loader.batch(e, s)`` is step
     s alone (random access), ``loader.plan(e)`` is the epoch's ``Plan``.
 
-    A batch holds every name of ``arrays``, in its order, then "mask" (bool):
-    global ``jax.Array``s in ``layout``, "sharded" (n*B, ...) or "pmap" (n, B,
-    ...), both ``NamedSharding(mesh, P('data'))``, block k (rows k*B..k*B+B-1, or
-    row k for "pmap") on the device at mesh position k. With P = plan(e), for
-    every name, step s and shard k:
+    Logical shards: the plan has L = ``num_shards`` shards of B = ``batch_size``
+    rows (``logical_shards``; L = n, the mesh's device count, unless set), and
+    device k of the n reads logical shards k*L/n .. (k+1)*L/n - 1, so each device
+    holds (L/n)*B rows a step (``device_rows``). A batch holds every name of
+    ``arrays``, in its order, then "mask" (bool): global ``jax.Array``s in
+    ``layout``, "sharded" (L*B, ...) or "pmap" (n, (L/n)*B, ...), both
+    ``NamedSharding(mesh, P('data'))``, block k (rows k*(L/n)*B .. (k+1)*(L/n)*B - 1,
+    or row k for "pmap") on the device at mesh position k. With P =
+    ``plan.on_devices(plan(e), n)`` (device k's row: its logical shards' blocks in
+    order), for every name, step s and device k:
 
         block k of name   = f(arrays[name][P.indices[s, k]])
         block k of "mask" = P.mask[s, k]
+
+    so the global batch of a step (which samples, in which rows, which are masked)
+    is the same for every n that divides L.
 
     where f is ``normalizers[name]`` when there is one (a ``Normalize``: its
     ``crop_mirror_normalize``, float32 (B, C, ch, cw) looked up in
@@ -257,12 +271,17 @@ class Loader:
 
     The three give the same bits, in both layouts.
 
-    Resuming on other devices (``elastic_plan``, ``LoaderState``). A job saves
-    ``loader.state(e, s)`` (after s steps of epoch e: a small plain value,
-    ``to_json``); a loader on any other mesh or batch size, built by
-    ``make_loader`` from the same data, seed, shuffle and last_batch, resumes
-    with ``loader.epoch(e, state=saved)``. With ``st = saved.resized(n, B)``
-    (this loader's shard count and batch) and ``plan, row = st.plan()``, that
+    Resuming, on these devices or any others (``elastic_plan``, ``LoaderState``). A
+    job saves ``saved = loader.state(e, s)`` (after s steps of epoch e: a small
+    plain value, ``to_json``, naming this loader's data by ``dataset``); a loader
+    on any mesh or batch size, built by ``make_loader`` from the same data, seed,
+    shuffle and last_batch, resumes with ``loader.epoch(e, state=saved)``, and a
+    state of other data (another ``dataset``, as ``plan.dataset_digest`` tells
+    them apart: another dataset of the same size, or this one changed) is refused
+    naming ``dataset``. With ``st = saved.resized(L, B)``
+    (this loader's shard count and batch: with the same logical shards and batch
+    on any devices that divide L, the saved plan itself, no new segment) and
+    ``plan, row = st.plan()``, that
     iterator yields global steps ``st.step .. st.num_steps - 1`` of the epoch,
     ``st.num_steps - st.step`` of them, where step ``st.step + r`` is
     ``Plan`` row ``row + r`` by the rule above: so the epoch's samples not yet
@@ -272,9 +291,18 @@ class Loader:
     k more steps is ``loader.state(e, st.step + k, state=saved)``. ``len(loader)``
     keeps meaning a fresh epoch, and epoch e + 1 is fresh on this loader's
     shards (``loader.epoch(e + 1)``). In placement "device" a resumed segment on
-    other shards first places, once, what its shards still need: on device k the
-    distinct samples of ``plan.indices[row:, k]`` (at most ceil(m/n) samples,
-    m the samples left), beside the resident shard.
+    other shards first places, once, what its devices still need: on device k
+    the distinct samples of its rows of ``plan.on_devices(plan, n).indices[row:]``,
+    beside the resident shard.
+
+    ``epoch(e, start_step=s)`` is steps s.. of this loader's own fresh plan over
+    (L, B): it continues what another loader delivered only when that loader had
+    the same logical shards L and batch_size B (and data, seed, shuffle,
+    last_batch), on any devices that divide L; it knows nothing of what was
+    delivered, so after any other (L, B) it repeats some samples and misses others
+    without a word (8 devices stopped at step 17, resumed on 4 with start_step=17
+    over 5,000 samples: 1,637 twice, 549 never). To resume, use the state
+    (``epoch(e, state=saved)``), which says whose plan it was and which data.
     """
     arrays: dict[str, np.ndarray]
     mesh: Mesh
@@ -287,6 +315,7 @@ class Loader:
     prefetch: int = 2
     placement: str = "host"
     resident: dict | None = dataclasses.field(default=None, repr=False)  # placement="device"
+    logical_shards: int | None = None  # None: one a device
 
     @property
     def images(self) -> np.ndarray:
@@ -316,14 +345,37 @@ class Loader:
 
     @property
     def num_shards(self) -> int:
+        """The plan's shards: ``logical_shards``, or the device count when it is None."""
+        return self.logical_shards or self.mesh.devices.size
+
+    @property
+    def num_devices(self) -> int:
         return self.mesh.devices.size
+
+    @property
+    def device_rows(self) -> int:
+        """Rows a device holds a step: (L/n) x batch_size."""
+        return self.num_shards // self.num_devices * self.batch_size
+
+    @functools.cached_property
+    def dataset(self) -> str:
+        """The identity of this loader's data, ``plan.dataset_digest(arrays)`` (every name,
+        dtype, shape and byte, as stored): what every state it gives names, and what it
+        checks in every state it is given. Computed the first time a state is made or
+        checked (one pass over the data), then kept; ``len``, ``plan`` and the epochs
+        never compute it."""
+        return dataset_digest(self.arrays)
 
     @property
     def schedule(self) -> Schedule:
         """This loader's epochs as pure schedule (plan.Schedule): N, its shards, B, seed,
-        shuffle, last_batch."""
+        shuffle, last_batch, and its data's identity (``dataset``, read when a state is
+        made or checked)."""
         return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
-                        self.last_batch)
+                        self.last_batch, dataset=self._dataset)
+
+    def _dataset(self) -> str:
+        return self.dataset
 
     def __len__(self) -> int:
         return self.schedule.steps
@@ -339,14 +391,15 @@ class Loader:
     def state(self, epoch: int, step: int = 0, *, state: LoaderState | None = None) -> LoaderState:
         """Where this loader stands at global ``step`` of ``epoch``: the ``LoaderState``
         to save after ``step`` steps of the epoch have been delivered (its next batch
-        is step ``step``). Without ``state``: of a fresh epoch, ``LoaderState.start(N,
-        n, B, epoch=..., seed=, shuffle=, last_batch=).at_step(step)``, step in [0,
-        len]. With the ``state`` the epoch was resumed from: ``state.resized(n,
-        B).at_step(step)``, step in [state.step, that state's num_steps]; so after k
+        is step ``step``), naming this loader's data (``dataset``). Without ``state``:
+        of a fresh epoch, ``LoaderState.start(N, L, B, epoch=..., seed=, shuffle=,
+        last_batch=, dataset=self.dataset).at_step(step)``, step in [0, len]. With the
+        ``state`` the epoch was resumed from: ``state.resized(L, B).at_step(step)``,
+        naming this data, step in [state.step, that state's num_steps]; so after k
         steps of ``epoch(e, start_step=s)`` it is ``state(e, s + k)``, and after k
         steps of ``epoch(e, state=saved)`` it is ``state(e, saved.step + k,
-        state=saved)``. ValueError for a state of another run or epoch (as
-        ``epoch``) or a step outside that range."""
+        state=saved)``. ValueError for a state of another run (another dataset
+        named) or epoch (as ``epoch``) or a step outside that range."""
         return self.schedule.state("Loader.state", epoch, step, state=state)
 
     def _resumed(self, where: str, epoch: int, state) -> LoaderState:
@@ -354,13 +407,14 @@ class Loader:
         return self.schedule.resumed(where, epoch, state)
 
     def host_rows(self, plan: Plan, step: int) -> dict[str, np.ndarray]:
-        """This process's rows at ``step`` of ``plan``: (n_local * B, ...) per name, its
-        shards' blocks in mesh order, each name in one aligned buffer: as stored
-        (placements "host" and "device", and names without a normaliser), or
-        normalised for "host_float32"; then "mask"."""
+        """This process's rows at ``step`` of ``plan`` (this loader's L shards): (n_local *
+        (L/n)*B, ...) per name, its devices' blocks in mesh order, each name in one
+        aligned buffer: as stored (placements "host" and "device", and names without a
+        normaliser), or normalised for "host_float32"; then "mask"."""
         local = local_positions(self.mesh)
-        idx = plan.indices[step, local]  # (n_local, B)
-        B = self.batch_size
+        plan = on_devices(plan, self.num_devices)
+        idx = plan.indices[step, local]  # (n_local, (L/n)*B)
+        B = self.device_rows
         norms = self.normalizers if self.placement == "host_float32" else {}
         rows = {}
         for name, source in self.arrays.items():
@@ -400,19 +454,25 @@ class Loader:
 
     def epoch(self, epoch: int, start_step: int = 0, *,
               state: LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
-        """Steps ``start_step .. len-1`` of ``epoch``; with ``state`` (a saved
-        ``LoaderState`` of this run, any shard count), the rest of the epoch it was
-        taken in, from its step (the class docstring's "Resuming"), and
+        """With ``state`` (a saved ``LoaderState`` of this run: the same data, seed,
+        shuffle and last_batch, any devices and batch size), the rest of the epoch it
+        was taken in, from its step (the class docstring's "Resuming"), and
         ``start_step`` must stay 0 (the state says where to start: pass
-        ``state.at_step(s)`` for a later step of the saved shards). Host placements
-        prepare steps ``prefetch`` ahead on a background thread: a worker error is
-        raised here in the caller, and closing the iterator early (``break``,
-        garbage collection) stops and joins the thread. "device" needs no thread:
-        each step is one asynchronous dispatch.
+        ``state.at_step(s)`` for a later step of the saved shards). Without it, steps
+        ``start_step .. len-1`` of this loader's own fresh plan of ``epoch``: the steps
+        another loader would have delivered there only if it had the same logical
+        shards and batch_size (the class docstring's last paragraph); after any other,
+        resume from its state. Host placements
+        prepare steps ``prefetch`` ahead on a background thread, started at the
+        first ``next()``: a worker error is raised here in the caller, and an
+        iterator left unfinished (``close()``, ``break``, garbage collection, or the
+        interpreter's exit, before modules are torn down) stops and joins the thread,
+        printing nothing. "device" needs no thread: each step is one asynchronous
+        dispatch.
 
         Raises IndexError for a start_step outside [0, len]; ValueError for a
-        state that is not a LoaderState, of another run (num_samples, seed, shuffle,
-        last_batch: named) or another epoch, or a start_step with a state."""
+        state that is not a LoaderState, of another run (num_samples, dataset, seed,
+        shuffle, last_batch: named) or another epoch, or a start_step with a state."""
         if state is not None:
             st = self._resumed("Loader.epoch", epoch, state)
             if start_step != 0:
@@ -484,9 +544,12 @@ def _host_step(loader: Loader, work, plan: Plan, step: int) -> dict[str, jax.Arr
 
 
 def _place_plan(loader: Loader, plan: Plan) -> dict[str, jax.Array]:
-    """The epoch's plan on the devices: per shard (1, steps, B) local indices and mask."""
-    starts = np.array([shard_bounds(loader.num_samples, k, loader.num_shards)[0]
-                       for k in range(loader.num_shards)])
+    """The epoch's plan on the devices: per device (1, steps, (L/n)*B) local indices and
+    mask. Device k's logical shards together are shard k of n (plan.on_devices), the
+    samples it holds resident."""
+    n = loader.num_devices
+    plan = on_devices(plan, n)
+    starts = np.array([shard_bounds(loader.num_samples, k, n)[0] for k in range(n)])
     local = (plan.indices - starts[None, :, None]).astype(np.int32).swapaxes(0, 1)
     mask = plan.mask.swapaxes(0, 1)
     return {"indices": _by_position(local, loader.mesh), "mask": _by_position(mask, loader.mesh)}
@@ -496,9 +559,11 @@ def _place_segment(loader: Loader, plan: Plan, row: int) -> tuple[dict, dict]:
     """(placed plan, resident samples) for rows ``row..`` of a resumed segment:
     device k holds the distinct samples of ``plan.indices[row:, k]``, ascending,
     zero-padded to the largest count, and the placed indices are positions in
-    them (searchsorted); row 0 of the placed plan is ``plan`` row ``row``."""
+    them (searchsorted); row 0 of the placed plan is ``plan`` row ``row`` (device k's
+    rows: plan.on_devices)."""
+    n = loader.num_devices
+    plan = on_devices(plan, n)
     rest, mask = plan.indices[row:], plan.mask[row:]
-    n = loader.num_shards
     needed = [np.unique(rest[:, k]) for k in range(n)]
     size = max(len(u) for u in needed)
     local = np.stack([np.searchsorted(needed[k], rest[:, k]) for k in range(n)]).astype(np.int32)
@@ -527,7 +592,8 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
                 layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
                 shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
                 normalize: Normalize | Callable | dict | str | None = "default", prefetch: int = 2,
-                placement: str = "host", device_budget: int | None = None) -> Loader:
+                placement: str = "host", device_budget: int | None = None,
+                logical_shards: int | None = None) -> Loader:
     """A ``Loader`` over ``data``, in one of three forms:
 
     * a dict of named arrays ``{name: array}``: any string names but "mask",
@@ -549,6 +615,13 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
     depend on (N, n, B, seed, epoch, shuffle, last_batch) only (``Loader``
     states what each block holds).
 
+    ``logical_shards``: L, the plan's shards, when they are not the devices: the
+    plan is then over L logical shards of ``batch_size`` rows each, and device k of
+    the n reads logical shards k*L/n .. (k+1)*L/n - 1 ((L/n)*B rows a step), so the
+    global batch of a step is the same L*B rows for every n that divides L: the
+    same steps on 8 devices, on 2, or on 1 (``plan.on_devices``). None (the
+    default) is L = n: one logical shard a device, batch_size per device.
+
     ``normalize``: for a dict dataset, None or a dict ``{name: Normalize or
     callable}`` naming the arrays to normalise (the others are delivered as
     stored; the default, "default", normalises nothing). For the tuple form and a
@@ -566,7 +639,8 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
     host's available memory shared among this process's devices).
 
     Raises ValueError, naming the parameter, the value and the fix, for:
-    batch_size not an int >= 1, a batch larger than the smallest shard (every
+    batch_size not an int >= 1, logical_shards not an int that the device count
+    divides, a batch larger than the smallest shard (every
     step of a fresh epoch would be mostly padding, or with drop there would be
     no step; an epoch resumed from a state may leave runs smaller than the
     batch, which elastic_plan allows: fill pads, drop gives 0 steps), more
@@ -604,19 +678,27 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
         raise ValueError(f"make_loader: shuffle must be a bool, got {shuffle!r}")
     if device_budget is not None and not _is_int(device_budget):
         raise ValueError(f"make_loader: device_budget must be None or an int (bytes), got {device_budget!r}")
+    n = mesh.devices.size
+    if logical_shards is not None and (not _is_int(logical_shards) or logical_shards < 1
+                                       or logical_shards % n):
+        raise ValueError(f"make_loader: logical_shards={logical_shards!r} must be an int that the "
+                         f"{n} device(s) divide (each device reads L/n whole logical shards)")
     loader = Loader(arrays, mesh, int(batch_size), layout, bool(shuffle), seed, last_batch, normalize,
-                    int(prefetch), placement)
+                    int(prefetch), placement,
+                    logical_shards=None if logical_shards is None else int(logical_shards))
     for name, f in loader.normalizers.items():
         if not isinstance(f, Normalize) and placement != "host_float32":
             raise ValueError(f"make_loader: placement={placement!r} needs a Normalize for {name!r} (its "
                              f"table runs on the devices); the callable {f!r} needs placement='host_float32'")
-    n, N = mesh.devices.size, loader.num_samples
-    if n > N:
-        raise ValueError(f"make_loader: {n} devices but only {N} samples: some shard would be empty")
-    if batch_size > N // n:
+    L, N = loader.num_shards, loader.num_samples
+    shards = f"{L} logical shards" if logical_shards is not None else f"{L} devices"
+    if L > N:
+        raise ValueError(f"make_loader: {shards} but only {N} samples: some shard would be empty")
+    if batch_size > N // L:
+        per = "per logical shard" if logical_shards is not None else "per device"
         raise ValueError(
-            f"make_loader: batch_size={batch_size} per device is larger than the smallest shard "
-            f"({N // n} samples = {N} samples / {n} devices)"
+            f"make_loader: batch_size={batch_size} {per} is larger than the smallest shard "
+            f"({N // L} samples = {N} samples / {shards})"
         )
     if placement == "device":
         loader = dataclasses.replace(loader, resident=_place_dataset(arrays, mesh, device_budget))
@@ -898,20 +980,84 @@ def _replicated_table(key: tuple[bytes, bytes, str], mesh: Mesh) -> jax.Array:
 
 
 # --------------------------------------------------------------------------
-# Prefetching
+# Prefetching, and an epoch's end however it comes
 # --------------------------------------------------------------------------
 
 
 def _prefetched(make, steps, depth: int):
     if depth == 0:
         return (make(s) for s in steps)
-    return _prefetch_thread(make, steps, depth)
+    return _Prefetched(make, steps, depth)
 
 
-def _prefetch_thread(make, steps, depth: int):
-    out: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+class EpochIterator:
+    """An epoch's batches, from a generator that holds something to release (a vendor's
+    pipelines, an epoch's files). An iterator (``next``, ``iter``) with ``close()``; the
+    generator is closed, so its ``finally`` releases what it holds, exactly once and at
+    the first of: the epoch's end, ``close()``, this object's garbage collection, or the
+    interpreter's exit with the epoch unfinished. That last one runs as a
+    ``weakref.finalize`` at exit, before modules are torn down, so nothing is printed
+    and nothing is left running (a generator left to the interpreter's teardown is
+    closed after its modules are gone, and its ``finally`` fails there: "Exception
+    ignored in: <generator ...>"). The generator never references this object."""
 
+    def __init__(self, generator: Iterator):
+        self._generator = generator
+        self._end = weakref.finalize(self, generator.close)
+
+    def __iter__(self) -> "EpochIterator":
+        return self
+
+    def __next__(self):
+        if not self._end.alive:
+            raise StopIteration
+        try:
+            return next(self._generator)
+        except BaseException:  # the end (StopIteration) or an error: release now
+            self._end()
+            raise
+
+    def close(self) -> None:
+        self._end()
+
+
+class _Prefetched:
+    """``make(s)`` for each s of ``steps``, made ``depth`` ahead by a worker thread started
+    at the first ``next()``; a worker error is raised in the consumer. The worker is
+    stopped and joined, exactly once, at the first of: the epoch's end, an error,
+    ``close()``, garbage collection, or the interpreter's exit (``weakref.finalize``,
+    before modules are torn down: a daemon thread still inside JAX at teardown aborts the
+    process). The worker references the queue, the stop event, ``make`` and ``steps``,
+    never this object, so an iterator that is dropped is collected at once."""
+
+    def __init__(self, make: Callable, steps, depth: int):
+        self._out: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+        self._worker = threading.Thread(target=_prefetch_work, args=(make, steps, self._out, stop),
+                                        name="loader-prefetch", daemon=True)
+        self._end = weakref.finalize(self, _stop_worker, stop, self._worker)
+
+    def __iter__(self) -> "_Prefetched":
+        return self
+
+    def __next__(self):
+        if not self._end.alive:
+            raise StopIteration
+        if self._worker.ident is None:
+            self._worker.start()
+        kind, value = self._out.get()
+        if kind == "batch":
+            return value
+        self._end()
+        if kind == "error":
+            raise value
+        raise StopIteration
+
+    def close(self) -> None:
+        self._end()
+
+
+def _prefetch_work(make: Callable, steps, out: queue.Queue, stop: threading.Event) -> None:
     def put(item) -> bool:
         while not stop.is_set():
             try:
@@ -921,25 +1067,17 @@ def _prefetch_thread(make, steps, depth: int):
                 pass
         return False
 
-    def work():
-        try:
-            for s in steps:
-                if not put(("batch", make(s))):
-                    return
-            put(("end", None))
-        except BaseException as error:  # handed to the consumer, raised there
-            put(("error", error))
-
-    worker = threading.Thread(target=work, name="loader-prefetch", daemon=True)
-    worker.start()
     try:
-        while True:
-            kind, value = out.get()
-            if kind == "end":
+        for s in steps:
+            if not put(("batch", make(s))):
                 return
-            if kind == "error":
-                raise value
-            yield value
-    finally:
-        stop.set()
+        put(("end", None))
+    except BaseException as error:  # handed to the consumer, raised there
+        put(("error", error))
+
+
+def _stop_worker(stop: threading.Event, worker: threading.Thread) -> None:
+    stop.set()
+    # Not when the worker collects its own iterator (a cycle the collector breaks there).
+    if worker.ident is not None and worker is not threading.current_thread():
         worker.join()

@@ -11,8 +11,33 @@ with each chosen strategy from the same initial params, and after every epoch
 prints the mean training loss, the accuracy over every test sample exactly
 once, the epoch time and images per second. At the end it prints how far apart
 the strategies' final params are, against the bound equivalence.ulp_bound gives;
---params-out FILE also writes them (.npz), to compare runs bit for bit (e.g.
---backend dali and --backend reference with the same seed and --normalize).
+--params-out FILE also writes them and their optimizer state (.npz), to compare
+runs bit for bit (e.g. --backend dali and --backend reference with the same seed
+and --normalize), and --compare-to FILE compares this run's with such a file,
+strategy by strategy, saying bit-identical or not. The optimizer is the
+notebooks' SGD, or optax.adam with --optimizer adam.
+
+Numbering, one for every printed line, the metrics file and the checkpoint:
+epochs and steps are indices from 0, as the loaders and plan.LoaderState number
+them (epoch e is ``loader.epoch(e)``, step s of it is ``loader.batch(e, s)``).
+Run step r is the r-th step of the whole run, epoch 0's steps first; "steps
+a-b" includes both ends. Counts stay counts: --epochs N trains epochs 0..N-1,
+and --stop-after-step S trains run steps 0..S-1, so the checkpoint's position
+(its loader state's epoch and step) is run step S, the next to train.
+
+Logical shards and the reduction: --logical-shards L plans each step as L
+logical shards of --batch-size b rows (the global batch L*b, the same on every
+device count n that divides L, device k reading logical shards k*L/n..;
+refused naming the option when n does not divide L). --reduction canonical has
+every strategy add the L logical shards' gradient sums in one fixed order
+(strategies.canonical_step), L being --logical-shards or, without it, the
+device count: the final params and optimizer state are then the same bits on
+every n that divides L, across processes, and on one device adding L
+microbatches (single), within one backend and device kind. In such a run the
+report holds every pair of strategies, and --compare-to's file, to bit-identical
+params and optimizer state, and one that is not is a failure (exit status 1,
+said after the identical ones, then a FAILED line); equivalence.verdict's bound
+is for the plain reduction.
 
 Bad input (a malformed dataset, an invalid option, a batch larger than a shard,
 more devices than exist, a platform JAX lacks) ends with one line on stderr
@@ -35,27 +60,31 @@ cannot replay, so a pair further apart than count x steps is "outside the domain
 where a bound is derived", saying why.
 
 Checkpoint and resume (``Elastic``): ``--stop-after-step S --checkpoint-dir DIR``
-stops every strategy after run step S and writes a checkpoint atomically;
-``--resume-from DIR`` continues it on any device or process count and batch
-size, the interrupted epoch's remaining samples following plan.elastic_plan.
-For that epoch the report says, counted from the rows actually delivered in
-both runs (``Deliveries``), whether every sample was delivered exactly once
-(drop: at most once, the stated count skipped); a broken promise is a failure
-too (exit status 1). A checkpoint of another run is refused naming the field.
+stops every strategy after S run steps and writes a checkpoint atomically;
+``--resume-from DIR`` alone continues it: what the run trains (dataset and data,
+hidden widths, strategies, seed, optimizer, lr, last batch, arithmetic, matmul
+precision, reduction, and with logical shards L and b: checkpoints.IDENTITY) comes from the
+checkpoint, and so do, unless given, the epochs, the data and cache folders, the
+backend, the eval batch and, without logical shards, the batch size (CARRIED);
+a flag that contradicts the checkpoint's run is refused by name (exit status 2,
+before any work), and so is a strategy that cannot run in this process count
+(pmap, single across processes). Devices and processes may change, and without
+logical shards the batch size: the interrupted epoch's remaining samples then
+follow plan.elastic_plan (with logical shards the plan itself goes on). For that
+epoch the report says, counted from the rows actually delivered in both runs
+(``Deliveries``), whether every sample was delivered exactly once (drop: at most
+once, the stated count skipped); a broken promise is a failure too (exit status 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import types
 from typing import Callable
@@ -63,12 +92,16 @@ from typing import Callable
 from arithmetic import Normalize
 from cifar_mnist import (TEST_PREFIX, TRAIN_PREFIX, read_cifar10, read_mnist, synthetic_cifar10,
                          synthetic_mnist)
-from checkpoints import CHECKPOINT_FILE, Elastic
+import processes
+from checkpoints import CHECKPOINT_FILE, Elastic, resume_options
 
 DEFAULT_CPU_DEVICES = 8
 MAX_CPU_DEVICES = 64  # virtual CPU devices are threads on the same cores
 SYNTHETIC = {"num_train": 2048, "num_test": 512}
 STRATEGY_NAMES = ("sharded", "pmap", "shard_map", "single")
+ONE_PROCESS = {"pmap": "pmap maps over one process's devices", "single": "single is one device"}
+REDUCTIONS = ("plain", "canonical")  # strategies.REDUCTIONS (not imported: fast errors)
+OPTIMIZERS = ("sgd", "adam")
 DATASETS = ("cifar10", "mnist")
 BACKENDS = ("reference", "rocal", "dali", "auto")
 PLACEMENTS = ("auto", "host", "device", "host_float32")
@@ -81,11 +114,19 @@ NOTEBOOK_ARITHMETIC = {"cifar10": "rocal", "mnist": "dali_cpu"}
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The options, checked (``check_args``): argparse's exit status 2 and one line naming
-    the option for bad input."""
+    the option for bad input. A resume (--resume-from) is completed from its checkpoint."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_args(parser, args)
+    check_args(parser, args, given_options(sys.argv[1:] if argv is None else list(argv)))
     return args
+
+
+def given_options(argv: list[str]) -> set[str]:
+    """The options given on the command line ``argv`` (their dests), defaults aside."""
+    parser, unset = build_parser(), object()
+    # argparse sets a default only where the namespace has no value yet.
+    namespace = argparse.Namespace(**{dest: unset for dest in vars(parser.parse_args([]))})
+    return {dest for dest, value in vars(parser.parse_args(argv, namespace)).items() if value is not unset}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,14 +162,31 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "refimpl"),
                         metavar="DIR", help="where synthetic data and DALI's per-sample files go "
                                             "(default: %(default)s)")
-    parser.add_argument("--epochs", type=int, default=5, metavar="N", help="default: %(default)s")
-    parser.add_argument("--batch-size", type=int, default=16, metavar="B", help="per device (default: %(default)s)")
+    parser.add_argument("--epochs", type=int, default=5, metavar="N",
+                        help="train epochs 0..N-1 (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=16, metavar="B",
+                        help="per device; with --logical-shards, per logical shard (default: %(default)s)")
     parser.add_argument("--eval-batch-size", type=int, default=256,
                         metavar="B", help="validation batch on one device (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=0.001, metavar="RATE",
-                        help="SGD learning rate, > 0 (default: %(default)s, the notebook's)")
+                        help="the learning rate, > 0 (default: %(default)s, the notebook's)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="sgd: the notebooks' plain SGD (strategies.sgd, needs only JAX); adam: "
+                             "optax.adam(--lr), whose state (moments, a count) a checkpoint and "
+                             "--params-out carry too; needs optax (requirements-peers.txt) "
+                             "(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, metavar="N",
                         help="shuffle and synthetic-data seed, 0 <= N < 2**32 (default: %(default)s)")
+    parser.add_argument("--logical-shards", type=int, metavar="L",
+                        help="plan each step as L logical shards of --batch-size rows, the same global "
+                             "batch on every device count that divides L (device k reads logical shards "
+                             "k*L/n..); default: one a device")
+    parser.add_argument("--reduction", choices=REDUCTIONS, default="plain",
+                        help="plain: each strategy's own sums (held to equivalence.verdict's bound); "
+                             "canonical: the L logical shards' gradient sums added in one fixed order, "
+                             "the same bits on every device count dividing L, every pair of strategies "
+                             "held to bit-identical (L: --logical-shards, else the device count) "
+                             "(default: %(default)s)")
 
 
 def add_running_options(parser: argparse.ArgumentParser) -> None:
@@ -171,9 +229,15 @@ def add_running_options(parser: argparse.ArgumentParser) -> None:
                              "0 demands bit-identical params. Outside the bound: exit status 1")
     parser.add_argument("--metrics-out", metavar="FILE", help="write every per-epoch figure to this file as JSON lines")
     parser.add_argument("--params-out", metavar="FILE",
-                        help="write each strategy's final params to this .npz file (process 0), one "
-                             "array per leaf named '<strategy>/<leaf index>' in jax.tree.leaves order; "
-                             "compare two runs' files bit for bit with numpy")
+                        help="write each strategy's final params and optimizer state to this .npz file "
+                             "(process 0), one array per leaf in jax.tree.leaves order, named "
+                             "'<strategy>/<leaf index>' (params) and '<strategy>/opt_state/<leaf index>'; "
+                             "compare two runs' files bit for bit with numpy, or with --compare-to")
+    parser.add_argument("--compare-to", metavar="FILE",
+                        help="compare each strategy's final params and optimizer state with FILE (another "
+                             "run's --params-out), bit for bit, and say so; under --reduction canonical a "
+                             "difference is a failure (exit status 1): e.g. a resumed run against the run "
+                             "that was never stopped")
 
 
 def add_multiprocess_options(parser: argparse.ArgumentParser) -> None:
@@ -194,9 +258,12 @@ def add_multiprocess_options(parser: argparse.ArgumentParser) -> None:
                             "(default: %(default)s)")
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, given: set) -> None:
     """What argparse cannot check alone; ``parser.error`` (exit status 2) naming the option.
-    Resolves --strategies (its default depends on the process count) and --hidden."""
+    Resolves --strategies (its default depends on the process count) and --hidden; for a
+    resume, fills in what the checkpoint's run holds (checkpoints.resume_options: the
+    options not in ``given``, the dests given on the command line), recording their names
+    in ``args.from_checkpoint``, and refuses a given option that contradicts it."""
     several = args.coordinator or args.auto_distributed or args.local_processes
     if args.strategies is None:
         args.strategies = "sharded,shard_map" if several else "sharded,pmap"
@@ -215,7 +282,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if not args.hidden or min(args.hidden) < 1:
         parser.error(f"--hidden {text!r}: give the hidden layers' widths as positive "
                      f"integers separated by commas, e.g. 1024,1024")
-    for flag in ("epochs", "batch_size", "eval_batch_size", "devices", "peer_timeout"):
+    for flag in ("epochs", "batch_size", "eval_batch_size", "devices", "peer_timeout", "logical_shards"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -224,6 +291,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      f"would alias larger seeds with other epochs)")
     if args.max_ulps_per_step is not None and args.max_ulps_per_step < 0:
         parser.error(f"--max-ulps-per-step must be >= 0, got {args.max_ulps_per_step}")
+    args.from_checkpoint = set()
+    if args.resume_from:
+        check_resume_from(parser, args, given)
     if not args.lr > 0:
         parser.error(f"--lr must be > 0, got {args.lr}")
     if args.devices and args.devices > MAX_CPU_DEVICES and args.platform == "cpu":
@@ -235,6 +305,20 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         problem = unwritable(path) if path else None
         if problem:
             parser.error(f"--{flag.replace('_', '-')} {path}: {problem}")
+    if args.compare_to and not os.path.isfile(args.compare_to):
+        parser.error(f"--compare-to {args.compare_to}: no such file (give another run's --params-out)")
+    check_backend_args(parser, args)
+    check_process_args(parser, args, several)
+    devices = known_device_count(args)
+    if args.logical_shards is not None and devices is not None:
+        problem = logical_shards_problem(args, devices)
+        if problem:
+            parser.error(problem)
+    check_checkpoint_options(parser, args)
+
+
+def check_backend_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """check_args' part for the backend, its arithmetic, the optimizer and the reduction."""
     if args.dataset == "mnist" and args.backend == "rocal":
         parser.error("--backend rocal reads CIFAR-10 only (rocAL's cifar10 reader); use "
                      "--dataset cifar10, or --backend dali or reference for mnist")
@@ -243,8 +327,23 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      f"(--backend {args.backend} normalises in its own pipelines)")
     vendor = {"rocal": ("rocal",), "dali": ("dali_cpu", "dali_gpu")}.get(args.backend)
     if vendor and args.normalize and args.normalize not in vendor:
+        if "normalize" in args.from_checkpoint:
+            parser.error(f"--backend {args.backend}: it computes {' or '.join(vendor)} arithmetic, and "
+                         f"the checkpoint's run in {args.resume_from} used {args.normalize}'s; resume "
+                         f"with a backend that computes it (--backend reference computes any)")
         parser.error(f"--normalize {args.normalize}: --backend {args.backend} computes "
                      f"{' or '.join(vendor)} arithmetic (by device kind); drop --normalize")
+    if args.optimizer == "adam" and importlib.util.find_spec("optax") is None:
+        parser.error("--optimizer adam: needs optax, which is not installed (python3 -m pip install "
+                     "-r requirements-peers.txt)")
+    if args.reduction == "canonical" and args.max_ulps_per_step is not None:
+        parser.error(f"--max-ulps-per-step {args.max_ulps_per_step}: --reduction canonical holds every "
+                     f"pair of strategies to bit-identical; drop --max-ulps-per-step")
+
+
+def check_process_args(parser: argparse.ArgumentParser, args: argparse.Namespace, several) -> None:
+    """check_args' part for more than one process: the options that go together, and the
+    strategies that run across processes."""
     explicit = [args.coordinator, args.num_processes, args.process_id]
     if any(v is not None for v in explicit) and any(v is None for v in explicit):
         parser.error("--coordinator, --num-processes and --process-id go together")
@@ -259,32 +358,80 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if total % args.local_processes:
             parser.error(f"--local-processes {args.local_processes} does not divide --devices {total}")
     if several:
-        unsupported = [s for s in names if s not in ("sharded", "shard_map")]
+        unsupported = [s for s in args.strategies if s in ONE_PROCESS]
+        why = "; ".join(ONE_PROCESS[s] for s in unsupported)
+        if unsupported and "strategies" in args.from_checkpoint:
+            parser.error(f"--resume-from {args.resume_from}: the checkpoint's run trains --strategies "
+                         f"{','.join(args.strategies)}, and across processes only sharded and shard_map "
+                         f"run ({why}): resume it in one process")
         if unsupported:
             parser.error(f"--strategies {','.join(unsupported)}: across processes only sharded and "
-                         f"shard_map run (pmap maps over one process's devices; single is one device)")
-    check_checkpoint_options(parser, args)
+                         f"shard_map run ({why})")
+
+
+def known_device_count(args: argparse.Namespace) -> int | None:
+    """The run's device count where the options alone say it (--local-processes, or
+    --devices in one process or with --num-processes on CPU), else None (JAX's count)."""
+    if args.local_processes:
+        return args.devices or DEFAULT_CPU_DEVICES
+    if args.devices and not (args.coordinator or args.auto_distributed):
+        return args.devices
+    if args.devices and args.num_processes and args.platform == "cpu":
+        return args.devices * args.num_processes
+    return None
+
+
+def logical_shards_problem(args: argparse.Namespace, devices: int) -> str | None:
+    """Why ``devices`` devices cannot run this run's logical shards (they must divide L),
+    in one line naming the option (or the checkpoint the value came from); None if they can."""
+    L = args.logical_shards
+    if L % devices == 0:
+        return None
+    fits = ", ".join(str(d) for d in range(1, L + 1) if L % d == 0)
+    if "logical_shards" in args.from_checkpoint:
+        return (f"--resume-from {args.resume_from}: the checkpoint's run has --logical-shards {L}, which "
+                f"{devices} device(s) do not divide; resume on a device count that divides {L} ({fits})")
+    return (f"--logical-shards {L}: {devices} device(s) do not divide it (device k reads logical shards "
+            f"k*L/n..); use a device count that divides {L} ({fits}) or another L")
+
+
+def check_resume_from(parser: argparse.ArgumentParser, args: argparse.Namespace, given: set) -> None:
+    """--resume-from DIR: a checkpoint there, and this run's options completed from it
+    (checkpoints.resume_options), or one line naming the option that contradicts it."""
+    path = os.path.join(args.resume_from, CHECKPOINT_FILE)
+    if not os.path.isfile(path):
+        parser.error(f"--resume-from {args.resume_from}: no {CHECKPOINT_FILE} there (not a "
+                     f"checkpoint written by --stop-after-step)")
+    try:
+        args.from_checkpoint = resume_options(args.resume_from, args, given)
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "checkpoint and resume",
-        "Stop after a run step and write a checkpoint (each strategy's params and optimizer "
-        "state, the loader state, what the interrupted epoch delivered); resume it on any device "
-        "or process count and batch size: the interrupted epoch's remaining samples are delivered "
-        "exactly once on the new shards (plan.elastic_plan), and the report counts them from "
-        "the delivered rows.")
+        "Stop after S run steps and write a checkpoint (each strategy's params and optimizer "
+        "state, the loader state, what the interrupted epoch delivered); resume it with "
+        "--resume-from alone, on any device or process count (and, without logical shards, "
+        "batch size): the interrupted epoch's remaining samples are delivered exactly once on "
+        "the new shards (plan.elastic_plan), and the report counts them from the delivered "
+        "rows. Epochs and steps are numbered from 0.")
     group.add_argument("--stop-after-step", type=int, metavar="S",
-                       help="train every strategy for S steps of the run (counted over the epochs in "
-                            "order from epoch 1's first step; a resumed run continues the count), "
-                            "write the checkpoint to --checkpoint-dir and stop")
+                       help="train every strategy for S run steps (run steps 0..S-1, counted over "
+                            "the epochs in order from epoch 0's step 0; a resumed run continues the "
+                            "count), write the checkpoint to --checkpoint-dir and stop")
     group.add_argument("--checkpoint-dir", metavar="DIR",
                        help="where --stop-after-step writes the checkpoint (created if missing; "
                             "DIR/checkpoint.json, replaced atomically, names the arrays file)")
     group.add_argument("--resume-from", metavar="DIR",
-                       help="continue the run checkpointed in DIR, on this run's devices, processes "
-                            "and --batch-size; the dataset, data, seed, --last-batch, arithmetic, "
-                            "strategies, optimizer and matmul precision must be the checkpoint's")
+                       help="continue the run checkpointed in DIR on this run's devices and "
+                            "processes; what it trains (dataset and data, --hidden, --strategies, "
+                            "--seed, --optimizer, --lr, --last-batch, the arithmetic, "
+                            "--matmul-precision, --reduction, --logical-shards and then --batch-size) "
+                            "comes from the checkpoint, and a flag that contradicts it is refused; "
+                            "--epochs, --data-dir, --cache-dir, --backend, --eval-batch-size and "
+                            "(without logical shards) --batch-size default to the checkpoint's")
 
 
 def check_checkpoint_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -300,11 +447,6 @@ def check_checkpoint_options(parser: argparse.ArgumentParser, args: argparse.Nam
             parser.error(f"--checkpoint-dir {args.checkpoint_dir}: is a file, not a folder")
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             parser.error(f"--checkpoint-dir {args.checkpoint_dir}: {parent} is not a writable folder")
-    if args.resume_from:
-        path = os.path.join(args.resume_from, CHECKPOINT_FILE)
-        if not os.path.isfile(path):
-            parser.error(f"--resume-from {args.resume_from}: no {CHECKPOINT_FILE} there (not a "
-                         f"checkpoint written by --stop-after-step)")
 
 
 def unwritable(path: str) -> str | None:
@@ -394,35 +536,35 @@ def with_progress(batches, total: int, label: str):
     if not sys.stdout.isatty():
         yield from batches
         return
-    for step, batch in enumerate(batches, start=1):
-        print(f"\r  {label}: step {step}/{total}", end="", flush=True)
+    for done, batch in enumerate(batches, start=1):
+        print(f"\r  {label}: {done}/{total} steps", end="", flush=True)
         yield batch
     print("\r" + " " * (len(label) + 30) + "\r", end="", flush=True)
 
 
 def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
-    """Trains every chosen strategy; returns (final params by strategy, the pairs
-    whose params ended outside the bound, as report lines; empty if none or if
-    this is not process 0)."""
+    """Trains every chosen strategy; returns (final params by strategy, the report
+    lines of what failed: pairs outside their bound, or not bit-identical under the
+    canonical reduction, and broken exactly-once promises; empty if none or if this
+    is not process 0)."""
     import jax
     import model
-    import strategies
 
     start_jax(args)
     job = set_up(args)
     inputs = (model.LAYERS if args.dataset == "cifar10" else model.MNIST_LAYERS)[0]
     params0 = model.init_model((inputs, *args.hidden, model.LAYERS[-1]))
-    optimizer = strategies.sgd(args.lr)  # the notebooks' plain SGD
+    optimizer = make_optimizer(args)
     elastic = None
     if args.stop_after_step or args.resume_from:
-        elastic = Elastic(args, mesh=job.mesh, train_data=job.train_data, normalize=job.normalize,
-                          arithmetic=job.arithmetic, backend=job.backend,
+        elastic = Elastic(args, mesh=job.mesh, num_shards=job.num_shards, train_data=job.train_data,
+                          normalize=job.normalize, arithmetic=job.arithmetic, backend=job.backend,
                           loaders_by_layout=job.loaders_by_layout, where=job.where, say=job.say)
     metrics = open(args.metrics_out, "w") if args.metrics_out and jax.process_index() == 0 else None
-    final, growth = {}, None
+    final, states, growth = {}, {}, None
     try:
         for name in args.strategies:
-            final[name] = train_strategy(args, job, name, params0, optimizer, elastic, metrics)
+            final[name], states[name] = train_strategy(args, job, name, params0, optimizer, elastic, metrics)
         bound, bound_name, growth = growth_if_needed(args, job, final, params0, optimizer, elastic)
     finally:
         if metrics:
@@ -430,7 +572,25 @@ def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
         for loader in job.loaders_by_layout.values():
             if hasattr(loader, "close"):
                 loader.close()
-    return final, judged(args, job, final, bound, bound_name, growth, elastic)
+    return final, judged(args, job, final, states, bound, bound_name, growth, elastic)
+
+
+def make_optimizer(args: argparse.Namespace):
+    """--optimizer: the notebooks' plain SGD (strategies.sgd) or optax.adam, at --lr."""
+    import strategies
+
+    if args.optimizer == "adam":
+        import optax
+        return optax.adam(args.lr)
+    return strategies.sgd(args.lr)
+
+
+def reduction_options(args: argparse.Namespace) -> dict:
+    """The strategies' reduction keywords: none for the plain reduction, else
+    reduction="canonical" over the run's logical shards (set_up has resolved L)."""
+    if args.reduction == "plain":
+        return {}
+    return {"reduction": "canonical", "logical_shards": args.logical_shards}
 
 
 def start_jax(args: argparse.Namespace) -> None:
@@ -470,6 +630,12 @@ def set_up(args: argparse.Namespace) -> Job:
 
     distributed = bool(args.coordinator or args.auto_distributed)
     job = Job(devices=jax.devices() if distributed else pick_devices(args.devices))
+    n = len(job.devices)
+    if args.reduction == "canonical" and args.logical_shards is None:
+        args.logical_shards = n  # --reduction canonical alone: one logical shard a device
+    if args.logical_shards is not None and logical_shards_problem(args, n):
+        raise ValueError(logical_shards_problem(args, n))
+    job.num_shards = args.logical_shards or n  # the plan's shards
     job.mesh = loaders.data_mesh(job.devices)  # shard k = position k, across every process's devices
     job.say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     job.backend = choose_backend(args.backend, args.dataset, job.devices)
@@ -495,12 +661,17 @@ def set_up(args: argparse.Namespace) -> Job:
     job.loaders_by_layout, job.how = training_loaders(args, job)
     job.steps = len(next(iter(job.loaders_by_layout.values())))
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    job.where = (f"{len(job.devices)} {job.devices[0].platform} device(s){processes} x {args.batch_size} "
-                 f"({job.how if job.backend == 'reference' else job.backend})")
-    job.say(f"{len(job.devices)} {job.devices[0].platform} device(s){processes}; {args.dataset}: "
+    L, B = args.logical_shards, args.batch_size
+    rows = f"{L} logical shards of {B}" if L else f"{n} x {B}"
+    how = job.how if job.backend == "reference" else job.backend
+    job.where = (f"{n} {job.devices[0].platform} device(s){processes}, {rows} ({how})" if L
+                 else f"{n} {job.devices[0].platform} device(s){processes} x {B} ({how})")
+    per_device = f", {L // n} a device" if L else ""
+    job.say(f"{n} {job.devices[0].platform} device(s){processes}; {args.dataset}: "
             f"{len(job.train_data[1])} training and {len(test_data[1])} test images from {job.data_dir}; "
-            f"{job.steps} steps of {len(job.devices)} x {args.batch_size} per epoch ({args.last_batch}); "
-            f"{job.how}; {job.arithmetic}'s arithmetic; matmul precision {args.matmul_precision}")
+            f"{job.steps} steps of {rows} per epoch{per_device} ({args.last_batch}); epochs 0-{args.epochs - 1}; "
+            f"{job.how}; {job.arithmetic}'s arithmetic; matmul precision {args.matmul_precision}; "
+            f"{args.optimizer}; {args.reduction} reduction")
     return job
 
 
@@ -511,7 +682,8 @@ def training_loaders(args: argparse.Namespace, job: Job) -> tuple[dict, str]:
     import strategies
 
     layouts = {strategies.LAYOUT[name] for name in args.strategies}
-    common = dict(shuffle=True, seed=args.seed, last_batch=args.last_batch, normalize=job.normalize)
+    common = dict(shuffle=True, seed=args.seed, last_batch=args.last_batch, normalize=job.normalize,
+                  logical_shards=args.logical_shards)
     if job.backend == "reference":
         placement = args.placement
         if placement == "auto":
@@ -532,9 +704,9 @@ def training_loaders(args: argparse.Namespace, job: Job) -> tuple[dict, str]:
 
 
 def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optimizer, elastic,
-                   metrics) -> object:
+                   metrics) -> tuple:
     """Strategy ``name``'s training over the run's epochs, one line (and a metrics row) an
-    epoch; returns its final params."""
+    epoch; returns its final (params, optimizer state), on the host."""
     import numpy as np
     import jax
     import model
@@ -547,10 +719,11 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
     for epoch in (elastic.epochs() if elastic else range(args.epochs)):
         start = time.perf_counter()
         batches, total = elastic.batches(name, loader, epoch) if elastic else (loader.epoch(epoch), job.steps)
+        first = elastic.spans[epoch][0] if elastic else 0
         if jax.process_index() == 0:
-            batches = with_progress(batches, total, f"{name} epoch {epoch + 1}")
+            batches = with_progress(batches, total, f"{name} epoch {epoch}")
         params, losses, opt_state = train(params, batches, job.mesh, loss_terms=model.loss_terms,
-                                          optimizer=optimizer, opt_state=opt_state)
+                                          optimizer=optimizer, opt_state=opt_state, **reduction_options(args))
         seconds = time.perf_counter() - start
         # After the epoch: a vendor loader may only know then which of its
         # slots were padding (rocAL's shuffled drop). No device work either way.
@@ -558,12 +731,13 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
         if elastic:  # a resumed or interrupted epoch: counted from what was delivered
             real, losses, note, verdicts = elastic.epoch_done(name, epoch, params, opt_state, losses, real)
         accuracy = model.accuracy(params, job.test_loader.epoch(0))
-        row = {"strategy": name, "epoch": epoch + 1, "loss": float(np.mean(losses)),
+        row = {"strategy": name, "epoch": epoch, "first_step": first, "last_step": first + total - 1,
+               "loss": float(np.mean(losses)),
                "test_accuracy": accuracy, "test_samples": job.test_loader.real_samples(0),
                "seconds": seconds, "images_per_second": real / seconds, "steps": len(losses),
                "devices": 1 if name == "single" else len(job.devices),
                "platform": job.devices[0].platform, "backend": job.backend, "dataset": args.dataset}
-        job.say(f"{name:>9} epoch {epoch + 1}/{args.epochs}  loss {row['loss']:.4f}  "
+        job.say(f"{name:>9} epoch {epoch} of {args.epochs}  loss {row['loss']:.4f}  "
                 f"test accuracy {accuracy:.4f}  {seconds:6.2f} s  {row['images_per_second']:8.0f} images/s"
                 + ("  (includes compilation)" if epoch == (elastic.first_epoch if elastic else 0) else "")
                 + note)
@@ -572,7 +746,9 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
         if metrics:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
-    return params
+    if opt_state is None:  # no step trained (a resume at the run's end): the fresh state
+        opt_state = jax.tree.map(np.asarray, optimizer.init(params))
+    return params, opt_state
 
 
 def growth_if_needed(args: argparse.Namespace, job: Job, final: dict, params0, optimizer, elastic):
@@ -582,6 +758,8 @@ def growth_if_needed(args: argparse.Namespace, job: Job, final: dict, params0, o
     import equivalence
     import model
 
+    if args.reduction == "canonical":  # held to bit-identical: no bound, no growth
+        return None, None, None
     bound, bound_name = equivalence.ulp_bound, "equivalence.ulp_bound"
     if args.max_ulps_per_step is not None:
         bound, bound_name = (lambda a, b, platform, num_devices: args.max_ulps_per_step), "--max-ulps-per-step"
@@ -597,11 +775,12 @@ def growth_if_needed(args: argparse.Namespace, job: Job, final: dict, params0, o
     return bound, bound_name, growth
 
 
-def judged(args: argparse.Namespace, job: Job, final: dict, bound, bound_name: str, growth,
-           elastic) -> list[str]:
-    """After the training: the checkpoint written (a stop), the params written
-    (--params-out), the verdicts printed (process 0); returns the lines of pairs OUTSIDE
-    their bound and of broken exactly-once promises."""
+def judged(args: argparse.Namespace, job: Job, final: dict, states: dict, bound, bound_name: str,
+           growth, elastic) -> list[str]:
+    """After the training: the checkpoint written (a stop), the params and optimizer
+    states written (--params-out), the verdicts printed (process 0): equivalence.verdict's
+    for the plain reduction, bit for bit for the canonical (``report_bits``); returns the
+    lines of pairs that failed theirs and of broken exactly-once promises."""
     import jax
 
     outside = []
@@ -609,12 +788,24 @@ def judged(args: argparse.Namespace, job: Job, final: dict, bound, bound_name: s
         elastic.checkpoint()
     if jax.process_index() == 0:
         if args.params_out:
-            write_params(args.params_out, final)
-        if elastic:  # the steps before a resume ran on other device counts: the largest bound holds
-            bound = elastic.bound_over_runs(bound, len(job.devices))
-        outside = report_differences(final, elastic.steps_trained if elastic else job.steps * args.epochs,
-                                     job.devices[0].platform, len(job.devices), bound, bound_name, growth,
-                                     no_growth=NO_GROWTH_ACROSS_RUNS if elastic else None)
+            write_params(args.params_out, final, states)
+        same, differ = report_bits(final, states, args.logical_shards) if args.reduction == "canonical" else ([], [])
+        if args.compare_to:
+            theirs = compared_to(args.compare_to, final, states, args.reduction)
+            same, differ = same + theirs[0], differ + theirs[1]
+        for line in same + differ:  # the failures last
+            print(line)
+        if args.reduction == "canonical":
+            outside = differ
+            if differ:
+                print(f"refimpl.py: FAILED: {len(differ)} comparison(s) did not end bit-identical under "
+                      f"--reduction canonical (above); exit status {OUTSIDE_BOUND}", flush=True)
+        else:
+            if elastic:  # the steps before a resume ran on other device counts: the largest bound holds
+                bound = elastic.bound_over_runs(bound, len(job.devices))
+            outside = report_differences(final, elastic.steps_trained if elastic else job.steps * args.epochs,
+                                         job.devices[0].platform, len(job.devices), bound, bound_name, growth,
+                                         no_growth=NO_GROWTH_ACROSS_RUNS if elastic else None)
     if elastic and elastic.failed():
         job.say(f"refimpl.py: FAILED: {len(elastic.failed())} epoch(s) did not deliver every sample as "
                 f"the plan promises (above); exit status {OUTSIDE_BOUND}")
@@ -640,20 +831,107 @@ def needs_growth(final: dict, steps: int, bound: Callable, platform: str, num_de
     return False
 
 
-def write_params(path: str, final: dict) -> None:
-    """``final`` ({strategy: params}) as one .npz: array '<strategy>/<i>' is leaf i of
-    ``jax.tree.leaves(params)``, the values this process holds (params are replicated)."""
+def write_params(path: str, final: dict, states: dict) -> None:
+    """``final`` ({strategy: params}) and ``states`` ({strategy: optimizer state}) as one
+    .npz: array '<strategy>/<i>' is leaf i of ``jax.tree.leaves(params)``, and
+    '<strategy>/opt_state/<i>' leaf i of the state's, the values this process holds
+    (both are replicated)."""
+    import numpy as np
+
+    with open(path, "wb") as f:
+        np.savez(f, **params_arrays(final, states))
+
+
+def params_arrays(final: dict, states: dict) -> dict:
+    """``write_params``' arrays by name: '<strategy>/<i>' and '<strategy>/opt_state/<i>'."""
     import numpy as np
     import jax
 
     arrays = {}
-    for name, params in final.items():
-        for i, leaf in enumerate(jax.tree.leaves(params)):
-            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-                leaf = leaf.addressable_data(0)  # replicated: any local copy is the whole value
-            arrays[f"{name}/{i}"] = np.asarray(leaf)
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
+    for name in final:
+        for prefix, tree in ((f"{name}/", final[name]), (f"{name}/opt_state/", states[name])):
+            for i, leaf in enumerate(jax.tree.leaves(tree)):
+                if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+                    leaf = leaf.addressable_data(0)  # replicated: any local copy is the whole value
+                arrays[f"{prefix}{i}"] = np.asarray(leaf)
+    return arrays
+
+
+def compared_to(path: str, final: dict, states: dict, reduction: str) -> tuple[list[str], list[str]]:
+    """--compare-to: each strategy's final params and optimizer state (``params_arrays``)
+    against the arrays of the same names in ``path`` (another run's --params-out), bit for
+    bit (``first_difference``): (the lines of the strategies that are bit-identical, the
+    lines of those that are not). Under the canonical ``reduction`` the second are
+    failures (``judged``); under the plain one they are what it promises across device
+    counts: nothing. ValueError naming the option for a file that is not a .npz."""
+    import numpy as np
+
+    try:
+        with np.load(path) as npz:
+            theirs = {key: npz[key] for key in npz.files}
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--compare-to {path}: not a .npz written by --params-out ({error})") from None
+    mine = params_arrays(final, states)
+    same, differ = [], []
+    for name in final:
+        keys = sorted(k for k in mine if k.startswith(f"{name}/"))
+        missing = [k for k in keys if k not in theirs]
+        what = f"final params and optimizer state of {name} against {path}"
+        found = (f"it holds no {missing[0]!r}" if missing else
+                 first_difference({k: mine[k] for k in keys}, {k: theirs[k] for k in keys}))
+        if found is None:
+            same.append(f"{what}: bit-identical")
+        elif reduction == "canonical":
+            differ.append(f"{what}: NOT bit-identical, which the canonical reduction promises: {found}")
+        else:
+            differ.append(f"{what}: not bit-identical (the plain reduction promises no bits across "
+                          f"device counts): {found}")
+    return same, differ
+
+
+def report_bits(final: dict, states: dict, logical_shards: int) -> tuple[list[str], list[str]]:
+    """The canonical reduction's verdict: each strategy's final params and optimizer state
+    against the first's, bit for bit (``first_difference``): (the lines of the pairs that
+    are bit-identical, the lines of those that are not, which the canonical reduction
+    promises). ``judged`` prints them in that order, then one FAILED line if any is not,
+    so the last thing a user reads is the failure."""
+    names = list(final)
+    same, differ = [], []
+    for other in names[1:]:
+        found = first_difference((final[names[0]], states[names[0]]), (final[other], states[other]))
+        what = f"final params and optimizer state, {names[0]} vs {other}"
+        if found is None:
+            same.append(f"{what}: bit-identical (the canonical reduction over {logical_shards} logical "
+                        f"shards)")
+        else:
+            differ.append(f"{what}: NOT bit-identical, which the canonical reduction promises: {found}")
+    return same, differ
+
+
+def first_difference(a, b) -> str | None:
+    """None if pytrees ``a`` and ``b`` hold the same leaves bit for bit (same structure,
+    dtypes, shapes and bytes); else where they first differ, in words: the leaf (its
+    jax.tree path), how many entries differ, the first one's flat index and both values."""
+    import numpy as np
+    import jax
+
+    paths_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    if tree_a != tree_b:
+        return f"the trees differ ({tree_a} vs {tree_b})"
+    for (path, x), y in zip(paths_a, leaves_b):
+        x, y = np.asarray(x), np.asarray(y)
+        where = jax.tree_util.keystr(path)
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return f"leaf {where}: {x.dtype} {x.shape} vs {y.dtype} {y.shape}"
+        bits_x = np.ascontiguousarray(x).reshape(-1).view(f"u{x.itemsize}")
+        bits_y = np.ascontiguousarray(y).reshape(-1).view(f"u{y.itemsize}")
+        wrong = np.flatnonzero(bits_x != bits_y)
+        if wrong.size:
+            i = int(wrong[0])
+            return (f"leaf {where}: {wrong.size} of {x.size} entries differ, the first at flat index {i}: "
+                    f"{x.reshape(-1)[i]!r} vs {y.reshape(-1)[i]!r}")
+    return None
 
 
 
@@ -675,8 +953,8 @@ def connect(args: argparse.Namespace) -> None:
     print(f"refimpl.py: {who}: joining coordinator {where}; if a peer has not joined within "
           f"{args.peer_timeout} s, or stops answering for that long, JAX ends this process",
           file=sys.stderr, flush=True)
-    if os.environ.get(LOCAL_CHILD) == "1":
-        hide_native_stdout()
+    if os.environ.get(processes.LOCAL_CHILD) == "1":
+        processes.hide_native_stdout()
     host = (args.coordinator or "").rsplit(":", 1)[0]
     bind = args.coordinator if host in ("127.0.0.1", "localhost", "[::1]") else None
     try:
@@ -697,120 +975,24 @@ def connect(args: argparse.Namespace) -> None:
 
 
 OUTSIDE_BOUND = 1  # exit status: final params outside the documented bound (2: bad input)
-LOCAL_CHILD = "REFIMPL_LOCAL_CHILD"  # set by launch_local in the processes it starts
-
-
-def hide_native_stdout() -> None:
-    """Python's prints keep going to stdout; what native code writes to file
-    descriptor 1 (gloo's "[Gloo] Rank N is connected to M peer ranks" notes,
-    several threads at once, so interleaved mid-line) goes to /dev/null."""
-    sys.stdout.flush()
-    python_stdout = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.close(devnull)
-    sys.stdout = os.fdopen(python_stdout, "w", buffering=1)
 
 
 def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
-    """Runs this program in ``--local-processes`` processes on 127.0.0.1 and waits.
-
-    Every child runs on CPU devices (JAX_PLATFORMS=cpu: several processes must
-    not share one accelerator) in its own process group, which is killed
-    whatever happens. Process 0's output is shown, without the collective
-    library's "[Gloo] Rank ... connected" chatter; the others' only on error.
-    If any process fails, the rest are stopped and its exit status is returned."""
+    """Runs this program in ``--local-processes`` processes on 127.0.0.1 and waits
+    (processes.run_local), the synthetic data generated once first (not racing)."""
     import socket
 
     count = args.local_processes
     per_process = (args.devices or DEFAULT_CPU_DEVICES) // count
-    data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.dataset, args.seed)  # once, not racing
+    data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.dataset, args.seed)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     base = [sys.executable, os.path.abspath(__file__),
-            *strip_options(argv, ("--local-processes", "--devices", "--data-dir", "--platform")),
+            *processes.strip_options(argv, ("--local-processes", "--devices", "--data-dir", "--platform")),
             "--data-dir", data_dir, "--devices", str(per_process), "--num-processes", str(count),
             "--coordinator", f"127.0.0.1:{port}"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **{LOCAL_CHILD: "1"})
-    children, errors = [], []
-    try:
-        for i in range(count):
-            log = tempfile.TemporaryFile("w+")
-            child = subprocess.Popen(base + ["--process-id", str(i)], env=env, start_new_session=True,
-                                     stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE if i == 0 else log, text=True)
-            children.append(child)
-            errors.append(log)
-        forwards = [threading.Thread(target=forward, args=(stream, target), daemon=True)
-                    for stream, target in ((children[0].stdout, sys.stdout), (children[0].stderr, sys.stderr))]
-        for thread in forwards:
-            thread.start()
-        while True:
-            codes = [child.poll() for child in children]
-            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-            if failed == [0] and codes[0] == OUTSIDE_BOUND:
-                for thread in forwards:
-                    thread.join()  # process 0 has said why, last; nothing to add after it
-                return OUTSIDE_BOUND
-            if failed:
-                i = failed[0]
-                how = (f"exited with status {codes[i]}" if codes[i] > 0
-                       else f"was killed by signal {signal.Signals(-codes[i]).name}")
-                if i:
-                    errors[i].seek(0)
-                    tail = [l for l in map(without_gloo_chatter, errors[i].read().splitlines())
-                            if l.strip()][-5:]
-                    print("\n".join(tail), file=sys.stderr)
-                print(f"refimpl.py: error: local process {i} {how}; stopping the others",
-                      file=sys.stderr)
-                return codes[i] if codes[i] > 0 else 1
-            if all(code == 0 for code in codes):
-                for thread in forwards:
-                    thread.join()  # the streams end when process 0 has exited
-                return 0
-            time.sleep(0.1)
-    finally:
-        for child in children:
-            try:
-                os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            child.wait()
-        for log in errors:
-            log.close()
-
-
-GLOO_CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
-                          r"Expected number of connected peer ranks is : \d+")
-
-
-def without_gloo_chatter(line: str) -> str:
-    """``line`` without the collective library's "[Gloo] Rank N is connected" notes
-    (written by C++ to the same stream, so one can land inside another line)."""
-    return GLOO_CHATTER.sub("", line)
-
-
-def forward(stream, target) -> None:
-    """Copies a child's output to ours, without the collective library's connection notes."""
-    for line in stream:
-        line = without_gloo_chatter(line)
-        if line.strip():
-            target.write(line if line.endswith("\n") else line + "\n")
-            target.flush()
-
-
-def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    """``argv`` without the given options and their values (``--x v`` or ``--x=v``)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in names:
-            skip = True
-        elif not any(arg.startswith(name + "=") for name in names):
-            out.append(arg)
-    return out
+    return processes.run_local(base, count, passthrough=OUTSIDE_BOUND)
 
 
 def report_differences(final: dict, steps: int, platform: str, num_devices: int,

@@ -33,8 +33,9 @@ model trains on. Two orders:
   rocAL reads and decodes the records and runs crop_mirror_normalize; the mask
   is the plan's. The files are written (each atomically) into a temporary
   folder ``cache_dir/.rocal-epoch-<e>-*`` that the iterator deletes, with the
-  pipelines released, when it ends, is closed or is collected (its cost:
-  docs/vendors.md).
+  pipelines released, when it ends, is closed or is collected, or is left
+  unfinished at the interpreter's exit (``loaders.EpochIterator``: before modules
+  are torn down, printing nothing; its cost: docs/vendors.md).
 * ``order="vendor"``: rocAL's own order, for the conformance tests and to show
   what rocAL does. Pipelines are built per epoch too (stateless), over
   sharding="files" (shard k's records ``[N*k//n, N*(k+1)//n)`` as one file
@@ -82,7 +83,9 @@ an epoch of ``ceil(S_k/B)`` rocAL batches, one fewer than ``len()``: that step
 is filled here with B copies of the shard's last record, mask False.
 
 Resuming from a saved ``plan.LoaderState`` (``epoch(e, state=saved)``,
-``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning):
+``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning; every
+state names this loader's data, ``dataset``, and a state naming other data is
+refused, through ``plan.Schedule``, as the reference loader refuses it):
 
 * order="plan", on any device or process count and batch size: with ``st =
   saved.resized(n, B)`` and ``plan, row = st.plan()`` (``plan.elastic_plan``'s
@@ -161,7 +164,7 @@ from jax.sharding import Mesh
 import loaders
 from arithmetic import Normalize, aligned_empty
 from cifar_mnist import IMAGE_SHAPE, RECORD_BYTES, TRAIN_PREFIX, write_cifar10
-from plan import LoaderState, Plan, Schedule, check_seed, shard_bounds
+from plan import LoaderState, Plan, Schedule, check_seed, dataset_digest, on_devices, shard_bounds
 
 INSTALL_HINT = (
     "the rocAL backend needs AMD rocAL's Python package amd.rocal, which is not on PyPI: on a "
@@ -328,8 +331,8 @@ class RocalLoader:
     ``{"images" float32, "labels" int32, "mask" bool}`` global arrays in
     ``layout``; ``epoch(e, state=saved)`` the rest of a saved epoch (the module
     docstring's "Resuming"). The loader holds no pipeline: each ``epoch()``
-    iterator builds its own, and releases them (and deletes its files) when it ends
-    or is closed, so epoch e is a function of (seed, e, start_step, shard) whatever
+    iterator builds its own, and releases them (and deletes its files) when it ends,
+    is closed or collected, or is left unfinished at exit, so epoch e is a function of (seed, e, start_step, shard) whatever
     was read before, and several epochs may be iterated at once.
     """
     images: np.ndarray = dataclasses.field(repr=False)  # uint8 (N, 3, 32, 32), read_cifar10's order
@@ -350,23 +353,42 @@ class RocalLoader:
     folders: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> folder
     prefix: str = TRAIN_PREFIX  # vendor: the filename_prefix rocAL reads with
     shards: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> ShardInfo
+    logical_shards: int | None = None  # order="plan": the plan's shards (None: one a device)
     # order="vendor", drop + shuffle: {"steps": real slots of each step} once an epoch has been
     # read (every epoch alike). Not an argument: a loader made with dataclasses.replace starts its own.
     known_real: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
 
     @property
     def num_shards(self) -> int:
-        return self.mesh.devices.size
+        """The plan's shards: ``logical_shards``, or the device count."""
+        return self.logical_shards or self.mesh.devices.size
+
+    @property
+    def device_rows(self) -> int:
+        """Samples a pipeline reads a step: (L/n) x batch_size."""
+        return self.num_shards // self.mesh.devices.size * self.batch_size
 
     @property
     def num_samples(self) -> int:
         return len(self.labels)
 
+    @functools.cached_property
+    def dataset(self) -> str:
+        """The identity of this loader's data, ``plan.dataset_digest({"images": images,
+        "labels": labels})``: what ``loaders.make_loader`` over the same data gives, so a
+        state moves between the two. Computed the first time a state is made or
+        checked, then kept."""
+        return dataset_digest({"images": self.images, "labels": self.labels})
+
     @property
     def schedule(self) -> Schedule:
-        """This loader's epochs as pure schedule (plan.Schedule)."""
+        """This loader's epochs as pure schedule (plan.Schedule), its data's identity
+        (``dataset``) read when a state is made or checked."""
         return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
-                        self.last_batch)
+                        self.last_batch, dataset=self._dataset)
+
+    def _dataset(self) -> str:
+        return self.dataset
 
     def __len__(self) -> int:
         return self.schedule.steps
@@ -427,13 +449,17 @@ class RocalLoader:
 
     def epoch(self, epoch: int, start_step: int = 0, *,
               state: LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
-        """Steps ``start_step .. len()-1`` of ``epoch``; with ``state`` (a saved
-        ``plan.LoaderState`` of this run), the rest of the epoch it was taken in,
-        from its step (the module docstring's "Resuming"), and ``start_step`` must
-        stay 0. Raises ValueError for an epoch outside [0, 2**32), a state of another
-        run or epoch, a start_step with a state, or (order="vendor") a state of other
-        shards; IndexError for a start_step outside [0, len()]. The pipelines are
-        built, and the epoch's files written, at the first ``next()``."""
+        """With ``state`` (a saved ``plan.LoaderState`` of this run: the same data, seed,
+        shuffle and last_batch), the rest of the epoch it was taken in, from its step
+        (the module docstring's "Resuming"), and ``start_step`` must stay 0. Without
+        it, steps ``start_step .. len()-1`` of this loader's own fresh plan: what
+        another loader delivered there only if it had the same logical shards and
+        batch_size (``loaders.Loader``'s last paragraph); after any other, resume from
+        its state. Raises ValueError for an epoch outside [0, 2**32), a state of
+        another run (num_samples, dataset, seed, shuffle, last_batch: named) or epoch,
+        a start_step with a state, or (order="vendor") a state of other shards;
+        IndexError for a start_step outside [0, len()]. The pipelines are built, and
+        the epoch's files written, at the first ``next()``."""
         check_seed("epoch", epoch, "RocalLoader.epoch")
         if state is not None:
             st = self._resumed("RocalLoader.epoch", epoch, state)
@@ -441,14 +467,15 @@ class RocalLoader:
                 raise ValueError(f"RocalLoader.epoch: start_step={start_step!r} with a state; the state "
                                  f"says where the epoch resumes (step {state.step})")
             if self.order == "vendor":  # one segment (0, n, B): the saved shards' fresh epoch
-                return _vendor_steps(self, epoch, st.step)
+                return loaders.EpochIterator(_vendor_steps(self, epoch, st.step))
             plan, row = st.plan()
-            return _plan_steps(self, epoch, plan, row, st.step)
+            return loaders.EpochIterator(_plan_steps(self, epoch, plan, row, st.step))
         if not 0 <= start_step <= len(self):
             raise IndexError(f"RocalLoader.epoch: start_step={start_step} is outside [0, {len(self)}]")
         if self.order == "plan":
-            return _plan_steps(self, epoch, self.plan(epoch), start_step, start_step)
-        return _vendor_steps(self, epoch, start_step)
+            return loaders.EpochIterator(_plan_steps(self, epoch, self.plan(epoch), start_step,
+                                                     start_step))
+        return loaders.EpochIterator(_vendor_steps(self, epoch, start_step))
 
     def close(self) -> None:
         """Nothing to release: pipelines live as long as one epoch's iterator."""
@@ -477,7 +504,8 @@ class RocalLoader:
 def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: int):
     """Rows ``row ..`` of ``plan`` (a fresh epoch's or a resumed segment's), global
     steps ``first ..`` of the epoch."""
-    local, B = loaders.local_positions(loader.mesh), loader.batch_size
+    local, B = loaders.local_positions(loader.mesh), loader.device_rows
+    plan = on_devices(plan, loader.mesh.devices.size)  # device k's logical shards, one block
     stop = len(plan.indices)
     if row == stop:  # nothing left (drop's segment of 0 steps, or a state at the end)
         return
@@ -520,7 +548,7 @@ def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: in
 
 
 def _vendor_steps(loader: RocalLoader, epoch: int, start: int):
-    devices, B = list(loader.mesh.devices.flat), loader.batch_size
+    devices, B = list(loader.mesh.devices.flat), loader.device_rows
     pipelines, transfers = {}, _Transfers(loader.dlpack)
     runs = {k: 0 for k in loader.shards}
     seen = {k: 0 for k in loader.shards}  # slots holding the shard's last record
@@ -575,7 +603,7 @@ def _vendor_steps(loader: RocalLoader, epoch: int, start: int):
 
 def _read_by_content(loader: RocalLoader, pipe, k: int, device, runs: dict, seen: dict, where: str, transfers):
     """One rocAL run of shard k: (images, labels int32 (B,), mask found by content)."""
-    shard, B = loader.shards[k], loader.batch_size
+    shard, B = loader.shards[k], loader.device_rows
     where = f"{where} (batch {runs[k] + 1} of its {shard.batches})"
     images, labels = _run(loader, pipe, device, (shard.batches - runs[k]) * B, where, transfers)
     runs[k] += 1
@@ -591,7 +619,7 @@ def _read_by_content(loader: RocalLoader, pipe, k: int, device, runs: dict, seen
 
 
 def _padding(loader: RocalLoader, k: int, device: jax.Device):
-    shard, B = loader.shards[k], loader.batch_size
+    shard, B = loader.shards[k], loader.device_rows
     images = aligned_empty((B,) + shard.last_image.shape, np.float32)
     images[:] = shard.last_image
     if loader.dlpack:
@@ -602,7 +630,7 @@ def _padding(loader: RocalLoader, k: int, device: jax.Device):
 def _pipeline(loader: RocalLoader, folder: str, k: int, *, shuffle: bool, **native):
     device = loader.mesh.devices.flat[k]
     prefix = loader.prefix if loader.order == "vendor" else TRAIN_PREFIX
-    return rocal_pipeline(folder, batch_size=loader.batch_size, normalize=loader.normalize,
+    return rocal_pipeline(folder, batch_size=loader.device_rows, normalize=loader.normalize,
                           on_gpu=loader.on_gpu, device_id=_hardware_id(device) if loader.on_gpu else 0,
                           filename_prefix=prefix, shuffle=shuffle, seed=loader.seed,
                           num_threads=loader.num_threads, **native)
@@ -613,7 +641,7 @@ def _run(loader: RocalLoader, pipe, device, left: int, where: str, transfers):
     a pipeline is never run at 0, where rocAL 2.3.0 can return a stale batch):
     (images float32 (B, C, ch, cw) on the host or, ``dlpack``, on ``device``,
     labels int32 (B,))."""
-    B = loader.batch_size
+    B = loader.device_rows
     remaining = _call(where, "get_remaining_images()", pipe.get_remaining_images)
     if remaining != left:
         raise RuntimeError(f"{where}: get_remaining_images() says {remaining}, but {left} samples "
@@ -816,12 +844,14 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
                       shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
                       normalize: Normalize = Normalize(), order: str = "plan",
                       cache_dir: str | os.PathLike | None = None, sharding: str = "files",
-                      num_threads: int = 1) -> RocalLoader:
+                      num_threads: int = 1, logical_shards: int | None = None) -> RocalLoader:
     """A ``RocalLoader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``),
     or an ``(images uint8 (N, 3, 32, 32), labels_N)`` pair. ``batch_size`` is per
     device; shard k goes to ``devices[k]`` (or mesh position k). ``order`` is "plan"
     (default: the reference loader's epochs, bit for bit) or "vendor" (rocAL's own
     order; ``sharding`` "files" or "rocal" picks how rocAL is given its shard).
+    ``logical_shards``: as ``loaders.make_loader``'s (order="plan" only: pipeline k
+    reads its device's logical shards' blocks, (L/n)*B records a step).
     Files go under ``cache_dir`` (default ~/.cache/refimpl): the epoch files of
     order="plan" (deleted when the epoch ends) and the shard files of
     order="vendor", sharding="files" (kept, keyed by content).
@@ -849,6 +879,9 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
                          f"order='vendor' with it")
     if num_threads < 1:
         raise ValueError(f"make_rocal_loader: num_threads must be >= 1, got {num_threads}")
+    if order == "vendor" and logical_shards is not None:
+        raise ValueError(f"make_rocal_loader: logical_shards={logical_shards!r} with order='vendor': "
+                         f"rocAL's own order is one shard a pipeline; use order='plan'")
     is_folder = isinstance(data, (str, os.PathLike))
     if sharding == "rocal" and not is_folder:
         raise ValueError("make_rocal_loader: sharding='rocal' reads the CIFAR-10 files itself; "
@@ -857,7 +890,7 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
     # The reference loader checks every argument as make_loader does. It does no device work.
     spec = loaders.make_loader(data, devices, batch_size, layout=layout, filename_prefix=filename_prefix,
                                shuffle=shuffle, seed=seed, last_batch=last_batch,
-                               normalize=normalize, prefetch=0)
+                               normalize=normalize, prefetch=0, logical_shards=logical_shards)
     images, labels, mesh = spec.images, spec.labels, spec.mesh
     if images.shape[1:] != IMAGE_SHAPE:
         raise ValueError(f"make_rocal_loader: images of shape {images.shape[1:]}; rocAL's reader "
@@ -868,7 +901,8 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
         check_dlpack()
     cache = os.path.expanduser(os.fspath(cache_dir if cache_dir is not None else DEFAULT_CACHE))
     loader = RocalLoader(images, labels, mesh, batch_size, layout, shuffle, seed, last_batch, normalize,
-                         order, sharding, on_gpu, on_gpu, cache, num_threads)
+                         order, sharding, on_gpu, on_gpu, cache, num_threads,
+                         logical_shards=spec.logical_shards)
     if order == "plan":
         return loader
     n, N, B = len(device_list), len(labels), batch_size

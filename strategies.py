@@ -2,8 +2,8 @@
 
 Every strategy has one signature::
 
-    strategy(params, batches, mesh, *, loss_terms, optimizer=sgd(0.001), opt_state=None)
-        -> Trained(params, losses, opt_state)
+    strategy(params, batches, mesh, *, loss_terms, optimizer=sgd(0.001), opt_state=None,
+             reduction="plain", logical_shards=None) -> Trained(params, losses, opt_state)
 
 * ``params``: any pytree of float arrays (a list of (w, b), a dict, ...). In and
   out they are host-side (NumPy), and so is ``opt_state``, so epochs chain by
@@ -39,6 +39,19 @@ Every strategy has one signature::
 * ``losses`` (steps,): each step's global masked loss, computed before that
   step's update, in the loss's dtype (float32 for float32 params). The mesh is
   one axis named 'data' (loaders.data_mesh).
+* ``reduction``: how a step's gradient is summed. "plain" (the default, the
+  notebooks'): each device's gradient, added across devices in the order the
+  collective picks; strategies and topologies then end apart by rounding, within
+  the bound equivalence.py measures. "canonical": the global batch is
+  ``logical_shards`` = L blocks of equal rows (default: one a device), each block's
+  gradient sum is computed by one program of one shape, the L sums are added in one
+  fixed order and divided by the step's global count of real samples, and the update
+  runs in a program of its own (``canonical_step``): the params, the optimizer state
+  and the losses are then the same bits on every mesh whose device count divides L,
+  in one process or several, through every strategy, and on one device adding the
+  L blocks as microbatches (``single``), at any learning rate. Feed it a loader with
+  the same logical shards (``loaders.make_loader(..., logical_shards=L)``), whose
+  global batch is the same on any such mesh. Cost: bench.py's canonical/plain table.
 
 The strategies:
 
@@ -64,10 +77,14 @@ CPU devices they do not: XLA's CPU compiler keeps a copy for a donated state, so
 the peak stays the same and the copy costs time (``donates``).
 
 Guarantees (test_strategies.py and test_equivalence.py), after the same steps on
-the same global batches, masks included, at matmul precision "highest": pmap and
-shard_map end bit-identical on CPU (the same program); every pair of strategies
-ends within the bound that equivalence.py derives (``equivalence.verdict``), a
-model checked by measurement, not a proof.
+the same global batches, masks included, at matmul precision "highest": with
+reduction="canonical", the same bits on every topology, every strategy, every
+optimizer and rate tested (ReLU and attention models; SGD, Adam, AdamW with
+clipping; chaotic rates), across processes too; with the plain reduction, every
+pair of strategies ends within the bound equivalence.py derives
+(``equivalence.verdict``), a model checked by measurement, not a proof. Every
+strategy's plain step computes its gradient in a program of its own and shares one
+update program (``apply_program``).
 
 Devices: every strategy runs on exactly the mesh's devices, in mesh order
 (pmap is given them explicitly; single uses the mesh's first device), never
@@ -88,7 +105,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 AXIS = "data"  # the mesh axis the batch is sharded on (loaders.DATA_AXIS)
 LAYOUT = {"sharded": "sharded", "pmap": "pmap", "shard_map": "sharded", "single": "sharded"}
@@ -221,12 +238,14 @@ def on_device(params: Params, device: jax.Device) -> Params:
 
 def check_dtypes(tree, where: str) -> None:
     """Raises ValueError naming the leaf if JAX would silently change a leaf's dtype:
-    a 64-bit NumPy or JAX array (float64, int64, complex128) while ``jax_enable_x64``
-    is off, which JAX narrows to 32 bits. Python scalars are weakly typed (JAX's own
-    rules) and pass."""
+    a 64-bit NumPy or JAX array or NumPy scalar (float64, int64, complex128) while
+    ``jax_enable_x64`` is off, which JAX narrows to 32 bits. Python's own scalars
+    (exactly bool, int, float, complex) are weakly typed (JAX's own rules) and pass;
+    ``np.float64(1.0)`` is not one of them, although it is a subclass of float (and
+    ``np.complex128`` of complex), and is refused like a float64 array."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         dtype = getattr(leaf, "dtype", None)
-        if dtype is None or isinstance(leaf, (int, float, complex)):
+        if dtype is None or type(leaf) in (bool, int, float, complex):
             continue
         narrowed = jax.dtypes.canonicalize_dtype(dtype)
         if narrowed != dtype:
@@ -243,54 +262,96 @@ def check_dtypes(tree, where: str) -> None:
 
 
 def sharded(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-            optimizer: Optimizer = sgd(), opt_state=None) -> Trained:
+            optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
+            logical_shards: int | None = None) -> Trained:
+    L = _reduction("sharded", reduction, logical_shards, mesh)
     state = replicate(start_state("sharded", optimizer, params, opt_state, mesh), mesh)
-    state, losses = train_loop(sharded_step(loss_terms, optimizer.update), state,
-                               checked(batches, "sharded", mesh))
+    step = (sharded_step(loss_terms, optimizer.update) if reduction == "plain"
+            else canonical_step(loss_terms, optimizer.update, mesh, L))
+    state, losses = train_loop(step, state, checked(batches, "sharded", mesh, L))
     return Trained(to_host(state[0]), stack_losses(losses), to_host(state[1]))
 
 
 def pmap(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-         optimizer: Optimizer = sgd(), opt_state=None) -> Trained:
+         optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
+         logical_shards: int | None = None) -> Trained:
     _single_process_only("pmap", "pmap maps over this process's devices only")
+    L = _reduction("pmap", reduction, logical_shards, mesh)
+    state = start_state("pmap", optimizer, params, opt_state, mesh)
+    if reduction == "canonical":  # the canonical step's programs, on batches (n, B, ...)
+        state, losses = train_loop(canonical_step(loss_terms, optimizer.update, mesh, L),
+                                   replicate(state, mesh), checked(batches, "pmap", mesh, L))
+        return Trained(to_host(state[0]), stack_losses(losses), to_host(state[1]))
     step = pmap_step(loss_terms, optimizer.update, tuple(mesh.devices.flat))
-    state = stack_replicas(start_state("pmap", optimizer, params, opt_state, mesh), mesh)
-    state, losses = train_loop(step, state, checked(batches, "pmap", mesh))
+    state, losses = train_loop(step, stack_replicas(state, mesh), checked(batches, "pmap", mesh))
     return Trained(first_replica(state[0]), stack_losses([v[0] for v in losses]),
                    first_replica(state[1]))
 
 
 def shard_map(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-              optimizer: Optimizer = sgd(), opt_state=None) -> Trained:
+              optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
+              logical_shards: int | None = None) -> Trained:
+    L = _reduction("shard_map", reduction, logical_shards, mesh)
     state = replicate(start_state("shard_map", optimizer, params, opt_state, mesh), mesh)
-    state, losses = train_loop(shard_map_step(loss_terms, optimizer.update, mesh), state,
-                               checked(batches, "shard_map", mesh))
+    step = (shard_map_step(loss_terms, optimizer.update, mesh) if reduction == "plain"
+            else canonical_step(loss_terms, optimizer.update, mesh, L))
+    state, losses = train_loop(step, state, checked(batches, "shard_map", mesh, L))
     return Trained(to_host(state[0]), stack_losses(losses), to_host(state[1]))
 
 
 def single(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-           optimizer: Optimizer = sgd(), opt_state=None) -> Trained:
+           optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
+           logical_shards: int | None = None) -> Trained:
     _single_process_only("single", "one device cannot hold another process's rows")
+    L = _reduction("single", reduction, logical_shards, mesh)
     device = mesh.devices.flat[0]
-    jitted = sharded_step(loss_terms, optimizer.update)
+    if reduction == "plain":
+        jitted = sharded_step(loss_terms, optimizer.update)
+    else:  # one device adds its L logical blocks as microbatches
+        # The mesh loaders.data_mesh([device]) builds (Auto axes), so a step compiled for it is reused.
+        jitted = canonical_step(loss_terms, optimizer.update,
+                                Mesh(np.array([device]), (AXIS,), axis_types=(AxisType.Auto,)), L)
     step = lambda state, batch: jitted(state, jax.device_put(batch, device))
     state = on_device(start_state("single", optimizer, params, opt_state, mesh), device)
-    state, losses = train_loop(step, state, checked(batches, "single", mesh))
+    state, losses = train_loop(step, state, checked(batches, "single", mesh, L))
     return Trained(to_host(state[0]), stack_losses(losses), to_host(state[1]))
 
 
 STRATEGIES = {"sharded": sharded, "pmap": pmap, "shard_map": shard_map, "single": single}
+REDUCTIONS = ("plain", "canonical")
 
 
-def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict]:
+def _reduction(name: str, reduction: str, logical_shards, mesh: Mesh) -> int | None:
+    """The canonical reduction's L (``logical_shards``, default the mesh's device count),
+    checked; None for the plain reduction, which takes no logical shards."""
+    n = mesh.devices.size
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"strategy {name!r}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if reduction == "plain":
+        if logical_shards is not None:
+            raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} needs "
+                             f"reduction='canonical' (the plain reduction adds whatever each device "
+                             f"holds, in the order its collective picks)")
+        return None
+    L = n if logical_shards is None else logical_shards
+    if isinstance(L, (bool, np.bool_)) or not isinstance(L, (int, np.integer)) or L < 1 or L % n:
+        raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be an int that "
+                         f"the mesh's {n} device(s) divide")
+    return int(L)
+
+
+def checked(batches: Iterable[dict], strategy: str, mesh: Mesh,
+            logical_shards: int | None = None) -> Iterator[dict]:
     """``batches``, each checked to be in ``strategy``'s layout and on the mesh, host leaves placed.
 
     The layout is told from "mask": (n*B,) in layout "sharded", (n, B) in "pmap",
     n the mesh's device count. Every jax.Array leaf must be sharded on 'data' over
     exactly the mesh's devices (``NamedSharding(mesh, P('data'))`` or equivalent);
     NumPy leaves are placed so in one process (``single`` moves them to its device
-    directly) and refused across processes. Raises ValueError naming the strategy,
-    the step, the key and what the strategy needs."""
+    directly) and refused across processes. With ``logical_shards`` L (the canonical
+    reduction) the global batch's rows must split into L equal blocks, each device's
+    into L/n. Raises ValueError naming the strategy, the step, the key and what the
+    strategy needs."""
     layout, n = LAYOUT[strategy], mesh.devices.size
     devices = set(mesh.devices.flat)
     want = NamedSharding(mesh, P(AXIS))
@@ -311,6 +372,12 @@ def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict
                 f"strategy {strategy!r} needs batches in layout 'sharded' (mask (n*B,), every other "
                 f"key (n*B, ...); make_loader(..., layout='sharded')), got a mask of shape {shape} "
                 f"at step {step}")
+        rows = shape[0] * (shape[1] if layout == "pmap" else 1)
+        if logical_shards is not None and rows % logical_shards:
+            raise ValueError(
+                f"strategy {strategy!r}: the batch at step {step} has {rows} rows, which do not split "
+                f"into logical_shards={logical_shards} blocks of one size (the canonical reduction "
+                f"adds one gradient sum per logical block)")
         placed = {}
         for key, leaf in batch.items():
             if not isinstance(leaf, jax.Array):
@@ -453,8 +520,9 @@ def _mean_loss(loss_terms: LossTerms) -> Callable:
 
 def one_step(loss_terms: LossTerms, update: Callable) -> Callable:
     """The plain step, uncompiled: (state, batch) -> (state, the batch's masked mean loss),
-    state = (params, opt_state), the gradient of that mean applied through ``update``
-    (what ``sharded_step`` jits, and what equivalence.twin_growth vmaps)."""
+    state = (params, opt_state), the gradient of that mean applied through ``update``,
+    in one function (what equivalence.twin_growth vmaps; the strategies' steps compute
+    the gradient and the update in programs of their own: ``apply_program``)."""
     def step(state, batch):
         params, opt_state = state
         value, grads = jax.value_and_grad(_mean_loss(loss_terms))(params, batch)
@@ -463,17 +531,43 @@ def one_step(loss_terms: LossTerms, update: Callable) -> Callable:
 
 
 @functools.lru_cache(maxsize=64)
-def sharded_step(loss_terms: LossTerms, update: Callable, donate: bool | None = None) -> Callable:
-    """jit of one step on state (params, opt_state): (state, batch) -> (state, loss).
+def apply_program(update: Callable, donate: bool = False) -> Callable:
+    """The update, its own program, shared by every strategy's plain step: jit of
+    ((params, opt_state), grads, loss) -> ((params + updates, new opt_state), loss) on
+    replicated (or single-device) values; the state is donated when ``donate``.
 
-    On replicated state and a batch sharded on 'data' (``sharded``) XLA adds the
-    cross-device sums; on one device (``single``) it is the plain step. ``update``
-    has optax's contract; the step applies ``params + updates``. ``donate``: whether
-    the state passed in is donated (consumed, its buffers reused for the new state);
-    None (the default) donates where that saves memory, on accelerators, and not
-    on CPU devices (``donates``)."""
+    Its own program so that the same optax arithmetic compiles alike whatever computed
+    the gradient: fused into a step's program it follows that program's layouts, and
+    XLA:CPU contracts a multiply and an add into one FMA in an order that follows its
+    operands' layout (Adam's first moment, 0.1 g + 0.9 m, rounded as fma(0.1, g, 0.9 m)
+    in pmap's program and fma(0.9, m, 0.1 g) in shard_map's for the 1-d leaves, where
+    one got biases as [n] and the other as [1, n]): pmap and shard_map then ended a few
+    ulps apart under Adam, and 8.7e6 apart at a chaotic rate. Measured by disabling FMA
+    (XLA_FLAGS=--xla_cpu_max_isa=AVX): bit-identical again."""
+    def apply(state, grads, loss):
+        params, opt_state = state
+        return _updated(update, grads, opt_state, params), loss
+    return jax.jit(apply, donate_argnums=(0,) if donate else ())
+
+
+@functools.lru_cache(maxsize=64)
+def sharded_step(loss_terms: LossTerms, update: Callable, donate: bool | None = None) -> Callable:
+    """One plain step on state (params, opt_state): (state, batch) -> (state, loss): the
+    gradient of the batch's global masked mean by a jit of its own (on replicated
+    state and a batch sharded on 'data', ``sharded``, XLA adds the cross-device sums;
+    on one device, ``single``, it is the plain gradient), then ``apply_program``.
+    ``update`` has optax's contract; the step applies ``params + updates``. ``donate``:
+    whether the state passed in is donated (consumed, its buffers reused for the new
+    state); None (the default) donates where that saves memory, on accelerators, and
+    not on CPU devices (``donates``)."""
     if donate is not None:
-        return jax.jit(one_step(loss_terms, update), donate_argnums=(0,) if donate else ())
+        gradient = _mean_gradient(loss_terms)
+        apply = apply_program(update, donate)
+
+        def fixed(state, batch):
+            loss, grads = gradient(state[0], batch)
+            return apply(state, grads, loss)
+        return fixed
     donating, keeping = sharded_step(loss_terms, update, True), sharded_step(loss_terms, update, False)
 
     def step(state, batch):
@@ -481,6 +575,12 @@ def sharded_step(loss_terms: LossTerms, update: Callable, donate: bool | None = 
         chosen = donating if leaf is not None and donates(leaf.devices()) else keeping
         return chosen(state, batch)
     return step
+
+
+@functools.lru_cache(maxsize=64)
+def _mean_gradient(loss_terms: LossTerms) -> Callable:
+    """jit: (params, batch) -> (the batch's masked mean loss, its gradient)."""
+    return jax.jit(jax.value_and_grad(_mean_loss(loss_terms)))
 
 
 def donates(devices) -> bool:
@@ -498,57 +598,228 @@ def donates(devices) -> bool:
 def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callable:
     """The pmap step over exactly ``devices``, in that order (one per mesh position).
 
-    Takes state (params, opt_state) stacked (n, ...), donated where ``donates``, and a batch (n, B,
-    ...); returns (new state (n, ...), global masked loss (n,)), every replica
-    equal, on the same devices. The denominator is the real-sample count of the
-    whole global batch; it does not depend on params, so each device
-    back-propagates 1/count through its own total and the per-device gradients
-    simply add up (psum). The notebooks' ``pmean(grads)`` of per-device means is
-    that gradient only when every device holds the same number of real samples.
-    A pmap without ``devices=`` would map over the default backend's first n
+    Takes state (params, opt_state) stacked (n, ...), consumed where ``donates``, and a
+    batch (n, B, ...); returns (new state (n, ...), global masked loss (n,)), every
+    replica equal, on the same devices. The gradient is jax.pmap's (``_parallel_gradient``:
+    each device back-propagates 1/count through its own total, count the real samples
+    of the whole global batch, and the per-device gradients add up in a psum; the
+    notebooks' ``pmean(grads)`` of per-device means is that gradient only when every
+    device holds the same number of real samples); the update is ``apply_program`` on
+    one replica, replicated, as in every other strategy, and the new state is stacked
+    again. A pmap without ``devices=`` would map over the default backend's first n
     devices, whatever devices its inputs live on."""
-    return jax.pmap(_parallel_step(loss_terms, update), axis_name=AXIS, devices=list(devices),
-                    donate_argnums=(0,) if donates(devices) else ())
+    mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
+    donate = donates(devices)
+    gradient = jax.pmap(_parallel_gradient(loss_terms), axis_name=AXIS, devices=list(devices))
+    apply = apply_program(update, donate)
+    first = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[0], x), mesh=mesh, in_specs=P(AXIS),
+                                  out_specs=P(), check_vma=False), donate_argnums=(0,) if donate else ())
+    stacked = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[None], x), mesh=mesh, in_specs=P(),
+                                    out_specs=P(AXIS), check_vma=False))
 
-
-def _parallel_step(loss_terms: LossTerms, update: Callable) -> Callable:
-    """pmap_step's per-device function (uncompiled): collectives over axis 'data'."""
     def step(state, batch):
-        params, opt_state = state
+        loss, grads = gradient(state[0], batch)
+        new, loss = apply(first(state), *first((grads, loss)))
+        return stacked((new, loss))
+    return step
+
+
+def _parallel_gradient(loss_terms: LossTerms) -> Callable:
+    """pmap_step's per-device function (uncompiled): (params, batch) -> (global masked loss,
+    its gradient), collectives over axis 'data'."""
+    def gradient(params, batch):
         total, vjp, count = jax.vjp(lambda p: checked_terms(loss_terms, p, batch), params, has_aux=True)
         denominator = jnp.maximum(lax.psum(count, AXIS), 1.0)
         grads = lax.psum(vjp((1.0 / denominator).astype(total.dtype))[0], AXIS)
-        return _updated(update, grads, opt_state, params), lax.psum(total, AXIS) / denominator
-    return step
+        return lax.psum(total, AXIS) / denominator, grads
+    return gradient
 
 
 @functools.lru_cache(maxsize=64)
 def shard_map_step(loss_terms: LossTerms, update: Callable, mesh: Mesh) -> Callable:
-    """The jit-compiled shard_map step for ``mesh``: (state, batch) -> (state, loss).
+    """The shard_map step for ``mesh``: (state, batch) -> (state, loss), the gradient by a
+    jit(shard_map) of its own, then ``apply_program`` (the state donated where
+    ``donates(mesh.devices.flat)``).
 
-    Why this form is correct: with ``check_vma=True`` (the default), the state
-    enters replicated (``P()``) and JAX knows it is the same on every device. The
+    Why this form is correct: with ``check_vma=True`` (the default), the params enter
+    replicated (``P()``) and JAX knows they are the same on every device. The
     gradient of a device-varying value with respect to such an input is summed
     over devices automatically (the transpose of the implicit broadcast is a
     psum). So we differentiate the *global* loss, psum(total) / psum(count), and
     the automatic sum adds each device's share exactly once. The trap is porting
     pmap's ``grad(local mean loss)`` then ``pmean(grads)``: the automatic psum
     has already summed n per-device means, pmean of that replicated sum changes
-    nothing, and training runs with n times the gradient. The state is donated where
-    ``donates(mesh.devices.flat)``.
+    nothing, and training runs with n times the gradient.
     """
-    def step(state, batch):
-        params, opt_state = state
-
+    def gradient(params, batch):
         def global_loss(p):
             total, count = checked_terms(loss_terms, p, batch)
             return lax.psum(total, AXIS) / jnp.maximum(lax.psum(count, AXIS), 1.0)
-        value, grads = jax.value_and_grad(global_loss)(params)
-        return _updated(update, grads, opt_state, params), value
+        return jax.value_and_grad(global_loss)(params)
 
-    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P())),
-                   donate_argnums=(0,) if donates(mesh.devices.flat) else ())
+    gradient = jax.jit(jax.shard_map(gradient, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P())))
+    apply = apply_program(update, donates(mesh.devices.flat))
 
+    def step(state, batch):
+        loss, grads = gradient(state[0], batch)
+        return apply(state, grads, loss)
+    return step
+
+
+# --------------------------------------------------------------------------
+# The canonical reduction: the same bits on every topology
+# --------------------------------------------------------------------------
+#
+# Two things make the bits the same on every topology: the order of summation, fixed
+# by construction (canonical_sums), and the same compiled arithmetic for each block
+# and for the update, whatever the mesh. The second is XLA's, and it needed one
+# setting: XLA compiles a program for one device and a program partitioned over
+# several through different pass pipelines, and the partitioned one runs a CSE before
+# the algebraic simplifier, which then rewrites what CSE left differently (measured on
+# CPU, JAX 0.10.2: an attention block's softmax gradient kept a divide by a broadcast
+# on 2, 4 and 8 devices that became a multiply by a reciprocal on one device, and
+# XLA:CPU contracted that multiply and the following add into one FMA: other bits).
+# With XLA's CSE passes off in these programs (CANONICAL_XLA_OPTIONS) the two
+# pipelines give the same arithmetic on every model tested (ReLU MLPs, the notebooks'
+# MLP, attention; SGD, Adam, AdamW with clipping), and test_equivalence.py holds it
+# on every run: an XLA that compiles them apart fails there, not in silence.
+CANONICAL_XLA_OPTIONS = {"xla_disable_hlo_passes": "cse"}
+
+
+def canonical_sums(loss_terms: LossTerms, num_devices: int, logical_shards: int) -> Callable:
+    """The per-device half of ``canonical_step``, uncompiled, for a shard_map or pmap over
+    axis 'data' of ``num_devices`` = n devices: (params, rows) -> (gradient sums, loss sum,
+    count), every output the same bits on every device. ``rows`` is this device's part
+    of the global batch: L/n logical blocks of b rows, L = ``logical_shards``.
+
+    1. Each block's (gradient of its loss sum, loss sum, count) by one program of one
+       shape (b rows): ``lax.map`` over the device's blocks, in block order.
+    2. Leaf by leaf (the loss sums and counts too): ``all_to_all`` gives device c chunk c
+       of that leaf of every block of every device (raveled, zero-padded to n chunks),
+       in global block order, device 0's blocks first: (L, chunk). A leaf under
+       SMALL_LEAF entries is ``all_gather``ed whole instead: (L, ...) on every device.
+    3. A left fold over the L blocks with explicit adds, g_0 + g_1, then + g_2, ...,
+       + g_{L-1}: the one order of summation, whatever n (a ``jnp.sum`` would let XLA
+       pick one). It starts from g_0 itself, never from 0 + g_0 (a sign of zero).
+    4. ``all_gather`` of the folded chunks: the whole sums on every device.
+
+    Why n cannot change the bits: every block's sums come from the same program on the
+    same b rows (compiled alike on every mesh: CANONICAL_XLA_OPTIONS); the fold adds
+    the same L values in the same order (the chunking splits only which device adds
+    which entries; each entry's sum is the same sequence of IEEE additions); moving
+    values between devices and padding with zeros are exact. So the result is that of
+    one device adding its L microbatches' sums in order. It holds within one backend
+    and one device kind (measured on CPU: test_equivalence.py); nothing promises CPU
+    bits equal GPU bits, or one GPU model another's. Bytes a device sends: (L/n + 1) x
+    (n-1)/n gradients, an all-reduce's 2 x (n-1)/n when L = n. Either batch layout:
+    rows (L/n*b, ...) or, in layout "pmap", (1, L/n*b, ...)."""
+    if logical_shards % num_devices:
+        raise ValueError(f"canonical reduction: {num_devices} devices do not divide "
+                         f"logical_shards={logical_shards}")
+    per_device = logical_shards // num_devices
+
+    def block(params, rows):
+        (total, count), grads = jax.value_and_grad(
+            lambda p: checked_terms(loss_terms, p, rows), has_aux=True)(params)
+        return grads, total, count
+
+    def sums(params, rows):
+        if jnp.ndim(rows["mask"]) == 2:  # layout "pmap": this device's (1, L/n*b, ...)
+            rows = jax.tree.map(lambda x: x.reshape(x.shape[1:]), rows)
+        size = jax.tree.leaves(rows)[0].shape[0]
+        if size % per_device:
+            raise ValueError(f"canonical reduction: a device's {size} rows do not split into its "
+                             f"{per_device} logical blocks (logical_shards={logical_shards} over "
+                             f"{num_devices} devices)")
+        blocks = jax.tree.map(lambda x: x.reshape((per_device, size // per_device) + x.shape[1:]), rows)
+        grads, total, count = lax.map(lambda b: block(params, b), blocks)
+        leaves, tree = jax.tree.flatten(grads)
+        count = jnp.asarray(count, total.dtype)
+        folded = _fold_across(leaves + [total, count], per_device, num_devices)
+        return jax.tree.unflatten(tree, folded[:-2]), folded[-2], folded[-1]
+    return sums
+
+
+SMALL_LEAF = 1 << 14  # entries: a leaf this small is gathered whole and folded on every device
+
+
+def _fold_across(leaves: list, per_device: int, n: int) -> list:
+    """_fold_program's body: each leaf (per_device, ...) folded over every device's blocks
+    in global block order (device 0's first), the result (...) on every device. A leaf of
+    SMALL_LEAF entries or more goes by ``all_to_all`` (device c folds chunk c of every
+    block, raveled and zero-padded to n chunks) and an ``all_gather`` of the folded chunks;
+    a smaller one is all_gathered whole and folded on every device. Either way each entry
+    is the same left fold of the same L values."""
+    out = []
+    for x in leaves:
+        shape = x.shape[1:]
+        width = int(np.prod(shape, dtype=np.int64))
+        if width < SMALL_LEAF or n == 1:
+            out.append(_left_fold(lax.all_gather(x, AXIS, tiled=True)))  # (L, ...)
+            continue
+        chunk = -(-width // n)
+        vector = jnp.pad(x.reshape(per_device, width), ((0, 0), (0, n * chunk - width)))
+        blocks = lax.all_to_all(vector, AXIS, 1, 0, tiled=True)  # (L, chunk), global block order
+        whole = lax.all_gather(_left_fold(blocks), AXIS, tiled=True)[:width]
+        out.append(whole.reshape(shape))
+    return out
+
+
+def _left_fold(blocks):
+    """blocks[0] + blocks[1], then + blocks[2], ...: explicit adds in that order (a jnp.sum
+    would let XLA pick the order), starting from blocks[0] itself (0 + x is not x for -0.0)."""
+    total = blocks[0]
+    for l in range(1, blocks.shape[0]):
+        total = total + blocks[l]
+    return total
+
+
+@functools.lru_cache(maxsize=64)
+def canonical_gradients(loss_terms: LossTerms, mesh: Mesh, logical_shards: int) -> Callable:
+    """jit(shard_map(canonical_sums)) on ``mesh``: (params replicated, batch sharded on
+    'data') -> (gradient sums, loss sum, count), replicated."""
+    sums = canonical_sums(loss_terms, mesh.devices.size, logical_shards)
+    return jax.jit(jax.shard_map(sums, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(),
+                                 check_vma=False), compiler_options=CANONICAL_XLA_OPTIONS)
+
+
+@functools.lru_cache(maxsize=64)
+def update_program(update: Callable) -> Callable:
+    """The update as its own program: jit((params, opt_state), gradient sums, loss sum,
+    count) -> ((params, opt_state), loss), dividing the sums by max(count, 1), the
+    step's global count of real samples, then ``update`` and ``params + updates``.
+
+    Its own program so that it compiles alike on every topology: inside a step's
+    program the same optax arithmetic is fused with whatever surrounds it, and XLA's
+    CPU compiler contracts a multiply and an add that land in one fusion into one
+    FMA (one rounding instead of two), so pmap and shard_map steps ended apart under
+    Adam. On replicated inputs the program each device runs is the same."""
+    def apply(state, sums, total, count):
+        params, opt_state = state
+        denominator = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / denominator.astype(g.dtype), sums)
+        return _updated(update, grads, opt_state, params), total / denominator
+    return jax.jit(apply, compiler_options=CANONICAL_XLA_OPTIONS)
+
+
+def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_shards: int) -> Callable:
+    """One training step with the canonical reduction: (state, batch) -> (state, loss).
+
+    ``state`` = (params, opt_state) replicated on ``mesh``; ``batch`` a global batch of
+    L*b rows sharded on 'data', in layout "sharded" (L*b, ...) or "pmap" (n, L/n*b,
+    ...), L = ``logical_shards`` a multiple of the mesh's n devices: logical block l is
+    rows l*b .. (l+1)*b - 1, so device k holds blocks k*L/n .. (k+1)*L/n - 1. The
+    gradient is ``canonical_sums``' (the L blocks' gradient sums added in one fixed
+    order) divided by the step's global count of real samples (never a per-device or
+    per-microbatch mean), then ``update_program``. So the params, the optimizer state
+    and the losses are the same bits on every mesh whose device count divides L, in
+    one process or several, and on one device adding the L blocks as microbatches (a
+    mesh of one device), at any learning rate: the same arithmetic in the same order."""
+    gradients, apply = canonical_gradients(loss_terms, mesh, logical_shards), update_program(update)
+
+    def step(state, batch):
+        return apply(state, *gradients(state[0], batch))
+    return step
 
 
 def start_state(name: str, optimizer: Optimizer, params: Params, opt_state, mesh: Mesh) -> tuple:

@@ -32,13 +32,15 @@ from decimal import Decimal
 from fractions import Fraction
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from arithmetic import ARITHMETICS, Normalize, crop_anchor, crop_mirror_normalize, crop_window, normalize_table
-from conftest import (NOT_DOUBLES, SEEDS, assert_raises_naming, assert_same_bits, crop_cases, examples,
-                      text_normalize_table, text_r32)
+from arithmetic import (ARITHMETICS, Normalize, aligned_empty, crop_anchor, crop_mirror_normalize, crop_window,
+                        normalize_table, one_row)
+from conftest import (NOT_DOUBLES, SEEDS, assert_raises_naming, assert_refuses_naming_value, assert_same_bits,
+                      crop_cases, examples, not_ints, text_normalize_table, text_r32)
 
 
 # --------------------------------------------------------------------------
@@ -478,3 +480,83 @@ def test_normalize_values_are_equal_and_hash_alike_exactly_when_every_field_is_t
         assert other != a and a != other, (name, value)
     assert Normalize(mean=(0.0,), std=(1.0,)) != Normalize(mean=(-0.0,), std=(1.0,))
     assert Normalize(mean=(1.0,), std=(1.0,)) != Normalize(mean=(1.0, 1.0), std=(1.0, 1.0))
+
+
+# --------------------------------------------------------------------------
+# Issue 30.7: a wrong type or value is refused at the call, naming the function,
+# the parameter and the value (ints: Python and NumPy integers, never a bool or a
+# whole float; real numbers: never a bool)
+# --------------------------------------------------------------------------
+
+
+IMAGES = np.zeros((2, 3, 8, 8), np.uint8)
+
+# (the function as its messages name it, the call with one int parameter v, that parameter, a valid v)
+ARITHMETIC_INT_PARAMETERS = [
+    ("crop_anchor", lambda v: crop_anchor(0.5, v, 2), "size", 8),
+    ("crop_anchor", lambda v: crop_anchor(0.5, 8, v), "crop", 2),
+    ("crop_window", lambda v: crop_window((v, 8), None, (0.5, 0.5)), "image_hw", 8),
+    ("crop_window", lambda v: crop_window((8, 8), (2, v), (0.5, 0.5)), "crop", 2),
+    ("crop_mirror_normalize", lambda v: crop_mirror_normalize(IMAGES, crop=(v, 2)), "crop", 2),
+    ("Normalize", lambda v: Normalize(crop=(2, v)), "crop", 2),
+    ("Normalize", lambda v: Normalize().window((8, v)), "image_hw", 8),
+    ("Normalize", lambda v: Normalize().output_shape((v, 8, 8)), "image_chw", 3),
+    ("aligned_empty", lambda v: aligned_empty((v, 3), np.float32), "shape", 2),
+    ("aligned_empty", lambda v: aligned_empty((2, 3), np.float32, align=v), "align", 64),
+]
+
+
+@pytest.mark.parametrize("where, call, name, valid", ARITHMETIC_INT_PARAMETERS,
+                         ids=[f"{w}-{n}" for w, _, n, _ in ARITHMETIC_INT_PARAMETERS])
+@given(data=st.data())
+@settings(max_examples=examples(8))
+def test_every_int_parameter_refuses_what_is_not_an_int(where, call, name, valid, data):
+    call(valid)  # the control: the call is valid with an int, Python's or NumPy's
+    call(np.int64(valid))
+    assert_refuses_naming_value(call, where, name, data.draw(not_ints(valid), label=name))
+
+
+@pytest.mark.parametrize("call, fragments", [
+    # accepted at construction before issue 30.7, failing only when images came
+    (lambda: Normalize(crop=(0, 2)), ["Normalize: crop", "(0, 2)"]),
+    (lambda: Normalize(crop_pos=(1.5, 0.5)), ["Normalize: crop_pos", "(1.5, 0.5)", "[0, 1]"]),
+    (lambda: Normalize(crop_pos=(0.5, float("nan"))), ["Normalize: crop_pos", "nan"]),
+    # bools read as 0 and 1
+    (lambda: crop_anchor(0.5, True, True), ["crop_anchor: size must be an int, got True"]),
+    (lambda: crop_anchor(True, 8, 2), ["crop_anchor: pos", "True"]),
+    (lambda: normalize_table([True], [1.0]), ["normalize_table: mean", "True"]),
+    (lambda: normalize_table([1.0], [np.True_]), ["normalize_table: std", "True"]),
+    (lambda: Normalize(mirror=1), ["Normalize: mirror must be a bool, got 1"]),
+    (lambda: Normalize(mirror=1.0), ["Normalize: mirror must be a bool, got 1.0"]),
+    (lambda: crop_mirror_normalize(IMAGES, mirror=[1, 0]), ["crop_mirror_normalize: mirror", "[1, 0]"]),
+    (lambda: crop_mirror_normalize(IMAGES, mirror="yes"), ["crop_mirror_normalize: mirror", "'yes'"]),
+    (lambda: one_row(np.zeros((3, 256))), ["one_row: table must be a float32 (C, 256) array"]),
+])
+def test_the_reports_inputs_are_refused_at_the_call(call, fragments):
+    assert_raises_naming(ValueError, call, *fragments)
+
+
+def test_a_mean_is_an_ordered_sequence_of_real_numbers():
+    # Kept through issue 30.7's rewrite of the check: a set has no order, a generator is
+    # consumed by reading it, a nesting is not one number a channel.
+    for mean in ({1.0, 2.0}, (m for m in [1.0, 2.0]), [[1.0], [2.0]], np.ones((2, 1))):
+        assert_raises_naming(ValueError, lambda: normalize_table(mean, [1.0, 1.0]),
+                             "normalize_table: mean must be a sequence")
+
+
+def test_a_bfloat16_mean_is_its_exact_value():
+    # Accepted, not refused: bfloat16 (ml_dtypes', as JAX uses it) is a float dtype whose
+    # every value is a double, so float() is exact and the table is that double's. Before
+    # issue 30.7 a 0-d JAX bfloat16 raised a TypeError, a NumPy one a ValueError.
+    b = ml_dtypes.bfloat16(0.1)  # 0.10009765625: bfloat16 keeps 8 significant bits
+    assert float(b) == 0.10009765625
+    want = normalize_table([0.10009765625] * 3, [127.5] * 3)
+    for mean in ([b] * 3, [np.array(b)] * 3, np.full(3, b), [jax.numpy.array(0.1, jax.numpy.bfloat16)] * 3,
+                 jax.numpy.full(3, 0.1, jax.numpy.bfloat16)):
+        assert_same_bits(normalize_table(mean, [127.5] * 3), want, f"mean {mean!r}")
+        assert Normalize(mean=mean).mean == (0.10009765625,) * 3
+    # the control: the decimal 0.1 is another mean, with another table
+    assert not np.array_equal(normalize_table([0.1] * 3, [127.5] * 3).view(np.uint32), want.view(np.uint32))
+    # float8 and int4 (ml_dtypes too) are doubles as well
+    assert Normalize(mean=[ml_dtypes.float8_e4m3fn(1.75), np.array(3, ml_dtypes.int4), 2], std=[1, 1, 1]).mean \
+        == (1.75, 3.0, 2.0)

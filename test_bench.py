@@ -28,7 +28,7 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
     assert code == 0, stderr[-3000:]
     assert "| reference, host |" in stdout and "**Goals**" in stdout
     results = json.loads(out.read_text())
-    assert {"machine", "config", "loader", "placements", "training", "memory", "goals",
+    assert {"machine", "config", "loader", "placements", "training", "reduction", "memory", "goals",
             "implausible", "section_s"} <= set(results)
 
     for key in ("per_device_16", "per_device_128"):
@@ -55,10 +55,16 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
             assert number(r["step_ms"]) and number(r["compile_s"]) and number(r["ratio_to_single"]), r
         assert row["single"]["ratio_to_single"] == 1.0
 
+    assert set(results["reduction"]) == {f"global_{b}" for b in results["reduction_batches"]}
+    for row in results["reduction"].values():
+        for reduction in ("plain", "canonical"):
+            assert number(row[reduction]["step_ms"]) and number(row[reduction]["peak_mb"]), row
+        assert number(row["ratio"]["step_time"]) and number(row["ratio"]["peak_rss"]), row
+
     assert results["memory"]
     for m in results["memory"].values():
         assert all(number(m[f]) for f in ("raw_mb", "batch_mb", "budget_mb", "read_peak_mb", "epoch_peak_mb"))
 
     assert results["goals"] and all({"goal", "measured", "target", "met"} <= set(g) for g in results["goals"])
     assert isinstance(results["implausible"], list) and all(isinstance(t, str) for t in results["implausible"])
-    assert set(results["section_s"]) == {"loader", "placements", "training", "memory"}
+    assert set(results["section_s"]) == {"loader", "placements", "training", "reduction", "memory"}

@@ -16,11 +16,11 @@ import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from cifar_mnist import (IMAGE_SHAPE, RECORD_BYTES, TEST_PREFIX, read_cifar10, read_mnist, synthetic_cifar10,
                          synthetic_mnist, write_cifar10, write_mnist)
-from conftest import SEEDS, assert_raises_naming, random_mnist
+from conftest import SEEDS, assert_raises_naming, assert_refuses_naming_value, examples, not_ints, random_mnist
 
 
 # --------------------------------------------------------------------------
@@ -291,3 +291,44 @@ def test_uncompressed_mnist_images_are_a_read_only_memory_map(tmp_path):
     with pytest.raises(ValueError):
         got[0, 0, 0, 0] = 1
     np.testing.assert_array_equal(read_mnist(tmp_path)[0], images)  # the file is as written
+
+
+# --------------------------------------------------------------------------
+# Issue 30.7: a wrong type or value is refused at the call, naming the function,
+# the parameter and the value (ints: Python and NumPy integers, never a bool or a
+# whole float)
+# --------------------------------------------------------------------------
+
+
+DATASETS = {"synthetic_cifar10": synthetic_cifar10, "synthetic_mnist": synthetic_mnist}
+
+
+@pytest.mark.parametrize("where", list(DATASETS))
+@pytest.mark.parametrize("name, valid", [("num_train", 5), ("num_test", 2), ("seed", 3)])
+@given(data=st.data())
+@settings(max_examples=examples(8))
+def test_every_int_parameter_refuses_what_is_not_an_int(where, name, valid, data):
+    with tempfile.TemporaryDirectory() as root:
+        args = {"num_train": 5, "num_test": 2, "seed": 3}
+        call = lambda v: DATASETS[where](os.path.join(root, "data"), **{**args, name: v})
+        assert_refuses_naming_value(call, where, name, data.draw(not_ints(valid), label=name))
+        assert not os.path.exists(os.path.join(root, "data")), "refused at the call: nothing written"
+        call(np.int64(valid))  # the control: the call is valid with an int, Python's or NumPy's
+
+
+@pytest.mark.parametrize("call, fragments", [
+    (lambda d: synthetic_cifar10(d, num_train=-1), ["synthetic_cifar10: num_train must be >= 0, got -1"]),
+    (lambda d: synthetic_mnist(d, seed=2**32), ["synthetic_mnist: seed=4294967296 is outside [0, 2**32)"]),
+    (lambda d: read_cifar10(5), ["read_cifar10: file_root must be a path", "5"]),
+    (lambda d: read_cifar10(d, filename_prefix=None), ["read_cifar10: filename_prefix must be a str", "None"]),
+    (lambda d: write_mnist(d, "validation", *random_mnist(0, 2)), ["write_mnist: split must be one of",
+                                                                   "'validation'"]),
+    (lambda d: write_mnist(d, "train", random_mnist(0, 2)[0], np.array([1.5, 2.0])),
+     ["write_mnist", "labels must be integers 0..9", "float64"]),
+    (lambda d: write_cifar10(os.path.join(d, "x.bin"), np.zeros((2, 3, 32, 32), np.uint8), np.array([True, False])),
+     ["write_cifar10", "labels must be integers 0..9", "bool"]),
+])
+def test_the_reports_inputs_are_refused_at_the_call(tmp_path, call, fragments):
+    # Each was a TypeError or KeyError from inside, or (float and bool labels) written as
+    # their integer parts, before issue 30.7.
+    assert_raises_naming(ValueError, lambda: call(str(tmp_path)), *fragments)

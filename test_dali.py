@@ -1108,7 +1108,7 @@ def test_vendor_order_resumes_only_on_the_saved_shards(cache):
     same = saved_state(48, 4, 3, 2, **run)
     for got, want in zip(list(loader.epoch(1, state=same)), list(loader.epoch(1, start_step=2)), strict=True):
         assert_same_arrays(got, want, "vendor order, resumed on the saved shards")
-    assert loader.state(1, 3, state=same) == same.at_step(3)
+    assert loader.state(1, 3, state=same) == dataclasses.replace(same.at_step(3), dataset=loader.dataset)
     assert loader.real_samples(1, state=same) == int(loader.plan(1).mask[2:].sum())
     # Another shard count; another batch; these shards and batch, after a resize in the epoch.
     for other in (saved_state(48, 8, 2, 1, **run), saved_state(48, 4, 2, 1, **run),
@@ -1240,7 +1240,7 @@ def assert_same_params(tmp_path, backends: tuple, leaves: int) -> None:
 
 
 def test_refimpl_dali_and_reference_resize_to_identical_params(tmp_path):
-    """The consequence, through refimpl.py: 4 devices stop after run step 2, 3 devices resume
+    """The consequence, through refimpl.py: 4 devices stop after 2 run steps, 3 devices resume
     (plan.elastic_plan's order); DALI (shuffled, the main job's default) and the reference,
     with the same seed and --normalize, each report every sample of the interrupted epoch
     delivered exactly once across the change, and end with the very same params. The
@@ -1258,11 +1258,11 @@ def test_refimpl_dali_and_reference_resize_to_identical_params(tmp_path):
     assert "segments [(0, 4, 4), (2, 3, 4)]" in dali, dali
     for backend, out in outputs.items():
         [line] = exactly_once(out)
-        assert line.startswith("sharded epoch 1: every one of the 96 samples delivered in exactly one real "
+        assert line.startswith("sharded epoch 0: every one of the 96 samples delivered in exactly one real "
                                "slot, counted from the delivered rows"), line
         how = "dali" if backend == "dali" else "reference loader, placement host_float32"
-        assert f"steps 1-2 on 4 cpu device(s) x 4 ({how}): 32; steps 3-8 on 3 cpu device(s) x 4" in line, line
-    assert_same_params(tmp_path, backends, 6)
+        assert f"steps 0-1 on 4 cpu device(s) x 4 ({how}): 32; steps 2-7 on 3 cpu device(s) x 4" in line, line
+    assert_same_params(tmp_path, backends, 7)  # 6 params, 1 SGD state
     # The params did train (a loader that delivered nothing would also agree).
     assert not np.array_equal(np.load(tmp_path / "dali.npz")["sharded/0"], model_init_leaf0((3072, 64, 64, 10)))
 
@@ -1294,11 +1294,11 @@ def test_refimpl_the_issues_resizes_through_dali(tmp_path, name, stop, resume, b
         for line in lines:
             print(f"{name}, --backend {backend}: {line}")
             assert "every one of the 2048 samples delivered in exactly one real slot" in line, line
-            assert f"steps 1-7 on {before}" in line and ": 896; steps 8-" in line and after in line, line
+            assert f"steps 0-6 on {before}" in line and ": 896; steps 7-" in line and after in line, line
         for line in out.splitlines():
             if line.startswith("final params"):
                 print(f"{name}, --backend {backend}: {line}")
-    assert_same_params(tmp_path, backends, 12)
+    assert_same_params(tmp_path, backends, 14)  # 2 x (6 params, 1 SGD state)
 
 
 @pytest.mark.slow
@@ -1316,7 +1316,7 @@ def test_refimpl_two_processes_dali_and_reference_identical_params(tmp_path):
         assert code == 0, f"{backend}:\n{err[-3000:]}"
         assert "OUTSIDE" not in out, out
     dali, reference = (np.load(tmp_path / f"{b}.npz") for b in ("dali", "reference"))
-    assert sorted(dali.files) == sorted(reference.files) and len(dali.files) == 12  # sharded, shard_map
+    assert sorted(dali.files) == sorted(reference.files) and len(dali.files) == 14  # sharded, shard_map: 6 params, 1 SGD state
     for name in dali.files:
         assert_same_bits(dali[name], reference[name], f"{name}: DALI's params against the reference's")
 
@@ -1413,5 +1413,57 @@ def test_equal_size_shards_shuffle_differently(devices, cache):
     assert local[0] != local[1], "both shards shuffled alike"
 
 
+
+# --------------------------------------------------------------------------
+# Issue 30.3: a state names its data, and DALI's loader checks it (through plan.Schedule)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", dali_loader.ORDERS)
+def test_a_state_of_other_data_is_refused_naming_dataset(cache, order):
+    run = dict(seed=5, shuffle=True, last_batch="fill")
+    images, labels = encoded(48)
+    loader = dali_loader.make_dali_loader((images, labels), cpu_devices(4), 3, cache_dir=cache, normalize=DALI,
+                                          order=order, **run)
+    reference = loaders.make_loader((images, (labels + 1) % 10), cpu_devices(4), 3, normalize=DALI, **run)
+    foreign = reference.state(1, 2)  # the same size and run, other labels
+    for what, call in [("epoch", lambda: loader.epoch(1, state=foreign)),
+                       ("state", lambda: loader.state(1, 3, state=foreign)),
+                       ("real_samples", lambda: loader.real_samples(1, state=foreign))]:
+        assert_raises_naming(ValueError, call, f"DaliLoader.{what}: the loader state was taken with dataset=",
+                             f"this run has dataset={loader.dataset!r}")
+    # The controls: its own state, and one the reference loader takes over the same data
+    # (the same digest: loaders.Loader.dataset), resume.
+    own = loader.state(1, 2)
+    assert own.dataset == loaders.make_loader((images, labels), cpu_devices(4), 3, normalize=DALI, **run).dataset
+    assert loader.real_samples(1, state=own) == loader.real_samples(1) - 24
+
+
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+
+
+# --------------------------------------------------------------------------
+# Logical shards read by DALI (order="plan"): the reference's batches on any devices dividing L
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["sharded", "pmap"])
+def test_logical_shards_read_by_dali_are_the_references_on_2_and_4_devices(devices, cache, layout):
+    # make_dali_loader(logical_shards=8): reader k reads its device's 8/n logical shards'
+    # blocks, bit for bit the reference loader's, fresh and resumed from a state of 8
+    # logical shards taken on other devices (the same plan: no new segment).
+    data = encoded(48)
+    run = dict(seed=6, shuffle=True, last_batch="fill", logical_shards=8, layout=layout, normalize=DALI)
+    saved = LoaderState.start(48, 8, 2, epoch=1, seed=6, shuffle=True).at_step(2)
+    for n in (2, 4):
+        loader = dali_loader.make_dali_loader(data, devices[:n], 2, cache_dir=cache, **run)
+        reference = loaders.make_loader(data, devices[:n], 2, prefetch=0, **run)
+        for step, (g, w) in enumerate(zip(loader.epoch(1), reference.epoch(1))):
+            assert_same_arrays(g, w, f"{n} devices, step {step}")
+        resumed = list(loader.epoch(1, state=saved))
+        assert len(resumed) == 1
+        assert_same_arrays(resumed[0], reference.batch(1, 2), f"{n} devices, resumed at step 2")
+        assert loader.state(1, 3, state=saved).segments == saved.segments
+    with pytest.raises(ValueError, match="logical_shards=8 with order='vendor'"):
+        dali_loader.make_dali_loader(data, devices[:2], 2, cache_dir=cache, order="vendor", **run)

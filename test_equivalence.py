@@ -710,3 +710,219 @@ if __name__ == "__main__":
     for (rule, kind, a, b), (ulps, relative, near) in sorted(figures.items()):
         share = f"  {near:.2f} of the bound" if rule == "sgd" else ""
         print(f"{rule:>8} {kind:>6} {a:>9} vs {b:<9} {ulps:8.2f} ulps/step  {relative:.2g} lr/step{share}")
+
+
+# --------------------------------------------------------------------------
+# The canonical reduction: the same bits on every topology (strategies.canonical_step)
+# --------------------------------------------------------------------------
+#
+# A fixed global batch (the loader's logical shards: plan.on_devices) trained with
+# reduction="canonical" gives the same params, optimizer state and losses, bit for bit
+# (compared as uint32 views), on every device count n dividing L, through every
+# strategy, and on one device adding the L blocks as microbatches: at ordinary and at
+# chaotic rates, with a masked tail (fill) or drop, shuffled or not. Models: a ReLU MLP
+# over float features and a one-layer causal attention model over tokens (a ReLU MLP
+# block), both dicts of params; optimizers: strategies.sgd, optax.adam, and a chain
+# (clip_by_global_norm then adamw), their rates held in the state (inject_hyperparams),
+# so a rate is a value, not a new compilation.
+
+CANON_N, CANON_FEATURES, CANON_CLASSES, CANON_WIDTH = 101, 12, 4, 24  # N: not a multiple of any L
+SEQ, VOCAB, WIDTH = 8, 16, 16  # the attention model's tokens
+
+
+def relu_loss_terms(params: dict, batch: dict):
+    """A ReLU MLP over float features (B, 12), 4 classes: where twins cross ReLU kinks."""
+    hidden_BxH = jax.nn.relu(batch["x"] @ params["w1"] + params["b1"])
+    logits_BxC = hidden_BxH @ params["w2"] + params["b2"]
+    nll_B = -jnp.take_along_axis(jax.nn.log_softmax(logits_BxC), batch["y"][:, None], axis=1)[:, 0]
+    mask_B = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask_B * nll_B), jnp.sum(mask_B)
+
+
+def attention_loss_terms(params: dict, batch: dict):
+    """One causal self-attention layer and a ReLU MLP block over tokens (B, 8) of a
+    vocabulary of 16, predicting each next token; the loss is summed over real samples."""
+    x_BxTxD = params["embed"][batch["x"]] + params["position"]
+    q, k, v = (x_BxTxD @ params[name] for name in ("wq", "wk", "wv"))
+    scores_BxTxT = jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(WIDTH).astype(np.float32)
+    causal = jnp.tril(jnp.ones((SEQ, SEQ), bool))
+    attended = jax.nn.softmax(jnp.where(causal, scores_BxTxT, -1e9), axis=-1) @ v
+    x_BxTxD = x_BxTxD + attended @ params["wo"]
+    x_BxTxD = x_BxTxD + jax.nn.relu(x_BxTxD @ params["up"]) @ params["down"]
+    logits = x_BxTxD[:, :-1] @ params["embed"].T
+    nll_BxT = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["x"][:, 1:, None], axis=2)[..., 0]
+    mask_B = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask_B * jnp.sum(nll_BxT, axis=1)), jnp.sum(mask_B)
+
+
+def canonical_model(kind: str):
+    """(loss_terms, params, data) of ``kind``: fixed shapes, CANON_N samples."""
+    rng = np.random.default_rng(7)
+    if kind == "relu":
+        params = {"w1": (0.5 * rng.standard_normal((CANON_FEATURES, CANON_WIDTH))).astype(np.float32),
+                  "b1": np.zeros(CANON_WIDTH, np.float32),
+                  "w2": (0.5 * rng.standard_normal((CANON_WIDTH, CANON_CLASSES))).astype(np.float32),
+                  "b2": np.zeros(CANON_CLASSES, np.float32)}
+        x = rng.standard_normal((CANON_N, CANON_FEATURES)).astype(np.float32)
+        data = {"x": x, "y": (np.argmax(x[:, :CANON_CLASSES], axis=1)).astype(np.int32)}
+        return relu_loss_terms, params, data
+    shapes = {"embed": (VOCAB, WIDTH), "position": (SEQ, WIDTH), "wq": (WIDTH, WIDTH), "wk": (WIDTH, WIDTH),
+              "wv": (WIDTH, WIDTH), "wo": (WIDTH, WIDTH), "up": (WIDTH, 2 * WIDTH), "down": (2 * WIDTH, WIDTH)}
+    params = {name: (0.3 * rng.standard_normal(shape)).astype(np.float32) for name, shape in shapes.items()}
+    start = rng.integers(0, VOCAB, (CANON_N, 1))
+    tokens = (start + np.arange(SEQ) * rng.integers(1, 4, (CANON_N, 1))) % VOCAB  # learnable strides
+    return attention_loss_terms, params, {"x": tokens.astype(np.int32)}
+
+
+@pytest.fixture(scope="module")
+def canonical_rules():
+    """One optimizer object per rule for the module, the rate in its state (set per run)."""
+    optax = pytest.importorskip("optax")
+    return {"sgd": strategies.sgd(0.1),
+            "adam": optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+            "chain": optax.chain(optax.clip_by_global_norm(1.0),
+                                 optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3))}
+
+
+def with_rate(opt_state, rate: float):
+    """``opt_state`` with every 'learning_rate' entry set to ``rate`` (float32)."""
+    def set_rate(path, leaf):
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        return np.float32(rate) if "learning_rate" in names else leaf
+    return jax.tree_util.tree_map_with_path(set_rate, opt_state)
+
+
+def canonical_run(devices, strategy: str, n: int, *, kind: str, rule, rate: float, L: int, b: int,
+                  last_batch: str, shuffle: bool, epochs: int = 1, reduction: str = "canonical"):
+    """(params, opt_state, losses) of ``strategy`` on the first n devices, the batches from
+    make_loader(logical_shards=L, batch_size=b) over the model's data."""
+    loss_terms, params, data = canonical_model(kind)
+    mesh = loaders.data_mesh(devices[:n])
+    loader = loaders.make_loader(data, mesh, b, logical_shards=L, shuffle=shuffle, seed=3,
+                                 last_batch=last_batch, layout=strategies.LAYOUT[strategy], prefetch=0)
+    opt_state = with_rate(rule.init(params), rate)
+    losses = []
+    for epoch in range(epochs):
+        extra = {"logical_shards": L} if reduction == "canonical" else {}
+        params, step_losses, opt_state = strategies.STRATEGIES[strategy](
+            params, loader.epoch(epoch), mesh, loss_terms=loss_terms, optimizer=rule, opt_state=opt_state,
+            reduction=reduction, **extra)
+        losses.append(step_losses)
+    return params, opt_state, np.concatenate(losses)
+
+
+def uint_views(result) -> list:
+    return [np.asarray(x).view({2: np.uint16, 4: np.uint32, 8: np.uint64}[np.asarray(x).dtype.itemsize])
+            for x in jax.tree.leaves(result)]
+
+
+def same_bits_everywhere(runs: dict) -> list[str]:
+    """The runs ({(strategy, n): result}) whose bits differ from the first one's, named."""
+    (first, want), *rest = runs.items()
+    want = uint_views(want)
+    differ = []
+    for key, result in rest:
+        got = uint_views(result)
+        if len(got) != len(want) or any(not np.array_equal(x, y) for x, y in zip(got, want)):
+            differ.append(f"{key} differs from {first}")
+    return differ
+
+
+def divisors(L: int, most: int) -> list[int]:
+    return [n for n in range(1, most + 1) if L % n == 0]
+
+
+CANONICAL_CASES = [  # both models, all three rules, a chaotic rate, fill and drop, L = 4, 6, 8, 12
+    dict(kind="relu", rule="adam", rate=1e-2, L=8, b=3, last_batch="fill", shuffle=True),
+    dict(kind="attention", rule="sgd", rate=20.0, L=6, b=2, last_batch="drop", shuffle=False),
+    pytest.param(dict(kind="relu", rule="chain", rate=1e-2, L=12, b=1, last_batch="fill", shuffle=False),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(kind="attention", rule="adam", rate=40.0, L=4, b=4, last_batch="fill", shuffle=True),
+                 marks=pytest.mark.slow),
+]
+
+
+def case_id(case) -> str:
+    return f"{case['kind']}-{case['rule']}-lr{case['rate']:g}-L{case['L']}"
+
+
+@pytest.mark.parametrize("case", CANONICAL_CASES, ids=case_id)
+def test_canonical_reduction_is_bit_identical_on_every_topology(devices, canonical_rules, case):
+    case = dict(case, rule=canonical_rules[case["rule"]])
+    counts = divisors(case["L"], len(devices))
+    runs = {("single", 1): canonical_run(devices, "single", 1, **case)}
+    for n in counts:
+        for strategy in ("sharded", "pmap", "shard_map"):
+            runs[(strategy, n)] = canonical_run(devices, strategy, n, **case)
+    assert len(runs) == 1 + 3 * len(counts)
+    assert not same_bits_everywhere(runs), same_bits_everywhere(runs)
+    if case["rate"] >= 20:  # chaotic: the losses wander, and still every topology agrees
+        losses = runs[("single", 1)][2]
+        assert np.ptp(losses) > 0.1 * abs(losses[0]) or not np.isfinite(losses).all(), losses
+
+
+@settings(max_examples=examples(1), deadline=None)
+@given(kind=st.sampled_from(["relu", "attention"]), rule=st.sampled_from(["sgd", "adam", "chain"]),
+       rate=st.sampled_from([1e-3, 0.1, 1.0, 20.0, 40.0]), L=st.sampled_from([4, 6, 8, 12]),
+       b=st.integers(1, 3), last_batch=st.sampled_from(["fill", "drop"]), shuffle=st.booleans())
+def test_canonical_reduction_on_drawn_runs(devices, canonical_rules, kind, rule, rate, L, b, last_batch,
+                                           shuffle):
+    case = dict(kind=kind, rule=canonical_rules[rule], rate=rate, L=L, b=b, last_batch=last_batch,
+                shuffle=shuffle)
+    runs = {("single", 1): canonical_run(devices, "single", 1, **case)}
+    for n in divisors(L, len(devices)):
+        runs[("shard_map", n)] = canonical_run(devices, "shard_map", n, **case)
+    assert not same_bits_everywhere(runs), same_bits_everywhere(runs)
+
+
+def test_canonical_negative_controls(devices, canonical_rules):
+    # 1. The plain reduction on another device count: not the same bits (the claim is the
+    #    canonical reduction's; the plain one's psum order follows n).
+    case = dict(kind="relu", rule=canonical_rules["sgd"], rate=0.5, L=8, b=3, last_batch="fill", shuffle=True)
+    plain = {(s, n): canonical_run(devices, s, n, reduction="plain", **case)
+             for s, n in [("shard_map", 8), ("shard_map", 2), ("single", 1)]}
+    assert len(same_bits_everywhere(plain)) == 2, same_bits_everywhere(plain)
+    # 2. The gradient-accumulation bug class: each microbatch's mean, then the mean of those
+    #    means (what a per-microbatch normalisation gives), is not the canonical step.
+    loss_terms, params, data = canonical_model("relu")
+    mesh = loaders.data_mesh(devices[:1])
+    loader = loaders.make_loader(data, mesh, 3, logical_shards=8, shuffle=True, seed=3, prefetch=0)
+    batch = loader.batch(0, len(loader) - 1)  # the masked tail: blocks of unequal real counts
+    state = strategies.replicate((params, strategies.sgd(0.5).init(params)), mesh)
+    canonical = strategies.canonical_step(loss_terms, strategies.sgd_update, mesh, 8)(state, batch)
+
+    def mean_of_means(params, batch):
+        blocks = jax.tree.map(lambda x: x.reshape((8, -1) + x.shape[1:]), batch)
+        def mean(block):
+            total, count = loss_terms(params, block)
+            return total / jnp.maximum(count, 1.0)
+        return jnp.mean(jax.vmap(mean)(blocks))
+    grads = jax.grad(mean_of_means)(params, jax.device_get(batch))
+    wrong = jax.tree.map(lambda p, g: p - np.float32(0.5) * g, params, grads)
+    assert np.asarray(batch["mask"]).sum() not in (0, 24)  # a tail: the two normalisations differ
+    assert largest_difference(wrong, strategies.to_host(canonical[0][0])) > 1e-4
+    # 3. A device that reads another device's logical shards: its blocks are then another
+    #    global batch, and the canonical params are not the same bits.
+    good = canonical_run(devices, "shard_map", 4, **case)
+    crossed = _crossed_run(devices, **case)
+    assert same_bits_everywhere({"good": good, "crossed": crossed}), "a crossed read went unnoticed"
+
+
+def _crossed_run(devices, *, kind, rule, rate, L, b, last_batch, shuffle):
+    """canonical_run on 4 devices, but devices 1 and 2 swap their logical shards' rows."""
+    loss_terms, params, data = canonical_model(kind)
+    mesh = loaders.data_mesh(devices[:4])
+    loader = loaders.make_loader(data, mesh, b, logical_shards=L, shuffle=shuffle, seed=3,
+                                 last_batch=last_batch, prefetch=0)
+    rows = (L // 4) * b
+
+    def crossed(batches):
+        for batch in batches:
+            host = {k: np.asarray(v) for k, v in batch.items()}
+            swapped = {k: np.concatenate([v[:rows], v[2 * rows:3 * rows], v[rows:2 * rows], v[3 * rows:]])
+                       for k, v in host.items()}
+            yield jax.device_put(swapped, jax.sharding.NamedSharding(mesh, P("data")))
+    params, losses, opt_state = strategies.shard_map(
+        params, crossed(loader.epoch(0)), mesh, loss_terms=loss_terms, optimizer=rule,
+        opt_state=with_rate(rule.init(params), rate), reduction="canonical", logical_shards=L)
+    return params, opt_state, losses

@@ -474,3 +474,181 @@ def test_global_batch_puts_block_k_on_mesh_position_k(devices, layout):
     np.testing.assert_array_equal(np.asarray(out["mask"]).ravel(), [True, True, True, False, True, True])
     with pytest.raises(ValueError, match=r"no block for the local shards \[1\]"):
         loaders.global_batch({0: blocks[0], 2: blocks[2]}, mesh, layout)
+
+
+# --------------------------------------------------------------------------
+# Logical shards: the same global batch on every device count that divides L
+# --------------------------------------------------------------------------
+
+
+def test_logical_shards_give_the_same_global_batch_on_every_device_count(devices):
+    # make_loader(logical_shards=L): device k of n reads logical shards k*L/n.., so every
+    # step's global batch (rows, values, mask) is the same for n = 1, 2, 8, in every
+    # placement and layout, and it is plan.on_devices(loader.plan(e), n)'s.
+    N, L, b = 103, 8, 3
+    data = {"x": np.arange(N, dtype=np.int32), "y": np.arange(2 * N, dtype=np.float32).reshape(N, 2)}
+    want = None
+    for n in (1, 2, 8):
+        for placement in loaders.PLACEMENTS:
+            for layout in loaders.LAYOUTS:
+                loader = loaders.make_loader(data, devices[:n], b, logical_shards=L, shuffle=True, seed=5,
+                                             placement=placement, layout=layout)
+                assert loader.num_shards == L and loader.device_rows == L // n * b and len(loader) == 5
+                got = [{k: np.asarray(v).reshape((L * b,) + np.shape(v)[2 if layout == "pmap" else 1:])
+                        for k, v in batch.items()} for batch in loader.epoch(1)]
+                plan = loader.plan(1)
+                assert_same_bits(np.array([g["x"] for g in got]), plan.indices.reshape(len(got), L * b).astype(np.int32))
+                assert_same_bits(np.array([g["mask"] for g in got]), plan.mask.reshape(len(got), L * b))
+                if want is None:
+                    want = got
+                for s, (g, w) in enumerate(zip(got, want)):
+                    for key in g:
+                        assert_same_bits(g[key], w[key], f"n={n} {placement} {layout} step {s} {key}")
+
+
+def test_logical_shards_resume_on_other_devices_without_a_resize(devices):
+    # A state taken on 8 devices with L = 8 resumes on 2 with L = 8: the same plan (one
+    # segment), the same batches from its step; the control: without logical shards the
+    # 2-device loader's state is of 2 shards, a resize (a new segment).
+    data = {"x": np.arange(103, dtype=np.int32)}
+    eight = loaders.make_loader(data, devices, 3, logical_shards=8, shuffle=True, seed=5)
+    full = [np.asarray(batch["x"]) for batch in eight.epoch(0)]
+    saved = eight.state(0, 2)
+    two = loaders.make_loader(data, devices[:2], 3, logical_shards=8, shuffle=True, seed=5)
+    rest = [np.asarray(batch["x"]) for batch in two.epoch(0, state=saved)]
+    assert len(rest) == len(full) - 2
+    for s, (got, want) in enumerate(zip(rest, full[2:])):
+        assert_same_bits(got, want, f"step {s + 2}")
+    assert two.state(0, 3, state=saved).segments == saved.segments
+    plain = loaders.make_loader(data, devices[:2], 3, shuffle=True, seed=5)
+    assert len(plain.state(0, 3, state=saved).segments) == 2
+
+
+def test_logical_shards_refuse_a_device_count_that_does_not_divide(devices):
+    data = {"x": np.arange(103, dtype=np.int32)}
+    for bad in (7, 3.0, True, 0, "8"):
+        assert_raises_naming(ValueError, lambda bad=bad: loaders.make_loader(data, devices[:2], 3, logical_shards=bad),
+                             f"logical_shards={bad!r}")
+    assert_raises_naming(ValueError, lambda: loaders.make_loader(data, devices[:3], 3, logical_shards=8),
+                         "logical_shards=8", "3 device(s)")
+    assert_raises_naming(ValueError, lambda: loaders.make_loader(data, devices[:2], 13, logical_shards=8),
+                         "batch_size=13 per logical shard", "8 logical shards")
+    assert loaders.make_loader(data, devices[:2], 12, logical_shards=8).device_rows == 48  # control
+
+# Issue 30.4: an epoch left unfinished at exit prints nothing and leaves nothing running
+# --------------------------------------------------------------------------
+
+EXIT_CHILD = r'''
+import os, sys, tempfile, threading, time, weakref
+sys.path.insert(0, sys.argv[1])
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+import numpy as np
+
+
+class Sentinel:
+    pass
+
+
+sentinel, before = Sentinel(), set(threading.enumerate())
+
+
+def at_exit():
+    # Finalizers run at exit newest first, so this one, made before any epoch, runs after
+    # every epoch's end: what it still sees running was left running.
+    left = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+    if left:
+        sys.stderr.write(f"threads still running at exit: {left}\n")
+
+
+weakref.finalize(sentinel, at_exit)
+
+import loaders
+devices, cache = jax.devices(), tempfile.mkdtemp()
+rng = np.random.default_rng(0)
+data = (rng.integers(0, 256, (40, 3, 32, 32)).astype(np.uint8), rng.integers(0, 10, 40).astype(np.int32))
+cases, unfinished = [], []
+
+
+def left_open(name, iterator, take=True):
+    if take:
+        next(iterator)
+    cases.append(name)
+    unfinished.append(iterator)
+
+
+loader = loaders.make_loader(data, devices, 2)
+left_open("host", loader.epoch(0))
+left_open("host, another epoch", loader.epoch(1))
+left_open("host, never started", loader.epoch(2), take=False)
+left_open("host, resumed", loader.epoch(0, state=loaders.make_loader(data, devices[:2], 4).state(0, 1)))
+left_open("host_float32", loaders.make_loader(data, devices, 2, placement="host_float32").epoch(0))
+left_open("device", loaders.make_loader(data, devices, 2, placement="device").epoch(0))
+try:
+    import dali_loader
+    dali_loader.import_dali()
+except ImportError:
+    pass
+else:
+    for order in dali_loader.ORDERS:
+        dali = dali_loader.make_dali_loader(data, devices, 2, cache_dir=cache, order=order)
+        left_open(f"dali {order}", dali.epoch(0))
+try:
+    import rocal_loader
+    rocal_loader.import_rocal()
+except ImportError:
+    pass
+else:
+    for order in rocal_loader.ORDERS:
+        rocal = rocal_loader.make_rocal_loader(data, devices, 2, cache_dir=cache, order=order)
+        left_open(f"rocal {order}", rocal.epoch(0))
+running = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+print(f"cases: {cases}")
+print(f"threads running mid-epoch: {len(running)}")
+print(f"main done at {time.time()!r}", flush=True)
+'''
+
+
+def test_epochs_left_unfinished_at_exit_print_nothing_and_end(tmp_path):
+    # One child, every backend's epoch left unfinished at once (the host placements with
+    # their prefetch threads, one never started, a resumed one; "device"; DALI's and rocAL's
+    # pipelines in both orders, where they import). Before issue 30.4 the child printed
+    # "Exception ignored in: <generator object _prefetch_thread ...>" (or rocAL's
+    # _plan_steps, _vendor_steps) at exit, and two open host epochs could abort it.
+    import importlib.util
+    import os
+    import sys
+    import time
+
+    from conftest import run_children
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "child.py"
+    script.write_text(EXIT_CHILD)
+    started = time.time()
+    [child] = run_children([[sys.executable, str(script), here]], timeout=90)
+    code, out, err = child
+    assert code == 0 and err == "", f"exit status {code}; stderr:\n{err}\nstdout:\n{out}"
+    said = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    assert int(said["threads running mid-epoch"]) >= 4, out  # the control: the exit check had threads to see
+    vendors = [name for name, package in (("dali", "nvidia.dali"), ("rocal", "amd.rocal"))
+               if importlib.util.find_spec(package.split(".")[0]) and importlib.util.find_spec(package)]
+    for case in ["host", "device"] + [f"{vendor} {order}" for vendor in vendors for order in ("plan", "vendor")]:
+        assert repr(case) in said["cases"], (case, out)
+    exited = started + child.seconds - float(out.split("main done at ")[1])
+    assert exited < 15, f"the child took {exited:.1f} s to exit after its last line"
+
+
+def test_a_dropped_epoch_ends_its_worker_at_once(devices, synthetic_dir):
+    # The worker references the queue, not the iterator, so dropping the last reference
+    # ends the epoch there (no collector pass needed); one more reference keeps it running.
+    import weakref
+
+    loader = loaders.make_loader(synthetic_dir, devices, B, prefetch=2)
+    batches = loader.epoch(0)
+    next(batches)
+    held, dropped = [batches], weakref.ref(batches)
+    del batches
+    assert dropped() is not None and prefetch_threads(), "the control: a held epoch runs on"
+    held.clear()
+    assert dropped() is None and not prefetch_threads()

@@ -35,7 +35,8 @@ import pytest
 import loaders
 from arithmetic import Normalize
 from conftest import assert_same_bits, meshes
-from plan import LAST_BATCH_POLICIES, LoaderState, elastic_num_steps, elastic_plan, epoch_plan, remaining_samples
+from plan import (LAST_BATCH_POLICIES, LoaderState, dataset_digest, elastic_num_steps, elastic_plan, epoch_plan,
+                  remaining_samples)
 
 
 N = 97
@@ -166,8 +167,8 @@ def test_random_access_real_samples_and_same_shards(devices):
         l3 = loaders.make_loader(data, mesh3, 5, shuffle=True, seed=SEED, normalize=normalize,
                                  placement=placement)
         saved = l8.state(EPOCH, 2)
-        assert saved == LoaderState.start(N, len(devices), 4, epoch=EPOCH, seed=SEED,
-                                                  shuffle=True).at_step(2)
+        assert saved == LoaderState.start(N, len(devices), 4, epoch=EPOCH, seed=SEED, shuffle=True,
+                                          dataset=dataset_digest(data)).at_step(2)
         steps = list(l3.epoch(EPOCH, state=saved))
         for s in (saved.step, saved.step + len(steps) - 1):
             one = l3.batch(EPOCH, s, state=saved)
@@ -248,3 +249,71 @@ def test_refusals_name_the_parameter(devices):
         loader.batch(EPOCH, 1, state=saved)
     with pytest.raises(ValueError, match="Loader.real_samples: epoch=0"):
         loader.real_samples(0, state=saved)
+
+
+# --------------------------------------------------------------------------
+# Issue 30.3: start_step is the same plan's only; a state names its data
+# --------------------------------------------------------------------------
+
+import dataclasses  # noqa: E402
+
+
+def test_start_step_continues_only_the_same_logical_shards_and_batch(devices):
+    # The Loader docstring's example, 5,000 samples, batch 16, shuffled, seed 0: 8 devices
+    # stopped at step 17 and 4 resumed with start_step=17 deliver 1,619 samples twice and
+    # 531 never (what epoch(e, start_step) yields is plan(e) from that row: test_loaders).
+    ids = {"ids": np.arange(5000, dtype=np.int32)}
+    make = lambda devs, **kw: loaders.make_loader(ids, devs, 16, shuffle=True, **kw)
+    eight, four = make(devices[:8]), make(devices[:4])
+    p8, p4 = eight.plan(0), four.plan(0)
+    trap = np.bincount(np.concatenate([p8.indices[:17][p8.mask[:17]], p4.indices[17:][p4.mask[17:]]]),
+                       minlength=5000)
+    assert ((trap >= 2).sum(), (trap == 0).sum()) == (1619, 531)
+    # The same logical shards and batch on 4 devices: start_step=17 is the same plan's rest.
+    same = make(devices[:4], logical_shards=8).plan(0)
+    assert_same_bits(same.indices[17:], p8.indices[17:], "logical_shards=8 on 4 devices")
+    # The state, taken on 8 and resumed on 4: each sample exactly once, counted as delivered.
+    saved = eight.state(0, 17)
+    rest = np.concatenate([real_ids(b, "ids") for b in four.epoch(0, state=saved)])
+    got = np.sort(np.concatenate([p8.indices[:17][p8.mask[:17]], rest]))
+    assert_same_bits(got, np.arange(5000, dtype=np.int64), "resumed from the state")
+
+
+def test_a_state_of_other_data_of_the_same_size_is_refused_naming_dataset(devices):
+    data, normalize, _ = dataset("dict")
+    other = {**data, "features": data["features"][::-1].copy()}  # the same N, other samples
+    mesh8, mesh3, _ = meshes(devices)
+    saved = loaders.make_loader(data, mesh8, 4, shuffle=True, seed=SEED, normalize=normalize).state(EPOCH, 2)
+    assert saved.dataset == dataset_digest(data) and LoaderState.from_json(saved.to_json()) == saved
+    loader = loaders.make_loader(other, mesh3, 5, shuffle=True, seed=SEED, normalize=normalize)
+    for what, call in [("epoch", lambda: loader.epoch(EPOCH, state=saved)),
+                       ("batch", lambda: loader.batch(EPOCH, 2, state=saved)),
+                       ("state", lambda: loader.state(EPOCH, 3, state=saved)),
+                       ("real_samples", lambda: loader.real_samples(EPOCH, state=saved))]:
+        with pytest.raises(ValueError, match=rf"Loader.{what}: the loader state was taken with "
+                                             rf"dataset='{saved.dataset}', this run has "
+                                             rf"dataset='{dataset_digest(other)}'"):
+            call()
+    # The controls: the same data on other devices resumes; a state that names no data (made
+    # by hand, or read from format 1) is taken on trust, and the loader's next state names it.
+    again = loaders.make_loader({k: v.copy() for k, v in data.items()}, mesh3, 5, shuffle=True, seed=SEED,
+                                normalize=normalize)
+    assert next(iter(again.epoch(EPOCH, state=saved)))["mask"].shape == (15,)
+    unnamed = dataclasses.replace(saved, dataset=None)
+    assert loader.state(EPOCH, 3, state=unnamed).dataset == dataset_digest(other)
+
+
+def test_a_loader_computes_its_digest_once_and_only_for_states(devices, monkeypatch):
+    calls = []
+    monkeypatch.setattr(loaders, "dataset_digest", lambda arrays: calls.append(1) or dataset_digest(arrays))
+    data, normalize, _ = dataset("dict")
+    mesh8, mesh3, _ = meshes(devices)
+    loader = loaders.make_loader(data, mesh8, 4, shuffle=True, seed=SEED, normalize=normalize, prefetch=0)
+    len(loader), loader.plan(EPOCH), loader.real_samples(EPOCH), loader.batch(EPOCH, 0)
+    next(iter(loader.epoch(EPOCH, start_step=1)))
+    assert calls == [], "no state, no digest"
+    saved = loader.state(EPOCH, 2)
+    loader.state(EPOCH, 3), list(loader.epoch(EPOCH, state=saved)), loader.real_samples(EPOCH, state=saved)
+    assert len(calls) == 1, "once per loader"
+    loaders.make_loader(data, mesh3, 5, shuffle=True, seed=SEED, normalize=normalize).state(EPOCH, 1)
+    assert len(calls) == 2, "the control: another loader computes its own"

@@ -15,6 +15,10 @@ Guarantees checked:
   union of their shards covers range(N) once (fill policy);
 * a process whose peer never arrives fails within --peer-timeout with a line
   naming the process, instead of hanging;
+* the canonical reduction (strategies, reduction="canonical", 8 logical shards) is the
+  same bits across the processes as in one: 2 processes x 4 devices (the interleaved
+  mesh) = 1 process x 8 devices = 1 device adding 8 microbatches, params and losses;
+  the plain reduction across processes is not (the control);
 * ``refimpl.py --local-processes 2`` runs and prints one report.
 
 The processes are started by two module fixtures, each bounded by
@@ -87,6 +91,13 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
                                                         loss_terms=model.loss_terms,
                                                         optimizer=strategies.sgd(LR))
         np.savez(os.path.join(out_dir, f"{name}-{process_id}.npz"), *jax.tree.leaves(params), losses=losses)
+        if name == "shard_map":  # the canonical reduction across the processes, on the interleaved mesh
+            batches = (by_placement["device"].batch(0, s) for s in range(STEPS))
+            params, losses, _ = strategies.shard_map(model.init_model(LAYERS), batches, mesh,
+                                                     loss_terms=model.loss_terms, optimizer=strategies.sgd(LR),
+                                                     reduction="canonical", logical_shards=8)
+            np.savez(os.path.join(out_dir, f"canonical-{process_id}.npz"), *jax.tree.leaves(params),
+                     losses=losses)
     # What this process read over a whole epoch: the real slots of its own shards.
     for step in range(len(loader)):
         for k in loader.host_blocks(plan, step):
@@ -145,8 +156,7 @@ def test_two_processes_train_like_one(two_workers, dataset):
     import loaders
     import model
     import strategies
-    from conftest import assert_same_bits
-    from test_equivalence import assert_params_close
+    from conftest import assert_params_close, assert_same_bits, bits_differ
 
     ended, tmp_path = two_workers
     for i in range(2):
@@ -169,6 +179,22 @@ def test_two_processes_train_like_one(two_workers, dataset):
                             steps=STEPS, what=f"{name}: 2 processes vs 1")
         np.testing.assert_allclose(got[0]["losses"], losses, rtol=1e-5)
 
+    # The canonical reduction: 2 x 4 = 1 x 8 = 1 x 1 with 8 microbatches, bit for bit.
+    got = [np.load(tmp_path / f"canonical-{i}.npz") for i in range(2)]
+    leaves = [[g[f"arr_{j}"] for j in range(len(g.files) - 1)] + [g["losses"]] for g in got]
+    loader = loaders.make_loader(dataset, mesh, B, shuffle=True, seed=5)
+    for where, strategy in (("1 process x 8 devices", "shard_map"), ("1 device x 8 microbatches", "single")):
+        one = strategies.STRATEGIES[strategy](
+            model.init_model(LAYERS), (loader.batch(0, s) for s in range(STEPS)), mesh,
+            loss_terms=model.loss_terms, optimizer=strategies.sgd(LR), reduction="canonical", logical_shards=8)
+        for j, (a, b) in enumerate(zip(leaves[0], jax.tree.leaves(one.params) + [one.losses])):
+            assert_same_bits(a, b, f"canonical: 2 processes x 4 devices vs {where}, leaf {j}")
+        for j, (a, b) in enumerate(zip(leaves[0], leaves[1])):
+            assert_same_bits(a, b, f"canonical: leaf {j} of the two processes")
+    plain = [np.load(tmp_path / f"shard_map-{i}.npz")[f"arr_{j}"] for i in (0,) for j in range(len(leaves[0]) - 1)]
+    assert any(bits_differ(a, b) for a, b in zip(plain, leaves[0][:-1])), \
+        "control: the plain reduction across processes is the canonical one's bits"
+
     read = [np.load(tmp_path / f"read-{i}.npy") for i in range(2)]
     assert len(np.intersect1d(read[0], read[1])) == 0, "the processes read common samples"
     everything = np.sort(np.concatenate(read))
@@ -189,7 +215,7 @@ def test_refimpl_local_processes_prints_one_report(refimpl_runs):
     assert code == 0, err[-3000:]
     assert "8 cpu device(s) in 2 processes" in out
     for name in ("sharded", "shard_map"):
-        assert out.count(f"{name:>9} epoch 1/1") == 1, out
+        assert out.count(f"{name:>9} epoch 0 of 1") == 1, out
     assert "[Gloo]" not in out + err and "peer ranks" not in out + err, err
 
 

@@ -17,7 +17,11 @@ functions only (no name starting with "_" is used in any job):
 
 * loaders.py: a dict dataset of the user's names delivers them (then "mask")
   as stored, every sample exactly once a fill epoch (from the plan's masks),
-  the batches are the plan's rows, resuming at step 30 gives the same steps,
+  the batches are the plan's rows, the state saved after step 30 resumes on 4
+  devices of batch 64 with every sample of the epoch delivered exactly once
+  (counted from the delivered features), through JSON, and names its data (a
+  state of other data of the same size is refused, naming ``dataset``),
+  start_step=30 on the same loader gives the same steps,
   the pmap layout stacks the same rows, shard k lives on devices[k] (devices
   given reversed), int64 labels are refused with the int32 fix, and
   one-channel images come out normalised by the table;
@@ -30,7 +34,13 @@ functions only (no name starting with "_" is used in any job):
 * conformance.py: the user's strided loader (shard k = k::n) passes the
   exactly-once mode and is flagged by the contiguous one; a planted overlap is
   found at its step; the reference loader over encoded one-channel images
-  conforms in the contiguous mode.
+  conforms in the contiguous mode;
+* checkpoints (loaders.py with its three and strategies.py, with the peers
+  orbax-checkpoint and optax; skipped without them, run in CI): params, Adam's
+  state and the LoaderState saved with orbax on 8 devices, restored onto 2 (the
+  arrays replicated there), the epoch finished there with the canonical reduction
+  over 8 logical shards: the bits of the run that never stopped, optimizer state
+  included; control, Adam restarted on resume ends elsewhere.
 
 The snippets are read from README.md between ``<!-- own-job: NAME -->`` and the
 end of the next ```python block when the README has those markers; until then
@@ -61,7 +71,10 @@ loader = loaders.make_loader(data, devices, batch_size=32, shuffle=True, seed=0)
 for batch in loader.epoch(0):  # global jax.Arrays, sharded over the devices
     x, y, mask = batch["x"], batch["y"], batch["mask"]  # (8*32, 40), (8*32,), (8*32,)
     # ... your step: weight each sample's loss by mask (False marks padding)
-resumed = loader.epoch(0, start_step=30)  # the same steps 30.. again: resume anywhere
+saved = loader.state(0, 30)  # after 30 steps of epoch 0; saved.to_json() goes in your checkpoint
+elsewhere = loaders.make_loader(data, devices[:4], batch_size=64, shuffle=True, seed=0)  # the same data
+resumed = elsewhere.epoch(0, state=saved)  # the rest of epoch 0: each sample not yet delivered, once
+again = loader.epoch(0, start_step=30)  # steps 30.. of this plan: only for the same devices and batch
 pmap_loader = loaders.make_loader(data, devices, batch_size=32, shuffle=True, seed=0,
                                   layout="pmap")  # (8, 32, ...) for jax.pmap
 
@@ -115,6 +128,49 @@ print(found.report() or "every sample exactly once")
 ''',
 }
 
+SNIPPETS["checkpoints"] = '''\
+import itertools
+import json
+import os
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp  # orbax-checkpoint, the JAX ecosystem's checkpointer
+import loaders
+import strategies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from plan import LoaderState
+
+data = {"images": features, "labels": labels.astype(np.int32)}
+same_bits = dict(reduction="canonical", logical_shards=8)  # on any device count dividing 8
+mesh8 = Mesh(np.array(jax.devices()), ("data",))
+loader8 = loaders.make_loader(data, mesh8, batch_size=32, shuffle=True, seed=0, logical_shards=8)
+optimizer = optax.adam(0.05)
+params = {"w": np.zeros((40, 3), np.float32), "b": np.zeros(3, np.float32)}
+params, _, opt_state = strategies.sharded(params, itertools.islice(loader8.epoch(0), 20), mesh8,
+                                          loss_terms=loss_terms, optimizer=optimizer, **same_bits)
+
+# Save params, optimizer state (any pytree) and where the loader stands: 20 steps of epoch 0.
+path = os.path.abspath("checkpoints/20")
+checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+checkpointer.save(path, args=ocp.args.Composite(
+    state=ocp.args.StandardSave((params, opt_state)),
+    loader=ocp.args.JsonSave(json.loads(loader8.state(0, 20).to_json()))))
+
+# Restore on 2 devices: the arrays replicated on the new mesh, the loader from its state.
+mesh2 = Mesh(np.array(jax.devices()[:2]), ("data",))
+like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                   sharding=NamedSharding(mesh2, P())), (params, opt_state))
+restored = checkpointer.restore(path, args=ocp.args.Composite(
+    state=ocp.args.StandardRestore(like), loader=ocp.args.JsonRestore()))
+params, opt_state = restored["state"]
+saved = LoaderState.from_json(json.dumps(restored["loader"]))
+loader2 = loaders.make_loader(data, mesh2, batch_size=32, shuffle=True, seed=0, logical_shards=8)
+params, _, opt_state = strategies.sharded(params, loader2.epoch(0, state=saved), mesh2,
+                                          loss_terms=loss_terms, optimizer=optimizer,
+                                          opt_state=opt_state, **same_bits)  # steps 20.. of epoch 0
+'''
+
 # What every job starts with: 8 CPU devices, the user's data, nothing of this repository.
 PRELUDE = '''\
 import os
@@ -151,7 +207,20 @@ for s in (0, 17, len(loader) - 1):
     np.testing.assert_array_equal(np.asarray(batches[s]["y"]), labels[plan.indices[s].ravel()])
     np.testing.assert_array_equal(np.asarray(batches[s]["mask"]), plan.mask[s].ravel())
 assert batches[0]["x"].dtype == np.float32 and batches[0]["y"].dtype == np.int32
-for s, batch in enumerate(resumed, start=30):
+index = {row.tobytes(): i for i, row in enumerate(features)}  # the user's rows tell their samples apart
+delivered = lambda batch: [index[row.tobytes()] for row in np.asarray(batch["x"])[np.asarray(batch["mask"])]]
+before = [i for s in range(30) for i in delivered(batches[s])]
+after = [i for batch in resumed for i in delivered(batch)]
+assert sorted(before + after) == list(range(N)), "the resumed epoch: not every sample exactly once"
+from plan import LoaderState
+assert LoaderState.from_json(saved.to_json()) == saved and saved.dataset
+shuffled = {"x": features[::-1].copy(), "y": labels[::-1].astype(np.int32)}  # the same size, other data
+try:
+    loaders.make_loader(shuffled, devices[:4], batch_size=64, shuffle=True, seed=0).epoch(0, state=saved)
+    raise SystemExit("a state of other data was accepted")
+except ValueError as error:
+    assert "dataset=" in str(error), error
+for s, batch in enumerate(again, start=30):
     np.testing.assert_array_equal(np.asarray(batch["x"]), np.asarray(batches[s]["x"]))
 stacked = pmap_loader.batch(0, 5)
 assert stacked["x"].shape == (n, 32, 40) and stacked["mask"].shape == (n, 32)
@@ -243,6 +312,29 @@ print("JOB OK")
 ''',
 }
 
+CHECKS["checkpoints"] = '''
+assert {"loader", "state"} <= set(os.listdir("checkpoints/20")), os.listdir("checkpoints/20")  # orbax's items
+assert saved == loader8.state(0, 20) and saved.segments[-1] == (0, 8, 32)  # L = 8 shards of 32
+for leaf in jax.tree.leaves(restored["state"]):  # restored onto the 2 devices, replicated
+    assert leaf.sharding.device_set == set(mesh2.devices.flat) and leaf.sharding.is_fully_replicated
+assert type(opt_state[0]).__name__ == "ScaleByAdamState" and int(opt_state[0].count) == len(loader8)
+zeros = {"w": np.zeros((40, 3), np.float32), "b": np.zeros(3, np.float32)}
+never_stopped = strategies.sharded(zeros, loader8.epoch(0), mesh8, loss_terms=loss_terms,
+                                   optimizer=optimizer, **same_bits)
+mine = jax.tree.leaves((params, opt_state))
+theirs = jax.tree.leaves((never_stopped.params, never_stopped.opt_state))
+assert len(mine) == len(theirs) == 2 + 1 + 2 + 2  # w, b; Adam's count, mu (w, b), nu (w, b)
+for a, b in zip(mine, theirs):  # the bits of the run that was never stopped, state included
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype)
+    np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
+# Control: the same resume with Adam restarted (its state not restored) ends elsewhere.
+restarted = strategies.sharded(restored["state"][0], loader2.epoch(0, state=saved), mesh2,
+                               loss_terms=loss_terms, optimizer=optimizer, **same_bits)
+assert not np.array_equal(restarted.params["w"], never_stopped.params["w"])
+print("JOB OK")
+'''
+
 # The user's own feeding (strategies) and the user's loader under test (conformance).
 EXTRA = {
     "loaders": "",
@@ -281,6 +373,16 @@ def my_batches(x, y, steps=STEPS, per_device=16, pmap=False):
             batch = {k: v.reshape((n, per_device) + v.shape[1:]) for k, v in batch.items()}
         yield jax.device_put(batch, sharding)
 ''',
+    "checkpoints": '''
+import jax.numpy as jnp
+
+
+def loss_terms(params, batch):  # the user's model, as in the strategies job
+    logits = batch["images"] @ params["w"] + params["b"]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["labels"][:, None], axis=1)[:, 0]
+    mask = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask * nll), jnp.sum(mask)
+''',
     "conformance": '''
 def my_loader(samples, n, B):
     """The user's loader under test: shard k reads samples k::n, the last batch padded
@@ -304,10 +406,13 @@ def my_loader(samples, n, B):
 NEEDS = {"plan.py": [], "arithmetic.py": [], "cifar_mnist.py": [], "strategies.py": [],
          "loaders.py": ["plan.py", "arithmetic.py", "cifar_mnist.py"],
          "conformance.py": ["plan.py", "arithmetic.py", "cifar_mnist.py"],
-         "equivalence.py": ["strategies.py"], "model.py": []}
+         "equivalence.py": ["strategies.py"], "model.py": [], "processes.py": [],
+         "checkpoints.py": ["plan.py"]}
 MODULES = {"loaders": ["loaders.py", *NEEDS["loaders.py"]],
            "strategies": ["strategies.py", "equivalence.py"],
-           "conformance": ["conformance.py", *NEEDS["conformance.py"], "loaders.py"]}
+           "conformance": ["conformance.py", *NEEDS["conformance.py"], "loaders.py"],
+           "checkpoints": ["loaders.py", *NEEDS["loaders.py"], "strategies.py"]}
+PEERS = {"checkpoints": ("orbax.checkpoint", "optax")}  # the jobs that need peers (requirements-peers.txt)
 
 
 def readme_snippets() -> dict | None:
@@ -324,11 +429,11 @@ def job_text(name: str, snippet: str) -> str:
             + snippet + "\n# --- the checks ---\n" + CHECKS[name])
 
 
-def run_jobs(tmp_path, snippets: dict) -> None:
+def run_jobs(tmp_path, snippets: dict, names) -> None:
     from conftest import run_children
 
     commands, folders = [], []
-    for name in MODULES:
+    for name in names:
         folder = tmp_path / name
         folder.mkdir()
         for module in MODULES[name]:
@@ -340,7 +445,7 @@ def run_jobs(tmp_path, snippets: dict) -> None:
         folders.append(folder)
     results = run_children(commands, timeout=100, cwd=str(tmp_path))
     failed = [f"{name} job (exit {code}):\n{out[-2000:]}\n{err[-3000:]}"
-              for name, (code, out, err) in zip(MODULES, results) if code != 0 or "JOB OK" not in out]
+              for name, (code, out, err) in zip(names, results) if code != 0 or "JOB OK" not in out]
     assert not failed, "\n\n".join(failed)
 
 
@@ -348,7 +453,28 @@ def test_each_module_alone_runs_a_users_job(tmp_path):
     snippets = readme_snippets() or SNIPPETS
     missing = set(MODULES) - set(snippets)
     assert not missing, f"README.md has own-job markers but lacks {sorted(missing)}"
-    run_jobs(tmp_path, snippets)
+    run_jobs(tmp_path, snippets, [name for name in MODULES if name not in PEERS])
+
+
+# --------------------------------------------------------------------------
+# Checkpoints as a JAX user keeps them (issue 30, item 5): orbax-checkpoint
+# --------------------------------------------------------------------------
+
+
+def test_orbax_saves_params_optimizer_state_and_the_loader_state_and_restores_on_2_devices(tmp_path):
+    """The checkpoints job: loaders.py (with its three) and strategies.py copied alone,
+    with orbax-checkpoint and optax (peers: requirements-peers.txt, installed in CI, so
+    this runs there). The snippet trains 20 steps on 8 devices with logical shards and the
+    canonical reduction, saves params, Adam's state and the LoaderState with orbax
+    (StandardSave and JsonSave in one Composite), restores the arrays replicated onto a
+    2-device mesh (StandardRestore with ShapeDtypeStruct shardings) and the loader from its
+    state, and trains the rest of the epoch there. The checks: the restored arrays live on
+    the 2 devices, the state is the one saved, Adam's count is the epoch's steps, and the
+    final params and optimizer state are the bits of the run that never stopped; control,
+    the same resume with Adam restarted ends elsewhere."""
+    for module in PEERS["checkpoints"]:
+        pytest.importorskip(module, reason=f"{module} is a peer (requirements-peers.txt); CI installs it")
+    run_jobs(tmp_path, readme_snippets() or SNIPPETS, ["checkpoints"])
 
 
 def test_readme_holds_the_snippets():
@@ -357,13 +483,15 @@ def test_readme_holds_the_snippets():
         pytest.skip("README.md has no '<!-- own-job: NAME -->' markers yet: the proposed snippets in "
                     "test_own_job.SNIPPETS run instead (the lead pastes them)")
     assert set(snippets) == set(SNIPPETS), sorted(snippets)
+    for name in SNIPPETS:  # the copy here is the README's, word for word
+        assert snippets[name] == SNIPPETS[name], f"README.md's {name} snippet and test_own_job.SNIPPETS differ"
 
 
 def test_no_job_uses_a_private_name():
     # "Without reading any private function": no module attribute starting with "_".
     for name in MODULES:
         text = SNIPPETS[name] + EXTRA[name] + CHECKS[name]
-        assert not re.search(r"\b(loaders|strategies|conformance)\._", text), name
+        assert not re.search(r"\b(loaders|strategies|conformance|plan)\._", text), name
 
 
 def test_each_module_imports_only_what_it_is_copied_with():

@@ -37,18 +37,22 @@ the text from another pinned.
 """
 
 import dataclasses
+import hashlib
 import json
 import math
 from fractions import Fraction
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import (EPOCHS, POLICIES, SEEDS, assert_raises_naming, assert_same_bits, examples,
-                      expected_steps)
-from plan import (LoaderState, Plan, Schedule, elastic_num_steps, elastic_plan, epoch_plan, num_steps,
-                  remaining_samples, resume_state, shard_bounds, shard_permutation)
+import plan as plan_module  # its docstring's worked tables
+from conftest import (EPOCHS, POLICIES, SEEDS, assert_raises_naming, assert_refuses_naming_value,
+                      assert_same_bits, examples, expected_steps, not_ints)
+from plan import (LoaderState, Plan, Schedule, check_seed, dataset_digest, elastic_num_steps, elastic_plan,
+                  epoch_plan, num_steps, on_devices, remaining_samples, resume_state, shard_bounds,
+                  shard_permutation)
 
 
 @st.composite
@@ -955,13 +959,15 @@ def test_state_refuses_another_run_by_name():
     state = LoaderState.start(1000, 4, 8, seed=3, shuffle=True)
     run = dict(num_samples=1000, seed=3, shuffle=True, last_batch="fill")
     state.check_same_run("resume", **run)
-    for name, value in [("num_samples", 999), ("seed", 4), ("shuffle", False), ("shuffle", 1),
-                        ("last_batch", "drop")]:
+    for name, value in [("num_samples", 999), ("seed", 4), ("shuffle", False), ("last_batch", "drop")]:
         with pytest.raises(ValueError) as info:
             state.check_same_run("resume", **{**run, name: value})
         message = str(info.value)
         assert message.startswith("resume: ") and f"{name}={getattr(state, name)!r}" in message \
             and f"{name}={value!r}" in message, message
+    # shuffle=1 is not shuffle=True taken for another run: it is no bool (issue 30.7)
+    assert_raises_naming(ValueError, lambda: state.check_same_run("resume", **{**run, "shuffle": 1}),
+                         "resume: shuffle must be a bool, got 1")
 
 
 def test_from_json_refuses_what_is_not_a_state():
@@ -970,9 +976,11 @@ def test_from_json_refuses_what_is_not_a_state():
     for bad, fragment in [
         ("{", "not a JSON document"),
         ("[1, 2]", "expected an object with keys"),
-        (json.dumps({k: v for k, v in doc.items() if k != "step"}), "got ['epoch', 'format'"),
+        (json.dumps({k: v for k, v in doc.items() if k != "step"}), "got ['dataset', 'epoch', 'format'"),
         (json.dumps({**doc, "extra": 1}), "'extra'"),
-        (json.dumps({**doc, "format": "plan.LoaderState/2"}), "format='plan.LoaderState/2'"),
+        (json.dumps({**doc, "format": "plan.LoaderState/3"}), "format='plan.LoaderState/3'"),
+        (json.dumps({**doc, "format": None}), "format=None"),
+        (json.dumps({**doc, "dataset": "not a digest"}), "dataset must be None or 32 lowercase hex digits"),
         (json.dumps({**doc, "segments": "0,2,2"}), "segments='0,2,2' is not a list"),
         (json.dumps({**doc, "segments": [[0, 2]]}), "segments[0]=[0, 2] is not"),
         (json.dumps({**doc, "shuffle": "false"}), "shuffle must be a bool"),
@@ -1061,3 +1069,298 @@ def test_schedule_is_its_docstring(seed, shuffle, last_batch):
     assert s.real_samples("Loader", 4, state=other) == int(plan.mask[row:].sum())
     assert_raises_naming(ValueError, lambda: s.state("Loader", 5, 1, state=other), "Loader: epoch=5")
     assert_raises_naming(ValueError, lambda: s.real_samples("Loader", 3, state=other), "Loader: epoch=3")
+
+
+# --------------------------------------------------------------------------
+# Logical shards: a plan over L logical shards on any n devices that divide L (on_devices)
+# --------------------------------------------------------------------------
+
+
+def docstring_logical_table() -> dict[int, list[str]]:
+    """plan.py's worked logical-shards table: {devices: [device k's cell, ...]}."""
+    doc = plan_module.__doc__
+    table = doc[doc.index("    devices | device 0"):].split("\n\n")[0].splitlines()[2:]
+    return {int(cells[0]): [c.strip() for c in cells[1:] if c.strip()]
+            for cells in (line.split("|") for line in table)}
+
+
+def render_devices(view: Plan) -> list[str]:
+    """Each device's rows at every step, in the docstring's cell notation."""
+    return [" ".join("[" + ",".join(f"{i}{'' if m else '*'}" for i, m in zip(view.indices[s, k], view.mask[s, k]))
+                     + "]" for s in range(len(view.indices))) for k in range(view.indices.shape[1])]
+
+
+def test_logical_shards_worked_table():
+    # N=7, L=4 logical shards of b=1, fill, no shuffle, on 4, 2 and 1 devices: the
+    # docstring's rows, read back from it, and the global batch the same on each.
+    table = docstring_logical_table()
+    assert sorted(table) == [1, 2, 4]
+    whole = epoch_plan(7, 4, 1)
+    for n, cells in table.items():
+        view = on_devices(whole, n)
+        assert render_devices(view) == cells, (n, render_devices(view), cells)
+        assert_same_bits(view.indices.reshape(len(view.indices), -1), whole.indices.reshape(len(whole.indices), -1))
+    assert "3 devices do not divide" in plan_module.__doc__
+    assert_raises_naming(ValueError, lambda: on_devices(whole, 3), "num_devices=3", "4 logical shards")
+
+
+@settings(max_examples=examples(40))
+@given(N=st.integers(12, 200), L=st.sampled_from([4, 6, 8, 12]), b=st.integers(1, 4), seed=SEEDS,
+       epoch=EPOCHS, shuffle=st.booleans(), last_batch=POLICIES)
+def test_on_devices_gives_each_device_its_logical_shards_in_order(N, L, b, seed, epoch, shuffle, last_batch):
+    whole = epoch_plan(N, L, b, seed=seed, epoch=epoch, shuffle=shuffle, last_batch=last_batch)
+    steps = len(whole.indices)
+    for n in [n for n in range(1, L + 1) if L % n == 0]:
+        view = on_devices(whole, n)
+        assert view.indices.shape == view.mask.shape == (steps, n, (L // n) * b)
+        for k in range(n):
+            mine = whole.indices[:, k * (L // n):(k + 1) * (L // n)].reshape(steps, (L // n) * b)  # in order
+            assert_same_bits(view.indices[:, k], mine, f"n={n}, device {k}")
+            # A device's logical shards together are shard k of n: the samples it holds.
+            lo, hi = shard_bounds(N, k, n)
+            assert set(view.indices[:, k][view.mask[:, k]].tolist()) <= set(range(lo, hi))
+        # The global batch of every step is the same L*b rows, mask included, for every n.
+        assert_same_bits(view.indices.reshape(steps, L * b), whole.indices.reshape(steps, L * b))
+        assert_same_bits(view.mask.reshape(steps, L * b), whole.mask.reshape(steps, L * b))
+
+
+def test_on_devices_refuses_what_does_not_divide():
+    whole = epoch_plan(30, 6, 2)
+    for bad in (4, 5, 7, 0, -1, 2.0, True, "2", None):
+        assert_raises_naming(ValueError, lambda bad=bad: on_devices(whole, bad), f"num_devices={bad!r}")
+    # Control: what divides is accepted, n = L included.
+    assert [on_devices(whole, n).indices.shape[1] for n in (1, 2, 3, 6)] == [1, 2, 3, 6]
+
+
+def test_a_state_of_the_same_logical_shards_continues_on_any_devices():
+    # A loader's state is of its plan's shards: L and b, not the devices. Resumed on any
+    # device count that divides L with the same (L, b), it continues the same plan (no
+    # new segment); another (L, b) is today's elastic resize (a new segment).
+    saved = LoaderState.start(100, 8, 3, seed=5, shuffle=True).at_step(2)
+    assert saved.resized(8, 3).segments == saved.segments  # the same plan, whatever n divides 8
+    assert saved.resized(8, 3).plan()[0].indices.tolist() == epoch_plan(100, 8, 3, seed=5, shuffle=True).indices.tolist()
+    assert len(saved.resized(4, 6).segments) == 2  # control: another (L, b) is a resize
+
+# --------------------------------------------------------------------------
+# Issue 30.7: a wrong type or value is refused at the call, naming the function,
+# the parameter and the value (ints: Python and NumPy integers, never a bool or a
+# whole float)
+# --------------------------------------------------------------------------
+
+
+STATE = LoaderState.start(7, 2, 2)
+RUN = dict(num_samples=7, seed=0, shuffle=False, last_batch="fill")
+
+# (the function as its messages name it, the call with one int parameter v, that parameter, a valid v)
+PLAN_INT_PARAMETERS = [
+    ("shard_bounds", lambda v: shard_bounds(v, 0, 2), "num_samples", 5),
+    ("shard_bounds", lambda v: shard_bounds(5, v, 2), "shard_id", 1),
+    ("shard_bounds", lambda v: shard_bounds(5, 0, v), "num_shards", 2),
+    ("num_steps", lambda v: num_steps(v, 2, 2, "fill"), "num_samples", 7),
+    ("num_steps", lambda v: num_steps(7, v, 2, "fill"), "num_shards", 2),
+    ("num_steps", lambda v: num_steps(7, 2, v, "drop"), "batch_size", 2),
+    ("epoch_plan", lambda v: epoch_plan(v, 2, 2), "num_samples", 7),
+    ("epoch_plan", lambda v: epoch_plan(7, v, 2), "num_shards", 2),
+    ("epoch_plan", lambda v: epoch_plan(7, 2, v), "batch_size", 2),
+    ("epoch_plan", lambda v: epoch_plan(7, 2, 2, epoch=v), "epoch", 1),
+    ("epoch_plan", lambda v: epoch_plan(7, 2, 2, seed=v, shuffle=True), "seed", 1),
+    ("on_devices", lambda v: on_devices(epoch_plan(8, 4, 1), v), "num_devices", 2),
+    ("shard_permutation", lambda v: shard_permutation(v, seed=0, epoch=0, shard=0), "size", 5),
+    ("shard_permutation", lambda v: shard_permutation(5, seed=v, epoch=0, shard=0), "seed", 1),
+    ("shard_permutation", lambda v: shard_permutation(5, seed=0, epoch=v, shard=0), "epoch", 1),
+    ("shard_permutation", lambda v: shard_permutation(5, seed=0, epoch=0, shard=v), "shard", 1),
+    ("caller", lambda v: check_seed("seed", v, "caller"), "seed", 1),
+    ("elastic_plan", lambda v: elastic_plan(v, [(0, 2, 2)]), "num_samples", 7),
+    ("elastic_plan", lambda v: elastic_plan(7, [(0, 2, 2)], epoch=v), "epoch", 1),
+    ("elastic_plan", lambda v: elastic_plan(7, [(0, 2, 2)], seed=v), "seed", 1),
+    ("elastic_plan", lambda v: elastic_plan(7, [(0, 2, 2), (1, v, 1)]), "segments[1].num_shards", 3),
+    ("elastic_num_steps", lambda v: elastic_num_steps(v, [(0, 2, 2)]), "num_samples", 7),
+    ("remaining_samples", lambda v: remaining_samples(7, [(0, 2, 2)], v), "step", 1),
+    ("remaining_samples", lambda v: remaining_samples(v, [(0, 2, 2)], 1), "num_samples", 7),
+    ("LoaderState", lambda v: LoaderState(v, 0, 0, 0, False, "fill", ((0, 2, 2),)), "num_samples", 7),
+    ("LoaderState", lambda v: LoaderState(7, v, 0, 0, False, "fill", ((0, 2, 2),)), "seed", 1),
+    ("LoaderState", lambda v: LoaderState(7, 0, v, 0, False, "fill", ((0, 2, 2),)), "epoch", 1),
+    ("LoaderState", lambda v: LoaderState(7, 0, 0, v, False, "fill", ((0, 2, 2),)), "step", 1),
+    ("LoaderState.start", lambda v: LoaderState.start(v, 2, 2), "num_samples", 7),
+    ("LoaderState.start", lambda v: LoaderState.start(7, v, 2), "num_shards", 2),
+    ("LoaderState.start", lambda v: LoaderState.start(7, 2, v), "batch_size", 2),
+    ("LoaderState.start", lambda v: LoaderState.start(7, 2, 2, epoch=v), "epoch", 1),
+    ("LoaderState.at_step", lambda v: STATE.at_step(v), "step", 1),
+    ("LoaderState.resized", lambda v: STATE.at_step(1).resized(v, 1), "num_shards", 3),
+    ("LoaderState.resized", lambda v: STATE.at_step(1).resized(3, v), "batch_size", 1),
+    ("caller", lambda v: STATE.saved_at("caller", v, resumed=False), "step", 1),
+    ("caller", lambda v: STATE.check_same_run("caller", **{**RUN, "num_samples": v}), "num_samples", 7),
+    ("caller", lambda v: STATE.check_same_run("caller", **{**RUN, "seed": v}), "seed", 0),
+    ("caller", lambda v: resume_state("caller", STATE, v, **RUN, num_shards=2, batch_size=2), "epoch", 0),
+    ("caller", lambda v: resume_state("caller", STATE, 0, **RUN, num_shards=v, batch_size=2), "num_shards", 2),
+    ("caller", lambda v: resume_state("caller", STATE, 0, **RUN, num_shards=2, batch_size=v), "batch_size", 2),
+    ("Schedule", lambda v: Schedule(v, 2, 2), "num_samples", 7),
+    ("Schedule", lambda v: Schedule(7, v, 2), "num_shards", 2),
+    ("Schedule", lambda v: Schedule(7, 2, v), "batch_size", 2),
+    ("Schedule", lambda v: Schedule(7, 2, 2, seed=v), "seed", 1),
+    ("Schedule.plan", lambda v: Schedule(7, 2, 2).plan(v), "epoch", 1),
+    ("caller", lambda v: Schedule(7, 2, 2).state("caller", v), "epoch", 1),
+    ("caller", lambda v: Schedule(7, 2, 2).state("caller", 0, v), "step", 1),
+    ("caller", lambda v: Schedule(7, 2, 2).real_samples("caller", v), "epoch", 1),
+]
+
+
+@pytest.mark.parametrize("where, call, name, valid", PLAN_INT_PARAMETERS,
+                         ids=[f"{w}-{n}" for w, _, n, _ in PLAN_INT_PARAMETERS])
+@given(data=st.data())
+@settings(max_examples=examples(8))
+def test_every_int_parameter_refuses_what_is_not_an_int(where, call, name, valid, data):
+    call(valid)  # the control: the call is valid with an int, Python's or NumPy's
+    call(np.int64(valid))
+    assert_refuses_naming_value(call, where, name, data.draw(not_ints(valid), label=name))
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda: shard_bounds(5.0, 0, 2), "shard_bounds: num_samples must be an int, got 5.0"),
+    (lambda: shard_bounds(True, 0, 1), "shard_bounds: num_samples must be an int, got True"),
+    (lambda: shard_bounds(2, False, 1), "shard_bounds: shard_id must be an int, got False"),
+    (lambda: num_steps(5, True, 2, "fill"), "num_steps: num_shards must be an int, got True"),
+    (lambda: num_steps(5, 1, True, "fill"), "num_steps: batch_size must be an int, got True"),
+    (lambda: shard_permutation(True, seed=0, epoch=0, shard=0), "shard_permutation: size must be an int"),
+    (lambda: shard_permutation(3, seed=0, epoch=0, shard=False), "shard_permutation: shard must be an int"),
+    (lambda: epoch_plan(5, True, True), "epoch_plan: num_shards must be an int, got True"),
+    (lambda: epoch_plan(5, 1, 1, seed=True), "epoch_plan: seed must be an int in [0, 2**32), got True"),
+    (lambda: check_seed("seed", "1", "caller"), "caller: seed must be an int in [0, 2**32), got '1'"),
+    (lambda: check_seed("seed", None, "caller"), "caller: seed must be an int in [0, 2**32), got None"),
+    (lambda: epoch_plan(5, 1, 1, shuffle=1), "epoch_plan: shuffle must be a bool, got 1"),
+    (lambda: epoch_plan(5, 1, 1, last_batch="pad"), "epoch_plan: last_batch must be one of"),
+    (lambda: Schedule(5, 1, 1, last_batch=None), "Schedule: last_batch must be one of ('fill', 'drop'), got None"),
+    (lambda: on_devices((np.zeros((1, 2, 1)), np.ones((1, 2, 1), bool)), 1), "on_devices: plan must be a Plan"),
+    (lambda: Schedule(7, 2, 2, shuffle="yes"), "Schedule: shuffle must be a bool, got 'yes'"),
+    (lambda: STATE.check_same_run("caller", **{**RUN, "seed": 0.0}), "caller: seed must be an int in [0, 2**32), got 0.0"),
+])
+def test_the_reports_inputs_are_refused_at_the_call(call, fragment):
+    # Each was accepted (returning floats, or reading a bool as 0 and 1) or raised a
+    # TypeError from inside a comparison before issue 30.7.
+    assert_raises_naming(ValueError, call, fragment)
+
+
+# --------------------------------------------------------------------------
+# Issue 30.3: the data a state was taken on (plan.dataset_digest, LoaderState.dataset)
+# --------------------------------------------------------------------------
+
+
+def text_dataset_digest(arrays) -> str:
+    """dataset_digest's docstring read literally: the whole of each array at once."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(arrays):
+        a = np.asarray(arrays[name])
+        header = json.dumps([name, a.dtype.str, a.dtype.name, list(a.shape)], separators=(",", ":"))
+        digest.update(header.encode("utf-8") + b"\n")
+        digest.update(a.tobytes(order="C"))
+    return digest.hexdigest()
+
+
+def some_data(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"labels": rng.integers(0, 10, 12).astype(np.int32),
+            "images": rng.integers(0, 256, (12, 3, 4, 5)).astype(np.uint8),
+            "big_endian": rng.integers(-9, 9, (12, 2)).astype(">i4"),
+            "x": rng.standard_normal((12, 3)).astype(ml_dtypes.bfloat16),
+            "keep": rng.integers(0, 2, 12).astype(bool)}
+
+
+@given(SEEDS)
+@settings(max_examples=examples(10))
+def test_dataset_digest_is_its_docstring(seed):
+    data = some_data(seed)
+    got = dataset_digest(data)
+    assert got == text_dataset_digest(data) and len(got) == 32 and set(got) <= set("0123456789abcdef")
+    assert dataset_digest(dict(reversed(list(data.items())))) == got, "the names' order is not the data"
+
+
+def test_dataset_digest_reads_blocks_of_rows_and_a_view_as_its_copy(monkeypatch, tmp_path):
+    records = np.random.default_rng(3).integers(0, 256, (40, 3073)).astype(np.uint8)
+    path = tmp_path / "records.bin"
+    records.tofile(path)
+    mapped = np.memmap(path, np.uint8, mode="r").reshape(40, 3073)
+    view = {"images": mapped[:, 1:].reshape(40, 3, 32, 32), "labels": mapped[:, 0].astype(np.int32)}
+    copy = {name: np.ascontiguousarray(a) for name, a in view.items()}
+    want = text_dataset_digest(copy)
+    for block in (plan_module.DIGEST_BLOCK_BYTES, 5000, 100):  # 100: a row (3072 bytes) at a time
+        monkeypatch.setattr(plan_module, "DIGEST_BLOCK_BYTES", block)
+        assert dataset_digest(view) == dataset_digest(copy) == want, block
+    assert not view["images"].flags.c_contiguous  # the control: the view is strided
+
+
+def test_dataset_digest_tells_other_data_apart():
+    data = some_data(0)
+    same = dataset_digest(data)
+    changed = {"one byte": {**data, "images": data["images"].copy()},
+               "a dtype, the same bytes": {**data, "labels": data["labels"].view(np.float32)},
+               "a shape, the same bytes": {**data, "images": data["images"].reshape(12, 3, 5, 4)},
+               "a byte order": {**data, "big_endian": data["big_endian"].astype("<i4")},
+               "a name": {**{k: v for k, v in data.items() if k != "x"}, "y": data["x"]},
+               "one more array": {**data, "more": np.zeros(12, np.int32)},
+               "one fewer": {k: v for k, v in data.items() if k != "keep"}}
+    changed["one byte"]["images"][7, 1, 2, 3] ^= 1
+    for what, other in changed.items():
+        assert dataset_digest(other) != same, what
+    assert dataset_digest({k: v.copy() for k, v in data.items()}) == same  # the control: a copy is the data
+    f8 = {"x": np.arange(12, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)}
+    assert np.dtype(ml_dtypes.int4).str == f8["x"].dtype.str == "<V1"  # why the header has dtype.name
+    assert dataset_digest(f8) != dataset_digest({"x": f8["x"].view(ml_dtypes.int4)})
+    for bad, fragment in [([data["labels"]], "arrays must be a mapping"), ({1: data["labels"]}, "must be strings"),
+                          ({"a": np.array([object()])}, "dtype object"),
+                          ({"a": np.zeros(2, [("f", "<i4")])}, "not numbers or bools")]:
+        assert_raises_naming(ValueError, lambda: dataset_digest(bad), "dataset_digest: ", fragment)
+
+
+DIGEST = dataset_digest(some_data(0))
+
+
+def test_a_state_names_its_dataset_through_json_and_format_1_names_none():
+    state = LoaderState.start(7, 2, 2, dataset=DIGEST).at_step(1).resized(3, 1)
+    assert state.dataset == DIGEST and type(state.dataset) is str and state.next_epoch().dataset == DIGEST
+    text = state.to_json()
+    assert json.loads(text)["format"] == "plan.LoaderState/2" and json.loads(text)["dataset"] == DIGEST
+    assert LoaderState.from_json(text) == state
+    cifar = LoaderState.start(50_000, 8, 32, seed=2**32 - 1, shuffle=True, dataset=DIGEST)
+    assert len(cifar.to_json()) == 190  # the docstring's sizes
+    assert len(cifar.at_step(10).resized(4, 32).at_step(20).resized(3, 32).to_json()) == 211
+    # Format 1, as loaders.LoaderState/1 wrote it: read as a state that names no data.
+    old = ('{"format":"loaders.LoaderState/1","num_samples":7,"seed":0,"epoch":0,"step":1,"shuffle":false,'
+           '"last_batch":"fill","segments":[[0,2,2],[1,3,1]]}')
+    assert LoaderState.from_json(old) == dataclasses.replace(state, dataset=None)
+    assert_raises_naming(ValueError, lambda: LoaderState.from_json(old.replace('"seed"', '"dataset":null,"seed"')),
+                         "expected an object with keys")
+    for bad in ("ABC", DIGEST.upper(), DIGEST[:-1], 5, b"0" * 32):
+        assert_raises_naming(ValueError, lambda: LoaderState.start(7, 2, 2, dataset=bad), "LoaderState.start: dataset")
+
+
+def test_a_state_of_other_data_is_refused_naming_the_dataset():
+    state = LoaderState.start(7, 2, 2, dataset=DIGEST)
+    other = dataset_digest(some_data(1))
+    assert_raises_naming(ValueError, lambda: state.check_same_run("resume", **RUN, dataset=other),
+                         "resume: the loader state was taken with dataset=", repr(DIGEST), repr(other))
+    assert_raises_naming(ValueError, lambda: resume_state("Loader.epoch", state, 0, **RUN, num_shards=2,
+                                                          batch_size=2, dataset=other), "Loader.epoch: ", "dataset=")
+    state.check_same_run("resume", **RUN, dataset=DIGEST)  # the control: the same data
+    state.check_same_run("resume", **RUN)  # a run that names no data checks none
+    unnamed = LoaderState.start(7, 2, 2)
+    unnamed.check_same_run("resume", **RUN, dataset=other)  # a state that names none is taken on trust
+    # ... and names this run's data from then on
+    assert resume_state("r", unnamed, 0, **RUN, num_shards=3, batch_size=1, dataset=other).dataset == other
+    assert resume_state("r", state, 0, **RUN, num_shards=3, batch_size=1, dataset=DIGEST).dataset == DIGEST
+
+
+def test_a_schedule_reads_its_dataset_only_for_a_state():
+    calls = []
+    schedule = Schedule(7, 2, 2, dataset=lambda: calls.append(1) or DIGEST)
+    schedule.steps, schedule.plan(0), schedule.real_samples("r", 0)
+    assert calls == [], "the plan needs no digest"
+    assert schedule.state("s", 0, 1).dataset == DIGEST and len(calls) == 1
+    saved = schedule.state("s", 0, 1)
+    assert schedule.resumed("r", 0, saved).dataset == DIGEST
+    other = Schedule(7, 2, 2, dataset=dataset_digest(some_data(1)))
+    assert_raises_naming(ValueError, lambda: other.resumed("RocalLoader.epoch", 0, saved),
+                         "RocalLoader.epoch: the loader state was taken with dataset=")
+    assert_raises_naming(ValueError, lambda: other.state("DaliLoader.state", 0, 1, state=saved), "dataset=")
+    assert_raises_naming(ValueError, lambda: Schedule(7, 2, 2, dataset="x"), "Schedule: dataset must be")
+    assert_raises_naming(ValueError, lambda: Schedule(7, 2, 2, dataset=lambda: "x").state("s", 0),
+                         "Schedule.dataset: dataset must be")

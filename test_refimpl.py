@@ -1,9 +1,12 @@
 """refimpl.py end to end, as a user runs it: a subprocess, its output and exit code.
 
 Checks that one epoch of every strategy runs and reports, that --metrics-out
-holds the same figures as JSON lines, that the placements train alike, that params
-outside their bound end the run with exit status 1, and that each kind of bad input
-ends with one clear line on stderr, exit status 2, no traceback and nothing written.
+holds the same figures as JSON lines (epochs and steps numbered from 0, as every
+line), that the placements train alike, that params outside their bound end the run
+with exit status 1, and that each kind of bad input ends with one clear line on
+stderr, exit status 2, no traceback and nothing written; in process, the options of
+logical shards, the reduction and --compare-to, and first_difference's bit test
+(-0.0 is not 0.0). The canonical reduction's runs are in test_checkpoints.py.
 
 The runs are independent processes started together (the fixtures ``runs`` and
 ``refused``, from the tables RUNS and REFUSED): each test checks its own run's output.
@@ -71,12 +74,13 @@ def test_one_epoch_of_every_strategy(runs):
     rows = [json.loads(line) for line in (done.tmp / "every.jsonl").read_text().splitlines()]
     assert [r["strategy"] for r in rows] == ["sharded", "pmap", "shard_map", "single"]
     for row in rows:
-        assert row["epoch"] == 1 and row["steps"] == 6  # ceil(86 / 16): the largest shard, filled
+        assert row["epoch"] == 0 and row["steps"] == 6  # ceil(86 / 16): the largest shard, filled
+        assert (row["first_step"], row["last_step"]) == (0, 5)  # the one numbering: from 0
         assert row["devices"] == (1 if row["strategy"] == "single" else 3)
         assert np.isfinite(row["loss"]) and 0 <= row["test_accuracy"] <= 1
         assert row["seconds"] > 0 and row["images_per_second"] > 0
         assert row["test_samples"] == 64  # every test image once at eval batch 50 (fill, not drop)
-        assert f"{row['strategy']:>9} epoch 1/1  loss {row['loss']:.4f}" in out
+        assert f"{row['strategy']:>9} epoch 0 of 1  loss {row['loss']:.4f}" in out
     # pmap and shard_map are bit-identical on CPU (test_equivalence.py); the report must say so.
     for other in ("pmap", "shard_map", "single"):
         line = next(l for l in out.splitlines() if l.startswith(f"final params, sharded vs {other}:"))
@@ -128,7 +132,7 @@ def test_strategy_order_and_drop_policy(runs):
     assert done.returncode == 0, done.stderr
     # 2048 samples / 2 shards = 1024 each; drop: 1024 // 300 = 3 steps (fill would be 4).
     assert "3 steps of 2 x 300 per epoch (drop)" in done.stdout
-    assert "pmap epoch 2/2" in done.stdout and "sharded" not in done.stdout.split("---", 1)[1]
+    assert "pmap epoch 1 of 2" in done.stdout and "sharded" not in done.stdout.split("---", 1)[1]
 
 
 # As "every strategy" (there: sharded and single end a few ulps apart on CPU, within
@@ -329,3 +333,54 @@ def test_a_chaotic_run_is_outside_the_domain_not_outside_the_bound(tiny_dir):
     assert lines[-2].startswith("measuring how a difference grows"), lines[-3:]
     assert lines[-1].startswith("final params, sharded vs single:"), lines[-1]
     assert "outside the domain where a bound is derived" in lines[-1] and "FAILED" not in done.stdout
+
+
+# --------------------------------------------------------------------------
+# Logical shards, the reduction, the optimizer, --compare-to: the options (in process; the
+# runs: test_checkpoints.py's canonical section)
+# --------------------------------------------------------------------------
+
+
+def refused_line(argv, capsys) -> str:
+    import refimpl
+    with pytest.raises(SystemExit) as info:
+        refimpl.parse_args(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--logical-shards", "0"], "--logical-shards must be >= 1, got 0"),
+    (["--logical-shards", "8", "--devices", "3"], "--logical-shards 8: 3 device(s) do not divide it"),
+    (["--logical-shards", "6", "--local-processes", "2", "--devices", "4"],
+     "--logical-shards 6: 4 device(s) do not divide it"),
+    (["--reduction", "canonical", "--max-ulps-per-step", "0"],
+     "--max-ulps-per-step 0: --reduction canonical holds every pair of strategies to bit-identical"),
+    (["--reduction", "fast"], "argument --reduction: invalid choice: 'fast'"),
+    (["--compare-to", "/nonexistent/never.npz"], "--compare-to /nonexistent/never.npz: no such file")])
+def test_the_new_options_refuse_bad_input_by_name(argv, said, capsys):
+    line = refused_line(argv, capsys)
+    assert said in line, line
+
+
+def test_the_new_options_accept_what_they_document():
+    import refimpl
+    args = refimpl.parse_args(["--logical-shards", "24", "--devices", "3", "--reduction", "canonical"])
+    assert (args.logical_shards, args.reduction, args.optimizer) == (24, "canonical", "sgd")
+    assert refimpl.parse_args(["--reduction", "canonical"]).logical_shards is None  # set_up: the device count
+    assert refimpl.reduction_options(refimpl.parse_args([])) == {}  # plain: the strategies' defaults
+    assert refimpl.reduction_options(args) == {"reduction": "canonical", "logical_shards": 24}
+
+
+def test_first_difference_finds_one_bit_and_nothing_else():
+    import refimpl
+    a = {"w": np.array([[1.0, 2.0]], np.float32), "count": np.array(3, np.int32)}
+    assert refimpl.first_difference(a, {k: v.copy() for k, v in a.items()}) is None
+    b = {"w": np.array([[1.0, -2.0]], np.float32), "count": np.array(3, np.int32)}
+    assert refimpl.first_difference(a, b) == "leaf ['w']: 1 of 2 entries differ, the first at flat index 1: " \
+                                             "np.float32(2.0) vs np.float32(-2.0)"
+    zero = {"w": np.array([[0.0, 2.0]], np.float32), "count": np.array(3, np.int32)}
+    minus = {"w": np.array([[-0.0, 2.0]], np.float32), "count": np.array(3, np.int32)}  # == 0.0, other bits
+    assert "1 of 2 entries differ, the first at flat index 0" in refimpl.first_difference(zero, minus)
+    assert "int64" in refimpl.first_difference(a, {"w": a["w"], "count": np.array(3, np.int64)})

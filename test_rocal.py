@@ -1873,7 +1873,7 @@ def test_vendor_order_resumes_only_on_the_saved_shards(fake, cache, last_batch):
     got = list(loader.epoch(1, state=same))
     for step, (g, w) in enumerate(zip(got, list(loader.epoch(1, start_step=2)), strict=True), start=2):
         assert_same_arrays(g, w, f"vendor order, resumed on the saved shards, step {step}")
-    assert loader.state(1, 3, state=same) == same.at_step(3)
+    assert loader.state(1, 3, state=same) == dataclasses.replace(same.at_step(3), dataset=loader.dataset)
     assert loader.real_samples(1, state=same) == sum(int(np.asarray(b["mask"]).sum()) for b in got)
     # Another shard count; another batch; these shards and batch, after a resize in the epoch.
     for other in (saved_state(50, 8, 2, 1, **run), saved_state(50, 4, 2, 1, **run),
@@ -1982,7 +1982,7 @@ def assert_same_params_after_the_resize(tmp_path, leaves: int) -> None:
 @pytest.mark.rocal
 def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_cifar, tmp_path):
     """``refimpl.py --backend rocal`` end to end, as a user runs it, through a resize: 4 devices
-    stop after run step 2, 3 devices resume (plan.elastic_plan's order); rocAL and the
+    stop after 2 run steps, 3 devices resume (plan.elastic_plan's order); rocAL and the
     reference backend (rocAL's arithmetic, the same seed, shuffled epochs, the pmap strategy:
     test_dali's runs sharded) each report every sample of the interrupted epoch delivered
     exactly once across the change, and end with the same final params, bit for bit; rocAL's
@@ -1998,10 +1998,10 @@ def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_
     for backend, out in outputs.items():
         [line] = exactly_once(out)
         how = "rocal" if backend == "rocal" else "reference loader, placement host_float32"
-        assert line.startswith("pmap epoch 1: every one of the 96 samples delivered in exactly one real "
+        assert line.startswith("pmap epoch 0: every one of the 96 samples delivered in exactly one real "
                                "slot, counted from the delivered rows"), line
-        assert f"steps 1-2 on 4 cpu device(s) x 4 ({how}): 32; steps 3-8 on 3 cpu device(s) x 4" in line, line
-    assert_same_params_after_the_resize(tmp_path, 6)
+        assert f"steps 0-1 on 4 cpu device(s) x 4 ({how}): 32; steps 2-7 on 3 cpu device(s) x 4" in line, line
+    assert_same_params_after_the_resize(tmp_path, 7)  # 6 params, 1 SGD state
     import model
     initial = np.asarray(jax.tree.leaves(model.init_model((3072, 64, 64, 10)))[0])
     assert bits_differ(np.load(tmp_path / "rocal.npz")["pmap/0"], initial), "the params did not train"
@@ -2040,11 +2040,11 @@ def test_refimpl_the_issues_resizes_through_rocal(rocal_mesh, cifar_2048, tmp_pa
         for line in lines:
             print(f"{name}, --backend {backend}: {line}")
             assert "every one of the 2048 samples delivered in exactly one real slot" in line, line
-            assert f"steps 1-7 on {before}" in line and ": 896; steps 8-" in line and after in line, line
+            assert f"steps 0-6 on {before}" in line and ": 896; steps 7-" in line and after in line, line
         for line in out.splitlines():
             if line.startswith("final params"):
                 print(f"{name}, --backend {backend}: {line}")
-    assert_same_params_after_the_resize(tmp_path, 12)
+    assert_same_params_after_the_resize(tmp_path, 14)  # 2 x (6 params, 1 SGD state)
 
 
 @pytest.mark.rocal
@@ -2120,5 +2120,112 @@ def test_rocal_plan_order_in_two_processes_equals_the_reference(rocal_mesh, enco
     assert os.listdir(tmp_path / "cache") == []
 
 
+
+# --------------------------------------------------------------------------
+# Issue 30.3: a state names its data, and rocAL's loader checks it (through plan.Schedule)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", rocal_loader.ORDERS)
+def test_a_state_of_other_data_is_refused_naming_dataset(small_dir, mesh4, fake, cache, order):
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, seed=5, cache_dir=cache, order=order)
+    images, labels = read_cifar10(small_dir)
+    foreign = loaders.make_loader((images, (labels + 1) % 10), mesh4, 4, shuffle=True, seed=5).state(0, 1)
+    for what, call in [("epoch", lambda: loader.epoch(0, state=foreign)),
+                       ("state", lambda: loader.state(0, 2, state=foreign)),
+                       ("real_samples", lambda: loader.real_samples(0, state=foreign))]:
+        with pytest.raises(ValueError, match=rf"RocalLoader.{what}: the loader state was taken with "
+                                             rf"dataset='{foreign.dataset}', this run has dataset='{loader.dataset}'"):
+            call()
+    assert fake.pipelines == [], "refused before any pipeline is built"
+    # The control: its state is the reference loader's over the same data (the same digest).
+    assert loader.state(0, 1) == loaders.make_loader(small_dir, mesh4, 4, shuffle=True, seed=5).state(0, 1)
+
+
+
+# --------------------------------------------------------------------------
+# Issue 30.8: order="vendor" finds rocAL's padding by what rocAL delivers: the crop window
+# --------------------------------------------------------------------------
+
+
+def twin_outside_the_window(norm: Normalize):
+    """26 records, two shards of 13 (rocAL pads each to 16 with 3 copies of its last record,
+    batch 4). In shard 1 ([13, 26), last record 25) record 15 is record 25 inside ``norm``'s
+    crop window, label included, and differs outside it: rocAL delivers the two alike. Record
+    18 is record 25 but for one pixel inside the window, record 20 but for its label: other
+    samples."""
+    rng = np.random.default_rng(30)
+    images = rng.integers(0, 256, (26, 3, 32, 32)).astype(np.uint8)
+    labels = rng.integers(0, 10, 26).astype(np.int32)
+    y0, x0, ch, cw = norm.window((32, 32))
+    images[15], labels[15] = images[25], labels[25]
+    images[15, :, 0, 0] ^= 1  # outside the window (it starts at row y0 > 0)
+    images[18], labels[18] = images[25], labels[25]
+    images[18, 1, y0 + 3, x0 + 5] ^= 1  # inside it
+    images[20], labels[20] = images[25], (labels[25] + 1) % 10
+    return images, labels
+
+
+def check_padding_found_by_content(mesh, cache: str) -> None:
+    """The guarantee ShardInfo.copies serves: in rocAL's order, a slot is padding exactly
+    when rocAL padded it, so every record has exactly one mask-True slot (fill) and each
+    shard exactly rocAL's padding count masked, also where the crop window hides a
+    difference the whole image shows (record 15, real once, not taken for a copy) and where
+    it shows one (record 18, and record 20 by its label, never taken for the last record)."""
+    norm = Normalize(crop=(16, 16), crop_pos=(0.5, 0.5))
+    images, labels = twin_outside_the_window(norm)
+    delivered = lambda i: (int(labels[i]), norm(images[i:i + 1]).tobytes())  # what rocAL gives for record i
+    assert delivered(15) == delivered(25) and not np.array_equal(images[15], images[25]), \
+        "the control: the whole images differ where the windows do not"
+    assert delivered(18) != delivered(25) != delivered(20)
+    loader = rocal_loader.make_rocal_loader((images, labels), mesh, 4, shuffle=True, normalize=norm,
+                                            cache_dir=cache, order="vendor")
+    blocks = [shard_blocks(b, 2) for b in loader.epoch(0)]  # rocAL's padding checked at the epoch's end
+    for k in range(2):
+        start, stop = shard_bounds(26, k, 2)
+        images_k = np.concatenate([b["images"][k] for b in blocks])
+        labels_k = np.concatenate([b["labels"][k] for b in blocks])
+        mask_k = np.concatenate([b["mask"][k] for b in blocks])
+        slot = lambda j: (int(labels_k[j]), images_k[j:j + 1].tobytes())
+        real = sorted(slot(j) for j in np.flatnonzero(mask_k))
+        assert real == sorted(delivered(i) for i in range(start, stop)), f"shard {k}: not every record once"
+        padding = [slot(j) for j in np.flatnonzero(~mask_k)]
+        assert len(padding) == len(mask_k) - (stop - start) == 3, f"shard {k}: {len(padding)} padding slots"
+        assert all(p == delivered(stop - 1) for p in padding), f"shard {k}: padding is not its last record"
+
+
+def test_padding_is_found_on_the_crop_window_on_the_double(fake, cache):
+    check_padding_found_by_content(loaders.data_mesh(jax.devices("cpu")[:2]), cache)
+
+
+@pytest.mark.rocal
+def test_padding_is_found_on_the_crop_window_on_real_rocal(rocal_mesh, tmp_path):
+    check_padding_found_by_content(loaders.data_mesh(list(rocal_mesh.devices.flat)[:2]), str(tmp_path / "cache"))
+
+
 if __name__ == "__main__":
     two_process_worker(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+
+
+# --------------------------------------------------------------------------
+# Logical shards on real rocAL (order="plan"): the reference's batches on any devices dividing L
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.rocal
+@pytest.mark.parametrize("layout", ["sharded", "pmap"])
+def test_logical_shards_read_by_rocal_are_the_references_on_2_and_4_devices(real_rocal, tmp_path, layout):
+    """make_rocal_loader(logical_shards=8): pipeline k reads its device's 8/n logical shards'
+    blocks, (8/n)*B records a step, bit for bit the reference loader's, fresh and resumed
+    from a state of 8 logical shards on other devices (the same plan: no new segment)."""
+    run = dict(seed=6, shuffle=True, last_batch="fill", logical_shards=8, layout=layout)
+    saved = LoaderState.start(48, 8, 2, epoch=1, seed=6, shuffle=True).at_step(2)
+    for n in (2, 4):
+        loader, reference = resumed_pair(48, n, 2, str(tmp_path / f"cache{n}"), **run)
+        assert loader.device_rows == 16 // n and len(loader) == len(reference) == 3
+        for step, (g, w) in enumerate(zip(loader.epoch(1), reference.epoch(1))):
+            assert_same_arrays(g, w, f"{n} devices, step {step}")
+        got = check_resumed(loader, reference, saved, f"{n} devices, resumed at step 2")
+        assert len(got) == 1 and loader.state(1, 3, state=saved).segments == saved.segments
+    with pytest.raises(ValueError, match="logical_shards=8 with order='vendor'"):
+        resumed_pair(48, 2, 2, str(tmp_path / "cache-vendor"), order="vendor", **run)

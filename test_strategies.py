@@ -154,8 +154,8 @@ def test_pmap_without_devices_is_caught():
     # Negative control: the notebooks' pmap (no devices=) maps over the default
     # backend's first devices. On CPU devices [4..7] its results come back on
     # [0..3] (on a GPU host it fails outright); either way the check catches it.
-    legacy = jax.pmap(strategies._parallel_step(linear_loss_terms, strategies.sgd_update),
-                      axis_name=strategies.AXIS)
+    gradient = jax.pmap(strategies._parallel_gradient(linear_loss_terms), axis_name=strategies.AXIS)
+    legacy = lambda state, batch: gradient(state[0], batch)  # its (loss, grads), on devices checked alike
     on_cpu = jax.devices()[0].platform == "cpu"
     with pytest.raises(AssertionError if on_cpu else Exception,
                        match=r"pmap's results are on \[CpuDevice\(id=0\)" if on_cpu else None):
@@ -411,3 +411,18 @@ def test_stack_losses_stacks_any_pytree(devices):
     sharded = jax.device_put(np.arange(2, dtype=np.float32), NamedSharding(mesh, P("data")))
     with pytest.raises(ValueError, match=r"is sharded .*pass one replica"):
         strategies.stack_losses([sharded])
+
+
+# --------------------------------------------------------------------------
+# Issue 30.7: check_dtypes refuses a NumPy 64-bit scalar leaf (np.float64 is a Python float)
+# --------------------------------------------------------------------------
+
+
+def test_check_dtypes_refuses_a_numpy_float64_scalar():
+    # Why it matters: without x64, JAX narrows the scalar to float32 in silence.
+    assert not jax.config.jax_enable_x64 and jnp.asarray(np.float64(0.1)).dtype == jnp.float32
+    for leaf, name in ((np.float64(0.1), "float64"), (np.complex128(1j), "complex128"), (np.int64(3), "int64")):
+        with pytest.raises(ValueError, match=rf"where: leaf \['lr'\] is {name}, which JAX would silently train"):
+            strategies.check_dtypes({"lr": leaf}, "where")
+    # the control: Python's own scalars are weakly typed and pass, and so does a float32 scalar
+    strategies.check_dtypes({"a": 0.1, "b": 3, "c": True, "d": 1j, "e": np.float32(0.1)}, "where")
