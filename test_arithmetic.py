@@ -473,7 +473,7 @@ def test_normalize_values_are_equal_and_hash_alike_exactly_when_every_field_is_t
     for name in ("mean", "std", "crop_pos"):
         for i in range(len(base[name])):
             value = list(base[name])
-            value[i] = -0.0 if value[i] == 0.0 else value[i] + 0.5
+            value[i] = -0.0 if value[i] == 0.0 else value[i] + (0.5 if name != "crop_pos" else -0.25)  # in [0, 1]
             changes.append((name, tuple(value)))
     for name, value in changes:
         other = Normalize(**{**base, name: value})
