@@ -417,6 +417,71 @@ def test_crop_mirror_normalize_is_its_docstring(mean_std, crop, crop_pos, mirror
     np.testing.assert_array_equal(got.view(np.uint32), want)
 
 
+
+# --------------------------------------------------------------------------
+# Normalize's methods are the functions they name (test_arithmetic.py's own test of them)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm", [
+    Normalize(),
+    Normalize(mean=(1.0, 2.0, 3.0), std=(4.0, -5.0, 6.0), mirror=True, crop=(5, 7), crop_pos=(0.25, 0.75),
+              arithmetic="dali_cpu"),
+    Normalize(mean=(0.0,), std=(255.0,), crop=(12, 1), crop_pos=(1.0, 0.0), arithmetic="dali_gpu"),
+], ids=["default", "every field", "one channel"])
+def test_normalize_is_crop_mirror_normalize_with_its_fields(norm):
+    # A Normalize applies crop_mirror_normalize with its own mean, std, mirror, crop,
+    # crop_pos and arithmetic (into ``out`` when given); window is crop_window's, and
+    # output_shape is (C, ch, cw) of that window, the shape __call__ returns.
+    c = len(norm.mean)
+    images = np.random.default_rng(c).integers(0, 256, (2, c, 12, 10), dtype=np.uint8)
+    want = crop_mirror_normalize(images, crop=norm.crop, mirror=norm.mirror, mean=norm.mean, std=norm.std,
+                                 crop_pos=norm.crop_pos, arithmetic=norm.arithmetic)
+    assert_same_bits(norm(images), want, "Normalize()(images)")
+    out = np.full(want.shape, np.nan, np.float32)
+    assert norm(images, out=out) is out
+    assert_same_bits(out, want, "Normalize()(images, out=)")
+    window = crop_window((12, 10), norm.crop, norm.crop_pos, norm.arithmetic)
+    assert norm.window((12, 10)) == window
+    assert norm.output_shape((c, 12, 10)) == (c,) + tuple(window[2:]) == want.shape[1:]
+
+
+def test_normalize_output_shape_refuses_what_does_not_fit_naming_why():
+    norm = Normalize()
+    assert_raises_naming(ValueError, lambda: norm.output_shape((12, 10)), "(N, C, H, W)", "(12, 10)")
+    assert_raises_naming(ValueError, lambda: norm.output_shape((1, 3, 12, 10)), "(N, C, H, W)")
+    assert_raises_naming(ValueError, lambda: norm.output_shape((12, 10, 3)), "mean and std need 12 entries",
+                         "channels-last (NHWC)", "transpose(0, 3, 1, 2)")
+    with pytest.raises(ValueError) as info:
+        norm.output_shape((2, 12, 10))
+    assert "need 2 entries" in str(info.value) and "NHWC" not in str(info.value)
+    assert_raises_naming(ValueError, lambda: Normalize(crop=(13, 4)).output_shape((3, 12, 10)), "crop")
+
+
+
+def test_normalize_values_are_equal_and_hash_alike_exactly_when_every_field_is_the_same():
+    # "Two Normalize are equal (and hash alike) exactly when every field is the same,
+    # floats bit for bit": equal values built from other types hash alike; a change of
+    # any one field, each float entry included (0.0 and -0.0 too), makes another value.
+    base = dict(mean=(1.0, 2.0, 0.0), std=(4.0, 5.0, 6.0), mirror=False, crop=(5, 7), crop_pos=(0.25, 0.75),
+                arithmetic="rocal")
+    a = Normalize(**base)
+    same = Normalize(mean=[1, 2, 0], std=np.array([4.0, 5.0, 6.0]), mirror=np.bool_(False), crop=[5, 7],
+                     crop_pos=(np.float32(0.25), 0.75), arithmetic="rocal")
+    assert a == same and hash(a) == hash(same) and len({a, same}) == 1
+    changes = [("mirror", True), ("crop", (5, 6)), ("crop", None), ("arithmetic", "dali_cpu")]
+    for name in ("mean", "std", "crop_pos"):
+        for i in range(len(base[name])):
+            value = list(base[name])
+            value[i] = -0.0 if value[i] == 0.0 else value[i] + (0.5 if name != "crop_pos" else -0.25)  # in [0, 1]
+            changes.append((name, tuple(value)))
+    for name, value in changes:
+        other = Normalize(**{**base, name: value})
+        assert other != a and a != other, (name, value)
+    assert Normalize(mean=(0.0,), std=(1.0,)) != Normalize(mean=(-0.0,), std=(1.0,))
+    assert Normalize(mean=(1.0,), std=(1.0,)) != Normalize(mean=(1.0, 1.0), std=(1.0, 1.0))
+
+
 # --------------------------------------------------------------------------
 # Issue 30.7: a wrong type or value is refused at the call, naming the function,
 # the parameter and the value (ints: Python and NumPy integers, never a bool or a

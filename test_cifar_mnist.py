@@ -143,8 +143,9 @@ def test_empty_dataset_is_an_error(tmp_path):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("compress, dotted", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("compress, dotted", [(False, False), (True, False), (False, True), (True, True)])
 def test_mnist_round_trip_plain_gzipped_and_dotted_names(tmp_path, compress, dotted):
+    # Every spelling read_mnist's docstring names: plain or .gz, each under either name.
     images, labels = random_mnist(1, 7)
     write_mnist(tmp_path, "test", images, labels)
     for name in os.listdir(tmp_path):
@@ -223,6 +224,73 @@ def test_mnist_label_10_and_trailing_bytes_are_refused(tmp_path):
         assert_raises_naming(ValueError, read, path, "trailing bytes", str(count + 1), str(count))
     write_mnist(tmp_path, "train", images, labels)
     read()  # the control: the same files, untouched, are read
+
+
+# --------------------------------------------------------------------------
+# Edges the mutation run found unheld (mutation.py pure)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [0, 1])
+@pytest.mark.parametrize("compress", [False, True])
+def test_mnist_split_of_zero_and_one_image_round_trips(tmp_path, count, compress):
+    # read_mnist returns (images uint8 (N, 1, 28, 28), labels int32) for every N, the
+    # empty split (the plain file's no-memory-map branch) and one image on either side.
+    images, labels = random_mnist(5, count)
+    write_mnist(tmp_path, "train", images, labels)
+    if compress:
+        import gzip
+        for name in os.listdir(tmp_path):
+            with gzip.open(tmp_path / (name + ".gz"), "wb") as f:
+                f.write((tmp_path / name).read_bytes())
+            os.unlink(tmp_path / name)
+    got_images, got_labels = read_mnist(tmp_path)
+    assert got_images.dtype == np.uint8 and got_images.shape == (count, 1, 28, 28)
+    assert got_labels.dtype == np.int32 and got_labels.shape == (count,)
+    np.testing.assert_array_equal(got_images, images)
+    np.testing.assert_array_equal(got_labels, labels)
+
+
+@pytest.mark.parametrize("height, width", [(27, 28), (28, 29), (32, 32)])
+def test_mnist_images_that_are_not_28x28_are_refused(tmp_path, height, width):
+    # "a header that is not 28x28": either side off by one, and CIFAR's 32x32.
+    images, labels = random_mnist(6, 2)
+    write_mnist(tmp_path, "train", images, labels)
+    pixels = np.zeros(2 * height * width, np.uint8).tobytes()
+    header = np.array([0x00000803, 2, height, width], ">u4").tobytes()
+    path = tmp_path / "train-images-idx3-ubyte"
+    path.write_bytes(header + pixels)
+    assert_raises_naming(ValueError, lambda: read_mnist(tmp_path), str(path), f"{height}x{width}")
+
+
+def test_synthetic_mnist_writes_into_an_existing_folder_and_defaults_to_seed_0(tmp_path):
+    # synthetic_mnist is a function of (num_train, num_test, seed): a second call into the
+    # same (now existing) folder writes the same files, and no seed means seed 0.
+    synthetic_mnist(tmp_path, num_train=4, num_test=2, seed=0)
+    first = read_mnist(tmp_path)[0].copy()
+    assert synthetic_mnist(tmp_path, num_train=4, num_test=2) == str(tmp_path)
+    np.testing.assert_array_equal(read_mnist(tmp_path)[0], first)
+
+
+def test_synthetic_mnist_across_a_4096_image_chunk_holds_every_class(tmp_path):
+    # num_train is any count (here one past the generator's 4096-image chunk, both sides of
+    # its edge in one file), and the labels are CIFAR/MNIST classes: every one of 0..9 drawn.
+    synthetic_mnist(tmp_path, num_train=4097, num_test=1, seed=1)
+    images, labels = read_mnist(tmp_path)
+    assert images.shape == (4097, 1, 28, 28) and labels.shape == (4097,)
+    assert sorted(set(labels.tolist())) == list(range(10))
+    assert len(set(map(bytes, images[4094:4098]))) == 3  # the chunk's last two and the next: images
+
+
+def test_uncompressed_mnist_images_are_a_read_only_memory_map(tmp_path):
+    # read_mnist: "uncompressed images are a read-only memory map" (gzipped ones are read).
+    images, labels = random_mnist(7, 3)
+    write_mnist(tmp_path, "train", images, labels)
+    got, _ = read_mnist(tmp_path)
+    assert memmap_backed(got) and not got.flags.writeable
+    with pytest.raises(ValueError):
+        got[0, 0, 0, 0] = 1
+    np.testing.assert_array_equal(read_mnist(tmp_path)[0], images)  # the file is as written
 
 
 # --------------------------------------------------------------------------

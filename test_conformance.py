@@ -1150,3 +1150,102 @@ def test_shard_blocks_in_both_layouts():
         conformance.shard_blocks(x, 5)
     with pytest.raises(ValueError, match="'pmap' batch must be"):
         conformance.shard_blocks(x, 3, "pmap")
+
+
+# --------------------------------------------------------------------------
+# real_first (used by test_rocal.py alone until the mutation run asked for its own test)
+# --------------------------------------------------------------------------
+
+
+def test_real_first_moves_every_real_slot_first_in_order_and_keeps_the_shapes():
+    # "Each shard's slots reordered real first (stable)": for every shard, the real
+    # slots in their order, then the padding in its order; masks the same way, cut to
+    # the batches that arrived; each shard (steps, B) as it came.
+    delivered = [np.arange(6).reshape(3, 2), np.arange(10, 16).reshape(3, 2), np.arange(20, 24).reshape(2, 2)]
+    masks = [np.array([[False, True], [True, False], [False, True]]),
+             np.ones((3, 2), bool),
+             np.array([[False, False], [False, False], [True, True]])]  # a batch more than arrived
+    got, got_masks = conformance.real_first(delivered, masks)
+    want = [[1, 2, 5, 0, 3, 4], list(range(10, 16)), [20, 21, 22, 23]]
+    want_masks = [[True] * 3 + [False] * 3, [True] * 6, [False] * 4]
+    assert len(got) == len(got_masks) == 3
+    for k in range(3):
+        assert got[k].shape == got_masks[k].shape == delivered[k].shape
+        assert got[k].ravel().tolist() == want[k], k
+        assert got_masks[k].ravel().tolist() == want_masks[k], k
+
+
+# --------------------------------------------------------------------------
+# describe_content's edges (survivors of the mutation run)
+# --------------------------------------------------------------------------
+
+
+def _content_case():
+    norm = Normalize()
+    ref_images = conformance.encoded_images(np.arange(8))
+    ref_labels = (np.arange(8) % 10).astype(np.int32)
+    return norm, ref_images, ref_labels
+
+
+def test_content_checks_sample_0_skips_only_undecodable_slots_and_counts_each_image():
+    # "slots with -1 are skipped": sample 0 is a sample like any other, a -1 slot may hold
+    # anything; labels one per sample in any shape ((B, 1) too); the count names how many
+    # images differ, not whether any does.
+    norm, ref_images, ref_labels = _content_case()
+    indices = np.array([0, -1, 2, 3])
+    images = norm(ref_images[np.maximum(indices, 0)])
+    labels = ref_labels[np.maximum(indices, 0)].reshape(-1, 1)
+    images[1] += 7.0  # the -1 slot: garbage, skipped
+    labels[1] = 9
+    assert conformance.describe_content(images, labels, indices, ref_images, ref_labels, norm) == []
+    labels[0] = 5
+    images[0, 0, 0, 0] += 1.0
+    images[3, 2, 5, 5] -= 1.0
+    assert conformance.describe_content(images, labels, indices, ref_images, ref_labels, norm) == [
+        "1 labels differ from the file (slot 0 holds sample 0 with label 5, the file says 0)",
+        "2 images differ from the rocal table of their sample"]
+    nothing = np.full(4, -1)
+    assert conformance.describe_content(images, labels, nothing, ref_images, ref_labels, norm) == []
+
+
+@pytest.mark.parametrize("ulps", [1, 8, 9])
+def test_content_names_up_to_8_ulps_as_another_arithmetic_and_not_beyond(ulps):
+    # "differs by ulps only" is named with the count, up to 8 ulps (of the largest
+    # magnitude, the table's scale); 9 is a plain difference; a mirrored batch is named so.
+    norm, ref_images, ref_labels = _content_case()
+    indices = np.array([1, 4, 6])
+    want = norm(ref_images[indices])
+    scale = np.spacing(np.float32(np.abs(want).max()))
+    images = want.copy()
+    at = np.unravel_index(np.argmax(np.abs(want)), want.shape)
+    images[at] = want[at] + np.sign(want[at]) * ulps * scale
+    [text] = conformance.describe_content(images, ref_labels[indices], indices, ref_images, ref_labels,
+                                          norm)
+    note = f"; up to {ulps} ulps apart: another arithmetic than the table's" if ulps <= 8 else ""
+    assert text == f"1 images differ from the rocal table of their sample{note}"
+    [text] = conformance.describe_content(want[..., ::-1], ref_labels[indices], indices, ref_images,
+                                          ref_labels, norm)
+    assert text == ("3 images differ from the rocal table of their sample; they equal the mirrored "
+                    "images: mirror=0 was not honoured")
+
+
+@pytest.mark.parametrize("resized", [False, True], ids=["describe_epoch", "describe_resized_epoch"])
+def test_any_partition_flags_sample_N_and_not_sample_N_minus_1(resized):
+    # partition="any": "no sample outside range(N)", at the dataset's end on both sides:
+    # sample N (one past the last) is outside, sample N - 1 is not.
+    N, n, B = 1003, 8, 16
+    delivered, masks = strided_epoch(N, n, B)
+    found = {}
+    for sample in (N - 1, N):
+        got = delivered.copy()
+        got[2, 5, 1] = sample
+        if resized:
+            found[sample] = conformance.describe_resized_epoch(
+                [got], N, [(0, n, B)], epoch=0, seed=0, shuffle=False, last_batch="fill", masks=[masks],
+                length=len(got), partition="any")
+        else:
+            found[sample] = conformance.describe_epoch(got, N, B, partition="any", shuffle=False,
+                                                       last_batch="fill", length=len(got), masks=masks)
+    assert "outside the dataset" not in found[N - 1].kinds, found[N - 1].report()
+    [(_, _, steps, samples)] = found[N].kinds["outside the dataset"]
+    assert samples == {N} and steps == {2}

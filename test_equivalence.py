@@ -310,6 +310,18 @@ def test_ulps_apart_takes_the_worst_leaf():
     assert equivalence.ulps_apart(a, b) == 5.0
 
 
+@pytest.mark.parametrize("where", [0, 1, 2], ids=["first leaf", "middle leaf", "last leaf"])
+def test_ulps_apart_is_nan_when_any_leaf_holds_a_nan_and_0_without_leaves(where):
+    # The largest of leaf_ulps, which is NaN where a NaN meets a number: a NaN in any leaf
+    # (each position, a NaN on either side) makes the whole measure NaN; no leaves, 0.
+    a = [np.array([1.0, 2.0], np.float32) for _ in range(3)]
+    b = [x.copy() for x in a]
+    b[where][1] = np.nan
+    assert np.isnan(equivalence.ulps_apart(a, b)) and np.isnan(equivalence.ulps_apart(b, a))
+    assert equivalence.ulps_apart(a, a) == 0.0
+    assert equivalence.ulps_apart([], []) == 0.0
+
+
 # --------------------------------------------------------------------------
 # The counts, pinned: what ulp_bound's docstring derives
 # --------------------------------------------------------------------------

@@ -167,6 +167,16 @@ def test_unmasked_loss_is_the_notebooks_loss(params):
     np.testing.assert_allclose(float(model.loss(params, batch)), float(notebook), rtol=1e-6)
 
 
+@pytest.mark.parametrize("real", range(B + 1))
+def test_loss_divides_by_the_real_count_at_every_count(params, real):
+    # sum(mask * nll) / max(sum(mask), 1) at each count 0..B: the max's edge (0 and 1
+    # real samples both divide by 1) and every count on either side of it.
+    mask = np.zeros(B, bool)
+    mask[np.random.default_rng(real).permutation(B)[:real]] = True
+    batch = make_batch(10 + real, mask)
+    np.testing.assert_allclose(float(loss(params, batch)), loss64(params, batch), rtol=0, atol=ATOL)
+
+
 def test_fully_masked_loss_is_zero_with_zero_gradient(params):
     value, grads = value_and_grad(params, make_batch(2, [False] * B))
     assert float(value) == 0.0
@@ -260,6 +270,34 @@ def test_update_parallel_matches_update_on_the_global_batch(mesh, params):
         allowed = n * np.spacing(np.abs(want).max())
         assert np.abs(got - want).max() <= allowed, (np.abs(got - want).max(), allowed)
     np.testing.assert_allclose(np.asarray(losses)[0], float(value), rtol=1e-6)
+
+
+@pytest.mark.parametrize("real_at", [None, 0, -1], ids=["no real sample", "one on the first device",
+                                                      "one on the last device"])
+def test_update_parallel_divides_by_the_global_real_count_at_0_and_1(mesh, params, real_at):
+    # The global masked loss divides by max(global real count, 1): with no real sample
+    # the loss is 0 and the params stay; with one, on any device, it is that sample's
+    # loss and the step is update's on the global batch.
+    n, per = mesh.devices.size, 4
+    host = make_batch(7, np.zeros(n * per, bool), size=n * per)
+    if real_at is not None:
+        host["mask"][(real_at % n) * per + 2] = True
+    blocks = {k: {name: rows[k * per:(k + 1) * per] for name, rows in host.items()} for k in range(n)}
+    learning_rate = 100.0
+    step = model.update_parallel(tuple(mesh.devices.flat))
+    stacked, losses = step(strategies.stack_replicas(params, mesh),
+                           loaders.global_batch(blocks, mesh, "pmap"), learning_rate)
+    new = strategies.first_replica(stacked)
+    if real_at is None:
+        assert np.asarray(losses).tolist() == [0.0] * n
+        assert trees_equal(new, params)
+        return
+    np.testing.assert_allclose(np.asarray(losses), loss64(params, host), rtol=1e-6)
+    device = mesh.devices.flat[0]
+    expected, _ = model.update(strategies.on_device(params, device), jax.device_put(host, device),
+                               learning_rate)
+    for got, want in zip(leaves(new), leaves(expected)):
+        assert np.abs(got - want).max() <= n * np.spacing(np.abs(want).max())
 
 
 # --------------------------------------------------------------------------

@@ -992,6 +992,86 @@ def test_from_json_refuses_what_is_not_a_state():
 
 
 # --------------------------------------------------------------------------
+# The state every backend gives and takes (LoaderState.saved_at, resume_state): held here,
+# where the mutation run (mutation.py pure) found them held only by the loaders' tests
+# --------------------------------------------------------------------------
+
+
+def test_saved_at_is_at_step_and_a_resumed_state_refuses_only_steps_before_its_own():
+    # saved_at: at_step(step), its ValueError prefixed with ``where`` and the step; with
+    # resumed, a step before the state's own is refused, that step and later ones are not.
+    state = LoaderState(7, 0, 0, 1, False, "fill", ((0, 2, 2), (1, 3, 1)))
+    for resumed in (False, True):
+        for step in (1, 2):  # the state's own step and the epoch's end
+            assert state.saved_at("Loader.state", step, resumed=resumed) == state.at_step(step)
+        assert_raises_naming(ValueError, lambda: state.saved_at("Loader.state", 3, resumed=resumed),
+                             "Loader.state: step=3: ", "step=3 is outside [1, 2]")
+    fresh = LoaderState.start(7, 2, 2)
+    assert fresh.saved_at("Loader.state", 0, resumed=True) == fresh
+    later = fresh.at_step(1)
+    assert later.saved_at("Loader.state", 1, resumed=True) == later
+    assert later.saved_at("Loader.state", 2, resumed=True) == fresh.at_step(2)
+    assert later.saved_at("Loader.state", 0, resumed=False) == fresh  # not resumed: any step
+    for step in (0, -1, 1.0, "1"):
+        assert_raises_naming(ValueError, lambda: later.saved_at("Loader.state", step, resumed=True),
+                             f"Loader.state: step={step!r} is before the state's step 1")
+
+
+def test_resume_state_checks_the_type_the_run_and_the_epoch_then_resizes():
+    # resume_state: a LoaderState, of this run (check_same_run), of this epoch (either
+    # neighbour refused), resized to these shards; ValueError naming ``where`` otherwise.
+    state = LoaderState.start(100, 4, 8, epoch=5, seed=3, shuffle=True).at_step(2)
+    run = dict(num_samples=100, seed=3, shuffle=True, last_batch="fill")
+    for n, B in ((4, 8), (3, 5), (1, 1)):
+        assert resume_state("Loader", state, 5, **run, num_shards=n, batch_size=B) == state.resized(n, B)
+    for epoch in (4, 6):
+        assert_raises_naming(ValueError, lambda: resume_state("Loader", state, epoch, **run, num_shards=4,
+                                                              batch_size=8),
+                             f"Loader: epoch={epoch}, but the state is of epoch 5")
+    for name, value in (("num_samples", 99), ("seed", 4), ("shuffle", False), ("last_batch", "drop")):
+        assert_raises_naming(ValueError, lambda: resume_state("Loader", state, 5, **{**run, name: value},
+                                                              num_shards=4, batch_size=8),
+                             "Loader: ", f"{name}=")
+    for other in (None, state.to_json(), dataclasses.asdict(state)):
+        assert_raises_naming(ValueError, lambda: resume_state("Loader", other, 5, **run, num_shards=4,
+                                                              batch_size=8),
+                             "Loader: state must be a plan.LoaderState", type(other).__name__)
+
+
+@pytest.mark.parametrize("seed, shuffle, last_batch", [(0, False, "fill"), (7, True, "drop"), (3, True, "fill")])
+def test_schedule_is_its_docstring(seed, shuffle, last_batch):
+    # Schedule: steps, plan(e), resumed(...), state(...) and real_samples(...) as its
+    # docstring defines each, every argument passed on (N=23 on 3 shards of 4).
+    s = Schedule(23, 3, 4, seed=seed, shuffle=shuffle, last_batch=last_batch)
+    run = dict(seed=seed, shuffle=shuffle, last_batch=last_batch)
+    assert s.steps == num_steps(23, 3, 4, last_batch)
+    for epoch in (0, 1, 2**32 - 1):
+        want = epoch_plan(23, 3, 4, epoch=epoch, **run)
+        assert_same_bits(s.plan(epoch).indices, want.indices, f"plan({epoch})")
+        assert_same_bits(s.plan(epoch).mask, want.mask, f"plan({epoch}).mask")
+        assert s.real_samples("Loader", epoch) == int(want.mask.sum())
+        for step in (0, s.steps):
+            assert s.state("Loader", epoch, step) == LoaderState.start(23, 3, 4, epoch=epoch, **run).at_step(step)
+        for step in (-1, s.steps + 1):
+            assert_raises_naming(ValueError, lambda: s.state("Loader", epoch, step), "Loader: step=")
+    for epoch in (-1, 2**32):
+        assert_raises_naming(ValueError, lambda: s.state("Loader", epoch), "Loader: epoch=")
+    # Resumed from a state taken on 2 shards of 5 at step 1: resized to these shards.
+    other = LoaderState.start(23, 2, 5, epoch=4, **run).at_step(1)
+    resumed = s.resumed("Loader", 4, other)
+    assert resumed == other.resized(3, 4)
+    end = resumed.num_steps
+    for step in (1, end):
+        assert s.state("Loader", 4, step, state=other) == resumed.at_step(step)
+    for step in (0, end + 1):
+        assert_raises_naming(ValueError, lambda: s.state("Loader", 4, step, state=other), "Loader: step=")
+    plan, row = resumed.plan()
+    assert s.real_samples("Loader", 4, state=other) == int(plan.mask[row:].sum())
+    assert_raises_naming(ValueError, lambda: s.state("Loader", 5, 1, state=other), "Loader: epoch=5")
+    assert_raises_naming(ValueError, lambda: s.real_samples("Loader", 3, state=other), "Loader: epoch=3")
+
+
+# --------------------------------------------------------------------------
 # Logical shards: a plan over L logical shards on any n devices that divide L (on_devices)
 # --------------------------------------------------------------------------
 

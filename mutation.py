@@ -1,0 +1,389 @@
+"""Mutation testing of this project with mutmut (requirements-mutation.txt): a habit, not CI.
+
+    nice python mutation.py pure      # plan, arithmetic, cifar_mnist, conformance, equivalence, model
+    nice python mutation.py vendor    # loaders, strategies, dali_loader, rocal_loader, checkpoints, refimpl
+
+Each plants every single-line bug mutmut knows in those modules and runs, for each
+mutant, only the tests that reached the function it sits in (mutmut's call statistics,
+taken once by running the set's test files); then prints the table docs/guarantees.md
+quotes. ``python mutation.py SET table`` prints it again, ``survivors`` lists each
+survivor with its diff, ``rerun`` tests the survivors again (after new tests: mutmut
+keeps a verdict until asked), and any other word goes to mutmut as it is, run where the
+set lives (``python mutation.py pure show plan.x_shard_bounds__mutmut_3``, ``... results``,
+``... run 'plan.*'``, ``... browse``).
+
+Why this file, and not a bare ``mutmut run`` with a [mutmut] section in setup.cfg:
+
+* Two sets, two test selections. mutmut reads one configuration from the folder it runs
+  in and keeps everything in that folder's ``mutants/``; the pure modules are judged by
+  their own test files (an hour on 2 cores), the vendor modules and refimpl by theirs
+  (longer). So each set runs in a folder of its own, .mutation/SET/ (ignored by git):
+  symbolic links to the project's files, the setup.cfg written below, mutmut's mutants/.
+* JAX cannot be forked. mutmut forks a process per mutant; a process in which JAX has
+  started its backend deadlocks in a forked child (its thread pools do not survive
+  os.fork), and conftest.py starts it at import. ``process_isolation = forkserver`` with
+  ``forkserver_warmup = import`` forks every mutant from a server that has imported
+  jax, numpy, pytest and hypothesis (the slow imports) and nothing that starts a backend;
+  each mutant's process then imports conftest and starts its own backend.
+* A fresh process per mutant also means no jit cache or lru_cache from another mutant:
+  mutmut's trampolines choose the mutant at call time, and a cached trace would hide it.
+  The XLA compilation cache (JAX_COMPILATION_CACHE_DIR, .mutation/SET/xla-cache) is shared
+  by all mutants: it is keyed by the compiled program, so a mutant that changes the
+  program compiles anew and one that does not reuses the unmutated compilation.
+* mutmut skips every decorated function (but for staticmethod and classmethod). Here that
+  would leave out arithmetic.keyed_table (the normalisation table itself, under
+  functools.lru_cache), model.update (jax.jit) and equivalence._twin_step. Both
+  decorators only wrap a function that the trampoline can sit under, so
+  ``_mutate_decorated`` below lets mutmut mutate functions whose decorators are all in
+  DECORATORS_TO_MUTATE_UNDER; properties stay skipped (mutmut's trampoline cannot wrap one).
+* Equivalent mutants: mutation-equivalent.txt, one line each (the mutant, the line it
+  plants, why no test can tell it from the code). ``table`` counts them apart and says
+  when a line no longer matches its mutant (the code changed: argue it again).
+
+Error messages: a mutant that changes only the wording of an error message is not made:
+``message_lines`` finds the lines that hold nothing but the string literals given to
+``raise SomeError(...)`` or ``parser.error(...)``, and ``_exclude_messages`` hands them to
+mutmut with the lines its ``do_not_mutate_patterns`` would match (a regex per line could
+not tell a message's second line from any other string). ``python mutation.py SET
+excluded`` counts what that leaves out, per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+
+# The modules each set mutates, each with the test files that judge it: a mutant of a
+# module is tested by the tests of its own files that reach its function (see
+# ``_own_tests_fastest_first``), so that a module's score is what its own tests hold.
+SETS = {
+    "pure": {
+        "plan.py": ["test_plan.py"],
+        "arithmetic.py": ["test_arithmetic.py"],
+        "cifar_mnist.py": ["test_cifar_mnist.py"],
+        "conformance.py": ["test_conformance.py"],
+        "equivalence.py": ["test_equivalence.py"],
+        "model.py": ["test_model.py"],
+    },
+    "vendor": {
+        "loaders.py": ["test_loaders.py", "test_loaders_any_data.py", "test_loaders_resume.py"],
+        "strategies.py": ["test_strategies.py"],
+        "dali_loader.py": ["test_dali.py"],
+        "rocal_loader.py": ["test_rocal.py"],
+        "checkpoints.py": ["test_checkpoints.py"],
+        "refimpl.py": ["test_refimpl.py", "test_multiprocess.py"],
+    },
+}
+
+
+def test_files(name: str) -> list[str]:
+    return sorted({f for files in SETS[name].values() for f in files})
+
+
+# Every project file a test may import or read; each set's folder links to all of them.
+PROJECT_FILES = ["*.py", "pytest.ini", "README.md"]
+
+# Imported by the fork server before it forks a mutant's process, so that no mutant pays
+# for them: the slow third-party imports, then the project's modules (mutated: megabytes
+# of source each). None of them starts a JAX backend or a thread at import (a backend or
+# thread in the server would deadlock the forked processes); conftest.py does, so it is
+# imported by each mutant's process.
+PRELOAD = ["numpy", "jax", "jax.numpy", "jax.sharding", "hypothesis", "pytest", "xdist",
+           "pytest_timeout", "plan", "arithmetic", "cifar_mnist", "conformance", "model",
+           "strategies", "equivalence", "loaders", "checkpoints", "dali_loader", "rocal_loader",
+           "refimpl"]
+
+DECORATORS_TO_MUTATE_UNDER = {"functools.lru_cache", "functools.cache", "jax.jit"}
+
+
+def mutmut_config(name: str) -> str:
+    """The setup.cfg of a set's folder."""
+    s = SETS[name]
+    lines = ["# Written by mutation.py; edit mutation.py instead.", "[mutmut]"]
+
+    def option(key, values):
+        lines.append(f"{key} =" + "".join(f"\n    {v}" for v in values))
+
+    option("source_paths", sorted(p.name for pattern in PROJECT_FILES for p in ROOT.glob(pattern)
+                                  if p.suffix == ".py" and p.name != "mutation.py"
+                                  and not p.name.startswith("test_") and p.name != "conftest.py"))
+    option("only_mutate", list(s))
+    option("also_copy", ["conftest.py", "pytest.ini", "README.md"])
+    # -n 0: pytest.ini's xdist workers off (mutmut runs pytest in its own process);
+    # no cache provider: nothing written next to the mutants.
+    option("pytest_add_cli_args", ["-n", "0", "-p", "no:cacheprovider"])
+    option("pytest_add_cli_args_test_selection", test_files(name))
+    lines += [
+        "process_isolation = forkserver",
+        "forkserver_warmup = import",
+        "preload_modules_file = preload.txt",
+        # The first test of a file pays for its module's compilations in its set-up, which
+        # mutmut's estimate (call time only) does not see: room for it before "timeout".
+        "timeout_constant = 10.0",
+        # Git's view of the project's root would only warn from inside .mutation/SET.
+        "use_git_change_detection = false",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def prepare(name: str) -> Path:
+    """.mutation/NAME: links to the project's files, its setup.cfg and preload.txt."""
+    folder = ROOT / ".mutation" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for pattern in PROJECT_FILES:
+        for path in ROOT.glob(pattern):
+            if path.name == "mutation.py":
+                continue
+            link = folder / path.name
+            if not link.is_symlink():
+                link.symlink_to(os.path.relpath(path, folder))
+    for link in folder.iterdir():  # a file the project no longer has
+        if link.is_symlink() and not link.exists():
+            link.unlink()
+    (folder / "setup.cfg").write_text(mutmut_config(name))
+    (folder / "preload.txt").write_text("\n".join(PRELOAD) + "\n")
+    return folder
+
+
+def message_lines(source: str) -> set[int]:
+    """The lines that hold nothing but an error message's words: the string literals
+    (plain or f-strings) given to ``raise SomeError(...)`` or ``parser.error(...)``, where
+    every expression that starts on the line is part of that message (or the raise itself)."""
+    import ast
+    tree = ast.parse(source)
+    starts: dict[int, list] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.expr):
+            starts.setdefault(node.lineno, []).append(node)
+    allowed, lines = set(), set()
+    for node in ast.walk(tree):
+        call = node.exc if isinstance(node, ast.Raise) else node
+        if not isinstance(call, ast.Call):
+            continue
+        if not (isinstance(node, ast.Raise) or (isinstance(call.func, ast.Attribute)
+                                                and call.func.attr == "error")):
+            continue
+        messages = [a for a in call.args if isinstance(a, (ast.Constant, ast.JoinedStr))
+                    and not (isinstance(a, ast.Constant) and not isinstance(a.value, str))]
+        if not messages:
+            continue
+        allowed |= {id(call), *map(id, ast.walk(call.func))}
+        if isinstance(node, ast.Raise) and node.cause is not None:
+            allowed |= set(map(id, ast.walk(node.cause)))
+        for message in messages:
+            allowed |= set(map(id, ast.walk(message)))
+            lines |= set(range(message.lineno, message.end_lineno + 1))
+    return {line for line in lines if all(id(n) in allowed for n in starts.get(line, []))}
+
+
+def _exclude_messages() -> None:
+    """Makes mutmut leave out the lines of ``message_lines`` (as it leaves out the lines
+    its ``do_not_mutate_patterns`` match): a mutant there only rewords an error message."""
+    from mutmut.mutation import pragma_handling
+    by_pattern = pragma_handling.get_lines_ignored_by_pattern
+    pragma_handling.get_lines_ignored_by_pattern = lambda source: by_pattern(source) | message_lines(source)
+
+
+def _mutate_decorated() -> None:
+    """Lets mutmut mutate a function whose decorators are all in DECORATORS_TO_MUTATE_UNDER
+    (mutmut 3.8's MutationVisitor skips every decorated function but static and class
+    methods). Its trampoline goes under those decorators: lru_cache(trampoline) and
+    jit(trampoline) choose the mutant at their first call, in a process that runs one."""
+    import libcst as cst
+    from mutmut.mutation import file_mutation
+
+    def dotted(node) -> str:
+        if isinstance(node, cst.Call):
+            node = node.func
+        if isinstance(node, cst.Attribute):
+            return f"{dotted(node.value)}.{node.attr.value}"
+        return node.value if isinstance(node, cst.Name) else ""
+
+    skip = file_mutation.MutationVisitor._skip_node_and_children
+
+    def skip_unless_allowed(self, node):
+        if (isinstance(node, cst.FunctionDef) and node.decorators
+                and all(dotted(d.decorator) in DECORATORS_TO_MUTATE_UNDER for d in node.decorators)):
+            return skip(self, node.with_changes(decorators=[]))
+        return skip(self, node)
+
+    file_mutation.MutationVisitor._skip_node_and_children = skip_unless_allowed
+
+
+def _own_tests_fastest_first(name: str) -> None:
+    """After mutmut has loaded its call statistics (which tests reached which function),
+    keeps for each function only the tests in its module's own files (SETS), and hands
+    them out fastest first: mutmut stops at the first failing test (-x), so a mutant that
+    a quick test kills costs that test, not the slow ones (mutmut's order is a set's)."""
+    import mutmut.__main__ as main
+    from mutmut.state import state
+    collect = main.collect_or_load_stats
+
+    def collect_then_filter(*args, **kwargs):
+        collect(*args, **kwargs)
+        durations = state().duration_by_test
+
+        class FastestFirst(set):
+            def __iter__(self):
+                return iter(sorted(set.__iter__(self), key=lambda t: (durations.get(t, 0.0), t)))
+
+        mapping = state().tests_by_mangled_function_name
+        for key in list(mapping):
+            own = SETS[name].get(key.split(".")[0] + ".py", [])
+            mapping[key] = FastestFirst(t for t in mapping[key] if t.split("::")[0] in own)
+
+    main.collect_or_load_stats = collect_then_filter
+
+
+def mutmut(name: str, args: list[str]) -> None:
+    """mutmut's command line, run in the set's folder (in this process: the patch above)."""
+    folder = prepare(name)
+    os.chdir(folder)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=str(folder / "xla-cache"),
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    os.environ.setdefault("HYPOTHESIS_PROFILE", "ci")  # derandomised: the same examples every run
+    # Bytecode on (a PYTHONDONTWRITEBYTECODE=1 environment has it off): a mutated module is
+    # megabytes of source, compiled once instead of once per mutant (6 of a mutant's 7 s).
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
+    _mutate_decorated()
+    _exclude_messages()
+    _own_tests_fastest_first(name)
+    from mutmut.__main__ import cli
+    try:
+        cli.main(args, prog_name=f"mutation.py {name}", standalone_mode=False)
+    except SystemExit as e:
+        if e.code:
+            raise
+
+
+def equivalents() -> dict[str, tuple[str, str]]:
+    """mutation-equivalent.txt: {mutant: (the line it plants, why)}."""
+    found = {}
+    path = ROOT / "mutation-equivalent.txt"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        if line.strip() and not line.startswith("#"):
+            mutant, planted, why = (part.strip() for part in line.split(" | ", 2))
+            found[mutant] = (planted, why)
+    return found
+
+
+def verdicts(name: str) -> dict[str, dict[str, str]]:
+    """{module: {mutant: status}} from mutmut's records in the set's folder."""
+    from mutmut.stats import status_by_exit_code
+    out = {}
+    for module in SETS[name]:
+        meta = ROOT / ".mutation" / name / "mutants" / (module + ".meta")
+        if meta.exists():
+            codes = json.loads(meta.read_text())["exit_code_by_key"]
+            out[module] = {k: status_by_exit_code[v] for k, v in codes.items()}
+    return out
+
+
+def diff(name: str, mutant: str) -> str:
+    folder = ROOT / ".mutation" / name
+    return subprocess.run([sys.executable, "-m", "mutmut", "show", mutant], cwd=folder,
+                          capture_output=True, text=True).stdout
+
+
+def planted_line(text: str) -> str:
+    return " ".join(line[1:].strip() for line in text.splitlines()
+                    if line.startswith("+") and not line.startswith("+++"))
+
+
+def table(name: str) -> None:
+    """The per-module score, from mutmut's verdicts: survivors argued equivalent
+    (mutation-equivalent.txt) are counted apart, each checked against its mutant's diff.
+    Score: (killed + timeout) / (checked - equivalent); "no tests" counts against it (no
+    test of the module's own files reaches that function)."""
+    known = equivalents()
+    rows, stale = [], []
+    for module, by_mutant in verdicts(name).items():
+        count = Counter(by_mutant.values())
+        equivalent = 0
+        for mutant, status in by_mutant.items():
+            if status == "survived" and mutant in known:
+                if planted_line(diff(name, mutant)) == known[mutant][0]:
+                    equivalent += 1
+                else:
+                    stale.append(mutant)
+        count["survived"] -= equivalent
+        detected = count["killed"] + count["timeout"]
+        judged = sum(count.values()) - count["not checked"]
+        score = f"{100 * detected / judged:.1f}%" if judged else "-"
+        rest = ", ".join(f"{v} {k}" for k, v in sorted(count.items())
+                         if v and k not in ("killed", "survived", "not checked"))
+        rows.append((module, sum(count.values()) + equivalent, count["killed"], equivalent,
+                     count["survived"], rest or "-", count["not checked"] or "-", score))
+    print("| module | mutants | killed | equivalent | survived | other | not checked yet | score |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(str(x) for x in row) + " |")
+    print(f"\n`nice python mutation.py {name}`, mutmut 3.8.1, {date.today().isoformat()}; score = "
+          f"(killed + timeout) / (checked - equivalent)")
+    for mutant in stale:
+        print(f"mutation-equivalent.txt: {mutant} no longer plants {known[mutant][0]!r}: argue it again")
+
+
+def survivors(name: str) -> None:
+    known = equivalents()
+    for module, by_mutant in verdicts(name).items():
+        for mutant, status in by_mutant.items():
+            if status not in ("killed",) and mutant not in known:
+                print(f"# {status}\n{diff(name, mutant)}\n")
+
+
+def excluded(name: str) -> None:
+    """How many mutants ``message_lines`` leaves out, per module (mutmut's own generator,
+    the mutants inside functions: the ones mutmut tests)."""
+    _mutate_decorated()
+    from mutmut import configuration
+    from mutmut.mutation import pragma_handling
+    from mutmut.mutation.file_mutation import create_mutations
+    configuration._config = configuration.Config.__new__(configuration.Config)
+    configuration._config.do_not_mutate_patterns = []
+    by_pattern = pragma_handling.get_lines_ignored_by_pattern
+    for module in SETS[name]:
+        code = (ROOT / module).read_text()
+        counts = []
+        for extra in (lambda source: set(), message_lines):
+            pragma_handling.get_lines_ignored_by_pattern = lambda source: by_pattern(source) | extra(source)
+            counts.append(sum(1 for m in create_mutations(module, code)[1] if m.contained_by_top_level_function))
+        print(f"{module}: {counts[1]} mutants, and {counts[0] - counts[1]} left out that only reword an error message")
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] not in SETS:
+        sys.exit(__doc__)
+    name, rest = argv[0], argv[1:]
+    if os.nice(0) < 10:  # a habit on a shared machine: every mutant's process inherits it
+        os.nice(10 - os.nice(0))
+    if not rest:
+        mutmut(name, ["run", "--max-children", str(os.cpu_count() or 2)])
+        table(name)
+    elif rest == ["table"]:
+        table(name)
+    elif rest == ["survivors"]:
+        survivors(name)
+    elif rest == ["excluded"]:
+        excluded(name)
+    elif rest == ["rerun"]:
+        again = [m for by_mutant in verdicts(name).values() for m, s in by_mutant.items()
+                 if s != "killed" and m not in equivalents()]
+        mutmut(name, ["run", "--max-children", str(os.cpu_count() or 2), *again])
+        table(name)
+    else:
+        mutmut(name, rest)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
