@@ -508,8 +508,8 @@ class Normalize:
         if len(self.mean) != c:
             hint = ""
             if image_chw[-1] == len(self.mean):
-                hint = (f"; these look channels-last (NHWC): NCHW expected, pass "
-                        f"images.transpose(0, 3, 1, 2)")
+                hint = ("; these look channels-last (NHWC): NCHW expected, pass "
+                        "images.transpose(0, 3, 1, 2)")
             raise ValueError(f"Normalize: mean and std need {c} entries (one per channel of images "
                              f"{tuple(image_chw)}, channels first), got mean={list(self.mean)}{hint}")
         return (c,) + self.window((h, w))[2:]

@@ -666,10 +666,10 @@ def test_a_resized_epoch_delivered_by_loaders_conforms(resized_epochs, last_batc
     delivered, masks = resized_epochs[last_batch]
     steps = elastic_num_steps(RN, RSEGMENTS, last_batch)
     for partition in conformance.PARTITIONS:
-        for given in (masks, None):  # no segment has fewer samples left than shards
-            found = resized(delivered, RSEGMENTS, masks=given, last_batch=last_batch,
+        for passed in (masks, None):  # no segment has fewer samples left than shards
+            found = resized(delivered, RSEGMENTS, masks=passed, last_batch=last_batch,
                             partition=partition, length=steps)
-            assert not found, found.report(f"{last_batch}, {partition}, masks: {given is not None}")
+            assert not found, found.report(f"{last_batch}, {partition}, masks: {passed is not None}")
 
 
 def first_repeat(before, after, start):

@@ -974,7 +974,7 @@ def stepwise_table() -> None:
                 state = with_rate(tx.init(params), rate)
                 measure = functools.partial(equivalence.stepwise_distances, params=params, batches=hosts, mesh=mesh,
                                             loss_terms=loss_terms, optimizer=tx, opt_state=state)
-                line, correct, skipped, total = [], 0.0, 0, 0
+                correct, skipped, total = 0.0, 0, 0
                 for a, b in pairs:
                     each, twin, _, diverged = measure(strategies.STRATEGIES[a], strategies.LAYOUT[a],
                                                       strategies.STRATEGIES[b], strategies.LAYOUT[b])

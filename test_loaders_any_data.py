@@ -33,7 +33,6 @@ Guarantees checked (the loader's, test_loaders.py, held on other samples):
 conformance.py's own checks on any sample and any partition: test_conformance.py.
 """
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
