@@ -641,10 +641,13 @@ def long_hosts(kind: str, steps: int) -> list:
 # count-only bound of 240, while training converged; lr 40, alike: ``python
 # test_equivalence.py rates``); the MLP at 0.5 and 5, 40 steps. (kind, steps, held rate,
 # chaotic rate)
-LONG_RUNS = [("token", 120, 5.0, 20.0), ("mlp", 40, 0.5, 5.0)]
+# The MLP's runs take 40 s on this 2-core machine: --run-slow (its 2-step runs are in
+# test_wrong_strategies_are_outside_at_small_rates).
+LONG_RUNS = [pytest.param("token", 120, 5.0, 20.0, id="token"),
+             pytest.param("mlp", 40, 0.5, 5.0, id="mlp", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("kind, steps, held, chaotic", LONG_RUNS, ids=[r[0] for r in LONG_RUNS])
+@pytest.mark.parametrize("kind, steps, held, chaotic", LONG_RUNS)
 def test_a_correct_run_is_never_outside_at_any_rate(pair_mesh, kind, steps, held, chaotic):
     hosts = long_hosts(kind, steps)
     found = verdicts(kind, hosts, pair_mesh, held, {})
@@ -1273,6 +1276,10 @@ def divisors(L: int, most: int) -> list[int]:
     return [n for n in range(1, most + 1) if L % n == 0]
 
 
+def case_id(case) -> str:
+    return f"{case['kind']}-{case['rule']}-lr{case['rate']:g}-L{case['L']}"
+
+
 CANONICAL_CASES = [  # both models, all three rules, a chaotic rate, fill and drop, L = 4, 6, 8, 12
     dict(kind="relu", rule="adam", rate=1e-2, L=8, b=3, last_batch="fill", shuffle=True),
     dict(kind="attention", rule="sgd", rate=20.0, L=6, b=2, last_batch="drop", shuffle=False),
@@ -1281,21 +1288,43 @@ CANONICAL_CASES = [  # both models, all three rules, a chaotic rate, fill and dr
     pytest.param(dict(kind="attention", rule="adam", rate=40.0, L=4, b=4, last_batch="fill", shuffle=True),
                  marks=pytest.mark.slow),
 ]
+PARALLEL = ("sharded", "pmap", "shard_map")
 
 
-def case_id(case) -> str:
-    return f"{case['kind']}-{case['rule']}-lr{case['rate']:g}-L{case['L']}"
+def topologies(L: int, most: int, every: bool) -> list[tuple[str, int]]:
+    """(strategy, n) pairs to run besides ("single", 1): with ``every``, each parallel
+    strategy on each n dividing L (up to ``most`` devices); otherwise each strategy on the
+    largest such n and the smaller n taken in turn by sharded, pmap and shard_map, so that
+    every device count runs and, where L has four divisors or more, every strategy on two
+    (the suite's default; --run-slow runs every pair)."""
+    counts = divisors(L, most)
+    if every:
+        return [(s, n) for n in counts for s in PARALLEL]
+    return [(s, counts[-1]) for s in PARALLEL] + [(PARALLEL[i % 3], n) for i, n in enumerate(counts[:-1])]
+
+
+def test_topologies_cover_every_strategy_and_device_count():
+    for L, most in [(8, 8), (6, 8), (12, 8), (4, 8), (24, 3)]:
+        counts = divisors(L, most)
+        every = topologies(L, most, True)
+        assert len(every) == 3 * len(counts) == len(set(every))
+        some = topologies(L, most, False)
+        assert set(some) <= set(every) and {n for _, n in some} == set(counts)
+        assert all((strategy, counts[-1]) in some for strategy in PARALLEL)
+        smaller = [s for s, n in some if n != counts[-1]]
+        assert len(smaller) == len(counts) - 1 and len(set(smaller)) == min(3, len(counts) - 1)
 
 
 @pytest.mark.parametrize("case", CANONICAL_CASES, ids=case_id)
-def test_canonical_reduction_is_bit_identical_on_every_topology(devices, canonical_rules, case):
+def test_canonical_reduction_is_bit_identical_on_every_topology(devices, canonical_rules, case, request):
+    # Every strategy and every n dividing L against single; by default the topologies()
+    # rotation of them, every pair with --run-slow.
     case = dict(case, rule=canonical_rules[case["rule"]])
-    counts = divisors(case["L"], len(devices))
+    pairs = topologies(case["L"], len(devices), request.config.getoption("--run-slow"))
     runs = {("single", 1): canonical_run(devices, "single", 1, **case)}
-    for n in counts:
-        for strategy in ("sharded", "pmap", "shard_map"):
-            runs[(strategy, n)] = canonical_run(devices, strategy, n, **case)
-    assert len(runs) == 1 + 3 * len(counts)
+    for strategy, n in pairs:
+        runs[(strategy, n)] = canonical_run(devices, strategy, n, **case)
+    assert len(runs) == 1 + len(pairs)
     assert not same_bits_everywhere(runs), same_bits_everywhere(runs)
     if case["rate"] >= 20:  # chaotic: the losses wander, and still every topology agrees
         losses = runs[("single", 1)][2]
