@@ -345,10 +345,10 @@ def pytest_addoption(parser):
 # The files that take longest (seconds of one core, measured on 2 cores), run first: xdist's
 # loadfile hands whole files to workers as they come free, so a long file started last would
 # leave one worker running alone at the end. A file not named here goes after these.
-HEAVY_FIRST = ("test_equivalence.py", "test_dali.py", "test_refimpl.py", "test_multiprocess.py",
-               "test_rocal.py", "test_loaders.py", "test_own_job.py", "test_strategies.py", "test_bench.py",
-               "test_checkpoints.py", "test_arithmetic.py", "test_model.py", "test_loaders_resume.py",
-               "test_harness.py", "test_plan.py")
+HEAVY_FIRST = ("test_equivalence.py", "test_dali.py", "test_rocal.py", "test_loaders.py", "test_multiprocess.py",
+               "test_checkpoints.py", "test_refimpl.py", "test_own_job.py", "test_bench.py", "test_model.py",
+               "test_strategies.py", "test_arithmetic.py", "test_loaders_resume.py", "test_harness.py",
+               "test_conformance.py", "test_loaders_any_data.py", "test_plan.py")  # measured 2026-12-02
 
 
 def pytest_collection_modifyitems(config, items):
