@@ -79,6 +79,7 @@ once, the stated count skipped); a broken promise is a failure too (exit status 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -173,7 +174,9 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help="sgd: the notebooks' plain SGD (strategies.sgd, needs only JAX); adam: "
                              "optax.adam(--lr), whose state (moments, a count) a checkpoint and "
-                             "--params-out carry too; needs optax (requirements-peers.txt) "
+                             "--params-out carry too; needs optax (requirements-peers.txt); with the "
+                             "plain reduction its pairs get no ulp count (equivalence.ulp_bound, "
+                             "adaptive=True): bit-identical or no bound, never OUTSIDE "
                              "(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, metavar="N",
                         help="shuffle and synthetic-data seed, 0 <= N < 2**32 (default: %(default)s)")
@@ -761,6 +764,9 @@ def growth_if_needed(args: argparse.Namespace, job: Job, final: dict, params0, o
     if args.reduction == "canonical":  # held to bit-identical: no bound, no growth
         return None, None, None
     bound, bound_name = equivalence.ulp_bound, "equivalence.ulp_bound"
+    if args.optimizer == "adam":  # an adaptive rule: no count for the params (ulp_bound's docstring)
+        bound, bound_name = functools.partial(equivalence.ulp_bound, adaptive=True), \
+            "equivalence.ulp_bound(adaptive=True)"
     if args.max_ulps_per_step is not None:
         bound, bound_name = (lambda a, b, platform, num_devices: args.max_ulps_per_step), "--max-ulps-per-step"
     if elastic or not needs_growth(final, job.steps * args.epochs, bound, job.devices[0].platform,

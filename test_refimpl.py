@@ -289,6 +289,36 @@ def test_pairs_outside_their_bound_are_printed_after_every_other_verdict(capsys)
     assert lines[-1].startswith("refimpl.py: FAILED: 1 pair(s)") and outside == [lines[3]]
 
 
+def test_an_adaptive_optimizer_gets_no_count_and_no_pair_is_outside(capsys):
+    # refimpl --optimizer adam: ulp_bound(adaptive=True) counts nothing for the params (Adam
+    # moves an entry whose gradient is rounding noise by about the rate either way), so a
+    # pair thousands of ulps apart has no bound ("no count is derived ... under this update
+    # rule"), never
+    # OUTSIDE, and no growth is measured for it. The control: --optimizer sgd's count calls
+    # the same pair OUTSIDE.
+    import refimpl
+    final = {"sharded": params_apart(0), "single": params_apart(5000)}
+    job = types.SimpleNamespace(steps=4, devices=[types.SimpleNamespace(platform="cpu")] * 8)
+    args = types.SimpleNamespace(reduction="plain", optimizer="adam", max_ulps_per_step=None, epochs=1)
+    bound, name, growth = refimpl.growth_if_needed(args, job, final, None, None, None)
+    assert bound("sharded", "single", "cpu", 8) is None and name == "equivalence.ulp_bound(adaptive=True)"
+    assert growth is None
+    outside = refimpl.report_differences(final, 4, "cpu", 8, bound, name, growth)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert not outside and "no count is derived for the params under this update rule" in lines[0], lines
+    assert "equivalence.ulp_bound(adaptive=True)" in lines[0] and "OUTSIDE" not in lines[0]
+    sgd_bound, sgd_name, _ = refimpl.growth_if_needed(dict_args(args, optimizer="sgd"), job,
+                                                      {"sharded": final["sharded"]}, None, None, None)
+    assert sgd_bound("sharded", "single", "cpu", 8) == equivalence.ulp_bound("sharded", "single", "cpu", 8) > 0
+    outside = refimpl.report_differences(final, 4, "cpu", 8, sgd_bound, sgd_name, flat_growth(4))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert outside and "OUTSIDE" in lines[0], lines
+
+
+def dict_args(args, **changes):
+    return types.SimpleNamespace(**{**vars(args), **changes})
+
+
 def test_the_bound_grows_with_the_step_count(capsys):
     # 10 ulps apart, 2 roundings a step, nothing grows: OUTSIDE after 4 steps (bound 8),
     # within after 5 (10); with a difference that doubles at the last step, within after 3
