@@ -250,6 +250,9 @@ def mutmut(name: str, args: list[str]) -> None:
                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     os.environ.setdefault("HYPOTHESIS_PROFILE", "ci")  # derandomised: the same examples every run
+    # The mutants run on the 8 virtual CPU devices, as on a laptop, on any host: several
+    # mutant processes at once would otherwise each take a GPU (and its memory) on a GPU host.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     # Bytecode on (a PYTHONDONTWRITEBYTECODE=1 environment has it off): a mutated module is
     # megabytes of source, compiled once instead of once per mutant (6 of a mutant's 7 s).
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)

@@ -95,8 +95,8 @@ def test_mirror_flips_inside_the_crop_window():
     images = np.concatenate([coordinate_image()] * 2)
     out = crop_mirror_normalize(images, crop=(4, 8), crop_pos=(0.0, 0.0),
                                         mirror=np.array([True, False]))
-    assert out[0, 1, 0].tolist() == [7, 6, 5, 4, 3, 2, 1, 0]
-    assert out[1, 1, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    np.testing.assert_array_equal(out[0, 1, 0], [7, 6, 5, 4, 3, 2, 1, 0])
+    np.testing.assert_array_equal(out[1, 1, 0], [0, 1, 2, 3, 4, 5, 6, 7])
 
 
 @pytest.mark.parametrize("kwargs, fragments", [

@@ -154,7 +154,7 @@ def test_pmap_without_devices_is_caught():
     # Negative control: the notebooks' pmap (no devices=) maps over the default
     # backend's first devices. On CPU devices [4..7] its results come back on
     # [0..3] (on a GPU host it fails outright); either way the check catches it.
-    gradient = jax.pmap(strategies._parallel_gradient(linear_loss_terms), axis_name=strategies.AXIS)
+    gradient = jax.pmap(strategies._parallel_gradient(linear_loss_terms), axis_name=strategies.AXIS)  # legacy, on purpose
     legacy = lambda state, batch: gradient(state[0], batch)  # its (loss, grads), on devices checked alike
     on_cpu = jax.devices()[0].platform == "cpu"
     with pytest.raises(AssertionError if on_cpu else Exception,
