@@ -40,6 +40,7 @@ derandomised with modest example counts, ``dev`` random with more examples,
 jitted test pays for compilation. A test that sets its own count (an expensive
 one) takes it from ``examples(n)``, which scales n like the profile (ci x1,
 dev x4, thorough x40), so every property test goes deeper under ``thorough``.
+``mutation`` is ci without shrinking (mutation.py's).
 
 Helpers that several test files share live here too, at the end, each section
 naming the files that use it (``from conftest import ...``, as for
@@ -85,7 +86,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, Phase, settings, strategies as st
 
 import loaders
 import model
@@ -100,6 +101,11 @@ settings.register_profile("dev", deadline=None, max_examples=100,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", deadline=None, max_examples=1000,
                           suppress_health_check=[HealthCheck.too_slow])
+# mutation.py's: ci's examples, without shrinking. A mutant that fails a property test is
+# killed at its first failing example; shrinking it (minutes for a broken LoaderState)
+# would only make mutmut call it a timeout.
+settings.register_profile("mutation", settings.get_profile("ci"),
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

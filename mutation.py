@@ -127,6 +127,12 @@ def mutmut_config(name: str) -> str:
         # The first test of a file pays for its module's compilations in its set-up, which
         # mutmut's estimate (call time only) does not see: room for it before "timeout".
         "timeout_constant = 10.0",
+        # mutmut gives a mutant (estimate + constant) x multiplier of wall time: its default
+        # 15 left a mutant that makes dataset_digest read a row at a time running 150 s or
+        # more, two of them holding both cores (9 mutants a minute over plan.py). 3 stops
+        # such a mutant after (estimate + 10 s) x 3, a "timeout" (counted as killed): a
+        # mutant three times slower than the code is a bug the suite's watchdog would see.
+        "timeout_multiplier = 3.0",
         # Git's view of the project's root would only warn from inside .mutation/SET.
         "use_git_change_detection = false",
     ]
@@ -249,7 +255,8 @@ def mutmut(name: str, args: list[str]) -> None:
     os.environ.update(JAX_COMPILATION_CACHE_DIR=str(folder / "xla-cache"),
                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    os.environ.setdefault("HYPOTHESIS_PROFILE", "ci")  # derandomised: the same examples every run
+    # ci (derandomised: the same examples every run) without shrinking (conftest.py)
+    os.environ.setdefault("HYPOTHESIS_PROFILE", "mutation")
     # The mutants run on the 8 virtual CPU devices, as on a laptop, on any host: several
     # mutant processes at once would otherwise each take a GPU (and its memory) on a GPU host.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

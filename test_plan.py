@@ -1288,6 +1288,23 @@ def test_dataset_digest_reads_blocks_of_rows_and_a_view_as_its_copy(monkeypatch,
     assert not view["images"].flags.c_contiguous  # the control: the view is strided
 
 
+@pytest.mark.parametrize("block", [None, 1], ids=["16 MiB blocks", "a row at a time"])
+def test_dataset_digest_is_its_docstring_at_the_array_edges(monkeypatch, block):
+    # "every name, dtype, shape and element": a 0-d array, an empty one (before and after
+    # the others in name order), a single row, a column; read in the docstring's blocks or a
+    # row at a time, the same digest as the whole arrays at once.
+    if block is not None:
+        monkeypatch.setattr(plan_module, "DIGEST_BLOCK_BYTES", block)
+    data = {"a scalar": np.array(2.5, np.float32), "b empty": np.zeros((0, 3), np.int16),
+            "c one row": np.arange(5, dtype=np.uint8).reshape(1, 5), "d column": np.arange(4, dtype=np.int64),
+            "e empty last": np.zeros(0, bool), "f after": np.arange(6, dtype=np.int32).reshape(3, 2)}
+    assert dataset_digest(data) == text_dataset_digest(data)
+    # the controls: the 0-d value, an empty array's shape, and the arrays after an empty one count
+    for name, other in [("a scalar", np.array(3.5, np.float32)), ("b empty", np.zeros((0, 4), np.int16)),
+                        ("f after", np.arange(1, 7, dtype=np.int32).reshape(3, 2))]:
+        assert dataset_digest({**data, name: other}) != dataset_digest(data), name
+
+
 def test_dataset_digest_tells_other_data_apart():
     data = some_data(0)
     same = dataset_digest(data)
@@ -1364,3 +1381,67 @@ def test_a_schedule_reads_its_dataset_only_for_a_state():
     assert_raises_naming(ValueError, lambda: Schedule(7, 2, 2, dataset="x"), "Schedule: dataset must be")
     assert_raises_naming(ValueError, lambda: Schedule(7, 2, 2, dataset=lambda: "x").state("s", 0),
                          "Schedule.dataset: dataset must be")
+
+
+# --------------------------------------------------------------------------
+# The second mutation run's survivors (mutation.py pure, 2026-12-02): each argument
+# reaches what it names
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("last_batch", ["fill", "drop"])
+def test_remaining_samples_is_what_elastic_plans_real_slots_leave_for_every_argument(last_batch):
+    # remaining_samples(N, segments, step, epoch=, seed=, shuffle=, last_batch=) is, for
+    # every argument, the samples not in a real slot of that elastic_plan's rows before
+    # step; seed 0 the default. The control: another epoch or seed leaves other samples.
+    N, segments = 23, [(0, 4, 2), (2, 3, 3)]
+    for epoch, seed in [(0, 0), (1, 0), (0, 5), (3, 7)]:
+        plans = elastic_plan(N, segments, epoch=epoch, seed=seed, shuffle=True, last_batch=last_batch)
+        for step in (1, 2):
+            taken = set()
+            for (start, _, _), p in zip(segments, plans):
+                rows = max(0, min(step - start, len(p.indices)))
+                taken |= set(p.indices[:rows][p.mask[:rows]].tolist())
+            want = np.array(sorted(set(range(N)) - taken), np.int64)
+            got = remaining_samples(N, segments, step, epoch=epoch, seed=seed, shuffle=True, last_batch=last_batch)
+            np.testing.assert_array_equal(got, want)
+    default = remaining_samples(N, segments, 2, shuffle=True, last_batch=last_batch)
+    np.testing.assert_array_equal(default, remaining_samples(N, segments, 2, seed=0, shuffle=True,
+                                                             last_batch=last_batch))
+    assert not np.array_equal(default, remaining_samples(N, segments, 2, epoch=1, shuffle=True,
+                                                         last_batch=last_batch))
+    assert not np.array_equal(default, remaining_samples(N, segments, 2, seed=5, shuffle=True,
+                                                         last_batch=last_batch))
+
+
+def test_remaining_samples_differs_by_last_batch_where_the_plans_do():
+    # The last step of the fill plan holds padding the drop plan has no row for: at the end,
+    # fill leaves nothing and drop leaves the samples it skipped.
+    N, segments = 23, [(0, 4, 2)]
+    end_fill, end_drop = (elastic_num_steps(N, segments, lb) for lb in ("fill", "drop"))
+    assert remaining_samples(N, segments, end_fill, last_batch="fill").size == 0
+    assert remaining_samples(N, segments, end_drop, last_batch="drop").size == N - end_drop * 4 * 2 > 0
+    assert end_fill == end_drop + 1  # and the step range is the policy's own
+    assert_raises_naming(ValueError, lambda: remaining_samples(N, segments, end_fill, last_batch="drop"),
+                         f"step={end_fill} is outside [0, {end_drop}]")
+
+
+@pytest.mark.parametrize("last_batch", ["fill", "drop"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_next_epoch_carries_the_run_and_the_data(shuffle, last_batch):
+    # next_epoch is LoaderState.start(N, the last segment's n and B, epoch + 1) with every
+    # field of the run carried: seed, shuffle, last_batch and the dataset.
+    state = LoaderState.start(23, 4, 2, epoch=2, seed=9, shuffle=shuffle, last_batch=last_batch,
+                              dataset="0" * 32).at_step(1).resized(3, 3)
+    nxt = state.next_epoch()
+    assert nxt == LoaderState.start(23, 3, 3, epoch=3, seed=9, shuffle=shuffle, last_batch=last_batch,
+                                    dataset="0" * 32)
+    assert (nxt.seed, nxt.shuffle, nxt.last_batch, nxt.dataset) == (9, shuffle, last_batch, "0" * 32)
+
+
+def test_on_devices_refuses_a_plan_whose_mask_is_not_its_indices_shape():
+    good = epoch_plan(8, 4, 1)
+    assert on_devices(good, 2).indices.shape == (len(good.indices), 2, 2)
+    for bad in (Plan(good.indices, good.mask[:, :2]), Plan(good.indices, good.mask[:-1]),
+                Plan(good.indices[:, :, 0], good.mask[:, :, 0])):
+        assert_raises_naming(ValueError, lambda: on_devices(bad, 2), "on_devices: plan must be a Plan")
