@@ -453,7 +453,7 @@ def bits_differ(got, want) -> str | None:
     itself). The message names how many elements differ, the first differing index and
     both values there.
 
-    Tests compare arrays through this, never with ``assert a.tobytes() == b.tobytes()``:
+    Tests compare arrays through this, never with a bare assert on their bytes or lists:
     when such an assert fails, pytest explains it by diffing the two byte strings, in
     time quadratic in their length (a negative control meant to fail took minutes)."""
     got, want = np.asarray(got), np.asarray(want)

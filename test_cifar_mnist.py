@@ -68,8 +68,8 @@ def test_files_are_read_in_sorted_name_order(tmp_path, monkeypatch):
     real_listdir = os.listdir
     monkeypatch.setattr(os, "listdir", lambda path: sorted(real_listdir(path), reverse=True))
     images, labels = read_cifar10(tmp_path)
-    assert labels.tolist() == [1, 1, 2, 2, 3, 3]
-    assert images[:, 0, 0, 0].tolist() == [1, 1, 2, 2, 3, 3]
+    np.testing.assert_array_equal(labels, [1, 1, 2, 2, 3, 3])
+    np.testing.assert_array_equal(images[:, 0, 0, 0], [1, 1, 2, 2, 3, 3])
 
 
 def test_single_file_is_a_read_only_memmap_view(tmp_path):
