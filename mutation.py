@@ -189,12 +189,144 @@ def message_lines(source: str) -> set[int]:
     return {line for line in lines if all(id(n) in allowed for n in starts.get(line, []))}
 
 
+def wording_parameters(source: str) -> dict[str, dict]:
+    """{function: {parameter: (position or None, has a default)}} for the module-level
+    functions of ``source`` whose parameter is only an error message's words: every use of
+    it in the body is inside a ``raise``'s (or ``parser.error``'s) message, or is handed on
+    whole to another such parameter (``_check_int(where, "epoch", epoch)`` hands ``where``
+    to ``_check_int``'s ``where``). Found to a fixed point, so a helper that passes its
+    ``where`` to a helper that only prints it counts; a parameter used anywhere else (a
+    test, an index, a return, a call that is not such a hand-on) is not wording."""
+    import ast
+    tree = ast.parse(source)
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    in_message: set[int] = set()
+    for node in ast.walk(tree):
+        call = node.exc if isinstance(node, ast.Raise) else node
+        if isinstance(call, ast.Call) and (isinstance(node, ast.Raise) or (
+                isinstance(call.func, ast.Attribute) and call.func.attr == "error")):
+            for arg in call.args:
+                if isinstance(arg, ast.JoinedStr):
+                    in_message |= set(map(id, ast.walk(arg)))
+
+    def parameters(f):
+        a = f.args
+        positional = a.posonlyargs + a.args
+        defaults = [False] * (len(positional) - len(a.defaults)) + [True] * len(a.defaults)
+        out = {p.arg: (i, d) for i, (p, d) in enumerate(zip(positional, defaults))}
+        out.update({p.arg: (None, d is not None) for p, d in zip(a.kwonlyargs, a.kw_defaults)})
+        return out
+
+    wording: dict[str, dict] = {name: {} for name in functions}
+    changed = True
+    while changed:
+        changed = False
+        for name, f in functions.items():
+            handed_on: set[int] = set()
+            for call in ast.walk(f):
+                if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) \
+                        and call.func.id in wording:
+                    words = wording[call.func.id]
+                    spots = {i for i, _ in words.values() if i is not None}
+                    handed_on |= {id(a) for i, a in enumerate(call.args) if i in spots}
+                    handed_on |= {id(k.value) for k in call.keywords if k.arg in words}
+            for param, spot in parameters(f).items():
+                if param in wording[name]:
+                    continue
+                uses = [n for n in ast.walk(f) if isinstance(n, ast.Name) and n.id == param]
+                if uses and all(id(n) in in_message or id(n) in handed_on for n in uses):
+                    wording[name][param] = spot
+                    changed = True
+    return {name: words for name, words in wording.items() if words}
+
+
 def _exclude_messages() -> None:
     """Makes mutmut leave out the lines of ``message_lines`` (as it leaves out the lines
     its ``do_not_mutate_patterns`` match): a mutant there only rewords an error message."""
     from mutmut.mutation import pragma_handling
     by_pattern = pragma_handling.get_lines_ignored_by_pattern
     pragma_handling.get_lines_ignored_by_pattern = lambda source: by_pattern(source) | message_lines(source)
+
+
+def _exclude_wording_arguments() -> None:
+    """Makes mutmut leave out the mutants that only change what a call hands to a
+    ``wording_parameters`` parameter of a function of the same module: the argument's own
+    mutants (``"epoch"`` made ``"XXepochXX"``), the call's with that argument made None, and
+    the call's without it where the parameter has a default and no positional argument
+    follows. Any other mutant of the call (another argument None or gone) stays."""
+    import libcst as cst
+    from mutmut.mutation import file_mutation
+    visitor = file_mutation.MutationVisitor
+    create, visit, skip, add = (file_mutation.create_mutations, visitor.on_visit,
+                                visitor._skip_node_and_children, visitor._create_mutations)
+    current: dict[str, dict] = {}
+    skipped: set[int] = set()
+
+    def create_mutations(filename, code, *args, **kwargs):
+        current.clear()
+        current.update(wording_parameters(code))
+        skipped.clear()
+        return create(filename, code, *args, **kwargs)
+
+    def spots(call, words):
+        """For each argument of ``call``: is it handed to a wording parameter?"""
+        positional = {i for i, _ in words.values() if i is not None}
+        out, i = [], 0
+        for arg in call.args:
+            if arg.keyword is not None:
+                out.append(arg.keyword.value in words)
+            else:
+                out.append(not arg.star and i in positional)
+                i += 1
+        return out
+
+    def same(a, b) -> bool:
+        return (a.star == b.star and a.value.deep_equals(b.value)
+                and (a.keyword is None) == (b.keyword is None)
+                and (a.keyword is None or a.keyword.value == b.keyword.value))
+
+    def wording_only(call, mutated, words) -> bool:
+        if not (isinstance(mutated, cst.Call) and mutated.func.deep_equals(call.func)):
+            return False
+        A, M, at = list(call.args), list(mutated.args), spots(call, words)
+        if len(M) == len(A):
+            return all(same(a, m) or at[j] for j, (a, m) in enumerate(zip(A, M)))
+        if len(M) != len(A) - 1:
+            return False
+        for i in range(len(A)):
+            if at[i] and all(same(a, m) for a, m in zip(A[:i] + A[i + 1:], M)):
+                keyword = A[i].keyword
+                param = keyword.value if keyword is not None else next(
+                    p for p, (j, _) in words.items() if j == sum(a.keyword is None for a in A[:i]))
+                later_positional = any(a.keyword is None for a in A[i + 1:])
+                return words[param][1] and (keyword is not None or not later_positional)
+        return False
+
+    def words_of(node):
+        if isinstance(node, cst.Call) and isinstance(node.func, cst.Name):
+            return current.get(node.func.value)
+        return None
+
+    def on_visit(self, node):
+        words = words_of(node)
+        if words:
+            skipped.update(id(a) for a, w in zip(node.args, spots(node, words)) if w)
+        return visit(self, node)
+
+    def skip_wording(self, node):
+        return id(node) in skipped or skip(self, node)
+
+    def create_mutations_of(self, node):
+        before = len(self.mutations)
+        add(self, node)
+        words = words_of(node)
+        if words:
+            self.mutations[before:] = [m for m in self.mutations[before:]
+                                       if not wording_only(node, m.mutated_node, words)]
+
+    file_mutation.create_mutations = create_mutations
+    visitor.on_visit, visitor._skip_node_and_children = on_visit, skip_wording
+    visitor._create_mutations = create_mutations_of
 
 
 def _mutate_decorated() -> None:
@@ -266,6 +398,7 @@ def mutmut(name: str, args: list[str]) -> None:
     sys.dont_write_bytecode = False
     _mutate_decorated()
     _exclude_messages()
+    _exclude_wording_arguments()
     _own_tests_fastest_first(name)
     from mutmut.__main__ import cli
     try:
@@ -352,22 +485,31 @@ def survivors(name: str) -> None:
 
 
 def excluded(name: str) -> None:
-    """How many mutants ``message_lines`` leaves out, per module (mutmut's own generator,
-    the mutants inside functions: the ones mutmut tests)."""
+    """How many mutants each exclusion leaves out, per module (mutmut's own generator,
+    the mutants inside functions: the ones mutmut tests): a ``raise``'s own words
+    (``message_lines``), then the words handed to a helper (``wording_parameters``)."""
     _mutate_decorated()
     from mutmut import configuration
-    from mutmut.mutation import pragma_handling
-    from mutmut.mutation.file_mutation import create_mutations
+    from mutmut.mutation import file_mutation, pragma_handling
     configuration._config = configuration.Config.__new__(configuration.Config)
     configuration._config.do_not_mutate_patterns = []
     by_pattern = pragma_handling.get_lines_ignored_by_pattern
-    for module in SETS[name]:
-        code = (ROOT / module).read_text()
-        counts = []
-        for extra in (lambda source: set(), message_lines):
-            pragma_handling.get_lines_ignored_by_pattern = lambda source: by_pattern(source) | extra(source)
-            counts.append(sum(1 for m in create_mutations(module, code)[1] if m.contained_by_top_level_function))
-        print(f"{module}: {counts[1]} mutants, and {counts[0] - counts[1]} left out that only reword an error message")
+
+    def count(module, code, messages):
+        extra = message_lines if messages else (lambda source: set())
+        pragma_handling.get_lines_ignored_by_pattern = lambda source: by_pattern(source) | extra(source)
+        return sum(1 for m in file_mutation.create_mutations(module, code)[1]
+                   if m.contained_by_top_level_function)
+
+    codes = {module: (ROOT / module).read_text() for module in SETS[name]}
+    counts = {module: [count(module, code, False), count(module, code, True)]
+              for module, code in codes.items()}
+    _exclude_wording_arguments()
+    for module, code in codes.items():
+        counts[module].append(count(module, code, True))
+    for module, counts in counts.items():
+        print(f"{module}: {counts[2]} mutants; left out: {counts[0] - counts[1]} that reword a raise's "
+              f"message, {counts[1] - counts[2]} that change the words handed to a helper")
 
 
 def main(argv: list[str]) -> None:
