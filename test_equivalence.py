@@ -797,6 +797,162 @@ def test_no_bound_on_a_relu_models_final_params_and_the_verdict_says_why(mesh, v
     assert "kinks" in bug.text and "stepwise_verdict" in bug.text and "reduction='canonical'" in bug.text
 
 
+# stepwise_verdict's parts, each case and unit on a model whose gradient NumPy computes:
+# a linear map under squared error, one real row per device (so each row is a term block:
+# _absolute_gradient's blocks), rows whose gradients cancel (the term scale, sum_k |g_k|,
+# is far above |g|: a unit taken from |g| instead reads many times more).
+def square_terms(params: dict, batch: dict):
+    r_BxC = batch["x"] @ params["w"] + params["b"] - batch["t"]
+    mask_B = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask_B[:, None] * r_BxC ** 2), jnp.sum(mask_B)
+
+
+def square_init() -> dict:
+    return {"w": np.array([[0.5, -0.25], [0.75, 1.0], [-0.5, 0.125]], np.float32),
+            "b": np.array([0.0625, -0.125], np.float32)}
+
+
+def square_hosts(n: int, steps: int, nan_at: int | None = None) -> list[dict]:
+    rng = np.random.default_rng(5)
+    out = []
+    for t in range(steps):
+        x = rng.standard_normal((n, 3)).astype(np.float32)
+        x[1::2] = -x[0::2][: n // 2] if n > 1 else x[1::2]  # pairs of rows that cancel
+        host = {"x": x, "t": rng.standard_normal((n, 2)).astype(np.float32),
+                "mask": np.ones(n, bool)}
+        if t == nan_at:
+            host["x"] = np.full_like(x, np.nan)
+        out.append(host)
+    return out
+
+
+def square_scale(params: dict, host: dict) -> list[float]:
+    """Per leaf (jax.tree.leaves order: b, w), max over entries of sum_k |g_k|, in float64:
+    g_k the gradient of row k alone over the batch's count."""
+    w, b = (np.asarray(params[k], np.float64) for k in ("w", "b"))
+    x, t = np.asarray(host["x"], np.float64), np.asarray(host["t"], np.float64)
+    r = x @ w + b - t  # (rows, C)
+    count = host["mask"].sum()
+    return [float(np.abs(2 * r / count).sum(axis=0).max()),
+            float(np.abs(2 * x[:, :, None] * r[:, None, :] / count).sum(axis=0).max())]
+
+
+def shifted(units_of_scale: float):
+    """The sharded strategy with every gradient entry moved ``units_of_scale`` units of
+    the term scale before its optimizer sees it (square_scale at the step's own state)."""
+    def strategy(params, batches, mesh, *, loss_terms, optimizer, opt_state=None):
+        (host,) = batches
+        delta = [units_of_scale * np.spacing(np.float32(s)) for s in square_scale(params, host)]
+        def update(grads, state, p):
+            moved = {"b": grads["b"] + np.float32(delta[0]), "w": grads["w"] + np.float32(delta[1])}
+            return optimizer.update(moved, state, p)
+        return strategies.sharded(params, batches, mesh, loss_terms=loss_terms,
+                                  optimizer=strategies.Optimizer(optimizer.init, update), opt_state=opt_state)
+    strategy.__name__ = f"shifted by {units_of_scale:g}"
+    return strategy
+
+
+def test_stepwise_distances_are_in_units_of_the_term_scale_at_each_steps_state(mesh):
+    n = mesh.devices.size
+    hosts = square_hosts(n, steps=3)
+    kw = dict(params=square_init(), batches=hosts, mesh=mesh, loss_terms=square_terms,
+              optimizer=strategies.sgd(0.05))
+    sharded = strategies.sharded
+    distances, twins, same, diverged = equivalence.stepwise_distances(
+        sharded, "sharded", shifted(5.0), "sharded", **kw)
+    assert distances.shape == twins.shape == (3, 2) and distances.dtype == twins.dtype == np.float64
+    np.testing.assert_allclose(distances, 5.0, atol=0.5)  # every step and both leaves
+    assert not same and diverged is None
+    assert np.isfinite(twins).all() and (twins >= 0).all() and twins.max() <= equivalence.STEP_UNITS
+    # The same seed, the same twins; another seed, other signs (stepwise_verdict's seed)
+    again = equivalence.stepwise_distances(sharded, "sharded", sharded, "sharded", **kw)
+    other = equivalence.stepwise_distances(sharded, "sharded", sharded, "sharded", **kw, seed=1)
+    np.testing.assert_array_equal(again[1], twins)
+    assert not np.array_equal(other[1], twins)
+    assert again[2] is True and not again[0].any()
+    # pmap's layout: its batch is (n, B, ...); the same gradient bits as sharded's here
+    pmapped = equivalence.stepwise_distances(strategies.pmap, "pmap", sharded, "sharded", **kw)
+    assert pmapped[0].shape == (3, 2) and np.isfinite(pmapped[0]).all() and pmapped[0].max() <= 1
+
+
+def test_stepwise_distances_stop_where_the_training_diverges(mesh):
+    n = mesh.devices.size
+    kw = dict(params=square_init(), batches=square_hosts(n, steps=3, nan_at=1), mesh=mesh,
+              loss_terms=square_terms, optimizer=strategies.sgd(0.05))
+    distances, twins, same, diverged = equivalence.stepwise_distances(
+        strategies.sharded, "sharded", shifted(2.0), "sharded", **kw)
+    assert diverged == 1 and distances.shape == twins.shape == (1, 2)
+    found = equivalence.stepwise_verdict("sharded", shifted(2.0), count=1, **kw)
+    assert "the training diverged at step 1 (a NaN or an infinity in the state or in both gradients)" \
+        in found.text, found.text
+    # one NaN gradient, the other finite: that is a difference, not a divergence
+    def nan_gradient(params, batches, mesh, *, loss_terms, optimizer, opt_state=None):
+        def update(grads, state, p):
+            return optimizer.update(jax.tree.map(lambda g: g * jnp.nan, grads), state, p)
+        return strategies.sharded(params, batches, mesh, loss_terms=loss_terms,
+                                  optimizer=strategies.Optimizer(optimizer.init, update), opt_state=opt_state)
+    kw["batches"] = square_hosts(n, steps=2)
+    found = equivalence.stepwise_verdict("sharded", nan_gradient, count=1, **kw)
+    assert found.case == "OUTSIDE" and "diverged" not in found.text, found.text
+
+
+def test_stepwise_verdict_cases_bounds_and_words(mesh):
+    n, platform = mesh.devices.size, mesh.devices.flat[0].platform
+    kw = dict(params=square_init(), batches=square_hosts(n, steps=2), mesh=mesh, loss_terms=square_terms,
+              optimizer=strategies.sgd(0.05))
+    U = equivalence.STEP_UNITS
+    same = equivalence.stepwise_verdict("sharded", "sharded", **kw)
+    assert same == equivalence.Verdict(
+        "identical", 0.0, 0.0, "identical: sharded vs sharded, each of 2 steps from the same state, the same "
+        "gradient bits"), same
+    # count=None: ulp_bound's count for the two names, on the mesh's platform and size
+    named = equivalence.stepwise_verdict("sharded", "single", **kw)
+    assert named.bound == equivalence.ulp_bound("sharded", "single", platform, n) * U, named
+    assert named.case in ("within", "identical"), named.text
+    for a, b in (("sharded", shifted(1.0)), (shifted(1.0), "sharded"), (shifted(1.0), shifted(2.0))):
+        with pytest.raises(ValueError, match="count=None takes ulp_bound's count"):
+            equivalence.stepwise_verdict(a, b, **kw)
+    # The bound is count x STEP_UNITS units; "within" up to it, OUTSIDE beyond it
+    near = equivalence.stepwise_verdict("sharded", shifted(3.0), count=1, **kw)
+    assert near.case == "within" and near.bound == U and abs(near.ulps - 3.0) <= 0.5, near
+    assert near.text.startswith("sharded vs shifted by 3, each of 2 steps from the same state: the "
+                                "gradients "), near.text
+    assert f"within the bound of {U}: 1 rounding a step (equivalence.ulp_bound) x {U} units a rounding" \
+        in near.text and "not judged" not in near.text and "diverged" not in near.text, near.text
+    two = equivalence.stepwise_verdict("sharded", shifted(3.0), count=2, count_name="mine", **kw)
+    assert two.bound == 2 * U and f"2 roundings a step (mine) x {U} units" in two.text, two.text
+    far = equivalence.stepwise_verdict("sharded", shifted(2.0 * U), count=1, **kw)
+    assert far.case == "OUTSIDE" and abs(far.ulps - 2 * U) <= 0.5, far
+    assert f"OUTSIDE the bound of {U}" in far.text and "at step " in far.text, far.text
+    # count 0, the same program: any difference is OUTSIDE, however small
+    zero = equivalence.stepwise_verdict("sharded", shifted(1.0), count=0, **kw)
+    assert zero.case == "OUTSIDE" and zero.bound == 0.0 and zero.ulps > 0, zero
+    assert "0 roundings a step (equivalence.ulp_bound): the same program, the same bits expected" in zero.text
+    # no batch: nothing compared
+    empty = equivalence.stepwise_verdict("sharded", "single", **{**kw, "batches": []})
+    assert empty.case == "outside the domain" and np.isnan(empty.ulps) and empty.bound is None, empty
+    assert empty.text == "sharded vs single: no step compared: no verdict", empty.text
+
+
+def test_stepwise_verdict_continues_the_optimizer_state_it_is_given(mesh):
+    # opt_state is a's state at step 0: here the rate lives in it, so a rate of 0 keeps the
+    # params where they are, and the second step's term scale is the first one's.
+    optax = pytest.importorskip("optax")
+    n = mesh.devices.size
+    hosts = square_hosts(n, steps=2)
+    hosts[1] = hosts[0]
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+    kw = dict(params=square_init(), batches=hosts, mesh=mesh, loss_terms=square_terms, optimizer=tx)
+    held = with_rate(tx.init(square_init()), 0.0)
+    distances, twins, *_ = equivalence.stepwise_distances(strategies.sharded, "sharded", strategies.sharded,
+                                                          "sharded", **kw, opt_state=held)
+    moving = equivalence.stepwise_distances(strategies.sharded, "sharded", strategies.sharded, "sharded", **kw)
+    np.testing.assert_array_equal(twins[1], twins[0])
+    assert not np.array_equal(moving[1][1], moving[1][0])
+    found = equivalence.stepwise_verdict("sharded", "single", **kw, opt_state=held, seed=1)
+    assert found == equivalence.stepwise_verdict("sharded", "single", **kw, opt_state=held, seed=1)
+
+
 def tied_terms(params: dict, batch: dict):
     """A linear map and its transpose, one leaf used twice (a tied embedding's pattern)."""
     logits_BxC = (batch["x"] @ params["w"]) @ params["w"].T[:, :WIDE_CLASSES]
