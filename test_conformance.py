@@ -1153,6 +1153,78 @@ def test_shard_blocks_in_both_layouts():
 
 
 # --------------------------------------------------------------------------
+# Where a finding points (describe_epoch's "every finding names the step(s) it concerns"):
+# each kind's shards, steps and samples, exactly, at the edges of what it recognises.
+def long_delivery(N=800, shards=2, batch=4):
+    plan = epoch_plan(N, shards, batch)
+    return [plan.indices[:, k].copy() for k in range(shards)], [plan.mask[:, k].copy() for k in range(shards)]
+
+
+@pytest.mark.parametrize("shift", [-17, -16, -1, 1, 16, 17])
+def test_a_constant_shift_is_named_up_to_four_batches_either_way_with_its_steps_and_first_sample(shift):
+    # B = 4: a stream early or late by up to 4B = 16 slots is one "shifted" finding; by 17
+    # it is a slot-by-slot one. Either names shard 1, every step that differs, and what it
+    # delivered there.
+    delivered, masks = long_delivery()
+    want = delivered[1].ravel().copy()
+    got = np.roll(want, shift)
+    delivered[1] = got.reshape(delivered[1].shape)
+    found = conformance.describe_epoch(delivered, 800, 4, shuffle=False, last_batch="fill",
+                                       length=len(masks[0]), masks=masks)
+    assert set(found.kinds) == {"order"}, found.report()
+    [(text, shards, steps, samples)] = found.kinds["order"]
+    wrong = np.flatnonzero(got != want)
+    assert shards == {1} and steps == set((wrong // 4).tolist()), (shards, steps)
+    if abs(shift) <= 16:
+        assert text == (f"shard 1 is shifted by {shift} slots against the plan from step {wrong[0] // 4} "
+                        f"(it starts with sample {got[0]}, the plan with {want[0]})"), text
+        assert samples == {int(got[0])}
+    else:
+        s, j = divmod(int(wrong[0]), 4)
+        assert text == (f"shard 1 step {s} slot {j}: sample {got[wrong[0]]}, the plan says {want[wrong[0]]} "
+                        f"({wrong.size} of {want.size} slots differ)"), text
+        assert samples == set(got[wrong].tolist())
+
+
+def test_a_shift_is_named_on_a_stream_of_one_batch_and_not_past_its_end():
+    # A shard of one step of 4: a shift by 1..3 leaves fewer than B slots to compare, so it
+    # is read slot by slot; the finding still names the step.
+    delivered, masks = long_delivery(N=8, shards=2, batch=4)
+    delivered[0] = np.roll(delivered[0].ravel(), 1).reshape(1, 4)
+    [(text, shards, steps, samples)] = conformance.describe_epoch(
+        delivered, 8, 4, shuffle=False, last_batch="fill", length=1, masks=masks).kinds["order"]
+    assert text.startswith("shard 0 step 0 slot 0: sample 3, the plan says 0 (4 of 4 slots differ)"), text
+    assert (shards, steps, samples) == ({0}, {0}, {0, 1, 2, 3})
+
+
+@pytest.mark.parametrize("lost", [0, 399, 400, 799])
+def test_any_partition_names_a_missing_sample_at_either_end_with_every_shard_and_step(lost):
+    # partition="any", fill: a sample no real slot delivers (here made -1, a slot that
+    # decodes to nothing) is "missing", on every shard and step (it could have been anywhere).
+    delivered, masks = long_delivery()
+    k, at = divmod(int(np.flatnonzero(np.concatenate([d.ravel() for d in delivered]) == lost)[0]), 400)
+    delivered[k].reshape(-1)[at] = -1
+    found = conformance.describe_epoch(delivered, 800, 4, shuffle=True, last_batch="fill", length=100,
+                                       masks=masks, partition="any")
+    [(text, shards, steps, samples)] = found.kinds["missing"]
+    assert text == (f"1 of the 800 samples are never delivered in a real slot of any shard, in any of "
+                    f"steps 0-99 (e.g. [{lost}])"), text
+    assert (shards, steps, samples) == ({0, 1}, set(range(100)), {lost})
+
+
+@pytest.mark.parametrize("extra", [800, 801])
+def test_any_partition_names_a_sample_past_the_dataset_with_its_shard_and_step(extra):
+    delivered, masks = long_delivery()
+    lost = int(delivered[1][7, 2])
+    delivered[1][7, 2] = extra
+    found = conformance.describe_epoch(delivered, 800, 4, shuffle=True, last_batch="fill", length=100,
+                                       masks=masks, partition="any")
+    [(text, shards, steps, samples)] = found.kinds["outside the dataset"]
+    assert text == f"1 delivered samples are not in range(800) (e.g. [{extra}]; first at step 7)", text
+    assert (shards, steps, samples) == ({1}, {7}, {extra})
+    assert found.kinds["missing"][0][3] == {lost}
+
+
 # real_first (used by test_rocal.py alone until the mutation run asked for its own test)
 # --------------------------------------------------------------------------
 
