@@ -138,7 +138,9 @@ def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000,
     class pattern at a random contrast, shifted by a random brightness, plus
     strong per-pixel noise. Classes are learnable by the seed MLP but not
     separable at a glance (accuracy climbs over several epochs, as with real
-    data). The bytes are a function of (num_train, num_test, seed) alone.
+    data). The bytes are a function of (num_train, num_test, seed) alone, the same on
+    every machine (test_cifar_mnist pins two folders' digests on the NumPy the suite
+    installs; a NumPy whose Generator draws normal or uniform values anew would change them).
     Returns ``root``. ``num_train`` and ``num_test`` are ints >= 0 and ``seed`` an
     int in [0, 2**32) (Python or NumPy integers; never a bool, nor a float even
     when whole), ``root`` a str or an ``os.PathLike``: ValueError, naming the

@@ -10,13 +10,15 @@ docstrings state, checked.
   and a missing file are refused naming the file and the value.
 """
 
+import hashlib
+import inspect
 import mmap
 import os
 import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from cifar_mnist import (IMAGE_SHAPE, RECORD_BYTES, TEST_PREFIX, read_cifar10, read_mnist, synthetic_cifar10,
                          synthetic_mnist, write_cifar10, write_mnist)
@@ -42,6 +44,8 @@ def memmap_backed(array: np.ndarray) -> bool:
 
 
 @given(st.lists(st.integers(0, 6), min_size=1, max_size=4), SEEDS)
+@example(counts=[1, 2, 3], seed=0)  # three files of three sizes: each read in at its own offset
+@example(counts=[2, 0, 1, 4], seed=1)  # an empty file among them
 def test_write_read_round_trip(counts, seed):
     images, labels = random_cifar(seed, sum(counts))
     with tempfile.TemporaryDirectory() as root:
@@ -82,6 +86,33 @@ def test_single_file_is_a_read_only_memmap_view(tmp_path):
     assert not memmap_backed(both)  # several files: one in-memory copy
 
 
+def folder_digest(root) -> str:
+    """The first 32 hex digits of SHA-256 over a folder's file names and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(root)):
+        h.update(name.encode())
+        h.update(open(os.path.join(root, name), "rb").read())
+    return h.hexdigest()[:32]
+
+
+def test_the_synthetic_datasets_default_to_the_real_ones_sizes_and_seed_0():
+    for writer, train in ((synthetic_cifar10, 50_000), (synthetic_mnist, 60_000)):
+        defaults = {k: p.default for k, p in inspect.signature(writer).parameters.items() if k != "root"}
+        assert defaults == {"num_train": train, "num_test": 10_000, "seed": 0}, (writer.__name__, defaults)
+
+
+@pytest.mark.parametrize("images, labels, fragment", [
+    (np.zeros((1, 3, 32, 31), np.uint8), [0], "images"),    # the right dtype, a wrong shape
+    (np.zeros((1, 3, 32, 32), np.int16), [0], "images"),    # the right shape, a wrong dtype
+    (np.zeros((2, 3, 32, 32), np.uint8), [0, -1], "label"),  # below 0 alone
+    (np.zeros((2, 3, 32, 32), np.uint8), [9, 10], "label"),  # 10 alone
+    (np.zeros((1, 3, 32, 32), np.uint8), np.array([1.0]), "label")])
+def test_write_cifar10_refuses_each_wrong_part_alone(tmp_path, images, labels, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        write_cifar10(tmp_path / "data_batch_1.bin", images, labels)
+    assert not os.listdir(tmp_path)  # nothing half-written
+
+
 def test_synthetic_cifar10_is_a_function_of_the_seed(tmp_path):
     def folder(name, seed):
         return synthetic_cifar10(tmp_path / name, num_train=23, num_test=4, seed=seed)
@@ -94,6 +125,9 @@ def test_synthetic_cifar10_is_a_function_of_the_seed(tmp_path):
     assert sorted(first) == [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
     assert first == again
     assert all(first[name] != other[name] for name in first)
+    # ... and the same bytes on every machine: the reference's synthetic data are fixed
+    # (here on the NumPy the suite installs; Generator's normal and uniform streams)
+    assert folder_digest(tmp_path / "a") == "9f251677f85f746302fe583009d0ad60"
     train_images, train_labels = read_cifar10(tmp_path / "a")
     assert train_images.shape == (23, 3, 32, 32) and train_labels.shape == (23,)
     assert read_cifar10(tmp_path / "a", TEST_PREFIX)[1].shape == (4,)
@@ -280,6 +314,7 @@ def test_synthetic_mnist_across_a_4096_image_chunk_holds_every_class(tmp_path):
     assert images.shape == (4097, 1, 28, 28) and labels.shape == (4097,)
     assert sorted(set(labels.tolist())) == list(range(10))
     assert len(set(map(bytes, images[4094:4098]))) == 3  # the chunk's last two and the next: images
+    assert folder_digest(tmp_path) == "7772eb72a1f0d67e3e61b87d05be43d5"  # the draws across the chunk's edge
 
 
 def test_uncompressed_mnist_images_are_a_read_only_memory_map(tmp_path):
