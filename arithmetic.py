@@ -321,7 +321,8 @@ def _window(where: str, image_hw, crop, crop_pos, arithmetic: str) -> tuple[int,
 
 
 def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
-    """``np.empty`` whose data starts on an ``align``-byte boundary.
+    """``np.empty`` whose data starts on an ``align``-byte boundary (an array of no element
+    has no data: its address is that of NumPy's empty slice, not aligned).
 
     JAX's CPU client wraps a 64-byte-aligned host buffer without copying it (it
     copies anything else); NumPy's allocator only promises 16 bytes. ``shape`` is an

@@ -99,6 +99,43 @@ def test_mirror_flips_inside_the_crop_window():
     np.testing.assert_array_equal(out[1, 1, 0], [0, 1, 2, 3, 4, 5, 6, 7])
 
 
+@pytest.mark.parametrize("mirror", [True, np.True_, False, np.False_])
+def test_one_bool_mirrors_every_image_or_none(mirror):
+    images = np.random.default_rng(4).integers(0, 256, (3, 3, 6, 7), dtype=np.uint8)
+    got = crop_mirror_normalize(images, crop=(4, 5), crop_pos=(0.25, 0.75), mirror=mirror)
+    each = crop_mirror_normalize(images, crop=(4, 5), crop_pos=(0.25, 0.75), mirror=[bool(mirror)] * 3)
+    assert_same_bits(got, each)
+    plain = crop_mirror_normalize(images, crop=(4, 5), crop_pos=(0.25, 0.75))
+    assert_same_bits(got, plain[..., ::-1] if mirror else plain)
+
+
+@pytest.mark.parametrize("images, out, fragments", [
+    (np.zeros((3, 32, 32), np.uint8), None, ["uint8 NCHW", "(3, 32, 32)"]),        # 3-d, uint8
+    (np.zeros((1, 3, 32, 32), np.int16), None, ["uint8 NCHW", "int16"]),           # 4-d, not uint8
+    (np.zeros((1, 3, 32, 32), np.uint8), np.zeros((1, 3, 32, 32), np.float64), ["float64"]),
+    (np.zeros((1, 3, 32, 32), np.uint8), np.zeros((1, 3, 32, 31), np.float32), ["(1, 3, 32, 31)"]),
+], ids=["3-d", "int16", "out float64", "out shape"])
+def test_crop_mirror_normalize_refuses_each_wrong_part_alone(images, out, fragments):
+    assert_raises_naming(ValueError, lambda: crop_mirror_normalize(images, out=out), *fragments)
+
+
+@pytest.mark.parametrize("image_hw, crop, fragment", [
+    ((32, 32, 3), None, "image_hw"), ((32,), None, "image_hw"),
+    ((32, 32), (8, 8, 8), "crop"), ((32, 32), (8,), "crop")])
+def test_a_window_takes_exactly_two_ints_for_the_image_and_the_crop(image_hw, crop, fragment):
+    assert_raises_naming(ValueError, lambda: crop_window(image_hw, crop, (0.5, 0.5)), fragment)
+
+
+@pytest.mark.parametrize("align", [1, 2, 48, 64, 4096])
+def test_aligned_empty_starts_on_its_boundary_for_any_shape(align):
+    for shape, want in ((5, (5,)), ((0,), (0,)), ((3, 0), (3, 0)), ((2, 3, 4), (2, 3, 4)), ((), ())):
+        for _ in range(8):  # several allocations: different addresses
+            x = aligned_empty(shape, np.float32, align)
+            assert x.shape == want and x.dtype == np.float32, (shape, align)
+            assert x.size == 0 or x.ctypes.data % align == 0, (shape, align)  # no element: no data
+            assert x.flags.c_contiguous and x.flags.writeable
+
+
 @pytest.mark.parametrize("kwargs, fragments", [
     (dict(mean=(0.0, 0.0)), ["mean=[0.0, 0.0]"]),
     (dict(std=(1.0, 1.0, 1.0, 1.0)), ["std=[1.0, 1.0, 1.0, 1.0]"]),
