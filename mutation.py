@@ -160,8 +160,9 @@ def prepare(name: str) -> Path:
 
 def message_lines(source: str) -> set[int]:
     """The lines that hold nothing but an error message's words: the string literals
-    (plain or f-strings) given to ``raise SomeError(...)`` or ``parser.error(...)``, where
-    every expression that starts on the line is part of that message (or the raise itself)."""
+    (plain or f-strings) given to ``raise SomeError(...)`` or ``parser.error(...)``, and the
+    assignments to a local that only such an f-string reads, where every expression that
+    starts on the line is part of that message (or the raise itself)."""
     import ast
     tree = ast.parse(source)
     starts: dict[int, list] = {}
@@ -186,6 +187,27 @@ def message_lines(source: str) -> set[int]:
         for message in messages:
             allowed |= set(map(id, ast.walk(message)))
             lines |= set(range(message.lineno, message.end_lineno + 1))
+    # A local that only a message reads (``what = ... ; raise ValueError(f"... {what}")``):
+    # its assignments are the message's words too.
+    messages = set()
+    for node in ast.walk(tree):
+        call = node.exc if isinstance(node, ast.Raise) else None
+        if isinstance(call, ast.Call):
+            messages |= {id(n) for a in call.args if isinstance(a, ast.JoinedStr) for n in ast.walk(a)}
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        assigns = [n for n in ast.walk(function) if isinstance(n, ast.Assign) and len(n.targets) == 1
+                   and isinstance(n.targets[0], ast.Name)]
+        for name in {a.targets[0].id for a in assigns}:
+            reads = [n for n in ast.walk(function) if isinstance(n, ast.Name) and n.id == name
+                     and isinstance(n.ctx, ast.Load)]
+            if reads and all(id(n) in messages for n in reads):
+                for a in assigns:
+                    if a.targets[0].id == name:
+                        span = range(a.lineno, a.end_lineno + 1)
+                        lines |= set(span)
+                        allowed |= set(map(id, ast.walk(a)))
     return {line for line in lines if all(id(n) in allowed for n in starts.get(line, []))}
 
 

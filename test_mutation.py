@@ -1,0 +1,62 @@
+"""mutation.py's exclusions: what it leaves unmutated is an error message's words and nothing else.
+
+The mutation run itself is a habit, not a test (an hour and more: mutation.py's docstring);
+these tests hold the two functions that decide which mutants are never made, on small
+sources whose every line is known. Each has its negative control: a parameter or local
+that the code reads outside a message is mutated.
+"""
+
+import textwrap
+
+import mutation
+
+SOURCE = textwrap.dedent('''
+    def check(where, name, value, minimum=0):
+        if value < minimum:
+            raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
+        return value
+
+    def outer(where, steps):
+        return check(where, "steps", steps, 1)
+
+    def logic(where, name):
+        if where:
+            raise ValueError(f"{where}: {name}")
+        return name
+
+    def local(count, values):
+        what = {2: "two"}.get(count, f"{count} ints")
+        if len(values) != count:
+            raise ValueError(f"need {what}, got {values}")
+        size = len(values)
+        if size > 9:
+            raise ValueError(f"{size} is too many")
+        return size
+''')
+
+
+def line_of(text: str) -> int:
+    [number] = [i for i, line in enumerate(SOURCE.splitlines(), 1) if text in line]
+    return number
+
+
+def test_a_parameter_is_wording_only_where_nothing_but_a_message_reads_it():
+    found = mutation.wording_parameters(SOURCE)
+    # check: where and name only in the raise; value and minimum in the test as well
+    assert found["check"] == {"where": (0, False), "name": (1, False)}
+    # outer hands its where on to check's where: wording too, to the fixed point
+    assert found["outer"] == {"where": (0, False)}
+    # logic reads where in its if and returns name: neither is wording (the control)
+    assert "logic" not in found and "local" not in found
+
+
+def test_message_lines_are_a_raises_words_and_the_locals_only_they_read():
+    lines = mutation.message_lines(SOURCE)
+    assert line_of('raise ValueError(f"{where}: {name} must be') in lines
+    assert line_of('what = {2: "two"}') in lines  # what: read by a message alone
+    # size is read by the return and the test: its assignment is code (the control), as is
+    # every line that holds code besides the message
+    assert line_of("size = len(values)") not in lines
+    assert line_of("if value < minimum") not in lines and line_of("return check(") not in lines
+    # a raise in logic is a message even though where is not wording there
+    assert line_of('raise ValueError(f"{where}: {name}")') in lines
