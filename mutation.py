@@ -158,6 +158,32 @@ def prepare(name: str) -> Path:
     return folder
 
 
+def _message_nodes(tree) -> tuple[set[int], list]:
+    """(the ids of every node inside a ``raise``'s (or ``parser.error``'s) f-string message or inside the value of
+    an assignment to a local that only such messages read, those assignments)."""
+    import ast
+    messages = set()
+    for node in ast.walk(tree):
+        call = node.exc if isinstance(node, ast.Raise) else node
+        if isinstance(call, ast.Call) and (isinstance(node, ast.Raise) or (
+                isinstance(call.func, ast.Attribute) and call.func.attr == "error")):
+            messages |= {id(n) for a in call.args if isinstance(a, ast.JoinedStr) for n in ast.walk(a)}
+    words = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        assigns = [n for n in ast.walk(function) if isinstance(n, ast.Assign) and len(n.targets) == 1
+                   and isinstance(n.targets[0], ast.Name)]
+        for name in {a.targets[0].id for a in assigns}:
+            reads = [n for n in ast.walk(function) if isinstance(n, ast.Name) and n.id == name
+                     and isinstance(n.ctx, ast.Load)]
+            if reads and all(id(n) in messages for n in reads):
+                words += [a for a in assigns if a.targets[0].id == name]
+    for a in words:
+        messages |= set(map(id, ast.walk(a.value)))
+    return messages, words
+
+
 def message_lines(source: str) -> set[int]:
     """The lines that hold nothing but an error message's words: the string literals
     (plain or f-strings) given to ``raise SomeError(...)`` or ``parser.error(...)``, and the
@@ -189,32 +215,17 @@ def message_lines(source: str) -> set[int]:
             lines |= set(range(message.lineno, message.end_lineno + 1))
     # A local that only a message reads (``what = ... ; raise ValueError(f"... {what}")``):
     # its assignments are the message's words too.
-    messages = set()
-    for node in ast.walk(tree):
-        call = node.exc if isinstance(node, ast.Raise) else None
-        if isinstance(call, ast.Call):
-            messages |= {id(n) for a in call.args if isinstance(a, ast.JoinedStr) for n in ast.walk(a)}
-    for function in ast.walk(tree):
-        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        assigns = [n for n in ast.walk(function) if isinstance(n, ast.Assign) and len(n.targets) == 1
-                   and isinstance(n.targets[0], ast.Name)]
-        for name in {a.targets[0].id for a in assigns}:
-            reads = [n for n in ast.walk(function) if isinstance(n, ast.Name) and n.id == name
-                     and isinstance(n.ctx, ast.Load)]
-            if reads and all(id(n) in messages for n in reads):
-                for a in assigns:
-                    if a.targets[0].id == name:
-                        span = range(a.lineno, a.end_lineno + 1)
-                        lines |= set(span)
-                        allowed |= set(map(id, ast.walk(a)))
+    for a in _message_nodes(tree)[1]:
+        lines |= set(range(a.lineno, a.end_lineno + 1))
+        allowed |= set(map(id, ast.walk(a)))
     return {line for line in lines if all(id(n) in allowed for n in starts.get(line, []))}
 
 
 def wording_parameters(source: str) -> dict[str, dict]:
     """{function: {parameter: (position or None, has a default)}} for the module-level
     functions of ``source`` whose parameter is only an error message's words: every use of
-    it in the body is inside a ``raise``'s (or ``parser.error``'s) message, or is handed on
+    it in the body is inside a ``raise``'s message (or a local only such a message reads:
+    ``_message_nodes``), or is handed on
     whole to another such parameter (``_check_int(where, "epoch", epoch)`` hands ``where``
     to ``_check_int``'s ``where``). Found to a fixed point, so a helper that passes its
     ``where`` to a helper that only prints it counts; a parameter used anywhere else (a
@@ -222,14 +233,7 @@ def wording_parameters(source: str) -> dict[str, dict]:
     import ast
     tree = ast.parse(source)
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-    in_message: set[int] = set()
-    for node in ast.walk(tree):
-        call = node.exc if isinstance(node, ast.Raise) else node
-        if isinstance(call, ast.Call) and (isinstance(node, ast.Raise) or (
-                isinstance(call.func, ast.Attribute) and call.func.attr == "error")):
-            for arg in call.args:
-                if isinstance(arg, ast.JoinedStr):
-                    in_message |= set(map(id, ast.walk(arg)))
+    in_message = _message_nodes(tree)[0]
 
     def parameters(f):
         a = f.args
