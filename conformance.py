@@ -159,8 +159,9 @@ def decode_indices(images: np.ndarray, normalize: Normalize | None = None) -> np
 
     With a ``normalize`` (images (B, C, H, W) float32 from uint8), each value is
     first mapped back to the nearest entry of its channel's normalisation table
-    (so a vendor that is an ulp off still decodes); a value more than a quarter of
-    the table's step from every entry encodes nothing. Without one, the samples
+    (so a vendor that is an ulp off still decodes); a value a quarter of the table's
+    step or more from every entry encodes nothing (the table may decrease: a negative
+    std). Without one, the samples
     are read as stored:
 
     * uint8 by the byte scheme of ``encoded_images``, which follows the sample

@@ -142,9 +142,24 @@ def test_a_wrong_mask_and_stray_padding():
 def test_decode_recovers_indices_through_either_arithmetic(arithmetic):
     indices = np.array([0, 1, 255, 256, 1002, 65535])
     for norm in (Normalize(arithmetic=arithmetic),
-                 Normalize(mean=(10.0, 20.0, 30.0), std=(2.0, 3.0, 4.0), arithmetic=arithmetic)):
+                 Normalize(mean=(10.0, 20.0, 30.0), std=(2.0, 3.0, 4.0), arithmetic=arithmetic),
+                 # a negative std: a decreasing table, in one channel or all
+                 Normalize(mean=(10.0, 20.0, 30.0), std=(-2.0, 3.0, -4.0), arithmetic=arithmetic),
+                 Normalize(mean=(0.0, 0.0, 0.0), std=(-1.0, -1.0, -1.0), arithmetic=arithmetic)):
         images = norm(conformance.encoded_images(indices))
         np.testing.assert_array_equal(conformance.decode_indices(images, norm), indices)
+
+
+@pytest.mark.parametrize("std", [127.5, -127.5])
+def test_a_value_decodes_within_a_quarter_of_the_tables_step_and_not_beyond(std):
+    # The table's step is 1/127.5: 0.22 of it from an entry still decodes, 0.28 does not,
+    # above or below, in an increasing table and a decreasing one.
+    norm = Normalize(mean=(127.5,) * 3, std=(std,) * 3)
+    step = 1 / 127.5
+    for off, want in ((0.22, 9), (-0.22, 9), (0.28, -1), (-0.28, -1)):
+        images = norm(conformance.encoded_images(np.array([9])))
+        images[0, 0] += np.float32(off * step)
+        assert conformance.decode_indices(images, norm).tolist() == [want], (std, off)
 
 
 def test_decode_marks_images_that_encode_nothing():
