@@ -1240,6 +1240,30 @@ def test_any_partition_names_a_sample_past_the_dataset_with_its_shard_and_step(e
     assert found.kinds["missing"][0][3] == {lost}
 
 
+@pytest.mark.parametrize("d", [1, -1, 4, -4, 5, -5])
+def test_values_shifted_in_the_shards_stream_are_named_up_to_four_slots_either_way(d):
+    # Each shard's slot j holds the value of the sample d slots on in its own stream (a
+    # loader that pairs values with the wrong slots), wrapping around at its ends: |d|
+    # wrong slots with no slot d on, which the words allow. Up to SHIFTS = 4 slots it is
+    # named, with its direction; at 5 the finding has no such words (every slot counted).
+    plan = epoch_plan(64, 2, 4, shuffle=True, seed=3)
+    reference = (np.arange(64) * 3).astype(np.int32)
+    values = np.empty(plan.indices.shape, np.int32)
+    for k in range(2):
+        flat = plan.indices[:, k].ravel()
+        values[:, k] = reference[np.roll(flat, -d)].reshape(-1, 4)
+    found = conformance.describe_values(plan.indices, values, reference)
+    items = found.kinds["labels"]
+    assert [sorted(shards) for _, shards, *_ in items] == [[0], [1]], found.report()
+    for k, (text, shards, steps, samples) in enumerate(items):
+        bad = 32
+        assert text.startswith(f"shard {k}: {bad} of 32 slots hold labels that are not their sample's"), text
+        words = (f"; every one holds the labels of the sample {abs(d)} slot(s) {'later' if d > 0 else 'earlier'}"
+                 f" in the shard's stream (where there is one): labels shifted by {d:+d} slot(s)")
+        assert text.endswith(words) if abs(d) <= 4 else "shifted" not in text, text
+        assert len(samples) == bad and steps <= set(range(8)), (samples, steps)
+
+
 # real_first (used by test_rocal.py alone until the mutation run asked for its own test)
 # --------------------------------------------------------------------------
 
