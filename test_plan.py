@@ -40,9 +40,11 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from fractions import Fraction
 
 import ml_dtypes
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -1213,6 +1215,67 @@ def test_every_int_parameter_refuses_what_is_not_an_int(where, call, name, valid
     call(valid)  # the control: the call is valid with an int, Python's or NumPy's
     call(np.int64(valid))
     assert_refuses_naming_value(call, where, name, data.draw(not_ints(valid), label=name))
+
+
+# (the function as its messages name it, the call with one int parameter v, that parameter,
+# its least value): at the least value the call is valid, one below it is refused, named.
+PLAN_INT_MINIMUMS = [
+    ("num_steps", lambda v: num_steps(8, 2, v, "fill"), "batch_size", 1),
+    ("epoch_plan", lambda v: epoch_plan(8, 2, v), "batch_size", 1),
+    ("shard_permutation", lambda v: shard_permutation(v, seed=0, epoch=0, shard=0), "size", 0),
+    ("LoaderState", lambda v: LoaderState(7, 0, 0, v, False, "fill", ((0, 2, 2),)), "step", 0),
+    ("LoaderState.start", lambda v: LoaderState.start(7, 2, v), "batch_size", 1),
+    ("LoaderState.resized", lambda v: STATE.at_step(1).resized(v, 1), "num_shards", 1),
+    ("LoaderState.resized", lambda v: STATE.at_step(1).resized(3, v), "batch_size", 1),
+    ("caller", lambda v: resume_state("caller", STATE, 0, **RUN, num_shards=v, batch_size=2), "num_shards", 1),
+    ("caller", lambda v: resume_state("caller", STATE, 0, **RUN, num_shards=2, batch_size=v), "batch_size", 1),
+    ("Schedule", lambda v: Schedule(7, 2, v), "batch_size", 1),
+]
+
+
+@pytest.mark.parametrize("where, call, name, least", PLAN_INT_MINIMUMS,
+                         ids=[f"{w}-{n}" for w, _, n, _ in PLAN_INT_MINIMUMS])
+def test_every_int_parameter_with_a_least_value_takes_it_and_refuses_one_below(where, call, name, least):
+    call(least)
+    with pytest.raises(ValueError, match=re.escape(f"{where}: {name} must be >= {least}, got {least - 1}")):
+        call(least - 1)
+
+
+def test_a_state_holds_plain_python_values_whatever_it_was_given():
+    state = LoaderState(np.int64(7), np.int64(0), np.int64(0), np.int64(1), np.True_, "fill", ((0, 2, 2),),
+                        dataset=np.str_("0123456789abcdef" * 2))
+    assert (type(state.step), type(state.shuffle), type(state.dataset)) == (int, bool, str), state
+    assert (state.step, state.shuffle, state.dataset) == (1, True, "0123456789abcdef" * 2)
+
+
+def test_the_default_seed_is_0():
+    np.testing.assert_array_equal(epoch_plan(40, 2, 4, shuffle=True).indices,
+                                  epoch_plan(40, 2, 4, seed=0, shuffle=True).indices)
+    assert Schedule(40, 2, 4, shuffle=True).seed == 0
+
+
+def test_resuming_without_a_dataset_keeps_the_one_the_state_names():
+    digest = "0123456789abcdef" * 2
+    state = dataclasses.replace(LoaderState.start(7, 2, 2), dataset=digest)
+    assert resume_state("caller", state, 0, **RUN, num_shards=1, batch_size=2).dataset == digest
+    assert resume_state("caller", state, 0, **RUN, num_shards=1, batch_size=2, dataset=digest).dataset == digest
+
+
+def test_a_schedules_state_refuses_a_step_before_the_one_it_resumes_from():
+    schedule = Schedule(40, 2, 4)
+    resumed = schedule.state("caller", 0, 2)
+    assert schedule.state("caller", 0, 3, state=resumed).step == 3
+    assert schedule.state("caller", 0, 2, state=resumed).step == 2
+    with pytest.raises(ValueError, match="caller: step=1 is before the state's step 2"):
+        schedule.state("caller", 0, 1, state=resumed)
+    assert schedule.state("caller", 0, 1).step == 1  # a fresh epoch takes any step
+
+
+def test_dataset_digest_is_the_same_on_every_machine():
+    # A checkpoint names its data by this digest: a change to it would refuse every saved run.
+    data = {"labels": np.arange(10, dtype=np.int32), "images": np.arange(60, dtype=np.uint8).reshape(10, 2, 3),
+            "x": np.linspace(-1, 1, 20, dtype=np.float32).reshape(10, 2)}
+    assert dataset_digest(data) == "27b5fa12ff3788d1e7d6aa87ff7272bc"
 
 
 @pytest.mark.parametrize("call, fragment", [
