@@ -453,7 +453,9 @@ def verdicts(name: str) -> dict[str, dict[str, str]]:
         meta = ROOT / ".mutation" / name / "mutants" / (module + ".meta")
         if meta.exists():
             codes = json.loads(meta.read_text())["exit_code_by_key"]
-            out[module] = {k: status_by_exit_code[v] for k, v in codes.items()}
+            # 255: mutmut's worker caught an exception from the test run itself (exit -1), as
+            # when a mutant breaks a test file's import; mutmut reports it as a timeout.
+            out[module] = {k: "crashed" if v == 255 else status_by_exit_code[v] for k, v in codes.items()}
     return out
 
 
@@ -471,8 +473,10 @@ def planted_line(text: str) -> str:
 def table(name: str) -> None:
     """The per-module score, from mutmut's verdicts: survivors argued equivalent
     (mutation-equivalent.txt) are counted apart, each checked against its mutant's diff.
-    Score: (killed + timeout) / (checked - equivalent); "no tests" counts against it (no
-    test of the module's own files reaches that function)."""
+    Score: (killed + timeout + crashed) / (checked - equivalent); "no tests" counts against
+    it (no test of the module's own files reaches that function). "crashed": the test run
+    itself failed (a mutant that breaks a test file's import), which mutmut counts as a
+    timeout."""
     known = equivalents()
     rows, stale = [], []
     for module, by_mutant in verdicts(name).items():
@@ -485,7 +489,7 @@ def table(name: str) -> None:
                 else:
                     stale.append(mutant)
         count["survived"] -= equivalent
-        detected = count["killed"] + count["timeout"]
+        detected = count["killed"] + count["timeout"] + count["crashed"]
         judged = sum(count.values()) - count["not checked"]
         score = f"{100 * detected / judged:.1f}%" if judged else "-"
         rest = ", ".join(f"{v} {k}" for k, v in sorted(count.items())
@@ -497,7 +501,7 @@ def table(name: str) -> None:
     for row in rows:
         print("| " + " | ".join(str(x) for x in row) + " |")
     print(f"\n`nice python mutation.py {name}`, mutmut 3.8.1, {date.today().isoformat()}; score = "
-          f"(killed + timeout) / (checked - equivalent)")
+          f"(killed + timeout + crashed) / (checked - equivalent)")
     for mutant in stale:
         print(f"mutation-equivalent.txt: {mutant} no longer plants {known[mutant][0]!r}: argue it again")
 
@@ -506,7 +510,7 @@ def survivors(name: str) -> None:
     known = equivalents()
     for module, by_mutant in verdicts(name).items():
         for mutant, status in by_mutant.items():
-            if status not in ("killed",) and mutant not in known:
+            if status not in ("killed", "crashed") and mutant not in known:
                 print(f"# {status}\n{diff(name, mutant)}\n")
 
 
@@ -555,7 +559,7 @@ def main(argv: list[str]) -> None:
         excluded(name)
     elif rest == ["rerun"]:
         again = [m for by_mutant in verdicts(name).values() for m, s in by_mutant.items()
-                 if s != "killed" and m not in equivalents()]
+                 if s not in ("killed", "crashed", "timeout") and m not in equivalents()]
         mutmut(name, ["run", "--max-children", str(os.cpu_count() or 2), *again])
         table(name)
     else:
