@@ -896,6 +896,29 @@ def test_stepwise_distances_stop_where_the_training_diverges(mesh):
     assert found.case == "OUTSIDE" and "diverged" not in found.text, found.text
 
 
+def quartic_terms(params: dict, batch: dict):
+    """Every row's loss sum(w**4) + sum(v**4): the gradient 4 w**3 in every row (its term
+    scale |4 w**3| too), exact in float32 at w = 1 and v = 2 and one ulp either side."""
+    mask_B = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask_B) * (jnp.sum(params["w"] ** 4) + jnp.sum(params["v"] ** 4)), jnp.sum(mask_B)
+
+
+def test_the_twins_are_the_gradients_move_under_a_one_ulp_move_of_the_params(mesh):
+    # w moves +-1 ulp of its largest entry, 1: 2**-23; the gradient 4 w**3 moves 12 w**2
+    # 2**-23 = 3 * 2**-21, 3 units of its scale 4 (np.spacing(4) = 2**-21), either way; v,
+    # at 2, the same 3 units (48 * 2**-22 against spacing(32) = 2**-18). Smaller entries
+    # move less. So every step's twin is 3 in both leaves, for any seed's signs.
+    n = mesh.devices.size
+    hosts = [{"x": np.zeros((2 * n, 1), np.float32), "mask": np.ones(2 * n, bool)}] * 2
+    params = {"w": np.array([1.0, 0.75, -0.5, 0.25], np.float32), "v": np.array([2.0, -1.5], np.float32)}
+    for seed in (0, 1):
+        distances, twins, same, _ = equivalence.stepwise_distances(
+            strategies.sharded, "sharded", strategies.sharded, "sharded", params, hosts, mesh,
+            loss_terms=quartic_terms, optimizer=strategies.sgd(0.0), seed=seed)
+        np.testing.assert_array_equal(twins, np.full((2, 2), 3.0), err_msg=f"seed {seed}")
+        assert same and not distances.any()
+
+
 def test_stepwise_verdict_cases_bounds_and_words(mesh):
     n, platform = mesh.devices.size, mesh.devices.flat[0].platform
     kw = dict(params=square_init(), batches=square_hosts(n, steps=2), mesh=mesh, loss_terms=square_terms,
