@@ -381,6 +381,16 @@ def _mutate_decorated() -> None:
     file_mutation.MutationVisitor._skip_node_and_children = skip_unless_allowed
 
 
+# Modules whose functions run traced under jit or pmap behind a cache (model.update_parallel's
+# lru_cache of one pmap): mutmut's call statistics see such a function called while it is
+# traced, by the first test that traces it, and not by a later test that reuses the cached
+# program, so those tests would never be run on its mutants (model._update_parallel's
+# count at 1 real sample: killed by its test, a survivor in the run). For these modules a
+# mutant is run against every own test that reached any function of the module. Not
+# equivalence.py: its file would make each survivor cost minutes (docs/guarantees.md).
+TRACED = {"model.py"}
+
+
 def _own_tests_fastest_first(name: str) -> None:
     """After mutmut has loaded its call statistics (which tests reached which function),
     keeps for each function only the tests in its module's own files (SETS), and hands
@@ -399,9 +409,16 @@ def _own_tests_fastest_first(name: str) -> None:
                 return iter(sorted(set.__iter__(self), key=lambda t: (durations.get(t, 0.0), t)))
 
         mapping = state().tests_by_mangled_function_name
+        reaching = {}  # per module in TRACED: every own test that reached any of its functions
+        for key, tests in mapping.items():
+            module = key.split(".")[0] + ".py"
+            if module in TRACED:
+                reaching.setdefault(module, set()).update(tests)
         for key in list(mapping):
-            own = SETS[name].get(key.split(".")[0] + ".py", [])
-            mapping[key] = FastestFirst(t for t in mapping[key] if t.split("::")[0] in own)
+            module = key.split(".")[0] + ".py"
+            own = SETS[name].get(module, [])
+            tests = reaching.get(module, mapping[key])
+            mapping[key] = FastestFirst(t for t in tests if t.split("::")[0] in own)
 
     main.collect_or_load_stats = collect_then_filter
 
