@@ -1248,6 +1248,19 @@ def test_a_state_holds_plain_python_values_whatever_it_was_given():
     assert (state.step, state.shuffle, state.dataset) == (1, True, "0123456789abcdef" * 2)
 
 
+def test_a_schedule_holds_plain_python_values_and_reads_its_data_only_for_a_state():
+    digest = "0123456789abcdef" * 2
+    schedule = Schedule(40, 2, 4, shuffle=np.True_, dataset=np.str_(digest))
+    assert type(schedule.shuffle) is bool and schedule.shuffle and type(schedule.dataset) is str
+    reads = []
+    lazy = Schedule(40, 2, 4, dataset=lambda: reads.append(1) or digest)
+    with pytest.raises(ValueError, match="state must be a plan.LoaderState"):
+        lazy.state("caller", 0, state="not a state")
+    assert not reads  # a state that is not one is refused before the data is read
+    lazy.state("caller", 0, 1, state=lazy.state("caller", 0, 1))
+    assert reads == [1, 1]  # a fresh state names the data, and a resumed one checks it
+
+
 def test_the_default_seed_is_0():
     np.testing.assert_array_equal(epoch_plan(40, 2, 4, shuffle=True).indices,
                                   epoch_plan(40, 2, 4, seed=0, shuffle=True).indices)
