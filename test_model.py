@@ -272,6 +272,19 @@ def test_update_parallel_matches_update_on_the_global_batch(mesh, params):
     np.testing.assert_allclose(np.asarray(losses)[0], float(value), rtol=1e-6)
 
 
+def test_update_parallel_runs_on_exactly_the_devices_it_is_given(devices, params):
+    # Not the default backend's first devices: the last half of the suite's, reversed.
+    chosen = tuple(devices[len(devices) // 2:][::-1]) if len(devices) > 1 else tuple(devices)
+    mesh = loaders.data_mesh(list(chosen))
+    n, per = len(chosen), 4
+    host = make_batch(5, np.ones(n * per, bool), size=n * per)
+    blocks = {k: {name: rows[k * per:(k + 1) * per] for name, rows in host.items()} for k in range(n)}
+    stacked, losses = model.update_parallel(chosen)(strategies.stack_replicas(params, mesh),
+                                                    loaders.global_batch(blocks, mesh, "pmap"), 0.1)
+    for leaf in jax.tree.leaves(stacked) + [losses]:
+        assert [s.device for s in leaf.addressable_shards] == list(chosen), leaf.sharding
+
+
 @pytest.mark.parametrize("real_at", [None, 0, -1], ids=["no real sample", "one on the first device",
                                                       "one on the last device"])
 def test_update_parallel_divides_by_the_global_real_count_at_0_and_1(mesh, params, real_at):
