@@ -1264,6 +1264,82 @@ def test_values_shifted_in_the_shards_stream_are_named_up_to_four_slots_either_w
         assert len(samples) == bad and steps <= set(range(8)), (samples, steps)
 
 
+def test_real_first_is_stable_over_a_long_shard_and_takes_masks_of_0_and_1():
+    # 40 slots (a sort that is not stable reorders equal keys beyond 16), masks as ints.
+    rng = np.random.default_rng(8)
+    delivered = [rng.permutation(40).reshape(5, 8)]
+    mask = rng.integers(0, 2, (5, 8))
+    [got], [got_mask] = conformance.real_first(delivered, [mask])
+    flat, real = delivered[0].ravel(), mask.ravel().astype(bool)
+    np.testing.assert_array_equal(got.ravel(), np.concatenate([flat[real], flat[~real]]))
+    assert got_mask.dtype == bool and got_mask.ravel().tolist() == sorted(real.tolist(), reverse=True)
+
+
+def test_describe_values_adds_to_the_findings_it_is_given_and_names_each_shard():
+    # Two shards each with values of the wrong per-sample shape, (2,) for scalar labels:
+    # one finding each, naming its shard and every step; into the Findings passed in.
+    plan = epoch_plan(16, 2, 2)
+    reference = np.arange(16, dtype=np.int32) * 5
+    mine = conformance.Findings()
+    mine.add("earlier", "a finding of mine")
+    wide = np.zeros(plan.indices.shape + (2,), np.int32)
+    found = conformance.describe_values(plan.indices, wide, reference, findings=mine)
+    assert found is mine and set(found.kinds) == {"earlier", "labels shape"}
+    assert [(t, k, st) for t, k, st, _ in found.kinds["labels shape"]] == [
+        (f"shard {k}: labels arrive as int32 (2,) per sample; the dataset's are int32 ()", {k}, set(range(4)))
+        for k in range(2)]
+
+
+def test_describe_values_names_the_first_wrong_scalar_and_its_step_and_skips_what_is_not_a_sample():
+    plan = epoch_plan(16, 2, 2)  # 4 steps of 2 a shard; shard 1 holds samples 8..15
+    reference = np.arange(16, dtype=np.int32) * 5
+    values = reference[plan.indices]
+    values[2, 1, 1] = 7  # shard 1, step 2, slot 1: sample 13's value should be 65
+    indices = plan.indices.copy()
+    indices[3, 1, 0] = 16  # a slot that decodes to no sample of the dataset: not judged
+    [(text, shards, steps, samples)] = conformance.describe_values(indices, values, reference).kinds["labels"]
+    assert text == ("shard 1: 1 of 7 slots hold labels that are not their sample's (first: step 2 slot 1 "
+                    "holds sample 13 with labels 7, the dataset's is 65)"), text
+    assert (shards, steps, samples) == ({1}, {2}, {13})
+    # A list of one shard: its own batch size
+    one = conformance.describe_values([plan.indices[:, 1]], [values[:, 1]], reference)
+    assert one.kinds["labels"][0][0].startswith("shard 0: 1 of 8 slots"), one.report()
+    # values of more than one element per sample name no values in the text
+    pairs = np.stack([reference, reference], axis=1)
+    got = pairs[plan.indices]
+    got[2, 1, 1] = -1  # no sample's value
+    [(text, *_)] = conformance.describe_values(plan.indices, got, pairs).kinds["labels"]
+    assert text == ("shard 1: 1 of 8 slots hold labels that are not their sample's (first: step 2 slot 1 "
+                    "holds sample 13)"), text
+
+
+def test_a_report_has_its_header_and_counts_what_it_leaves_out_only_past_the_examples():
+    found = conformance.Findings()
+    for i in range(conformance.EXAMPLES):
+        found.add("order", f"finding {i}", shards=[0], steps=[i], samples=[i, i + 1])
+    report = found.report()
+    assert report.splitlines()[0] == "1 kind(s) of deviation:" and "more" not in report, report
+    assert found.report("epoch 3").splitlines()[:2] == ["epoch 3", "1 kind(s) of deviation:"]
+    assert "- order: 3 finding(s), 1 shard(s), 3 step(s), 4 sample(s)" in report, report
+    assert conformance.Findings().report("header") == ""
+
+
+def test_shard_blocks_takes_a_pmap_batch_of_two_axes_and_refuses_one_axis():
+    x = np.arange(12).reshape(4, 3)
+    np.testing.assert_array_equal(conformance.shard_blocks(x, 4, "pmap"), x)
+    np.testing.assert_array_equal(conformance.shard_blocks(x.ravel(), 4), x)
+    with pytest.raises(ValueError, match="a 'pmap' batch must be"):
+        conformance.shard_blocks(np.arange(4), 4, "pmap")
+
+
+def test_the_step_count_finding_names_every_shard_and_the_steps_between_the_counts():
+    delivered, masks = long_delivery(N=40, shards=2, batch=4)  # 5 steps a shard
+    found = conformance.describe_epoch(delivered, 40, 4, shuffle=False, last_batch="fill", length=7,
+                                       masks=masks)
+    [(text, shards, steps, _)] = found.kinds["step count"]
+    assert (shards, steps) == ({0, 1}, {5, 6}) and text.endswith("steps 5-6"), (text, shards, steps)
+
+
 # real_first (used by test_rocal.py alone until the mutation run asked for its own test)
 # --------------------------------------------------------------------------
 
