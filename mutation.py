@@ -496,12 +496,17 @@ def table(name: str) -> None:
     timeout."""
     known = equivalents()
     rows, stale = [], []
-    for module, by_mutant in verdicts(name).items():
+    found = verdicts(name)
+    argued = [m for by_mutant in found.values() for m, s in by_mutant.items() if s == "survived" and m in known]
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(4) as pool:  # each `mutmut show` reads a mutated module: seconds
+        planted = dict(zip(argued, pool.map(lambda m: planted_line(diff(name, m)), argued)))
+    for module, by_mutant in found.items():
         count = Counter(by_mutant.values())
         equivalent = 0
         for mutant, status in by_mutant.items():
             if status == "survived" and mutant in known:
-                if planted_line(diff(name, mutant)) == known[mutant][0]:
+                if planted[mutant] == known[mutant][0]:
                     equivalent += 1
                 else:
                     stale.append(mutant)
