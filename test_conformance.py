@@ -1359,8 +1359,8 @@ def test_real_first_moves_every_real_slot_first_in_order_and_keeps_the_shapes():
     assert len(got) == len(got_masks) == 3
     for k in range(3):
         assert got[k].shape == got_masks[k].shape == delivered[k].shape
-        assert got[k].ravel().tolist() == want[k], k
-        assert got_masks[k].ravel().tolist() == want_masks[k], k
+        np.testing.assert_array_equal(got[k].ravel(), want[k], err_msg=f"shard {k}")
+        np.testing.assert_array_equal(got_masks[k].ravel(), want_masks[k], err_msg=f"shard {k}")
 
 
 # --------------------------------------------------------------------------
