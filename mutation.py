@@ -83,8 +83,8 @@ SETS = {
 }
 
 
-def test_files(name: str) -> list[str]:
-    return sorted({f for files in SETS[name].values() for f in files})
+def test_files(name: str, modules=None) -> list[str]:
+    return sorted({f for m, files in SETS[name].items() if modules is None or m in modules for f in files})
 
 
 # Every project file a test may import or read; each set's folder links to all of them.
@@ -103,9 +103,9 @@ PRELOAD = ["numpy", "jax", "jax.numpy", "jax.sharding", "hypothesis", "pytest", 
 DECORATORS_TO_MUTATE_UNDER = {"functools.lru_cache", "functools.cache", "jax.jit"}
 
 
-def mutmut_config(name: str) -> str:
-    """The setup.cfg of a set's folder."""
-    s = SETS[name]
+def mutmut_config(name: str, modules=None) -> str:
+    """The setup.cfg of a set's folder; ``modules``: only these of the set (and their test files)."""
+    s = [m for m in SETS[name] if modules is None or m in modules]
     lines = ["# Written by mutation.py; edit mutation.py instead.", "[mutmut]"]
 
     def option(key, values):
@@ -119,7 +119,7 @@ def mutmut_config(name: str) -> str:
     # -n 0: pytest.ini's xdist workers off (mutmut runs pytest in its own process);
     # no cache provider: nothing written next to the mutants.
     option("pytest_add_cli_args", ["-n", "0", "-p", "no:cacheprovider"])
-    option("pytest_add_cli_args_test_selection", test_files(name))
+    option("pytest_add_cli_args_test_selection", test_files(name, modules))
     lines += [
         "process_isolation = forkserver",
         "forkserver_warmup = import",
@@ -139,7 +139,7 @@ def mutmut_config(name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prepare(name: str) -> Path:
+def prepare(name: str, modules=None) -> Path:
     """.mutation/NAME: links to the project's files, its setup.cfg and preload.txt."""
     folder = ROOT / ".mutation" / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,7 @@ def prepare(name: str) -> Path:
     for link in folder.iterdir():  # a file the project no longer has
         if link.is_symlink() and not link.exists():
             link.unlink()
-    (folder / "setup.cfg").write_text(mutmut_config(name))
+    (folder / "setup.cfg").write_text(mutmut_config(name, modules))
     (folder / "preload.txt").write_text("\n".join(PRELOAD) + "\n")
     return folder
 
@@ -423,9 +423,10 @@ def _own_tests_fastest_first(name: str) -> None:
     main.collect_or_load_stats = collect_then_filter
 
 
-def mutmut(name: str, args: list[str]) -> None:
-    """mutmut's command line, run in the set's folder (in this process: the patch above)."""
-    folder = prepare(name)
+def mutmut(name: str, args: list[str], modules=None) -> None:
+    """mutmut's command line, run in the set's folder (in this process: the patch above);
+    ``modules``: mutate only these of the set, with their own test files."""
+    folder = prepare(name, modules)
     os.chdir(folder)
     os.environ.update(JAX_COMPILATION_CACHE_DIR=str(folder / "xla-cache"),
                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -568,10 +569,14 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0] not in SETS:
         sys.exit(__doc__)
     name, rest = argv[0], argv[1:]
+    # Module names of the set pick a part of it: ``pure arithmetic.py model.py`` mutates
+    # those two, runs their own test files only, and leaves the others' verdicts as they are.
+    modules = [w for w in rest if w in SETS[name]] or None
+    rest = [w for w in rest if w not in SETS[name]]
     if os.nice(0) < 10:  # a habit on a shared machine: every mutant's process inherits it
         os.nice(10 - os.nice(0))
     if not rest:
-        mutmut(name, ["run", "--max-children", str(os.cpu_count() or 2)])
+        mutmut(name, ["run", "--max-children", str(os.cpu_count() or 2)], modules)
         table(name)
     elif rest == ["table"]:
         table(name)
@@ -580,12 +585,13 @@ def main(argv: list[str]) -> None:
     elif rest == ["excluded"]:
         excluded(name)
     elif rest == ["rerun"]:
-        again = [m for by_mutant in verdicts(name).values() for m, s in by_mutant.items()
-                 if s not in ("killed", "crashed", "timeout") and m not in equivalents()]
-        mutmut(name, ["run", "--max-children", str(os.cpu_count() or 2), *again])
+        again = [m for module, by_mutant in verdicts(name).items() for m, s in by_mutant.items()
+                 if s not in ("killed", "crashed", "timeout") and m not in equivalents()
+                 and (modules is None or module in modules)]
+        mutmut(name, ["run", "--max-children", str(os.cpu_count() or 2), *again], modules)
         table(name)
     else:
-        mutmut(name, rest)
+        mutmut(name, rest, modules)
 
 
 if __name__ == "__main__":

@@ -60,3 +60,25 @@ def test_message_lines_are_a_raises_words_and_the_locals_only_they_read():
     assert line_of("if value < minimum") not in lines and line_of("return check(") not in lines
     # a raise in logic is a message even though where is not wording there
     assert line_of('raise ValueError(f"{where}: {name}")') in lines
+
+
+def test_a_part_of_a_set_mutates_only_its_modules_and_runs_only_their_test_files():
+    """``mutation.py pure arithmetic.py model.py``: the set's folder is configured for those
+    two modules and their own test files, nothing else; the whole set, for all of them."""
+    def section(cfg, key):
+        lines = cfg.splitlines()
+        start = lines.index(f"{key} =")
+        out = []
+        for line in lines[start + 1:]:
+            if not line.startswith("    "):
+                break
+            out.append(line.strip())
+        return out
+
+    part = mutation.mutmut_config("pure", ["arithmetic.py", "model.py"])
+    assert section(part, "only_mutate") == ["arithmetic.py", "model.py"]
+    assert section(part, "pytest_add_cli_args_test_selection") == ["test_arithmetic.py", "test_model.py"]
+    whole = mutation.mutmut_config("pure")
+    assert section(whole, "only_mutate") == list(mutation.SETS["pure"])
+    assert section(whole, "pytest_add_cli_args_test_selection") == mutation.test_files("pure")
+    assert len(mutation.test_files("pure")) == len(mutation.SETS["pure"])
