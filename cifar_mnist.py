@@ -287,6 +287,11 @@ def _check_images_and_labels(where: str, images_NCHW, labels_N, shape: tuple[int
 
 
 def _write_atomically(path: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` so that a reader sees the old file or the whole new one:
+    into a hidden file (its name starts with ".") in ``path``'s own folder (so the rename
+    is atomic, on any filesystem, with no system temporary folder), then renamed onto
+    ``path``. A write that fails removes that file and raises its own error; an existing
+    file at ``path`` is then unchanged."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
     try:

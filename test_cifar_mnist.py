@@ -367,3 +367,52 @@ def test_the_reports_inputs_are_refused_at_the_call(tmp_path, call, fragments):
     # Each was a TypeError or KeyError from inside, or (float and bool labels) written as
     # their integer parts, before issue 30.7.
     assert_raises_naming(ValueError, lambda: call(str(tmp_path)), *fragments)
+
+
+def _writes(tmp_path):
+    """Each writer, writing one small file set into tmp_path: (name, write)."""
+    images, labels = np.zeros((2,) + IMAGE_SHAPE, np.uint8), np.array([1, 2])
+    mnist_images, mnist_labels = random_mnist(1, 2)
+    return [("cifar10", lambda: write_cifar10(tmp_path / "data_batch_1.bin", images, labels)),
+            ("mnist", lambda: write_mnist(tmp_path, "train", mnist_images, mnist_labels))]
+
+
+def test_a_failed_write_raises_its_own_error_and_leaves_the_old_files_and_nothing_else(tmp_path, monkeypatch):
+    """A write that fails at the rename (a full disk, a kill between the two steps) raises
+    that error, and the folder holds what it held before, byte for byte: no partial file,
+    no temporary file."""
+    for name, write in _writes(tmp_path):
+        write()
+        before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+        with monkeypatch.context() as m:
+            def full(src, dst):
+                raise OSError(28, "No space left on device (planted)")
+            m.setattr(os, "replace", full)
+            with pytest.raises(OSError, match="planted"):
+                write()
+        assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before, name
+        write()  # the control: the same write, with the rename, succeeds
+        assert sorted(os.listdir(tmp_path)) == sorted(before), name
+
+
+def test_a_write_goes_through_a_hidden_file_beside_its_target_and_needs_no_system_temp_folder(tmp_path, monkeypatch):
+    """The new bytes are written into a hidden file (its name starts with '.') in the
+    target's own folder, then renamed: atomic on any filesystem, and a writer works with the
+    system's temporary folder gone (here: TMPDIR pointing nowhere)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-folder"))
+    renamed = []
+    replace = os.replace
+
+    def watch(src, dst):
+        renamed.append((os.path.dirname(src), os.path.basename(src), os.path.getsize(src), dst))
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", watch)
+    for name, write in _writes(tmp_path):
+        renamed.clear()
+        write()
+        assert renamed, name
+        for folder, base, size, dst in renamed:
+            assert folder == str(tmp_path) and os.path.dirname(dst) == str(tmp_path), (name, folder, dst)
+            assert base.startswith(".") and os.path.getsize(dst) == size > 0, (name, base)
+        assert not [f for f in os.listdir(tmp_path) if f.startswith(".")], name
