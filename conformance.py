@@ -114,9 +114,12 @@ def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = IMAGE_SHAPE,
     """Samples (N, *shape) of ``dtype`` that encode their own index, for ``decode_indices``.
 
     * uint8, shape (C, H, W) with C >= 3 (the default, CIFAR-10's (3, 32, 32)):
-      plane 0 is index % 256, plane 1 is index // 256, planes 2.. a ramp that a
-      horizontal flip changes, so a mirrored image is detectable. Flat planes
-      decode after any crop.
+      plane 0 is index % 256, plane 1 is index // 256, and each of planes 2..
+      holds the same ramp in every image, (4x + 2y) mod 256 at row y, column x.
+      For an even width a horizontal mirror changes every pixel of the ramp (and
+      for an even height a vertical flip does), so a mirrored image is detectable;
+      for an odd width the middle column is its own mirror. Flat planes decode
+      after any crop.
     * uint8, any other shape (one channel (1, 16, 16), (40,), ...): the first
       ceil(S/2) elements of the flattened sample hold index % 256, the rest
       index // 256 (S the sample's size, at least 2). Decodes when the sample
@@ -170,7 +173,8 @@ def decode_indices(images: np.ndarray, normalize: Normalize | None = None) -> np
       equal). Needs S >= 2 elements (ValueError otherwise).
     * any other dtype by value: the sample's elements must all be equal (as
       numbers) to one value v, and v must be a non-negative integer: a float
-      sample that holds 2.5, -1, inf or NaN encodes nothing. Integer dtypes are
+      sample that holds 2.5, -1, inf or NaN encodes nothing, nor does one of 2**63
+      or more (the answer is int64). Integer dtypes are
       read exactly (int64 and uint64 up to 2**63 - 1, never through float64);
       floats of up to 8 bytes through float64, which holds each of their values
       exactly, wider ones (longdouble) as they are. Shape (B,) (scalar samples)
@@ -201,15 +205,15 @@ def decode_indices(images: np.ndarray, normalize: Normalize | None = None) -> np
         pixels, near = images.astype(np.int64), np.ones(images.shape, bool)
     else:
         pixels, near = _unnormalize(images, normalize)
+    if int(np.prod(images.shape[1:])) < 2:  # (C >= 3, 0, W) too: planes of no pixel
+        raise ValueError(f"decode_indices: uint8 samples need at least 2 elements (two bytes), "
+                         f"got samples of shape {images.shape[1:]}")
     if _planes(images.shape[1:]):
         planes, near = pixels[:, :2], near[:, :2]
         flat = np.all(planes == planes[:, :, :1, :1], axis=(1, 2, 3))
         index = planes[:, 0, 0, 0] + 256 * planes[:, 1, 0, 0]
     else:
         values = pixels.reshape(len(pixels), int(np.prod(pixels.shape[1:])))
-        if values.shape[1] < 2:
-            raise ValueError(f"decode_indices: uint8 samples need at least 2 elements (two bytes), "
-                             f"got samples of shape {images.shape[1:]}")
         half = -(-values.shape[1] // 2)
         low, high = values[:, :half], values[:, half:]
         flat = np.all(low == low[:, :1], axis=1) & np.all(high == high[:, :1], axis=1)

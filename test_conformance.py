@@ -1437,3 +1437,70 @@ def test_any_partition_flags_sample_N_and_not_sample_N_minus_1(resized):
     assert "outside the dataset" not in found[N - 1].kinds, found[N - 1].report()
     [(_, _, steps, samples)] = found[N].kinds["outside the dataset"]
     assert samples == {N} and steps == {2}
+
+
+# --------------------------------------------------------------------------
+# The encoding's edges (the third mutation run's survivors in encoded_images, decode_indices)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 32), (4, 3, 70), (3, 6, 10), (3, 5, 5), (5, 1, 1)], ids=str)
+def test_the_planes_past_the_digits_hold_the_ramp_4x_plus_2y_mod_256_in_every_image(shape):
+    """encoded_images' docstring: each plane from 2 on is (4x + 2y) mod 256 at row y, column x,
+    whatever the index (a width of 70 wraps past 256); an even width makes every ramp pixel
+    differ from its horizontal mirror, an even height from its vertical flip, and an odd
+    width keeps only the middle column (the control: the mirror property is the ramp's)."""
+    images = conformance.encoded_images(np.array([0, 1, 300, 65535]), shape)
+    y, x = np.mgrid[0:shape[1], 0:shape[2]]
+    ramp = (4 * x + 2 * y) % 256
+    for image in images:
+        for plane in image[2:]:
+            np.testing.assert_array_equal(plane, ramp)
+    planes = images[:, 2:]
+    for axis, size in ((-1, shape[2]), (-2, shape[1])):
+        same = np.flip(planes, axis) == planes
+        if size % 2 == 0:
+            assert not same.any(), (shape, axis)
+        elif axis == -1:  # an odd width: the middle column is its own mirror, the rest differ
+            middle = np.zeros(shape[2], bool)
+            middle[shape[2] // 2] = True
+            np.testing.assert_array_equal(same, np.broadcast_to(middle, same.shape))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, ml_dtypes.bfloat16, np.longdouble,
+                                   np.uint64, np.int64], ids=lambda d: np.dtype(d).name)
+def test_a_value_of_2_to_the_63_or_more_encodes_nothing_and_the_largest_below_it_decodes(dtype):
+    """The answer is int64: a sample holding 2**63 (or more) encodes nothing, on both sides
+    of the edge: the dtype's largest value below 2**63 decodes to itself, exactly."""
+    kind = np.dtype(dtype)
+    if kind.kind in "iu":
+        below, at_or_above = [2**63 - 1], ([2**63, 2**64 - 1] if kind.kind == "u" else [])
+        values = np.array(below + at_or_above, dtype)
+    else:
+        edge = np.array(2.0**63).astype(dtype) if kind.itemsize > 2 or kind == ml_dtypes.bfloat16 else None
+        if edge is None:  # float16's largest finite value is 65504: no 2**63 to hold
+            values = np.array([65504.0, np.inf], dtype)
+            below, at_or_above = [65504], [np.inf]
+        else:
+            under = np.nextafter(np.array(2.0**63, np.longdouble if kind == np.longdouble else np.float64),
+                                 0).astype(dtype)
+            if float(under) >= 2.0**63:  # bfloat16: nextafter in float64 rounds back up
+                under = np.array(2.0**63 - 2.0**55, dtype)
+            values = np.array([under, edge, edge * 2], dtype)
+            below, at_or_above = [int(under)], [2**63, 2**64]
+    samples = np.repeat(values[:, None], 3, axis=1)
+    np.testing.assert_array_equal(conformance.decode_indices(samples), below + [-1] * len(at_or_above),
+                                  err_msg=str(values))
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 4), (4, 0, 2)], ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.int16, np.float64])
+def test_a_sample_of_no_elements_encodes_nothing(shape, dtype):
+    """decode_indices' docstring: a sample of 0 elements encodes nothing: -1 for each of B
+    samples, int64 (B = 3 here: the B = 0 case is test_no_samples_encode_and_decode_to_nothing);
+    uint8 needs two elements and refuses one of none, naming it."""
+    got = conformance.decode_indices(np.zeros((3,) + shape, dtype))
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, [-1, -1, -1])
+    with pytest.raises(ValueError, match="at least 2 elements"):
+        conformance.decode_indices(np.zeros((3,) + shape, np.uint8))
