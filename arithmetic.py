@@ -193,11 +193,11 @@ def _nearest_float32(exact: Fraction, where: str = "") -> np.float32:
     """``exact`` (non-zero) rounded once to float32, ties to even; ValueError on overflow."""
     if abs(exact) >= _FLOAT32_MAX + _FLOAT32_HALF_ULP_AT_MAX:
         raise ValueError(f"{where}: a value overflows float32")
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore"):  # a step past max is inf: not a candidate, and no warning
         guess = np.float32(float(exact))  # within one float32 step of the answer
-    if not np.isfinite(guess):
-        guess = np.float32(np.copysign(np.finfo(np.float32).max, float(exact)))
-    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+        if not np.isfinite(guess):
+            guess = np.copysign(np.finfo(np.float32).max, np.float32(float(exact)))
+        candidates = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
     candidates = [c for c in candidates if np.isfinite(c)]
     return min(candidates, key=lambda c: (abs(Fraction(float(c)) - exact), int(c.view(np.uint32)) & 1))
 

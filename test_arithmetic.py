@@ -27,6 +27,7 @@ the text from another pinned: the one-channel rocAL offset, the sign of a zero
 first, and what the text refuses.
 """
 
+import itertools
 import math
 from decimal import Decimal
 from fractions import Fraction
@@ -597,3 +598,159 @@ def test_a_bfloat16_mean_is_its_exact_value():
     # float8 and int4 (ml_dtypes too) are doubles as well
     assert Normalize(mean=[ml_dtypes.float8_e4m3fn(1.75), np.array(3, ml_dtypes.int4), 2], std=[1, 1, 1]).mean \
         == (1.75, 3.0, 2.0)
+
+
+# --------------------------------------------------------------------------
+# The fourth mutation run's survivors (mutation.py pure arithmetic.py): the table's cache
+# key, its read-only rows, the overflow edge on both sides, quiet refusals
+# --------------------------------------------------------------------------
+
+from arithmetic import keyed_table, table_key  # noqa: E402
+
+F32_MAX = float(np.finfo(np.float32).max)  # (2 - 2**-23) * 2**127
+
+
+def test_keyed_table_refuses_each_wrong_part_of_a_key_alone():
+    """keyed_table's docstring: the key is what table_key returns: a tuple of two byte strings
+    of the same whole, non-zero number of float32 values, and an arithmetic. Each wrong part
+    alone is a ValueError naming the key (a tuple that is only right in some parts included)."""
+    good = table_key([0.5, 0.25], [2.0, 4.0], "rocal", "test")
+    four, eight = good[0][:4], good[0]
+    for key in [list(good), good[:2], good + ("x",), (good[0].decode("latin-1"), good[1], "rocal"),
+                (good[0], good[1].decode("latin-1"), "rocal"), (four, eight, "rocal"), (eight, four, "rocal"),
+                (b"", b"", "rocal"), (eight[:6], eight[:6], "rocal"), (1, 2, "rocal")]:
+        with pytest.raises(ValueError, match="key must be what table_key returns"):
+            keyed_table(key)
+    with pytest.raises(ValueError, match="arithmetic must be one of"):
+        keyed_table((good[0], good[1], "nvidia"))
+    np.testing.assert_array_equal(keyed_table(good), normalize_table([0.5, 0.25], [2.0, 4.0], "rocal"))  # control
+
+
+def test_the_shared_table_is_read_only_and_normalize_table_hands_out_a_writable_copy():
+    """keyed_table's docstring: computed once per key and read-only (every table user shares it);
+    normalize_table returns a writable copy, whose change reaches no later table."""
+    key = table_key([0.1], [0.3], "dali_gpu", "test")
+    shared = keyed_table(key)
+    assert keyed_table(key) is shared and not shared.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        shared[0, 0] = 1.0
+    copy = normalize_table([0.1], [0.3], "dali_gpu")
+    assert copy.flags.writeable and copy is not shared
+    before = shared.copy()
+    copy[0, 0] = 7.0
+    np.testing.assert_array_equal(normalize_table([0.1], [0.3], "dali_gpu"), before)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # quiet, as the refusals are
+@pytest.mark.parametrize("arithmetic", ["rocal", "dali_gpu"])
+def test_an_entry_at_float32_max_plus_half_an_ulp_overflows_and_one_an_ulp_below_rounds_to_max(arithmetic):
+    """Rounded once, ties to even, as IEEE 754 says: an exact entry at float32's max + half its
+    ulp (2**128 - 2**103) rounds to infinity, so the table is refused; with the offset one ulp
+    lower, the same entry is max - half an ulp, a tie that rounds to the even max - ulp, and the
+    table is accepted. std = 2**-103 (inv = 2**103 exactly) and offset = 2**128 - 2**111 put
+    entry 255 at 255 * 2**103 + offset = 2**128 - 2**103."""
+    offset = 2.0**128 - 2.0**111
+    inv = 2.0**103
+    assert 255 * inv + offset == 2.0**128 - 2.0**103  # exact in a double: the edge itself
+    mean = -offset / inv  # -(mean * inv) = offset, exactly (a power-of-two scale)
+    with pytest.raises(ValueError, match="overflows float32"):
+        normalize_table([mean, mean], [1 / inv, 1 / inv], arithmetic)
+    lower = float(np.nextafter(np.float32(offset), np.float32(0)))  # 2**128 - 2**111 - 2**104
+    table = normalize_table([-lower / inv] * 2, [1 / inv] * 2, arithmetic)
+    assert table[0, 255] == np.float32(F32_MAX - 2.0**104)  # the tie's even neighbour, max - ulp
+    assert table[0, 254] == np.float32(F32_MAX - 2.0**104)  # max - ulp, exactly
+    assert np.isfinite(table).all()
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # quiet, as the refusals are
+@pytest.mark.parametrize("arithmetic", ["rocal", "dali_gpu", "dali_cpu"])
+def test_a_table_of_entries_just_under_max_plus_half_an_ulp_is_all_max(arithmetic):
+    """The other side of the edge: offset = max and inv = 2**95, so entry v is max + v * 2**95,
+    below max + half an ulp (2**103) for every v <= 255: each rounds to max, none overflows."""
+    inv = 2.0**95
+    table = normalize_table([-F32_MAX / inv] * 3, [1 / inv] * 3, arithmetic)
+    assert (table == np.float32(F32_MAX)).all()
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # quiet, as the refusals are
+def test_an_entry_that_a_double_rounds_onto_the_overflow_edge_is_rounded_once():
+    """An exact entry of max + 2**103 - 2**73, which a double rounds to max + 2**103 (and float32
+    from there to infinity), is rounded once, to max; the next entry overflows, so the table is
+    refused with its ValueError (never a TypeError from the way there). v = 93 with
+    inv = 11,545,611 * 2**73 (93 x 11,545,611 = 2**30 - 1) and offset = max."""
+    inv = 11_545_611 * 2.0**73
+    assert np.float32(inv) == inv and 93 * 11_545_611 == 2**30 - 1
+    exact = Fraction(F32_MAX) + 93 * Fraction(inv)
+    assert float(exact) == F32_MAX + 2.0**103  # the double lands on the edge
+    std = float(np.float32(1 / inv))
+    for _ in range(4):  # the float32 std whose float32 inverse is inv
+        if np.float32(1) / np.float32(std) == np.float32(inv):
+            break
+        std = float(np.nextafter(np.float32(std), np.float32(np.inf if np.float32(1) / np.float32(std) > inv
+                                                            else 0)))
+    assert np.float32(1) / np.float32(std) == np.float32(inv)
+    mean = -F32_MAX / inv
+    for _ in range(8):  # the float32 mean with -(mean * inv) == max in float32
+        got = -(np.float32(mean) * np.float32(inv))
+        if got == np.float32(F32_MAX):
+            break
+        mean = float(np.nextafter(np.float32(mean), np.float32(0 if got > F32_MAX else -np.inf)))
+    assert -(np.float32(mean) * np.float32(inv)) == np.float32(F32_MAX)
+    with pytest.raises(ValueError, match="overflows float32"):
+        normalize_table([mean] * 3, [std] * 3, "dali_gpu")
+
+
+@pytest.mark.parametrize("mean, std, words", [
+    ([1e39, 0.0, 0.0], [1.0, 1.0, 1.0], "must be finite"),
+    ([3e38, 0.0, 0.0], [1e-30, 1.0, 1.0], "overflows float32"),
+    ([0.0, 0.0, 0.0], [1e-37, 1.0, 1.0], "overflows float32"),
+])
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+def test_a_refusal_is_a_value_error_and_no_floating_point_warning(mean, std, words, arithmetic):
+    """Overflow on the way to a refusal is the refusal's business: normalize_table raises its
+    ValueError and NumPy emits no RuntimeWarning (warnings made errors here)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=words):
+            normalize_table(mean, std, arithmetic)
+        normalize_table([0.5, 0.5, 0.5], [0.25, 0.25, 0.25], arithmetic)  # the control: no warning
+
+
+def test_aligned_empty_is_64_byte_aligned_by_default():
+    """aligned_empty's default align is 64 (a cache line, and what AVX-512 loads want)."""
+    for n in (1, 3, 17, 100, 1000):
+        assert aligned_empty((n,), np.uint8).ctypes.data % 64 == 0, n
+
+
+def test_one_row_compares_rows_bit_for_bit_and_refuses_each_wrong_table_alone():
+    """one_row's docstring: True iff every row is row 0 bit for bit (-0.0 is not 0.0, a NaN row
+    equals itself); ValueError for anything but a float32 (C, 256) array with C >= 1."""
+    row = np.linspace(-1, 1, 256, dtype=np.float32)
+    assert one_row(row[None]) and one_row(np.stack([row] * 3))
+    for at in (6, 7):  # a NaN whose bits are a NaN at any width the rows could be read at
+        nan = row.copy()
+        nan.view(np.uint32)[at] = 0x7FF80000
+        assert one_row(np.stack([nan, nan])), at
+    for k, at in itertools.product(range(3), (200, 201)):  # -0.0 in either half of an 8-byte pair
+        zeros = np.zeros((3, 256), np.float32)
+        zeros[k, at] = -0.0
+        assert not one_row(zeros), (k, at)
+        other = np.stack([row] * 3)
+        other[k, 255] = np.nextafter(other[k, 255], np.float32(0))
+        assert not one_row(other), k
+    for bad in [np.zeros((0, 256), np.float32), np.zeros((2, 255), np.float32), np.zeros(256, np.float32),
+                np.zeros((2, 256), np.float64), np.zeros((1, 2, 256), np.float32), [[0.0] * 256]]:
+        with pytest.raises(ValueError, match=r"table must be a float32 \(C, 256\) array"):
+            one_row(bad)
+
+
+def test_crop_anchor_takes_a_zero_d_number_and_refuses_an_array_of_one():
+    """crop_anchor's pos is one real number: a NumPy or ml_dtypes scalar, or a 0-d array, is
+    one; an array of one element (or more) is not, and is refused naming pos."""
+    want = crop_anchor(0.5, 10, 4)
+    for pos in (np.float32(0.5), np.array(0.5), np.array(0.5, ml_dtypes.bfloat16), Fraction(1, 2)):
+        assert crop_anchor(pos, 10, 4) == want, repr(pos)
+    for pos in (np.array([0.5]), np.array([[0.5]]), np.array([0.5], ml_dtypes.bfloat16)):
+        with pytest.raises(ValueError, match="crop_anchor: pos="):
+            crop_anchor(pos, 10, 4)
