@@ -1595,3 +1595,112 @@ if __name__ == "__main__":
     for (rule, kind, a, b), (ulps, relative, near) in sorted(figures.items()):
         share = f"  {near:.2f} of the bound" if rule == "sgd" else ""
         print(f"{rule:>8} {kind:>6} {a:>9} vs {b:<9} {ulps:8.2f} ulps/step  {relative:.2g} lr/step{share}")
+
+
+# --------------------------------------------------------------------------
+# stepwise_verdict where steps and leaves are not judged, and which one it names (the fourth
+# mutation run's survivors: mutation.py pure equivalence.py)
+# --------------------------------------------------------------------------
+
+
+def abs_terms(params: dict, batch: dict):
+    """square_terms' linear map under |r| instead of r**2: a kink where a residual is 0."""
+    r_BxC = batch["x"] @ params["w"] + params["b"] - batch["t"]
+    mask_B = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask_B[:, None] * jnp.abs(r_BxC)), jnp.sum(mask_B)
+
+
+def kinked_hosts(n: int, every_row: bool) -> list[dict]:
+    """One batch of 2 rows a device for abs_terms at square_init whose residuals are exactly 0
+    on some rows, so that a 1-ulp move of the params flips their gradient's sign. every_row
+    False: the first row of each device has x = 0 and t = b (only b's gradient sits on the
+    kink; w's rows are generic). True: every row is a one-hot x_j with t = f32(w_j + b), both
+    leaves on the kink (x @ w of a one-hot row is exact, and so is the sum's rounding)."""
+    init = square_init()
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2 * n, 3)).astype(np.float32)
+    t = rng.standard_normal((2 * n, 2)).astype(np.float32)
+    if every_row:
+        x = np.eye(3, dtype=np.float32)[np.arange(2 * n) % 3]
+        t = (x @ init["w"] + init["b"]).astype(np.float32)
+        assert np.array_equal(t, init["w"][np.arange(2 * n) % 3] + init["b"])
+    else:
+        x[0::2], t[0::2] = 0.0, init["b"]
+    return [{"x": x, "t": t, "mask": np.ones(2 * n, bool)}]
+
+
+def nudged(leaf: str, amount: float):
+    """The sharded strategy with ``amount`` added to one leaf's gradient before its optimizer."""
+    def strategy(params, batches, mesh, *, loss_terms, optimizer, opt_state=None):
+        def update(grads, state, p):
+            return optimizer.update({**grads, leaf: grads[leaf] + np.float32(amount)}, state, p)
+        return strategies.sharded(params, batches, mesh, loss_terms=loss_terms,
+                                  optimizer=strategies.Optimizer(optimizer.init, update), opt_state=opt_state)
+    strategy.__name__ = f"{leaf} nudged"
+    return strategy
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # count 0 divides by a bound of 0: quietly
+def test_a_leaf_on_a_kink_is_not_judged_but_count_0_judges_every_leaf(mesh):
+    """stepwise_verdict's domain: b's gradient flips under a 1-ulp move (its rows sit on |r|'s
+    kink), so b is not judged and a difference there alone is "within", naming w (leaf 1, 0
+    units apart) and counting the leaf not judged; count 0 judges everything: the same
+    difference is OUTSIDE, named at b (leaf 0) with its distance."""
+    n = mesh.devices.size
+    kw = dict(params=square_init(), batches=kinked_hosts(n, every_row=False), mesh=mesh, loss_terms=abs_terms,
+              optimizer=strategies.sgd(0.05))
+    *_, twins, _, _ = equivalence.stepwise_distances(strategies.sharded, "sharded", strategies.sharded, "sharded",
+                                                     **kw)
+    assert twins[0, 0] > equivalence.STEP_UNITS >= twins[0, 1], twins  # the premise: b on the kink, w not
+    U = equivalence.STEP_UNITS
+    found = equivalence.stepwise_verdict("sharded", nudged("b", 1e-3), count=1, **kw)
+    assert found.case == "within" and found.ulps == 0.0 and found.bound == U, found
+    assert found.text == (
+        f"sharded vs b nudged, each of 1 steps from the same state: the gradients 0.0 units of their term scale "
+        f"apart at step 0 (leaf 1), within the bound of {U}: 1 rounding a step (equivalence.ulp_bound) x {U} "
+        f"units a rounding; 1 of 2 steps x leaves not judged: a {equivalence.STEP_TWIN_ULPS}-ulp move of the "
+        f"params moved their gradient by more than {U} units (not smooth at the scale of rounding: a kink, a "
+        f"saturated softmax)"), found.text
+    zero = equivalence.stepwise_verdict("sharded", nudged("b", 1e-3), count=0, **kw)
+    assert zero.case == "OUTSIDE" and zero.ulps > 1e3 and zero.bound == 0.0, zero
+    assert "at step 0 (leaf 0), OUTSIDE the bound of 0" in zero.text and "not judged" not in zero.text, zero.text
+
+
+def test_with_every_leaf_on_a_kink_no_step_is_judged_and_there_is_no_verdict(mesh):
+    n = mesh.devices.size
+    kw = dict(params=square_init(), batches=kinked_hosts(n, every_row=True), mesh=mesh, loss_terms=abs_terms,
+              optimizer=strategies.sgd(0.05))
+    found = equivalence.stepwise_verdict("sharded", nudged("w", 1e-3), count=1, **kw)
+    assert found.case == "outside the domain" and np.isnan(found.ulps) and found.bound is None, found
+    assert found.text == "sharded vs w nudged, each of 1 steps from the same state: no step judged: no verdict"
+    # the control: the same difference where the residuals are off the kink is judged, and OUTSIDE
+    off = {**kw, "batches": kinked_hosts(n, every_row=False)}
+    assert equivalence.stepwise_verdict("sharded", nudged("w", 1e-3), count=1, **off).case == "OUTSIDE"
+
+
+def test_the_verdict_names_the_step_and_leaf_of_the_largest_distance_not_a_zero_one(mesh):
+    """Where one leaf is 0 units apart and another a few, the verdict is the few, at their
+    leaf (w, leaf 1), at the step they happen (step 1 of 2 here: the first is the same)."""
+    n = mesh.devices.size
+    kw = dict(params=square_init(), batches=square_hosts(n, steps=2), mesh=mesh, loss_terms=square_terms,
+              optimizer=strategies.sgd(0.05))
+    late = nudged("w", 2e-7)
+
+    def second_step_only(params, batches, mesh, **k):
+        first = not np.array_equal(np.asarray(batches[0]["x"]), kw["batches"][1]["x"])
+        return (strategies.sharded if first else late)(params, batches, mesh, **k)
+    second_step_only.__name__ = "w nudged at step 1"
+    found = equivalence.stepwise_verdict("sharded", second_step_only, count=1, **kw)
+    assert found.case == "within" and 0 < found.ulps <= equivalence.STEP_UNITS, found
+    assert "at step 1 (leaf 1), within" in found.text, found.text
+    assert found.text.endswith(f"x {equivalence.STEP_UNITS} units a rounding"), found.text  # nothing skipped
+
+
+def test_a_pmap_layout_strategy_takes_batches_of_several_rows_a_device(mesh):
+    """stepwise_verdict reshapes a host batch (n*B, ...) to (n, B, ...) for a pmap-layout
+    strategy: at B = 2 it runs, and pmap's gradient is within the bound of sharded's."""
+    n = mesh.devices.size
+    hosts = kinked_hosts(n, every_row=False)
+    found = equivalence.stepwise_verdict("sharded", "pmap", params=square_init(), batches=hosts, mesh=mesh,
+                                         loss_terms=square_terms, optimizer=strategies.sgd(0.05))
+    assert found.case in ("identical", "within"), found.text
