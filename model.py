@@ -93,7 +93,8 @@ def sgd(params: Params, grads: Params, learning_rate) -> Params:
 
 @jax.jit
 def update(params: Params, batch: dict, learning_rate=0.001) -> tuple[Params, jax.Array]:
-    """One SGD step on the batch's masked loss; returns (new params, that loss)."""
+    """One SGD step on the batch's masked loss; returns (new params, that loss). The rate
+    defaults to the notebooks' 0.001."""
     value, grads = jax.value_and_grad(loss)(params, batch)
     return sgd(params, grads, learning_rate), value
 

@@ -382,12 +382,15 @@ def _mutate_decorated() -> None:
 
 
 # Modules whose functions run traced under jit or pmap behind a cache (model.update_parallel's
-# lru_cache of one pmap): mutmut's call statistics see such a function called while it is
-# traced, by the first test that traces it, and not by a later test that reuses the cached
-# program, so those tests would never be run on its mutants (model._update_parallel's
-# count at 1 real sample: killed by its test, a survivor in the run). For these modules a
-# mutant is run against every own test that reached any function of the module. Not
-# equivalence.py: its file would make each survivor cost minutes (docs/guarantees.md).
+# lru_cache of one pmap, test_model.py's module-level ``jax.jit(model.loss)``): mutmut's call
+# statistics see such a function called while it is traced, by the first test that traces
+# it, and not by a later test that reuses the cached program, so those tests would never be
+# run on its mutants (model._update_parallel's count at 1 real sample, model.loss's
+# max(count, 1) at one real sample: each killed by its test, survivors in the run). A test
+# that only calls cached programs reaches no function at all in those statistics, so for
+# these modules a mutant is run against every test of the module's own files (the third
+# run took only the tests that reached some function of the module, and missed these).
+# Not equivalence.py: its file would make each survivor cost minutes (docs/guarantees.md).
 TRACED = {"model.py"}
 
 
@@ -409,18 +412,23 @@ def _own_tests_fastest_first(name: str) -> None:
                 return iter(sorted(set.__iter__(self), key=lambda t: (durations.get(t, 0.0), t)))
 
         mapping = state().tests_by_mangled_function_name
-        reaching = {}  # per module in TRACED: every own test that reached any of its functions
-        for key, tests in mapping.items():
-            module = key.split(".")[0] + ".py"
-            if module in TRACED:
-                reaching.setdefault(module, set()).update(tests)
-        for key in list(mapping):
-            module = key.split(".")[0] + ".py"
-            own = SETS[name].get(module, [])
-            tests = reaching.get(module, mapping[key])
-            mapping[key] = FastestFirst(t for t in tests if t.split("::")[0] in own)
+        for key, tests in own_tests(name, mapping, durations).items():
+            mapping[key] = FastestFirst(tests)
 
     main.collect_or_load_stats = collect_then_filter
+
+
+def own_tests(name: str, mapping: dict, durations: dict) -> dict[str, list[str]]:
+    """{mangled function: the tests its mutants run, fastest first}: of the tests mutmut saw
+    reach the function (``mapping``), those in its module's own files (SETS[name]); for a
+    module in TRACED, every test of its own files that the statistics ran (``durations``)."""
+    out = {}
+    for key, tests in mapping.items():
+        module = key.split(".")[0] + ".py"
+        own = SETS[name].get(module, [])
+        pool = durations if module in TRACED else tests
+        out[key] = sorted((t for t in pool if t.split("::")[0] in own), key=lambda t: (durations.get(t, 0.0), t))
+    return out
 
 
 def mutmut(name: str, args: list[str], modules=None) -> None:

@@ -376,3 +376,13 @@ def test_on_device(devices, params):
     placed = strategies.on_device(params, device)
     assert all(leaf.devices() == {device} for leaf in jax.tree.leaves(placed))
     assert trees_equal(strategies.to_host(placed), params)
+
+
+def test_update_defaults_to_the_notebooks_rate_of_0_001(params):
+    batch = make_batch(3, np.ones(B, bool))
+    default, value = model.update(params, batch)
+    given_rate, given_value = model.update(params, batch, 0.001)
+    assert_same_bits(default, given_rate)
+    assert float(value) == float(given_value)
+    other, _ = model.update(params, batch, 0.002)  # the control: the rate is seen
+    assert not all(np.array_equal(a, b) for a, b in zip(leaves(default), leaves(other)))

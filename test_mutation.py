@@ -82,3 +82,17 @@ def test_a_part_of_a_set_mutates_only_its_modules_and_runs_only_their_test_files
     assert section(whole, "only_mutate") == list(mutation.SETS["pure"])
     assert section(whole, "pytest_add_cli_args_test_selection") == mutation.test_files("pure")
     assert len(mutation.test_files("pure")) == len(mutation.SETS["pure"])
+
+
+def test_a_traced_modules_mutants_run_every_test_of_its_own_files_fastest_first():
+    """mutmut's statistics miss a test that only calls a cached jit program (it reaches no
+    function): a TRACED module's mutants run every test of its own files that the statistics
+    ran; any other module's, the tests that reached the function; another file's tests never."""
+    durations = {"test_model.py::slow": 2.0, "test_model.py::cached_only": 0.5, "test_model.py::fast": 0.1,
+                 "test_plan.py::a": 0.3, "test_equivalence.py::b": 0.2, "test_equivalence.py::c": 0.05}
+    mapping = {"model.x_loss": {"test_model.py::slow", "test_equivalence.py::b"},
+               "plan.x_epoch_plan": {"test_plan.py::a", "test_model.py::fast"}}
+    got = mutation.own_tests("pure", mapping, durations)
+    assert mutation.TRACED == {"model.py"}
+    assert got["model.x_loss"] == ["test_model.py::fast", "test_model.py::cached_only", "test_model.py::slow"]
+    assert got["plan.x_epoch_plan"] == ["test_plan.py::a"]  # not TRACED: the reaching tests, own files only
