@@ -505,6 +505,7 @@ def table(name: str) -> None:
     timeout."""
     known = equivalents()
     rows, stale = [], []
+    prepare(name)  # the whole set's setup.cfg: `mutmut show` finds a mutant of any of its modules
     found = verdicts(name)
     argued = [m for by_mutant in found.values() for m, s in by_mutant.items() if s == "survived" and m in known]
     from concurrent.futures import ThreadPoolExecutor
@@ -539,6 +540,7 @@ def table(name: str) -> None:
 
 def survivors(name: str) -> None:
     known = equivalents()
+    prepare(name)
     for module, by_mutant in verdicts(name).items():
         for mutant, status in by_mutant.items():
             if status not in ("killed", "crashed") and mutant not in known:
