@@ -382,7 +382,7 @@ def growth(*rows, off_centre=0.0):
 def test_no_growth_gives_the_count_times_the_steps():
     for steps in (1, 4, 120):
         flat = growth([64.0] * (steps + 1), [64.0] * (steps + 1))
-        assert flat.factors().tolist() == [[1.0] * steps]
+        np.testing.assert_array_equal(flat.factors(), [[1.0] * steps])
         assert flat.bound(2) == [2 * steps] and flat.bound(1) == [steps] and flat.bound(0) == [0]
         assert flat.outside() is None
 
