@@ -104,8 +104,11 @@ DECORATORS_TO_MUTATE_UNDER = {"functools.lru_cache", "functools.cache", "jax.jit
 
 
 def mutmut_config(name: str, modules=None) -> str:
-    """The setup.cfg of a set's folder; ``modules``: only these of the set (and their test files)."""
-    s = [m for m in SETS[name] if modules is None or m in modules]
+    """The setup.cfg of a set's folder; ``modules``: a part of the set, whose own test files
+    are the ones run. Every module of the set stays mutated (mutmut copies a module it does not
+    mutate over its mutated copy, and the verdicts kept for it could no longer be shown);
+    which mutants a part's run tests, ``mutmut`` below says by name."""
+    s = list(SETS[name])
     lines = ["# Written by mutation.py; edit mutation.py instead.", "[mutmut]"]
 
     def option(key, values):
@@ -436,6 +439,9 @@ def mutmut(name: str, args: list[str], modules=None) -> None:
     ``modules``: mutate only these of the set, with their own test files."""
     folder = prepare(name, modules)
     os.chdir(folder)
+    if modules and args and args[0] == "run" and not [a for a in args[1:] if not a.startswith("-")
+                                                      and not a.isdigit()]:
+        args = [*args, *(f"{m[:-3]}.*" for m in modules)]  # a part: its modules' mutants only
     os.environ.update(JAX_COMPILATION_CACHE_DIR=str(folder / "xla-cache"),
                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
