@@ -10,7 +10,9 @@ quotes. ``python mutation.py SET table`` prints it again, ``survivors`` lists ea
 survivor with its diff, ``rerun`` tests the survivors again (after new tests: mutmut
 keeps a verdict until asked), and any other word goes to mutmut as it is, run where the
 set lives (``python mutation.py pure show plan.x_shard_bounds__mutmut_3``, ``... results``,
-``... run 'plan.*'``, ``... browse``).
+``... run 'plan.*'``, ``... browse``). Module names pick a part of the set
+(``python mutation.py pure arithmetic.py model.py``: those modules, their own test files);
+a folder holds one part, and a run of another part there is refused (``mutmut`` below).
 
 Why this file, and not a bare ``mutmut run`` with a [mutmut] section in setup.cfg:
 
@@ -104,11 +106,8 @@ DECORATORS_TO_MUTATE_UNDER = {"functools.lru_cache", "functools.cache", "jax.jit
 
 
 def mutmut_config(name: str, modules=None) -> str:
-    """The setup.cfg of a set's folder; ``modules``: a part of the set, whose own test files
-    are the ones run. Every module of the set stays mutated (mutmut copies a module it does not
-    mutate over its mutated copy, and the verdicts kept for it could no longer be shown);
-    which mutants a part's run tests, ``mutmut`` below says by name."""
-    s = list(SETS[name])
+    """The setup.cfg of a set's folder; ``modules``: only these of the set (and their test files)."""
+    s = [m for m in SETS[name] if modules is None or m in modules]
     lines = ["# Written by mutation.py; edit mutation.py instead.", "[mutmut]"]
 
     def option(key, values):
@@ -434,14 +433,30 @@ def own_tests(name: str, mapping: dict, durations: dict) -> dict[str, list[str]]
     return out
 
 
+def part_of(name: str) -> list[str] | None:
+    """The modules the set's folder was last run on (None: the whole set, or no run yet)."""
+    recorded = ROOT / ".mutation" / name / "part.txt"
+    return recorded.read_text().split() or None if recorded.exists() else None
+
+
 def mutmut(name: str, args: list[str], modules=None) -> None:
     """mutmut's command line, run in the set's folder (in this process: the patch above);
-    ``modules``: mutate only these of the set, with their own test files."""
-    folder = prepare(name, modules)
+    ``modules``: mutate only these of the set, with their own test files.
+
+    mutmut keeps one state a folder (its call statistics, the mutated copies, the
+    verdicts), made for the modules and test files of the run that made it: a run of
+    another part there would read the statistics of the first and copy its own modules
+    plain over the first's mutated ones. So a folder holds one part (part.txt), and a run
+    of another part is refused, naming both, before anything is written."""
+    folder = ROOT / ".mutation" / name
+    want, held = sorted(modules or SETS[name]), part_of(name)
+    if (folder / "mutants").exists() and sorted(held or SETS[name]) != want:
+        sys.exit(f"mutation.py {name}: .mutation/{name} holds a run of {' '.join(held or SETS[name])}; "
+                 f"this is {' '.join(want)}. A part is judged in a folder of its own: remove "
+                 f".mutation/{name} (its verdicts go with it), or name the same modules.")
+    prepare(name, modules)
+    (folder / "part.txt").write_text(" ".join(modules or []) + "\n")
     os.chdir(folder)
-    if modules and args and args[0] == "run" and not [a for a in args[1:] if not a.startswith("-")
-                                                      and not a.isdigit()]:
-        args = [*args, *(f"{m[:-3]}.*" for m in modules)]  # a part: its modules' mutants only
     os.environ.update(JAX_COMPILATION_CACHE_DIR=str(folder / "xla-cache"),
                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -511,7 +526,7 @@ def table(name: str) -> None:
     timeout."""
     known = equivalents()
     rows, stale = [], []
-    prepare(name)  # the whole set's setup.cfg: `mutmut show` finds a mutant of any of its modules
+    prepare(name, part_of(name))  # the folder's own setup.cfg: `mutmut show` reads its mutants
     found = verdicts(name)
     argued = [m for by_mutant in found.values() for m, s in by_mutant.items() if s == "survived" and m in known]
     from concurrent.futures import ThreadPoolExecutor
@@ -546,7 +561,7 @@ def table(name: str) -> None:
 
 def survivors(name: str) -> None:
     known = equivalents()
-    prepare(name)
+    prepare(name, part_of(name))
     for module, by_mutant in verdicts(name).items():
         for mutant, status in by_mutant.items():
             if status not in ("killed", "crashed") and mutant not in known:

@@ -8,6 +8,8 @@ that the code reads outside a message is mutated.
 
 import textwrap
 
+import pytest
+
 import mutation
 
 SOURCE = textwrap.dedent('''
@@ -63,9 +65,8 @@ def test_message_lines_are_a_raises_words_and_the_locals_only_they_read():
 
 
 def test_a_part_of_a_set_mutates_only_its_modules_and_runs_only_their_test_files():
-    """``mutation.py pure arithmetic.py model.py``: the set's folder runs those two modules' own
-    test files, nothing else, and keeps every module mutated (their kept verdicts stay
-    showable); the whole set runs all of them."""
+    """``mutation.py pure arithmetic.py model.py``: the set's folder is configured for those
+    two modules and their own test files, nothing else; the whole set, for all of them."""
     def section(cfg, key):
         lines = cfg.splitlines()
         start = lines.index(f"{key} =")
@@ -77,7 +78,7 @@ def test_a_part_of_a_set_mutates_only_its_modules_and_runs_only_their_test_files
         return out
 
     part = mutation.mutmut_config("pure", ["arithmetic.py", "model.py"])
-    assert section(part, "only_mutate") == list(mutation.SETS["pure"])  # every module stays mutated
+    assert section(part, "only_mutate") == ["arithmetic.py", "model.py"]
     assert section(part, "pytest_add_cli_args_test_selection") == ["test_arithmetic.py", "test_model.py"]
     whole = mutation.mutmut_config("pure")
     assert section(whole, "only_mutate") == list(mutation.SETS["pure"])
@@ -97,3 +98,23 @@ def test_a_traced_modules_mutants_run_every_test_of_its_own_files_fastest_first(
     assert mutation.TRACED == {"model.py"}
     assert got["model.x_loss"] == ["test_model.py::fast", "test_model.py::cached_only", "test_model.py::slow"]
     assert got["plan.x_epoch_plan"] == ["test_plan.py::a"]  # not TRACED: the reaching tests, own files only
+
+
+def test_a_folder_holds_one_part_and_a_run_of_another_is_refused_naming_both(tmp_path, monkeypatch):
+    """mutmut keeps one state a folder: a run of another part there is refused before anything
+    is written, naming what the folder holds and what was asked; the same part is not."""
+    monkeypatch.setattr(mutation, "ROOT", tmp_path)
+    folder = tmp_path / ".mutation" / "pure"
+    (folder / "mutants").mkdir(parents=True)
+    (folder / "part.txt").write_text("arithmetic.py model.py\n")
+    assert mutation.part_of("pure") == ["arithmetic.py", "model.py"]
+    with pytest.raises(SystemExit, match=r"holds a run of arithmetic.py model.py; this is equivalence.py"):
+        mutation.mutmut("pure", ["run"], ["equivalence.py"])
+    with pytest.raises(SystemExit, match=r"holds a run of arithmetic.py model.py; this is arithmetic.py "
+                                         r"cifar_mnist.py conformance.py"):
+        mutation.mutmut("pure", ["run"], None)
+    assert sorted(p.name for p in folder.iterdir()) == ["mutants", "part.txt"]  # nothing written
+    (folder / "part.txt").write_text("\n")  # the whole set's run
+    assert mutation.part_of("pure") is None
+    with pytest.raises(SystemExit, match=r"holds a run of plan.py arithmetic.py .*; this is model.py"):
+        mutation.mutmut("pure", ["run"], ["model.py"])
