@@ -1704,3 +1704,90 @@ def test_a_pmap_layout_strategy_takes_batches_of_several_rows_a_device(mesh):
     found = equivalence.stepwise_verdict("sharded", "pmap", params=square_init(), batches=hosts, mesh=mesh,
                                          loss_terms=square_terms, optimizer=strategies.sgd(0.05))
     assert found.case in ("identical", "within"), found.text
+
+
+# --------------------------------------------------------------------------
+# verdict's every case, whole: its fields and its words (the fourth run's survivors in verdict)
+# --------------------------------------------------------------------------
+
+VA = {"b": np.array([1.0, 2.0], np.float32), "w": np.array([[0.5, -0.25], [0.75, 1.0]], np.float32)}
+
+
+def moved_up(k: int, leaf: str = "w", at=(1, 1), params=VA) -> dict:
+    """params with one entry k float32 steps up: at w[1, 1] = 1.0, the leaf's largest
+    magnitude, that is k of the leaf's own ulps (2**-23) exactly."""
+    out = {n: np.array(v, copy=True) for n, v in params.items()}
+    for _ in range(k):
+        out[leaf][at] = np.nextafter(out[leaf][at], np.float32(np.inf))
+    return out
+
+
+def two_leaf_growth(steps: int, scale=(0.0, 0.0), rows=None, off_centre=0.0) -> "equivalence.Growth":
+    """A Growth of VA's two leaves: every twin 64 units from step 0 on (no growth) unless rows."""
+    row = rows if rows is not None else [64.0] * (steps + 1)
+    return equivalence.Growth(np.array([[row, row], [row, row]], np.float64), off_centre,
+                              np.array(scale, np.float64))
+
+
+def test_verdict_gives_each_case_whole_with_its_fields_and_words():
+    """verdict's docstring, case by case, every field of the Verdict and every word of its text:
+    the distance named is the largest leaf's (a NaN one first), "(leaf l)" only with several
+    leaves, "after N steps" only with N, "1 ulp" but "2 ulps", the count's name as given."""
+    V, U = equivalence.Verdict, "equivalence.ulp_bound"
+    verdict = equivalence.verdict
+    b3 = moved_up(3)
+    assert verdict(VA, VA, 1, None) == V("identical", 0.0, 0.0, "identical")
+    # count None: no count for the params; the distance and the steps named
+    free = verdict(VA, b3, None, None, steps=4)
+    assert (free.case, free.ulps, free.bound) == ("outside the domain", 3.0, None), free
+    assert free.text.startswith(f"not bit-identical: 3.0 ulps after 4 steps: no count is derived for the params "
+                                f"under this update rule ({U}: an adaptive rule") and \
+        free.text.endswith(equivalence.ROUTE), free.text
+    assert verdict(VA, b3, None, None).text.startswith("not bit-identical: 3.0 ulps: no count"), "no steps"
+    zero_sign = {**VA, "b": np.array([0.0, 2.0], np.float32)}
+    signed = verdict(zero_sign, {**zero_sign, "b": np.array([-0.0, 2.0], np.float32)}, None, None)
+    assert signed.case == "outside the domain" and signed.ulps == 0.0, signed  # other bits, 0 ulps apart
+    nan = moved_up(0)
+    nan["w"][0, 0] = np.nan
+    assert np.isnan(verdict(VA, nan, None, None).ulps)
+    # count 0: OUTSIDE at any distance, at the largest leaf, in own ulps or the growth's unit
+    assert verdict(VA, b3, 0, None, steps=4) == V(
+        "OUTSIDE", 3.0, 0.0, f"not bit-identical: 3.0 ulps after 4 steps (leaf 1), OUTSIDE the documented bound "
+        f"of 0 ulps: the same program, bit-identical expected ({U})")
+    nan_first = {**nan, "b": np.array([np.nan, 2.0], np.float32)}
+    first = verdict(VA, nan_first, 0, None, count_name="mine")
+    assert first.case == "OUTSIDE" and np.isnan(first.ulps) and "nan ulps (leaf 0)" in first.text \
+        and first.text.endswith("(mine)"), first.text
+    one_leaf = verdict({"w": VA["w"]}, {"w": b3["w"]}, 0, None)
+    assert one_leaf.text.startswith("not bit-identical: 3.0 ulps, OUTSIDE") and "leaf" not in one_leaf.text
+    scaled = verdict(VA, b3, 0, two_leaf_growth(4, scale=(0.0, 4.0)))  # the unit: spacing(4.0) = 4 ulps of 1.0
+    assert scaled.ulps == 0.75 and "0.8 ulps after 4 steps (leaf 1)" in scaled.text, scaled
+    # within by the no-growth test: count x steps in own ulps
+    assert verdict(VA, b3, 1, None, steps=4) == V(
+        "within", 3.0, 4.0, f"not bit-identical: 3.0 ulps after 4 steps (leaf 1), within the documented bound of "
+        f"4 ulps: 1 ulp a step ({U}) times 4 steps; every growth factor is at least 1, so no growth had to "
+        f"be measured")
+    two = verdict(VA, b3, 2, None, steps=4)
+    assert (two.case, two.bound) == ("within", 8.0) and "of 8 ulps: 2 ulps a step" in two.text, two.text
+    alone = verdict({"w": VA["w"]}, {"w": b3["w"]}, 1, None, steps=4)
+    assert alone.text.startswith("not bit-identical: 3.0 ulps after 4 steps, within"), alone.text
+    # the measured growth: each leaf against its bound, in the growth's unit
+    flat = two_leaf_growth(2)
+    assert verdict(VA, moved_up(5), 1, flat) == V(
+        "OUTSIDE", 5.0, 2.0, f"not bit-identical: 5.0 ulps after 2 steps (leaf 1), OUTSIDE the documented bound "
+        f"of 2 ulps there: 1 ulp a step ({U}) times the measured growth of a difference in that leaf, summed "
+        f"over the steps (growth at most 1)")
+    assert "of 4 ulps there: 2 ulps a step" in verdict(VA, moved_up(5), 2, flat).text
+    wide = two_leaf_growth(2, scale=(0.0, 4.0))  # leaf 1 in units of 4 of its own ulps
+    at_edge = verdict(VA, moved_up(8), 1, wide)  # 8 own ulps = 2.0 units: exactly the bound
+    assert (at_edge.case, at_edge.ulps, at_edge.bound) == ("within", 2.0, 2.0), at_edge
+    inside = verdict(VA, moved_up(6), 1, wide)  # 1.5 units; leaf 0 is 0 apart and not the one named
+    assert (inside.case, inside.ulps) == ("within", 1.5) and "(leaf 1), within" in inside.text, inside.text
+    past = verdict(VA, moved_up(9), 1, wide)
+    assert (past.case, past.ulps) == ("OUTSIDE", 2.25), past
+    grown = two_leaf_growth(2, rows=[64.0, 128.0, 256.0], off_centre=0.5)  # grew, not linearly: no bound
+    assert grown.outside() is not None
+    lost = verdict(VA, moved_up(5), 1, grown)
+    assert (lost.case, lost.ulps, lost.bound) == ("outside the domain", 5.0, None), lost
+    assert lost.text.startswith("not bit-identical: 5.0 ulps after 2 steps: outside the domain where a bound is "
+                                f"derived: {grown.outside()}"), lost.text
