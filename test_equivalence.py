@@ -394,7 +394,8 @@ def test_growth_factors_are_the_largest_later_distance_over_this_one():
     np.testing.assert_array_equal(g.factors(), [[4.0, 512 / 96, 1.0]])
     assert g.bound(2) == [2 * (4.0 + 512 / 96 + 1.0)]
     shrinking = growth([64, 32, 16, 8], [64, 32, 16, 8])  # contraction: never below 1
-    assert shrinking.factors().tolist() == [[1.0, 1.0, 1.0]] and shrinking.bound(3) == [9]
+    np.testing.assert_array_equal(shrinking.factors(), [[1.0, 1.0, 1.0]])
+    assert shrinking.bound(3) == [9]
     # Leaf by leaf: each leaf's bound from its own growth.
     two = equivalence.Growth(np.array([[[64, 64, 64], [64, 128, 256]]] * 2, np.float64), 0.0, np.zeros(2))
     np.testing.assert_array_equal(two.bound(2), [2 * (1 + 1), 2 * (2 + 1)])
@@ -535,7 +536,8 @@ def test_twin_growth_measures_a_known_growth(devices, rate, per_step):
                                optimizer=strategies.sgd(rate))
     want = 64 * per_step ** np.arange(steps + 1)
     np.testing.assert_array_equal(g.distances, [[want], [want]])
-    assert g.off_centre == 0.0 and g.scale.tolist() == [1.0]  # linear: the twins end exactly opposite
+    assert g.off_centre == 0.0  # linear: the twins end exactly opposite
+    np.testing.assert_array_equal(g.scale, [1.0])
     np.testing.assert_array_equal(g.factors(), [per_step ** np.arange(steps - 1, -1, -1)])
     assert g.bound(2) == [2 * sum(per_step ** k for k in range(steps))]
     np.testing.assert_array_equal(g.tangent, [want])  # the derivative of a linear step: the twins exactly

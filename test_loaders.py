@@ -163,8 +163,9 @@ def test_split_rows_gives_block_j_to_the_jth_position():
     rows = {"mask": np.arange(6), "labels": np.arange(6) * 10}
     blocks = loaders.split_rows(rows, [5, 1, 3])  # a process's positions, as listed
     assert list(blocks) == [5, 1, 3]
-    assert blocks[5]["mask"].tolist() == [0, 1] and blocks[1]["mask"].tolist() == [2, 3]
-    assert blocks[3]["labels"].tolist() == [40, 50]
+    np.testing.assert_array_equal(blocks[5]["mask"], [0, 1])
+    np.testing.assert_array_equal(blocks[1]["mask"], [2, 3])
+    np.testing.assert_array_equal(blocks[3]["labels"], [40, 50])
 
 
 def test_uneven_shards_refuse_a_batch_larger_than_the_smallest(devices, cifar):

@@ -1059,7 +1059,7 @@ def test_outputs_are_checked_before_rocals_raw_copy(small_dir, fake):
     assert not np.all(bad["read-only"] == 7.0)
     out = np.empty((4, 3, 32, 32), np.float32)
     rocal_loader.copy_output(tensor, out)
-    assert conformance.decode_indices(out, NORM).tolist() == [0, 1, 2, 3]
+    np.testing.assert_array_equal(conformance.decode_indices(out, NORM), [0, 1, 2, 3])
 
 
 def assert_dlpack_copy_survives_the_ring(pipe, device) -> None:
@@ -1076,7 +1076,7 @@ def assert_dlpack_copy_survives_the_ring(pipe, device) -> None:
     assert images.devices() == {device} and images.dtype == np.float32
     images.block_until_ready()  # what the loader's _Transfers sees to before the second next run
     pipe.rocal_run()
-    assert conformance.decode_indices(alias, NORM).tolist() == [0, 1, 2, 3]  # intact one run on
+    np.testing.assert_array_equal(conformance.decode_indices(alias, NORM), [0, 1, 2, 3])  # intact one run on
     pipe.rocal_run()
     # From the second next run on, rocAL's output thread writes that slot again (real rocAL:
     # at once or a little later; it then holds batch 3 or a later one).
@@ -1084,7 +1084,7 @@ def assert_dlpack_copy_survives_the_ring(pipe, device) -> None:
     while conformance.decode_indices(alias, NORM).tolist() == [0, 1, 2, 3] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert conformance.decode_indices(alias, NORM)[0] >= 8, "the view did not move on"
-    assert conformance.decode_indices(np.asarray(images), NORM).tolist() == [0, 1, 2, 3]  # the copy did
+    np.testing.assert_array_equal(conformance.decode_indices(np.asarray(images), NORM), [0, 1, 2, 3])  # the copy did
     with pytest.raises(RuntimeError, match=r"output is float32 \(4, 3, 32, 32\) NCHW, expected float32 "
                                            r"\(8, 3, 32, 32\) NCHW"):
         rocal_loader.device_images(tensor, device, (3, 32, 32), 8)
