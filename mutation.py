@@ -436,7 +436,7 @@ def own_tests(name: str, mapping: dict, durations: dict) -> dict[str, list[str]]
 def part_of(name: str) -> list[str] | None:
     """The modules the set's folder was last run on (None: the whole set, or no run yet)."""
     recorded = ROOT / ".mutation" / name / "part.txt"
-    return recorded.read_text().split() or None if recorded.exists() else None
+    return (recorded.read_text().split() or None) if recorded.exists() else None
 
 
 def mutmut(name: str, args: list[str], modules=None) -> None:
@@ -601,7 +601,7 @@ def main(argv: list[str]) -> None:
         sys.exit(__doc__)
     name, rest = argv[0], argv[1:]
     # Module names of the set pick a part of it: ``pure arithmetic.py model.py`` mutates
-    # those two, runs their own test files only, and leaves the others' verdicts as they are.
+    # those two and runs their own test files only, in a folder that holds that part alone.
     modules = [w for w in rest if w in SETS[name]] or None
     rest = [w for w in rest if w not in SETS[name]]
     if os.nice(0) < 10:  # a habit on a shared machine: every mutant's process inherits it
