@@ -56,7 +56,11 @@ Guarantees checked:
   chaos told apart); the growth and no-growth paths agree on drawn pairs.
   ``twin_growth`` on a model whose growth is known exactly (a quadratic whose one
   entry doubles each step: the twins' distance, and the tangent's, must double
-  too), with a contracting control.
+  too), with a contracting control; ``twin_growth`` and ``stepwise_distances``
+  against NumPy re-computations of their docstrings on models where every number
+  is exact (dyadic values, counts 1, 4 and 8): leaves of three dtypes and an empty
+  one, a twin that rounds where the other does not, coupled entries, an optimizer
+  state that is not init's, a one-sided ReLU kink, a batch of one real row.
 
 strategies.py's mechanics (checked, where each strategy runs, the refusals,
 train_loop, donation): test_strategies.py. The models and batches both files use
@@ -542,6 +546,370 @@ def test_twin_growth_measures_a_known_growth(devices, rate, per_step):
     assert g.bound(2) == [2 * sum(per_step ** k for k in range(steps))]
     np.testing.assert_array_equal(g.tangent, [want])  # the derivative of a linear step: the twins exactly
     assert g.outside() is None
+
+
+# --------------------------------------------------------------------------
+# twin_growth and stepwise_distances against NumPy, on a model where every
+# number is exact: what each docstring says, re-computed from it
+# --------------------------------------------------------------------------
+
+COUPLE = np.array([1.0, 1.0, 2.0, 1.0], np.float32)  # w's entries meet in one residual: the twins' signs matter
+CURVE = np.array([1.0, 2.0], np.float32)  # b's per-entry curvature
+DECAY = {"w": 2.0}  # the exact optimizer's weight decay, per leaf (0 where not named)
+MOMENTUM = {"w": 1.0}  # and its momentum
+
+
+def exact_terms(params, batch):
+    """Per real row i: 0.5 (w . COUPLE - x_i)^2 + 0.5 sum CURVE (b - y_i)^2; leaves e (empty), h
+    (bfloat16) and k untouched by the loss. With dyadic inputs and counts 1, 2, 4 or 8 every
+    gradient, in any order of summation, is exact in float32."""
+    mask = batch["mask"].astype(jnp.float32)
+    residual = params["w"] @ COUPLE - batch["x"]
+    per_row = 0.5 * residual ** 2 + 0.5 * jnp.sum(CURVE * (params["b"] - batch["y"]) ** 2, axis=-1)
+    return jnp.sum(mask * per_row), jnp.sum(mask)
+
+
+def exact_optimizer() -> strategies.Optimizer:
+    """Learning rate 1 with a per-leaf momentum and weight decay: trace' = MOMENTUM trace + g,
+    update -(trace' + DECAY p); its state holds an int counter (no tangent) beside the floats.
+    Every operation is exact on exact_terms' numbers."""
+    def init(params):
+        return {"count": jnp.zeros((), jnp.int32), "trace": jax.tree.map(jnp.zeros_like, params)}
+
+    def update(grads, state, params):
+        trace = {k: jnp.asarray(MOMENTUM.get(k, 0.0), g.dtype) * state["trace"][k] + g for k, g in grads.items()}
+        updates = {k: -(trace[k] + jnp.asarray(DECAY.get(k, 0.0), trace[k].dtype) * params[k]) for k in trace}
+        return updates, {"count": state["count"] + 1, "trace": trace}
+    return strategies.Optimizer(init, update)
+
+
+def exact_start():
+    """(params, opt_state): leaf k's largest entry an odd number of ulps below 2, so that a move
+    of 64 ulps up rounds (to even, upward) and one down does not: one twin starts 65 ulps out
+    there, the other 64."""
+    bf16 = jnp.bfloat16
+    params = {"b": np.array([0.0, 0.125], np.float32), "e": np.zeros(0, np.float32),
+              "h": np.array([1.5, 0.25], bf16), "k": np.array([2 - 2.0**-23, 1.0], np.float32),
+              "w": np.array([1.0, -0.5, 0.25, 0.75], np.float32)}
+    trace = {k: np.zeros_like(v) for k, v in params.items()}
+    trace["w"] = np.array([0.25, 0.0, -0.5, 0.0], np.float32)  # a state that is not init's
+    trace["b"] = np.array([0.5, 0.0], np.float32)
+    return params, {"count": np.int32(3), "trace": trace}
+
+
+def exact_hosts():
+    """Three global batches of 12 rows (6 a device, two blocks of 3 rows each): 8, 1 and 4 real
+    rows, uneven across the devices; y's first column cancels within blocks of 3 rows otherwise
+    than within blocks of 2 (the row blocks are told by their sums)."""
+    mask = [np.array([1, 1, 1, 1, 1, 0, 1, 1, 1, 0, 0, 0], bool),
+            np.array([0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0], bool),
+            np.array([1, 0, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0], bool)]
+    x = [np.array([3, -1, 2, 0, 1, 9, -2, 4, 1, 7, 7, 7]), np.array([0, 0, 0, 0, 0, 0, 0, 0, 2, 5, 5, 5]),
+         np.array([1, 3, -1, 0, 0, 0, 2, 2, 0, 0, 0, 0])]
+    y = [np.stack([np.array([4, 4, -4, -4, 4, 5, 4, -4, 4, 0, 0, 0]), np.array([0, 2, 0, 2, 0, 0, 2, 2, 0, 0, 0, 0])], -1),
+         np.stack([np.full(12, -1), np.full(12, 1)], -1),
+         np.stack([np.array([2, 0, 2, 0, 0, 0, -2, 2, 0, 0, 0, 0]), np.array([1, 0, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0])], -1)]
+    return [{"x": xs.astype(np.float32), "y": ys.astype(np.float32), "mask": m} for xs, ys, m in zip(x, y, mask)]
+
+
+def numpy_gradients(p: dict, host: dict, blocks: int):
+    """(g, sum_k |g_k|) of exact_terms' masked mean in float64, g_k the gradient of row block
+    k (``blocks`` equal blocks of consecutive rows) over the whole batch's count."""
+    m, count = host["mask"].astype(np.float64), max(host["mask"].sum(), 1)
+    rows_w = (m * (p["w"] @ COUPLE - host["x"]))[:, None] * COUPLE / count
+    rows_b = m[:, None] * CURVE * (p["b"] - host["y"]) / count
+    g = {k: np.zeros(np.shape(v)) for k, v in p.items()}
+    absolute = {k: np.zeros(np.shape(v)) for k, v in p.items()}
+    g["w"], g["b"] = rows_w.sum(0), rows_b.sum(0)
+    absolute["w"] = np.abs(rows_w.reshape(blocks, -1, 4).sum(1)).sum(0)
+    absolute["b"] = np.abs(rows_b.reshape(blocks, -1, 2).sum(1)).sum(0)
+    return g, absolute
+
+
+def numpy_step(p: dict, trace: dict, g: dict) -> tuple:
+    trace = {k: MOMENTUM.get(k, 0.0) * trace[k] + g[k] for k in p}
+    updates = {k: -(trace[k] + DECAY.get(k, 0.0) * p[k]) for k in p}
+    return {k: p[k] + updates[k] for k in p}, trace, updates
+
+
+def as_float64(tree):
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+def assert_exact_in(tree: dict, dtypes: dict):
+    """The precondition the NumPy references rest on: every value they computed is a value of
+    its leaf's own dtype (nothing JAX computed in that dtype could have rounded)."""
+    for k, v in tree.items():
+        np.testing.assert_array_equal(np.asarray(v).astype(dtypes[k]).astype(np.float64), v, err_msg=k)
+
+
+def numpy_twin_growth(params, opt_state, hosts, n: int, ulps=equivalence.TWIN_ULPS, seed=0) -> tuple:
+    """twin_growth, re-computed from its docstring and Growth's in float64: (distances, off_centre,
+    scale, tangent), and which terms set the scale (params or updates)."""
+    names, dtypes = sorted(params), {k: np.asarray(v).dtype for k, v in params.items()}
+    rng = np.random.default_rng(seed)
+    signs = {k: rng.choice(np.array([-1.0, 1.0]), size=np.shape(params[k])) for k in names}
+
+    def moved(sign):
+        out = {}
+        for k in names:
+            x = np.asarray(params[k])
+            unit = np.float64(np.spacing(np.abs(x).max())) if x.size else 0.0
+            out[k] = np.asarray(x.astype(np.float64) + sign * ulps * unit * signs[k], np.float64)
+            out[k] = out[k].astype(dtypes[k]).astype(np.float64)  # rounded to the leaf's dtype
+        return out
+
+    states = [(as_float64(params), as_float64(opt_state["trace"]))] + [(moved(s), as_float64(opt_state["trace"]))
+                                                                       for s in (1.0, -1.0)]
+    scale = {k: float(np.abs(states[0][0][k]).max(initial=0.0)) for k in names}
+    spacing = lambda k: float(np.spacing(dtypes[k].type(scale[k])))
+
+    def distances():
+        r = states[0][0]
+        return np.array([[np.abs(s[0][k] - r[k]).max(initial=0.0) / spacing(k) for k in names] for s in states[1:]])
+
+    columns, tangent, set_by = [distances()], [distances()[0]], set()
+    for host in hosts:
+        stepped = []
+        for i, (p, trace) in enumerate(states):
+            g, absolute = numpy_gradients(p, host, blocks=2 * n)
+            if i == 0:
+                sizes = numpy_step(p, trace, absolute)[2]
+            stepped.append(numpy_step(p, trace, g)[:2])
+        states = stepped
+        for s in states:
+            assert_exact_in(s[0], dtypes)
+        for k in names:
+            held, update = float(np.abs(states[0][0][k]).max(initial=0.0)), float(np.abs(sizes[k]).max(initial=0.0))
+            if max(held, update) > scale[k]:
+                set_by.add(("params" if held >= update else "updates", int(host["mask"].sum())))
+            scale[k] = max(scale[k], held, update)
+        columns.append(distances())
+        tangent.append(columns[-1][0])  # an affine step: the tangent is twin a's difference, exactly
+    r, a, b = (s[0] for s in states)
+    middle = max(np.abs((a[k] - r[k]) + (b[k] - r[k])).max(initial=0.0) / spacing(k) for k in names)
+    spread = columns[-1][0].max() + columns[-1][1].max()
+    return (np.stack(columns, -1), middle / spread if spread else 0.0, np.array([scale[k] for k in names]),
+            np.stack(tangent, -1), set_by, signs)
+
+
+def test_twin_growth_is_what_its_docstring_computes_on_an_exact_model(devices):
+    # Every number on the way is exact (dyadic values, counts 1, 4 and 8), so the measure has
+    # one right answer: the docstring's, re-computed in NumPy. What the model puts in reach:
+    # leaves of three dtypes and an empty one, a leaf whose twins start 65 and 64 ulps out
+    # (rounding), coupled entries (the signs matter), an optimizer state that is not init's
+    # (with an int leaf) and a weight decay (the update reads the params), a batch of one
+    # real row, and a scale set by the params at one step and by an update at another.
+    mesh = loaders.data_mesh(devices[:2])
+    params, opt_state = exact_start()
+    hosts = exact_hosts()
+    distances, off_centre, scale, tangent, set_by, signs = numpy_twin_growth(params, opt_state, hosts, n=2)
+    assert {("params", 8), ("updates", 8), ("updates", 1)} <= set_by, set_by
+    assert (distances[0] != distances[1]).any() and 0 < off_centre < 1
+    assert set(np.unique(signs["w"])) == {-1.0, 1.0}
+    g = equivalence.twin_growth(params, hosts, mesh, loss_terms=exact_terms, optimizer=exact_optimizer(),
+                                opt_state=opt_state)
+    np.testing.assert_array_equal(g.distances, distances)
+    assert g.off_centre == off_centre
+    np.testing.assert_array_equal(g.scale, scale)
+    np.testing.assert_array_equal(g.tangent, tangent)
+    assert g.distances.dtype == g.scale.dtype == g.tangent.dtype == np.float64
+    # Another seed draws other signs, and the measure follows them; batches already on the
+    # mesh are the same batches, and are the caller's still after it (none donated).
+    other = numpy_twin_growth(params, opt_state, hosts, n=2, seed=5)
+    assert (other[0] != distances).any()
+    placed = [jax.device_put(h, jax.sharding.NamedSharding(mesh, P(strategies.AXIS))) for h in hosts]
+    np.testing.assert_array_equal(equivalence.twin_growth(params, placed, mesh, loss_terms=exact_terms,
+                                                          optimizer=exact_optimizer(), opt_state=opt_state,
+                                                          seed=5).distances, other[0])
+    for h, p in zip(hosts, placed):
+        for key in h:
+            np.testing.assert_array_equal(np.asarray(p[key]), h[key])
+
+
+KINK_COUPLE = np.array([1.0, 1.0, 2.0, 0.0], np.float32)  # w's last entry (8: its leaf's ulp) outside the residual
+
+
+def kink_terms(params, batch):
+    """Per real row i: 0.5 (w . KINK_COUPLE - x_i)^2 + relu(r - z_i), e empty and untouched.
+    r sits on the ReLU's kink (r = z_i): its gradient is 0 there and 1 a row a ulp above, 0 a
+    ulp below (one-sided). w's largest entry, 8, sets its leaf's ulp (2**-20) high enough that
+    every residual of a 1-ulp move is exact in float32."""
+    mask = batch["mask"].astype(jnp.float32)
+    residual = params["w"] @ KINK_COUPLE - batch["x"]
+    per_row = 0.5 * residual ** 2 + jax.nn.relu(params["r"][0] - batch["z"])
+    return jnp.sum(mask * per_row), jnp.sum(mask)
+
+
+def numpy_kink_gradients(p: dict, host: dict, blocks: int):
+    """(g, sum_k |g_k|) of kink_terms' masked mean in float64, as ``numpy_gradients``."""
+    m, count = host["mask"].astype(np.float64), max(host["mask"].sum(), 1)
+    rows_w = (m * (p["w"] @ KINK_COUPLE - host["x"]))[:, None] * KINK_COUPLE / count
+    rows_r = (m * (p["r"][0] - host["z"] > 0))[:, None] / count
+    g = {"e": np.zeros(0), "r": rows_r.sum(0), "w": rows_w.sum(0)}
+    absolute = {"e": np.zeros(0), "r": np.abs(rows_r.reshape(blocks, -1, 1).sum(1)).sum(0),
+                "w": np.abs(rows_w.reshape(blocks, -1, 4).sum(1)).sum(0)}
+    return g, absolute
+
+
+def doubled(params, batches, mesh, *, loss_terms, optimizer, opt_state=None):
+    """A strategy whose gradient is exactly twice sharded's (its loss doubled)."""
+    twice = lambda p, batch: (2 * loss_terms(p, batch)[0], loss_terms(p, batch)[1])
+    return strategies.sharded(params, batches, mesh, loss_terms=twice, optimizer=optimizer, opt_state=opt_state)
+
+
+def kink_start():
+    params = {"e": np.zeros(0, np.float32), "r": np.array([0.5], np.float32),
+              "w": np.array([1.0, -0.5, 0.25, 8.0], np.float32)}
+    trace = {"e": np.zeros(0, np.float32), "r": np.zeros(1, np.float32), "w": np.array([0.5, 0, 0, 0], np.float32)}
+    return params, {"count": np.int32(0), "trace": trace}
+
+
+def kink_hosts():
+    """Three global batches of 12 rows: 8, 1 and 4 real rows; z = r every row (on the kink)."""
+    mask = [np.array([1, 1, 1, 1, 1, 0, 1, 1, 1, 0, 0, 0], bool),
+            np.array([0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0], bool),
+            np.array([1, 0, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0], bool)]
+    x = [np.array([2, 0, 1, 1, 2, 9, 1, 0, 1, 7, 7, 7]) / 2, np.full(12, -1.0),
+         np.array([1, 3, -1, 0, 0, 0, 2, 2, 0, 0, 0, 0]) / 4]
+    return [{"x": xs.astype(np.float32), "z": np.full(12, 0.5, np.float32), "mask": m} for xs, m in zip(x, mask)]
+
+
+def numpy_stepwise_distances(params, opt_state, hosts, n: int, seed=0) -> tuple:
+    """stepwise_distances of ("sharded", ``doubled``), re-computed from stepwise_verdict's
+    docstring in float64: (distances, twins, signs); the next state a's (sharded's)."""
+    names = sorted(params)
+    rng = np.random.default_rng(seed)
+    signs = {k: rng.choice(np.array([-1.0, 1.0]), size=np.shape(params[k])) for k in names}
+    p, trace = as_float64(params), as_float64(opt_state["trace"])
+    distances, twins = [], []
+    for host in hosts:
+        g, absolute = numpy_kink_gradients(p, host, blocks=2 * n)
+        scale = {k: absolute[k].max(initial=0.0) for k in names}
+        unit = {k: float(np.spacing(np.float32(scale[k]))) for k in names}
+        # leaf_ulps(g, 2g, scale): in ulps of the largest of |g|, |2g| and the term scale
+        distances.append([np.abs(g[k]).max(initial=0.0) /
+                          float(np.spacing(np.float32(max(2 * np.abs(g[k]).max(initial=0.0), scale[k]))))
+                          for k in names])
+        moves = []
+        for sign in (1.0, -1.0):
+            moved = {k: p[k] + sign * signs[k] * (float(np.spacing(np.float32(np.abs(p[k]).max()))) if p[k].size else 0.0)
+                     for k in names}
+            assert_exact_in(moved, {k: np.float32 for k in names})
+            moves.append(numpy_kink_gradients(moved, host, blocks=2 * n)[0])
+        twins.append([max(np.abs(m[k] - g[k]).max(initial=0.0) for m in moves) / unit[k] for k in names])
+        p, trace, _ = numpy_step(p, trace, g)
+        assert_exact_in(p, {k: np.float32 for k in names})
+    return np.array(distances), np.array(twins), signs
+
+
+def test_stepwise_distances_are_what_the_docstring_computes_on_an_exact_model(devices):
+    # As twin_growth's test: an exact model, so one right answer, the docstring's. In reach: an
+    # empty leaf, a ReLU kink that only one twin crosses (the larger twin is that one), a batch
+    # of one real row, an optimizer state that is not init's and is a's (momentum: b's state
+    # would take another path), coupled entries (the signs matter).
+    mesh = loaders.data_mesh(devices[:2])
+    params, opt_state = kink_start()
+    hosts = kink_hosts()
+    optimizer = exact_optimizer()
+    distances, twins, signs = numpy_stepwise_distances(params, opt_state, hosts, n=2)
+    assert signs["r"][0] == 1.0 and set(np.unique(signs["w"])) == {-1.0, 1.0}
+    got, got_twins, same, diverged = equivalence.stepwise_distances(
+        strategies.sharded, "sharded", doubled, "sharded", params, hosts, mesh, loss_terms=kink_terms,
+        optimizer=optimizer, opt_state=opt_state)
+    np.testing.assert_array_equal(got, distances)
+    np.testing.assert_array_equal(got_twins, twins)
+    assert got.dtype == got_twins.dtype == np.float64 and not same and diverged is None
+    # A param that is already infinite: the training diverged at step 0, nothing compared.
+    broken = dict(params, r=np.array([np.inf], np.float32))
+    got, got_twins, same, diverged = equivalence.stepwise_distances(
+        strategies.sharded, "sharded", doubled, "sharded", broken, hosts, mesh, loss_terms=kink_terms,
+        optimizer=optimizer, opt_state=opt_state)
+    assert diverged == 0 and got.shape == got_twins.shape == (0, 3)
+
+
+def test_leaf_ulps_counts_in_each_leafs_own_dtype_and_is_symmetric():
+    # float64 leaves in float64 ulps; every other dtype in float32, both sides converted to it
+    # first (a float64 partner, an int leaf); max(|a|, |b|) over the leaf whichever side holds
+    # it; an empty leaf 0, and the leaves after it still measured.
+    one64 = np.float64(1.0)
+    np.testing.assert_array_equal(equivalence.leaf_ulps([np.array([one64])], [np.array([one64 + 3 * 2.0**-52])]), [3])
+    np.testing.assert_array_equal(equivalence.leaf_ulps([np.array([1.0], np.float32)], [np.array([1 + 2.0**-40])]), [0])
+    np.testing.assert_array_equal(equivalence.leaf_ulps([np.array([2**24 + 1], np.int32)], [np.array([2**24], np.int32)]),
+                                  [0])
+    small, big = [np.array([1.0, 0.0], np.float32)], [np.array([1.0, 4.0], np.float32)]
+    want = 4.0 / 2.0**-21  # |4 - 0| in ulps of 4
+    np.testing.assert_array_equal(equivalence.leaf_ulps(small, big), [want])
+    np.testing.assert_array_equal(equivalence.leaf_ulps(big, small), [want])
+    empty_first = [np.zeros(0, np.float32), np.array([1.0], np.float32)]
+    moved = [np.zeros(0, np.float32), np.array([1.0 + 2.0**-23], np.float32)]
+    out = equivalence.leaf_ulps(empty_first, moved)
+    assert out.dtype == np.float64
+    np.testing.assert_array_equal(out, [0.0, 1.0])
+
+
+def test_the_verdict_after_no_steps_is_identical_or_outside_and_quiet():
+    # A growth of 0 steps bounds every leaf by 0 ulps: a difference is OUTSIDE, in the leaf that
+    # differs (not the one that agrees), with no division's warning; a one-leaf text names no leaf.
+    import warnings
+    a = [np.array([1.0], np.float32), np.array([2.0], np.float32)]
+    b = [a[0].copy(), np.array([2.0 + 2.0**-22], np.float32)]
+    none = equivalence.Growth(np.full((2, 2, 1), 64.0), 0.0, np.zeros(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        v = equivalence.verdict(a, b, 2, none)
+    assert (v.case, v.ulps, v.bound) == ("OUTSIDE", 1.0, 0.0), v
+    assert "(leaf 1)" in v.text and "growth at most 1)" in v.text
+    assert equivalence.verdict(a, a, 2, none).case == "identical"
+    one = growth([64, 64], [64, 64])
+    v = equivalence.verdict(a[1:], b[1:], 0.5, one)
+    assert v.case == "OUTSIDE" and "(leaf" not in v.text and "XX" not in v.text
+
+
+def test_the_verdict_names_the_leaf_nearest_its_bound_even_at_one_ulp():
+    # Leaf 0 one ulp apart against a bound of 2 (ratio 1/2), leaf 1 three ulps against 101 (its
+    # growth x100 after step 1): the verdict's ulps and bound are leaf 0's. A NaN outside the
+    # domain is a NaN.
+    a = [np.array([1.0], np.float32), np.array([1.0], np.float32)]
+    b = [np.array([1.0 + 2.0**-23], np.float32), np.array([1.0 + 3 * 2.0**-23], np.float32)]
+    grown = equivalence.Growth(np.array([[[64, 64, 64], [64, 64, 6400]]] * 2, np.float64), 0.0, np.zeros(2))
+    v = equivalence.verdict(a, b, 1, grown)
+    assert (v.case, v.ulps, v.bound) == ("within", 1.0, 2.0) and "(leaf 0)" in v.text, v
+    lost = growth([64] * 3, [64, 128, 1e6], off_centre=0.9)
+    nan = equivalence.verdict(a[:1], [np.array([np.nan], np.float32)], 2, lost)
+    assert nan.case == "outside the domain" and np.isnan(nan.ulps)
+
+
+def test_twin_growth_and_stepwise_verdict_name_themselves_in_their_refusals(devices):
+    mesh = loaders.data_mesh(devices[:2])
+    params, hosts = {"w": np.ones(2, np.float64)}, [{"x": np.zeros(4, np.float32), "mask": np.ones(4, bool)}]
+    with pytest.raises(ValueError, match=r"^equivalence\.twin_growth: leaf \[0\]\['w'\] is float64"):
+        equivalence.twin_growth(params, hosts, mesh, loss_terms=linear_loss_terms)
+    with pytest.raises(TypeError, match="^strategy 'twin_growth': optimizer must have init"):
+        equivalence.twin_growth({"w": np.ones(2, np.float32)}, hosts, mesh, loss_terms=linear_loss_terms,
+                                optimizer=object())
+    with pytest.raises(TypeError, match="^strategy 'stepwise_verdict': optimizer must have init"):
+        equivalence.stepwise_verdict("sharded", "single", {"w": np.ones(2, np.float32)}, hosts, mesh,
+                                     loss_terms=linear_loss_terms, optimizer=object())
+
+
+def test_stepwise_verdict_on_the_exact_model_at_its_bounds_edge(devices):
+    # The exact model's distances (numpy_stepwise_distances) judged at a bound equal to the
+    # largest judged one: within, that distance and bound; an ulp of count lower, OUTSIDE. The
+    # state continued is the one given, and the signs are seed 0's (the judged count says).
+    mesh = loaders.data_mesh(devices[:2])
+    params, opt_state = kink_start()
+    hosts = kink_hosts()
+    distances, twins, _ = numpy_stepwise_distances(params, opt_state, hosts, n=2)
+    judged = twins <= equivalence.STEP_UNITS
+    largest = distances[judged].max()
+    assert largest > 0 and (~judged).sum() > 0
+    run = lambda count: equivalence.stepwise_verdict("sharded", doubled, params, hosts, mesh, loss_terms=kink_terms,
+                                                     optimizer=exact_optimizer(), opt_state=opt_state, count=count)
+    edge = run(largest / equivalence.STEP_UNITS)
+    assert (edge.case, edge.ulps, edge.bound) == ("within", largest, largest), edge
+    assert f"; {(~judged).sum()} of {judged.size} steps x leaves not judged" in edge.text
+    assert run(np.nextafter(largest / equivalence.STEP_UNITS, 0)).case == "OUTSIDE"
 
 
 # --------------------------------------------------------------------------
