@@ -214,7 +214,7 @@ class Growth(NamedTuple):
     measure if the training were differentiable at their scale."""
     distances: np.ndarray  # (2, leaves, steps + 1) float64
     off_centre: float
-    scale: np.ndarray  # (leaves,)
+    scale: np.ndarray  # (leaves,) float64
     tangent: np.ndarray | None = None  # (leaves, steps + 1) float64
 
     @property
