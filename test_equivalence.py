@@ -912,6 +912,63 @@ def test_stepwise_verdict_on_the_exact_model_at_its_bounds_edge(devices):
     assert run(np.nextafter(largest / equivalence.STEP_UNITS, 0)).case == "OUTSIDE"
 
 
+def test_growth_in_units_below_one_and_at_the_reference():
+    # Distances below one unit (the scale grew past them) still divide; a twin on the reference
+    # that stays there grows by 1, one that leaves it again by infinity (and is outside).
+    np.testing.assert_array_equal(growth([0.5, 0.5, 1.0], [0.5, 0.5, 0.5]).factors(), [[2.0, 1.0]])
+    np.testing.assert_array_equal(growth([64, 0, 0], [64, 64, 64]).factors(), [[1.0, 1.0]])
+    left = growth([64, 0, 0.5], [64, 64, 64])
+    assert np.isinf(left.factors()[0, 0]) and left.outside() == "a twin met the reference and left it again"
+    diverged = "the training diverged: the reference or a twin reached a NaN or an infinity"
+    assert growth([64, np.inf], [64, 64]).outside() == diverged
+    assert equivalence.Growth(np.full((2, 1, 2), 64.0), 0.0, np.array([np.inf])).outside() == diverged
+    # A tangent of exactly MAX_TWIN_ULPS is not chaos: twins beyond twice it are kinks.
+    edge = with_tangent([[64, 1e6], [64, 1e6]], [64, equivalence.MAX_TWIN_ULPS]).outside()
+    assert "kinks" in edge and "chaos" not in edge, edge
+
+
+def collapse_terms(params, batch):
+    """0.5 (p - x_i)^2 per real row: SGD at rate 1 moves p onto the batch's mean, twins too."""
+    mask = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask * 0.5 * jnp.sum((params["p"] - batch["x"]) ** 2, axis=-1)), jnp.sum(mask)
+
+
+def test_twins_that_end_on_the_reference_are_on_centre(devices):
+    # Both twins collapse onto the reference: off-centre 0 (not 0/0). With a leaf the loss does
+    # not touch beside, whose twins start 65 and 64 ulps out (exact_start's k), the off-centre
+    # is that leaf's 1 unit over 65 + 64, the two twins' own largest distances.
+    mesh = loaders.data_mesh(devices[:2])
+    hosts = [{"x": np.tile(np.array([[0.5, -0.25]], np.float32), (4, 1)), "mask": np.ones(4, bool)}] * 2
+    sgd = strategies.sgd(1.0)
+    alone = equivalence.twin_growth({"p": np.array([1.0, 0.75], np.float32)}, hosts, mesh,
+                                    loss_terms=collapse_terms, optimizer=sgd)
+    np.testing.assert_array_equal(alone.distances[..., 1:], 0.0)
+    assert alone.off_centre == 0.0 and alone.outside() is None
+    beside = {"k": exact_start()[0]["k"], "p": np.array([1.0, 0.75], np.float32)}
+    g = equivalence.twin_growth(beside, hosts, mesh, loss_terms=collapse_terms, optimizer=sgd)
+    assert sorted(g.distances[:, 0, -1]) == [64.0, 65.0] and g.off_centre == 1 / (65 + 64)
+
+
+def test_identical_means_the_same_bits_shape_and_dtype_and_strategies_are_named(devices):
+    # The same bytes as another dtype, or in another shape, are not identical.
+    one = [np.array([1.0, 2.0], np.float32)]
+    assert equivalence.verdict(one, [one[0].view(np.int32)], 0, None).case == "OUTSIDE"
+    assert equivalence.verdict(one, [one[0].reshape(1, 2)], 0, None).case == "OUTSIDE"
+    assert equivalence.verdict(one, [one[0].copy()], 0, None).case == "identical"
+    # A strategy without a __name__ is named by its repr; names on a one-device mesh take
+    # ulp_bound's count there.
+    mesh = loaders.data_mesh(devices[:1])
+    params, opt_state = kink_start()
+    run = lambda a, b, count=None: equivalence.stepwise_verdict(
+        a, b, params, kink_hosts()[:1], mesh, loss_terms=kink_terms, optimizer=exact_optimizer(),
+        opt_state=opt_state, count=count)
+    partial = functools.partial(doubled)
+    assert run(partial, "sharded", count=1).text.startswith(f"{partial!r} vs sharded")
+    count = equivalence.ulp_bound("sharded", "single", "cpu", 1)
+    v = run("sharded", "single")
+    assert v.case == "identical" or f"{count:g} rounding" in v.text, v
+
+
 # --------------------------------------------------------------------------
 # The bound at any rate: growth measured by twins, the verdict true (issue 23)
 # --------------------------------------------------------------------------
