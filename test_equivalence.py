@@ -947,6 +947,10 @@ def test_twins_that_end_on_the_reference_are_on_centre(devices):
     beside = {"k": exact_start()[0]["k"], "p": np.array([1.0, 0.75], np.float32)}
     g = equivalence.twin_growth(beside, hosts, mesh, loss_terms=collapse_terms, optimizer=sgd)
     assert sorted(g.distances[:, 0, -1]) == [64.0, 65.0] and g.off_centre == 1 / (65 + 64)
+    # No batches: the perturbation alone, 0 steps, in the same float64 unit.
+    still = equivalence.twin_growth(beside, [], mesh, loss_terms=collapse_terms, optimizer=sgd)
+    assert still.steps == 0 and still.scale.dtype == still.distances.dtype == np.float64
+    np.testing.assert_array_equal(still.scale, [2 - 2.0**-23, 1.0])
 
 
 def test_identical_means_the_same_bits_shape_and_dtype_and_strategies_are_named(devices):
