@@ -612,18 +612,23 @@ def exact_hosts():
     return [{"x": xs.astype(np.float32), "y": ys.astype(np.float32), "mask": m} for xs, ys, m in zip(x, y, mask)]
 
 
-def numpy_gradients(p: dict, host: dict, blocks: int):
-    """(g, sum_k |g_k|) of exact_terms' masked mean in float64, g_k the gradient of row block
-    k (``blocks`` equal blocks of consecutive rows) over the whole batch's count."""
-    m, count = host["mask"].astype(np.float64), max(host["mask"].sum(), 1)
-    rows_w = (m * (p["w"] @ COUPLE - host["x"]))[:, None] * COUPLE / count
-    rows_b = m[:, None] * CURVE * (p["b"] - host["y"]) / count
+def block_sums(p: dict, rows: dict, blocks: int) -> tuple:
+    """(g, sum_k |g_k|) in float64 from each row's term of the masked mean's gradient
+    (``rows[leaf]``: (rows, ...), already over the batch's count), g_k the sum over row block
+    k, ``blocks`` equal blocks of consecutive rows; 0 for a leaf no row touches."""
     g = {k: np.zeros(np.shape(v)) for k, v in p.items()}
     absolute = {k: np.zeros(np.shape(v)) for k, v in p.items()}
-    g["w"], g["b"] = rows_w.sum(0), rows_b.sum(0)
-    absolute["w"] = np.abs(rows_w.reshape(blocks, -1, 4).sum(1)).sum(0)
-    absolute["b"] = np.abs(rows_b.reshape(blocks, -1, 2).sum(1)).sum(0)
+    for k, r in rows.items():
+        g[k] = r.sum(0)
+        absolute[k] = np.abs(r.reshape((blocks, -1) + r.shape[1:]).sum(1)).sum(0)
     return g, absolute
+
+
+def numpy_gradients(p: dict, host: dict, blocks: int):
+    """(g, sum_k |g_k|) of exact_terms' masked mean (``block_sums``)."""
+    m, count = host["mask"].astype(np.float64), max(host["mask"].sum(), 1)
+    return block_sums(p, {"w": (m * (p["w"] @ COUPLE - host["x"]))[:, None] * COUPLE / count,
+                          "b": m[:, None] * CURVE * (p["b"] - host["y"]) / count}, blocks)
 
 
 def numpy_step(p: dict, trace: dict, g: dict) -> tuple:
@@ -742,14 +747,10 @@ def kink_terms(params, batch):
 
 
 def numpy_kink_gradients(p: dict, host: dict, blocks: int):
-    """(g, sum_k |g_k|) of kink_terms' masked mean in float64, as ``numpy_gradients``."""
+    """(g, sum_k |g_k|) of kink_terms' masked mean (``block_sums``)."""
     m, count = host["mask"].astype(np.float64), max(host["mask"].sum(), 1)
-    rows_w = (m * (p["w"] @ KINK_COUPLE - host["x"]))[:, None] * KINK_COUPLE / count
-    rows_r = (m * (p["r"][0] - host["z"] > 0))[:, None] / count
-    g = {"e": np.zeros(0), "r": rows_r.sum(0), "w": rows_w.sum(0)}
-    absolute = {"e": np.zeros(0), "r": np.abs(rows_r.reshape(blocks, -1, 1).sum(1)).sum(0),
-                "w": np.abs(rows_w.reshape(blocks, -1, 4).sum(1)).sum(0)}
-    return g, absolute
+    return block_sums(p, {"w": (m * (p["w"] @ KINK_COUPLE - host["x"]))[:, None] * KINK_COUPLE / count,
+                          "r": (m * (p["r"][0] - host["z"] > 0))[:, None] / count}, blocks)
 
 
 def doubled(params, batches, mesh, *, loss_terms, optimizer, opt_state=None):
