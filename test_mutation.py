@@ -118,3 +118,17 @@ def test_a_folder_holds_one_part_and_a_run_of_another_is_refused_naming_both(tmp
     assert mutation.part_of("pure") is None
     with pytest.raises(SystemExit, match=r"holds a run of plan.py arithmetic.py .*; this is model.py"):
         mutation.mutmut("pure", ["run"], ["model.py"])
+
+
+def test_a_deselected_test_is_left_out_of_every_set_and_still_exists():
+    # Each DESELECTED test is handed to pytest as --deselect in both sets' configurations, and
+    # names a test its file still defines (a renamed test would be deselected silently as
+    # nothing, and run again under the tool).
+    for name in mutation.SETS:
+        config = mutation.mutmut_config(name)
+        for test in mutation.DESELECTED:
+            assert f"--deselect={test}" in config, (name, test)
+    for test, why in mutation.DESELECTED.items():
+        path, function = test.split("::")
+        assert f"\ndef {function}(" in (mutation.ROOT / path).read_text(), test
+        assert why
