@@ -290,12 +290,24 @@ def _exclude_messages() -> None:
     pragma_handling.get_lines_ignored_by_pattern = lambda source: by_pattern(source) | message_lines(source)
 
 
-def _exclude_wording_arguments() -> None:
+# argparse's words for a person reading --help: what these keywords of these calls hold is
+# prose that no program reads back (a help text, a metavar, a parser's description), like a
+# raise's message, and a test that killed its mutants would assert a line's text. Left out
+# as wording (``_exclude_wording_arguments``); the call's other arguments (a default, the
+# choices, a type, an action) are code and stay mutated.
+HELP_CALLS = {"ArgumentParser", "add_argument", "add_argument_group", "add_mutually_exclusive_group",
+              "add_parser"}
+HELP_KEYWORDS = {"help", "metavar", "description", "epilog"}
+
+
+def _exclude_wording_arguments(help_texts: bool = True) -> None:
     """Makes mutmut leave out the mutants that only change what a call hands to a
     ``wording_parameters`` parameter of a function of the same module: the argument's own
     mutants (``"epoch"`` made ``"XXepochXX"``), the call's with that argument made None, and
     the call's without it where the parameter has a default and no positional argument
-    follows. Any other mutant of the call (another argument None or gone) stays."""
+    follows. Any other mutant of the call (another argument None or gone) stays. With
+    ``help_texts``, the same for a HELP_KEYWORDS argument of a call to a method (or
+    ``argparse.``) named in HELP_CALLS: its words, made None, or left out."""
     import libcst as cst
     from mutmut.mutation import file_mutation
     visitor = file_mutation.MutationVisitor
@@ -347,6 +359,9 @@ def _exclude_wording_arguments() -> None:
     def words_of(node):
         if isinstance(node, cst.Call) and isinstance(node.func, cst.Name):
             return current.get(node.func.value)
+        if (help_texts and isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute)
+                and node.func.attr.value in HELP_CALLS):
+            return {keyword: (None, True) for keyword in HELP_KEYWORDS}
         return None
 
     def on_visit(self, node):
@@ -585,7 +600,8 @@ def survivors(name: str) -> None:
 def excluded(name: str) -> None:
     """How many mutants each exclusion leaves out, per module (mutmut's own generator,
     the mutants inside functions: the ones mutmut tests): a ``raise``'s own words
-    (``message_lines``), then the words handed to a helper (``wording_parameters``)."""
+    (``message_lines``), then the words handed to a helper (``wording_parameters``), then
+    argparse's help texts (HELP_KEYWORDS)."""
     _mutate_decorated()
     from mutmut import configuration
     from mutmut.mutation import file_mutation, pragma_handling
@@ -602,12 +618,16 @@ def excluded(name: str) -> None:
     codes = {module: (ROOT / module).read_text() for module in SETS[name]}
     counts = {module: [count(module, code, False), count(module, code, True)]
               for module, code in codes.items()}
-    _exclude_wording_arguments()
+    _exclude_wording_arguments(help_texts=False)
+    for module, code in codes.items():
+        counts[module].append(count(module, code, True))
+    _exclude_wording_arguments()  # over the first: both filters, the help texts' added
     for module, code in codes.items():
         counts[module].append(count(module, code, True))
     for module, counts in counts.items():
-        print(f"{module}: {counts[2]} mutants; left out: {counts[0] - counts[1]} that reword a raise's "
-              f"message, {counts[1] - counts[2]} that change the words handed to a helper")
+        print(f"{module}: {counts[3]} mutants; left out: {counts[0] - counts[1]} that reword a raise's "
+              f"message, {counts[1] - counts[2]} that change the words handed to a helper, "
+              f"{counts[2] - counts[3]} that change a --help text")
 
 
 def main(argv: list[str]) -> None:

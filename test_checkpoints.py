@@ -40,6 +40,14 @@ Guarantees checked:
   microbatches), and the plain reduction across the same resize, which is NOT
   bit-identical.
 
+* Elastic in process (refimpl.main in this process, so that mutation.py maps
+  checkpoints.py's mutants to these tests): a chain of four runs on 6, 2, 3 and 6
+  devices (stops mid-epoch and at an epoch's end; the canonical reduction, L = 6, Adam)
+  ends on the bytes of a run on 3 that never stopped, every epoch's loss and accuracy too,
+  and the second checkpoint holds what docs/running.md says; a resize without logical
+  shards (4 x 8 rows to 3 x 5) delivers each sample once, and with drop at most once
+  with the stated count skipped.
+
 The loader's own resume (``epoch(e, state=...)``): test_loaders_resume.py.
 """
 
@@ -677,3 +685,125 @@ def test_the_plain_reduction_across_the_same_resize_is_not_bit_identical(uninter
     [(same, ulps)] = compare_params(tmp_path / "resumed.npz", tmp_path / "straight.npz").values()
     assert not same and 0 < ulps, ulps
     print(f"plain reduction, 8 -> 3 with L = 24: {ulps:.1f} ulps from the uninterrupted run")
+
+
+# --------------------------------------------------------------------------
+# Elastic in this process: refimpl.main stopped and resumed in a user's job that runs JAX
+# --------------------------------------------------------------------------
+
+
+def in_process(argv: list, capsys) -> str:
+    """refimpl.main(argv) in this process: its exit status 0 and its stdout."""
+    code = refimpl.main([str(a) for a in argv])
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    return out
+
+
+def npz(path) -> dict:
+    with np.load(path) as f:
+        return dict(f)
+
+
+def assert_same_files(a, b):
+    a, b = npz(a), npz(b)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert (a[key].dtype, a[key].shape, a[key].tobytes()) == (b[key].dtype, b[key].shape, b[key].tobytes()), key
+
+
+def test_a_chain_of_stops_and_resumes_in_process_is_the_uninterrupted_runs_bits(tiny_dir, tmp_path, capsys):
+    """Logical shards L = 6 of 4 rows (96 samples: 4 steps an epoch, 3 epochs, run steps
+    0..11), the canonical reduction, Adam, four runs: 6 devices stop after run step 2
+    (mid-epoch 0); 2 resume and stop after run step 6 (mid-epoch 1); 3 resume and stop
+    after run step 7, epoch 1's last (saved as epoch 2, step 0); 6 resume to the end.
+    Every strategy's final params and optimizer state are the bytes of a run that never
+    stopped (which runs no checkpoint code: the oracle), and so is every epoch's loss and
+    test accuracy (--metrics-out: the losses before a stop carried in the checkpoint); each
+    interrupted epoch is reported delivered exactly once, and each stop says where the
+    next run starts."""
+    pytest.importorskip("optax", reason="requirements-peers.txt")
+    run = ["--data-dir", tiny_dir, "--epochs", "3", "--batch-size", "4", "--logical-shards", "6",
+           "--reduction", "canonical", "--optimizer", "adam", "--lr", "0.01", "--hidden", "8,8",
+           "--strategies", "all", "--seed", "3", "--eval-batch-size", "16"]
+
+    def metrics(name):
+        return ["--metrics-out", tmp_path / f"{name}.jsonl"]
+
+    in_process(run + ["--devices", "3", "--params-out", tmp_path / "never.npz"] + metrics("never"), capsys)
+    first = in_process(run + ["--devices", "6", "--stop-after-step", "3", "--checkpoint-dir", tmp_path / "a"]
+                       + metrics("a"), capsys)
+    assert "stopped after run steps 0-2: the next, run step 3, is epoch 0, step 3" in first
+    second = in_process(["--resume-from", tmp_path / "a", "--devices", "2", "--stop-after-step", "7",
+                         "--checkpoint-dir", tmp_path / "b"] + metrics("b"), capsys)
+    assert "resuming" in second and "at run step 3 = epoch 0, step 3" in second
+    assert "stopped after run steps 0-6: the next, run step 7, is epoch 1, step 3" in second
+    assert "epoch 1 so far, counted from the delivered rows: 72 real slot(s), 0 sample(s) more than once, " \
+           "0 row(s) that are no sample" in second
+    third = in_process(["--resume-from", tmp_path / "b", "--devices", "3", "--stop-after-step", "8",
+                        "--checkpoint-dir", tmp_path / "c"] + metrics("c"), capsys)
+    assert "stopped after run steps 0-7: the next, run step 8, is epoch 2, step 0" in third
+    ends = json.loads((tmp_path / "c" / checkpoints.CHECKPOINT_FILE).read_text())["loader_state"]
+    assert (ends["epoch"], ends["step"]) == (2, 0)
+    last = in_process(["--resume-from", tmp_path / "c", "--devices", "6", "--compare-to", tmp_path / "never.npz",
+                       "--params-out", tmp_path / "resumed.npz"] + metrics("d"), capsys)
+    for name in refimpl.STRATEGY_NAMES:
+        for out, epoch in ((second, 0), (third, 1)):  # where each interrupted epoch ends
+            assert f"{name} epoch {epoch}: every one of the 96 samples delivered in " \
+                   f"exactly one real slot, counted from the delivered rows" in out, (name, out)
+    never = {(r["strategy"], r["epoch"]): (r["loss"], r["test_accuracy"], r["steps"])
+             for r in map(json.loads, (tmp_path / "never.jsonl").read_text().splitlines())}
+    ended = {}
+    for part, epochs in (("b", (0,)), ("c", (1,)), ("d", (2,))):  # each epoch's row from the run that ends it
+        rows = [json.loads(line) for line in (tmp_path / f"{part}.jsonl").read_text().splitlines()]
+        # a row for each epoch a run trains a step of, and no other
+        assert sorted({r["epoch"] for r in rows}) == {"b": [0, 1], "c": [1], "d": [2]}[part], part
+        for r in rows:
+            if r["epoch"] in epochs:
+                ended[(r["strategy"], r["epoch"])] = (r["loss"], r["test_accuracy"], r["steps"])
+    assert ended == never
+    assert "not bit-identical" not in last and "FAILED" not in last
+    assert_same_files(tmp_path / "resumed.npz", tmp_path / "never.npz")
+    # the second stop's checkpoint, as docs/running.md says it holds: the run step next to
+    # train, the loader state there, what the interrupted epoch's runs delivered, the
+    # run's identity and carried options, and the arrays file it names, by its SHA-256
+    import hashlib
+    ck = json.loads((tmp_path / "b" / checkpoints.CHECKPOINT_FILE).read_text())
+    assert (ck["format"], ck["run_step"]) == ("refimpl.checkpoint/2", 7)
+    assert {k: ck["loader_state"][k] for k in ("epoch", "step", "segments", "seed", "num_samples")} == \
+        {"epoch": 1, "step": 3, "segments": [[0, 6, 4]], "seed": 3, "num_samples": 96}
+    assert {name: [(r["steps"], r["delivered"]) for r in runs] for name, runs in ck["epoch_runs"].items()} == \
+        {name: [("0-2", 72)] for name in refimpl.STRATEGY_NAMES}
+    assert {k: ck["run"][k] for k in ("hidden", "logical_shards", "batch_size", "lr", "optimizer", "seed",
+                                      "reduction", "strategies", "num_train")} == \
+        {"hidden": [8, 8], "logical_shards": 6, "batch_size": 4, "lr": 0.01, "optimizer": "adam", "seed": 3,
+         "reduction": "canonical", "strategies": list(refimpl.STRATEGY_NAMES), "num_train": 96}
+    assert (ck["carried"]["epochs"], ck["carried"]["eval_batch_size"]) == (3, 16)
+    arrays = (tmp_path / "b" / ck["arrays_file"]).read_bytes()
+    assert hashlib.sha256(arrays).hexdigest() == ck["arrays_sha256"]
+
+
+def test_a_resize_in_process_without_logical_shards_delivers_each_sample_once(tiny_dir, tmp_path, capsys):
+    """The plain reduction, no logical shards: 4 devices of 8 rows stop after step 1 of 3
+    (96 samples), 3 devices of 5 rows resume (plan.elastic_plan splits the 64 left): every
+    sample exactly once, counted from the rows; with --last-batch drop, at most once and
+    the count elastic_plan states skipped."""
+    # before the stop: 1 step of 4 x 8 = 32 samples; after: 64 on 3 shards of 5 rows, each
+    # shard the same number of steps: fill, 5 steps (padded), every one; drop, 4 steps of
+    # 3 x 5 = 60, the 4 that do not fill a step skipped
+    for policy, said in (("fill", "every one of the 96 samples delivered in exactly one real slot, counted from "
+                                  "the delivered rows (real slots by run: steps 0-0 on 4 "),
+                         ("drop", "each sample at most once: 92 of 96 delivered, 4 skipped, as elastic_plan "
+                                  "states for drop, counted from the delivered rows (real slots by run: "
+                                  "steps 0-0 on 4 ")):
+        run = ["--data-dir", tiny_dir, "--epochs", "1", "--hidden", "8", "--strategies", "sharded,single",
+               "--last-batch", policy, "--eval-batch-size", "16"]
+        ck = tmp_path / policy
+        in_process(run + ["--devices", "4", "--batch-size", "8", "--stop-after-step", "1", "--checkpoint-dir", ck],
+                   capsys)
+        out = in_process(["--resume-from", ck, "--devices", "3", "--batch-size", "5"], capsys)
+        for name in ("sharded", "single"):
+            [line] = [l for l in out.splitlines() if l.startswith(f"{name} epoch 0: ")]
+            assert said in line and ": 32; steps 1-" in line and \
+                line.endswith(f": {64 if policy == 'fill' else 60})"), line
+        assert "FAILED" not in out

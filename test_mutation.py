@@ -132,3 +132,52 @@ def test_a_deselected_test_is_left_out_of_every_set_and_still_exists():
         path, function = test.split("::")
         assert f"\ndef {function}(" in (mutation.ROOT / path).read_text(), test
         assert why
+
+
+PARSER = textwrap.dedent('''
+    import argparse
+    def build():
+        parser = argparse.ArgumentParser(description="what it does")
+        parser.add_argument("--epochs", type=int, default=5, metavar="N", help="epochs (default: %(default)s)")
+        parser.add_argument("--last", choices=("fill", "drop"), default="fill", help="fill " "or drop")
+        return parser
+''')
+
+
+def test_a_help_text_is_left_out_and_a_default_a_choice_or_a_type_is_not(monkeypatch):
+    """On mutmut's own generator (the one a run uses): with the exclusions, no mutant of
+    PARSER touches a help, metavar or description argument (its words, made None, or left
+    out); every mutant of a default, a choice, a type or an option's name is still made
+    (the control), and without the exclusions the help texts' mutants are made too."""
+    mutmut = pytest.importorskip("mutmut", reason="requirements-mutation.txt")
+    import libcst as cst
+    from mutmut import configuration
+    from mutmut.mutation import file_mutation
+    visitor = file_mutation.MutationVisitor
+    monkeypatch.setattr(file_mutation, "create_mutations", file_mutation.create_mutations)
+    for attribute in ("on_visit", "_skip_node_and_children", "_create_mutations"):
+        monkeypatch.setattr(visitor, attribute, getattr(visitor, attribute))
+    config = configuration.Config.__new__(configuration.Config)
+    config.do_not_mutate_patterns = []
+    monkeypatch.setattr(configuration, "_config", config)
+
+    def mutants() -> set[str]:
+        _, found, *_ = file_mutation.create_mutations("parser.py", PARSER)
+        return {cst.Module([]).code_for_node(m.mutated_node) for m in found}
+
+    every = mutants()
+    mutation._exclude_wording_arguments()
+    kept = mutants()
+    wording = ('"XXepochs', 'help=None', 'metavar=None', '"XXNXX"', 'description=None', '"XXwhat', '"XXor drop',
+               '"WHAT IT DOES"', '"OR DROP"', '"n"')
+    assert all(any(w in m for m in every) for w in wording), mutmut.__version__
+    assert not any(w in m for m in kept for w in wording)
+    # a help or metavar left out: the call with every other argument as it was
+    assert not any("default=5" in m and 'help="epochs' in m and "metavar" not in m for m in kept)
+    assert not any('default="fill"' in m and "help" not in m and 'choices=("fill"' in m for m in kept)
+    code = ["6", '"XXfillXX"', '"XXdropXX"', "type=None", "choices=None", "default=None", '"XX--epochsXX"']
+    assert all(any(c == m or c in m for m in kept) for c in code), sorted(kept)
+    assert any("type=" not in m and "default=5" in m for m in kept)  # type=int left out: code
+    # description: None, XX, upper case (3); --epochs: metavar and help each None, left out,
+    # XX, changed case (8); --last: help None, left out, and both its strings XX and upper (6)
+    assert len(every) - len(kept) == 17

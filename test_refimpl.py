@@ -8,6 +8,15 @@ stderr, exit status 2, no traceback and nothing written; in process, the options
 logical shards, the reduction and --compare-to, and first_difference's bit test
 (-0.0 is not 0.0). The canonical reduction's runs are in test_checkpoints.py.
 
+In process too (refimpl.main called by a job that already runs JAX): every option
+left out has its documented default, each documented choice is taken and nothing
+else, each option parses to its kind; and a run (cifar10 with SGD on 3 devices; mnist
+with Adam on its synthetic data, generated once) trains, bit for bit, what the modules
+train by hand (make_loader, init_model, each strategy), every epoch's loss and test
+accuracy included. A run in a child process runs its mutant too under mutation.py, but
+the tool maps a mutant only to the tests that reach its function in the test process:
+these in-process runs are how refimpl's own code is judged.
+
 The runs are independent processes started together (the fixtures ``runs`` and
 ``refused``, from the tables RUNS and REFUSED): each test checks its own run's output.
 """
@@ -417,3 +426,191 @@ def test_first_difference_finds_one_bit_and_nothing_else():
     minus = {"w": np.array([[-0.0, 2.0]], np.float32), "count": np.array(3, np.int32)}  # == 0.0, other bits
     assert "1 of 2 entries differ, the first at flat index 0" in refimpl.first_difference(zero, minus)
     assert "int64" in refimpl.first_difference(a, {"w": a["w"], "count": np.array(3, np.int64)})
+
+
+# --------------------------------------------------------------------------
+# The options as documented (docs/running.md's table, --help), read back from the parser
+# --------------------------------------------------------------------------
+
+# Every option's value when it is not given, as docs/running.md and --help state it (the
+# notebooks' settings: 5 epochs, 16 a device, lr 0.001, the MLP 1024,1024), after
+# parse_args has resolved it (--hidden as widths, --strategies as the notebooks' pair).
+DOCUMENTED_DEFAULTS = {
+    "dataset": "cifar10", "hidden": (1024, 1024), "data_dir": None,
+    "cache_dir": os.path.join(os.path.expanduser("~"), ".cache", "refimpl"), "epochs": 5,
+    "batch_size": 16, "eval_batch_size": 256, "lr": 0.001, "optimizer": "sgd", "seed": 0,
+    "logical_shards": None, "reduction": "plain", "strategies": ("sharded", "pmap"), "platform": None,
+    "devices": None, "last_batch": "fill", "backend": "reference", "placement": "auto", "normalize": None,
+    "matmul_precision": "highest", "max_ulps_per_step": None, "metrics_out": None, "params_out": None,
+    "compare_to": None, "coordinator": None, "num_processes": None, "process_id": None,
+    "auto_distributed": False, "local_processes": None, "peer_timeout": 60, "stop_after_step": None,
+    "checkpoint_dir": None, "resume_from": None, "from_checkpoint": set()}
+
+# The documented values of each option that takes one of a list.
+DOCUMENTED_CHOICES = {
+    "--dataset": ("cifar10", "mnist"), "--optimizer": ("sgd", "adam"), "--reduction": ("plain", "canonical"),
+    "--last-batch": ("fill", "drop"), "--backend": ("reference", "rocal", "dali", "auto"),
+    "--placement": ("auto", "host", "device", "host_float32"), "--normalize": ("rocal", "dali_cpu", "dali_gpu"),
+    "--matmul-precision": ("default", "high", "highest"), "--platform": ("cpu", "gpu", "cuda", "rocm", "tpu")}
+
+# The options that take a number, with a value and what it parses to.
+NUMBERS = {"--epochs": 3, "--batch-size": 7, "--eval-batch-size": 9, "--seed": 11, "--logical-shards": 6,
+           "--devices": 2, "--max-ulps-per-step": 4, "--num-processes": 2, "--process-id": 1,
+           "--local-processes": 2, "--peer-timeout": 5, "--stop-after-step": 3, "--lr": 0.25}
+# The options that take a word (a path, a list, an address), kept as given.
+WORDS = ("--data-dir", "--cache-dir", "--metrics-out", "--params-out", "--compare-to", "--coordinator",
+         "--checkpoint-dir", "--resume-from", "--hidden", "--strategies")
+
+
+def test_every_option_left_out_has_its_documented_default():
+    import refimpl
+    got = vars(refimpl.parse_args([]))
+    assert got == DOCUMENTED_DEFAULTS
+    assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in DOCUMENTED_DEFAULTS.items()}
+
+
+def test_every_documented_choice_is_taken_and_nothing_else():
+    import refimpl
+    for option, choices in DOCUMENTED_CHOICES.items():
+        dest = option[2:].replace("-", "_")
+        for choice in choices:
+            assert getattr(refimpl.build_parser().parse_args([option, choice]), dest) == choice, option
+        for wrong in (choices[0].upper(), "X" + choices[-1]):
+            with pytest.raises(SystemExit) as info:
+                refimpl.build_parser().parse_args([option, wrong])
+            assert info.value.code == 2, (option, wrong)
+
+
+def test_every_option_parses_to_its_kind():
+    import refimpl
+    for option, value in NUMBERS.items():
+        got = getattr(refimpl.build_parser().parse_args([option, str(value)]), option[2:].replace("-", "_"))
+        assert (got, type(got)) == (value, type(value)), option
+    for option in WORDS:
+        assert getattr(refimpl.build_parser().parse_args([option, "a,b"]), option[2:].replace("-", "_")) == "a,b"
+    assert refimpl.build_parser().parse_args(["--auto-distributed"]).auto_distributed is True
+    # and nothing else is an option: each dest above is one of the documented ones
+    named = set(NUMBERS) | set(WORDS) | set(DOCUMENTED_CHOICES) | {"--auto-distributed"}
+    assert {o[2:].replace("-", "_") for o in named} | {"from_checkpoint"} == set(DOCUMENTED_DEFAULTS)
+
+
+# --------------------------------------------------------------------------
+# In this process: refimpl.main called by a user's job that already runs JAX
+# --------------------------------------------------------------------------
+
+
+def trained_by_the_modules(data, devices, *, strategy_names, widths, batch_size, epochs, seed, optimizer,
+                           normalize, eval_batch, read):
+    """What refimpl's run is, from the modules alone (docs/running.md): the training data on
+    ``devices``' mesh by make_loader (shuffled with --seed, fill), model.init_model of the
+    widths, each strategy of strategies.STRATEGIES epoch after epoch with the optimizer, and
+    the validation on the first device with a fill loader of the eval batch. {strategy:
+    (params, optimizer state, [(mean loss, test accuracy) an epoch])}."""
+    import jax
+    import loaders
+    import model
+    import strategies
+    (train, test) = read(data)
+    mesh = loaders.data_mesh(devices)
+    test_loader = loaders.make_loader(test, devices[:1], eval_batch, last_batch="fill", normalize=normalize)
+    params0 = model.init_model(widths)
+    out = {}
+    for name in strategy_names:
+        loader = loaders.make_loader(train, mesh, batch_size, layout=strategies.LAYOUT[name], placement="device",
+                                     shuffle=True, seed=seed, last_batch="fill", normalize=normalize)
+        params, state, rows = params0, None, []
+        for epoch in range(epochs):
+            params, losses, state = strategies.STRATEGIES[name](params, loader.epoch(epoch), mesh,
+                                                                loss_terms=model.loss_terms, optimizer=optimizer,
+                                                                opt_state=state)
+            rows.append((float(np.mean(losses)), model.accuracy(params, test_loader.epoch(0))))
+        out[name] = (params, jax.tree.map(np.asarray, state), rows)
+    return out
+
+
+def npz_trees(path, names):
+    with np.load(path) as f:
+        files = dict(f)
+    return {name: ([files[f"{name}/{i}"] for i in range(len([k for k in files if k.startswith(name + "/")
+                                                              and "opt_state" not in k]))],
+                   [files[k] for k in sorted((k for k in files if k.startswith(f"{name}/opt_state/")),
+                                             key=lambda k: int(k.rsplit("/", 1)[1]))])
+            for name in names}
+
+
+def assert_run_is_the_modules(tmp, out, expected, steps, devices, dataset):
+    import jax
+    trees = npz_trees(tmp / "p.npz", expected)
+    rows = [json.loads(line) for line in (tmp / "m.jsonl").read_text().splitlines()]
+    for name, (params, state, epochs) in expected.items():
+        got_params, got_state = trees[name]
+        assert len(got_params) == len(jax.tree.leaves(params)) > 0, name
+        for a, b in zip(got_params, jax.tree.leaves(params)):
+            np.testing.assert_array_equal(a.view(np.uint32), np.asarray(b).view(np.uint32), err_msg=name)
+        assert [np.asarray(x).tobytes() for x in got_state] == [x.tobytes() for x in jax.tree.leaves(state)], name
+        mine = [r for r in rows if r["strategy"] == name]
+        assert [(r["epoch"], r["first_step"], r["last_step"], r["steps"]) for r in mine] == \
+            [(e, 0, steps - 1, steps) for e in range(len(epochs))], name  # steps of the epoch
+        assert [(r["loss"], r["test_accuracy"]) for r in mine] == epochs, name
+        assert {r["test_samples"] for r in mine} == {64 if dataset == "cifar10" else 512}, name
+        assert all((r["devices"], r["platform"], r["backend"], r["dataset"]) ==
+                   (1 if name == "single" else len(devices), devices[0].platform, "reference", dataset)
+                   for r in mine), name
+    assert [r["strategy"] for r in rows] == [n for n in expected for _ in expected[n][2]]
+
+
+def test_main_in_a_process_that_runs_jax_trains_what_the_modules_train(tiny_dir, tmp_path, capsys):
+    """refimpl.main(argv) called in-process (JAX already started, as in a user's job or
+    notebook) trains every strategy exactly as the modules do by hand, bit for bit: the
+    params and optimizer state (--params-out), every epoch's loss and test accuracy
+    (--metrics-out), the step numbers; it says the run's shape first and exits 0."""
+    import refimpl
+    from arithmetic import Normalize
+    argv = ["--data-dir", str(tiny_dir), "--epochs", "2", "--batch-size", "16", "--devices", "3",
+            "--strategies", "all", "--hidden", "8,8", "--seed", "5", "--lr", "0.05", "--eval-batch-size", "50",
+            "--params-out", str(tmp_path / "p.npz"), "--metrics-out", str(tmp_path / "m.jsonl")]
+    assert refimpl.main(argv) == 0
+    out = capsys.readouterr().out
+    devices = refimpl.pick_devices(3)
+    import strategies
+    expected = trained_by_the_modules(
+        tiny_dir, devices, strategy_names=refimpl.STRATEGY_NAMES, widths=(3072, 8, 8, 10), batch_size=16,
+        epochs=2, seed=5, optimizer=strategies.sgd(0.05), eval_batch=50,
+        normalize=Normalize(mean=(127.5,) * 3, std=(127.5,) * 3, arithmetic="rocal"),  # the rocAL notebook's
+        read=lambda d: (read_cifar10(d), read_cifar10(d, "test_batch")))
+    # 256 samples over 3 devices x 16: 6 steps, the last one padded
+    assert_run_is_the_modules(tmp_path, out, expected, 6, devices, "cifar10")
+    assert out.splitlines()[0].startswith(f"3 {devices[0].platform} device(s); cifar10: 256 training and 64 test "
+                                          f"images from {tiny_dir}; 6 steps of 3 x 16 per epoch (fill); epochs 0-1")
+    assert "rocal's arithmetic; matmul precision highest; sgd; plain reduction" in out.splitlines()[0]
+    assert "FAILED" not in out
+
+
+def test_main_in_process_on_mnist_with_adam_and_its_synthetic_data(tmp_path, capsys):
+    """The DALI notebook's dataset (x / 255, DALI's CPU arithmetic) with Adam, its synthetic
+    data generated once into --cache-dir (2048 and 512 images, by --seed) and reused: the
+    modules' training by hand, bit for bit, Adam's moments and count too."""
+    optax = pytest.importorskip("optax", reason="requirements-peers.txt")
+    import refimpl
+    from arithmetic import Normalize
+    from cifar_mnist import read_mnist
+    cache = tmp_path / "cache"
+    argv = ["--dataset", "mnist", "--cache-dir", str(cache), "--epochs", "1", "--batch-size", "128",
+            "--devices", "2", "--strategies", "sharded,single", "--hidden", "8", "--seed", "7",
+            "--optimizer", "adam", "--lr", "0.01", "--params-out", str(tmp_path / "p.npz"),
+            "--metrics-out", str(tmp_path / "m.jsonl")]
+    assert refimpl.main(argv) == 0
+    out = capsys.readouterr().out
+    [folder] = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    assert f"generated synthetic mnist in {folder}" in out
+    expected = trained_by_the_modules(
+        folder, refimpl.pick_devices(2), strategy_names=("sharded", "single"), widths=(784, 8, 10),
+        batch_size=128, epochs=1, seed=7, optimizer=optax.adam(0.01), eval_batch=256,
+        normalize=Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu"),  # the DALI notebook's
+        read=lambda d: (read_mnist(d, "train"), read_mnist(d, "test")))
+    assert_run_is_the_modules(tmp_path, out, expected, 8, refimpl.pick_devices(2), "mnist")
+    assert "2048 training and 512 test images" in out and "dali_cpu's arithmetic" in out and "; adam;" in out
+    # generated once: a second run reuses the folder and says nothing of generating
+    assert refimpl.main(argv[:-4] + ["--epochs", "1"]) == 0
+    assert "generated" not in capsys.readouterr().out
+    assert [p.name for p in cache.iterdir()] == [folder.name]
