@@ -71,6 +71,7 @@ SETS = {
         "arithmetic.py": ["test_arithmetic.py"],
         "cifar_mnist.py": ["test_cifar_mnist.py"],
         "conformance.py": ["test_conformance.py"],
+        "encoding.py": ["test_encoding.py"],
         "equivalence.py": ["test_equivalence.py"],
         "model.py": ["test_model.py"],
     },
@@ -102,7 +103,7 @@ PROJECT_FILES = ["*.py", "pytest.ini", "README.md"]
 # thread in the server would deadlock the forked processes); conftest.py does, so it is
 # imported by each mutant's process.
 PRELOAD = ["numpy", "jax", "jax.numpy", "jax.sharding", "hypothesis", "pytest", "xdist",
-           "pytest_timeout", "plan", "arithmetic", "cifar_mnist", "conformance", "model",
+           "pytest_timeout", "plan", "arithmetic", "cifar_mnist", "conformance", "encoding", "model",
            "strategies", "equivalence", "loaders", "checkpoints", "dali_loader", "rocal_loader",
            "refimpl"]
 

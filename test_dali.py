@@ -56,6 +56,7 @@ if __name__ != "__main__":  # the worker below runs in a child process that sets
     from conftest import assert_same_bits, bits_differ, run_children
 
 import conformance  # noqa: E402
+import encoding  # noqa: E402
 import dali_loader  # noqa: E402
 import loaders  # noqa: E402
 from arithmetic import Normalize, aligned_empty, crop_anchor, normalize_table
@@ -79,7 +80,7 @@ def cache(tmp_path_factory):
 
 def encoded(N: int):
     """Images that encode their index, labels i % 10."""
-    return conformance.encoded_images(np.arange(N)), (np.arange(N) % 10).astype(np.int32)
+    return encoding.encoded_images(np.arange(N)), (np.arange(N) % 10).astype(np.int32)
 
 
 def shard_blocks(batch: dict, n: int) -> dict:
@@ -98,7 +99,7 @@ def describe(batches: list, N: int, B: int, n: int, images, labels, *, shuffle: 
              last_batch: str, length: int, normalize=DALI) -> str:
     """The conformance report of one epoch of global batches: '' when it conforms."""
     blocks = [shard_blocks(b, n) for b in batches]
-    delivered = [np.array([conformance.decode_indices(b["images"][k], normalize) for b in blocks],
+    delivered = [np.array([encoding.decode_indices(b["images"][k], normalize) for b in blocks],
                           np.int64).reshape(-1, B) for k in range(n)]
     masks = [np.array([b["mask"][k] for b in blocks], bool).reshape(-1, B) for k in range(n)]
     report = conformance.describe_epoch(delivered, N, B, shuffle=shuffle, last_batch=last_batch,
@@ -157,7 +158,7 @@ def check_epoch(batches: list, reference, epoch: int, start_step: int, order: st
     findings = describe_kinds(batches, N, B, n, shuffle=False, **args)
     assert findings <= {"order"}, f"{where} epoch {epoch}: {findings}"
     plan = reference.plan(epoch)
-    got = np.stack([conformance.decode_indices(shard_blocks(b, n)["images"].reshape(n * B, *b["images"].shape[-3:]),
+    got = np.stack([encoding.decode_indices(shard_blocks(b, n)["images"].reshape(n * B, *b["images"].shape[-3:]),
                                                reference.normalize).reshape(n, B) for b in batches])
     assert (got != plan.indices[start_step:])[plan.mask[start_step:]].any(), \
         f"{where} epoch {epoch}: DALI's order is the plan's: the described deviation is gone"
@@ -169,7 +170,7 @@ def check_epoch(batches: list, reference, epoch: int, start_step: int, order: st
 def describe_kinds(batches, N, B, n, *, shuffle, last_batch, length, normalize) -> set:
     """The kinds of deviation conformance.describe_epoch finds in one whole epoch."""
     blocks = [shard_blocks(b, n) for b in batches]
-    delivered = [np.array([conformance.decode_indices(b["images"][k], normalize) for b in blocks],
+    delivered = [np.array([encoding.decode_indices(b["images"][k], normalize) for b in blocks],
                           np.int64).reshape(-1, B) for k in range(n)]
     masks = [np.array([b["mask"][k] for b in blocks], bool).reshape(-1, B) for k in range(n)]
     return set(conformance.describe_epoch(delivered, N, B, shuffle=shuffle, last_batch=last_batch,
@@ -406,8 +407,8 @@ def test_a_shard_list_epoch_can_be_a_batch_short(devices, cache):
                                           order="vendor")
     batches = [shard_blocks(b, n) for b in loader.epoch(0)]
     loader.close()
-    last = conformance.decode_indices(batches[0]["images"][0], DALI)[-1]
-    np.testing.assert_array_equal(conformance.decode_indices(batches[1]["images"][0], DALI), [last] * B)
+    last = encoding.decode_indices(batches[0]["images"][0], DALI)[-1]
+    np.testing.assert_array_equal(encoding.decode_indices(batches[1]["images"][0], DALI), [last] * B)
     assert not batches[1]["mask"][0].any()
     np.testing.assert_array_equal(batches[1]["mask"][3], [True, False, False])
 
@@ -461,7 +462,7 @@ def test_the_seed_changes_dalis_shuffle(devices, cache):
     def loader_order(seed):
         loader = dali_loader.make_dali_loader((images, labels), devices[:2], 4, shuffle=True, seed=seed,
                                               cache_dir=cache, order="vendor")
-        ids = [np.concatenate([conformance.decode_indices(np.asarray(b["images"]), DALI)
+        ids = [np.concatenate([encoding.decode_indices(np.asarray(b["images"]), DALI)
                                for b in loader.epoch(e)]).tolist() for e in range(2)]
         loader.close()
         return ids
@@ -572,7 +573,7 @@ def test_vendor_shuffle_draws_from_the_whole_shard(devices, cache):
     batch (shard of 2048, B=32) holds samples from anywhere in P. Negative control: DALI's
     default buffer (1024) draws that batch from P's first 1024 + 32 only."""
     N, B = 2048, 32
-    images = conformance.encoded_images(np.arange(N), (1, 2, 2))  # [i % 256, i % 256, i // 256, i // 256]
+    images = encoding.encoded_images(np.arange(N), (1, 2, 2))  # [i % 256, i % 256, i // 256, i // 256]
     labels = (np.arange(N) % 10).astype(np.int32)
     identity = Normalize(mean=(0.0,), std=(1.0,), arithmetic="dali_cpu")
     loader = dali_loader.make_dali_loader((images, labels), devices[:1], B, shuffle=True, seed=1,
@@ -1408,7 +1409,7 @@ def test_equal_size_shards_shuffle_differently(devices, cache):
     local = []
     for k in range(n):
         start, stop = shard_bounds(N, k, n)
-        order = np.concatenate([conformance.decode_indices(b["images"][k], DALI) for b in blocks])
+        order = np.concatenate([encoding.decode_indices(b["images"][k], DALI) for b in blocks])
         assert sorted(order.tolist()) == list(range(start, stop))  # control: each is its own shard
         local.append((order - start).tolist())
     assert local[0] != local[1], "both shards shuffled alike"

@@ -38,12 +38,13 @@ grain = pytest.importorskip("grain")
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import conformance  # noqa: E402
+import encoding  # noqa: E402
 import loaders  # noqa: E402
 from plan import epoch_plan, num_steps, shard_bounds, shard_permutation
 
 N, n, B, SEED = 27, 4, 2, 42  # Grain's shards 7, 7, 7, 6; the plan's [0, 6), [6, 13), [13, 20), [20, 27)
 S = num_steps(N, n, B, "drop")  # 3 = floor(floor(27/4)/2) = floor(27/(4*2)): both recipes' epoch
-SAMPLES = conformance.encoded_images(np.arange(N), (4,), np.int16)
+SAMPLES = encoding.encoded_images(np.arange(N), (4,), np.int16)
 LABELS = (np.arange(N) * 7 % 10).astype(np.int32)
 
 
@@ -92,7 +93,7 @@ def dataloader():
                                             operations=[grain.transforms.Batch(B, drop_remainder=True)]))
                 assert len(one) == S and all(np.array_equal(a["image"], b["image"])
                                              for a, b in zip(one, batches)), "epoch 0 alone"
-            indices.append(np.stack([conformance.decode_indices(b["image"]) for b in batches]))
+            indices.append(np.stack([encoding.decode_indices(b["image"]) for b in batches]))
             labels.append(np.stack([b["label"] for b in batches]))
         out[drop_remainder] = split_epochs(indices), split_epochs(labels)
     return out
@@ -119,9 +120,9 @@ def tutorial(devices):
         for _ in range(2 * S):
             batch = next(iterator)
             blocks = sorted(batch["image"].addressable_shards, key=lambda s: positions[s.device])
-            indices.append([conformance.decode_indices(np.asarray(s.data)) for s in blocks])
+            indices.append([encoding.decode_indices(np.asarray(s.data)) for s in blocks])
             labels.append(conformance.shard_blocks(batch["label"], n))
-            rows.append(conformance.decode_indices(np.asarray(batch["image"])))
+            rows.append(encoding.decode_indices(np.asarray(batch["image"])))
     finally:
         iterator.close()  # stops device_put's prefetch threads
     per_shard = lambda x: list(np.stack(x, axis=1))

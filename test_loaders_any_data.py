@@ -39,6 +39,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import conformance
+import encoding
 import loaders
 from arithmetic import Normalize
 from conftest import assert_same_bits, examples
@@ -361,11 +362,11 @@ def test_device_budget_counts_the_samples_bytes(devices):
 @pytest.mark.parametrize("layout", loaders.LAYOUTS)
 def test_the_reference_loader_on_encoded_float_features_conforms(devices, layout):
     N, B, n = 203, 4, len(devices)
-    features = conformance.encoded_images(np.arange(N), (40,), np.float32)
+    features = encoding.encoded_images(np.arange(N), (40,), np.float32)
     loader = loaders.make_loader((features, np.arange(N) % 3), devices, B, layout=layout, shuffle=True,
                                  seed=3, normalize=None)
     batches = list(loader.epoch(1))
-    decoded = np.stack([conformance.decode_indices(b.reshape((-1,) + b.shape[2:]), None).reshape(n, B)
+    decoded = np.stack([encoding.decode_indices(b.reshape((-1,) + b.shape[2:]), None).reshape(n, B)
                         for b in (conformance.shard_blocks(x["images"], n, layout) for x in batches)])
     masks = np.stack([conformance.shard_blocks(x["mask"], n, layout) for x in batches])
     np.testing.assert_array_equal(decoded, loader.plan(1).indices)

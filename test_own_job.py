@@ -114,13 +114,14 @@ state, values = strategies.train_loop(step, state, my_batches(features, labels),
     "conformance": '''\
 import numpy as np
 import conformance
+import encoding
 
 N, n, B = 10_000, 8, 32
-samples = conformance.encoded_images(np.arange(N), (40,), np.float32)  # sample i holds i
+samples = encoding.encoded_images(np.arange(N), (40,), np.float32)  # sample i holds i
 delivered, masks = [], []
 for batch in my_loader(samples, n, B):  # your loader's global batches: (n*B, 40), (n*B,)
     blocks = conformance.shard_blocks(batch["images"], n)  # (n, B, 40)
-    delivered.append([conformance.decode_indices(block) for block in blocks])
+    delivered.append([encoding.decode_indices(block) for block in blocks])
     masks.append(conformance.shard_blocks(batch["mask"], n))
 found = conformance.describe_epoch(np.array(delivered), N, B, shuffle=False, last_batch="fill",
                                    length=len(delivered), masks=np.array(masks), partition="any")
@@ -298,12 +299,12 @@ assert steps == {5} and shards == {3, 4}, text
 import jax
 import loaders
 from arithmetic import Normalize
-encoded = conformance.encoded_images(np.arange(N), (1, 16, 16))  # uint8, one channel
+encoded = encoding.encoded_images(np.arange(N), (1, 16, 16))  # uint8, one channel
 norm = Normalize(mean=(127.5,), std=(127.5,))
 loader = loaders.make_loader((encoded, image_labels), jax.devices(), B, shuffle=True, seed=1, normalize=norm)
 got, got_masks = [], []
 for batch in loader.epoch(0):
-    got.append([conformance.decode_indices(b, norm) for b in conformance.shard_blocks(batch["images"], n)])
+    got.append([encoding.decode_indices(b, norm) for b in conformance.shard_blocks(batch["images"], n)])
     got_masks.append(conformance.shard_blocks(batch["mask"], n))
 report = conformance.describe_epoch(np.array(got), N, B, shuffle=True, last_batch="fill",
                                     length=len(loader), masks=np.array(got_masks))
@@ -405,12 +406,13 @@ def my_loader(samples, n, B):
 # job also holds the reference loader to conformance, so loaders.py's set comes too).
 NEEDS = {"plan.py": [], "arithmetic.py": [], "cifar_mnist.py": [], "strategies.py": [],
          "loaders.py": ["plan.py", "arithmetic.py", "cifar_mnist.py"],
-         "conformance.py": ["plan.py", "arithmetic.py", "cifar_mnist.py"],
+         "conformance.py": ["plan.py", "arithmetic.py"], "encoding.py": ["arithmetic.py", "cifar_mnist.py"],
          "equivalence.py": ["strategies.py"], "model.py": [], "processes.py": [],
          "checkpoints.py": ["plan.py"]}
 MODULES = {"loaders": ["loaders.py", *NEEDS["loaders.py"]],
            "strategies": ["strategies.py", "equivalence.py"],
-           "conformance": ["conformance.py", *NEEDS["conformance.py"], "loaders.py"],
+           "conformance": list(dict.fromkeys(["conformance.py", *NEEDS["conformance.py"], "encoding.py",
+                                              *NEEDS["encoding.py"], "loaders.py"])),
            "checkpoints": ["loaders.py", *NEEDS["loaders.py"], "strategies.py"]}
 PEERS = {"checkpoints": ("orbax.checkpoint", "optax")}  # the jobs that need peers (requirements-peers.txt)
 

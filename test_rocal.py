@@ -64,6 +64,7 @@ import pytest
 if __name__ != "__main__":  # two_process_worker runs in a child process that sets its own devices
     from conftest import assert_same_bits, bits_differ
 import conformance
+import encoding
 import loaders
 import rocal_loader
 from arithmetic import Normalize, crop_anchor, crop_mirror_normalize
@@ -84,9 +85,9 @@ def write_encoded(folder, N: int) -> str:
     """One data_batch file where sample i encodes i (label i % 10), plus a test_batch."""
     os.makedirs(folder, exist_ok=True)
     index = np.arange(N)
-    write_cifar10(os.path.join(folder, "data_batch_1.bin"), conformance.encoded_images(index),
+    write_cifar10(os.path.join(folder, "data_batch_1.bin"), encoding.encoded_images(index),
                           index % 10)
-    write_cifar10(os.path.join(folder, "test_batch.bin"), conformance.encoded_images(index[:4]),
+    write_cifar10(os.path.join(folder, "test_batch.bin"), encoding.encoded_images(index[:4]),
                           index[:4] % 10)
     return str(folder)
 
@@ -454,11 +455,11 @@ def test_refusals_build_no_pipeline(monkeypatch, small_dir, mesh4, fake, cache, 
     refused("pass the folder", data=read_cifar10(small_dir), sharding="rocal", order="vendor")
     # rocal mode: rocAL must read what read_cifar10 reads, in the same order.
     odd = write_encoded(tmp_path / "odd", 16)
-    write_cifar10(os.path.join(odd, "old_data_batch_1.bin"), conformance.encoded_images(np.arange(4)),
+    write_cifar10(os.path.join(odd, "old_data_batch_1.bin"), encoding.encoded_images(np.arange(4)),
                           np.arange(4))
     refused(r"rocAL would also read \['old_data_batch_1.bin'\]", data=odd, sharding="rocal", order="vendor")
     two = write_encoded(tmp_path / "two", 16)
-    write_cifar10(os.path.join(two, "data_batch_2.bin"), conformance.encoded_images(np.arange(4)),
+    write_cifar10(os.path.join(two, "data_batch_2.bin"), encoding.encoded_images(np.arange(4)),
                           np.arange(4))
     listdir = os.listdir
     monkeypatch.setattr(rocal_loader.os, "listdir", lambda root: sorted(listdir(root), reverse=True))
@@ -579,7 +580,7 @@ def test_rocal_sharding_on_a_fixed_rocal_reads_the_original_folder(monkeypatch, 
 
 
 def test_shard_files_are_written_once_atomically_and_keyed_by_content(cache):
-    images, labels = conformance.encoded_images(np.arange(30)), (np.arange(30) % 10).astype(np.int32)
+    images, labels = encoding.encoded_images(np.arange(30)), (np.arange(30) % 10).astype(np.int32)
     folders = rocal_loader.shard_folders(images, labels, 4, cache)
     assert len(folders) == 4 and len({os.path.dirname(f) for f in folders}) == 1
     assert sorted(os.listdir(cache)) == [os.path.basename(os.path.dirname(folders[0]))]  # no scratch left
@@ -709,7 +710,7 @@ def test_vendor_shuffled_masks_are_found_by_content(small_dir, mesh4, fake, cach
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, last_batch=last_batch,
                                             cache_dir=cache, order="vendor")
     blocks = [shard_blocks(b, 4) for b in loader.epoch(0)]
-    got = np.stack([conformance.decode_indices(b["images"].reshape(-1, 3, 32, 32), NORM).reshape(4, 4)
+    got = np.stack([encoding.decode_indices(b["images"].reshape(-1, 3, 32, 32), NORM).reshape(4, 4)
                     for b in blocks], 1)  # (n, steps, B)
     mask = np.stack([b["mask"] for b in blocks], 1)
     assert loader.real_samples(0) == mask.sum() == loader.real_samples(7)  # every epoch alike
@@ -739,13 +740,13 @@ def test_vendor_drop_and_shuffle_counts_its_real_slots_by_reading(small_dir, mes
 
 
 def test_a_last_record_that_also_appears_earlier_in_its_shard_is_real_once_each(mesh4, fake, cache):
-    images, labels = conformance.encoded_images(np.arange(50)), (np.arange(50) % 10).astype(np.int32)
+    images, labels = encoding.encoded_images(np.arange(50)), (np.arange(50) % 10).astype(np.int32)
     images[24], labels[24] = images[14], labels[14]  # shard 1 = [12, 25): its last record = record 14
     loader = rocal_loader.make_rocal_loader((images, labels), mesh4, 4, shuffle=True, cache_dir=cache,
                                             order="vendor")
     assert loader.shards[1].copies == 2 and loader.shards[1].padded == 3
     blocks = [shard_blocks(b, 4) for b in loader.epoch(0)]
-    got = np.concatenate([conformance.decode_indices(b["images"][1], NORM) for b in blocks])
+    got = np.concatenate([encoding.decode_indices(b["images"][1], NORM) for b in blocks])
     mask = np.concatenate([b["mask"][1] for b in blocks])
     assert (got == 14).sum() == 5 and (got[mask] == 14).sum() == 2  # two real, three rocAL copies
     assert sorted(got[mask].tolist()) == sorted(list(range(12, 24)) + [14])
@@ -755,7 +756,7 @@ def test_a_reused_pipeline_would_start_its_next_epoch_rotated(small_dir, fake):
     """Why each epoch has fresh pipelines: a rocAL pipeline reset before the end of its epoch
     restarts where its prefetcher was (the double does as rocAL 2.3.0 does)."""
     pipe = rocal_loader.rocal_pipeline(os.path.join(small_dir), batch_size=5, normalize=NORM, on_gpu=False)
-    first = lambda: (pipe.rocal_run(), conformance.decode_indices(pipe.tensor.slot, NORM)[0])[1]
+    first = lambda: (pipe.rocal_run(), encoding.decode_indices(pipe.tensor.slot, NORM)[0])[1]
     assert first() == 0
     pipe.rocal_reset_loaders()
     assert first() != 0
@@ -785,7 +786,7 @@ def test_a_stale_run_past_the_end_is_never_reached(monkeypatch, small_dir, mesh4
     seen = []
     while pipe.rocal_run() == OK:
         assert len(seen) < 10, "the double's pipeline of 16 records still runs OK after 10 batches"
-        seen.append(conformance.decode_indices(pipe.get_output_tensors()[0].slot, NORM).tolist())
+        seen.append(encoding.decode_indices(pipe.get_output_tensors()[0].slot, NORM).tolist())
         try:
             pipe.get_image_labels()
         except RuntimeError as error:
@@ -1059,7 +1060,7 @@ def test_outputs_are_checked_before_rocals_raw_copy(small_dir, fake):
     assert not np.all(bad["read-only"] == 7.0)
     out = np.empty((4, 3, 32, 32), np.float32)
     rocal_loader.copy_output(tensor, out)
-    np.testing.assert_array_equal(conformance.decode_indices(out, NORM), [0, 1, 2, 3])
+    np.testing.assert_array_equal(encoding.decode_indices(out, NORM), [0, 1, 2, 3])
 
 
 def assert_dlpack_copy_survives_the_ring(pipe, device) -> None:
@@ -1076,15 +1077,15 @@ def assert_dlpack_copy_survives_the_ring(pipe, device) -> None:
     assert images.devices() == {device} and images.dtype == np.float32
     images.block_until_ready()  # what the loader's _Transfers sees to before the second next run
     pipe.rocal_run()
-    np.testing.assert_array_equal(conformance.decode_indices(alias, NORM), [0, 1, 2, 3])  # intact one run on
+    np.testing.assert_array_equal(encoding.decode_indices(alias, NORM), [0, 1, 2, 3])  # intact one run on
     pipe.rocal_run()
     # From the second next run on, rocAL's output thread writes that slot again (real rocAL:
     # at once or a little later; it then holds batch 3 or a later one).
     deadline = time.monotonic() + 5
-    while conformance.decode_indices(alias, NORM).tolist() == [0, 1, 2, 3] and time.monotonic() < deadline:
+    while encoding.decode_indices(alias, NORM).tolist() == [0, 1, 2, 3] and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert conformance.decode_indices(alias, NORM)[0] >= 8, "the view did not move on"
-    np.testing.assert_array_equal(conformance.decode_indices(np.asarray(images), NORM), [0, 1, 2, 3])  # the copy did
+    assert encoding.decode_indices(alias, NORM)[0] >= 8, "the view did not move on"
+    np.testing.assert_array_equal(encoding.decode_indices(np.asarray(images), NORM), [0, 1, 2, 3])  # the copy did
     with pytest.raises(RuntimeError, match=r"output is float32 \(4, 3, 32, 32\) NCHW, expected float32 "
                                            r"\(8, 3, 32, 32\) NCHW"):
         rocal_loader.device_images(tensor, device, (3, 32, 32), 8)
@@ -1359,7 +1360,7 @@ def _raw_epochs(mesh, folder, cache, images, labels, *, sharding, shuffle, last_
                         else:
                             batch = np.empty((B, 3, 32, 32), np.float32)
                             rocal_loader.copy_output(tensor, batch, where)
-                        index = conformance.decode_indices(batch, NORM)
+                        index = encoding.decode_indices(batch, NORM)
                         for text in conformance.describe_content(batch, pipe.get_image_labels(), index,
                                                                  images, labels, NORM):
                             found.add("content", f"shard {k} batch {len(got)}: {text}", shards=[k],
@@ -1408,7 +1409,7 @@ def _loader_epochs(mesh, folder, cache, images, labels, *, sharding, shuffle, la
                 yield epoch, None, None, len(loader), found
                 return
             blocks = [shard_blocks(b, n) for b in batches]
-            delivered = [np.array([conformance.decode_indices(b["images"][k], NORM) for b in blocks],
+            delivered = [np.array([encoding.decode_indices(b["images"][k], NORM) for b in blocks],
                                   np.int64).reshape(-1, B) for k in range(n)]
             masks = [np.array([b["mask"][k] for b in blocks], bool).reshape(-1, B) for k in range(n)]
             for step, block in enumerate(blocks):
@@ -1631,7 +1632,7 @@ def test_rocal_vendor_order_ignores_seed_and_epoch(rocal_mesh, encoded_dir, tmp_
     for seed, epoch in ((0, 0), (0, 1), (12345, 0)):
         loader = rocal_loader.make_rocal_loader(folder, rocal_mesh, B, shuffle=True, seed=seed, order="vendor",
                                                 cache_dir=str(tmp_path))
-        orders.append([conformance.decode_indices(np.asarray(b["images"]), NORM).tolist()
+        orders.append([encoding.decode_indices(np.asarray(b["images"]), NORM).tolist()
                        for b in loader.epoch(epoch)])
     assert all(order == orders[0] for order in orders), "rocAL's shuffle now depends on the seed or epoch"
     pipe = rocal_loader.rocal_pipeline(encoded_for(encoded_dir, rocal_mesh.devices.size), batch_size=B,
@@ -1644,7 +1645,7 @@ def test_rocal_vendor_order_ignores_seed_and_epoch(rocal_mesh, encoded_dir, tmp_
                 assert len(got) <= dataset_size(rocal_mesh.devices.size) // B, \
                     f"rocAL's epoch still has {pipe.get_remaining_images()} images after {len(got)} batches"
                 pipe.rocal_run()
-                got.append(conformance.decode_indices(rocal_pipeline_output(pipe), NORM).tolist())
+                got.append(encoding.decode_indices(rocal_pipeline_output(pipe), NORM).tolist())
             epochs.append(got)
             pipe.rocal_reset_loaders()
     finally:
@@ -1751,7 +1752,7 @@ def saved_state(N: int, n0: int, B0: int, stop: int, **run) -> LoaderState:
 
 def resumed_pair(N: int, n1: int, B1: int, cache: str, order: str = "plan", **args):
     """(rocAL's loader, the reference loader) over N encoded samples on the first n1 CPU devices."""
-    data = conformance.encoded_images(np.arange(N)), (np.arange(N) % 10).astype(np.int32)
+    data = encoding.encoded_images(np.arange(N)), (np.arange(N) % 10).astype(np.int32)
     loader = rocal_loader.make_rocal_loader(data, cpu_devices(n1), B1, cache_dir=cache, order=order, **args)
     reference = loaders.make_loader(data, cpu_devices(n1), B1, prefetch=0, placement="host_float32", **args)
     return loader, reference
@@ -1834,7 +1835,7 @@ def test_a_resumed_segment_feeds_each_pipeline_its_rows_on_the_double(fake, cach
     assert len(fake.pipelines) == 3
     for k, pipe in enumerate(fake.pipelines):
         rows = np.concatenate([plan.indices[row:, k].ravel(), np.full(tail, plan.indices[-1, k, -1])])
-        assert np.array_equal(conformance.decode_indices(pipe.images, None), rows), k
+        assert np.array_equal(encoding.decode_indices(pipe.images, None), rows), k
     fresh_from_step = [np.asarray(b["images"]) for b in loader.epoch(1, start_step=saved.step)]
     resumed = [np.asarray(b["images"]) for b in reference.epoch(1, state=saved)]
     assert len(fresh_from_step) != len(resumed) or any(map(bits_differ, fresh_from_step, resumed))
