@@ -444,23 +444,105 @@ def _own_tests_fastest_first(name: str) -> None:
                 return iter(sorted(set.__iter__(self), key=lambda t: (durations.get(t, 0.0), t)))
 
         mapping = state().tests_by_mangled_function_name
-        for key, tests in own_tests(name, mapping, durations).items():
+        saved = ROOT / ".mutation" / name / "mutants" / "mutation-child-stats.json"
+        children = json.loads(saved.read_text()) if saved.exists() else {}
+        for key, tests in own_tests(name, mapping, durations, children).items():
             mapping[key] = FastestFirst(tests)
 
     main.collect_or_load_stats = collect_then_filter
 
 
-def own_tests(name: str, mapping: dict, durations: dict) -> dict[str, list[str]]:
+def own_tests(name: str, mapping: dict, durations: dict, children: dict | None = None) -> dict[str, list[str]]:
     """{mangled function: the tests its mutants run, fastest first}: of the tests mutmut saw
     reach the function (``mapping``), those in its module's own files (SETS[name]); for a
-    module in TRACED, every test of its own files that the statistics ran (``durations``)."""
+    module in TRACED, every test of its own files that the statistics ran (``durations``).
+    A function that no test of its own files reaches in the test process takes those that
+    reach it in a child process (``children``: ``child_statistics``): refimpl's
+    ``connect`` and ``launch_local`` run only in the processes a test starts."""
     out = {}
-    for key, tests in mapping.items():
+    for key in set(mapping) | set(children or {}):
         module = key.split(".")[0] + ".py"
         own = SETS[name].get(module, [])
-        pool = durations if module in TRACED else tests
-        out[key] = sorted((t for t in pool if t.split("::")[0] in own), key=lambda t: (durations.get(t, 0.0), t))
+        pool = durations if module in TRACED else mapping.get(key, ())
+        tests = [t for t in pool if t.split("::")[0] in own]
+        if not tests:
+            tests = [t for t in (children or {}).get(key, ()) if t.split("::")[0] in own]
+        out[key] = sorted(tests, key=lambda t: (durations.get(t, 0.0), t))
     return out
+
+
+# Run in every Python process a test starts under mutmut (its folder is put first on
+# PYTHONPATH): in the statistics run (MUTANT_UNDER_TEST=stats) the process writes the
+# functions it reached, at its exit, for the test that started it (``child_statistics``).
+CHILD_HOOK = """\
+# Written by mutation.py: a child process's mutmut call statistics, saved at its exit.
+import atexit
+import json
+import os
+
+
+def _save():
+    try:
+        from mutmut.state import state
+    except ImportError:
+        return
+    hits = sorted(state()._stats)
+    if hits:
+        path = os.path.join(os.environ["MUTATION_CHILD_HITS"], f"{os.getpid()}.json")
+        with open(path + ".part", "w") as f:
+            json.dump(hits, f)
+        os.replace(path + ".part", path)
+
+
+if os.environ.get("MUTANT_UNDER_TEST") == "stats" and os.environ.get("MUTATION_CHILD_HITS"):
+    atexit.register(_save)
+"""
+
+
+def child_statistics(folder: Path) -> Path:
+    """Makes mutmut's statistics run see the functions that a test reaches in the child
+    processes it starts (refimpl.py runs, jax.distributed peers): every child writes them
+    at its exit (CHILD_HOOK, as sitecustomize), and each test's teardown, before mutmut's,
+    files them under that test in .mutation/SET/mutants/mutation-child-stats.json (merged
+    with what an earlier statistics run found), which ``own_tests`` reads. The file's path."""
+    import pytest
+    from mutmut.runners import harness
+
+    hook, hits = folder / "children", folder / "children" / "hits"
+    hits.mkdir(parents=True, exist_ok=True)
+    (hook / "sitecustomize.py").write_text(CHILD_HOOK)
+    os.environ["MUTATION_CHILD_HITS"] = str(hits)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(hook), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    saved = folder / "mutants" / "mutation-child-stats.json"
+
+    class ChildHits:
+        def __init__(self):
+            self.found: dict[str, set] = {}
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_runtest_teardown(self, item, nextitem):
+            for path in sorted(hits.glob("*.json")):
+                for function in json.loads(path.read_text()):
+                    self.found.setdefault(function, set()).add(item.nodeid.removeprefix("mutants/"))
+                path.unlink()
+
+    run_stats = harness.PytestRunner.run_stats
+
+    def run_stats_with_children(self, *, tests):
+        plugin, execute = ChildHits(), self.execute_pytest
+        self.execute_pytest = lambda params, **kwargs: execute(
+            params, **{**kwargs, "plugins": [plugin, *kwargs.get("plugins", [])]})
+        try:
+            return run_stats(self, tests=tests)
+        finally:
+            del self.execute_pytest
+            old = json.loads(saved.read_text()) if saved.exists() else {}
+            for function, found in plugin.found.items():
+                old[function] = sorted(set(old.get(function, [])) | found)
+            saved.write_text(json.dumps(old, indent=1, sort_keys=True))
+
+    harness.PytestRunner.run_stats = run_stats_with_children
+    return saved
 
 
 def part_of(name: str) -> list[str] | None:
@@ -502,6 +584,7 @@ def mutmut(name: str, args: list[str], modules=None) -> None:
     _mutate_decorated()
     _exclude_messages()
     _exclude_wording_arguments()
+    child_statistics(folder)
     _own_tests_fastest_first(name)
     from mutmut.__main__ import cli
     try:

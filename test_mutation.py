@@ -6,6 +6,8 @@ sources whose every line is known. Each has its negative control: a parameter or
 that the code reads outside a message is mutated.
 """
 
+import json
+import os
 import textwrap
 
 import pytest
@@ -181,3 +183,43 @@ def test_a_help_text_is_left_out_and_a_default_a_choice_or_a_type_is_not(monkeyp
     # description: None, XX, upper case (3); --epochs: metavar and help each None, left out,
     # XX, changed case (8); --last: help None, left out, and both its strings XX and upper (6)
     assert len(every) - len(kept) == 17
+
+
+def test_a_function_no_test_reaches_in_process_takes_the_tests_that_reach_it_in_a_child():
+    """refimpl's connect runs only in the processes a test starts: its mutants run the own
+    tests that reached it there; a function reached in process keeps those tests alone
+    (the control: its child tests would cost minutes a mutant), and another file's tests
+    never count."""
+    durations = {"test_refimpl.py::fast": 0.1, "test_multiprocess.py::peers": 20.0,
+                 "test_refimpl.py::child": 9.0, "test_checkpoints.py::other": 1.0}
+    mapping = {"refimpl.x_main": {"test_refimpl.py::fast"}}
+    children = {"refimpl.x_main": ["test_refimpl.py::child"],
+                "refimpl.x_connect": ["test_multiprocess.py::peers", "test_refimpl.py::child",
+                                      "test_checkpoints.py::other"]}
+    got = mutation.own_tests("vendor", mapping, durations, children)
+    assert got == {"refimpl.x_main": ["test_refimpl.py::fast"],
+                   "refimpl.x_connect": ["test_refimpl.py::child", "test_multiprocess.py::peers"]}
+    assert mutation.own_tests("vendor", mapping, durations) == {"refimpl.x_main": ["test_refimpl.py::fast"]}
+
+
+@pytest.mark.parametrize("mode", ["stats", "plan.x_shard_bounds__mutmut_1"])
+def test_a_child_process_writes_the_functions_it_reached_only_in_the_statistics_run(tmp_path, mode):
+    """CHILD_HOOK, as the sitecustomize of a child Python under mutmut: in the statistics
+    run the functions its trampolines recorded are written at its exit, one file a
+    process; under a mutant (the control) nothing is written."""
+    pytest.importorskip("mutmut", reason="requirements-mutation.txt")
+    import subprocess
+    import sys
+    hook, hits = tmp_path / "hook", tmp_path / "hits"
+    hook.mkdir()
+    hits.mkdir()
+    (hook / "sitecustomize.py").write_text(mutation.CHILD_HOOK)
+    env = dict(os.environ, PYTHONPATH=str(hook), MUTANT_UNDER_TEST=mode, MUTATION_CHILD_HITS=str(hits))
+    code = "from mutmut.state import state; state()._stats.update({'refimpl.x_connect', 'plan.x_epoch_plan'})"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    written = sorted(hits.iterdir())
+    if mode == "stats":
+        [path] = written
+        assert path.name.endswith(".json") and json.loads(path.read_text()) == ["plan.x_epoch_plan", "refimpl.x_connect"]
+    else:
+        assert written == []
