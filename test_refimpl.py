@@ -13,7 +13,9 @@ left out has its documented default, each documented choice is taken and nothing
 else, each option parses to its kind; and a run (cifar10 with SGD on 3 devices; mnist
 with Adam on its synthetic data, generated once) trains, bit for bit, what the modules
 train by hand (make_loader, init_model, each strategy), every epoch's loss and test
-accuracy included. A run in a child process runs its mutant too under mutation.py, but
+accuracy included; canonical runs on 3 and 2 devices are said bit-identical pair by pair
+and against each other's --params-out (--compare-to), and one flipped bit or a missing
+leaf in that file fails the run, named, with exit status 1. A run in a child process runs its mutant too under mutation.py, but
 the tool maps a mutant only to the tests that reach its function in the test process:
 these in-process runs are how refimpl's own code is judged.
 
@@ -614,3 +616,53 @@ def test_main_in_process_on_mnist_with_adam_and_its_synthetic_data(tmp_path, cap
     assert refimpl.main(argv[:-4] + ["--epochs", "1"]) == 0
     assert "generated" not in capsys.readouterr().out
     assert [p.name for p in cache.iterdir()] == [folder.name]
+
+
+def test_canonical_runs_in_process_are_compared_bit_for_bit_and_a_flipped_bit_fails(tiny_dir, tmp_path, capsys):
+    """--reduction canonical, L = 6 logical shards of 4 (256 samples): on 3 devices every
+    pair of strategies is said bit-identical (report_bits) and --params-out keeps each
+    strategy's params and optimizer state; on 2 devices --compare-to that file says each
+    strategy bit-identical, exit 0. The control: the file with one bit of sharded's first
+    leaf flipped makes that strategy NOT bit-identical, named with the leaf and index, a
+    FAILED line last and exit status 1, the others still bit-identical; a missing leaf is
+    named too. --resume-from a folder with no checkpoint is refused naming it (exit 2)."""
+    import refimpl
+    run = ["--data-dir", str(tiny_dir), "--epochs", "1", "--batch-size", "4", "--logical-shards", "6",
+           "--reduction", "canonical", "--hidden", "8", "--strategies", "all", "--eval-batch-size", "64"]
+    assert refimpl.main(run + ["--devices", "3", "--params-out", str(tmp_path / "3.npz")]) == 0
+    out = capsys.readouterr().out
+    for other in ("pmap", "shard_map", "single"):
+        assert f"final params and optimizer state, sharded vs {other}: bit-identical (the canonical reduction " \
+               f"over 6 logical shards)" in out, out
+    assert refimpl.main(run + ["--devices", "2", "--compare-to", str(tmp_path / "3.npz")]) == 0
+    out = capsys.readouterr().out
+    for name in refimpl.STRATEGY_NAMES:
+        assert f"final params and optimizer state of {name} against {tmp_path / '3.npz'}: bit-identical" in out
+
+    with np.load(tmp_path / "3.npz") as f:
+        arrays = dict(f)
+    flipped = dict(arrays)
+    flipped["sharded/0"] = arrays["sharded/0"].copy()
+    flipped["sharded/0"].view(np.uint32).reshape(-1)[5] ^= 1
+    np.savez(tmp_path / "flipped.npz", **flipped)
+    assert refimpl.main(run + ["--devices", "2", "--compare-to", str(tmp_path / "flipped.npz")]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any("of sharded against" in line and "NOT bit-identical, which the canonical reduction promises: "
+               "leaf ['sharded/0']: 1 of" in line and "the first at flat index 5" in line for line in lines), lines
+    assert lines[-1] == "refimpl.py: FAILED: 1 comparison(s) did not end bit-identical under --reduction " \
+                        "canonical (above); exit status 1", lines[-1]
+    for name in ("pmap", "shard_map", "single"):
+        assert f"final params and optimizer state of {name} against {tmp_path / 'flipped.npz'}: bit-identical" \
+            in "\n".join(lines)
+    del flipped["pmap/1"]
+    np.savez(tmp_path / "short.npz", **flipped)
+    assert refimpl.main(run + ["--devices", "2", "--compare-to", str(tmp_path / "short.npz")]) == 1
+    out = capsys.readouterr().out
+    assert f"final params and optimizer state of pmap against {tmp_path / 'short.npz'}: NOT bit-identical, " \
+           f"which the canonical reduction promises: it holds no 'pmap/1'" in out, out
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as info:
+        refimpl.parse_args(["--resume-from", str(tmp_path / "empty")])
+    assert info.value.code == 2
+    assert f"--resume-from {tmp_path / 'empty'}: no checkpoint.json there" in capsys.readouterr().err
