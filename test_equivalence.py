@@ -1783,6 +1783,7 @@ def rate_table() -> None:
 
 CANON_N, CANON_FEATURES, CANON_CLASSES, CANON_WIDTH = 101, 12, 4, 24  # N: not a multiple of any L
 SEQ, VOCAB, WIDTH = 8, 16, 16  # the attention model's tokens
+WIDE = 1367  # 12 x 1367 = 16,404 >= strategies.SMALL_LEAF; not a multiple of 8 (chunks padded on 8)
 
 
 def relu_loss_terms(params: dict, batch: dict):
@@ -1811,12 +1812,15 @@ def attention_loss_terms(params: dict, batch: dict):
 
 
 def canonical_model(kind: str):
-    """(loss_terms, params, data) of ``kind``: fixed shapes, CANON_N samples."""
+    """(loss_terms, params, data) of ``kind``: fixed shapes, CANON_N samples. "wide" is the
+    ReLU model with WIDE hidden units: its first layer has 12 x 1367 = 16,404 entries, over
+    strategies.SMALL_LEAF, as the notebooks' 3072 x 1024 is."""
     rng = np.random.default_rng(7)
-    if kind == "relu":
-        params = {"w1": (0.5 * rng.standard_normal((CANON_FEATURES, CANON_WIDTH))).astype(np.float32),
-                  "b1": np.zeros(CANON_WIDTH, np.float32),
-                  "w2": (0.5 * rng.standard_normal((CANON_WIDTH, CANON_CLASSES))).astype(np.float32),
+    if kind in ("relu", "wide"):
+        width = WIDE if kind == "wide" else CANON_WIDTH
+        params = {"w1": (0.5 * rng.standard_normal((CANON_FEATURES, width))).astype(np.float32),
+                  "b1": np.zeros(width, np.float32),
+                  "w2": (0.5 * rng.standard_normal((width, CANON_CLASSES))).astype(np.float32),
                   "b2": np.zeros(CANON_CLASSES, np.float32)}
         x = rng.standard_normal((CANON_N, CANON_FEATURES)).astype(np.float32)
         data = {"x": x, "y": (np.argmax(x[:, :CANON_CLASSES], axis=1)).astype(np.int32)}
@@ -1953,6 +1957,24 @@ def test_canonical_reduction_on_drawn_runs(devices, canonical_rules, kind, rule,
     runs = {("single", 1): canonical_run(devices, "single", 1, **case)}
     for n in divisors(L, len(devices)):
         runs[("shard_map", n)] = canonical_run(devices, "shard_map", n, **case)
+    assert not same_bits_everywhere(runs), same_bits_everywhere(runs)
+
+
+def test_a_leaf_of_small_leaf_entries_or_more_goes_by_all_to_all_with_the_same_bits(devices, canonical_rules):
+    """canonical_sums' step 2 for a leaf of SMALL_LEAF entries or more (the notebooks' first
+    layer): all_to_all of its chunks, each device folding one chunk of every block, zero
+    padding to n chunks, then an all_gather of the folded chunks. On one device (single:
+    the whole leaf folded in place) and on 3, 6 and 8 devices (16,404 entries: chunks of
+    5,468, 2,734, and 2,051 padded by 4) every strategy ends on the same bits, Adam, the
+    last batch padded and masked; a smaller leaf (b1, w2, b2) goes the other way in the
+    same runs."""
+    assert CANON_FEATURES * WIDE >= strategies.SMALL_LEAF > WIDE * CANON_CLASSES and CANON_FEATURES * WIDE % 8
+    case = dict(kind="wide", rule=canonical_rules["adam"], rate=1e-2, L=24, b=1, last_batch="fill", shuffle=True)
+    runs = {("single", 1): canonical_run(devices, "single", 1, **case)}
+    counts = [n for n in (3, 6, 8) if n <= len(devices)]
+    for strategy, n in zip(("sharded", "shard_map", "pmap"), counts):
+        runs[(strategy, n)] = canonical_run(devices, strategy, n, **case)
+    assert len(runs) == 1 + len(counts)
     assert not same_bits_everywhere(runs), same_bits_everywhere(runs)
 
 
