@@ -1978,6 +1978,38 @@ def test_a_leaf_of_small_leaf_entries_or_more_goes_by_all_to_all_with_the_same_b
     assert not same_bits_everywhere(runs), same_bits_everywhere(runs)
 
 
+def test_the_canonical_step_is_the_mean_gradient_over_the_steps_real_rows(devices):
+    """update_program's arithmetic, against the plain formula: each step's gradient is the
+    gradient of the step's loss sum over all its rows divided by its count of real
+    samples, max(count, 1), then the update; the step's loss is the loss sum over the same
+    count. Held to float32 rounding (the canonical order of summation is not jax.grad's
+    on the whole batch) over an epoch of 26 steps of L = 4 blocks of 1 row (101 samples:
+    the last step has one real sample, where max(count, 1) and max(count, 2) part), SGD
+    at 0.5 through an update function of this test's own (so that the step is compiled
+    anew here, not reused from another test's cache)."""
+    loss_terms, params0, data = canonical_model("relu")
+    n = max(d for d in divisors(4, len(devices)))
+    mesh = loaders.data_mesh(devices[:n])
+    loader = loaders.make_loader(data, mesh, 1, logical_shards=4, shuffle=True, seed=3, last_batch="fill", prefetch=0)
+    rule = strategies.Optimizer(lambda p: {"learning_rate": np.float32(0.5)},
+                                lambda g, s, p=None: strategies.sgd_update(g, s, p))
+    params, losses, _ = strategies.sharded(params0, loader.epoch(0), mesh, loss_terms=loss_terms, optimizer=rule,
+                                           reduction="canonical", logical_shards=4)
+    want, want_losses, counts = jax.tree.map(np.asarray, params0), [], []
+    for batch in loader.epoch(0):
+        batch = jax.tree.map(np.asarray, batch)
+        (total, count), grads = jax.value_and_grad(lambda p: loss_terms(p, batch), has_aux=True)(want)
+        counts.append(float(count))
+        denominator = max(float(count), 1.0)
+        want = jax.tree.map(lambda p, g: np.asarray(p - np.float32(0.5) * (np.asarray(g) / np.float32(denominator))),
+                            want, grads)
+        want_losses.append(float(total) / denominator)
+    assert len(counts) == 26 and counts[-1] == 1.0 and set(counts[:-1]) == {4.0}
+    np.testing.assert_allclose(np.asarray(losses), want_losses, rtol=2e-6)
+    for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_canonical_negative_controls(devices, canonical_rules):
     # 1. The plain reduction on another device count: not the same bits (the claim is the
     #    canonical reduction's; the plain one's psum order follows n).
