@@ -499,12 +499,32 @@ if os.environ.get("MUTANT_UNDER_TEST") == "stats" and os.environ.get("MUTATION_C
 """
 
 
+def fresh_caches() -> None:
+    """Empties every functools cache of the project's modules (the compiled steps and
+    programs that strategies.py and model.py build once per key, the normalisation tables)
+    and JAX's compilation caches, so that the test about to run reaches, through mutmut's
+    trampolines, every function it uses, not only those no earlier test had cached. Run
+    before each test of the statistics run (``child_statistics``): without it a cached
+    builder (strategies.pmap_step, update_program) was mapped to the first test that
+    built it alone, and the donation and divisor tests that use it later never ran on its
+    mutants. The mutants' own runs need none of this: each runs in a fresh process."""
+    import jax
+    for name in {p.stem for p in ROOT.glob("*.py")}:
+        module = sys.modules.get(name)
+        for value in list(vars(module).values()) if module else ():
+            if callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
+    jax.clear_caches()
+
+
 def child_statistics(folder: Path) -> Path:
-    """Makes mutmut's statistics run see the functions that a test reaches in the child
-    processes it starts (refimpl.py runs, jax.distributed peers): every child writes them
-    at its exit (CHILD_HOOK, as sitecustomize), and each test's teardown, before mutmut's,
-    files them under that test in .mutation/SET/mutants/mutation-child-stats.json (merged
-    with what an earlier statistics run found), which ``own_tests`` reads. The file's path."""
+    """Makes mutmut's statistics run see every function a test reaches: before each test
+    the caches are emptied (``fresh_caches``), and the functions a test reaches in the
+    child processes it starts (refimpl.py runs, jax.distributed peers) are collected: every
+    child writes them at its exit (CHILD_HOOK, as sitecustomize), and each test's teardown,
+    before mutmut's, files them under that test in
+    .mutation/SET/mutants/mutation-child-stats.json (merged with what an earlier
+    statistics run found), which ``own_tests`` reads. The file's path."""
     import pytest
     from mutmut.runners import harness
 
@@ -518,6 +538,10 @@ def child_statistics(folder: Path) -> Path:
     class ChildHits:
         def __init__(self):
             self.found: dict[str, set] = {}
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_runtest_setup(self, item):
+            fresh_caches()
 
         @pytest.hookimpl(tryfirst=True)
         def pytest_runtest_teardown(self, item, nextitem):

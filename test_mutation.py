@@ -223,3 +223,29 @@ def test_a_child_process_writes_the_functions_it_reached_only_in_the_statistics_
         assert path.name.endswith(".json") and json.loads(path.read_text()) == ["plan.x_epoch_plan", "refimpl.x_connect"]
     else:
         assert written == []
+
+
+def test_fresh_caches_makes_the_next_call_reach_every_cached_builder_and_trace_again():
+    """Before each test of the statistics run: every functools cache of the project's
+    modules is emptied (strategies' compiled steps and programs) and JAX traces a
+    jitted function again, so its trampolines are reached by that test too; the control:
+    without it the second call is served from the caches."""
+    import jax
+    import strategies
+
+    traced = []
+
+    @jax.jit
+    def f(x):
+        traced.append(1)
+        return x + 1
+
+    update = lambda g, s, p=None: strategies.sgd_update(g, s, p)  # noqa: E731
+    strategies.update_program(update)
+    f(1.0)
+    f(2.0)
+    assert len(traced) == 1 and strategies.update_program.cache_info().currsize >= 1  # the control
+    mutation.fresh_caches()
+    assert strategies.update_program.cache_info().currsize == 0
+    f(3.0)
+    assert len(traced) == 2
