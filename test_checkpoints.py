@@ -736,7 +736,14 @@ def test_a_chain_of_stops_and_resumes_in_process_is_the_uninterrupted_runs_bits(
     assert "stopped after run steps 0-2: the next, run step 3, is epoch 0, step 3" in first
     second = in_process(["--resume-from", tmp_path / "a", "--devices", "2", "--stop-after-step", "7",
                          "--checkpoint-dir", tmp_path / "b"] + metrics("b"), capsys)
-    assert "resuming" in second and "at run step 3 = epoch 0, step 3" in second
+    assert f"resuming {tmp_path / 'a'} at run step 3 = epoch 0, step 3 (written on 6 cpu device(s), 6 logical " \
+           f"shards of 4 (reference loader, placement device)); this run: 2 cpu device(s), 6 logical shards of 4 " \
+           f"(reference loader, placement device): steps 3-3 of epoch 0\n" in second  # one segment: no plan named
+    for name in refimpl.STRATEGY_NAMES:  # each epoch line says which steps this run trained of which
+        [resumed] = [line for line in second.splitlines() if line.strip().startswith(f"{name} epoch 0 of 3")]
+        [stopped] = [line for line in second.splitlines() if line.strip().startswith(f"{name} epoch 1 of 3")]
+        assert resumed.endswith("(includes compilation)  (steps 3-3 of 0-3: resumed)"), resumed
+        assert stopped.endswith("  (steps 0-2 of 0-3: stopped before step 3)"), stopped
     assert "stopped after run steps 0-6: the next, run step 7, is epoch 1, step 3" in second
     assert "epoch 1 so far, counted from the delivered rows: 72 real slot(s), 0 sample(s) more than once, " \
            "0 row(s) that are no sample" in second
@@ -762,6 +769,20 @@ def test_a_chain_of_stops_and_resumes_in_process_is_the_uninterrupted_runs_bits(
             if r["epoch"] in epochs:
                 ended[(r["strategy"], r["epoch"])] = (r["loss"], r["test_accuracy"], r["steps"])
     assert ended == never
+    # --epochs: a resume needs the checkpoint's epoch, and the next when it stopped mid-epoch
+    # (b: epoch 1, step 3, so 2 or more); a resume at the run's end (c: epoch 2, step 0,
+    # with --epochs 2) trains nothing and ends on the checkpoint's params and state
+    assert refimpl.main(["--resume-from", str(tmp_path / "b"), "--devices", "3", "--epochs", "1"]) == 2
+    assert f"--epochs 1: the checkpoint in {tmp_path / 'b'} is at epoch 1, step 3; give --epochs 2 or more " \
+           f"(epochs 0-1)" in capsys.readouterr().err
+    in_process(["--resume-from", tmp_path / "c", "--devices", "3", "--epochs", "2", "--params-out",
+                tmp_path / "end.npz"], capsys)
+    ck_c = json.loads((tmp_path / "c" / checkpoints.CHECKPOINT_FILE).read_text())
+    saved, end = npz(tmp_path / "c" / ck_c["arrays_file"]), npz(tmp_path / "end.npz")
+    for name in refimpl.STRATEGY_NAMES:
+        for kind, prefix in (("params", f"{name}/"), ("opt_state", f"{name}/opt_state/")):
+            keys = sorted((k for k in saved if k.startswith(f"{kind}/{name}/")), key=lambda k: int(k.rsplit("/", 1)[1]))
+            assert keys and all(saved[k].tobytes() == end[prefix + k.rsplit("/", 1)[1]].tobytes() for k in keys), name
     assert "not bit-identical" not in last and "FAILED" not in last
     assert_same_files(tmp_path / "resumed.npz", tmp_path / "never.npz")
     # the second stop's checkpoint, as docs/running.md says it holds: the run step next to
@@ -779,6 +800,10 @@ def test_a_chain_of_stops_and_resumes_in_process_is_the_uninterrupted_runs_bits(
         {"hidden": [8, 8], "logical_shards": 6, "batch_size": 4, "lr": 0.01, "optimizer": "adam", "seed": 3,
          "reduction": "canonical", "strategies": list(refimpl.STRATEGY_NAMES), "num_train": 96}
     assert (ck["carried"]["epochs"], ck["carried"]["eval_batch_size"]) == (3, 16)
+    assert {k: ck["run"][k] for k in ("dataset", "normalize", "matmul_precision", "last_batch", "shuffle")} == \
+        {"dataset": "cifar10", "normalize": "rocal", "matmul_precision": "highest", "last_batch": "fill", "shuffle": True}
+    assert ck["device_counts"] == [2, 6]  # every device count the run has trained on so far
+    assert json.loads((tmp_path / "c" / checkpoints.CHECKPOINT_FILE).read_text())["device_counts"] == [2, 3, 6]
     arrays = (tmp_path / "b" / ck["arrays_file"]).read_bytes()
     assert hashlib.sha256(arrays).hexdigest() == ck["arrays_sha256"]
 
@@ -802,6 +827,8 @@ def test_a_resize_in_process_without_logical_shards_delivers_each_sample_once(ti
         in_process(run + ["--devices", "4", "--batch-size", "8", "--stop-after-step", "1", "--checkpoint-dir", ck],
                    capsys)
         out = in_process(["--resume-from", ck, "--devices", "3", "--batch-size", "5"], capsys)
+        assert f"this run: 3 cpu device(s) x 5 (reference loader, placement device): steps 1-" in out
+        assert f"of epoch 0 (plan.elastic_plan, segments [(0, 4, 8), (1, 3, 5)])\n" in out
         for name in ("sharded", "single"):
             [line] = [l for l in out.splitlines() if l.startswith(f"{name} epoch 0: ")]
             assert said in line and ": 32; steps 1-" in line and \
