@@ -396,7 +396,9 @@ def refused_line(argv, capsys) -> str:
 
 @pytest.mark.parametrize("argv, said", [
     (["--logical-shards", "0"], "--logical-shards must be >= 1, got 0"),
-    (["--logical-shards", "8", "--devices", "3"], "--logical-shards 8: 3 device(s) do not divide it"),
+    (["--logical-shards", "8", "--devices", "3"], "--logical-shards 8: 3 device(s) do not divide it (device k "
+                                                  "reads logical shards k*L/n..); use a device count that divides "
+                                                  "8 (1, 2, 4, 8) or another L"),
     (["--logical-shards", "6", "--local-processes", "2", "--devices", "4"],
      "--logical-shards 6: 4 device(s) do not divide it"),
     (["--reduction", "canonical", "--max-ulps-per-step", "0"],
@@ -595,7 +597,7 @@ def test_main_in_process_on_mnist_with_adam_and_its_synthetic_data(tmp_path, cap
     optax = pytest.importorskip("optax", reason="requirements-peers.txt")
     import refimpl
     from arithmetic import Normalize
-    from cifar_mnist import read_mnist
+    from cifar_mnist import read_mnist, synthetic_mnist
     cache = tmp_path / "cache"
     argv = ["--dataset", "mnist", "--cache-dir", str(cache), "--epochs", "1", "--batch-size", "128",
             "--devices", "2", "--strategies", "sharded,single", "--hidden", "8", "--seed", "7",
@@ -612,10 +614,49 @@ def test_main_in_process_on_mnist_with_adam_and_its_synthetic_data(tmp_path, cap
         read=lambda d: (read_mnist(d, "train"), read_mnist(d, "test")))
     assert_run_is_the_modules(tmp_path, out, expected, 8, refimpl.pick_devices(2), "mnist")
     assert "2048 training and 512 test images" in out and "dali_cpu's arithmetic" in out and "; adam;" in out
+    # the data is synthetic_mnist's of --seed, 2048 and 512 images, whole
+    mine = synthetic_mnist(tmp_path / "mine", seed=7, num_train=2048, num_test=512)
+    for split in ("train", "test"):
+        for a, b in zip(read_mnist(folder, split), read_mnist(mine, split)):
+            np.testing.assert_array_equal(a, b)
     # generated once: a second run reuses the folder and says nothing of generating
     assert refimpl.main(argv[:-4] + ["--epochs", "1"]) == 0
     assert "generated" not in capsys.readouterr().out
     assert [p.name for p in cache.iterdir()] == [folder.name]
+
+
+def test_synthetic_data_is_generated_atomically_into_an_existing_cache_and_a_racing_run_is_taken(tmp_path,
+                                                                                                  monkeypatch):
+    """synthetic_dataset (--cache-dir without --data-dir): cifar10's is synthetic_cifar10's
+    of the seed, generated into a cache folder that already holds another dataset; a
+    concurrent run that renamed its own copy into place first (the rename fails, the
+    folder is there) is taken as it is, and the scratch folder is removed; the control: a
+    rename that fails with no folder there raises."""
+    import refimpl
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "another").mkdir()
+    folder = refimpl.synthetic_dataset(str(cache), "cifar10", 4)
+    mine = synthetic_cifar10(tmp_path / "mine", seed=4, **refimpl.SYNTHETIC)
+    for prefix in ("data_batch_", "test_batch"):
+        for a, b in zip(read_cifar10(folder, prefix), read_cifar10(mine, prefix)):
+            np.testing.assert_array_equal(a, b)
+    assert sorted(p.name for p in cache.iterdir()) == sorted(["another", os.path.basename(folder)])
+
+    rename = os.rename
+
+    def raced(scratch, target):  # another run's copy lands first; ours then cannot replace it
+        rename(scratch, target)
+        os.makedirs(scratch)
+        raise OSError(39, "Directory not empty")
+
+    monkeypatch.setattr(os, "rename", raced)
+    got = refimpl.synthetic_dataset(str(cache), "mnist", 4)
+    assert os.path.isdir(got) and not [p for p in cache.iterdir() if p.name.startswith(".")]
+    monkeypatch.setattr(os, "rename", lambda scratch, target: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(OSError, match="No space left"):
+        refimpl.synthetic_dataset(str(cache), "mnist", 5)
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]
 
 
 def test_canonical_runs_in_process_are_compared_bit_for_bit_and_a_flipped_bit_fails(tiny_dir, tmp_path, capsys):
@@ -660,6 +701,15 @@ def test_canonical_runs_in_process_are_compared_bit_for_bit_and_a_flipped_bit_fa
     out = capsys.readouterr().out
     assert f"final params and optimizer state of pmap against {tmp_path / 'short.npz'}: NOT bit-identical, " \
            f"which the canonical reduction promises: it holds no 'pmap/1'" in out, out
+
+    # a checkpoint of L = 6 resumed on 4 devices: refused naming the checkpoint and the counts that divide 6
+    assert refimpl.main(run + ["--devices", "3", "--stop-after-step", "1", "--checkpoint-dir", str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        refimpl.main(["--resume-from", str(tmp_path / "ck"), "--devices", "4"])
+    assert info.value.code == 2
+    assert f"--resume-from {tmp_path / 'ck'}: the checkpoint's run has --logical-shards 6, which 4 device(s) do not " \
+           f"divide; resume on a device count that divides 6 (1, 2, 3, 6)" in capsys.readouterr().err
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as info:
