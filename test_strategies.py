@@ -426,3 +426,22 @@ def test_check_dtypes_refuses_a_numpy_float64_scalar():
             strategies.check_dtypes({"lr": leaf}, "where")
     # the control: Python's own scalars are weakly typed and pass, and so does a float32 scalar
     strategies.check_dtypes({"a": 0.1, "b": 3, "c": True, "d": 1j, "e": np.float32(0.1)}, "where")
+
+
+def test_every_placement_helper_refuses_a_64_bit_leaf_by_its_own_name(mesh):
+    """replicate, stack_replicas and on_device each refuse a float64 leaf (which JAX would
+    narrow) naming themselves and the leaf, before anything is placed; the control: the
+    same tree in float32 is placed by each, its values kept."""
+    wide = {"w": np.arange(4.0)}  # float64
+    narrow = {"w": np.arange(4.0, dtype=np.float32)}
+    device = mesh.devices.flat[0]
+    helpers = {"strategies.replicate": lambda t: strategies.replicate(t, mesh),
+               "strategies.stack_replicas": lambda t: strategies.stack_replicas(t, mesh),
+               "strategies.on_device": lambda t: strategies.on_device(t, device)}
+    for where, place_it in helpers.items():
+        with pytest.raises(ValueError, match=rf"^{where}: leaf \['w'\] is float64, which JAX would silently"):
+            place_it(wide)
+        placed = place_it(narrow)["w"]
+        assert placed.dtype == np.float32
+        got = np.asarray(placed.addressable_data(0)).reshape(-1)
+        np.testing.assert_array_equal(got, narrow["w"], err_msg=where)
