@@ -445,3 +445,21 @@ def test_every_placement_helper_refuses_a_64_bit_leaf_by_its_own_name(mesh):
         assert placed.dtype == np.float32
         got = np.asarray(placed.addressable_data(0)).reshape(-1)
         np.testing.assert_array_equal(got, narrow["w"], err_msg=where)
+
+
+def test_a_batch_whose_rows_do_not_split_into_the_logical_shards_is_refused_by_every_strategy(mesh):
+    """The canonical reduction adds one gradient sum per logical block: a global batch of
+    n*B rows with L = 3n logical shards (n*B = 4n rows do not split into 3n blocks) is
+    refused at its step by each strategy, naming it, the rows and L; the control: L = n
+    splits them and trains."""
+    n = mesh.devices.size
+    rows = host_batches(seed=5, steps=1, n=n, real_per_device=[B] * n, kind="linear")[0]
+    for name, train in strategies.STRATEGIES.items():
+        batch = place(rows, mesh, strategies.LAYOUT[name])
+        with pytest.raises(ValueError, match=rf"strategy '{name}': the batch at step 0 has {n * B} rows, which do "
+                                             rf"not split into logical_shards={3 * n} blocks of one size"):
+            train(linear_init(), [batch], mesh, loss_terms=linear_loss_terms, optimizer=strategies.sgd(0.1),
+                  reduction="canonical", logical_shards=3 * n)
+        params, losses, _ = train(linear_init(), [batch], mesh, loss_terms=linear_loss_terms,
+                                  optimizer=strategies.sgd(0.1), reduction="canonical", logical_shards=n)
+        assert np.isfinite(np.asarray(losses)).all(), name
