@@ -55,6 +55,7 @@ import json
 import os
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -130,6 +131,85 @@ def test_deliveries_report_a_row_that_is_no_sample(counting):
     count_one = count(deliveries, [batch])
     ok, said = deliveries.verdict(vector + count_one, "fill", 0)
     assert not ok and "row(s) that are no sample of the data" in said, said
+
+
+def test_deliveries_count_every_row_that_is_no_sample_across_steps_past_the_last_key(counting):
+    """Rows that are no sample add up over the steps counted into one vector (every
+    shifted row of two steps: 2 x 32), also a row whose fingerprint sorts after every
+    sample's (searchsorted's end, where a lookup could run past the keys); the samples'
+    own counts stay as they were (the control: 0 unknown before)."""
+    (l8, _), deliveries, _ = counting
+    batches = [dict(l8.batch(EPOCH, s)) for s in (0, 1)]
+    real = sum(int(np.asarray(b["mask"]).sum()) for b in batches)
+    assert count(deliveries, batches)[-1] == 0
+    shifted = [dict(b, images=b["images"] + np.float32(1e-3)) for b in batches]
+    assert count(deliveries, shifted)[-1] == real
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((4000, 3 * 4 * 4)).astype(np.float32)
+    prints = checkpoints.fingerprint_rows(rows, np.zeros(4000, np.int32))
+    last = rows[int(np.argmax(prints))]
+    assert prints.max() > deliveries.keys.max()  # past every key
+    batch = dict(batches[0])
+    images = np.array(batch["images"])
+    images[:] = last.reshape(images.shape[1:])
+    batch["images"] = jax.device_put(images, batch["images"].sharding)
+    batch["labels"] = jax.device_put(np.zeros(batch["labels"].shape, np.int32), batch["labels"].sharding)
+    vector = count(deliveries, [batch])
+    assert vector[-1] == int(np.asarray(batch["mask"]).sum()) and not vector[:-1].any()
+
+
+def test_a_rows_fingerprint_is_its_docstring():
+    """fingerprint_rows: the 8-byte BLAKE2b of the row's float32 bytes (C order) then its
+    label's int32 bytes, read little-endian, for rows given in any dtype and shape and
+    labels of any integer dtype; the control: read big-endian it is another number."""
+    import hashlib
+    rows = np.arange(24, dtype=np.float64).reshape(3, 2, 4) / 7  # float64, 2-d samples
+    labels = np.array([7, 0, 9], np.int64)
+    got = checkpoints.fingerprint_rows(rows, labels)
+    assert got.dtype == np.uint64 and got.shape == (3,)
+    for row, label, value in zip(rows, labels, got):
+        raw = hashlib.blake2b(row.astype(np.float32).tobytes() + np.int32(label).tobytes(), digest_size=8).digest()
+        assert int(value) == int.from_bytes(raw, "little") != int.from_bytes(raw, "big")
+
+
+def test_a_runs_identity_digests_its_data_as_its_docstring_says():
+    """run_identity's train_data_blake2b is the BLAKE2b-128 of the image bytes (in sample
+    order, C order, also from a strided view as read_cifar10 gives) then the int32 label
+    bytes, over more samples than it reads at a time (5,000 > 4,096); with the run's
+    size, the arithmetic as normalize, and shuffle on."""
+    import hashlib
+    rng = np.random.default_rng(1)
+    whole = rng.integers(0, 256, (5000, 2, 3, 6)).astype(np.uint8)
+    images = whole[..., ::2]  # a strided view, not contiguous
+    assert not images.flags.c_contiguous
+    labels = rng.integers(0, 10, 5000).astype(np.int64)
+    identity = checkpoints.run_identity(refimpl.parse_args(["--hidden", "8"]), (images, labels), "dali_cpu")
+    want = hashlib.blake2b(np.ascontiguousarray(images).tobytes() + labels.astype(np.int32).tobytes(),
+                           digest_size=16).hexdigest()
+    assert identity["train_data_blake2b"] == want
+    assert (identity["num_train"], identity["normalize"], identity["shuffle"]) == (5000, "dali_cpu", True)
+    assert identity["hidden"] == [8]
+    other = checkpoints.run_identity(refimpl.parse_args(["--hidden", "8"]), (images[:4097], labels[:4097]), "rocal")
+    assert other["train_data_blake2b"] == hashlib.blake2b(
+        np.ascontiguousarray(images[:4097]).tobytes() + labels[:4097].astype(np.int32).tobytes(),
+        digest_size=16).hexdigest()
+
+
+def test_every_partial_file_is_written_in_the_checkpoint_folder(tmp_path, monkeypatch):
+    """write_checkpoint renames only within the folder (the arrays' and checkpoint.json's
+    partial files sit beside their final names, so each os.replace is one filesystem's
+    atomic rename), and the checkpoint.json it writes reads back as the document."""
+    replaced = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (replaced.append((src, dst)), real(src, dst))[1])
+    folder = tmp_path / "ck"
+    path = checkpoints.write_checkpoint(str(folder), {"run_step": 3, "format": "x"}, {"a": np.arange(3)})
+    monkeypatch.undo()
+    assert len(replaced) == 2
+    for src, dst in replaced:
+        assert os.path.dirname(os.path.abspath(src)) == os.path.dirname(os.path.abspath(dst)) == str(folder)
+    doc = json.loads(open(path).read())
+    assert doc["run_step"] == 3 and os.path.isfile(folder / doc["arrays_file"])
 
 
 def test_deliveries_hold_drop_to_its_stated_count(counting):
