@@ -716,3 +716,101 @@ def test_canonical_runs_in_process_are_compared_bit_for_bit_and_a_flipped_bit_fa
         refimpl.parse_args(["--resume-from", str(tmp_path / "empty")])
     assert info.value.code == 2
     assert f"--resume-from {tmp_path / 'empty'}: no checkpoint.json there" in capsys.readouterr().err
+
+
+def test_an_output_that_cannot_be_written_is_refused_naming_why(tmp_path, capsys):
+    """--params-out and --metrics-out: a folder, or a file in a folder that does not exist,
+    is refused before any work, naming the option, the path and why (exit status 2); the
+    control: a new file in an existing folder, and an existing file, pass."""
+    import refimpl
+    (tmp_path / "old.npz").write_bytes(b"")
+    for flag in ("--params-out", "--metrics-out"):
+        for path, why in ((tmp_path, "is a directory"),
+                          (tmp_path / "no" / "x", f"its folder {tmp_path / 'no'} does not exist")):
+            assert refused_line([flag, str(path)], capsys) == f"refimpl.py: error: {flag} {path}: {why}"
+        for fine in (tmp_path / "new.out", tmp_path / "old.npz"):
+            assert getattr(refimpl.parse_args([flag, str(fine)]), flag[2:].replace("-", "_")) == str(fine)
+    assert refimpl.unwritable(str(tmp_path / "new.out")) is None
+
+
+def test_devices_are_the_first_n_and_all_of_them_may_be_asked_for(capsys):
+    import jax
+    import refimpl
+    every = jax.devices()
+    assert refimpl.pick_devices(None) == every
+    assert refimpl.pick_devices(len(every)) == every and refimpl.pick_devices(2) == every[:2]
+    with pytest.raises(ValueError, match=rf"--devices {len(every) + 1}: only {len(every)} "):
+        refimpl.pick_devices(len(every) + 1)
+
+
+def test_backend_auto_and_the_arithmetic_are_chosen_as_documented(monkeypatch):
+    """choose_backend: a named backend is kept; auto takes rocal for cifar10 where
+    rocal_loader.usable says so of the run's devices, else dali where dali_loader.usable
+    does, else the reference (each asked about these devices). choose_arithmetic:
+    --normalize when given; DALI's arithmetic for these devices; rocAL's "rocal"; the
+    reference's the notebook's (cifar10 rocal, mnist dali_cpu)."""
+    import dali_loader
+    import jax
+    import refimpl
+    import rocal_loader
+    devices = jax.devices()[:2]
+    asked = []
+
+    def answer(name, value):
+        return lambda d: (asked.append((name, d)), value)[1]
+
+    for backend in ("reference", "rocal", "dali"):
+        assert refimpl.choose_backend(backend, "cifar10", devices) == backend
+    for rocal_ok, dali_ok, dataset, want in ((True, True, "cifar10", "rocal"), (True, True, "mnist", "dali"),
+                                              (False, True, "cifar10", "dali"), (False, False, "cifar10", "reference"),
+                                              (True, False, "mnist", "reference")):
+        monkeypatch.setattr(rocal_loader, "usable", answer("rocal", rocal_ok))
+        monkeypatch.setattr(dali_loader, "usable", answer("dali", dali_ok))
+        asked.clear()
+        assert refimpl.choose_backend("auto", dataset, devices) == want, (rocal_ok, dali_ok, dataset)
+        assert asked and all(d is devices for _, d in asked)
+    monkeypatch.undo()
+    monkeypatch.setattr(dali_loader, "arithmetic_for", answer("arithmetic", "dali_gpu"))
+    asked.clear()
+    assert refimpl.choose_arithmetic("dali", None, "mnist", devices) == "dali_gpu" and asked == [("arithmetic", devices)]
+    for backend, normalize, dataset, want in (("rocal", None, "cifar10", "rocal"), ("rocal", None, "mnist", "rocal"),
+                                              ("reference", None, "cifar10", "rocal"),
+                                              ("reference", None, "mnist", "dali_cpu"),
+                                              ("reference", "dali_gpu", "cifar10", "dali_gpu"),
+                                              ("dali", "rocal", "mnist", "rocal")):
+        assert refimpl.choose_arithmetic(backend, normalize, dataset, devices) == want, (backend, normalize, dataset)
+
+
+def test_on_a_terminal_each_step_is_counted_on_one_line_and_the_line_cleared(monkeypatch):
+    """with_progress yields the batches as they are; on a terminal it also writes
+    "\\r  LABEL: k/TOTAL steps" before step k is trained (flushed, no newline), then blanks
+    that line; elsewhere (a file, a pipe) it writes nothing."""
+    import io
+    import sys
+    import refimpl
+
+    class Terminal(io.StringIO):
+        flushes = 0
+
+        def isatty(self):
+            return True
+
+        def flush(self):
+            Terminal.flushes += 1
+
+    for screen, says in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stdout", screen)
+        seen = []
+        for batch in refimpl.with_progress(iter("abc"), 3, "sharded epoch 0"):
+            seen.append((batch, screen.getvalue()))
+        monkeypatch.undo()
+        assert [b for b, _ in seen] == ["a", "b", "c"]
+        if says:
+            assert [text for _, text in seen] == ["\r  sharded epoch 0: 1/3 steps",
+                                                  "\r  sharded epoch 0: 1/3 steps\r  sharded epoch 0: 2/3 steps",
+                                                  "\r  sharded epoch 0: 1/3 steps\r  sharded epoch 0: 2/3 steps"
+                                                  "\r  sharded epoch 0: 3/3 steps"]
+            assert screen.getvalue().endswith("\r" + " " * (len("sharded epoch 0") + 30) + "\r")
+            assert Terminal.flushes >= 4
+        else:
+            assert screen.getvalue() == ""
