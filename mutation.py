@@ -38,6 +38,11 @@ Why this file, and not a bare ``mutmut run`` with a [mutmut] section in setup.cf
   decorators only wrap a function that the trampoline can sit under, so
   ``_mutate_decorated`` below lets mutmut mutate functions whose decorators are all in
   DECORATORS_TO_MUTATE_UNDER; properties stay skipped (mutmut's trampoline cannot wrap one).
+* mutmut's call statistics see a function only where its trampoline runs in the test
+  process, once per cache: ``child_statistics`` empties the caches before each test of
+  the statistics run (``fresh_caches``) and collects what the child processes a test
+  starts reach (``CHILD_HOOK``), and ``own_tests`` gives a function reached only in a
+  child the tests that reach it there.
 * Equivalent mutants: mutation-equivalent.txt, one line each (the mutant, the line it
   plants, why no test can tell it from the code). ``table`` counts them apart and says
   when a line no longer matches its mutant (the code changed: argue it again).
