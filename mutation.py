@@ -457,22 +457,36 @@ def _own_tests_fastest_first(name: str) -> None:
     main.collect_or_load_stats = collect_then_filter
 
 
+# Functions whose work is on the process itself, before anything a test process could
+# see: refimpl.start_jax configures JAX before its first use, and in a test process JAX
+# has started already (so an update of the platform or the CPU device count to the wrong
+# value changes nothing there). Their mutants also run the tests that reach them in a
+# child process, after those in process.
+PROCESS_START = {"refimpl.x_start_jax"}
+
+
 def own_tests(name: str, mapping: dict, durations: dict, children: dict | None = None) -> dict[str, list[str]]:
     """{mangled function: the tests its mutants run, fastest first}: of the tests mutmut saw
     reach the function (``mapping``), those in its module's own files (SETS[name]); for a
     module in TRACED, every test of its own files that the statistics ran (``durations``).
     A function that no test of its own files reaches in the test process takes those that
     reach it in a child process (``children``: ``child_statistics``): refimpl's
-    ``connect`` and ``launch_local`` run only in the processes a test starts."""
+    ``connect`` and ``launch_local`` run only in the processes a test starts; one in
+    PROCESS_START takes those after its tests in process."""
     out = {}
     for key in set(mapping) | set(children or {}):
         module = key.split(".")[0] + ".py"
         own = SETS[name].get(module, [])
         pool = durations if module in TRACED else mapping.get(key, ())
         tests = [t for t in pool if t.split("::")[0] in own]
+        child = [t for t in (children or {}).get(key, ()) if t.split("::")[0] in own and t not in tests]
+        by_time = lambda t: (durations.get(t, 0.0), t)  # noqa: E731
         if not tests:
-            tests = [t for t in (children or {}).get(key, ()) if t.split("::")[0] in own]
-        out[key] = sorted(tests, key=lambda t: (durations.get(t, 0.0), t))
+            out[key] = sorted(child, key=by_time)
+        elif key in PROCESS_START:
+            out[key] = sorted(tests, key=by_time) + sorted(child, key=by_time)
+        else:
+            out[key] = sorted(tests, key=by_time)
     return out
 
 
