@@ -457,12 +457,13 @@ def _own_tests_fastest_first(name: str) -> None:
     main.collect_or_load_stats = collect_then_filter
 
 
-# Functions whose work is on the process itself, before anything a test process could
-# see: refimpl.start_jax configures JAX before its first use, and in a test process JAX
-# has started already (so an update of the platform or the CPU device count to the wrong
-# value changes nothing there). Their mutants also run the tests that reach them in a
-# child process, after those in process.
-PROCESS_START = {"refimpl.x_start_jax"}
+# Functions whose work a test process cannot see, their mutants also run the tests that
+# reach them in a child process, after those in process: refimpl.start_jax configures JAX
+# before its first use, and in a test process JAX has started already (an update of the
+# platform or the CPU device count to a wrong value changes nothing there); set_up's
+# lines for several processes (every process's devices, "in N processes") run only in
+# test_multiprocess's children.
+IN_CHILDREN_TOO = {"refimpl.x_start_jax", "refimpl.x_set_up"}
 
 
 def own_tests(name: str, mapping: dict, durations: dict, children: dict | None = None) -> dict[str, list[str]]:
@@ -472,7 +473,7 @@ def own_tests(name: str, mapping: dict, durations: dict, children: dict | None =
     A function that no test of its own files reaches in the test process takes those that
     reach it in a child process (``children``: ``child_statistics``): refimpl's
     ``connect`` and ``launch_local`` run only in the processes a test starts; one in
-    PROCESS_START takes those after its tests in process."""
+    IN_CHILDREN_TOO takes those after its tests in process."""
     out = {}
     for key in set(mapping) | set(children or {}):
         module = key.split(".")[0] + ".py"
@@ -483,7 +484,7 @@ def own_tests(name: str, mapping: dict, durations: dict, children: dict | None =
         by_time = lambda t: (durations.get(t, 0.0), t)  # noqa: E731
         if not tests:
             out[key] = sorted(child, key=by_time)
-        elif key in PROCESS_START:
+        elif key in IN_CHILDREN_TOO:
             out[key] = sorted(tests, key=by_time) + sorted(child, key=by_time)
         else:
             out[key] = sorted(tests, key=by_time)
