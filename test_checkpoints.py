@@ -53,6 +53,7 @@ The loader's own resume (``epoch(e, state=...)``): test_loaders_resume.py.
 
 import json
 import os
+import re
 import sys
 
 import jax
@@ -880,6 +881,9 @@ def test_a_chain_of_stops_and_resumes_in_process_is_the_uninterrupted_runs_bits(
         {"hidden": [8, 8], "logical_shards": 6, "batch_size": 4, "lr": 0.01, "optimizer": "adam", "seed": 3,
          "reduction": "canonical", "strategies": list(refimpl.STRATEGY_NAMES), "num_train": 96}
     assert (ck["carried"]["epochs"], ck["carried"]["eval_batch_size"]) == (3, 16)
+    assert ck["strategies"] == sorted(refimpl.STRATEGY_NAMES)
+    # a stop at an epoch's end (c) leaves no interrupted epoch: no runs to carry
+    assert json.loads((tmp_path / "c" / checkpoints.CHECKPOINT_FILE).read_text())["epoch_runs"] == {}
     assert {k: ck["run"][k] for k in ("dataset", "normalize", "matmul_precision", "last_batch", "shuffle")} == \
         {"dataset": "cifar10", "normalize": "rocal", "matmul_precision": "highest", "last_batch": "fill", "shuffle": True}
     assert ck["device_counts"] == [2, 6]  # every device count the run has trained on so far
@@ -907,10 +911,138 @@ def test_a_resize_in_process_without_logical_shards_delivers_each_sample_once(ti
         in_process(run + ["--devices", "4", "--batch-size", "8", "--stop-after-step", "1", "--checkpoint-dir", ck],
                    capsys)
         out = in_process(["--resume-from", ck, "--devices", "3", "--batch-size", "5"], capsys)
-        assert f"this run: 3 cpu device(s) x 5 (reference loader, placement device): steps 1-" in out
-        assert f"of epoch 0 (plan.elastic_plan, segments [(0, 4, 8), (1, 3, 5)])\n" in out
+        assert "this run: 3 cpu device(s) x 5 (reference loader, placement device): steps 1-" in out
+        assert "of epoch 0 (plan.elastic_plan, segments [(0, 4, 8), (1, 3, 5)])\n" in out
         for name in ("sharded", "single"):
             [line] = [l for l in out.splitlines() if l.startswith(f"{name} epoch 0: ")]
             assert said in line and ": 32; steps 1-" in line and \
                 line.endswith(f": {64 if policy == 'fill' else 60})"), line
         assert "FAILED" not in out
+    # a resumed epoch stopped again before its end, then resumed on a third device count:
+    # the middle run trains run steps 1-2 only, and every sample is delivered once over three
+    ck, again = tmp_path / "fill", tmp_path / "again"
+    out = in_process(["--resume-from", ck, "--devices", "3", "--batch-size", "5", "--stop-after-step", "3",
+                      "--checkpoint-dir", again], capsys)
+    assert "stopped after run steps 0-2: the next, run step 3, is epoch 0, step 3" in out
+    assert "sharded epoch 0 so far, counted from the delivered rows: 62 real slot(s), 0 sample(s) more than " \
+           "once, 0 row(s) that are no sample" in out, out
+    out = in_process(["--resume-from", again, "--devices", "2", "--batch-size", "6"], capsys)
+    [line] = [l for l in out.splitlines() if l.startswith("sharded epoch 0: ")]
+    assert line.startswith("sharded epoch 0: every one of the 96 samples delivered in exactly one real slot") and \
+        ": 32; steps 1-2 on 3 cpu device(s) x 5 (reference loader, placement device): 30; steps 3-" in line, line
+
+
+# --------------------------------------------------------------------------
+# The pieces of a resume, one by one (in process)
+# --------------------------------------------------------------------------
+
+
+def test_a_runs_identity_is_compared_field_by_field_each_refusal_saying_what_to_do(tmp_path):
+    """check_identity: the first field (by name) in which a checkpoint's run and this one
+    differ is named, with the fix its kind needs: the data (shuffle, num_train, the
+    digest) "train on the checkpoint's data"; normalize the arithmetic to pass; any other
+    option "leave --x out". A field that only one side has differs too; the strategies
+    compare as a set (the control: another order passes, as does the same run)."""
+    mine = {"hidden": [8], "lr": 0.1, "normalize": "rocal", "num_train": 96, "shuffle": True,
+            "strategies": ["sharded", "pmap"], "train_data_blake2b": "ab"}
+    checkpoints.check_identity("ck", dict(mine), dict(mine))
+    checkpoints.check_identity("ck", dict(mine, strategies=["pmap", "sharded"]), dict(mine))
+    cases = [({"train_data_blake2b": "cd"}, "train_data_blake2b='cd', this run has train_data_blake2b='ab' "
+                                            "(train on the checkpoint's data)"),
+             ({"normalize": "dali_cpu"}, "--normalize='dali_cpu', this run has --normalize='rocal' (the arithmetic "
+                                         "this run's backend computes is not the checkpoint's dali_cpu: pass "
+                                         "--normalize dali_cpu or a backend that computes it)"),
+             ({"lr": 0.2}, "--lr=0.2, this run has --lr=0.1 (leave --lr out: a resumed run takes it from its "
+                           "checkpoint)"),
+             ({"strategies": ["sharded"]}, "--strategies=['sharded'], this run has --strategies=['sharded', 'pmap']")]
+    for change, said in cases:
+        with pytest.raises(ValueError, match=re.escape(f"--resume-from ck: the checkpoint was taken with {said}")):
+            checkpoints.check_identity("ck", dict(mine, **change), dict(mine))
+    only_mine = dict(mine, seed=3)
+    with pytest.raises(ValueError, match=re.escape("taken with --seed=None, this run has --seed=3")):
+        checkpoints.check_identity("ck", dict(mine), only_mine)
+    with pytest.raises(ValueError, match=re.escape("taken with --seed=3, this run has --seed=None")):
+        checkpoints.check_identity("ck", only_mine, dict(mine))
+
+
+def test_an_epochs_deliveries_verdict_names_every_problem_in_one_line(counting):
+    """Deliveries.verdict's failure: "NOT exactly once: " then each problem, "; " between
+    them (a sample twice, samples never delivered, a row that is no sample), elastic_plan's
+    stated count named under drop only."""
+    _, deliveries, _ = counting
+    vector = deliveries.zeros()
+    np.add.at(vector, np.arange(len(deliveries.keys)), deliveries.expected)
+    vector[0] += 1  # one sample twice
+    vector[1] -= deliveries.expected[1]  # one never
+    vector[-1] = 2  # two rows of no sample
+    for policy, suffix in (("fill", ""), ("drop", ", where elastic_plan states 0 skipped for drop")):
+        ok, said = deliveries.verdict(vector, policy, 0)
+        assert not ok and said == ("NOT exactly once: 1 sample(s) delivered more than once (1 extra real slot(s)); "
+                                   f"{deliveries.expected[1]} sample(s) never delivered{suffix}; "
+                                   "2 real row(s) that are no sample of the data"), said
+
+
+def test_taken_and_counted_close_what_they_read_even_when_it_had_more(counting):
+    """taken(batches, k) yields the first k and closes the iterator it read (a loader's
+    prefetch or pipelines stop there), whether it ran out or had more; counted counts
+    what it yields and closes what it reads when it is closed itself."""
+    closed = []
+
+    def batches(n):
+        try:
+            yield from range(n)
+        finally:
+            closed.append(n)
+
+    assert list(checkpoints.taken(batches(5), 2)) == [0, 1] and closed == [5]
+    assert list(checkpoints.taken(batches(1), 3)) == [0] and closed == [5, 1]
+    (l8, _), deliveries, _ = counting
+    vector = deliveries.zeros()
+    inner = closing(l8.epoch(EPOCH), closed)  # held here: only counted's close may close it
+    epoch = checkpoints.counted(inner, deliveries, vector)
+    next(epoch)
+    epoch.close()
+    assert closed[-1] == "epoch" and vector.sum() == int(np.asarray(l8.batch(EPOCH, 0)["mask"]).sum())
+
+
+def closing(source, closed):
+    """``source``'s items; says "epoch" in ``closed`` when it is closed."""
+    try:
+        yield from source
+    finally:
+        closed.append("epoch")
+
+
+def test_run_spans_are_their_docstring_at_the_edges():
+    """run_spans(epochs, stop_after_step, done, first_epoch, first_span, steps): each
+    epoch's (first, stop) steps and the stop; a stop after the very last run step is
+    allowed (the whole run, stopped at its end: the next epoch, step 0), one at or below
+    the steps already trained, or past the last, is refused."""
+    assert checkpoints.run_spans(2, None, 0, 0, None, 4) == ({0: (0, 4), 1: (0, 4)}, None)
+    assert checkpoints.run_spans(2, 8, 0, 0, None, 4) == ({0: (0, 4), 1: (0, 4)}, (1, 4))
+    assert checkpoints.run_spans(2, 4, 0, 0, None, 4) == ({0: (0, 4)}, (0, 4))
+    assert checkpoints.run_spans(2, 5, 0, 0, None, 4) == ({0: (0, 4), 1: (0, 1)}, (1, 1))
+    # resumed in epoch 1 at step 3 (run step 7 done): its rest, then epoch 2
+    assert checkpoints.run_spans(3, None, 7, 1, (3, 4), 4) == ({1: (3, 4), 2: (0, 4)}, None)
+    assert checkpoints.run_spans(3, 8, 7, 1, (3, 4), 4) == ({1: (3, 4)}, (1, 4))
+    assert checkpoints.run_spans(3, 9, 7, 1, (3, 4), 4) == ({1: (3, 4), 2: (0, 1)}, (2, 1))
+    with pytest.raises(ValueError, match="already trained run steps 0-6; stop after more than 7"):
+        checkpoints.run_spans(3, 7, 7, 1, (3, 4), 4)
+    with pytest.raises(ValueError, match=r"this run has only 12 run steps \(run steps 0-11, epochs 0-2\)"):
+        checkpoints.run_spans(3, 13, 7, 1, (3, 4), 4)
+    assert checkpoints.run_spans(3, 12, 7, 1, (3, 4), 4)[1] == (2, 4)  # the very last: allowed
+
+
+def test_a_checkpoint_leaf_of_another_shape_or_dtype_is_refused_naming_it():
+    """restored: each leaf must be there with this run's shape and dtype; either one
+    wrong is refused naming the key (the control: the right arrays restore)."""
+    import strategies
+    params0 = {"b": np.zeros(3, np.float32), "w": np.ones((2, 3), np.float32)}
+    rule = strategies.sgd(0.1)
+    arrays = checkpoints.checkpoint_arrays({"sharded": (params0, rule.init(params0), [1.0])}, None)
+    params, state = checkpoints.restored(arrays, "sharded", params0, rule)
+    assert all(np.array_equal(params[k], params0[k]) for k in params0)
+    for key, bad in (("params/sharded/1", np.ones((3, 2), np.float32)), ("params/sharded/1", np.ones((2, 3))),
+                     ("params/sharded/0", np.zeros(3, np.int32))):
+        with pytest.raises(ValueError, match=re.escape(f"the checkpoint's {key} is {bad.dtype} {bad.shape}")):
+            checkpoints.restored(dict(arrays, **{key: bad}), "sharded", params0, rule)
