@@ -495,10 +495,20 @@ def own_tests(name: str, mapping: dict, durations: dict, children: dict | None =
 # PYTHONPATH): in the statistics run (MUTANT_UNDER_TEST=stats) the process writes the
 # functions it reached, at its exit, for the test that started it (``child_statistics``).
 CHILD_HOOK = """\
-# Written by mutation.py: a child process's mutmut call statistics, saved at its exit.
+# Written by mutation.py: a child process's mutmut call statistics, saved at its exit, and
+# the mutant made active in the functions of the script it runs.
 import atexit
 import json
 import os
+import sys
+
+# A script's own functions are module __main__ in its process (python refimpl.py), and
+# mutmut's trampolines activate a mutant only in a module of its name ("refimpl."):
+# named so, the mutant runs in the script too (and in the same script's children).
+_SCRIPT = os.path.splitext(os.path.basename(sys.argv[0] if sys.argv else ""))[0]
+_ACTIVE = os.environ.get("MUTANT_UNDER_TEST", "")
+if _SCRIPT and _ACTIVE.startswith(_SCRIPT + "."):
+    os.environ["MUTANT_UNDER_TEST"] = "__main__." + _ACTIVE[len(_SCRIPT) + 1:]
 
 
 def _save():
@@ -506,7 +516,8 @@ def _save():
         from mutmut.state import state
     except ImportError:
         return
-    hits = sorted(state()._stats)
+    hits = sorted(_SCRIPT + name[len("__main__"):] if name.startswith("__main__.") else name
+                  for name in state()._stats)
     if hits:
         path = os.path.join(os.environ["MUTATION_CHILD_HITS"], f"{os.getpid()}.json")
         with open(path + ".part", "w") as f:

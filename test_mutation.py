@@ -208,11 +208,17 @@ def test_a_function_no_test_reaches_in_process_takes_the_tests_that_reach_it_in_
         "test_refimpl.py::fast", "test_refimpl.py::child", "test_multiprocess.py::peers"]
 
 
-@pytest.mark.parametrize("mode", ["stats", "plan.x_shard_bounds__mutmut_1"])
-def test_a_child_process_writes_the_functions_it_reached_only_in_the_statistics_run(tmp_path, mode):
-    """CHILD_HOOK, as the sitecustomize of a child Python under mutmut: in the statistics
-    run the functions its trampolines recorded are written at its exit, one file a
-    process; under a mutant (the control) nothing is written."""
+@pytest.mark.parametrize("mode, seen", [("stats", "stats"),
+                                        ("refimpl.x_connect__mutmut_2", "__main__.x_connect__mutmut_2"),
+                                        ("plan.x_shard_bounds__mutmut_1", "plan.x_shard_bounds__mutmut_1")])
+def test_a_child_process_reports_what_it_reached_and_runs_its_scripts_mutants(tmp_path, mode, seen):
+    """CHILD_HOOK, as the sitecustomize of a child Python under mutmut, in a process that
+    runs refimpl.py as its script (its functions are module __main__ there): in the
+    statistics run the functions its trampolines recorded are written at its exit, one
+    file a process, __main__'s under the script's name; a mutant of the script is named
+    for __main__, so that mutmut activates it in the script's own functions, and a
+    mutant of another module is left as it is (the controls: nothing is written under
+    a mutant)."""
     pytest.importorskip("mutmut", reason="requirements-mutation.txt")
     import subprocess
     import sys
@@ -220,9 +226,14 @@ def test_a_child_process_writes_the_functions_it_reached_only_in_the_statistics_
     hook.mkdir()
     hits.mkdir()
     (hook / "sitecustomize.py").write_text(mutation.CHILD_HOOK)
+    script = tmp_path / "refimpl.py"
+    script.write_text("import os\nfrom mutmut.state import state\n"
+                      "state()._stats.update({'__main__.x_connect', 'plan.x_epoch_plan'})\n"
+                      "print(os.environ['MUTANT_UNDER_TEST'])\n")
     env = dict(os.environ, PYTHONPATH=str(hook), MUTANT_UNDER_TEST=mode, MUTATION_CHILD_HITS=str(hits))
-    code = "from mutmut.state import state; state()._stats.update({'refimpl.x_connect', 'plan.x_epoch_plan'})"
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    out = subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=60, capture_output=True,
+                         text=True).stdout
+    assert out.strip() == seen
     written = sorted(hits.iterdir())
     if mode == "stats":
         [path] = written
