@@ -156,11 +156,17 @@ def test_indices_round_trip_for_any_sample(shape, dtype, normalize):
     samples = encoding.encoded_images(indices, shape, dtype)
     assert samples.shape == (len(indices),) + shape and samples.dtype == dtype
     delivered = samples if normalize is None else normalize(samples)
-    np.testing.assert_array_equal(encoding.decode_indices(delivered, normalize), indices)
-    # Control: a sample whose digit-carrying part is not flat decodes to -1.
-    broken = np.array(delivered, copy=True)
-    broken.reshape(len(broken), -1)[1, 0] += 1
-    assert encoding.decode_indices(broken, normalize)[1] == -1
+    decoded = encoding.decode_indices(delivered, normalize)
+    assert decoded.dtype == np.int64 and decoded.tolist() == indices.tolist()  # int64, exactly
+    # Control: a sample whose digit-carrying part is not flat decodes to -1, and every
+    # other sample of the batch still decodes (flatness is judged sample by sample).
+    for element in (0, -1):  # the first element of the low part, the last of the high part
+        broken = np.array(delivered, copy=True)
+        broken.reshape(len(broken), -1)[1, element] += 1
+        got = encoding.decode_indices(broken, normalize)
+        if element == 0 or not (len(shape) == 3 and shape[0] >= 3):  # planes: the last element is the ramp's
+            assert got[1] == -1, element
+        assert np.delete(got, 1).tolist() == np.delete(indices, 1).tolist(), element
     with pytest.raises(ValueError, match=r"index_limit"):
         encoding.encoded_images([limit], shape, dtype)
 
@@ -219,8 +225,8 @@ def test_a_value_of_2_to_the_63_or_more_encodes_nothing_and_the_largest_below_it
             values = np.array([under, edge, edge * 2], dtype)
             below, at_or_above = [int(under)], [2**63, 2**64]
     samples = np.repeat(values[:, None], 3, axis=1)
-    np.testing.assert_array_equal(encoding.decode_indices(samples), below + [-1] * len(at_or_above),
-                                  err_msg=str(values))
+    got = encoding.decode_indices(samples)
+    assert got.dtype == np.int64 and got.tolist() == below + [-1] * len(at_or_above), (values, got)  # exactly
 
 
 @pytest.mark.parametrize("shape", [(0,), (0, 4), (4, 0, 2)], ids=str)
@@ -234,3 +240,57 @@ def test_a_sample_of_no_elements_encodes_nothing(shape, dtype):
     np.testing.assert_array_equal(got, [-1, -1, -1])
     with pytest.raises(ValueError, match="at least 2 elements"):
         encoding.decode_indices(np.zeros((3,) + shape, np.uint8))
+
+
+def test_only_planes_0_and_1_carry_the_index_and_the_ramp_may_be_anything():
+    """decode_indices reads (C >= 3, H, W) images by planes 0 and 1 alone: a ramp plane
+    changed (raw, or normalised beyond a quarter of the table's step) still decodes; the
+    control: the same change in plane 1 encodes nothing."""
+    norm = Normalize()
+    for plane, want in ((2, 77), (1, -1)):
+        raw = encoding.encoded_images(np.array([77]))
+        raw[0, plane, 0, 0] += 3
+        assert encoding.decode_indices(raw).tolist() == [want]
+        images = norm(encoding.encoded_images(np.array([77])))
+        images[0, plane, 1, 1] += np.float32(0.4 / 127.5)
+        assert encoding.decode_indices(images, norm).tolist() == [want], plane
+
+
+def test_a_value_exactly_a_quarter_step_from_the_table_encodes_nothing():
+    """"a quarter of the table's step or more from every entry encodes nothing": with a
+    table of step 1 (mean 0, std 1: entries 0..255, exact) 9.25 and 8.75 are exactly a
+    quarter from 9 and encode nothing; 9.2421875 (just under) decodes."""
+    norm = Normalize(mean=(0.0,) * 3, std=(1.0,) * 3)
+    for offset, want in ((0.25, -1), (-0.25, -1), (0.2421875, 9), (-0.2421875, 9)):
+        images = norm(encoding.encoded_images(np.array([9])))
+        images[0, 0] += np.float32(offset)
+        assert encoding.decode_indices(images, norm).tolist() == [want], offset
+
+
+def test_indices_are_any_integers_in_any_shape_and_nothing_else():
+    """encoded_images takes integer indices of any integer dtype, Python ints in an object
+    array (beyond int64's range too, then refused by the limit), in any shape (flattened:
+    one sample each); bools, floats (even integral ones) and other objects are refused."""
+    grid = np.array([[1, 2], [3, 4]])
+    assert encoding.decode_indices(encoding.encoded_images(grid, (4,))).tolist() == [1, 2, 3, 4]
+    for ok in (np.array([5, 6], np.uint16), np.array([5, 6], object), [5, 6]):
+        assert encoding.decode_indices(encoding.encoded_images(ok, (4,))).tolist() == [5, 6]
+    with pytest.raises(ValueError, match="indices must lie in"):
+        encoding.encoded_images(np.array([2**70], object), (4,))
+    for bad in (np.array([True, False]), np.array([1.0, 2.0]), np.array(["1"], object), np.array([1.5], object)):
+        with pytest.raises(ValueError, match="indices must be integers"):
+            encoding.encoded_images(bad, (4,))
+
+
+def test_an_unsigned_64_bit_sample_must_be_flat_too():
+    """uint64 samples are read exactly and by the same rule as every dtype: all elements
+    equal, else nothing (the control: the flat one decodes)."""
+    samples = np.array([[2**62, 2**62, 2**62], [2**62, 2**62, 5]], np.uint64)
+    assert encoding.decode_indices(samples).tolist() == [2**62, -1]
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128, np.bool_, np.str_, np.dtype("V4")],
+                         ids=lambda d: np.dtype(d).str)
+def test_a_dtype_that_is_no_number_has_no_index_limit(dtype):
+    with pytest.raises(ValueError, match="neither uint8, a float nor an integer"):
+        encoding.index_limit((2,), dtype)
