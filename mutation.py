@@ -1,6 +1,6 @@
 """Mutation testing of this project with mutmut (requirements-mutation.txt): a habit, not CI.
 
-    nice python mutation.py pure      # plan, arithmetic, cifar_mnist, conformance, equivalence, model
+    nice python mutation.py pure      # plan, arithmetic, cifar_mnist, conformance, encoding, equivalence, model
     nice python mutation.py vendor    # loaders, strategies, dali_loader, rocal_loader, checkpoints, refimpl
 
 Each plants every single-line bug mutmut knows in those modules and runs, for each
