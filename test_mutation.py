@@ -197,8 +197,11 @@ def test_a_function_no_test_reaches_in_process_takes_the_tests_that_reach_it_in_
                 "refimpl.x_connect": ["test_multiprocess.py::peers", "test_refimpl.py::child",
                                       "test_checkpoints.py::other"]}
     got = mutation.own_tests("vendor", mapping, durations, children)
+    # connect: every test of the files whose children reached it (a module fixture's
+    # children report to the first test that asked for it): test_refimpl.py's fast one too
     assert got == {"refimpl.x_main": ["test_refimpl.py::fast"],
-                   "refimpl.x_connect": ["test_refimpl.py::child", "test_multiprocess.py::peers"]}
+                   "refimpl.x_connect": ["test_refimpl.py::fast", "test_refimpl.py::child",
+                                         "test_multiprocess.py::peers"]}
     assert mutation.own_tests("vendor", mapping, durations) == {"refimpl.x_main": ["test_refimpl.py::fast"]}
     # start_jax's work shows only in a process that starts JAX: its child tests come after
     mapping["refimpl.x_start_jax"] = {"test_refimpl.py::fast"}
