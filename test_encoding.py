@@ -157,7 +157,7 @@ def test_indices_round_trip_for_any_sample(shape, dtype, normalize):
     assert samples.shape == (len(indices),) + shape and samples.dtype == dtype
     delivered = samples if normalize is None else normalize(samples)
     decoded = encoding.decode_indices(delivered, normalize)
-    assert decoded.dtype == np.int64 and decoded.tolist() == indices.tolist()  # int64, exactly
+    assert decoded.dtype == np.int64 and np.array_equal(decoded, indices)  # int64, exactly
     # Control: a sample whose digit-carrying part is not flat decodes to -1, and every
     # other sample of the batch still decodes (flatness is judged sample by sample).
     for element in (0, -1):  # the first element of the low part, the last of the high part
@@ -166,7 +166,7 @@ def test_indices_round_trip_for_any_sample(shape, dtype, normalize):
         got = encoding.decode_indices(broken, normalize)
         if element == 0 or not (len(shape) == 3 and shape[0] >= 3):  # planes: the last element is the ramp's
             assert got[1] == -1, element
-        assert np.delete(got, 1).tolist() == np.delete(indices, 1).tolist(), element
+        assert np.array_equal(np.delete(got, 1), np.delete(indices, 1)), element
     with pytest.raises(ValueError, match=r"index_limit"):
         encoding.encoded_images([limit], shape, dtype)
 

@@ -233,7 +233,8 @@ def test_a_child_process_reports_what_it_reached_and_runs_its_scripts_mutants(tm
     script.write_text("import os\nfrom mutmut.state import state\n"
                       "state()._stats.update({'__main__.x_connect', 'plan.x_epoch_plan'})\n"
                       "print(os.environ['MUTANT_UNDER_TEST'])\n")
-    env = dict(os.environ, PYTHONPATH=str(hook), MUTANT_UNDER_TEST=mode, MUTATION_CHILD_HITS=str(hits))
+    env = dict(os.environ, PYTHONPATH=str(hook), MUTANT_UNDER_TEST=mode, MUTATION_CHILD_HITS=str(hits),
+               JAX_PLATFORMS="cpu")  # the child imports no JAX; were it to, CPU only
     out = subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=60, capture_output=True,
                          text=True).stdout
     assert out.strip() == seen
