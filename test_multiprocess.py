@@ -19,7 +19,8 @@ Guarantees checked:
   same bits across the processes as in one: 2 processes x 4 devices (the interleaved
   mesh) = 1 process x 8 devices = 1 device adding 8 microbatches, params and losses;
   the plain reduction across processes is not (the control);
-* ``refimpl.py --local-processes 2`` runs and prints one report.
+* ``refimpl.py --local-processes 2`` runs, prints one report and trains, under the
+  canonical reduction, the bits of one process with as many devices.
 
 The processes are started by two module fixtures, each bounded by
 conftest.run_children, which reports the stacks of any it has to stop and kills
@@ -133,21 +134,27 @@ def two_workers(dataset, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def refimpl_runs(dataset):
-    """The refimpl.py runs of the last two tests, started together (the missing peer's run
-    mostly waits): {name: conftest.Ended}."""
+def refimpl_runs(dataset, tmp_path_factory):
+    """The refimpl.py runs of the last three tests, started together (the missing peer's run
+    mostly waits): ({name: conftest.Ended}, the folder their --params-out files are in)."""
     from conftest import run_children
 
+    out = tmp_path_factory.mktemp("refimpl-runs")
     refimpl = [sys.executable, os.path.join(HERE, "refimpl.py"), "--data-dir", dataset, "--epochs", "1"]
+    # 1000 samples over 8 devices at batch 64: 2 steps an epoch; the canonical reduction
+    # over 8 logical shards, so that 2 processes x 4 devices owe 1 process x 8 its bits.
+    same_job = ["--batch-size", "64", "--hidden", "64,64", "--reduction", "canonical", "--logical-shards", "8",
+                "--strategies", "sharded,shard_map"]
     coordinator = f"127.0.0.1:{free_port()}"
     commands = {
         # Process 0 of 2 alone: its peer never arrives.
         "missing peer": refimpl + ["--devices", "4", "--num-processes", "2", "--process-id", "0",
                                    "--coordinator", coordinator, "--peer-timeout", "3"],
-        # 1000 samples over 8 devices at batch 64: 2 steps an epoch.
-        "local processes": refimpl + ["--batch-size", "64", "--local-processes", "2", "--hidden", "64,64"],
+        "local processes": refimpl + same_job + ["--local-processes", "2",
+                                                 "--params-out", str(out / "local-processes.npz")],
+        "one process": refimpl + same_job + ["--devices", "8", "--params-out", str(out / "one-process.npz")],
     }
-    return dict(zip(commands, run_children(list(commands.values()), timeout=100, cwd=HERE)))
+    return dict(zip(commands, run_children(list(commands.values()), timeout=100, cwd=HERE))), out
 
 
 def test_two_processes_train_like_one(two_workers, dataset):
@@ -202,7 +209,7 @@ def test_two_processes_train_like_one(two_workers, dataset):
 
 
 def test_missing_peer_fails_within_the_timeout(refimpl_runs):
-    code, out, err = done = refimpl_runs["missing peer"]
+    code, out, err = done = refimpl_runs[0]["missing peer"]
     # JAX's runtime aborts the process (SIGABRT) rather than raising; refimpl's own
     # line before joining is what names the process and the wait.
     assert code != 0, err[-2000:]
@@ -211,12 +218,29 @@ def test_missing_peer_fails_within_the_timeout(refimpl_runs):
 
 
 def test_refimpl_local_processes_prints_one_report(refimpl_runs):
-    code, out, err = refimpl_runs["local processes"]
+    code, out, err = refimpl_runs[0]["local processes"]
     assert code == 0, err[-3000:]
     assert "8 cpu device(s) in 2 processes" in out
     for name in ("sharded", "shard_map"):
         assert out.count(f"{name:>9} epoch 0 of 1") == 1, out
     assert "[Gloo]" not in out + err and "peer ranks" not in out + err, err
+
+
+def test_refimpl_local_processes_train_like_one_process(refimpl_runs):
+    """``--local-processes 2`` splits ``--devices`` (8 by default) into 2 processes of 4 that
+    train on the ``--data-dir`` given, joined through a coordinator on 127.0.0.1: under the
+    canonical reduction its --params-out (every strategy's params and optimizer state) is,
+    array for array, the bits of one process with 8 devices on the same data."""
+    from conftest import assert_same_bits
+
+    ended, folder = refimpl_runs
+    for name in ("local processes", "one process"):
+        code, out, err = ended[name]
+        assert code == 0, f"{name}: exit {code}\n{err[-3000:]}"
+    two, one = (np.load(folder / f"{name}.npz") for name in ("local-processes", "one-process"))
+    assert sorted(two.files) == sorted(one.files) and one.files, (two.files, one.files)
+    for key in one.files:
+        assert_same_bits(two[key], one[key], f"--local-processes 2 vs 1 process x 8 devices: {key}")
 
 
 if __name__ == "__main__":
