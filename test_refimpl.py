@@ -394,6 +394,23 @@ def refused_line(argv, capsys) -> str:
     return err.strip().splitlines()[-1]
 
 
+def test_a_checkpoint_that_cannot_be_read_is_refused_in_one_line_naming_the_folder_and_why(tmp_path, capsys):
+    """--resume-from DIR: a DIR without checkpoint.json, or whose checkpoint.json the
+    checkpoints module refuses (here: not JSON), ends parsing with one usage line (exit 2)
+    that names --resume-from, the folder and the reason, checkpoints' own message."""
+    import refimpl
+    from checkpoints import CHECKPOINT_FILE
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = refused_line(["--resume-from", str(empty)], capsys)
+    assert f"--resume-from {empty}: no {CHECKPOINT_FILE} there" in line, line
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / CHECKPOINT_FILE).write_text("{not json")
+    line = refused_line(["--resume-from", str(broken)], capsys)
+    assert f"--resume-from {broken}: " in line and "is not JSON" in line, line
+
+
 @pytest.mark.parametrize("argv, said", [
     (["--logical-shards", "0"], "--logical-shards must be >= 1, got 0"),
     (["--logical-shards", "8", "--devices", "3"], "--logical-shards 8: 3 device(s) do not divide it (device k "
@@ -623,6 +640,26 @@ def test_main_in_process_on_mnist_with_adam_and_its_synthetic_data(tmp_path, cap
     assert refimpl.main(argv[:-4] + ["--epochs", "1"]) == 0
     assert "generated" not in capsys.readouterr().out
     assert [p.name for p in cache.iterdir()] == [folder.name]
+
+
+def test_synthetic_data_is_written_only_inside_the_cache_folder(tmp_path, monkeypatch):
+    """synthetic_dataset generates into a scratch folder inside ``cache_dir`` itself, so
+    that its one rename into place stays on one file system (atomic, never a copy) and a
+    machine whose default temporary folder is missing or full still generates: with
+    tempfile's default folder pointing nowhere, the dataset is made, renamed from inside
+    the cache, and nothing else is left there."""
+    import tempfile
+
+    import refimpl
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-tmp"))
+    cache = tmp_path / "cache"
+    renames = []
+    rename = os.rename
+    monkeypatch.setattr(os, "rename", lambda a, b: (renames.append((a, b)), rename(a, b))[1])
+    folder = refimpl.synthetic_dataset(str(cache), "mnist", 3)
+    assert [os.path.dirname(a) for a, _ in renames] == [str(cache)] and renames[0][1] == folder, renames
+    assert sorted(os.listdir(cache)) == [os.path.basename(folder)]
+    assert not (tmp_path / "no-such-tmp").exists()
 
 
 def test_synthetic_data_is_generated_atomically_into_an_existing_cache_and_a_racing_run_is_taken(tmp_path,
