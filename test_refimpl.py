@@ -696,6 +696,33 @@ def test_synthetic_data_is_generated_atomically_into_an_existing_cache_and_a_rac
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]
 
 
+def test_bit_verdicts_compare_params_and_optimizer_state_each_against_the_first_strategy(tmp_path):
+    """report_bits: each strategy after the first against the FIRST's params and the first's
+    optimizer state, both: a strategy differing in its params only, or in its state only,
+    is NOT bit-identical, naming the pair and where (first_difference's words); one equal
+    to the first in both is bit-identical, naming the logical shards. compared_to: under
+    the plain reduction a difference is reported as what it promises (no bits across
+    device counts), naming the strategy and the file."""
+    import numpy as np
+    import refimpl
+    p0, p1 = {"w": np.zeros(3, np.float32)}, {"w": np.array([0, 1, 0], np.float32)}
+    s0, s1 = {"m": np.zeros(2, np.float32)}, {"m": np.ones(2, np.float32)}
+    cases = [({"a": p0, "b": p1, "c": p0}, {"a": s0, "b": s0, "c": s0}),  # b's params differ
+             ({"a": p0, "b": p0, "c": p0}, {"a": s0, "b": s1, "c": s0})]  # b's state differs
+    for final, states in cases:
+        same, differ = refimpl.report_bits(final, states, 8)
+        assert len(same) == 1 and "a vs c: bit-identical" in same[0] and "8 logical" in same[0], same
+        assert len(differ) == 1 and "a vs b: NOT bit-identical" in differ[0], differ
+        assert differ[0].endswith(refimpl.first_difference((final["a"], states["a"]), (final["b"], states["b"])))
+    theirs = tmp_path / "theirs.npz"
+    np.savez(theirs, **refimpl.params_arrays({"a": p0}, {"a": s0}))
+    same, differ = refimpl.compared_to(str(theirs), {"a": p1}, {"a": s0}, "plain")
+    assert not same and len(differ) == 1, differ
+    assert f"of a against {theirs}: not bit-identical (the plain reduction" in differ[0], differ
+    assert differ[0].endswith(refimpl.first_difference({"a/0": p1["w"], "a/opt_state/0": s0["m"]},
+                                                       {"a/0": p0["w"], "a/opt_state/0": s0["m"]})), differ
+
+
 def test_canonical_runs_in_process_are_compared_bit_for_bit_and_a_flipped_bit_fails(tiny_dir, tmp_path, capsys):
     """--reduction canonical, L = 6 logical shards of 4 (256 samples): on 3 devices every
     pair of strategies is said bit-identical (report_bits) and --params-out keeps each
