@@ -398,7 +398,6 @@ def test_a_checkpoint_that_cannot_be_read_is_refused_in_one_line_naming_the_fold
     """--resume-from DIR: a DIR without checkpoint.json, or whose checkpoint.json the
     checkpoints module refuses (here: not JSON), ends parsing with one usage line (exit 2)
     that names --resume-from, the folder and the reason, checkpoints' own message."""
-    import refimpl
     from checkpoints import CHECKPOINT_FILE
     empty = tmp_path / "empty"
     empty.mkdir()
