@@ -16,7 +16,8 @@ where each strategy runs, train_loop, and stack_losses.
 * the refusals: float64 params without x64, a ``loss_terms`` that returns a mean
   or a vector, an optimizer without ``init``/``update`` or whose updates do not
   match the params, each naming the contract; with x64 on, float64 trains in
-  float64.
+  float64, and a model in bfloat16 trains in bfloat16 in every strategy.
+* ``first_replica`` reads the first device's replica, shown on replicas that differ.
 * ``train_loop`` keeps at most two steps in flight, with a callback too, which
   sees each step once, in order, finished (controls that fail); the compiled
   steps consume the state they replace on accelerators (not on CPU, where it
@@ -261,6 +262,38 @@ def test_float64_params_train_in_float64_with_x64_on(devices):
             assert w.dtype == np.float64 and wide.losses.dtype == np.float64, name
             # Computed in float64, not in float32 and widened: float32 cannot hold these values.
             assert (w != w.astype(np.float32)).mean() > 0.9, (name, w)
+
+
+def test_bfloat16_params_train_in_bfloat16_in_every_strategy(devices):
+    """A model computed in bfloat16 (params, data and so its loss): every strategy trains it
+    and keeps bfloat16 (the gradient's seed is in the loss's own dtype; a float32 seed is a
+    bfloat16 loss's wrong cotangent, which JAX refuses), and all four agree to bfloat16's
+    precision (the plain reduction is not bit for bit across strategies)."""
+    mesh = loaders.data_mesh(devices[:2])
+    bf16 = jnp.bfloat16
+    start = tiny_params(bf16)["w"].astype(np.float32)
+    got = {}
+    for name, fn in strategies.STRATEGIES.items():
+        trained = fn(tiny_params(bf16), for_layout(name, tiny_batches(2, dtype=bf16), 2), mesh,
+                     loss_terms=linear_terms, optimizer=strategies.sgd(0.5))
+        w = trained.params["w"]
+        assert w.dtype == bf16 and trained.losses.dtype == bf16, (name, w.dtype, trained.losses.dtype)
+        got[name] = w.astype(np.float32)
+        assert np.abs(got[name] - start).max() > 0.01, f"{name} did not train"
+    for name, w in got.items():
+        np.testing.assert_allclose(w, got["single"], rtol=2 ** -6, atol=2 ** -8, err_msg=name)
+
+
+def test_first_replica_is_the_first_devices_copy(devices):
+    """first_replica reads replica 0 (the mesh's first device in this process), never
+    another: shown on pmap-layout leaves whose replicas differ."""
+    mesh = loaders.data_mesh(devices[:4])
+    rows = np.arange(4 * 3, dtype=np.float32).reshape(4, 3)
+    stacked = {"w": jax.device_put(rows, NamedSharding(mesh, P(strategies.AXIS))),
+               "b": jax.device_put(rows[:, 0] + 100, NamedSharding(mesh, P(strategies.AXIS)))}
+    got = strategies.first_replica(stacked)
+    assert_same_bits(got["w"], rows[0], "w")
+    assert_same_bits(got["b"], np.float32(100), "b")
 
 
 @pytest.mark.parametrize("returned, said", [
