@@ -1811,6 +1811,20 @@ def attention_loss_terms(params: dict, batch: dict):
     return jnp.sum(mask_B * jnp.sum(nll_BxT, axis=1)), jnp.sum(mask_B)
 
 
+def conv_loss_terms(params: dict, batch: dict):
+    """A 3x3 convolution (SAME, NHWC) with ReLU over images (B, 4, 4, 16), averaged over the
+    pixels, then a linear layer to 4 classes: a model with a leaf of rank 4."""
+    y_BxHxWxK = lax.conv_general_dilated(batch["x"], params["kernel"], (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    logits_BxC = jax.nn.relu(y_BxHxWxK).mean(axis=(1, 2)) @ params["w"] + params["b"]
+    nll_B = -jnp.take_along_axis(jax.nn.log_softmax(logits_BxC), batch["y"][:, None], axis=1)[:, 0]
+    mask_B = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask_B * nll_B), jnp.sum(mask_B)
+
+
+CONV_KERNEL = (3, 3, 16, 384)  # 55,296 entries, 18,432 after its first axis: both >= SMALL_LEAF
+
+
 def canonical_model(kind: str):
     """(loss_terms, params, data) of ``kind``: fixed shapes, CANON_N samples. "wide" is the
     ReLU model with WIDE hidden units: its first layer has 12 x 1367 = 16,404 entries, over
@@ -1825,6 +1839,12 @@ def canonical_model(kind: str):
         x = rng.standard_normal((CANON_N, CANON_FEATURES)).astype(np.float32)
         data = {"x": x, "y": (np.argmax(x[:, :CANON_CLASSES], axis=1)).astype(np.int32)}
         return relu_loss_terms, params, data
+    if kind == "conv":
+        params = {"kernel": (0.1 * rng.standard_normal(CONV_KERNEL)).astype(np.float32),
+                  "w": (0.3 * rng.standard_normal((CONV_KERNEL[-1], CANON_CLASSES))).astype(np.float32),
+                  "b": np.zeros(CANON_CLASSES, np.float32)}
+        x = rng.standard_normal((CANON_N, 4, 4, CONV_KERNEL[2])).astype(np.float32)
+        return conv_loss_terms, params, {"x": x, "y": (np.argmax(x[:, 0, 0, :CANON_CLASSES], axis=1)).astype(np.int32)}
     shapes = {"embed": (VOCAB, WIDTH), "position": (SEQ, WIDTH), "wq": (WIDTH, WIDTH), "wk": (WIDTH, WIDTH),
               "wv": (WIDTH, WIDTH), "wo": (WIDTH, WIDTH), "up": (WIDTH, 2 * WIDTH), "down": (2 * WIDTH, WIDTH)}
     params = {name: (0.3 * rng.standard_normal(shape)).astype(np.float32) for name, shape in shapes.items()}
@@ -1975,6 +1995,22 @@ def test_a_leaf_of_small_leaf_entries_or_more_goes_by_all_to_all_with_the_same_b
     for strategy, n in zip(("sharded", "shard_map", "pmap"), counts):
         runs[(strategy, n)] = canonical_run(devices, strategy, n, **case)
     assert len(runs) == 1 + len(counts)
+    assert not same_bits_everywhere(runs), same_bits_everywhere(runs)
+
+
+def test_a_leaf_of_any_rank_goes_by_all_to_all_with_the_same_bits(devices, canonical_rules):
+    """canonical_sums' step 2 ravels a leaf whatever its rank: a convolution kernel
+    (3, 3, 16, 384), SMALL_LEAF entries or more, goes by all_to_all in chunks of the whole
+    leaf, and single on one device, sharded on 2 and shard_map and pmap on 4 end on the
+    same bits (SGD, the last batch padded and masked). A fold that took the leaf's size
+    from all but its first axis would split 18,432 entries into chunks, not 55,296."""
+    assert int(np.prod(CONV_KERNEL[1:])) >= strategies.SMALL_LEAF and len(CONV_KERNEL) == 4
+    case = dict(kind="conv", rule=canonical_rules["sgd"], rate=0.1, L=4, b=2, last_batch="fill", shuffle=False)
+    runs = {("single", 1): canonical_run(devices, "single", 1, **case)}
+    for strategy, n in (("sharded", 2), ("shard_map", 4), ("pmap", 4)):
+        if n <= len(devices):
+            runs[(strategy, n)] = canonical_run(devices, strategy, n, **case)
+    assert len(runs) >= 2 and np.isfinite(runs[("single", 1)][2]).all()
     assert not same_bits_everywhere(runs), same_bits_everywhere(runs)
 
 
