@@ -2014,6 +2014,53 @@ def test_a_leaf_of_any_rank_goes_by_all_to_all_with_the_same_bits(devices, canon
     assert not same_bits_everywhere(runs), same_bits_everywhere(runs)
 
 
+def canonical_sums_on(loss_terms, params, rows: dict, L: int, counts) -> dict:
+    """{n: canonical_gradients' (gradient sums, loss sum, count) as host arrays} on the
+    first n devices, for each n in ``counts``: the same global rows, L logical shards."""
+    out = {}
+    for n in counts:
+        mesh = loaders.data_mesh(jax.devices()[:n])
+        batch = jax.device_put(rows, jax.sharding.NamedSharding(mesh, P(strategies.AXIS)))
+        sums = strategies.canonical_gradients(loss_terms, mesh, L)(strategies.replicate(params, mesh), batch)
+        out[n] = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), sums)
+    return out
+
+
+def test_canonical_gradients_compile_alike_on_every_mesh_on_attention():
+    """The block program is compiled alike on every mesh (CANONICAL_XLA_OPTIONS): on the
+    attention model, whose softmax gradient XLA:CPU's CSE rewrites on one device only (a
+    divide by a broadcast made a multiply by a reciprocal, then an FMA), the gradient
+    sums, loss sum and count of one step are the same bits on 1, 2 and 4 devices. With
+    the CSE passes on, 364 entries of four leaves differ (JAX 0.10.2, CPU)."""
+    loss_terms, params, data = canonical_model("attention")
+    rows = {"x": data["x"][:8], "mask": np.array([1, 1, 1, 0, 1, 1, 1, 1], bool)}
+    sums = canonical_sums_on(loss_terms, params, rows, 4, [n for n in (1, 2, 4) if n <= len(jax.devices())])
+    assert len(sums) >= 2
+    assert not same_bits_everywhere(sums), same_bits_everywhere(sums)
+
+
+def test_the_fold_keeps_the_sign_of_a_zero_sum_and_pads_any_width():
+    """canonical_sums' fold over all_to_all chunks is one device's left fold exactly: it
+    starts from block 0 itself (a sum of -0.0 gradients stays -0.0; 0 + -0.0 is +0.0) and
+    pads a leaf to n chunks with zeros that reach no entry. A leaf of 129 x 128 = 16,512
+    entries (>= SMALL_LEAF; 16,512 = 5 x 3,302 + 2, so 5 devices pad it by 3) whose
+    features past the fifth are -0.0 in every row: its sums on 1, 2 and 5 devices are the
+    same bits, -0.0 included."""
+    def loss_terms(params, batch):
+        mask_B = batch["mask"].astype(jnp.float32)
+        return jnp.sum(mask_B * jnp.sum(batch["x"] * params["w"].reshape(-1), axis=1)), jnp.sum(mask_B)
+    shape = (129, 128)
+    x = np.full((10, shape[0] * shape[1]), -0.0, np.float32)
+    x[:, :5] = np.random.default_rng(4).standard_normal((10, 5))
+    rows = {"x": x, "mask": np.arange(10) % 4 != 3}
+    sums = canonical_sums_on(loss_terms, {"w": np.ones(shape, np.float32)}, rows, 10,
+                             [n for n in (1, 2, 5) if n <= len(jax.devices())])
+    one = sums[1][0]["w"].reshape(-1)
+    assert np.signbit(one[5:]).all() and (one[5:] == 0).all() and (one[:5] != 0).all(), one[:8]
+    assert shape[0] * shape[1] >= strategies.SMALL_LEAF and shape[0] * shape[1] % 5 and len(sums) >= 2
+    assert not same_bits_everywhere(sums), same_bits_everywhere(sums)
+
+
 def test_the_canonical_step_is_the_mean_gradient_over_the_steps_real_rows(devices):
     """update_program's arithmetic, against the plain formula: each step's gradient is the
     gradient of the step's loss sum over all its rows divided by its count of real

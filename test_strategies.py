@@ -264,23 +264,38 @@ def test_float64_params_train_in_float64_with_x64_on(devices):
             assert (w != w.astype(np.float32)).mean() > 0.9, (name, w)
 
 
-def test_bfloat16_params_train_in_bfloat16_in_every_strategy(devices):
+def momentum(rate: float, beta: float = 0.9) -> strategies.Optimizer:
+    """Heavy-ball SGD whose state is the velocity, in the gradient's own dtype: the state
+    shows the dtype the gradients arrive in."""
+    def update(grads, velocity, params=None):
+        velocity = jax.tree.map(lambda g, v: g + beta * v, grads, velocity)
+        return jax.tree.map(lambda v: -rate * v, velocity), velocity
+    return strategies.Optimizer(lambda params: jax.tree.map(jnp.zeros_like, params), update)
+
+
+@pytest.mark.parametrize("reduction", ["plain", "canonical"])
+def test_bfloat16_params_train_in_bfloat16_in_every_strategy(devices, reduction):
     """A model computed in bfloat16 (params, data and so its loss): every strategy trains it
-    and keeps bfloat16 (the gradient's seed is in the loss's own dtype; a float32 seed is a
-    bfloat16 loss's wrong cotangent, which JAX refuses), and all four agree to bfloat16's
-    precision (the plain reduction is not bit for bit across strategies)."""
+    under either reduction and keeps bfloat16 throughout, the gradients too (seen in a
+    momentum state, which takes their dtype): the plain reduction seeds the gradient in
+    the loss's own dtype (a float32 seed is a bfloat16 loss's wrong cotangent, which JAX
+    refuses), the canonical one divides each gradient sum in its own dtype. All four
+    agree to bfloat16's precision (bit for bit under the canonical reduction)."""
     mesh = loaders.data_mesh(devices[:2])
     bf16 = jnp.bfloat16
     start = tiny_params(bf16)["w"].astype(np.float32)
     got = {}
     for name, fn in strategies.STRATEGIES.items():
         trained = fn(tiny_params(bf16), for_layout(name, tiny_batches(2, dtype=bf16), 2), mesh,
-                     loss_terms=linear_terms, optimizer=strategies.sgd(0.5))
-        w = trained.params["w"]
-        assert w.dtype == bf16 and trained.losses.dtype == bf16, (name, w.dtype, trained.losses.dtype)
+                     loss_terms=linear_terms, optimizer=momentum(0.5), reduction=reduction)
+        w, velocity = trained.params["w"], trained.opt_state["w"]
+        assert w.dtype == velocity.dtype == trained.losses.dtype == bf16, (name, w.dtype, velocity.dtype,
+                                                                          trained.losses.dtype)
         got[name] = w.astype(np.float32)
         assert np.abs(got[name] - start).max() > 0.01, f"{name} did not train"
     for name, w in got.items():
+        if reduction == "canonical":
+            assert_same_bits(w, got["single"], name)
         np.testing.assert_allclose(w, got["single"], rtol=2 ** -6, atol=2 ** -8, err_msg=name)
 
 
