@@ -299,6 +299,26 @@ def test_bfloat16_params_train_in_bfloat16_in_every_strategy(devices, reduction)
         np.testing.assert_allclose(w, got["single"], rtol=2 ** -6, atol=2 ** -8, err_msg=name)
 
 
+@pytest.mark.parametrize("reduction", ["plain", "canonical"])
+def test_every_strategy_trains_on_a_one_device_mesh(devices, reduction):
+    """The edge n = 1: each strategy trains on a mesh of one device (not JAX's default
+    one), one loss a step, to single's params: the same bits under the canonical
+    reduction, float32 rounding apart under the plain one."""
+    mesh = loaders.data_mesh(devices[3:4])
+    got = {}
+    for name, fn in strategies.STRATEGIES.items():
+        trained = fn(tiny_params(), for_layout(name, tiny_batches(1, steps=3), 1), mesh, loss_terms=linear_terms,
+                     optimizer=strategies.sgd(0.5), reduction=reduction)
+        assert trained.losses.shape == (3,) and np.isfinite(trained.losses).all(), (name, trained.losses)
+        got[name] = trained
+    for name, trained in got.items():
+        if reduction == "canonical":
+            assert_same_bits(trained.params["w"], got["single"].params["w"], name)
+            assert_same_bits(trained.losses, got["single"].losses, name)
+        np.testing.assert_allclose(trained.params["w"], got["single"].params["w"], rtol=1e-6, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(trained.losses, got["single"].losses, rtol=1e-6, err_msg=name)
+
+
 def test_first_replica_is_the_first_devices_copy(devices):
     """first_replica reads replica 0 (the mesh's first device in this process), never
     another: shown on pmap-layout leaves whose replicas differ."""
