@@ -450,6 +450,15 @@ def test_steps_consume_the_state_they_replace_where_donating_never_the_callers_a
     forced = strategies.replicate(state0, mesh)  # the control: a donating step consumes it
     strategies.sharded_step(linear_loss_terms, strategies.sgd_update, donate=True)(forced, host)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(forced))
+    # apply_program, the update every plain step shares, donates only when asked (on CPU too).
+    grads = jax.tree.map(jnp.ones_like, linear_init())
+    for donate, consumed in ((None, False), (False, False), (True, True)):
+        state = strategies.replicate(state0, mesh)
+        apply = strategies.apply_program(strategies.sgd_update) if donate is None else \
+            strategies.apply_program(strategies.sgd_update, donate)
+        apply(state, strategies.replicate(grads, mesh), jnp.float32(0))
+        deleted = [leaf.is_deleted() for leaf in jax.tree.leaves(state)]
+        assert deleted == [consumed] * len(deleted), f"apply_program(donate={donate}): donated {deleted}"
     # The caller's arrays (jax.Arrays on the mesh's first device) survive every strategy.
     mine = jax.device_put(linear_init(), mesh.devices.flat[0])
     for name, fn in strategies.STRATEGIES.items():
