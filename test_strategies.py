@@ -319,6 +319,22 @@ def test_every_strategy_trains_on_a_one_device_mesh(devices, reduction):
         np.testing.assert_allclose(trained.losses, got["single"].losses, rtol=1e-6, err_msg=name)
 
 
+def test_sgd_updates_are_in_each_gradients_dtype():
+    """sgd's updates are -(lr * g) computed in each leaf's own dtype (the float32 rate
+    rounded to it first): float32, bfloat16 and float16 leaves, each against NumPy's
+    product in that dtype, bit for bit; the state comes back as it went in."""
+    rng = np.random.default_rng(8)
+    grads = {name: rng.standard_normal(5).astype(dtype)
+             for name, dtype in (("f32", np.float32), ("bf16", jnp.bfloat16), ("f16", np.float16))}
+    state = strategies.sgd(0.1).init(grads)
+    updates, same = strategies.sgd_update(jax.tree.map(jnp.asarray, grads), state)
+    assert same is state
+    for name, g in grads.items():
+        want = -(np.asarray(np.float32(0.1), g.dtype) * g)
+        assert updates[name].dtype == g.dtype, (name, updates[name].dtype)
+        assert_same_bits(np.asarray(updates[name]), want, name)
+
+
 def test_first_replica_is_the_first_devices_copy(devices):
     """first_replica reads replica 0 (the mesh's first device in this process), never
     another: shown on pmap-layout leaves whose replicas differ."""
