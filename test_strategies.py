@@ -485,6 +485,38 @@ def test_steps_consume_the_state_they_replace_where_donating_never_the_callers_a
             assert_same_bits(np.asarray(leaf), linear_init()[key], f"{name}: the caller's params[{key!r}]")
 
 
+def test_where_the_policy_donates_every_step_consumes_the_state_it_replaces(mesh, monkeypatch):
+    """What an accelerator host runs, here on CPU devices (which honour donation) with
+    ``donates`` answering yes for them: sharded_step's automatic choice, shard_map_step and
+    pmap_step each consume the state passed in, and give the bits of the same step that
+    keeps it (donation moves buffers, never values)."""
+    n = mesh.devices.size
+    rows = host_batches(seed=19, steps=1, n=n, real_per_device=[B, 3] + [B] * (n - 2), kind="linear")[0]
+    host, pmap_batch = place(rows, mesh, "sharded"), place(rows, mesh, "pmap")
+    state0 = (linear_init(), strategies.sgd(0.1).init(None))
+
+    def steps():  # fresh functions each call: the builders are cached by the functions they get
+        terms = lambda p, b: linear_loss_terms(p, b)
+        update = lambda g, s, p=None: strategies.sgd_update(g, s, p)
+        return {"sharded_step": (strategies.sharded_step(terms, update), strategies.replicate, host),
+                "shard_map_step": (strategies.shard_map_step(terms, update, mesh), strategies.replicate, host),
+                "pmap_step": (strategies.pmap_step(terms, update, tuple(mesh.devices.flat)),
+                              strategies.stack_replicas, pmap_batch)}
+
+    def after_one_step(name, step, put, batch, donated: bool):
+        state = put(state0, mesh)
+        new, loss = step(state, batch)
+        deleted = [leaf.is_deleted() for leaf in jax.tree.leaves(state)]
+        assert deleted == [donated] * len(deleted), f"{name}: donated {deleted}, expected {donated}"
+        return [np.asarray(leaf.addressable_data(0)) for leaf in jax.tree.leaves((new, loss))]
+
+    kept = {name: after_one_step(name, *built, donated=False) for name, built in steps().items()}
+    monkeypatch.setattr(strategies, "donates", lambda devices: True)
+    for name, built in steps().items():
+        for got, want in zip(after_one_step(name, *built, donated=True), kept[name]):
+            assert_same_bits(got, want, name)
+
+
 # --------------------------------------------------------------------------
 # stack_losses: any pytree of values
 # --------------------------------------------------------------------------
