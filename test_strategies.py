@@ -335,6 +335,46 @@ def test_sgd_updates_are_in_each_gradients_dtype():
         assert_same_bits(np.asarray(updates[name]), want, name)
 
 
+def test_every_strategy_checks_its_reduction_and_logical_shards(devices):
+    """The reduction is "plain" or "canonical", exactly; the plain one takes no logical
+    shards; the canonical one takes an int L >= 1 that the mesh's n devices divide (L = n
+    when not given: the bits of L = n given), a bool is not an int. Both sides of each
+    edge, on one device (where every L >= 1 is divided) and on two."""
+    one, two = loaders.data_mesh(devices[:1]), loaders.data_mesh(devices[:2])
+    for name, fn in strategies.STRATEGIES.items():
+        def train_on(mesh, **options):
+            n = mesh.devices.size
+            return fn(tiny_params(), for_layout(name, tiny_batches(n, steps=1), n), mesh, loss_terms=linear_terms,
+                      optimizer=strategies.sgd(0.5), **options)
+        for reduction in ("PLAIN", "Canonical", "", None):
+            with pytest.raises(ValueError, match=rf"strategy '{name}': reduction must be one of"):
+                train_on(two, reduction=reduction)
+        with pytest.raises(ValueError, match=rf"strategy '{name}': logical_shards=2 needs reduction='canonical'"):
+            train_on(two, logical_shards=2)
+        for mesh, bad in ((two, 3), (two, 1), (two, 0), (two, -2), (two, 2.0), (two, "2"), (one, 0), (one, True),
+                          (one, np.bool_(True)), (one, 1.0)):
+            with pytest.raises(ValueError, match=rf"strategy '{name}': logical_shards={bad!r} must be an int"):
+                train_on(mesh, reduction="canonical", logical_shards=bad)
+        for mesh, good in ((one, 1), (one, 4), (two, 2), (two, 4), (two, np.int64(2))):
+            assert np.isfinite(train_on(mesh, reduction="canonical", logical_shards=good).losses).all(), (name, good)
+        assert_same_bits(train_on(two, reduction="canonical").params["w"],
+                         train_on(two, reduction="canonical", logical_shards=2).params["w"], name)
+
+
+def test_pmap_and_single_refuse_a_run_of_two_processes_or_more(devices, monkeypatch):
+    """pmap maps over its own process's devices and single's device holds one process's
+    rows: with 2 processes (jax.process_count, as a multi-process run reports it) both
+    refuse, naming the count; with 1 they train."""
+    mesh = loaders.data_mesh(devices[:2])
+    for name in ("pmap", "single"):
+        fn = strategies.STRATEGIES[name]
+        monkeypatch.setattr(jax, "process_count", lambda: 1)
+        fn(tiny_params(), for_layout(name, tiny_batches(2, steps=1), 2), mesh, loss_terms=linear_terms)
+        monkeypatch.setattr(jax, "process_count", lambda: 2)
+        with pytest.raises(ValueError, match=rf"strategy '{name}' runs in one process only .*with 2 processes"):
+            fn(tiny_params(), for_layout(name, tiny_batches(2, steps=1), 2), mesh, loss_terms=linear_terms)
+
+
 def test_first_replica_is_the_first_devices_copy(devices):
     """first_replica reads replica 0 (the mesh's first device in this process), never
     another: shown on pmap-layout leaves whose replicas differ."""
