@@ -375,6 +375,23 @@ def test_pmap_and_single_refuse_a_run_of_two_processes_or_more(devices, monkeypa
             fn(tiny_params(), for_layout(name, tiny_batches(2, steps=1), 2), mesh, loss_terms=linear_terms)
 
 
+def test_to_host_copies_replicated_single_device_and_host_leaves(devices):
+    """to_host gives a NumPy copy of every leaf it takes: replicated over a mesh, on one
+    device (the mesh's last, not the first), or already on the host (NumPy, a Python
+    scalar), each its value; a sharded leaf is refused."""
+    mesh = loaders.data_mesh(devices[:2])
+    values = np.arange(6, dtype=np.float32)
+    tree = {"replicated": jax.device_put(values, NamedSharding(mesh, P())),
+            "one_device": jax.device_put(values + 1, devices[-1]), "numpy": values + 2, "scalar": 0.5}
+    got = strategies.to_host(tree)
+    for key, want in (("replicated", values), ("one_device", values + 1), ("numpy", values + 2),
+                      ("scalar", np.asarray(0.5))):
+        assert isinstance(got[key], np.ndarray), (key, type(got[key]))
+        assert_same_bits(got[key], want, key)
+    with pytest.raises(ValueError, match="to_host: expected replicated params"):
+        strategies.to_host({"w": jax.device_put(values, NamedSharding(mesh, P(strategies.AXIS)))})
+
+
 def test_first_replica_is_the_first_devices_copy(devices):
     """first_replica reads replica 0 (the mesh's first device in this process), never
     another: shown on pmap-layout leaves whose replicas differ."""
