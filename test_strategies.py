@@ -589,7 +589,8 @@ def test_stack_losses_stacks_any_pytree(devices):
     assert_same_bits(got["hits"], 3 * np.arange(4, dtype=np.int32), "hits")
     assert_same_bits(got["per_class"], np.stack([np.arange(4), np.arange(1, 5)], 1).astype(np.float32), "per_class")
     assert_same_bits(strategies.stack_losses([jax.device_put(np.float32(2), replicated)]), np.float32([2]))
-    assert strategies.stack_losses([]).shape == (0,)
+    empty = strategies.stack_losses([])  # no steps: (0,) float32, as the docstring says
+    assert empty.shape == (0,) and empty.dtype == np.float32, (empty.shape, empty.dtype)
     sharded = jax.device_put(np.arange(2, dtype=np.float32), NamedSharding(mesh, P("data")))
     with pytest.raises(ValueError, match=r"is sharded .*pass one replica"):
         strategies.stack_losses([sharded])
