@@ -392,6 +392,23 @@ def test_to_host_copies_replicated_single_device_and_host_leaves(devices):
         strategies.to_host({"w": jax.device_put(values, NamedSharding(mesh, P(strategies.AXIS)))})
 
 
+def test_the_optimizer_state_is_made_on_the_meshs_first_device(devices):
+    """With no opt_state given, each strategy calls optimizer.init under the mesh's first
+    device (here CPU 5 of [5, 6], not JAX's default CPU 0), so that nothing of the run
+    is made on a device outside its mesh."""
+    mesh = loaders.data_mesh([devices[5], devices[6]])
+    assert jax.devices()[0] not in mesh.devices.flat
+    for name, fn in strategies.STRATEGIES.items():
+        seen = []
+
+        def init(params):
+            seen.append(jnp.zeros(()).devices())  # an array made where init runs
+            return strategies.sgd(0.5).init(params)
+        fn(tiny_params(), for_layout(name, tiny_batches(2, steps=1), 2), mesh, loss_terms=linear_terms,
+           optimizer=strategies.Optimizer(init, strategies.sgd_update))
+        assert seen == [{devices[5]}], (name, seen)
+
+
 def test_first_replica_is_the_first_devices_copy(devices):
     """first_replica reads replica 0 (the mesh's first device in this process), never
     another: shown on pmap-layout leaves whose replicas differ."""
@@ -421,6 +438,12 @@ def test_an_optimizer_that_breaks_its_contract_is_refused(devices):
     mesh = loaders.data_mesh(devices[:2])
     with pytest.raises(TypeError, match="optimizer must have init\\(params\\) and update"):
         strategies.sharded(tiny_params(), tiny_batches(2), mesh, loss_terms=linear_terms, optimizer=0.1)
+    class Half:  # one of the two functions only, either one
+        def __init__(self, name):
+            setattr(self, name, lambda *args: None)
+    for half in (Half("init"), Half("update")):
+        with pytest.raises(TypeError, match="optimizer must have init\\(params\\) and update.*got Half"):
+            strategies.sharded(tiny_params(), tiny_batches(2), mesh, loss_terms=linear_terms, optimizer=half)
     lost = strategies.Optimizer(lambda p: {}, lambda g, s, p: ([g["w"]], s))  # updates of another structure
     with pytest.raises(TypeError, match=r"optimizer.update\(grads, state, params\) must return \(updates, "
                                         r"new_state\) as optax does.*got updates"):
