@@ -409,6 +409,27 @@ def test_the_optimizer_state_is_made_on_the_meshs_first_device(devices):
         assert seen == [{devices[5]}], (name, seen)
 
 
+def test_a_batch_without_a_mask_is_refused_naming_what_came(devices):
+    """A batch that is not a dict with a 'mask' is refused at its step, the message naming
+    what came instead: a dict by its keys, anything else by its type alone."""
+    mesh = loaders.data_mesh(devices[:2])
+    good = tiny_batches(2, steps=1)[0]
+    for batch, said in (({"x": good["x"], "y": good["y"]}, r"got dict with keys \['x', 'y'\]$"),
+                        ([good["x"], good["mask"]], r"got list$"), (None, r"got NoneType$")):
+        with pytest.raises(ValueError, match=rf"strategy 'sharded': the batch at step 1 has no 'mask' .*{said}"):
+            strategies.sharded(tiny_params(), [good, batch], mesh, loss_terms=linear_terms)
+
+
+def test_a_64_bit_optimizer_state_given_is_refused(devices):
+    """An opt_state passed in is checked as the params are: a float64 leaf (which JAX would
+    narrow without x64) is refused by every strategy, naming the state and the leaf."""
+    mesh = loaders.data_mesh(devices[:2])
+    for name, fn in strategies.STRATEGIES.items():
+        with pytest.raises(ValueError, match=rf"strategy '{name}': opt_state: leaf \['learning_rate'\] is float64"):
+            fn(tiny_params(), for_layout(name, tiny_batches(2, steps=1), 2), mesh, loss_terms=linear_terms,
+               opt_state={"learning_rate": np.float64(0.1)})
+
+
 def test_first_replica_is_the_first_devices_copy(devices):
     """first_replica reads replica 0 (the mesh's first device in this process), never
     another: shown on pmap-layout leaves whose replicas differ."""
