@@ -430,6 +430,23 @@ def test_a_64_bit_optimizer_state_given_is_refused(devices):
                opt_state={"learning_rate": np.float64(0.1)})
 
 
+def test_single_takes_host_leaves_as_they_are_and_the_others_place_them(devices):
+    """checked's placing of NumPy leaves: for single they pass through as they came (single
+    moves them to its one device itself, with no stop on the mesh's other devices); for
+    every other strategy each becomes a jax.Array sharded on 'data' over the mesh."""
+    mesh = loaders.data_mesh(devices[:2])
+    for name in strategies.STRATEGIES:
+        host = for_layout(name, tiny_batches(2, steps=1), 2)[0]
+        (out,) = list(strategies.checked([host], name, mesh))
+        for key, leaf in out.items():
+            if name == "single":
+                assert leaf is host[key], (name, key, type(leaf))
+            else:
+                assert isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(
+                    NamedSharding(mesh, P(strategies.AXIS)), leaf.ndim), (name, key, getattr(leaf, "sharding", None))
+                assert_same_bits(np.asarray(leaf), host[key], f"{name}: {key}")
+
+
 def test_first_replica_is_the_first_devices_copy(devices):
     """first_replica reads replica 0 (the mesh's first device in this process), never
     another: shown on pmap-layout leaves whose replicas differ."""
