@@ -482,6 +482,15 @@ def test_an_optimizer_that_breaks_its_contract_is_refused(devices):
     for half in (Half("init"), Half("update")):
         with pytest.raises(TypeError, match="optimizer must have init\\(params\\) and update.*got Half"):
             strategies.sharded(tiny_params(), tiny_batches(2), mesh, loss_terms=linear_terms, optimizer=half)
+    as_list = strategies.Optimizer(lambda p: {}, lambda g, s, p: [g, s])  # optax returns a tuple
+    three = strategies.Optimizer(lambda p: {}, lambda g, s, p: (g, s, None))
+    for bad in (as_list, three):
+        with pytest.raises(TypeError, match=r"must return \(updates, new_state\) as optax does"):
+            strategies.sharded(tiny_params(), tiny_batches(2), mesh, loss_terms=linear_terms, optimizer=bad)
+    # updates of the params' structure whose leaf has another shape (one that would broadcast)
+    wide = strategies.Optimizer(lambda p: {}, lambda g, s, p: ({"w": g["w"][:1]}, s))
+    with pytest.raises(TypeError, match=r"must return \(updates, new_state\) as optax does.*got updates"):
+        strategies.sharded(tiny_params(), tiny_batches(2), mesh, loss_terms=linear_terms, optimizer=wide)
     lost = strategies.Optimizer(lambda p: {}, lambda g, s, p: ([g["w"]], s))  # updates of another structure
     with pytest.raises(TypeError, match=r"optimizer.update\(grads, state, params\) must return \(updates, "
                                         r"new_state\) as optax does.*got updates"):
