@@ -695,6 +695,46 @@ def test_synthetic_data_is_generated_atomically_into_an_existing_cache_and_a_rac
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]
 
 
+def test_local_processes_without_a_data_dir_are_handed_one_dataset_generated_first(tmp_path, monkeypatch):
+    """``--local-processes 2`` without --data-dir, through main, with processes.run_local
+    standing in for the two processes: the synthetic data of --dataset and --seed is
+    generated once into --cache-dir before any process starts (the data --data-dir would
+    read: mnist's of seed 5, byte for byte), and each process is handed it as --data-dir,
+    its share of --devices, the process count, one coordinator on 127.0.0.1 and every
+    other option as given; process 0's OUTSIDE_BOUND status passes through, and
+    run_local's status is main's."""
+    import processes
+    import refimpl
+    from cifar_mnist import read_mnist, synthetic_mnist
+    calls = []
+    monkeypatch.setattr(processes, "run_local",
+                        lambda base, count, *, passthrough, name="refimpl.py": calls.append(
+                            (base, count, passthrough)) or 7)
+    cache = tmp_path / "cache"
+    argv = ["--local-processes", "2", "--devices", "6", "--dataset", "mnist", "--seed", "5",
+            "--cache-dir", str(cache), "--epochs", "3", "--platform", "cpu"]
+    assert refimpl.main(argv) == 7
+    (base, count, passthrough), = calls
+    assert count == 2 and passthrough == refimpl.OUTSIDE_BOUND
+
+    def value(option):
+        at = [i for i, word in enumerate(base) if word == option]
+        assert len(at) == 1, (option, base)
+        return base[at[0] + 1]
+    folder = value("--data-dir")
+    assert folder == refimpl.synthetic_dataset(str(cache), "mnist", 5) and os.listdir(cache) == [
+        os.path.basename(folder)], (folder, os.listdir(cache))
+    mine = synthetic_mnist(tmp_path / "mine", seed=5, **refimpl.SYNTHETIC)
+    for split in ("train", "test"):
+        for a, b in zip(read_mnist(folder, split), read_mnist(mine, split)):
+            np.testing.assert_array_equal(a, b)
+    host, port = value("--coordinator").split(":")
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+    assert (value("--devices"), value("--num-processes"), value("--epochs"), value("--seed")) == ("3", "2", "3", "5")
+    assert base[:2] == [sys.executable, os.path.abspath(refimpl.__file__)]
+    assert "--local-processes" not in base and "--platform" not in base, base
+
+
 def test_bit_verdicts_compare_params_and_optimizer_state_each_against_the_first_strategy(tmp_path):
     """report_bits: each strategy after the first against the FIRST's params and the first's
     optimizer state, both: a strategy differing in its params only, or in its state only,
