@@ -733,6 +733,11 @@ def test_local_processes_without_a_data_dir_are_handed_one_dataset_generated_fir
     assert (value("--devices"), value("--num-processes"), value("--epochs"), value("--seed")) == ("3", "2", "3", "5")
     assert base[:2] == [sys.executable, os.path.abspath(refimpl.__file__)]
     assert "--local-processes" not in base and "--platform" not in base, base
+    # --data-dir given: that folder, handed on once, and nothing generated
+    calls.clear()
+    assert refimpl.main(argv[:-2] + ["--data-dir", str(mine)]) == 7
+    (base, _, _), = calls
+    assert value("--data-dir") == str(mine) and os.listdir(cache) == [os.path.basename(folder)]
 
 
 def test_bit_verdicts_compare_params_and_optimizer_state_each_against_the_first_strategy(tmp_path):

@@ -465,6 +465,7 @@ def test_first_replica_is_the_first_devices_copy(devices):
     (lambda total, count: (total, count, count), r"got a tuple of length 3(\n|$)"),
     (lambda total, count: total * jnp.ones(4), r"got one array of shape \(4,\)(\n|$)"),  # no mean: no hint
     (lambda total, count: {"total": total}, r"got a dict(\n|$)"),
+    (lambda total, count: (total, count * jnp.ones(3)), r"got total of shape \(\) and count of shape \(3,\)"),
     (lambda total, count: (total, count.astype(jnp.int32)), None),  # the control: an int count is fine
     (lambda total, count: (total.astype(jnp.int32), count), r"got total of dtype int32(\n|$)"),
 ])
