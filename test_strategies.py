@@ -687,6 +687,9 @@ def test_check_dtypes_refuses_a_numpy_float64_scalar():
             strategies.check_dtypes({"lr": leaf}, "where")
     # the control: Python's own scalars are weakly typed and pass, and so does a float32 scalar
     strategies.check_dtypes({"a": 0.1, "b": 3, "c": True, "d": 1j, "e": np.float32(0.1)}, "where")
+    # and a scalar passing does not end the search: a float64 leaf after it is refused
+    with pytest.raises(ValueError, match=r"where: leaf \['z'\] is float64"):
+        strategies.check_dtypes({"a": 0.1, "b": 3, "z": np.arange(3.0)}, "where")
 
 
 def test_every_placement_helper_refuses_a_64_bit_leaf_by_its_own_name(mesh):
