@@ -740,6 +740,54 @@ def test_local_processes_without_a_data_dir_are_handed_one_dataset_generated_fir
     assert value("--data-dir") == str(mine) and os.listdir(cache) == [os.path.basename(folder)]
 
 
+def test_each_backend_is_asked_for_the_runs_loader_of_every_layout(monkeypatch, tmp_path):
+    """training_loaders hands each backend's maker the run's own options, for each layout
+    the chosen strategies need (sharded and pmap here): the reference loader the training
+    arrays, the mesh, --batch-size, shuffled by --seed, --last-batch, the job's normalize,
+    --logical-shards and the placement; rocAL the data folder and --cache-dir besides;
+    DALI the arrays and --cache-dir. --placement auto asks loaders.device_fit about the
+    training set (its sample count and one sample's shape, on the mesh): "host" when it
+    says why not, "device" when it fits. The makers stand in for the loaders here (each
+    loader's own tests hold what it delivers); what comes back is described by the first."""
+    import dali_loader
+    import loaders
+    import refimpl
+    import rocal_loader
+
+    calls = []
+
+    def maker(backend):
+        def make(data, mesh, batch_size, **options):
+            calls.append((backend, data, mesh, batch_size, options))
+            return types.SimpleNamespace(describe=lambda: f"{backend} loader")
+        return make
+    monkeypatch.setattr(loaders, "make_loader", maker("reference"))
+    monkeypatch.setattr(rocal_loader, "make_rocal_loader", maker("rocal"))
+    monkeypatch.setattr(dali_loader, "make_dali_loader", maker("dali"))
+    fits = []
+    monkeypatch.setattr(loaders, "device_fit", lambda n, shape, mesh: fits.append((n, shape, mesh)) or fits_say[0])
+    images, labels = np.zeros((10, 3, 4, 5), np.uint8), np.zeros(10, np.int32)
+    mesh, normalize = object(), object()
+    args = refimpl.parse_args(["--strategies", "pmap,sharded", "--seed", "9", "--last-batch", "drop",
+                               "--batch-size", "16", "--logical-shards", "4", "--cache-dir", str(tmp_path)])
+    job = types.SimpleNamespace(train_data=(images, labels), mesh=mesh, normalize=normalize, data_dir="the-folder")
+    common = dict(shuffle=True, seed=9, last_batch="drop", normalize=normalize, logical_shards=4)
+    for backend, placement, fits_say, want in (
+            ("reference", "auto", [None], dict(placement="device")),
+            ("reference", "auto", ["too big"], dict(placement="host")),
+            ("reference", "host_float32", [None], dict(placement="host_float32")),
+            ("rocal", "auto", [None], dict(cache_dir=str(tmp_path))),
+            ("dali", "auto", [None], dict(cache_dir=str(tmp_path)))):
+        calls.clear(), fits.clear()
+        args.placement, job.backend = placement, backend
+        made, how = refimpl.training_loaders(args, job)
+        data = "the-folder" if backend == "rocal" else job.train_data
+        assert sorted(made) == ["pmap", "sharded"] and how.startswith(backend), (made, how)
+        assert sorted(calls, key=lambda c: c[4]["layout"]) == [
+            (backend, data, mesh, 16, dict(layout=layout, **want, **common)) for layout in ("pmap", "sharded")], calls
+        assert fits == ([(10, (3, 4, 5), mesh)] if (backend, placement) == ("reference", "auto") else []), fits
+
+
 def test_bit_verdicts_compare_params_and_optimizer_state_each_against_the_first_strategy(tmp_path):
     """report_bits: each strategy after the first against the FIRST's params and the first's
     optimizer state, both: a strategy differing in its params only, or in its state only,
