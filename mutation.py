@@ -90,7 +90,11 @@ SETS = {
         "dali_loader.py": ["test_dali.py"],
         "rocal_loader.py": ["test_rocal.py"],
         "checkpoints.py": ["test_checkpoints.py"],
-        "refimpl.py": ["test_refimpl.py", "test_multiprocess.py"],
+        # test_checkpoints.py too: refimpl's checkpoints live apart (checkpoints.py), and the
+        # resume guarantees of refimpl's own lines (train_strategy's Elastic calls, the
+        # spans an epoch resumes from) are tested there, through refimpl in the test process;
+        # judged without it, the fourth vendor run left those lines surviving.
+        "refimpl.py": ["test_refimpl.py", "test_multiprocess.py", "test_checkpoints.py"],
     },
 }
 

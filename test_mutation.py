@@ -191,11 +191,11 @@ def test_a_function_no_test_reaches_in_process_takes_the_tests_that_reach_it_in_
     (the control: its child tests would cost minutes a mutant), and another file's tests
     never count."""
     durations = {"test_refimpl.py::fast": 0.1, "test_multiprocess.py::peers": 20.0,
-                 "test_refimpl.py::child": 9.0, "test_checkpoints.py::other": 1.0}
+                 "test_refimpl.py::child": 9.0, "test_loaders.py::other": 1.0}
     mapping = {"refimpl.x_main": {"test_refimpl.py::fast"}}
     children = {"refimpl.x_main": ["test_refimpl.py::child"],
                 "refimpl.x_connect": ["test_multiprocess.py::peers", "test_refimpl.py::child",
-                                      "test_checkpoints.py::other"]}
+                                      "test_loaders.py::other"]}
     got = mutation.own_tests("vendor", mapping, durations, children)
     # connect: every test of the files whose children reached it (a module fixture's
     # children report to the first test that asked for it): test_refimpl.py's fast one too
