@@ -577,6 +577,21 @@ def assert_run_is_the_modules(tmp, out, expected, steps, devices, dataset):
                    (1 if name == "single" else len(devices), devices[0].platform, "reference", dataset)
                    for r in mine), name
     assert [r["strategy"] for r in rows] == [n for n in expected for _ in expected[n][2]]
+    # every row holds the documented fields, its speed is the epoch's real samples over its
+    # seconds, and each epoch has its line, the first one marked as including compilation
+    train_samples = 256 if dataset == "cifar10" else 2048
+    lines = out.splitlines()
+    for r in rows:
+        assert set(r) == METRICS_FIELDS, set(r) ^ METRICS_FIELDS
+        assert r["seconds"] > 0 and abs(r["images_per_second"] * r["seconds"] - train_samples) < 1e-6 * train_samples
+        said = [line for line in lines if line.startswith(
+            f"{r['strategy']:>9} epoch {r['epoch']} of {len(expected[r['strategy']][2])}  loss {r['loss']:.4f}  "
+            f"test accuracy {r['test_accuracy']:.4f}  ")]
+        assert len(said) == 1 and said[0].endswith("  (includes compilation)") == (r["epoch"] == 0), (r, said)
+
+
+METRICS_FIELDS = {"strategy", "epoch", "first_step", "last_step", "loss", "test_accuracy", "test_samples", "seconds",
+                  "images_per_second", "steps", "devices", "platform", "backend", "dataset"}
 
 
 def test_main_in_a_process_that_runs_jax_trains_what_the_modules_train(tiny_dir, tmp_path, capsys):
