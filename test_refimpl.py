@@ -600,6 +600,8 @@ def test_main_in_a_process_that_runs_jax_trains_what_the_modules_train(tiny_dir,
     notebook) trains every strategy exactly as the modules do by hand, bit for bit: the
     params and optimizer state (--params-out), every epoch's loss and test accuracy
     (--metrics-out), the step numbers; it says the run's shape first and exits 0."""
+    import jax
+
     import refimpl
     from arithmetic import Normalize
     argv = ["--data-dir", str(tiny_dir), "--epochs", "2", "--batch-size", "16", "--devices", "3",
@@ -620,7 +622,16 @@ def test_main_in_a_process_that_runs_jax_trains_what_the_modules_train(tiny_dir,
                                           f"images from {tiny_dir}; 6 steps of 3 x 16 per epoch (fill); epochs 0-1")
     assert "rocal's arithmetic; matmul precision highest; sgd; plain reduction" in out.splitlines()[0]
     assert "FAILED" not in out
-    # the plain reduction is judged by its bound alone: no bit-for-bit verdict is printed
+    # the plain reduction is judged by its bound alone: each pair with the first strategy gets
+    # equivalence.verdict's line over the run's 12 steps on its 3 devices, and no bit-for-bit verdict
+    first = jax.tree.leaves(expected["sharded"][0])
+    for other in ("pmap", "shard_map", "single"):
+        theirs = jax.tree.leaves(expected[other][0])
+        count = equivalence.ulp_bound("sharded", other, devices[0].platform, 3)
+        found = equivalence.verdict(first, theirs, count, None, 12, "equivalence.ulp_bound")
+        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(first, theirs))
+        assert f"final params, sharded vs {other}: max |difference| {diff:.3g}: {found.text}" in out.splitlines(), (
+            other, found.text, [line for line in out.splitlines() if line.startswith("final params")])
     assert not [line for line in out.splitlines() if line.startswith("final params and optimizer state, ")], out
 
 
