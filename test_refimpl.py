@@ -817,6 +817,33 @@ def test_each_backend_is_asked_for_the_runs_loader_of_every_layout(monkeypatch, 
         assert fits == ([(10, (3, 4, 5), mesh)] if (backend, placement) == ("reference", "auto") else []), fits
 
 
+def test_main_exits_by_what_the_run_ended_with(monkeypatch, capsys):
+    """main's exit statuses, with run standing in: 0 when every pair kept its promise, 1
+    (OUTSIDE_BOUND) when one did not, 2 for a ValueError, OSError or ImportError (one line
+    on stderr, "refimpl.py: error: " and the error's words, nothing on stdout) and 130 for
+    an interrupt (one line, "refimpl.py: interrupted"); with no argv it reads sys.argv
+    after the program's name."""
+    import refimpl
+    seen = []
+
+    def run(args, outcome):
+        seen.append(args.seed)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return None, outcome
+    for outcome, status, err in (([], 0, ""), (["a pair OUTSIDE"], refimpl.OUTSIDE_BOUND, ""),
+                                 (ValueError("no good"), 2, "refimpl.py: error: no good\n"),
+                                 (OSError("no disk"), 2, "refimpl.py: error: no disk\n"),
+                                 (ImportError("no rocal"), 2, "refimpl.py: error: no rocal\n"),
+                                 (KeyboardInterrupt(), 130, "refimpl.py: interrupted\n")):
+        monkeypatch.setattr(refimpl, "run", lambda args: run(args, outcome))
+        assert refimpl.main(["--seed", "3"]) == status, outcome
+        assert capsys.readouterr() == ("", err), outcome
+    monkeypatch.setattr(sys, "argv", ["refimpl.py", "--seed", "4"])
+    monkeypatch.setattr(refimpl, "run", lambda args: run(args, []))
+    assert refimpl.main() == 0 and seen[-1] == 4 and seen[:-1] == [3] * 6, seen
+
+
 def test_bit_verdicts_compare_params_and_optimizer_state_each_against_the_first_strategy(tmp_path):
     """report_bits: each strategy after the first against the FIRST's params and the first's
     optimizer state, both: a strategy differing in its params only, or in its state only,
