@@ -17,7 +17,12 @@ accuracy included; canonical runs on 3 and 2 devices are said bit-identical pair
 and against each other's --params-out (--compare-to), and one flipped bit or a missing
 leaf in that file fails the run, named, with exit status 1. A run in a child process runs its mutant too under mutation.py, but
 the tool maps a mutant only to the tests that reach its function in the test process:
-these in-process runs are how refimpl's own code is judged.
+these in-process runs are how refimpl's own code is judged. So they hold what the child
+runs' tests see as well: each metrics row's documented fields and speed, each epoch's
+line, each pair's verdict line under the plain reduction (recomputed from the modules'
+training); and, with a stand-in for what they call, each backend asked for the run's
+loader of every layout, --local-processes handing every process one dataset generated
+first, and main's exit status for each way a run ends.
 
 The runs are independent processes started together (the fixtures ``runs`` and
 ``refused``, from the tables RUNS and REFUSED): each test checks its own run's output.
