@@ -1,7 +1,7 @@
 """Mutation testing of this project with mutmut (requirements-mutation.txt): a habit, not CI.
 
     nice python mutation.py pure      # plan, arithmetic, cifar_mnist, conformance, encoding, equivalence, model
-    nice python mutation.py vendor    # loaders, strategies, dali_loader, rocal_loader, checkpoints, refimpl
+    nice python mutation.py vendor    # loaders, strategies, dali_loader, rocal_loader, rocal_api, checkpoints, refimpl
 
 Each plants every single-line bug mutmut knows in those modules and runs, for each
 mutant, only the tests that reached the function it sits in (mutmut's call statistics,
@@ -89,6 +89,7 @@ SETS = {
         "strategies.py": ["test_strategies.py", "test_equivalence.py"],
         "dali_loader.py": ["test_dali.py"],
         "rocal_loader.py": ["test_rocal.py"],
+        "rocal_api.py": ["test_rocal.py"],
         "checkpoints.py": ["test_checkpoints.py"],
         # test_checkpoints.py too: refimpl's checkpoints live apart (checkpoints.py), and the
         # resume guarantees of refimpl's own lines (train_strategy's Elastic calls, the
@@ -113,7 +114,7 @@ PROJECT_FILES = ["*.py", "pytest.ini", "README.md"]
 # imported by each mutant's process.
 PRELOAD = ["numpy", "jax", "jax.numpy", "jax.sharding", "hypothesis", "pytest", "xdist",
            "pytest_timeout", "plan", "arithmetic", "cifar_mnist", "conformance", "encoding", "model",
-           "strategies", "equivalence", "loaders", "checkpoints", "dali_loader", "rocal_loader",
+           "strategies", "equivalence", "loaders", "checkpoints", "dali_loader", "rocal_api", "rocal_loader",
            "refimpl"]
 
 DECORATORS_TO_MUTATE_UNDER = {"functools.lru_cache", "functools.cache", "jax.jit"}

@@ -66,6 +66,7 @@ if __name__ != "__main__":  # two_process_worker runs in a child process that se
 import conformance
 import encoding
 import loaders
+import rocal_api
 import rocal_loader
 from arithmetic import Normalize, crop_anchor, crop_mirror_normalize
 from cifar_mnist import read_cifar10, synthetic_cifar10, write_cifar10
@@ -962,30 +963,30 @@ def test_a_release_that_blocks_for_ever_is_bounded_and_named(monkeypatch):
     """release_pipelines returns within RELEASE_TIMEOUT_S per blocked pipeline, warns naming
     it, releases the others, and reports it in unreleased(); the double really blocks
     (negative control: its release is still waiting after the call returned)."""
-    monkeypatch.setattr(rocal_loader, "RELEASE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(rocal_api, "RELEASE_TIMEOUT_S", 0.2)
     stuck, released = ReleaseBlocksForEver(), []
     before = pytypes.SimpleNamespace(rocal_release=lambda: released.append("shard 0"))
     after = pytypes.SimpleNamespace(rocal_release=lambda: released.append("shard 2"))
     try:
-        with pytest.warns(rocal_loader.RocalReleaseWarning) as caught:
+        with pytest.warns(rocal_api.RocalReleaseWarning) as caught:
             bounded(lambda: rocal_loader.release_pipelines({0: before, 1: stuck, 2: after}, "rocAL, epoch 7"),
                     5, "release_pipelines with a release that blocks for ever")
         assert [str(w.message).split(":")[0] for w in caught] == ["rocAL, epoch 7, shard 1"]
         assert "did not return within 0.2 s" in str(caught[0].message)
         assert released == ["shard 0", "shard 2"] and stuck.entered.is_set() and not stuck.unblock.is_set()
-        assert "rocAL, epoch 7, shard 1" in rocal_loader.unreleased()
+        assert "rocAL, epoch 7, shard 1" in rocal_api.unreleased()
     finally:
         stuck.unblock.set()  # lets the double's release end, as a late wake-up would
-    bounded(lambda: [t.join() for where, t in rocal_loader._UNRELEASED if where.startswith("rocAL, epoch 7")],
+    bounded(lambda: [t.join() for where, t in rocal_api._UNRELEASED if where.startswith("rocAL, epoch 7")],
             5, "the double's release once unblocked")
-    assert "rocAL, epoch 7, shard 1" not in rocal_loader.unreleased()
+    assert "rocAL, epoch 7, shard 1" not in rocal_api.unreleased()
 
 
 def test_an_epoch_whose_release_blocks_ends_warns_and_cleans_up(monkeypatch, small_dir, mesh4, fake, cache):
     """Through the loader: shard 2's pipeline never releases; the epoch still ends (within
     the bound), every batch is the reference's, the warning names the epoch and the shard,
     and the epoch's files are deleted."""
-    monkeypatch.setattr(rocal_loader, "RELEASE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(rocal_api, "RELEASE_TIMEOUT_S", 0.2)
     stuck = ReleaseBlocksForEver()
     release = FakePipeline.rocal_release
     monkeypatch.setattr(FakePipeline, "rocal_release", lambda self: (
@@ -994,7 +995,7 @@ def test_an_epoch_whose_release_blocks_ends_warns_and_cleans_up(monkeypatch, sma
     reference = loaders.make_loader(small_dir, mesh4, 4, shuffle=True, seed=2, placement="host_float32",
                                     prefetch=0)
     try:
-        with pytest.warns(rocal_loader.RocalReleaseWarning, match=r"rocAL, epoch 5, shard 2: rocal_release"):
+        with pytest.warns(rocal_api.RocalReleaseWarning, match=r"rocAL, epoch 5, shard 2: rocal_release"):
             got = bounded(lambda: list(loader.epoch(5)), 5, "an epoch whose release blocks")[0]
     finally:
         stuck.unblock.set()
@@ -1008,7 +1009,7 @@ def test_builds_are_retried_a_bounded_number_of_times(monkeypatch, small_dir, ca
     flaky = FakeRocal(build_failures=2).install(monkeypatch)
     pipe = rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
     assert [p.released for p in flaky.pipelines] == [True, True, False] and pipe is flaky.pipelines[-1]
-    FakeRocal(build_failures=rocal_loader.BUILD_ATTEMPTS).install(monkeypatch)
+    FakeRocal(build_failures=rocal_api.BUILD_ATTEMPTS).install(monkeypatch)
     with pytest.raises(RuntimeError, match="building failed 3 times; rocAL said: .*No meta data"):
         rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
     unverified = FakeRocal(verify_fails=True).install(monkeypatch)
@@ -1071,9 +1072,9 @@ def assert_dlpack_copy_survives_the_ring(pipe, device) -> None:
     (tensor,) = pipe.get_output_tensors()
     with pytest.raises((TypeError, AttributeError)):  # no __dlpack_device__; __dlpack__ needs the id
         jax.dlpack.from_dlpack(tensor)
-    assert rocal_loader.RocalDLPack(tensor, 1).__dlpack_device__() == (1, 1)  # kDLCPU, the id given
+    assert rocal_api.RocalDLPack(tensor, 1).__dlpack_device__() == (1, 1)  # kDLCPU, the id given
     images = rocal_loader.device_images(tensor, device, (3, 32, 32), 4)
-    alias = np.from_dlpack(rocal_loader.RocalDLPack(tensor, 0))
+    alias = np.from_dlpack(rocal_api.RocalDLPack(tensor, 0))
     assert images.devices() == {device} and images.dtype == np.float32
     images.block_until_ready()  # what the loader's _Transfers sees to before the second next run
     pipe.rocal_run()
@@ -1576,7 +1577,7 @@ def rocal_mesh(devices):
         rocal_loader.import_rocal()
     except ImportError as error:
         pytest.skip(f"needs amd.rocal, which does not import here ({error.__cause__}); see "
-                    f"rocal_loader.INSTALL_HINT")
+                    f"rocal_api.INSTALL_HINT")
     if not (all(d.platform == "cpu" for d in devices) or all(rocal_loader.is_amd_gpu(d) for d in devices)):
         pytest.skip(f"rocAL runs on CPU devices or AMD GPUs; the suite's devices are {devices[0].platform}")
     if len(devices) < 2:
@@ -1601,7 +1602,7 @@ def test_rocal_deviations_are_the_known_ones(rocal_mesh, encoded_dir, tmp_path, 
     expected = known_deviations(sharding=sharding, raw=raw, shuffle=shuffle, last_batch=last_batch,
                                 sharding_bug=True, surplus=observed.surplus)
     print(check_known(observed, expected, setup_line(rocal_mesh, dataset_size(n), case,
-                                                     f"rocAL {rocal_loader.rocal_version()}")))
+                                                     f"rocAL {rocal_api.rocal_version()}")))
     assert not os.path.isdir(tmp_path / "cache") or not [
         name for name in os.listdir(tmp_path / "cache") if name.startswith(".")], "files left behind"
 
@@ -1698,7 +1699,7 @@ def test_real_pipelines_are_released_through_rocals_c_api(rocal_mesh, encoded_di
     ctypes.CDLL function (which drops the GIL while it runs, so RELEASE_TIMEOUT_S can bound
     it; the pybind binding holds the GIL): the worker threads the build started are gone
     afterwards, and the Python object no longer holds the freed context."""
-    _, _, c_release = rocal_loader._rocal_c_api()
+    _, _, c_release = rocal_api._rocal_c_api()
     assert not c_release._flags_ & ctypes._FUNCFLAG_PYTHONAPI, "called with the GIL held"
     tasks = lambda: set(os.listdir("/proc/self/task"))
     before = tasks()
@@ -1779,7 +1780,7 @@ def real_rocal():
         rocal_loader.import_rocal()
     except ImportError as error:
         pytest.skip(f"needs amd.rocal, which does not import here ({error.__cause__}); see "
-                    f"rocal_loader.INSTALL_HINT")
+                    f"rocal_api.INSTALL_HINT")
 
 
 @pytest.mark.rocal
@@ -1925,7 +1926,7 @@ def assert_identical_final_params(results, tmp_path) -> str:
         assert not any(line in out + err for line in ROCAL_CHATTER_SEEN), "rocAL's console lines got through"
         assert "Traceback" not in err, err
     rocal_out = results[0][1]
-    assert f"AMD rocAL {rocal_loader.rocal_version()} (CPU backend)" in rocal_out and "order 'plan'" in rocal_out
+    assert f"AMD rocAL {rocal_api.rocal_version()} (CPU backend)" in rocal_out and "order 'plan'" in rocal_out
     got, want = np.load(tmp_path / "rocal.npz"), np.load(tmp_path / "reference.npz")
     assert sorted(got.files) == sorted(want.files) and len(got.files) >= 12
     differ = {key: bits_differ(got[key], want[key]) for key in want.files if bits_differ(got[key], want[key])}
@@ -1994,7 +1995,7 @@ def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_
     outputs = refimpl_resized(tiny_cifar, tmp_path, common, ["--devices", "4", "--stop-after-step", "2"],
                               ["--devices", "3"])
     rocal = outputs["rocal"]
-    assert f"AMD rocAL {rocal_loader.rocal_version()} (CPU backend)" in rocal and "order 'plan'" in rocal, rocal
+    assert f"AMD rocAL {rocal_api.rocal_version()} (CPU backend)" in rocal and "order 'plan'" in rocal, rocal
     assert "segments [(0, 4, 4), (2, 3, 4)]" in rocal, rocal
     for backend, out in outputs.items():
         [line] = exactly_once(out)

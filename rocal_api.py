@@ -1,0 +1,352 @@
+"""rocAL itself, as the rocAL loader calls it: the import, a pipeline built and released,
+its outputs copied to the host or handed to a device. Below rocal_loader.py, which plans,
+shards and delivers; nothing here knows a plan or a loader.
+
+* ``import_rocal``: ``(Pipeline, fn, types)`` from amd.rocal, or ImportError saying how to
+  install it (INSTALL_HINT); ``rocal_version``: the version in librocal's file name.
+* ``rocal_pipeline``: one CIFAR-10 reader pipeline (crop, mirror, normalize, as the
+  notebook builds it), built with rocAL's per-pipeline chatter kept off stdout, retried
+  ``BUILD_ATTEMPTS`` times on a RuntimeError.
+* ``release_pipelines``: rocAL's release, bounded (RELEASE_TIMEOUT_S) on a daemon thread
+  because rocAL 2.3.0's can block for ever; a release that did not return warns
+  (RocalReleaseWarning) and is listed by ``unreleased()``.
+* ``copy_output`` (CPU backend: the output tensor into a host array) and
+  ``device_images`` (GPU backend: the output through DLPack, ``RocalDLPack``, copied into
+  a JAX array on the device), with ``check_dlpack`` refusing a rocAL built without DLPack.
+* ``_call``: a rocAL call whose error is re-raised naming the shard, the step and the call.
+
+What is known of rocAL's C++ here (the lost wake-up of its release, the DLPack build flag)
+comes from reading its source: docs/vendors.md, with the files and functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import glob
+import io
+import os
+import sys
+import tempfile
+import threading
+import warnings
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from arithmetic import Normalize
+from cifar_mnist import IMAGE_SHAPE, TRAIN_PREFIX
+
+INSTALL_HINT = (
+    "the rocAL backend needs AMD rocAL's Python package amd.rocal, which is not on PyPI: on a "
+    "ROCm host install the OS packages 'rocal' and 'rocal-dev' (e.g. `apt install rocal rocal-dev`) "
+    "and run with PYTHONPATH=/opt/rocm/lib, where they put amd.rocal; or build rocAL for its CPU "
+    "backend and put its lib folder on PYTHONPATH and LD_LIBRARY_PATH"
+)
+
+
+BUILD_ATTEMPTS = 3
+
+
+# What rocAL prints on every pipeline it builds; kept off stdout (anything else is passed on).
+ROCAL_CHATTER = ("Pipeline has been created succesfully", "OK: loaded ")
+
+
+def import_rocal():
+    """``(Pipeline, fn, types)`` from amd.rocal; ImportError saying how to install it."""
+    try:
+        from amd.rocal.pipeline import Pipeline
+        import amd.rocal.fn as fn
+        import amd.rocal.types as types
+    except ImportError as error:
+        raise ImportError(f"{INSTALL_HINT} (import failed: {error})") from error
+    return Pipeline, fn, types
+
+
+def rocal_version() -> str:
+    """rocAL's version from its library's file name (rocAL has no version call), or "?"."""
+    import rocal_pybind
+    names = glob.glob(os.path.join(os.path.dirname(rocal_pybind.__file__), "librocal.so.*.*.*"))
+    return names[0].rsplit(".so.", 1)[1] if names else "?"
+
+
+# ---- releasing a pipeline: bounded ----------------------------------------------------
+#
+# rocAL 2.3.0's rocal_release() can block for ever: a lost wake-up (its worker threads wait
+# on a condition variable without a predicate, and the release notifies them without the
+# lock: docs/vendors.md has the code paths and the evidence). No delay before a release can
+# close that window, and rocAL's pybind binding holds the GIL while it blocks, so
+# ``release_pipelines`` runs rocAL's C rocalRelease through ctypes (which drops the GIL) on a
+# daemon thread, waits at most RELEASE_TIMEOUT_S, and otherwise warns (RocalReleaseWarning)
+# and leaves that pipeline, its two blocked threads and its buffers, until the process exits
+# (``unreleased()``). A release that returns takes 5-7 ms in plan order (measured beside two
+# busy processes on 2 cores) and at most ~0.1 s elsewhere: 2 s is 20 times the slowest.
+RELEASE_TIMEOUT_S = 2.0
+_UNRELEASED: list = []  # (where, thread) of every release that did not return within its bound
+
+
+class RocalReleaseWarning(RuntimeWarning):
+    """A rocAL pipeline whose ``rocal_release()`` did not return within ``RELEASE_TIMEOUT_S``
+    (rocAL 2.3.0's lost wake-up) and was left unreleased."""
+
+
+def unreleased() -> list[str]:
+    """The pipelines of this process whose release is still blocked, by where they were read."""
+    return [where for where, thread in _UNRELEASED if thread.is_alive()]
+
+
+def release_pipelines(pipelines, where: str = "rocAL") -> None:
+    """Releases every pipeline of ``pipelines`` (a dict {shard k: pipeline} or a sequence),
+    one after the other, each within ``RELEASE_TIMEOUT_S``: never blocks longer than that per
+    pipeline, whatever rocAL's release race does. A pipeline whose release has not returned
+    by then is left to it (its release goes on in a daemon thread; rocAL 2.3.0's lost wake-up
+    makes it wait for ever) and named in a ``RocalReleaseWarning`` ("<where>, shard k").
+    amd.rocal pipelines are released through rocAL's C API ``rocalRelease(handle)`` called by
+    ctypes, which drops the GIL, so the bound holds; any other object (a double) through its
+    own ``rocal_release()``. An error raised by a release is re-raised, naming the pipeline,
+    once every pipeline has been released."""
+    named = pipelines.items() if isinstance(pipelines, dict) else enumerate(pipelines)
+    errors = []
+    for k, pipe in list(named):
+        label = f"{where}, shard {k}"
+        release, outcome = _release_call(pipe), []
+
+        def run(release=release, outcome=outcome):
+            try:
+                outcome.append(release())
+            except BaseException as error:  # handed to the caller
+                outcome.append(error)
+
+        thread = threading.Thread(target=run, name=f"rocal_release ({label})", daemon=True)
+        thread.start()
+        thread.join(RELEASE_TIMEOUT_S)
+        if thread.is_alive():
+            _UNRELEASED.append((label, thread))
+            warnings.warn(RocalReleaseWarning(
+                f"{label}: rocal_release() did not return within {RELEASE_TIMEOUT_S} s (rocAL 2.3.0's "
+                f"lost wake-up: a worker thread missed the notify that stops it); the pipeline is left "
+                f"unreleased, its threads and buffers stay until the process exits"), stacklevel=2)
+        elif isinstance(outcome[0], BaseException):
+            errors.append(f"{label}: rocal_release() raised {type(outcome[0]).__name__}: {outcome[0]}")
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
+def _release_call(pipe):
+    """A function of no arguments that releases ``pipe``: rocAL's C ``rocalRelease`` on the
+    pipeline's context (its ``_handle``, a PyCapsule holding the RocalContext pointer) through
+    ctypes, GIL released; for an object without such a handle, its ``rocal_release``."""
+    handle = getattr(pipe, "_handle", None)
+    if type(handle).__name__ != "PyCapsule":
+        return pipe.rocal_release
+    capsule_name, capsule_pointer, c_release = _rocal_c_api()
+    context = capsule_pointer(handle, capsule_name(handle))
+    pipe._handle = None  # a later call on it fails in Python, never on a freed context
+    return lambda: c_release(context)
+
+
+@functools.lru_cache(maxsize=1)
+def _rocal_c_api():
+    """(PyCapsule_GetName, PyCapsule_GetPointer, rocalRelease) as ctypes functions. rocalRelease
+    is looked up from the pybind module's own library handle (dlsym searches its dependencies),
+    so it is the very librocal the binding calls; a ctypes.CDLL call drops the GIL."""
+    import rocal_pybind
+    api = ctypes.PyDLL(None)  # Python's C API: called with the GIL held
+    name, pointer = api.PyCapsule_GetName, api.PyCapsule_GetPointer
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    pointer.restype, pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    release = ctypes.CDLL(rocal_pybind.__file__).rocalRelease
+    release.restype, release.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    return name, pointer, release
+
+
+def _check_remaining(pipe, where: str, want: int, what: str) -> None:
+    remaining = _call(f"{where}, after build()", "get_remaining_images()", pipe.get_remaining_images)
+    if remaining != want:
+        raise RuntimeError(f"{where}: get_remaining_images() = {remaining} for {what}; expected {want}")
+
+
+def _rocal_ok():
+    return import_rocal()[2].OK
+
+
+def _hardware_id(device: jax.Device) -> int:
+    return device.local_hardware_id if device.local_hardware_id is not None else device.id
+
+
+def check_dlpack() -> None:
+    """RuntimeError unless rocAL's tensor type has ``dlpack_device`` and ``__dlpack__``:
+    rocAL defines them only when built with DLPack (``ENABLE_DLPACK``, set when CMake
+    finds dlpack's header); without, ``dlpack_device`` is missing and ``__dlpack__``
+    raises "Dlpack not installed" (rocAL_pybind/rocal_pybind.cpp)."""
+    import rocal_pybind
+    tensor_type = getattr(rocal_pybind, "rocalTensor", None)
+    if tensor_type is None or not hasattr(tensor_type, "dlpack_device"):
+        raise RuntimeError(DLPACK_MISSING)
+
+
+DLPACK_MISSING = (
+    "this rocAL was built without DLPack (ENABLE_DLPACK off: CMake did not find dlpack's header), so "
+    "its GPU outputs (rocalTensor) have no dlpack_device() and their __dlpack__ raises 'Dlpack not "
+    "installed'; the GPU backend needs DLPack to hand its outputs to JAX. Rebuild rocAL with dlpack "
+    "installed (e.g. Debian's libdlpack-dev, or the dlpack headers from github.com/dmlc/dlpack), or "
+    "use CPU devices"
+)
+
+
+def rocal_pipeline(file_root: str, *, batch_size: int, normalize: Normalize, on_gpu: bool,
+                   device_id: int = 0, shard_id: int = 0, num_shards: int = 1,
+                   filename_prefix: str = TRAIN_PREFIX, shuffle: bool = False, seed: int = 0,
+                   num_threads: int = 1, last_batch_policy: str = "FILL", pad_last_batch: bool = True):
+    """A built rocAL Pipeline: ``fn.readers.cifar10`` then ``fn.crop_mirror_normalize`` to
+    float32 NCHW, ``mirror`` always explicit. CPU backend (``rocal_cpu=True``,
+    HOST_MEMORY) or, ``on_gpu``, the GPU backend on GPU ``device_id`` (DEVICE_MEMORY).
+    The loader always reads with FILL + pad_last_batch; ``last_batch_policy`` ("FILL",
+    "DROP") and ``pad_last_batch`` are there to show what rocAL does with the others.
+
+    rocAL's ``build()`` calls ``exit(0)`` when its graph does not verify: that is
+    raised here as RuntimeError; a build that raises RuntimeError is retried,
+    ``BUILD_ATTEMPTS`` times in all. The two lines rocAL prints for every pipeline
+    are kept off stdout (and put in the error where the graph does not verify).
+    """
+    Pipeline, fn, types = import_rocal()
+    crop = normalize.crop or IMAGE_SHAPE[1:]
+    failures = []
+    for _ in range(BUILD_ATTEMPTS):
+        said: list[str] = []
+        pipe = None
+        try:
+            with _rocal_chatter_hidden(said):
+                pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
+                                seed=seed, rocal_cpu=not on_gpu, tensor_layout=types.NCHW,
+                                tensor_dtype=types.FLOAT,
+                                output_memory_type=types.DEVICE_MEMORY if on_gpu else types.HOST_MEMORY)
+                with pipe:
+                    raw = fn.readers.cifar10(
+                        file_root=file_root, shard_id=shard_id, num_shards=num_shards,
+                        filename_prefix=filename_prefix, random_shuffle=shuffle,
+                        last_batch_policy=getattr(types, f"LAST_BATCH_{last_batch_policy}"),
+                        pad_last_batch=pad_last_batch)
+                    out = fn.crop_mirror_normalize(
+                        raw, output_layout=types.NCHW, output_dtype=types.FLOAT, crop=tuple(crop),
+                        crop_pos_x=normalize.crop_pos[1], crop_pos_y=normalize.crop_pos[0],
+                        mirror=int(normalize.mirror),  # explicit: rocAL's default 1 flips every image
+                        mean=list(normalize.mean), std=list(normalize.std))
+                    pipe.set_outputs(out)
+                pipe.build()
+            return pipe
+        except SystemExit as stop:  # rocAL's build() ends the process when its graph does not verify
+            if pipe is not None:
+                release_pipelines({shard_id: pipe}, f"rocAL, a failed build ({file_root})")
+            raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): the graph did not "
+                               f"verify, and rocAL called exit({stop.code}); it printed: "
+                               f"{' | '.join(said).strip()!r}") from None
+        except RuntimeError as error:  # seen once in ten builds in an early probe: retried
+            if pipe is not None:
+                release_pipelines({shard_id: pipe}, f"rocAL, a failed build ({file_root})")
+            failures.append(f"{error}".strip())
+        except Exception as error:  # anything else would fail again
+            if pipe is not None:
+                release_pipelines({shard_id: pipe}, f"rocAL, a failed build ({file_root})")
+            raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): building raised "
+                               f"{type(error).__name__}: {error}") from error
+    raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): building failed "
+                       f"{BUILD_ATTEMPTS} times; rocAL said: {failures}")
+
+
+def copy_output(tensor, out: np.ndarray, where: str = "rocAL") -> None:
+    """``tensor.copy_data(out)`` after checking what rocAL does not: ``out`` must be a
+    C-contiguous, writeable array of the tensor's ``dtype()`` and ``dimensions()``.
+    rocAL's copy_data is a raw memcpy of dimensions x itemsize bytes to ``out``'s
+    first byte, whatever ``out`` is. Raises RuntimeError, writing nothing, otherwise."""
+    dims, dtype = tuple(int(d) for d in tensor.dimensions()), np.dtype(tensor.dtype())
+    problems = [text for bad, text in [
+        (tensor.layout() != "NCHW", f"NCHW, rocAL's output is {tensor.layout()}"),
+        (out.shape != dims, f"shape {out.shape}, rocAL's output is {dims}"),
+        (out.dtype != dtype, f"dtype {out.dtype}, rocAL's output is {dtype}"),
+        (not out.flags.c_contiguous, "not C-contiguous"),
+        (not out.flags.writeable, "read-only")] if bad]
+    if problems:
+        raise RuntimeError(f"{where}: will not copy rocAL's output into a buffer that is "
+                           f"{'; '.join(problems)} (its copy_data would write the raw bytes anyway)")
+    tensor.copy_data(out)
+
+
+class RocalDLPack:
+    """A rocAL output tensor as ``jax.dlpack.from_dlpack`` wants it.
+
+    rocAL's tensor has ``dlpack_device(device_id)`` and ``__dlpack__(device_id)``
+    (both need the GPU id; a legacy "dltensor" capsule), and no ``__dlpack_device__``;
+    JAX calls ``__dlpack_device__()`` and ``__dlpack__(stream=...)``."""
+
+    def __init__(self, tensor, device_id: int):
+        self.tensor, self.device_id = tensor, device_id
+
+    def __dlpack__(self, stream=None, **_):  # rocAL ignores streams
+        return self.tensor.__dlpack__(self.device_id)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        kind, index = self.tensor.dlpack_device(self.device_id)
+        return int(kind), int(index)
+
+
+def device_images(tensor, device: jax.Device, image_shape: tuple, batch_size: int,
+                  where: str = "rocAL") -> jax.Array:
+    """A rocAL output as a jax.Array on ``device``: checked, imported through DLPack and
+    copied on the device. The copy is only enqueued: the caller must see it finished
+    before rocAL's second next run writes the buffer again (``_Transfers`` does), and
+    before the pipeline is released. RuntimeError, naming ``where``, for an output of
+    another dtype, shape or layout, and for a rocAL without DLPack (``DLPACK_MISSING``)."""
+    dims, want = tuple(int(d) for d in tensor.dimensions()), (batch_size,) + tuple(image_shape)
+    if dims != want or np.dtype(tensor.dtype()) != np.float32 or tensor.layout() != "NCHW":
+        raise RuntimeError(f"{where}: rocAL's output is {tensor.dtype()} {dims} {tensor.layout()}, "
+                           f"expected float32 {want} NCHW")
+    try:
+        alias = jax.dlpack.from_dlpack(RocalDLPack(tensor, _hardware_id(device)), device=device)
+    except AttributeError as error:  # no dlpack_device: rocAL built without DLPack
+        raise RuntimeError(f"{where}: {DLPACK_MISSING} ({error})") from error
+    except RuntimeError as error:
+        if "Dlpack not installed" in str(error):
+            raise RuntimeError(f"{where}: {DLPACK_MISSING}") from error
+        raise
+    # A copy of our own: JAX 0.10.2's from_dlpack(copy=True) returned an alias of the
+    # producer's buffer on CPU (seen here), whatever its docstring says.
+    return jnp.array(alias, copy=True)
+
+
+@contextlib.contextmanager
+def _rocal_chatter_hidden(said: list):
+    """Runs the block with stdout (Python's and the C library's, fd 1) caught; appends
+    what was printed to ``said`` and passes every line but ``ROCAL_CHATTER`` on to
+    stdout once the block has ended (a warning or error rocAL prints is never lost).
+    rocAL prints two lines for each pipeline it builds (one epoch of refimpl on 8
+    devices: 16)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    text = ""
+    try:
+        with tempfile.TemporaryFile() as sink, contextlib.redirect_stdout(io.StringIO()) as python:
+            os.dup2(sink.fileno(), 1)
+            try:
+                yield
+            finally:
+                ctypes.CDLL(None).fflush(None)  # rocAL's C++ output still in the C library's buffer
+                os.dup2(saved, 1)
+                sink.seek(0)
+                text = python.getvalue() + sink.read().decode(errors="replace")
+                said.append(text)
+    finally:
+        os.close(saved)
+        rest = [line for line in text.splitlines() if line.strip() and not line.startswith(ROCAL_CHATTER)]
+        if rest:  # after redirect_stdout has ended: to the real stdout
+            print("\n".join(rest), flush=True)
+
+
+def _call(where: str, what: str, fn, *args):
+    """``fn(*args)``, with any error re-raised naming the shard, the step and the call."""
+    try:
+        return fn(*args)
+    except Exception as error:
+        raise RuntimeError(f"{where}: {what} raised {type(error).__name__}: {str(error).strip()}") from error
