@@ -1,5 +1,8 @@
 """AMD rocAL backend: the reference loader's sharded epochs, read and normalised by rocAL.
 
+This module plans, shards and delivers; rocAL's own calls (the import, a pipeline's
+build and its bounded release, the output copies and DLPack) are rocal_api.py's, below it.
+
 One rocAL ``Pipeline`` per local device and epoch. Pipeline k (k = its device's
 position in the mesh, never ``device.id``) reads with ``fn.readers.cifar10`` and
 runs ``fn.crop_mirror_normalize`` to float32 NCHW. Its outputs become row block
