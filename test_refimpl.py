@@ -241,6 +241,216 @@ def test_bad_input_is_refused_with_one_clear_line_before_any_work(refused, case)
     assert not cache.exists(), "refused only after generating data"
 
 
+# The same refusals in the test process, where the options alone decide them (parse_args):
+# the children above hold the exit status and "before any work"; these hold each check's
+# edges on both sides, and every case that the options alone cannot decide is accepted by
+# parse_args (the run refuses it: set_up, connect).
+REFUSED_BY_THE_RUN = {"missing dataset folder", "truncated dataset file", "batch larger than a shard",
+                      "more devices than exist", "a platform jax cannot start",
+                      "auto-distributed without a cluster", "rocal backend without rocal"}
+TRIPLE = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--strategies", "sharded"]
+OPTION_EDGES = [  # (argv, a fragment of the one line, or None: accepted)
+    (["--backend", "rocal"], None),  # rocAL on CIFAR-10, its own dataset
+    (["--backend", "rocal", "--placement", "device"], "--placement device: only the reference backend has placements"),
+    (["--backend", "dali", "--dataset", "mnist"], None),
+    (["--backend", "reference", "--placement", "host"], None),
+    (["--coordinator", "127.0.0.1:1"], "--coordinator, --num-processes and --process-id go together"),
+    (["--num-processes", "2", "--process-id", "0"], "--coordinator, --num-processes and --process-id go together"),
+    (TRIPLE + ["--process-id", "0"], None), (TRIPLE + ["--process-id", "1"], None),  # 0..N-1, both ends
+    (["--local-processes", "1"], None),
+    (["--local-processes", "0"], "--local-processes N needs N >= 1 and no other multi-process option"),
+    (["--local-processes", "2", "--auto-distributed"], "--local-processes N needs N >= 1"),
+    (["--local-processes", "2", "--process-id", "0"] + TRIPLE, "--local-processes N needs N >= 1"),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0", "--strategies", "pmap,sharded"],
+     "--strategies pmap: across processes only sharded and shard_map run"),
+    (["--auto-distributed", "--strategies", "single"], "--strategies single: across processes only"),
+    (["--local-processes", "2", "--strategies", "all"], "--strategies pmap,single: across processes only"),
+    (["--strategies", " , "], "--strategies: unknown strategy ' , '"),
+    (["--hidden", "1"], None), (["--hidden", "1,x"], "--hidden '1,x': give the hidden layers' widths"),
+    (["--hidden", ""], "--hidden '': give the hidden layers' widths"),
+    (["--seed", str(2**32 - 1)], None), (["--lr", "1e-30"], None),
+    (["--devices", "64", "--platform", "cpu"], None), (["--devices", "65"], None),  # another platform: its count
+    (["--backend", "rocal", "--normalize", "dali_cpu"], "--normalize dali_cpu: --backend rocal computes rocal"),
+    (["--backend", "rocal", "--normalize", "rocal"], None), (["--backend", "dali", "--normalize", "dali_gpu"], None),
+]
+
+
+def test_parse_args_without_argv_reads_the_command_line_after_the_programs_name(monkeypatch):
+    import refimpl
+    monkeypatch.setattr(sys, "argv", ["refimpl.py", "--seed", "7", "--strategies", "single"])
+    args = refimpl.parse_args()
+    assert (args.seed, args.strategies) == (7, ("single",))
+
+@pytest.mark.parametrize("argv, want", [
+    ([], ("sharded", "pmap")), (["--auto-distributed"], ("sharded", "shard_map")),
+    (["--local-processes", "2"], ("sharded", "shard_map")),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1"], ("sharded", "shard_map")),
+    (["--strategies", "all"], ("sharded", "pmap", "shard_map", "single"))])
+def test_the_default_strategies_follow_the_process_count(argv, want):
+    """--strategies' default: the notebooks' pair (sharded, pmap) in one process; with any
+    multi-process option (--coordinator, --auto-distributed, --local-processes) the pair
+    that runs across processes, sharded and shard_map. 'all': every strategy, in order."""
+    import refimpl
+    assert refimpl.parse_args(argv).strategies == want
+
+
+def test_adam_without_optax_is_refused_and_sgd_needs_nothing(capsys, monkeypatch):
+    """--optimizer adam needs optax (one line naming the option and the install); sgd, the
+    default, runs without it. optax's absence is importlib's answer, made to say no."""
+    import importlib.util
+    import refimpl
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optax" else real(name, *a))
+    assert "--optimizer adam: needs optax" in refused_line(["--optimizer", "adam"], capsys)
+    assert refimpl.parse_args(["--optimizer", "sgd"]).optimizer == "sgd"
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    assert refimpl.parse_args(["--optimizer", "adam"]).optimizer == "adam"
+
+
+@pytest.mark.parametrize("case", [n for n in REFUSED if n not in REFUSED_BY_THE_RUN])
+def test_the_options_alone_refuse_in_process_what_a_run_is_refused(case, capsys):
+    line = refused_line([a.format(data=HERE, tmp="/nonexistent") for a in REFUSED[case][0]], capsys)
+    for fragment in REFUSED[case][1]:
+        assert fragment in line, (fragment, line)
+
+
+def test_what_only_the_run_can_refuse_passes_the_option_checks(tmp_path):
+    import refimpl
+    for case in REFUSED_BY_THE_RUN:
+        refimpl.parse_args([a.format(data=tmp_path, tmp=tmp_path) for a in REFUSED[case][0]])
+
+
+@pytest.mark.parametrize("argv, said", OPTION_EDGES, ids=[" ".join(a) for a, _ in OPTION_EDGES])
+def test_each_option_check_holds_at_its_edges(argv, said, capsys):
+    import refimpl
+    if said is None:
+        refimpl.parse_args(argv)
+    else:
+        assert said in refused_line(argv, capsys)
+
+
+def test_a_checkpoint_folder_is_refused_by_what_is_there_and_its_writable_parent(tmp_path, capsys, monkeypatch):
+    """--checkpoint-dir DIR: an existing folder is used as it is (only it must be writable),
+    a missing one needs a writable parent folder, a file there is refused. Root may write
+    anywhere, so "not writable" is os.access answering no (for the one path named)."""
+    import refimpl
+    (tmp_path / "a-file").write_bytes(b"")
+    (tmp_path / "there").mkdir()
+    flags = ["--stop-after-step", "2", "--checkpoint-dir"]
+    assert "is a file, not a folder" in refused_line(flags + [str(tmp_path / "a-file")], capsys)
+    assert f"{tmp_path / 'no'} is not a writable folder" in refused_line(flags + [str(tmp_path / "no" / "ckpt")],
+                                                                         capsys)
+    for fine in (tmp_path / "there", tmp_path / "new"):
+        assert refimpl.parse_args(flags + [str(fine)]).checkpoint_dir == str(fine)
+    real = os.access
+    for denied, argv, said in ((tmp_path, flags + [str(tmp_path / "there")], None),  # its parent: not asked
+                               (tmp_path, flags + [str(tmp_path / "new")], f"{tmp_path} is not a writable folder"),
+                               (tmp_path / "there", flags + [str(tmp_path / "there")], "is not a writable folder")):
+        monkeypatch.setattr(os, "access", lambda path, mode, denied=denied: str(path) != str(denied)
+                            and real(path, mode))
+        if said is None:
+            refimpl.parse_args(argv)
+        else:
+            assert said in refused_line(argv, capsys)
+        monkeypatch.setattr(os, "access", real)
+
+
+def test_an_output_the_system_will_not_let_us_write_is_named_so(tmp_path, monkeypatch):
+    """unwritable: an existing file os.access refuses "is not writable", a new file in a
+    folder it refuses names the folder; the same paths pass when it allows them."""
+    import refimpl
+    (tmp_path / "old").write_bytes(b"")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert refimpl.unwritable(str(tmp_path / "old")) == "is not writable"
+    assert refimpl.unwritable(str(tmp_path / "new")) == f"its folder {tmp_path} is not writable"
+    monkeypatch.setattr(os, "access", real)
+    assert refimpl.unwritable(str(tmp_path / "old")) is None is refimpl.unwritable(str(tmp_path / "new"))
+
+
+@pytest.mark.parametrize("argv, known", [
+    ([], None), (["--devices", "3"], 3), (["--local-processes", "2"], 8), (["--local-processes", "2", "--devices", "4"], 4),
+    (["--devices", "2", "--platform", "cpu", "--process-id", "0"] + TRIPLE, 4),  # 2 processes x 2 CPU devices
+    (["--devices", "2", "--process-id", "0"] + TRIPLE, None),  # a GPU host: JAX's count
+    (["--devices", "2", "--auto-distributed"], None), (["--devices", "2", "--auto-distributed", "--platform", "cpu"], None),
+    (["--auto-distributed", "--platform", "cpu"], None)])
+def test_the_device_count_the_options_alone_say(argv, known):
+    """known_device_count: --local-processes' total (--devices, default 8), --devices in one
+    process, --devices x --num-processes on CPU devices; None where JAX's count decides
+    (another platform, an auto-detected cluster, no --devices)."""
+    import refimpl
+    assert refimpl.known_device_count(refimpl.parse_args(argv)) == known
+
+
+def test_needs_growth_asks_each_pair_with_the_first_and_compares_past_count_times_steps():
+    """needs_growth: for each strategy after the first, bound(first, other, platform,
+    num_devices); True when a count above 0 leaves a leaf more than count x steps ulps
+    from the first's; exactly count x steps, a count of 0 (no bound) or identical: False."""
+    import refimpl
+    calls = []
+
+    def bound(a, b, platform, n):
+        calls.append((a, b, platform, n))
+        return counts[b]
+    for final, counts, steps, want in (
+            ({"a": params_apart(0), "b": params_apart(9), "c": params_apart(0)}, {"b": 2, "c": 2}, 4, True),
+            ({"a": params_apart(0), "b": params_apart(8), "c": params_apart(0)}, {"b": 2, "c": 2}, 4, False),
+            ({"a": params_apart(0), "b": params_apart(3), "c": params_apart(0)}, {"b": 2, "c": 2}, 4, False),
+            ({"a": params_apart(0), "b": params_apart(90)}, {"b": 0}, 4, False),
+            ({"a": params_apart(5), "b": params_apart(5), "c": params_apart(0)}, {"b": 1, "c": 1}, 1, True)):
+        calls.clear()
+        assert refimpl.needs_growth(final, steps, bound, "cpu", 8) is want, (final, counts, steps)
+        assert calls == [("a", other, "cpu", 8) for other in list(final)[1:]][:len(calls)] and calls, calls
+
+
+def test_report_differences_names_the_default_bound_and_each_pairs_own_difference(capsys):
+    """Each pair's line gives max |difference| between the first strategy and that one,
+    the bound asked as bound(first, other, platform, num_devices) and, by default, named
+    equivalence.ulp_bound; across a checkpoint a pair exactly count x steps apart is still
+    within, and one past it is outside the domain with its own ulps."""
+    import refimpl
+    calls = []
+
+    def bound(a, b, platform, n):
+        calls.append((a, b, platform, n))
+        return 1
+    final = {"a": params_apart(0), "b": params_apart(40), "c": params_apart(2)}
+    outside = refimpl.report_differences(final, 2, "cpu", 8, bound, growth=flat_growth(2))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert calls == [("a", "b", "cpu", 8), ("a", "c", "cpu", 8)], calls
+    assert [line.split(":")[0] for line in lines[:2]] == ["final params, a vs c", "final params, a vs b"], lines
+    assert f"max |difference| {2 * 2.0**-22:.3g}:" in lines[0] and f"max |difference| {40 * 2.0**-22:.3g}:" in lines[1]
+    assert "(equivalence.ulp_bound)" in lines[1] and outside == [lines[1]], lines
+    final = {"a": params_apart(0), "b": params_apart(2), "c": params_apart(7)}
+    outside = refimpl.report_differences(final, 2, "cpu", 8, bound, growth=None, no_growth="a reason")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert not outside and lines[0].startswith("final params, a vs b:") and "within" in lines[0], lines
+    assert lines[1].startswith("final params, a vs c:") and "7.0 ulps after 2 steps" in lines[1], lines
+
+
+
+def test_connect_asks_jax_for_the_documented_bounded_waits(monkeypatch, capsys):
+    """connect hands jax.distributed.initialize the run's coordinator, process count and id,
+    --peer-timeout both as the start's wait and as the heartbeat's (a peer that stops
+    answering), and binds a loopback coordinator to that address only (another address:
+    None, JAX's default). JAX's initialize stands in (recording what it is given); that JAX
+    then ends a process after those waits is JAX's (test_multiprocess.py runs the start's)."""
+    import jax
+    import processes
+    import refimpl
+    given = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: given.append(kw))
+    monkeypatch.delenv(processes.LOCAL_CHILD, raising=False)
+    for coordinator, bind in (("127.0.0.1:7", "127.0.0.1:7"), ("localhost:7", "localhost:7"),
+                              ("10.1.2.3:7", None)):
+        given.clear()
+        refimpl.connect(refimpl.parse_args(["--coordinator", coordinator, "--num-processes", "3", "--process-id",
+                                            "2", "--peer-timeout", "17", "--strategies", "sharded"]))
+        assert given == [dict(coordinator_address=coordinator, num_processes=3, process_id=2,
+                              initialization_timeout=17, heartbeat_timeout_seconds=17,
+                              coordinator_bind_address=bind)], given
+        assert "process 2 of 3: joining coordinator " + coordinator in capsys.readouterr().err
+
 @pytest.mark.slow
 def test_full_size_epoch_with_prefetch_does_not_deadlock(tmp_path):
     # Regression: with unbounded async dispatch, 49 steps of per-device batch 128
@@ -366,6 +576,47 @@ def test_a_training_across_a_checkpoint_measures_no_growth_and_says_so(capsys):
     with pytest.raises(ValueError, match="need the measured growth"):
         refimpl.report_differences(final, 2, "cpu", 8, lambda a, b, platform, n: 2, "test counts", None)
 
+
+
+def test_a_pair_past_count_times_steps_in_process_is_judged_with_the_measured_growth(tiny_dir, capsys, monkeypatch):
+    """main in process, at lr 5 (where a difference grows): sharded and single end further
+    apart than the count x steps (a count of 1 a step, --max-ulps-per-step: 11.8 ulps past
+    4 on CPU), so the run measures the growth (twin_growth, from the run's own start,
+    optimizer and epochs) and the verdict uses it; the run ends 0 with the growth said.
+    At its end the run closes each training loader it made that has a ``close`` (rocAL's
+    and DALI's do; the reference loaders, which have none, are wrapped here in one that
+    counts its closes), once. About 3 s: a narrow MLP, 4 steps (the full-size chaotic
+    run: --run-slow)."""
+    import loaders
+    import refimpl
+    made, real = [], loaders.make_loader
+
+    class Closing:
+        def __init__(self, loader, layout):
+            self.loader, self.layout, self.closes = loader, layout, 0
+
+        def __getattr__(self, name):
+            return getattr(self.loader, name)
+
+        def __len__(self):
+            return len(self.loader)
+
+        def close(self):
+            self.closes += 1
+
+    def make(data, mesh, batch_size, **options):
+        made.append(Closing(real(data, mesh, batch_size, **options), options.get("layout")))
+        return made[-1]
+    monkeypatch.setattr(loaders, "make_loader", make)
+    assert refimpl.main(["--data-dir", str(tiny_dir), "--epochs", "1", "--batch-size", "32", "--devices", "2",
+                         "--strategies", "sharded,single", "--lr", "5", "--hidden", "8",
+                         "--eval-batch-size", "64", "--max-ulps-per-step", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert lines[-2].startswith("measuring how a difference grows over this training"), lines[-3:]
+    assert lines[-1].startswith("final params, sharded vs single:") and "after 4 steps" in lines[-1], lines[-1]
+    assert "times the measured growth of a difference" in lines[-1] and "FAILED" not in lines[-1], lines[-1]
+    training = [m for m in made if m.layout is not None]
+    assert training and all(m.closes == 1 for m in training), [(m.layout, m.closes) for m in made]
 
 @pytest.mark.slow
 def test_a_chaotic_run_is_outside_the_domain_not_outside_the_bound(tiny_dir):
