@@ -308,17 +308,20 @@ def _exclude_messages() -> None:
 # choices, a type, an action) are code and stay mutated.
 HELP_CALLS = {"ArgumentParser", "add_argument", "add_argument_group", "add_mutually_exclusive_group",
               "add_parser"}
-HELP_KEYWORDS = {"help", "metavar", "description", "epilog"}
+HELP_KEYWORDS = {"help", "metavar", "description", "epilog", "title"}
+# The same words handed by position: add_argument_group(title, description).
+HELP_POSITIONS = {"add_argument_group": ("title", "description")}
 
 
 def _exclude_wording_arguments(help_texts: bool = True) -> None:
     """Makes mutmut leave out the mutants that only change what a call hands to a
     ``wording_parameters`` parameter of a function of the same module: the argument's own
     mutants (``"epoch"`` made ``"XXepochXX"``), the call's with that argument made None, and
-    the call's without it where the parameter has a default and no positional argument
-    follows. Any other mutant of the call (another argument None or gone) stays. With
+    the call's without it where the parameter has a default and each positional argument
+    after it is wording too. Any other mutant of the call (another argument None or gone) stays. With
     ``help_texts``, the same for a HELP_KEYWORDS argument of a call to a method (or
-    ``argparse.``) named in HELP_CALLS: its words, made None, or left out."""
+    ``argparse.``) named in HELP_CALLS, or one in a HELP_POSITIONS place: its words, made
+    None, or left out."""
     import libcst as cst
     from mutmut.mutation import file_mutation
     visitor = file_mutation.MutationVisitor
@@ -363,8 +366,10 @@ def _exclude_wording_arguments(help_texts: bool = True) -> None:
                 keyword = A[i].keyword
                 param = keyword.value if keyword is not None else next(
                     p for p, (j, _) in words.items() if j == sum(a.keyword is None for a in A[:i]))
-                later_positional = any(a.keyword is None for a in A[i + 1:])
-                return words[param][1] and (keyword is not None or not later_positional)
+                # A positional argument left out moves the ones after it: wording only if
+                # each of those lands on wording too.
+                later_code = any(a.keyword is None and not at[j] for j, a in enumerate(A) if j > i)
+                return words[param][1] and (keyword is not None or not later_code)
         return False
 
     def words_of(node):
@@ -372,7 +377,9 @@ def _exclude_wording_arguments(help_texts: bool = True) -> None:
             return current.get(node.func.value)
         if (help_texts and isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute)
                 and node.func.attr.value in HELP_CALLS):
-            return {keyword: (None, True) for keyword in HELP_KEYWORDS}
+            words = {keyword: (None, True) for keyword in HELP_KEYWORDS}
+            words.update({k: (i, True) for i, k in enumerate(HELP_POSITIONS.get(node.func.attr.value, ()))})
+            return words
         return None
 
     def on_visit(self, node):

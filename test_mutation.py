@@ -142,14 +142,16 @@ PARSER = textwrap.dedent('''
         parser = argparse.ArgumentParser(description="what it does")
         parser.add_argument("--epochs", type=int, default=5, metavar="N", help="epochs (default: %(default)s)")
         parser.add_argument("--last", choices=("fill", "drop"), default="fill", help="fill " "or drop")
+        group = parser.add_argument_group("the title", "the words")
+        group.add_argument("--seed", default=3)
         return parser
 ''')
 
 
 def test_a_help_text_is_left_out_and_a_default_a_choice_or_a_type_is_not(monkeypatch):
     """On mutmut's own generator (the one a run uses): with the exclusions, no mutant of
-    PARSER touches a help, metavar or description argument (its words, made None, or left
-    out); every mutant of a default, a choice, a type or an option's name is still made
+    PARSER touches a help, metavar or description argument, or an argument group's title
+    and description given by position (its words, made None, or left out); every mutant of a default, a choice, a type or an option's name is still made
     (the control), and without the exclusions the help texts' mutants are made too."""
     mutmut = pytest.importorskip("mutmut", reason="requirements-mutation.txt")
     import libcst as cst
@@ -171,7 +173,8 @@ def test_a_help_text_is_left_out_and_a_default_a_choice_or_a_type_is_not(monkeyp
     mutation._exclude_wording_arguments()
     kept = mutants()
     wording = ('"XXepochs', 'help=None', 'metavar=None', '"XXNXX"', 'description=None', '"XXwhat', '"XXor drop',
-               '"WHAT IT DOES"', '"OR DROP"', '"n"')
+               '"WHAT IT DOES"', '"OR DROP"', '"n"', '"XXthe titleXX"', '"THE WORDS"', 'add_argument_group(None',
+               'add_argument_group("the words")', 'add_argument_group("the title", )')
     assert all(any(w in m for m in every) for w in wording), mutmut.__version__
     assert not any(w in m for m in kept for w in wording)
     # a help or metavar left out: the call with every other argument as it was
@@ -181,8 +184,11 @@ def test_a_help_text_is_left_out_and_a_default_a_choice_or_a_type_is_not(monkeyp
     assert all(any(c == m or c in m for m in kept) for c in code), sorted(kept)
     assert any("type=" not in m and "default=5" in m for m in kept)  # type=int left out: code
     # description: None, XX, upper case (3); --epochs: metavar and help each None, left out,
-    # XX, changed case (8); --last: help None, left out, and both its strings XX and upper (6)
-    assert len(every) - len(kept) == 17
+    # XX, changed case (8); --last: help None, left out, and both its strings XX and upper (6);
+    # the group's title and description by position: each XX and upper (4), each None (2),
+    # each left out (2: the title's moves the description into its place, wording too)
+    assert len(every) - len(kept) == 25
+    assert any("--seed" in m for m in kept) and any("default=None" in m and "--seed" in m for m in kept)
 
 
 def test_a_function_no_test_reaches_in_process_takes_the_tests_that_reach_it_in_a_child():
