@@ -450,6 +450,26 @@ def test_connect_asks_jax_for_the_documented_bounded_waits(monkeypatch, capsys):
                               initialization_timeout=17, heartbeat_timeout_seconds=17,
                               coordinator_bind_address=bind)], given
         assert "process 2 of 3: joining coordinator " + coordinator in capsys.readouterr().err
+    # JAX's failure to join: one ConnectionError naming the process, the coordinator, the wait
+    # and the first line of JAX's words; with --auto-distributed and no cluster, what to give.
+    def refuse(words):
+        def initialize(**kw):
+            raise RuntimeError(words)
+        return initialize
+    monkeypatch.setattr(jax.distributed, "initialize", refuse("DEADLINE_EXCEEDED: barrier\nmore detail"))
+    args = refimpl.parse_args(["--coordinator", "10.1.2.3:7", "--num-processes", "2", "--process-id", "1",
+                               "--peer-timeout", "9", "--strategies", "sharded"])
+    with pytest.raises(ConnectionError) as info:
+        refimpl.connect(args)
+    assert str(info.value) == ("process 1 of 2: could not join the other processes at coordinator 10.1.2.3:7 "
+                               "within 9 s: DEADLINE_EXCEEDED: barrier"), str(info.value)
+    monkeypatch.setattr(jax.distributed, "initialize", refuse("coordinator_address should be defined."))
+    with pytest.raises(ConnectionError, match="--auto-distributed: no cluster was detected"):
+        refimpl.connect(refimpl.parse_args(["--auto-distributed"]))
+    assert "this process: joining coordinator (auto-detected)" in capsys.readouterr().err
+    monkeypatch.setattr(jax.distributed, "initialize", refuse(""))
+    with pytest.raises(ConnectionError, match="within 60 s: RuntimeError$"):
+        refimpl.connect(refimpl.parse_args(["--auto-distributed"]))
 
 @pytest.mark.slow
 def test_full_size_epoch_with_prefetch_does_not_deadlock(tmp_path):
