@@ -28,6 +28,7 @@ The runs are independent processes started together (the fixtures ``runs`` and
 ``refused``, from the tables RUNS and REFUSED): each test checks its own run's output.
 """
 
+import io
 import json
 import os
 import sys
@@ -442,7 +443,7 @@ def test_connect_asks_jax_for_the_documented_bounded_waits(monkeypatch, capsys):
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: given.append(kw))
     monkeypatch.delenv(processes.LOCAL_CHILD, raising=False)
     for coordinator, bind in (("127.0.0.1:7", "127.0.0.1:7"), ("localhost:7", "localhost:7"),
-                              ("10.1.2.3:7", None)):
+                              ("[::1]:7", "[::1]:7"), ("10.1.2.3:7", None), ("[2001:db8::1]:7", None)):
         given.clear()
         refimpl.connect(refimpl.parse_args(["--coordinator", coordinator, "--num-processes", "3", "--process-id",
                                             "2", "--peer-timeout", "17", "--strategies", "sharded"]))
@@ -470,6 +471,73 @@ def test_connect_asks_jax_for_the_documented_bounded_waits(monkeypatch, capsys):
     monkeypatch.setattr(jax.distributed, "initialize", refuse(""))
     with pytest.raises(ConnectionError, match="within 60 s: RuntimeError$"):
         refimpl.connect(refimpl.parse_args(["--auto-distributed"]))
+
+def test_connect_in_a_local_process_hides_native_stdout_before_joining(monkeypatch):
+    """A process that --local-processes started (processes.LOCAL_CHILD is "1" in its
+    environment) sends native writes to file descriptor 1 away (processes.hide_native_stdout)
+    before it joins, so that JAX's C++ chatter does not land inside its Python lines; any
+    other process (the variable unset, or another value) keeps its stdout as it is."""
+    import jax
+    import processes
+    import refimpl
+    hidden, joined = [], []
+    monkeypatch.setattr(processes, "hide_native_stdout", lambda: hidden.append(len(joined)))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
+    args = refimpl.parse_args(["--coordinator", "127.0.0.1:7", "--num-processes", "2", "--process-id", "0",
+                               "--strategies", "sharded"])
+    for value, hides in (("1", True), ("0", False), ("", False), (None, False)):
+        hidden.clear(), joined.clear()
+        if value is None:
+            monkeypatch.delenv(processes.LOCAL_CHILD, raising=False)
+        else:
+            monkeypatch.setenv(processes.LOCAL_CHILD, value)
+        refimpl.connect(args)
+        assert hidden == ([0] if hides else []) and len(joined) == 1, (value, hidden, joined)
+
+
+class Unflushed(io.RawIOBase):
+    """A raw stream behind a block-buffered text stream (as stdout is into a pipe or a
+    file): ``data`` holds only what was flushed."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        self.data += b
+        return len(b)
+
+    def text(self) -> io.TextIOWrapper:
+        return io.TextIOWrapper(io.BufferedWriter(self, buffer_size=1 << 16), encoding="utf-8")
+
+
+def test_lines_a_process_may_die_after_are_out_before_it_can(monkeypatch):
+    """JAX's runtime ends a process itself (SIGABRT: no Python exit, so nothing buffered is
+    written) when a peer is missing or gone. So the lines a user needs from such a run are
+    flushed when printed, however the stream buffers: connect's line naming the process and
+    the wait (stderr) before joining, and report_differences' verdicts with their FAILED
+    line (stdout) before it returns. The control: an ordinary print stays in the buffer."""
+    import jax
+    import refimpl
+    err, out = Unflushed(), Unflushed()
+    monkeypatch.setattr(sys, "stderr", err.text())
+    monkeypatch.setattr(sys, "stdout", out.text())
+    print("control line")
+    assert b"control line" not in out.data  # the stream does buffer
+    monkeypatch.setattr(jax.distributed, "initialize",
+                        lambda **kw: pytest.fail(f"not out before joining: {bytes(err.data)!r}")
+                        if b"joining coordinator 127.0.0.1:7" not in err.data else None)
+    refimpl.connect(refimpl.parse_args(["--coordinator", "127.0.0.1:7", "--num-processes", "2",
+                                        "--process-id", "1", "--strategies", "sharded"]))
+    final = {"a": params_apart(0), "far": params_apart(10)}
+    outside = refimpl.report_differences(final, 4, "cpu", 8, lambda a, b, platform, n: 1, "test counts",
+                                         flat_growth(4))
+    written = out.data.decode()
+    assert len(outside) == 1 and outside[0] in written and "control line" in written, written
+    assert written.rstrip().splitlines()[-1].startswith("refimpl.py: FAILED: 1 pair(s)"), written
+
 
 @pytest.mark.slow
 def test_full_size_epoch_with_prefetch_does_not_deadlock(tmp_path):
