@@ -32,6 +32,7 @@ import io
 import json
 import os
 import sys
+import time
 import types
 
 import numpy as np
@@ -537,6 +538,219 @@ def test_lines_a_process_may_die_after_are_out_before_it_can(monkeypatch):
     written = out.data.decode()
     assert len(outside) == 1 and outside[0] in written and "control line" in written, written
     assert written.rstrip().splitlines()[-1].startswith("refimpl.py: FAILED: 1 pair(s)"), written
+
+
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def stand_ins(monkeypatch, devices=1, steps=4):
+    """A Job whose loaders hand out ``steps`` placeholder batches an epoch (100 real samples),
+    with the strategy's training and the model's accuracy standing in: what train_strategy
+    and judged do around the training, alone. The stand-in training takes every batch it is
+    given, and returns one loss per batch and the optimizer state it was handed."""
+    import model
+    import strategies
+
+    class Loader:
+        def epoch(self, epoch):
+            return iter([("batch", epoch, i) for i in range(steps)])
+
+        def real_samples(self, epoch):
+            return 100
+
+    def train(params, batches, mesh, *, loss_terms, optimizer, opt_state, **options):
+        taken = list(batches)
+        return params, np.full(len(taken), 0.5), opt_state
+    monkeypatch.setitem(strategies.STRATEGIES, "sharded", train)
+    monkeypatch.setattr(model, "accuracy", lambda params, batches: 0.25)
+    said = []
+    job = types.SimpleNamespace(
+        steps=steps, devices=[types.SimpleNamespace(platform="cpu")] * devices, backend="reference",
+        mesh=None, say=said.append, loaders_by_layout={"sharded": Loader()}, test_loader=Loader())
+    args = types.SimpleNamespace(epochs=2, dataset="mnist", reduction="plain", logical_shards=None,
+                                 params_out=None, compare_to=None, optimizer="sgd", max_ulps_per_step=None)
+    return job, args, said
+
+
+def test_train_strategy_says_each_epoch_and_writes_its_row(monkeypatch):
+    """train_strategy without a checkpoint: the strategy's "--- name ---" line first, then
+    an epoch line a epoch (the first marked as including compilation) and its metrics row:
+    steps first_step..last_step of the epoch, its seconds (within the call's own time) and
+    its real samples over them; on a terminal, process 0 alone shows a live "name epoch e:
+    done/total steps" counter (another process: none), on one device too."""
+    import jax
+    import refimpl
+    import strategies
+    job, args, said = stand_ins(monkeypatch)
+    for process, counter in ((0, True), (1, False)):
+        said.clear()
+        tty, metrics = Tty(), io.StringIO()
+        monkeypatch.setattr(sys, "stdout", tty)
+        monkeypatch.setattr(jax, "process_index", lambda: process)
+        began = time.perf_counter()
+        params, state = refimpl.train_strategy(args, job, "sharded", params_apart(0), strategies.sgd(0.1), None,
+                                               metrics)
+        took = time.perf_counter() - began
+        lines = list(said)
+        monkeypatch.undo()
+        job, args, said = stand_ins(monkeypatch)
+        assert lines[0] == "--- sharded ---" and len(lines) == 3, lines
+        assert "(includes compilation)" in lines[1] and "(includes compilation)" not in lines[2], lines
+        rows = [json.loads(line) for line in metrics.getvalue().splitlines()]
+        assert [(r["epoch"], r["first_step"], r["last_step"], r["steps"]) for r in rows] == [(0, 0, 3, 4), (1, 0, 3, 4)]
+        for row in rows:
+            assert 0 < row["seconds"] <= took and row["images_per_second"] == 100 / row["seconds"], row
+            assert (row["platform"], row["devices"], row["strategy"]) == ("cpu", 1, "sharded"), row
+        shown = tty.getvalue()
+        assert (("\r  sharded epoch 0: 1/4 steps" in shown and "\r  sharded epoch 1: 4/4 steps" in shown)
+                if counter else shown == ""), (process, shown)
+
+
+class Resumed:
+    """An Elastic stand-in: a run resumed at run step 5 = epoch 1, step 5 of 8, through epoch 2."""
+    first_epoch, spans, steps_trained = 1, {1: (5, 8), 2: (0, 8)}, 11
+
+    def __init__(self, state=None, failures=(), epochs=None):
+        self.state, self.failures, self.checkpoints = state, list(failures), 0
+        self.range = range(1, 3) if epochs is None else epochs
+
+    def epochs(self):
+        return self.range
+
+    def start(self, name, params0, optimizer):
+        return params0, self.state
+
+    def batches(self, name, loader, epoch):
+        lo, hi = self.spans[epoch]
+        return iter([("batch", epoch, i) for i in range(lo, hi)]), hi - lo
+
+    def epoch_done(self, name, epoch, params, opt_state, losses, real):
+        return real, losses, f"  (note {epoch})", [f"verdict of epoch {epoch}"]
+
+    def bound_over_runs(self, bound, num_devices):
+        return lambda a, b, platform, n: bound(a, b, platform, n)
+
+    def checkpoint(self):
+        self.checkpoints += 1
+
+    def failed(self):
+        return list(self.failures)
+
+
+def test_train_strategy_of_a_resumed_run_numbers_from_the_checkpoint(monkeypatch):
+    """Resumed at epoch 1, step 5: the row of epoch 1 covers steps 5-7 and the next epoch's
+    0-7; the resumed epoch is the one marked as including compilation; each epoch line
+    carries the checkpoint's note, and its verdict lines follow it. A resume at the run's
+    very end (no epoch left to train) returns the optimizer's fresh state on the host for
+    the checkpoint's params: each leaf as optimizer.init makes it, a NumPy array, for sgd
+    and for Adam."""
+    import optax
+    import refimpl
+    import strategies
+    job, args, said = stand_ins(monkeypatch, devices=2, steps=8)
+    args.epochs = 3
+    metrics = io.StringIO()
+    refimpl.train_strategy(args, job, "sharded", params_apart(0), strategies.sgd(0.1), Resumed(), metrics)
+    rows = [json.loads(line) for line in metrics.getvalue().splitlines()]
+    assert [(r["epoch"], r["first_step"], r["last_step"], r["steps"]) for r in rows] == [(1, 5, 7, 3), (2, 0, 7, 8)]
+    assert said[0] == "--- sharded ---" and said[2] == "verdict of epoch 1" and said[4] == "verdict of epoch 2", said
+    assert said[1].endswith("(includes compilation)  (note 1)") and said[3].endswith("images/s  (note 2)"), said
+    for optimizer in (strategies.sgd(0.1), optax.adam(0.1)):
+        params = params_apart(3)
+        got, state = refimpl.train_strategy(args, job, "sharded", params, optimizer, Resumed(epochs=range(3, 3)),
+                                            None)
+        fresh = optimizer.init(params)
+        assert got is params and jax_tree_structure(state) == jax_tree_structure(fresh), state
+        for leaf, want in zip(jax_leaves(state), jax_leaves(fresh)):
+            assert type(leaf) is np.ndarray and leaf.dtype == np.asarray(want).dtype, (leaf, want)
+            np.testing.assert_array_equal(leaf, np.asarray(want))
+
+
+def jax_tree_structure(tree):
+    import jax
+    return jax.tree.structure(tree)
+
+
+def jax_leaves(tree):
+    import jax
+    return jax.tree.leaves(tree)
+
+
+def test_judged_asks_the_bound_of_the_runs_devices_and_its_steps(monkeypatch, capsys):
+    """judged, plain reduction, process 0: each pair's bound is asked as (first, other, the
+    first device's platform, the device count), over the run's steps (epochs x steps, or
+    the steps trained across a checkpoint: Elastic.steps_trained); a pair past count x
+    steps needs the measured growth (none given: equivalence.verdict's ValueError) unless
+    the training spans a checkpoint, where it is outside the domain for that reason.
+    Nothing failed: [] (a list), the checkpoint written once when there is an Elastic."""
+    import refimpl
+    job, args, said = stand_ins(monkeypatch, devices=1, steps=4)
+    asked = []
+
+    def bound(a, b, platform, n):
+        asked.append((a, b, platform, n))
+        return 1
+    near = {"a": params_apart(0), "b": params_apart(8)}  # 8 ulps: within 1 x 4 x 2 epochs
+    assert refimpl.judged(args, job, near, {}, bound, "test counts", None, None) == []
+    assert asked == [("a", "b", "cpu", 1)], asked
+    assert "within the documented bound of 8 ulps" in capsys.readouterr().out
+    far = {"a": params_apart(0), "b": params_apart(9)}
+    with pytest.raises(ValueError):
+        refimpl.judged(args, job, far, {}, bound, "test counts", None, None)
+    capsys.readouterr()
+    resumed, past = Resumed(), {"a": params_apart(0), "b": params_apart(12)}  # past 1 x 11 steps
+    assert refimpl.judged(args, job, past, {}, bound, "test counts", None, resumed) == []
+    out = capsys.readouterr().out
+    assert "outside the domain where a bound is derived" in out and refimpl.NO_GROWTH_ACROSS_RUNS in out, out
+    assert "after 11 steps" in out and resumed.checkpoints == 1, out
+    eleven = {"a": params_apart(0), "b": params_apart(11)}  # 11 steps x 1: within across the checkpoint
+    assert refimpl.judged(args, job, eleven, {}, bound, "test counts", None, Resumed()) == []
+    assert "within the documented bound of 11 ulps" in capsys.readouterr().out
+
+
+def test_judged_returns_exactly_once_failures_on_every_process(monkeypatch, capsys):
+    """The exactly-once promise's failures (Elastic.failed) are returned after the pairs'
+    and said in one FAILED line naming how many epochs, on every process; a process other
+    than 0 prints no verdict and returns [] when nothing failed, or the failures."""
+    import jax
+    import refimpl
+    job, args, said = stand_ins(monkeypatch, devices=2)
+    same = {"a": params_apart(0), "b": params_apart(0)}
+    failures = ["epoch 1: sample 7 delivered twice", "epoch 2: sample 9 never delivered"]
+    for process in (0, 1):
+        monkeypatch.setattr(jax, "process_index", lambda: process)
+        said.clear()
+        got = refimpl.judged(args, job, same, {}, lambda *a: 1, "test counts", None, Resumed(failures=failures))
+        assert got == failures, got
+        assert said == [f"refimpl.py: FAILED: 2 epoch(s) did not deliver every sample as the plan promises "
+                        f"(above); exit status {refimpl.OUTSIDE_BOUND}"], said
+        out = capsys.readouterr().out
+        assert ("identical" in out) == (process == 0), out
+        assert refimpl.judged(args, job, same, {}, lambda *a: 1, "test counts", None, None) == []
+        assert refimpl.judged(args, job, same, {}, lambda *a: 1, "test counts", None, Resumed()) == []
+        capsys.readouterr()
+
+
+def test_a_canonical_run_measures_no_growth_and_its_failed_line_is_flushed(monkeypatch):
+    """--reduction canonical is judged bit for bit: growth_if_needed gives no bound and
+    measures no growth however far apart a pair is (twin_growth is never called); judged
+    prints a pair that is not bit-identical, then its FAILED line, flushed at once (JAX may
+    end the process before Python's exit), and returns that pair's line."""
+    import equivalence
+    import refimpl
+    job, args, said = stand_ins(monkeypatch, devices=2)
+    args.reduction, args.logical_shards = "canonical", 2
+    far = {"a": params_apart(0), "b": params_apart(900)}
+    monkeypatch.setattr(equivalence, "twin_growth", lambda *a, **k: pytest.fail("twin_growth ran"))
+    assert refimpl.growth_if_needed(args, job, far, params_apart(0), None, None) == (None, None, None)
+    out = Unflushed()
+    monkeypatch.setattr(sys, "stdout", out.text())
+    got = refimpl.judged(args, job, far, {"a": (), "b": ()}, None, None, None, None)
+    written = out.data.decode().splitlines()
+    assert len(got) == 1 and "NOT bit-identical" in got[0] and written[0] == got[0], written
+    assert written[-1].startswith("refimpl.py: FAILED: 1 comparison(s) did not end bit-identical"), written
 
 
 @pytest.mark.slow
