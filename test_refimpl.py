@@ -753,6 +753,43 @@ def test_a_canonical_run_measures_no_growth_and_its_failed_line_is_flushed(monke
     assert written[-1].startswith("refimpl.py: FAILED: 1 comparison(s) did not end bit-identical"), written
 
 
+def test_growth_if_needed_measures_over_the_runs_own_epochs_only_past_count_times_steps(monkeypatch):
+    """growth_if_needed, plain reduction: the bound is equivalence.ulp_bound, asked as
+    (first, other, the first device's platform, the device count), or --max-ulps-per-step's
+    count, named so; the growth is measured (equivalence.twin_growth, from the run's start
+    params, over every batch of the run's epochs in order, on its mesh, with the model's loss
+    and the run's optimizer) only when a pair ends past count x epochs x steps (exactly there:
+    not), and the run says so first; across a checkpoint never."""
+    import equivalence
+    import model
+    import refimpl
+    job, args, said = stand_ins(monkeypatch, devices=1, steps=4)
+    job.mesh = "the run's mesh"
+    asked, measured = [], []
+    monkeypatch.setattr(equivalence, "ulp_bound", lambda a, b, platform, n: asked.append((a, b, platform, n)) or 1)
+    monkeypatch.setattr(equivalence, "twin_growth",
+                        lambda params, batches, mesh, **kw: measured.append((params, list(batches), mesh, kw))
+                        or "the growth")
+    params0, optimizer = params_apart(1), object()
+    at_edge = {"a": params_apart(0), "b": params_apart(8)}  # 1 ulp a step x 4 steps x 2 epochs
+    bound, name, growth = refimpl.growth_if_needed(args, job, at_edge, params0, optimizer, None)
+    assert (name, growth, measured, said) == ("equivalence.ulp_bound", None, [], [])
+    assert asked == [("a", "b", "cpu", 1)] and bound("a", "b", "cpu", 1) == 1, asked
+    past = {"a": params_apart(0), "b": params_apart(9)}
+    assert refimpl.growth_if_needed(args, job, past, params0, optimizer, None)[2] == "the growth"
+    [(start, batches, mesh, options)] = measured
+    assert start is params0 and mesh is job.mesh, (start, mesh)
+    assert batches == [("batch", e, i) for e in range(2) for i in range(4)], batches
+    assert options == dict(loss_terms=model.loss_terms, optimizer=optimizer), options
+    assert said == ["measuring how a difference grows over this training (equivalence.twin_growth: "
+                    "a reference and two twins over the same epochs)"], said
+    measured.clear()
+    assert refimpl.growth_if_needed(args, job, past, params0, optimizer, Resumed())[2] is None and not measured
+    args.max_ulps_per_step = 3  # 3 x 8 = 24 ulps: no growth for 9
+    bound, name, growth = refimpl.growth_if_needed(args, job, past, params0, optimizer, None)
+    assert (name, growth, bound("a", "b", "gpu", 5), measured) == ("--max-ulps-per-step", None, 3, [])
+
+
 @pytest.mark.slow
 def test_full_size_epoch_with_prefetch_does_not_deadlock(tmp_path):
     # Regression: with unbounded async dispatch, 49 steps of per-device batch 128
