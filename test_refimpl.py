@@ -957,6 +957,24 @@ def test_a_pair_past_count_times_steps_in_process_is_judged_with_the_measured_gr
     training = [m for m in made if m.layout is not None]
     assert training and all(m.closes == 1 for m in training), [(m.layout, m.closes) for m in made]
 
+def test_a_resumed_pair_past_count_times_steps_is_outside_the_domain_unmeasured(tiny_dir, tmp_path, capsys):
+    """The same lr-5 run stopped after 2 steps on 2 devices and resumed on 4, in process:
+    its pair ends past the count x steps again, but the training spans a checkpoint, which
+    twin_growth cannot replay, so the run measures no growth (no "measuring" line) and says
+    why the pair is outside the domain where a bound is derived; it ends 0."""
+    import refimpl
+    common = ["--data-dir", str(tiny_dir), "--epochs", "1", "--batch-size", "32", "--strategies", "sharded,single",
+              "--lr", "5", "--hidden", "8", "--eval-batch-size", "64", "--max-ulps-per-step", "1"]
+    assert refimpl.main([*common, "--devices", "2", "--stop-after-step", "2", "--checkpoint-dir",
+                         str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    assert refimpl.main([*common, "--devices", "4", "--resume-from", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "measuring how a difference grows" not in out, out
+    [line] = [l for l in out.splitlines() if l.startswith("final params, sharded vs single:")]
+    assert "outside the domain where a bound is derived" in line and refimpl.NO_GROWTH_ACROSS_RUNS in line, line
+
+
 @pytest.mark.slow
 def test_a_chaotic_run_is_outside_the_domain_not_outside_the_bound(tiny_dir):
     # The issue's case through refimpl: at lr 5 the notebook MLP on this data is chaotic
