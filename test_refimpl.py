@@ -790,6 +790,33 @@ def test_growth_if_needed_measures_over_the_runs_own_epochs_only_past_count_time
     assert (name, growth, bound("a", "b", "gpu", 5), measured) == ("--max-ulps-per-step", None, 3, [])
 
 
+def test_params_arrays_writes_a_leaf_that_spans_processes_as_its_local_copy():
+    """params_arrays names strategy s's leaves '<s>/<i>' and its optimizer state's
+    '<s>/opt_state/<i>' (jax.tree.leaves order) and writes each as a NumPy array: a leaf
+    on this process's devices as its value; a jax.Array that is not fully addressable (a
+    replicated leaf of a run across processes, stood in for here) as its first local copy,
+    which is the whole value, also with one device per process, where it is the only one."""
+    import jax
+    import refimpl
+
+    class Spanning(jax.Array):  # what a process sees of a replicated array of several processes
+        is_fully_addressable = False
+
+        def __init__(self, copies):
+            self.copies = copies
+
+        def addressable_data(self, index):
+            return self.copies[index]
+    value = np.arange(3, dtype=np.float32)
+    final = {"a": [Spanning([value]), np.float32(2)], "b": [value]}
+    states = {"a": {"count": Spanning([np.int32(4), np.int32(4)])}, "b": {}}
+    arrays = refimpl.params_arrays(final, states)
+    assert sorted(arrays) == ["a/0", "a/1", "a/opt_state/0", "b/0"], sorted(arrays)
+    for name, want in (("a/0", value), ("a/1", np.float32(2)), ("a/opt_state/0", np.int32(4)), ("b/0", value)):
+        assert type(arrays[name]) is np.ndarray and arrays[name].dtype == want.dtype, (name, arrays[name])
+        np.testing.assert_array_equal(arrays[name], want)
+
+
 @pytest.mark.slow
 def test_full_size_epoch_with_prefetch_does_not_deadlock(tmp_path):
     # Regression: with unbounded async dispatch, 49 steps of per-device batch 128
