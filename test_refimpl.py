@@ -984,11 +984,13 @@ def test_a_pair_past_count_times_steps_in_process_is_judged_with_the_measured_gr
     training = [m for m in made if m.layout is not None]
     assert training and all(m.closes == 1 for m in training), [(m.layout, m.closes) for m in made]
 
-def test_a_resumed_pair_past_count_times_steps_is_outside_the_domain_unmeasured(tiny_dir, tmp_path, capsys):
+def test_a_resumed_pair_past_count_times_steps_is_outside_the_domain_unmeasured(tiny_dir, tmp_path, capsys,
+                                                                                monkeypatch):
     """The same lr-5 run stopped after 2 steps on 2 devices and resumed on 4, in process:
     its pair ends past the count x steps again, but the training spans a checkpoint, which
     twin_growth cannot replay, so the run measures no growth (no "measuring" line) and says
-    why the pair is outside the domain where a bound is derived; it ends 0."""
+    why the pair is outside the domain where a bound is derived; it ends 0. The same resume
+    with loaders that cannot resume on other shards is refused, naming the backend."""
     import refimpl
     common = ["--data-dir", str(tiny_dir), "--epochs", "1", "--batch-size", "32", "--strategies", "sharded,single",
               "--lr", "5", "--hidden", "8", "--eval-batch-size", "64", "--max-ulps-per-step", "1"]
@@ -1000,6 +1002,29 @@ def test_a_resumed_pair_past_count_times_steps_is_outside_the_domain_unmeasured(
     assert "measuring how a difference grows" not in out, out
     [line] = [l for l in out.splitlines() if l.startswith("final params, sharded vs single:")]
     assert "outside the domain where a bound is derived" in line and refimpl.NO_GROWTH_ACROSS_RUNS in line, line
+    # A backend whose loader cannot resume an epoch on other shards (its epoch() takes no
+    # loader state, as rocAL's and DALI's own orders) is refused by name, before training.
+    import loaders
+    real = loaders.make_loader
+
+    class Stateless:
+        def __init__(self, loader):
+            self.loader = loader
+
+        def __getattr__(self, name):
+            return getattr(self.loader, name)
+
+        def __len__(self):
+            return len(self.loader)
+
+        def epoch(self, epoch):
+            return self.loader.epoch(epoch)
+    monkeypatch.setattr(loaders, "make_loader", lambda *a, **k: Stateless(real(*a, **k)))
+    assert refimpl.main([*common, "--devices", "4", "--resume-from", str(tmp_path / "ck")]) == 2
+    captured = capsys.readouterr()
+    assert "--backend reference: its loader cannot yet resume an epoch on another shard count" in captured.err, \
+        captured.err
+    assert "--- sharded ---" not in captured.out, captured.out
 
 
 @pytest.mark.slow
