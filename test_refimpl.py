@@ -1394,8 +1394,8 @@ def test_local_processes_without_a_data_dir_are_handed_one_dataset_generated_fir
     standing in for the two processes: the synthetic data of --dataset and --seed is
     generated once into --cache-dir before any process starts (the data --data-dir would
     read: mnist's of seed 5, byte for byte), and each process is handed it as --data-dir,
-    its share of --devices, the process count, one coordinator on 127.0.0.1 and every
-    other option as given; process 0's OUTSIDE_BOUND status passes through, and
+    its share of --devices, the process count, one coordinator on 127.0.0.1 (at a free port
+    the OS chose: on Linux, in its ephemeral range) and every other option as given; process 0's OUTSIDE_BOUND status passes through, and
     run_local's status is main's."""
     import processes
     import refimpl
@@ -1424,6 +1424,11 @@ def test_local_processes_without_a_data_dir_are_handed_one_dataset_generated_fir
             np.testing.assert_array_equal(a, b)
     host, port = value("--coordinator").split(":")
     assert host == "127.0.0.1" and 0 < int(port) < 65536
+    ephemeral = "/proc/sys/net/ipv4/ip_local_port_range"
+    if os.path.exists(ephemeral):  # Linux: a port the kernel gave for port 0, not a fixed one
+        with open(ephemeral) as f:
+            low, high = map(int, f.read().split())
+        assert low <= int(port) <= high, (port, low, high)
     assert (value("--devices"), value("--num-processes"), value("--epochs"), value("--seed")) == ("3", "2", "3", "5")
     assert base[:2] == [sys.executable, os.path.abspath(refimpl.__file__)]
     assert "--local-processes" not in base and "--platform" not in base, base
