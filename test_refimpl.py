@@ -817,6 +817,30 @@ def test_params_arrays_writes_a_leaf_that_spans_processes_as_its_local_copy():
         np.testing.assert_array_equal(arrays[name], want)
 
 
+def test_start_jax_configures_jax_before_it_touches_a_device(monkeypatch):
+    """start_jax, in one process: JAX's platforms set to --platform (only when given), its
+    default matmul precision to --matmul-precision and its virtual CPU device count to
+    --devices when that is a CPU count (at most 64), at least 8, else 8; all before the
+    first jax.devices(). (In a process of several: exactly --devices: test_multiprocess.py.)
+    JAX's config stands in, recording; this process's JAX has long started."""
+    import jax
+    import refimpl
+    done = []
+    monkeypatch.setattr(jax.config, "update", lambda key, value: done.append((key, value)))
+    real = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda *a: done.append("devices") or real(*a))
+    for argv, platform, cpus in ((["--platform", "cpu", "--devices", "12"], "cpu", 12),
+                                 (["--devices", "2", "--matmul-precision", "highest"], None, 8),
+                                 (["--platform", "gpu", "--devices", "100"], "gpu", 8),
+                                 (["--platform", "cpu", "--devices", "64"], "cpu", 64)):
+        done.clear()
+        args = refimpl.parse_args(argv)
+        refimpl.start_jax(args)
+        assert done == ([("jax_platforms", platform)] if platform else []) + [
+            ("jax_default_matmul_precision", args.matmul_precision), ("jax_num_cpu_devices", cpus), "devices"], \
+            (argv, done)
+
+
 @pytest.mark.slow
 def test_full_size_epoch_with_prefetch_does_not_deadlock(tmp_path):
     # Regression: with unbounded async dispatch, 49 steps of per-device batch 128
