@@ -839,6 +839,41 @@ def test_start_jax_configures_jax_before_it_touches_a_device(monkeypatch):
         assert done == ([("jax_platforms", platform)] if platform else []) + [
             ("jax_default_matmul_precision", args.matmul_precision), ("jax_num_cpu_devices", cpus), "devices"], \
             (argv, done)
+    # A process of several: exactly --devices virtual CPU devices (or 8), then it joins.
+    monkeypatch.setattr(refimpl, "connect", lambda args: done.append("connect"))
+    for argv, cpus in ((["--devices", "2"], 2), (["--devices", "64"], 64), ([], 8)):
+        done.clear()
+        args = refimpl.parse_args([*argv, "--coordinator", "127.0.0.1:7", "--num-processes", "2",
+                                   "--process-id", "0", "--strategies", "sharded"])
+        refimpl.start_jax(args)
+        assert done == [("jax_default_matmul_precision", args.matmul_precision), ("jax_num_cpu_devices", cpus),
+                        "connect", "devices"], (argv, done)
+    done.clear()
+    args = refimpl.parse_args(["--auto-distributed", "--devices", "3"])
+    refimpl.start_jax(args)
+    assert done == [("jax_default_matmul_precision", args.matmul_precision), ("jax_num_cpu_devices", 3), "connect",
+                    "devices"], done
+
+
+def test_set_up_takes_every_processs_devices_across_processes_and_one_logical_shard_a_device(tiny_dir, capsys):
+    """set_up: in a run across processes (--coordinator or --auto-distributed) the mesh is
+    every device JAX has (each process's --devices already set by start_jax), not --devices
+    of this process; in one process, the first --devices. --reduction canonical without
+    --logical-shards takes one logical shard a device (L = n), which the run then says."""
+    import jax
+    import refimpl
+    common = ["--data-dir", str(tiny_dir), "--devices", "2", "--batch-size", "8", "--eval-batch-size", "64"]
+    for extra in (["--coordinator", "127.0.0.1:7", "--num-processes", "2", "--process-id", "0",
+                   "--strategies", "sharded"], ["--auto-distributed"]):
+        job = refimpl.set_up(refimpl.parse_args([*common, *extra]))
+        assert job.devices == jax.devices() and len(job.devices) == 8, (extra, job.devices)
+    job = refimpl.set_up(refimpl.parse_args(common))
+    assert job.devices == jax.devices()[:2]
+    capsys.readouterr()
+    args = refimpl.parse_args([*common, "--reduction", "canonical"])
+    job = refimpl.set_up(args)
+    assert args.logical_shards == 2 and job.num_shards == 2 and "2 logical shards of 8" in job.where, job.where
+    assert "2 logical shards of 8 per epoch, 1 a device" in capsys.readouterr().out
 
 
 @pytest.mark.slow
