@@ -859,7 +859,8 @@ def test_set_up_takes_every_processs_devices_across_processes_and_one_logical_sh
     """set_up: in a run across processes (--coordinator or --auto-distributed) the mesh is
     every device JAX has (each process's --devices already set by start_jax), not --devices
     of this process; in one process, the first --devices. --reduction canonical without
-    --logical-shards takes one logical shard a device (L = n), which the run then says."""
+    --logical-shards takes one logical shard a device (L = n), which the run then says; an L
+    the devices do not divide is refused in logical_shards_problem's words."""
     import jax
     import refimpl
     common = ["--data-dir", str(tiny_dir), "--devices", "2", "--batch-size", "8", "--eval-batch-size", "64"]
@@ -874,6 +875,13 @@ def test_set_up_takes_every_processs_devices_across_processes_and_one_logical_sh
     job = refimpl.set_up(args)
     assert args.logical_shards == 2 and job.num_shards == 2 and "2 logical shards of 8" in job.where, job.where
     assert "2 logical shards of 8 per epoch, 1 a device" in capsys.readouterr().out
+    # Logical shards the devices do not divide, where only set_up knows the device count (a
+    # run across processes): refused in logical_shards_problem's line naming the option,
+    # the device count and what fits.
+    args = refimpl.parse_args([*common[:2], "--auto-distributed", "--logical-shards", "6"])
+    with pytest.raises(ValueError) as refused:
+        refimpl.set_up(args)
+    assert str(refused.value) == refimpl.logical_shards_problem(args, 8) and "(1, 2, 3, 6)" in str(refused.value)
 
 
 @pytest.mark.slow
