@@ -2231,3 +2231,170 @@ def test_logical_shards_read_by_rocal_are_the_references_on_2_and_4_devices(real
         assert len(got) == 1 and loader.state(1, 3, state=saved).segments == saved.segments
     with pytest.raises(ValueError, match="logical_shards=8 with order='vendor'"):
         resumed_pair(48, 2, 2, str(tmp_path / "cache-vendor"), order="vendor", **run)
+
+
+# --------------------------------------------------------------------------
+# The pieces of order="vendor" and of rocAL's outputs, alone (stand-ins for rocAL)
+# --------------------------------------------------------------------------
+
+
+def test_shard_folders_refuses_each_wrong_part_of_its_input_alone(cache):
+    """shard_folders refuses images that are not uint8, images not (N, 3, 32, 32), and a
+    label count other than N, each alone with the rest right; labels 0..9 (9 accepted,
+    10 refused); one shard and N shards are written, N + 1 refused (more shards than
+    samples)."""
+    images, labels = encoding.encoded_images(np.arange(6)), np.arange(6, dtype=np.int32)
+    for wrong_images, wrong_labels in ((images.astype(np.int16), labels), (images[:, :, :, :31], labels),
+                                       (images[:, :2], labels), (images, labels[:5])):
+        with pytest.raises(ValueError, match="rocAL's cifar10 reader needs uint8 images"):
+            rocal_loader.shard_folders(wrong_images, wrong_labels, 2, cache)
+    with pytest.raises(ValueError, match="CIFAR-10 labels are integers 0..9"):
+        rocal_loader.shard_folders(images, np.where(labels == 5, 10, labels), 2, cache)
+    nines = np.full(6, 9, np.int32)
+    [one] = rocal_loader.shard_folders(images, nines, 1, cache)
+    np.testing.assert_array_equal(read_cifar10(one)[1], nines)
+    assert len(rocal_loader.shard_folders(images, labels, 6, cache)) == 6
+    with pytest.raises(ValueError):
+        rocal_loader.shard_folders(images, labels, 7, cache)
+
+
+def test_shard_info_counts_every_copy_of_the_last_record_in_every_block():
+    """_shard_info over shard [start, stop) of 2,100 records (read in blocks of 1,024): its
+    size, rocAL's padding (batches x B - size), the last record normalised and its label,
+    and how many of the shard's records normalise to the last one with its label, copies
+    at a block's first and last record and in each block counted once each; a copy with
+    another label, or outside the shard, is not one."""
+    start, stop, B, batches = 10, 2110, 32, 66
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (stop + 5, 3, 32, 32), dtype=np.uint8)
+    labels = rng.integers(0, 10, stop + 5).astype(np.int32)
+    last = stop - 1
+    labels[last] = 3
+    for offset in (0, 1023, 1024, 2047, 2048):  # block starts and ends, relative to start
+        images[start + offset], labels[start + offset] = images[last], 3
+    images[start + 5], labels[start + 5] = images[last], 4  # another label
+    images[start - 1], labels[start - 1] = images[last], 3  # before the shard
+    images[stop], labels[stop] = images[last], 3  # after it
+    info = rocal_loader._shard_info(images, labels, start, stop, B, batches, NORM)
+    assert (info.size, info.batches, info.padded, info.last_label, info.copies) == (2100, 66, 66 * 32 - 2100, 3, 6)
+    np.testing.assert_array_equal(info.last_image, NORM(images[last:last + 1])[0])
+
+
+def test_padding_is_the_shards_last_record_on_its_device():
+    """_padding: B copies of shard k's last record (float32, as normalised) with its label
+    (int32); where the loader hands rocAL's outputs over on the device (dlpack), the
+    images are on shard k's device, not JAX's default one."""
+    image = np.arange(3 * 4 * 4, dtype=np.float32).reshape(3, 4, 4)
+    shard = rocal_loader.ShardInfo(size=5, batches=2, padded=3, last_image=image, last_label=7, copies=1)
+    device = jax.devices("cpu")[3]
+    for dlpack in (False, True):
+        loader = pytypes.SimpleNamespace(shards=[None, shard], device_rows=4, dlpack=dlpack)
+        images, labels = rocal_loader._padding(loader, 1, device)
+        assert labels.dtype == np.int32 and labels.tolist() == [7] * 4, labels
+        assert images.dtype == np.float32 and images.shape == (4, 3, 4, 4)
+        np.testing.assert_array_equal(np.asarray(images), np.broadcast_to(image, (4, 3, 4, 4)))
+        if dlpack:
+            assert images.devices() == {device}, images.devices()
+
+
+def test_dlpack_gets_the_devices_hardware_id_or_its_id():
+    """The device id rocAL's DLPack calls are given: the device's local hardware id (its
+    GPU on this host), or its id where JAX has none (CPU devices)."""
+    assert rocal_api._hardware_id(pytypes.SimpleNamespace(local_hardware_id=3, id=11)) == 3
+    assert rocal_api._hardware_id(pytypes.SimpleNamespace(local_hardware_id=0, id=11)) == 0
+    assert rocal_api._hardware_id(pytypes.SimpleNamespace(local_hardware_id=None, id=11)) == 11
+
+
+def test_check_dlpack_refuses_a_rocal_without_it(monkeypatch):
+    """check_dlpack: RuntimeError(DLPACK_MISSING) when rocAL's module has no rocalTensor,
+    or a rocalTensor without dlpack_device; nothing when it has one (stand-in modules)."""
+    class WithDlpack:
+        def dlpack_device(self, device_id):
+            return 1, device_id
+    for module, refused in ((pytypes.ModuleType("rocal_pybind"), True),
+                            (pytypes.SimpleNamespace(rocalTensor=object), True),
+                            (pytypes.SimpleNamespace(rocalTensor=WithDlpack), False)):
+        monkeypatch.setitem(sys.modules, "rocal_pybind", module)
+        if refused:
+            with pytest.raises(RuntimeError) as error:
+                rocal_api.check_dlpack()
+            assert str(error.value) == rocal_api.DLPACK_MISSING
+        else:
+            rocal_api.check_dlpack()
+
+
+class StandInTensor:
+    """A rocAL output tensor's interface, as device_images reads it."""
+
+    def __init__(self, dims=(4, 3, 32, 32), dtype="float32", layout="NCHW", dlpack_error=None):
+        self.dims, self.type, self.order, self.dlpack_error = dims, dtype, layout, dlpack_error
+        self.data = np.full(dims, 0.5, np.float32)
+
+    def dimensions(self):
+        return self.dims
+
+    def dtype(self):
+        return self.type
+
+    def layout(self):
+        return self.order
+
+    def dlpack_device(self, device_id):
+        return 1, 0  # kDLCPU
+
+    def __dlpack__(self, device_id):
+        if self.dlpack_error:
+            raise self.dlpack_error
+        return self.data.__dlpack__()
+
+
+def test_device_images_checks_each_part_of_the_output_and_names_a_rocal_without_dlpack():
+    """device_images refuses an output of another shape, dtype or layout, each alone,
+    naming ``where``; rocAL's own "Dlpack not installed" becomes DLPACK_MISSING, named
+    too; any other error of the import passes through as it is; a good output is a copy
+    on the device (stand-in tensors)."""
+    device = jax.devices("cpu")[2]
+    for wrong in (dict(dims=(8, 3, 32, 32)), dict(dims=(4, 3, 32, 31)), dict(dtype="float16"),
+                  dict(layout="NHWC")):
+        with pytest.raises(RuntimeError, match=r"^shard 2 there: rocAL's output is .* expected float32 "
+                                               r"\(4, 3, 32, 32\) NCHW$"):
+            rocal_api.device_images(StandInTensor(**wrong), device, (3, 32, 32), 4, "shard 2 there")
+    with pytest.raises(RuntimeError) as error:
+        rocal_api.device_images(StandInTensor(dlpack_error=RuntimeError("Dlpack not installed")), device,
+                                (3, 32, 32), 4, "shard 2 there")
+    assert str(error.value) == f"shard 2 there: {rocal_api.DLPACK_MISSING}"
+    other = RuntimeError("something else")
+    with pytest.raises(RuntimeError) as error:
+        rocal_api.device_images(StandInTensor(dlpack_error=other), device, (3, 32, 32), 4)
+    assert error.value is other
+    tensor = StandInTensor()
+    images = rocal_api.device_images(tensor, device, (3, 32, 32), 4)
+    assert images.devices() == {device} and images.dtype == np.float32
+    tensor.data[:] = 9.0  # rocAL writes its buffer again: the copy keeps what it was
+    np.testing.assert_array_equal(np.asarray(images), np.full((4, 3, 32, 32), 0.5, np.float32))
+
+
+def test_describe_names_the_loaders_order_and_sharding():
+    """RocalLoader.describe says which order the loader delivers: 'plan' (each shard's
+    planned samples in plan order, bit for bit the reference loader), 'vendor' over one
+    file per shard (rocAL's sharding bypassed), or 'vendor' with rocAL's own sharding;
+    the backend, and one pipeline per local device."""
+    mesh = loaders.data_mesh(jax.devices("cpu")[:3])
+    said = {}
+    for order, sharding in (("plan", "files"), ("vendor", "files"), ("vendor", "rocal")):
+        stand_in = pytypes.SimpleNamespace(order=order, sharding=sharding, on_gpu=False, mesh=mesh)
+        said[order, sharding] = rocal_loader.RocalLoader.describe(stand_in)
+        assert "(CPU backend): 3 pipeline(s) per epoch" in said[order, sharding], said
+    assert "order 'plan'" in said["plan", "files"] and "in plan order" in said["plan", "files"], said
+    assert "order 'vendor'" in said["vendor", "files"] and "one file per shard" in said["vendor", "files"], said
+    assert said["vendor", "rocal"].endswith("order 'vendor': rocAL's own sharding and order"), said
+
+
+def test_a_rocal_loaders_state_is_of_step_0_unless_given():
+    """RocalLoader.state(e) is the state of a fresh epoch e (step 0), as loaders.Loader's."""
+    asked = []
+    schedule = pytypes.SimpleNamespace(state=lambda where, epoch, step, state=None: asked.append((epoch, step)))
+    stand_in = pytypes.SimpleNamespace(schedule=schedule)
+    rocal_loader.RocalLoader.state(stand_in, 3)
+    rocal_loader.RocalLoader.state(stand_in, 3, 2)
+    assert asked == [(3, 0), (3, 2)], asked
