@@ -248,7 +248,7 @@ def message_lines(source: str) -> set[int]:
     return {line for line in lines if all(id(n) in allowed for n in starts.get(line, []))}
 
 
-def wording_parameters(source: str) -> dict[str, dict]:
+def wording_parameters(source: str, imported: dict | None = None) -> dict[str, dict]:
     """{function: {parameter: (position or None, has a default)}} for the module-level
     functions of ``source`` whose parameter is only an error message's words: every use of
     it in the body is inside a ``raise``'s message (or a local only such a message reads:
@@ -256,11 +256,15 @@ def wording_parameters(source: str) -> dict[str, dict]:
     whole to another such parameter (``_check_int(where, "epoch", epoch)`` hands ``where``
     to ``_check_int``'s ``where``). Found to a fixed point, so a helper that passes its
     ``where`` to a helper that only prints it counts; a parameter used anywhere else (a
-    test, an index, a return, a call that is not such a hand-on) is not wording."""
+    test, an index, a return, a call that is not such a hand-on) is not wording.
+    ``imported``: the wording parameters of functions that ``source`` imports by name
+    (``imported_wording``), which a hand-on may reach too; the result is of ``source``'s own
+    functions."""
     import ast
     tree = ast.parse(source)
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     in_message = _message_nodes(tree)[0]
+    imported = {name: words for name, words in (imported or {}).items() if name not in functions}
 
     def parameters(f):
         a = f.args
@@ -270,7 +274,7 @@ def wording_parameters(source: str) -> dict[str, dict]:
         out.update({p.arg: (None, d is not None) for p, d in zip(a.kwonlyargs, a.kw_defaults)})
         return out
 
-    wording: dict[str, dict] = {name: {} for name in functions}
+    wording: dict[str, dict] = {**imported, **{name: {} for name in functions}}
     changed = True
     while changed:
         changed = False
@@ -290,7 +294,29 @@ def wording_parameters(source: str) -> dict[str, dict]:
                 if uses and all(id(n) in in_message or id(n) in handed_on for n in uses):
                     wording[name][param] = spot
                     changed = True
-    return {name: words for name, words in wording.items() if words}
+    return {name: words for name, words in wording.items() if words and name in functions}
+
+
+def imported_wording(source: str, folder: Path = ROOT, _seen: frozenset = frozenset()) -> dict[str, dict]:
+    """{name in ``source``: its wording parameters} for the project's functions that
+    ``source`` imports by name at module level (``from rocal_api import _call`` or ``...
+    import _call as call``): a helper of another module whose ``where`` only an error
+    message reads is wording there as it is in its own module (rocal_loader hands its
+    places to rocal_api's ``_call`` and ``device_images``, and plan's ``check_seed``). A
+    project module is ``<name>.py`` in ``folder``, read with its own imports in turn;
+    any other module (NumPy, JAX) is not read."""
+    import ast
+    out = {}
+    for node in ast.parse(source).body:
+        if not (isinstance(node, ast.ImportFrom) and not node.level and node.module):
+            continue
+        path = folder / f"{node.module}.py"
+        if not path.is_file() or node.module in _seen:
+            continue
+        theirs = path.read_text()
+        words = wording_parameters(theirs, imported_wording(theirs, folder, _seen | {node.module}))
+        out.update({alias.asname or alias.name: words[alias.name] for alias in node.names if alias.name in words})
+    return out
 
 
 def _exclude_messages() -> None:
@@ -315,7 +341,8 @@ HELP_POSITIONS = {"add_argument_group": ("title", "description")}
 
 def _exclude_wording_arguments(help_texts: bool = True) -> None:
     """Makes mutmut leave out the mutants that only change what a call hands to a
-    ``wording_parameters`` parameter of a function of the same module: the argument's own
+    ``wording_parameters`` parameter of a function of the same module, or of one it imports
+    by name from another of the project's (``imported_wording``): the argument's own
     mutants (``"epoch"`` made ``"XXepochXX"``), the call's with that argument made None, and
     the call's without it where the parameter has a default and each positional argument
     after it is wording too. Any other mutant of the call (another argument None or gone) stays. With
@@ -332,7 +359,8 @@ def _exclude_wording_arguments(help_texts: bool = True) -> None:
 
     def create_mutations(filename, code, *args, **kwargs):
         current.clear()
-        current.update(wording_parameters(code))
+        imported = imported_wording(code)
+        current.update({**imported, **wording_parameters(code, imported)})
         skipped.clear()
         return create(filename, code, *args, **kwargs)
 

@@ -54,6 +54,42 @@ def test_a_parameter_is_wording_only_where_nothing_but_a_message_reads_it():
     assert "logic" not in found and "local" not in found
 
 
+def test_a_parameter_handed_to_an_imported_helpers_words_is_wording_too(tmp_path):
+    """imported_wording: a function imported by name from another module of the project
+    (a file in the folder) keeps its wording parameters here, under the name it is
+    imported as, its own imports read in turn; a hand-on to it makes a parameter here
+    wording. The controls: a module that is not the project's is not read, a parameter
+    this module also reads is not wording, and without the import nothing here is."""
+    (tmp_path / "base.py").write_text(textwrap.dedent('''
+        def fail(where, what):
+            raise ValueError(f"{where}: {what}")
+    '''))
+    (tmp_path / "helper.py").write_text(textwrap.dedent('''
+        from base import fail
+
+        def check(where, value):
+            if value < 0:
+                fail(where, "negative")
+            return value
+    '''))
+    user = textwrap.dedent('''
+        import numpy as np
+        from helper import check as checked
+        from numpy import asarray
+
+        def run(v, where):
+            return checked(where, v) + 1
+
+        def read(v, where):
+            print(where)
+            return checked(where, v)
+    ''')
+    imported = mutation.imported_wording(user, tmp_path)
+    assert imported == {"checked": {"where": (0, False)}}, imported
+    assert mutation.wording_parameters(user, imported) == {"run": {"where": (1, False)}}
+    assert mutation.wording_parameters(user) == {}
+
+
 def test_message_lines_are_a_raises_words_and_the_locals_only_they_read():
     lines = mutation.message_lines(SOURCE)
     assert line_of('raise ValueError(f"{where}: {name} must be') in lines
