@@ -760,6 +760,7 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
     else:
         _check_native_folder(os.fspath(data), filename_prefix)
         folders, prefix = [os.fspath(data)] * n, filename_prefix
+    loader = dataclasses.replace(loader, prefix=prefix)  # the build-time check below reads with it
     shards = {}
     for k in local:
         start, stop = shard_bounds(N, k, n)
@@ -782,7 +783,7 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
                                  f"({want} samples, batch {B}) and FILL would never deliver its last "
                                  f"{want % B}; use sharding='files' or another batch size")
         shards[k] = _shard_info(images, labels, start, stop, B, want // B, normalize)
-    return dataclasses.replace(loader, folders={k: folders[k] for k in local}, prefix=prefix, shards=shards)
+    return dataclasses.replace(loader, folders={k: folders[k] for k in local}, shards=shards)
 
 
 def _shard_info(images: np.ndarray, labels: np.ndarray, start: int, stop: int, batch_size: int,

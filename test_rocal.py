@@ -2398,3 +2398,37 @@ def test_a_rocal_loaders_state_is_of_step_0_unless_given():
     rocal_loader.RocalLoader.state(stand_in, 3)
     rocal_loader.RocalLoader.state(stand_in, 3, 2)
     assert asked == [(3, 0), (3, 2)], asked
+
+
+def test_make_rocal_loader_hands_its_options_on_and_refuses_what_the_reference_refuses(monkeypatch, tmp_path,
+                                                                                         mesh4):
+    """make_rocal_loader (FakeRocal): every pipeline gets num_threads and the loader's seed
+    (0 unless given); order='vendor' over rocAL's own sharding reads the data folder with
+    filename_prefix, order='plan' the epoch files it writes (data_batch_) under cache_dir,
+    by default DEFAULT_CACHE; a layout, last_batch, seed or shuffle the reference loader
+    refuses is refused here too, each alone, with the reference loader's error."""
+    fixed = FakeRocal(sharding_bug=False).install(monkeypatch)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    index = np.arange(20)
+    write_cifar10(str(folder / "train_part1.bin"), encoding.encoded_images(index), index % 10)
+    loader = rocal_loader.make_rocal_loader(str(folder), mesh4, 4, order="vendor", sharding="rocal",
+                                            filename_prefix="train_", num_threads=3, cache_dir=str(tmp_path / "c"))
+    list(loader.epoch(0))
+    assert fixed.pipelines and {(p.reader["filename_prefix"], p.reader["file_root"], p.kwargs["num_threads"],
+                                 p.kwargs["seed"]) for p in fixed.pipelines} == {("train_", str(folder), 3, 0)}
+    monkeypatch.setattr(rocal_loader, "DEFAULT_CACHE", str(tmp_path / "home-cache"))
+    fixed.pipelines.clear()
+    loader = rocal_loader.make_rocal_loader(str(folder), mesh4, 4, filename_prefix="train_", num_threads=2,
+                                            seed=7, shuffle=True)
+    list(loader.epoch(0))
+    assert fixed.pipelines and all(p.reader["filename_prefix"] == "data_batch_" and p.kwargs["num_threads"] == 2
+                                   and p.kwargs["seed"] == 7 for p in fixed.pipelines), fixed.pipelines
+    assert all(p.reader["file_root"].startswith(str(tmp_path / "home-cache")) for p in fixed.pipelines)
+    for bad in (dict(layout="rows"), dict(last_batch="pad"), dict(seed=-1), dict(seed=2.5), dict(shuffle="yes")):
+        with pytest.raises((ValueError, TypeError)) as want:
+            loaders.make_loader(str(folder), mesh4, 4, filename_prefix="train_", **bad)
+        with pytest.raises(type(want.value)) as got:
+            rocal_loader.make_rocal_loader(str(folder), mesh4, 4, filename_prefix="train_",
+                                           cache_dir=str(tmp_path / "c"), **bad)
+        assert str(got.value) == str(want.value), bad
