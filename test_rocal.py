@@ -52,6 +52,8 @@ import dataclasses
 import functools
 import os
 import re
+import shutil
+import tempfile
 import sys
 import threading
 import time
@@ -2432,3 +2434,41 @@ def test_make_rocal_loader_hands_its_options_on_and_refuses_what_the_reference_r
             rocal_loader.make_rocal_loader(str(folder), mesh4, 4, filename_prefix="train_",
                                            cache_dir=str(tmp_path / "c"), **bad)
         assert str(got.value) == str(want.value), bad
+
+
+def test_shard_folders_writes_in_the_cache_and_leaves_no_scratch_behind(cache, monkeypatch, tmp_path):
+    """shard_folders writes its set in a scratch folder inside cache_dir (renamed in place:
+    tempfile's default folder is never used, so a missing one does not matter); a write
+    that fails, or is interrupted, leaves no scratch folder and raises; where another
+    process renamed its identical set first, that set is used and no scratch is left;
+    a cached shard file or folder that is missing is named as damaged (ValueError)."""
+    images, labels = encoding.encoded_images(np.arange(8)), np.arange(8, dtype=np.int32)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-folder"))
+    folders = rocal_loader.shard_folders(images, labels, 2, cache)
+    assert os.listdir(cache) == [os.path.basename(os.path.dirname(folders[0]))]
+    real_write, real_rename = rocal_loader.write_cifar10, os.rename
+    for error in (OSError("disk full"), KeyboardInterrupt()):
+        def failing(path, *a):
+            real_write(path, *a)
+            raise error
+        monkeypatch.setattr(rocal_loader, "write_cifar10", failing)
+        with pytest.raises(type(error)):
+            rocal_loader.shard_folders(images, labels, 3, cache)
+        assert sorted(os.listdir(cache)) == [os.path.basename(os.path.dirname(folders[0]))], os.listdir(cache)
+    monkeypatch.setattr(rocal_loader, "write_cifar10", real_write)
+
+    def raced(scratch, top):  # another process renamed its identical set into place first
+        shutil.copytree(scratch, top)
+        raise OSError(39, "Directory not empty")
+    monkeypatch.setattr(os, "rename", raced)
+    three = rocal_loader.shard_folders(images, labels, 3, cache)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert len(os.listdir(cache)) == 2 and all(os.path.dirname(f) in map(lambda n: os.path.join(cache, n),
+                                                                          os.listdir(cache)) for f in three)
+    os.remove(os.path.join(three[1], "data_batch_1.bin"))
+    with pytest.raises(ValueError, match="shard-00001/data_batch_1.bin: the cached shard should hold"):
+        rocal_loader.shard_folders(images, labels, 3, cache)
+    shutil.rmtree(three[0])  # a whole shard folder missing
+    with pytest.raises(ValueError, match="shard-00000/data_batch_1.bin: the cached shard should hold 2 records, "
+                                         "alone in its folder \\(size None, folder holds None\\)"):
+        rocal_loader.shard_folders(images, labels, 3, cache)
