@@ -977,6 +977,8 @@ def test_a_release_that_blocks_for_ever_is_bounded_and_named(monkeypatch):
         assert "did not return within 0.2 s" in str(caught[0].message)
         assert released == ["shard 0", "shard 2"] and stuck.entered.is_set() and not stuck.unblock.is_set()
         assert "rocAL, epoch 7, shard 1" in rocal_api.unreleased()
+        [thread] = [t for where, t in rocal_api._UNRELEASED if where == "rocAL, epoch 7, shard 1"]
+        assert thread.daemon  # its release goes on in a daemon thread: the process can still exit
     finally:
         stuck.unblock.set()  # lets the double's release end, as a late wake-up would
     bounded(lambda: [t.join() for where, t in rocal_api._UNRELEASED if where.startswith("rocAL, epoch 7")],
@@ -1018,6 +1020,19 @@ def test_builds_are_retried_a_bounded_number_of_times(monkeypatch, small_dir, ca
     with pytest.raises(RuntimeError, match="did not verify, and rocAL called exit.0.; it printed: .*Verify"):
         rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
     assert len(unverified.pipelines) == 1  # not retried
+    # Each failed build's pipeline is released before the error (a half-built pipeline's
+    # threads and buffers would stay): after a retried failure, after the last failure,
+    # after a graph that did not verify, and after any other error.
+    assert all(p.released for p in unverified.pipelines)
+    failing = FakeRocal(build_failures=rocal_api.BUILD_ATTEMPTS).install(monkeypatch)
+    with pytest.raises(RuntimeError):
+        rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
+    assert len(failing.pipelines) == rocal_api.BUILD_ATTEMPTS and all(p.released for p in failing.pipelines)
+    other = FakeRocal().install(monkeypatch)
+    monkeypatch.setattr(FakePipeline, "build", lambda self: (_ for _ in ()).throw(ValueError("odd")))
+    with pytest.raises(RuntimeError, match="building raised ValueError: odd"):
+        rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
+    assert len(other.pipelines) == 1 and other.pipelines[0].released
     assert "Pipeline has been created" not in capsys.readouterr().out  # rocAL's chatter kept off stdout
 
 
@@ -2472,3 +2487,28 @@ def test_shard_folders_writes_in_the_cache_and_leaves_no_scratch_behind(cache, m
     with pytest.raises(ValueError, match="shard-00000/data_batch_1.bin: the cached shard should hold 2 records, "
                                          "alone in its folder \\(size None, folder holds None\\)"):
         rocal_loader.shard_folders(images, labels, 3, cache)
+
+
+def test_release_errors_are_raised_together_once_every_pipeline_is_released():
+    """release_pipelines releases every pipeline even when some releases raise, then raises
+    one RuntimeError naming each that raised ("<where>, shard k: rocal_release() raised
+    <type>: <words>", in order, "; " between), where defaults to "rocAL"; none raised:
+    nothing (doubles with rocal_release)."""
+    done = []
+
+    def double(k, error=None):
+        def release():
+            done.append(k)
+            if error:
+                raise error
+        return pytypes.SimpleNamespace(rocal_release=release)
+    with pytest.raises(RuntimeError) as raised:
+        rocal_api.release_pipelines({0: double(0, ValueError("a")), 1: double(1), 2: double(2, OSError("b"))},
+                                    "rocAL, epoch 3")
+    assert done == [0, 1, 2]
+    assert str(raised.value) == ("rocAL, epoch 3, shard 0: rocal_release() raised ValueError: a; "
+                                 "rocAL, epoch 3, shard 2: rocal_release() raised OSError: b"), str(raised.value)
+    with pytest.raises(RuntimeError, match=r"^rocAL, shard 1: rocal_release\(\) raised KeyError: 'k'$"):
+        rocal_api.release_pipelines([double(0), double(1, KeyError("k"))])
+    done.clear()
+    assert rocal_api.release_pipelines([double(0), double(1)]) is None and done == [0, 1]
