@@ -817,6 +817,43 @@ def test_params_arrays_writes_a_leaf_that_spans_processes_as_its_local_copy():
         np.testing.assert_array_equal(arrays[name], want)
 
 
+def test_set_up_resolves_the_backend_and_its_arithmetic_and_imports_the_vendor_first(tiny_dir, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """set_up on CPU devices: --backend auto says what it chose (the reference loader here:
+    rocAL and DALI are chosen on AMD and NVIDIA GPUs only); the arithmetic is --normalize
+    when given, else the backend's (DALI's on CPU devices: dali_cpu; rocAL's: rocal; the
+    reference backend the notebook's: rocal for cifar10), and the run's Normalize computes
+    it; a vendor backend's library is imported (its install hint) before any data is
+    generated: rocAL's for rocal, DALI's for dali, neither for the reference. The loaders
+    stand in."""
+    import dali_loader
+    import refimpl
+    import rocal_loader
+    imported = []
+    monkeypatch.setattr(rocal_loader, "import_rocal", lambda: imported.append("rocal"))
+    monkeypatch.setattr(dali_loader, "import_dali", lambda: imported.append("dali"))
+    monkeypatch.setattr(refimpl, "training_loaders", lambda args, job: ({"sharded": range(3)}, "stand-in loaders"))
+    common = ["--data-dir", str(tiny_dir), "--devices", "2", "--eval-batch-size", "64"]
+    for extra, backend, arithmetic, vendor in (([], "reference", "rocal", []),
+                                               (["--backend", "auto"], "reference", "rocal", []),
+                                               (["--backend", "dali"], "dali", "dali_cpu", ["dali"]),
+                                               (["--backend", "rocal"], "rocal", "rocal", ["rocal"]),
+                                               (["--normalize", "dali_cpu"], "reference", "dali_cpu", [])):
+        imported.clear()
+        capsys.readouterr()
+        job = refimpl.set_up(refimpl.parse_args([*common, *extra]))
+        assert (job.backend, job.arithmetic, job.normalize.arithmetic, imported) == (backend, arithmetic,
+                                                                                   arithmetic, vendor), extra
+        assert ("--backend auto chose reference" in capsys.readouterr().out) == (extra == ["--backend", "auto"])
+    def missing():
+        raise ImportError("no rocAL here")
+    monkeypatch.setattr(rocal_loader, "import_rocal", missing)
+    cache = tmp_path / "cache"
+    with pytest.raises(ImportError, match="no rocAL here"):
+        refimpl.set_up(refimpl.parse_args(["--backend", "rocal", "--cache-dir", str(cache), "--devices", "2"]))
+    assert not cache.exists() or os.listdir(cache) == [], os.listdir(cache)
+
+
 def test_start_jax_configures_jax_before_it_touches_a_device(monkeypatch):
     """start_jax, in one process: JAX's platforms set to --platform (only when given), its
     default matmul precision to --matmul-precision and its virtual CPU device count to
