@@ -2512,3 +2512,17 @@ def test_release_errors_are_raised_together_once_every_pipeline_is_released():
         rocal_api.release_pipelines([double(0), double(1, KeyError("k"))])
     done.clear()
     assert rocal_api.release_pipelines([double(0), double(1)]) is None and done == [0, 1]
+
+
+def test_rocal_version_is_read_from_its_librarys_file_name(monkeypatch, tmp_path):
+    """rocal_version: the X.Y.Z of librocal.so.X.Y.Z beside rocal_pybind (a folder whose own
+    name holds ".so." too), "?" where there is none (stand-in modules)."""
+    folder = tmp_path / "rocal.so.d" / "lib"
+    folder.mkdir(parents=True)
+    stand_in = pytypes.ModuleType("rocal_pybind")
+    stand_in.__file__ = str(folder / "rocal_pybind.cpython-311-x86_64-linux-gnu.so")
+    monkeypatch.setitem(sys.modules, "rocal_pybind", stand_in)
+    assert rocal_api.rocal_version() == "?"
+    (folder / "librocal.so.9.8.7").write_bytes(b"")
+    (folder / "librocal.so").write_bytes(b"")
+    assert rocal_api.rocal_version() == "9.8.7"
