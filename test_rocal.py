@@ -984,6 +984,17 @@ def test_a_release_that_blocks_for_ever_is_bounded_and_named(monkeypatch):
     bounded(lambda: [t.join() for where, t in rocal_api._UNRELEASED if where.startswith("rocAL, epoch 7")],
             5, "the double's release once unblocked")
     assert "rocAL, epoch 7, shard 1" not in rocal_api.unreleased()
+    # Called from a thread that is not a daemon (the main thread here), the stuck release is
+    # still left in a daemon thread: it never keeps the process from exiting.
+    again = ReleaseBlocksForEver()
+    try:
+        with pytest.warns(rocal_api.RocalReleaseWarning):
+            rocal_loader.release_pipelines({4: again}, "rocAL, epoch 8")
+        [thread] = [t for where, t in rocal_api._UNRELEASED if where == "rocAL, epoch 8, shard 4"]
+        assert thread.daemon and not threading.current_thread().daemon
+    finally:
+        again.unblock.set()
+    bounded(thread.join, 5, "the second double's release once unblocked")
 
 
 def test_an_epoch_whose_release_blocks_ends_warns_and_cleans_up(monkeypatch, small_dir, mesh4, fake, cache):
