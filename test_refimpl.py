@@ -907,6 +907,12 @@ def test_set_up_takes_every_processs_devices_across_processes_and_one_logical_sh
         assert job.devices == jax.devices() and len(job.devices) == 8, (extra, job.devices)
     job = refimpl.set_up(refimpl.parse_args(common))
     assert job.devices == jax.devices()[:2]
+    # One device (as each process of a run with one device a process): the validation
+    # loader is on it, the first of this process's devices.
+    job = refimpl.set_up(refimpl.parse_args([*common[:2], "--devices", "1", "--eval-batch-size", "64"]))
+    assert job.devices == jax.devices()[:1], job.devices
+    assert {d for leaf in jax.tree.leaves(next(iter(job.test_loader.epoch(0)))) for d in leaf.devices()} == {
+        jax.devices()[0]}
     capsys.readouterr()
     args = refimpl.parse_args([*common, "--reduction", "canonical"])
     job = refimpl.set_up(args)
