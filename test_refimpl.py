@@ -914,7 +914,7 @@ def test_set_up_takes_every_processs_devices_across_processes_and_one_logical_sh
     assert {d for leaf in jax.tree.leaves(next(iter(job.test_loader.epoch(0)))) for d in leaf.devices()} == {
         jax.devices()[0]}
     job = refimpl.set_up(refimpl.parse_args([*common[:2], "--devices", "1", "--reduction", "canonical"]))
-    assert job.where.startswith("1 cpu device(s), 1 logical shards of 8"), job.where
+    assert job.where.startswith("1 cpu device(s), 1 logical shards of 16"), job.where
     capsys.readouterr()
     args = refimpl.parse_args([*common, "--reduction", "canonical"])
     job = refimpl.set_up(args)
