@@ -541,6 +541,8 @@ def test_lines_a_process_may_die_after_are_out_before_it_can(monkeypatch):
 
 
 class Tty(io.StringIO):
+    """A terminal, as refimpl's progress line asks (sys.stdout.isatty())."""
+
     def isatty(self):
         return True
 
@@ -587,15 +589,13 @@ def test_train_strategy_says_each_epoch_and_writes_its_row(monkeypatch):
     for process, counter in ((0, True), (1, False)):
         said.clear()
         tty, metrics = Tty(), io.StringIO()
-        monkeypatch.setattr(sys, "stdout", tty)
-        monkeypatch.setattr(jax, "process_index", lambda: process)
-        began = time.perf_counter()
-        params, state = refimpl.train_strategy(args, job, "sharded", params_apart(0), strategies.sgd(0.1), None,
-                                               metrics)
-        took = time.perf_counter() - began
+        with monkeypatch.context() as patch:
+            patch.setattr(sys, "stdout", tty)
+            patch.setattr(jax, "process_index", lambda: process)
+            began = time.perf_counter()
+            refimpl.train_strategy(args, job, "sharded", params_apart(0), strategies.sgd(0.1), None, metrics)
+            took = time.perf_counter() - began
         lines = list(said)
-        monkeypatch.undo()
-        job, args, said = stand_ins(monkeypatch)
         assert lines[0] == "--- sharded ---" and len(lines) == 3, lines
         assert "(includes compilation)" in lines[1] and "(includes compilation)" not in lines[2], lines
         rows = [json.loads(line) for line in metrics.getvalue().splitlines()]
@@ -646,6 +646,7 @@ def test_train_strategy_of_a_resumed_run_numbers_from_the_checkpoint(monkeypatch
     very end (no epoch left to train) returns the optimizer's fresh state on the host for
     the checkpoint's params: each leaf as optimizer.init makes it, a NumPy array, for sgd
     and for Adam."""
+    import jax
     import optax
     import refimpl
     import strategies
@@ -662,20 +663,10 @@ def test_train_strategy_of_a_resumed_run_numbers_from_the_checkpoint(monkeypatch
         got, state = refimpl.train_strategy(args, job, "sharded", params, optimizer, Resumed(epochs=range(3, 3)),
                                             None)
         fresh = optimizer.init(params)
-        assert got is params and jax_tree_structure(state) == jax_tree_structure(fresh), state
-        for leaf, want in zip(jax_leaves(state), jax_leaves(fresh)):
+        assert got is params and jax.tree.structure(state) == jax.tree.structure(fresh), state
+        for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(fresh)):
             assert type(leaf) is np.ndarray and leaf.dtype == np.asarray(want).dtype, (leaf, want)
             np.testing.assert_array_equal(leaf, np.asarray(want))
-
-
-def jax_tree_structure(tree):
-    import jax
-    return jax.tree.structure(tree)
-
-
-def jax_leaves(tree):
-    import jax
-    return jax.tree.leaves(tree)
 
 
 def test_judged_asks_the_bound_of_the_runs_devices_and_its_steps(monkeypatch, capsys):
@@ -1056,6 +1047,20 @@ def test_a_training_across_a_checkpoint_measures_no_growth_and_says_so(capsys):
 
 
 
+class Wrapped:
+    """A training loader as refimpl gets it, with what a test overrides in a subclass: every
+    other attribute, and len(), are the wrapped loader's."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def __len__(self):
+        return len(self.loader)
+
+
 def test_a_pair_past_count_times_steps_in_process_is_judged_with_the_measured_growth(tiny_dir, capsys, monkeypatch):
     """main in process, at lr 5 (where a difference grows): sharded and single end further
     apart than the count x steps (a count of 1 a step, --max-ulps-per-step: 11.8 ulps past
@@ -1069,15 +1074,10 @@ def test_a_pair_past_count_times_steps_in_process_is_judged_with_the_measured_gr
     import refimpl
     made, real = [], loaders.make_loader
 
-    class Closing:
+    class Closing(Wrapped):
         def __init__(self, loader, layout):
-            self.loader, self.layout, self.closes = loader, layout, 0
-
-        def __getattr__(self, name):
-            return getattr(self.loader, name)
-
-        def __len__(self):
-            return len(self.loader)
+            super().__init__(loader)
+            self.layout, self.closes = layout, 0
 
         def close(self):
             self.closes += 1
@@ -1119,16 +1119,7 @@ def test_a_resumed_pair_past_count_times_steps_is_outside_the_domain_unmeasured(
     import loaders
     real = loaders.make_loader
 
-    class Stateless:
-        def __init__(self, loader):
-            self.loader = loader
-
-        def __getattr__(self, name):
-            return getattr(self.loader, name)
-
-        def __len__(self):
-            return len(self.loader)
-
+    class Stateless(Wrapped):
         def epoch(self, epoch):
             return self.loader.epoch(epoch)
     monkeypatch.setattr(loaders, "make_loader", lambda *a, **k: Stateless(real(*a, **k)))
@@ -1783,11 +1774,8 @@ def test_on_a_terminal_each_step_is_counted_on_one_line_and_the_line_cleared(mon
     import sys
     import refimpl
 
-    class Terminal(io.StringIO):
+    class Terminal(Tty):
         flushes = 0
-
-        def isatty(self):
-            return True
 
         def flush(self):
             Terminal.flushes += 1

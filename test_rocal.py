@@ -2318,7 +2318,8 @@ def test_padding_is_the_shards_last_record_on_its_device():
     for dlpack in (False, True):
         loader = pytypes.SimpleNamespace(shards=[None, shard], device_rows=4, dlpack=dlpack)
         images, labels = rocal_loader._padding(loader, 1, device)
-        assert labels.dtype == np.int32 and labels.tolist() == [7] * 4, labels
+        assert labels.dtype == np.int32, labels.dtype
+        np.testing.assert_array_equal(labels, np.full(4, 7, np.int32))
         assert images.dtype == np.float32 and images.shape == (4, 3, 4, 4)
         np.testing.assert_array_equal(np.asarray(images), np.broadcast_to(image, (4, 3, 4, 4)))
         if dlpack:
@@ -2351,54 +2352,44 @@ def test_check_dlpack_refuses_a_rocal_without_it(monkeypatch):
             rocal_api.check_dlpack()
 
 
-class StandInTensor:
-    """A rocAL output tensor's interface, as device_images reads it."""
-
-    def __init__(self, dims=(4, 3, 32, 32), dtype="float32", layout="NCHW", dlpack_error=None):
-        self.dims, self.type, self.order, self.dlpack_error = dims, dtype, layout, dlpack_error
-        self.data = np.full(dims, 0.5, np.float32)
-
-    def dimensions(self):
-        return self.dims
-
-    def dtype(self):
-        return self.type
-
-    def layout(self):
-        return self.order
-
-    def dlpack_device(self, device_id):
-        return 1, 0  # kDLCPU
-
-    def __dlpack__(self, device_id):
-        if self.dlpack_error:
-            raise self.dlpack_error
-        return self.data.__dlpack__()
+def slot_tensor(shape=(4, 3, 32, 32), dtype=np.float32, layout="NCHW", kind=None):
+    """A FakeTensor (``kind``: FakeTensorWithDLPack by default) over one ring slot of 0.5s,
+    outside any FakePipeline: device_images alone."""
+    pipe = pytypes.SimpleNamespace(ring=[np.full(shape, 0.5, dtype)], current=0, cmn={"output_layout": layout})
+    return (kind or FakeTensorWithDLPack)(pipe)
 
 
 def test_device_images_checks_each_part_of_the_output_and_names_a_rocal_without_dlpack():
     """device_images refuses an output of another shape, dtype or layout, each alone,
-    naming ``where``; rocAL's own "Dlpack not installed" becomes DLPACK_MISSING, named
-    too; any other error of the import passes through as it is; a good output is a copy
-    on the device (stand-in tensors)."""
+    naming ``where``; rocAL's own "Dlpack not installed", and a tensor without
+    dlpack_device, become DLPACK_MISSING, named too; any other error of the import passes
+    through as it is; a good output is a copy on the device (FakeTensors over one slot)."""
     device = jax.devices("cpu")[2]
-    for wrong in (dict(dims=(8, 3, 32, 32)), dict(dims=(4, 3, 32, 31)), dict(dtype="float16"),
+    for wrong in (dict(shape=(8, 3, 32, 32)), dict(shape=(4, 3, 32, 31)), dict(dtype=np.float16),
                   dict(layout="NHWC")):
         with pytest.raises(RuntimeError, match=r"^shard 2 there: rocAL's output is .* expected float32 "
                                                r"\(4, 3, 32, 32\) NCHW$"):
-            rocal_api.device_images(StandInTensor(**wrong), device, (3, 32, 32), 4, "shard 2 there")
+            rocal_api.device_images(slot_tensor(**wrong), device, (3, 32, 32), 4, "shard 2 there")
+    class Raising(FakeTensorWithDLPack):  # dlpack_device there, __dlpack__ rocAL's without DLPack
+        __dlpack__ = FakeTensorWithoutDLPack.__dlpack__
     with pytest.raises(RuntimeError) as error:
-        rocal_api.device_images(StandInTensor(dlpack_error=RuntimeError("Dlpack not installed")), device,
-                                (3, 32, 32), 4, "shard 2 there")
+        rocal_api.device_images(slot_tensor(kind=Raising), device, (3, 32, 32), 4, "shard 2 there")
     assert str(error.value) == f"shard 2 there: {rocal_api.DLPACK_MISSING}"
+    with pytest.raises(RuntimeError) as error:  # no dlpack_device at all
+        rocal_api.device_images(slot_tensor(kind=FakeTensorWithoutDLPack), device, (3, 32, 32), 4, "shard 2 there")
+    assert str(error.value).startswith(f"shard 2 there: {rocal_api.DLPACK_MISSING} ("), str(error.value)
     other = RuntimeError("something else")
+
+    class OtherError(FakeTensorWithDLPack):
+        def __dlpack__(self, device_id):
+            raise other
     with pytest.raises(RuntimeError) as error:
-        rocal_api.device_images(StandInTensor(dlpack_error=other), device, (3, 32, 32), 4)
+        rocal_api.device_images(slot_tensor(kind=OtherError), device, (3, 32, 32), 4)
     assert error.value is other
-    tensor = StandInTensor()
+    tensor = slot_tensor()
     images = rocal_api.device_images(tensor, device, (3, 32, 32), 4)
     assert images.devices() == {device} and images.dtype == np.float32
-    tensor.data[:] = 9.0  # rocAL writes its buffer again: the copy keeps what it was
+    tensor.slot[:] = 9.0  # rocAL writes its buffer again: the copy keeps what it was
     np.testing.assert_array_equal(np.asarray(images), np.full((4, 3, 32, 32), 0.5, np.float32))
 
 
