@@ -198,6 +198,15 @@ def import_dali():
     return Pipeline, fn, types
 
 
+def dali_version() -> str:
+    """nvidia.dali's version, or "not installed" when it does not import."""
+    try:
+        import nvidia.dali
+    except ImportError:
+        return "not installed"
+    return nvidia.dali.__version__
+
+
 def is_nvidia_gpu(device) -> bool:
     """Platform "cuda", or "gpu" on a JAX built for CUDA (its client's ``platform_version``
     names CUDA). JAX calls ROCm devices platform "gpu" too, and nvidia.dali imports
@@ -390,7 +399,6 @@ class DaliLoader:
         return self.spec.schedule.state("DaliLoader.state", epoch, step, state=state)
 
     def describe(self) -> str:
-        import nvidia.dali
         if self.order == "plan":
             how = "each reader fed its shard's files in the plan's order"
         elif self.spec.shuffle:
@@ -398,7 +406,7 @@ class DaliLoader:
         else:
             how = "DALI's order: DALI's sharding of one file list"
         where = "GPU" if self.on_gpu else "CPU"
-        return (f"NVIDIA DALI {nvidia.dali.__version__}: {len(loaders.local_positions(self.mesh))} "
+        return (f"NVIDIA DALI {dali_version()}: {len(loaders.local_positions(self.mesh))} "
                 f"{where} pipeline(s) an epoch, one per local device, shard = mesh position; {how}; "
                 f"files in {self.folder}")
 

@@ -66,8 +66,12 @@ def import_rocal():
 
 
 def rocal_version() -> str:
-    """rocAL's version from its library's file name (rocAL has no version call), or "?"."""
-    import rocal_pybind
+    """rocAL's version from its library's file name (rocAL has no version call): "X.Y.Z",
+    "?" when its library's name holds none, "not installed" when rocAL does not import."""
+    try:
+        import rocal_pybind
+    except ImportError:
+        return "not installed"
     names = glob.glob(os.path.join(os.path.dirname(rocal_pybind.__file__), "librocal.so.*.*.*"))
     return names[0].rsplit(".so.", 1)[1] if names else "?"
 

@@ -1469,3 +1469,12 @@ def test_logical_shards_read_by_dali_are_the_references_on_2_and_4_devices(devic
         assert loader.state(1, 3, state=saved).segments == saved.segments
     with pytest.raises(ValueError, match="logical_shards=8 with order='vendor'"):
         dali_loader.make_dali_loader(data, devices[:2], 2, cache_dir=cache, order="vendor", **run)
+
+
+def test_dali_version_says_not_installed_without_dali(monkeypatch):
+    """dali_version: DALI's version, or "not installed" when nvidia.dali does not import
+    (hidden here), instead of raising."""
+    import nvidia.dali
+    assert dali_loader.dali_version() == nvidia.dali.__version__
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)
+    assert dali_loader.dali_version() == "not installed"

@@ -2528,3 +2528,13 @@ def test_rocal_version_is_read_from_its_librarys_file_name(monkeypatch, tmp_path
     (folder / "librocal.so.9.8.7").write_bytes(b"")
     (folder / "librocal.so").write_bytes(b"")
     assert rocal_api.rocal_version() == "9.8.7"
+
+
+def test_rocal_version_and_describe_say_so_without_rocal(monkeypatch):
+    """On a machine without rocAL (rocal_pybind does not import) rocal_version says "not
+    installed" instead of raising, and a loader's description says it."""
+    monkeypatch.setitem(sys.modules, "rocal_pybind", None)  # import raises ImportError
+    assert rocal_api.rocal_version() == "not installed"
+    stand_in = pytypes.SimpleNamespace(order="plan", sharding="files", on_gpu=False,
+                                       mesh=loaders.data_mesh(jax.devices("cpu")[:2]))
+    assert rocal_loader.RocalLoader.describe(stand_in).startswith("AMD rocAL not installed (CPU backend)")
