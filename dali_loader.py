@@ -474,7 +474,11 @@ def _steps(loader: DaliLoader, epoch: int, plan: Plan, row: int):
             blocks = {}
             for k, blocks_k in shards.items():
                 images, labels = next(blocks_k)
-                blocks[k] = {"images": images, "labels": labels, "mask": plan.mask[r, k]}
+                added = loaders.added_fields(plan.mask[r, k], plan.indices[r, k], k, loader.num_shards,
+                                             loader.mesh.devices.size)
+                if loader.order != "plan":  # DALI's own order: which sample a row holds is DALI's
+                    del added[loaders.INDEX]
+                blocks[k] = {"images": images, "labels": labels, **added}
             yield loaders.global_batch(blocks, loader.mesh, loader.spec.layout)
     finally:
         for blocks_k in shards.values():

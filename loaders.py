@@ -211,7 +211,18 @@ def _check_layout(layout: str) -> None:
 # The loader
 # --------------------------------------------------------------------------
 
-MASK = "mask"  # the name every batch adds; refused as a name in the data
+MASK = "mask"  # bool per row: False on padding
+INDEX = "index"  # int32 per row: the sample (row of the dataset) the row holds
+SHARDS = "logical_shards"  # int32, one entry a logical shard: 0..L-1, sharded like the rows
+ADDED = (MASK, INDEX, SHARDS)  # what every batch adds; refused as names in the data
+
+
+def added_fields(mask, indices, k: int, num_shards: int, num_devices: int) -> dict:
+    """What a batch adds to device k's block (global position k of ``num_devices``): its
+    mask, its rows' sample indices (int32) and its logical shards (int32, (L/n,))."""
+    per = num_shards // num_devices
+    return {MASK: np.asarray(mask, bool), INDEX: np.asarray(indices, np.int32),
+            SHARDS: np.arange(k * per, (k + 1) * per, dtype=np.int32)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,7 +439,10 @@ class Loader:
                 rows[name] = out
             else:  # any other callable: its blocks, checked, copied into one array
                 rows[name] = _called(norm, name, [source[i] for i in idx], B)
+        per = self.num_shards // self.num_devices
         rows[MASK] = plan.mask[step, local].reshape(-1)
+        rows[INDEX] = idx.reshape(-1).astype(np.int32)
+        rows[SHARDS] = (np.asarray(local, np.int32)[:, None] * per + np.arange(per, dtype=np.int32)).reshape(-1)
         return rows
 
     def host_blocks(self, plan: Plan, step: int) -> dict[int, dict[str, np.ndarray]]:
@@ -552,7 +566,16 @@ def _place_plan(loader: Loader, plan: Plan) -> dict[str, jax.Array]:
     starts = np.array([shard_bounds(loader.num_samples, k, n)[0] for k in range(n)])
     local = (plan.indices - starts[None, :, None]).astype(np.int32).swapaxes(0, 1)
     mask = plan.mask.swapaxes(0, 1)
-    return {"indices": _by_position(local, loader.mesh), "mask": _by_position(mask, loader.mesh)}
+    return {"indices": _by_position(local, loader.mesh), "mask": _by_position(mask, loader.mesh),
+            **_placed_fields(loader, plan.indices)}
+
+
+def _placed_fields(loader: Loader, indices: np.ndarray) -> dict:
+    """The placed plan's sample indices (n, steps, rows) and logical shards (n, L/n)."""
+    n, per = loader.num_devices, loader.num_shards // loader.num_devices
+    shards = np.arange(n * per, dtype=np.int32).reshape(n, per)
+    return {INDEX: _by_position(indices.astype(np.int32).swapaxes(0, 1), loader.mesh),
+            SHARDS: _by_position(shards, loader.mesh)}
 
 
 def _place_segment(loader: Loader, plan: Plan, row: int) -> tuple[dict, dict]:
@@ -578,14 +601,14 @@ def _place_segment(loader: Loader, plan: Plan, row: int) -> tuple[dict, dict]:
         return jax.make_array_from_callback((n * size,) + source.shape[1:], sharding, block)
 
     placed = {"indices": _by_position(local, loader.mesh),
-              "mask": _by_position(mask.swapaxes(0, 1), loader.mesh)}
+              "mask": _by_position(mask.swapaxes(0, 1), loader.mesh), **_placed_fields(loader, rest)}
     return placed, {name: rows(source) for name, source in loader.arrays.items()}
 
 
 def _device_step(loader: Loader, work, placed: dict, step: int, resident: dict | None = None) -> dict[str, jax.Array]:
     fn, tables = work
     out = fn(loader.resident if resident is None else resident, placed, np.int32(step), tables)
-    return {name: out[name] for name in (*loader.arrays, MASK)}  # jit returns a dict's keys sorted
+    return {name: out[name] for name in (*loader.arrays, *ADDED)}  # jit returns a dict's keys sorted
 
 
 def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
@@ -679,10 +702,14 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
     if device_budget is not None and not _is_int(device_budget):
         raise ValueError(f"make_loader: device_budget must be None or an int (bytes), got {device_budget!r}")
     n = mesh.devices.size
-    if logical_shards is not None and (not _is_int(logical_shards) or logical_shards < 1
-                                       or logical_shards % n):
-        raise ValueError(f"make_loader: logical_shards={logical_shards!r} must be an int that the "
-                         f"{n} device(s) divide (each device reads L/n whole logical shards)")
+    if logical_shards is not None:
+        if not _is_int(logical_shards):
+            raise ValueError(f"make_loader: logical_shards={logical_shards!r} must be an int")
+        if logical_shards < 1:
+            raise ValueError(f"make_loader: logical_shards={logical_shards!r} must be at least 1")
+        if logical_shards % n:
+            raise ValueError(f"make_loader: logical_shards={logical_shards!r} must be a multiple of the {n} "
+                             f"device(s) (each device reads L/n whole logical shards)")
     loader = Loader(arrays, mesh, int(batch_size), layout, bool(shuffle), seed, last_batch, normalize,
                     int(prefetch), placement,
                     logical_shards=None if logical_shards is None else int(logical_shards))
@@ -760,9 +787,9 @@ def _named_arrays(data: Mapping, normalize):
         if not isinstance(name, str):
             raise ValueError(f"make_loader: data's names must be strings (they name the batch's arrays), "
                              f"got {name!r}")
-        if name == MASK:
-            raise ValueError(f"make_loader: data has an array named {MASK!r}; every batch adds its own "
-                             f"'mask' (False on padding slots), so rename yours")
+        if name in ADDED:
+            raise ValueError(f"make_loader: data has an array named {name!r}; every batch adds its own "
+                             f"{', '.join(map(repr, ADDED))}, so rename yours")
         array = np.asarray(value)
         if array.ndim < 1:
             raise ValueError(f"make_loader: data[{name!r}] must be (N, ...), one row per sample, got a "
@@ -963,6 +990,8 @@ def _device_step_fn(mesh: Mesh, layout: str, names: tuple[str, ...], windows: tu
                 rows = device_normalize(rows, tables[name], *how[name])
             out[name] = rows
         out[MASK] = placed["mask"][0, s]
+        out[INDEX] = placed[INDEX][0, s]
+        out[SHARDS] = placed[SHARDS][0]
         return out if layout == "sharded" else jax.tree.map(lambda x: x[None], out)
 
     specs = (P(DATA_AXIS), P(DATA_AXIS), P(), P())  # each a prefix of its argument's pytree

@@ -507,7 +507,9 @@ def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: in
                 if not np.array_equal(labels, want):
                     raise RuntimeError(f"{here}: rocAL read labels {labels.tolist()} from the epoch's "
                                        f"file, which holds {want.tolist()} there")
-                blocks[k] = {"images": images, "labels": labels, "mask": plan.mask[r, k]}
+                blocks[k] = {"images": images, "labels": labels,
+                            **loaders.added_fields(plan.mask[r, k], plan.indices[r, k], k, loader.num_shards,
+                                                   loader.mesh.devices.size)}
             transfers.after_runs()
             yield loaders.global_batch(blocks, loader.mesh, loader.layout)
     finally:
@@ -548,7 +550,8 @@ def _vendor_steps(loader: RocalLoader, epoch: int, start: int):
                         f"as padding, the plan pads slots {np.flatnonzero(~plan_mask[step, k]).tolist()}: "
                         f"rocAL's order is not the plan's, so the mask cannot be the plan's")
                 real[step] += int(mask.sum())
-                blocks[k] = {"images": images, "labels": labels, "mask": mask}
+                blocks[k] = {"images": images, "labels": labels, "mask": mask,
+                             loaders.SHARDS: np.array([k], np.int32)}  # rocAL's order: no sample indices
             transfers.after_runs()
             if step >= start:  # resuming: the steps before are read by rocAL and dropped
                 yield loaders.global_batch(blocks, loader.mesh, loader.layout)

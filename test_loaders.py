@@ -67,7 +67,8 @@ def expected_block(cifar, plan, step: int, k: int, mirror: bool = False) -> dict
     idx = plan.indices[step, k]
     return {"images": crop_mirror_normalize(images[idx], mirror=mirror, mean=(127.5,) * 3,
                                                     std=(127.5,) * 3),
-            "labels": labels[idx], "mask": plan.mask[step, k]}
+            "labels": labels[idx], "mask": plan.mask[step, k], "index": idx.astype(np.int32),
+            "logical_shards": np.array([k], np.int32)}
 
 
 def check_batch(batch, cifar, plan, step, device_order, layout, mirror=False):
@@ -75,8 +76,11 @@ def check_batch(batch, cifar, plan, step, device_order, layout, mirror=False):
     n = len(device_order)
     mesh = loaders.data_mesh(device_order)
     rows = (n * B,) if layout == "sharded" else (n, B)
-    shapes = {"images": rows + (3, 32, 32), "labels": rows, "mask": rows}
-    dtypes = {"images": np.float32, "labels": np.int32, "mask": np.bool_}
+    one = (n,) if layout == "sharded" else (n, 1)  # a logical shard a device
+    shapes = {"images": rows + (3, 32, 32), "labels": rows, "mask": rows, "index": rows, "logical_shards": one}
+    dtypes = {"images": np.float32, "labels": np.int32, "mask": np.bool_, "index": np.int32,
+              "logical_shards": np.int32}
+    assert list(batch) == ["images", "labels", "mask", "index", "logical_shards"], list(batch)
     for name, array in batch.items():
         assert array.shape == shapes[name] and array.dtype == dtypes[name], name
         assert array.sharding == NamedSharding(mesh, P("data")), name
@@ -85,7 +89,8 @@ def check_batch(batch, cifar, plan, step, device_order, layout, mirror=False):
         for k, (index, data) in blocks.items():
             want = expected_block(cifar, plan, step, k, mirror)[name]
             if layout == "sharded":
-                assert index[0] == slice(k * B, (k + 1) * B)
+                size = 1 if name == "logical_shards" else B
+                assert index[0] == slice(k * size, (k + 1) * size)
             else:
                 assert index[0] == slice(k, k + 1)
                 data = data[0]
@@ -495,10 +500,14 @@ def test_logical_shards_give_the_same_global_batch_on_every_device_count(devices
                 loader = loaders.make_loader(data, devices[:n], b, logical_shards=L, shuffle=True, seed=5,
                                              placement=placement, layout=layout)
                 assert loader.num_shards == L and loader.device_rows == L // n * b and len(loader) == 5
-                got = [{k: np.asarray(v).reshape((L * b,) + np.shape(v)[2 if layout == "pmap" else 1:])
+                got = [{k: np.asarray(v).reshape((-1,) + np.shape(v)[2 if layout == "pmap" else 1:])
                         for k, v in batch.items()} for batch in loader.epoch(1)]
                 plan = loader.plan(1)
-                assert_same_bits(np.array([g["x"] for g in got]), plan.indices.reshape(len(got), L * b).astype(np.int32))
+                indices = plan.indices.reshape(len(got), L * b).astype(np.int32)
+                assert_same_bits(np.array([g["x"] for g in got]), indices)
+                assert_same_bits(np.array([g["index"] for g in got]), indices)
+                for g in got:
+                    assert_same_bits(g["logical_shards"], np.arange(L, dtype=np.int32), "the plan's L, every n")
                 assert_same_bits(np.array([g["mask"] for g in got]), plan.mask.reshape(len(got), L * b))
                 if want is None:
                     want = got

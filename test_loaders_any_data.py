@@ -123,7 +123,7 @@ def test_any_samples_follow_the_plan_in_every_placement(devices, kind, layout, s
         assert len(epochs[placement]) == len(loader) == plan.indices.shape[0]
     for placement, batches in epochs.items():
         for s, batch in enumerate(batches):
-            assert list(batch) == [*named(data), "mask"], list(batch)
+            assert list(batch) == [*named(data), "mask", "index", "logical_shards"], list(batch)
             for k in range(n):
                 idx = plan.indices[s, k]
                 for name in named(data):
@@ -153,8 +153,13 @@ def test_named_arrays_keep_the_plans_guarantees_in_every_placement(devices, kind
         epochs[placement] = whole
         seen = []
         for s, batch in enumerate(whole):
-            assert list(batch) == [*data, "mask"]
+            assert list(batch) == [*data, "mask", "index", "logical_shards"]
+            for k in range(n):
+                assert_same_bits(block(batch["index"], k, layout), plan.indices[s, k].astype(np.int32), "index")
+                assert_same_bits(block(batch["logical_shards"], k, layout, 1), np.array([k], np.int32), "shards")
             for name, array in batch.items():
+                if name in ("index", "logical_shards"):
+                    continue
                 rows = (n * B,) if layout == "sharded" else (n, B)
                 want = expected(data, normalize, name, plan.indices[s, 0]) if name != "mask" else plan.mask[s, 0]
                 assert array.shape == rows + want.shape[1:] and array.dtype == want.dtype, (name, array.shape)

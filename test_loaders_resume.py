@@ -75,8 +75,9 @@ def check_batch(batch, plan, row, mesh, data, normalize, layout, what):
         assert array.sharding.device_set == set(mesh.devices.flat), f"{what}: {name} off the mesh"
         for shard in array.addressable_shards:
             k = position[shard.device]
-            want = plan.mask[row, k] if name == "mask" else rows_of(data, normalize, name,
-                                                                    plan.indices[row, k])
+            want = {"mask": lambda: plan.mask[row, k], "index": lambda: plan.indices[row, k].astype(np.int32),
+                    "logical_shards": lambda: np.array([k], np.int32)}.get(
+                name, lambda: rows_of(data, normalize, name, plan.indices[row, k]))()
             got = np.asarray(shard.data)
             if layout == "pmap":
                 assert got.shape[0] == 1, f"{what}: {name} block of shape {got.shape}"
