@@ -5,167 +5,105 @@ Every strategy has one signature::
     strategy(params, batches, mesh, *, loss_terms, optimizer=sgd(0.001), opt_state=None,
              reduction="plain", logical_shards=None) -> Trained(params, losses, opt_state)
 
-* ``params``: any pytree of float arrays (a list of (w, b), a dict, ...). In and
-  out they are host-side (NumPy), and so is ``opt_state``, so epochs chain by
-  passing both back in and no strategy keeps hidden state. The arrays passed in
-  are copied, never consumed. A leaf whose dtype JAX would change (float64 while
-  ``jax_enable_x64`` is off) is refused, naming the leaf and the two fixes; with
-  x64 on, float64 params train in float64.
-* ``loss_terms(params, batch) -> (total, count)``: the model, as a pure
-  function passed in (never looked up in another module): ``total`` the sum of
-  the per-sample losses over the batch's real (mask-True) slots, a float
-  scalar, and ``count`` the number of real slots, a scalar. Every strategy
-  minimises the *global* masked mean, psum(total) / max(psum(count), 1), so a
-  device holding only padding changes nothing. Anything else (a mean, one
-  array, a (B,) vector) is refused with this contract in the message.
-* ``optimizer``: anything with optax's ``GradientTransformation`` contract, an
-  optax optimizer itself (``optax.adam(1e-3)``, ``optax.chain(...)``) or this
-  module's ``Optimizer``: ``init(params) -> state`` and ``update(grads, state,
-  params) -> (updates, new state)``; the strategies then apply ``params +
-  updates`` per leaf, cast to the leaf's dtype (``optax.apply_updates``'
-  arithmetic). ``grads`` is the gradient of the global masked mean, the same on
-  every device. The default is the notebooks' plain SGD, ``sgd(0.001)``, which
-  needs nothing but JAX. ``opt_state`` None means ``optimizer.init(params)``
-  (run on the mesh's first local device); a state passed in is the one used.
-* ``batches``: any iterable of batch dicts in the strategy's ``LAYOUT``, with a
-  "mask" (bool: (n*B,) in layout "sharded", (n, B) in "pmap") and whatever
-  ``loss_terms`` reads. The layout is told from "mask" alone. Each batch is
-  checked before its step (``checked``): jax.Arrays must be sharded on 'data'
-  over exactly the mesh's devices (``loaders.make_loader`` yields them so);
-  NumPy arrays are placed there in one process (``jax.device_put`` with
-  ``NamedSharding(mesh, P('data'))``, the line a caller would write) and
-  refused across processes, where a host array could be the whole batch or
-  this process's rows.
-* ``losses`` (steps,): each step's global masked loss, computed before that
-  step's update, in the loss's dtype (float32 for float32 params). The mesh is
-  one axis named 'data' (loaders.data_mesh).
-* ``reduction``: how a step's gradient is summed. "plain" (the default, the
-  notebooks'): each device's gradient, added across devices in the order the
-  collective picks; strategies and topologies then end apart by rounding, within
-  the bound equivalence.py measures. "canonical": the global batch is
-  ``logical_shards`` = L blocks of equal rows (default: one a device), each block's
-  gradient sum is computed by one program of one shape, the L sums are added in one
-  fixed order and divided by the step's global count of real samples, and the update
-  runs in a program of its own (``canonical_step``): the params, the optimizer state
-  and the losses are then the same bits on every mesh whose device count divides L,
-  in one process or several, through every strategy, and on one device adding the
-  L blocks as microbatches (``single``), at any learning rate. Feed it a loader with
-  the same logical shards (``loaders.make_loader(..., logical_shards=L)``), whose
-  global batch is the same on any such mesh. Cost: bench.py's canonical/plain table.
+* ``params``, ``opt_state``: any pytrees of arrays, host-side (NumPy) in and out, so
+  epochs chain by passing both back in. ``opt_state`` None means ``optimizer.init``.
+* ``loss_terms(params, batch) -> (total, count)``: your model. ``total`` is the sum of
+  the real (mask-True) rows' losses, ``count`` how many real rows there are. Every
+  strategy minimises the global masked mean, sum(total) / max(sum(count), 1).
+* ``optimizer``: optax's ``GradientTransformation`` (any optax optimizer) or ``sgd``.
+* ``batches``: dicts with a bool "mask", (n*B,) in layout "sharded" or (n, B) in
+  layout "pmap" (``LAYOUT[strategy]``), as ``loaders.make_loader`` yields them.
+* ``losses`` (steps,): each step's global masked mean loss, before its update.
 
-The strategies:
+The strategies: ``sharded`` (the notebooks' jit on sharded arrays), ``pmap`` (in
+maintenance mode in JAX), ``shard_map`` (pmap's modern replacement) and ``single`` (the
+whole global batch on the mesh's first device). Each runs on exactly the mesh's
+devices, in mesh order, never on JAX's default device.
 
-* ``sharded``: the notebooks' automatic parallelisation. Params replicated
-  (``NamedSharding(mesh, P())``), the batch sharded on 'data', a plain jit
-  step; XLA partitions the computation and adds the sums.
-* ``pmap``: params stacked on a leading device axis, batches (n, B, ...).
-  pmap is in maintenance mode in current JAX.
-* ``shard_map``: pmap's modern replacement, ``jax.shard_map`` with explicit
-  collectives.
-* ``single``: the whole global batch on one device each step; the oracle the
-  others are compared with.
+The reductions, how a step's gradient is summed:
 
-Writing your own loop: build a step ``step(state, batch) -> (state, value)``
-(for example ``sharded_step(loss_terms, optimizer.update)``, or your own jitted
-function) and drive it with ``train_loop(step, state, batches, callback)``,
-which keeps at most two steps in flight (see there: the guard against a
-deadlock of XLA's CPU all-reduce) and hands each finished step's value to the
-callback; ``stack_losses`` stacks the values afterwards. On accelerators the
-compiled steps donate the state they replace (``donate_argnums``), so params and
-optimizer state are not held twice: the state passed to a step is consumed. On
-CPU devices they do not: XLA's CPU compiler keeps a copy for a donated state, so
-the peak stays the same and the copy costs time (``donates``).
+* "plain": each strategy's own sums, in the order its collective picks. The strategies
+  end apart by rounding; ``equivalence.stepwise_verdict`` judges them.
+* "canonical": the global batch is L = ``logical_shards`` blocks of b rows. Then:
 
-Guarantees (test_strategies.py and test_equivalence.py), after the same steps on
-the same global batches, masks included, at matmul precision "highest": with
-reduction="canonical", the same bits on every topology, every strategy, every
-optimizer and rate tested (ReLU and attention models; SGD, Adam, AdamW with
-clipping; chaotic rates), across processes too. With the plain reduction, every
-strategy's plain step computes its gradient in a program of its own and shares one
-update program (``apply_program``), so the strategies differ only in their gradient
-programs: pmap and shard_map add the same sums for a leaf used once (bit-identical on
-CPU, measured on every model tested) but not for a leaf used twice (a tied embedding:
-shard_map's transpose psums each use's gradient, pmap psums their sum); every pair of
-strategies ends within the bound that equivalence.py derives (``equivalence.verdict``,
-``equivalence.stepwise_verdict``), a model checked by measurement, not a proof.
+      for each block l = 0..L-1, on the device that holds it:
+          g_l, t_l, c_l = block_program(params, rows l*b .. (l+1)*b - 1)
+      g = ((g_0 + g_1) + g_2) + ... + g_{L-1}      (the same for t and c)
+      params, state = update_program(state, g, t, c)   # g / max(c, 1), then optax
 
-Devices: every strategy runs on exactly the mesh's devices, in mesh order
-(pmap is given them explicitly; single uses the mesh's first device), never
-on JAX's default device or backend.
+  ``block_program`` and ``update_program`` are single-device programs: each device
+  runs the same compiled program on its own copy, whatever the mesh. The fold moves
+  values between devices and adds them in block order, nothing else. So params,
+  optimizer state and losses are the same bits on every mesh whose device count n
+  divides L, in one process or several, through every strategy, and on one device
+  adding the L blocks as microbatches (``single``), at any learning rate. Not across
+  L, jaxlib versions, CPU against GPU, or GPU models. L comes from the batches (a
+  loader's carry a "logical_shards" entry) or from ``logical_shards``; given both,
+  they must agree; given neither, the step is refused.
 
-Imports: NumPy and JAX only (0.7 or newer: ``jax.shard_map``); nothing of this
-project, and not optax (its optimizers are accepted, never imported). Imported by
-equivalence.py, refimpl.py and bench.py.
-model.py's ``loss_terms`` is the notebooks' MLP to pass in.
+Imports: NumPy and JAX only (JAX 0.10 or newer). optax optimizers are accepted, not
+imported. Imported by equivalence.py, refimpl.py and bench.py.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-AXIS = "data"  # the mesh axis the batch is sharded on (loaders.DATA_AXIS)
+AXIS = "data"  # the mesh axis the batch is sharded on
 LAYOUT = {"sharded": "sharded", "pmap": "pmap", "shard_map": "sharded", "single": "sharded"}
+REDUCTIONS = ("plain", "canonical")
 NOTEBOOK_LEARNING_RATE = 0.001
+SHARDS_KEY = "logical_shards"  # a loader batch's entry: int32 (L,), 0..L-1, sharded like its rows
 
 Params = Any  # any pytree of float arrays
-LossTerms = Callable[[Any, dict], tuple]  # (params, batch) -> (total over real slots, count)
+LossTerms = Callable[[Any, dict], tuple]  # (params, batch) -> (total over real rows, count)
 
 LOSS_TERMS_CONTRACT = ("loss_terms(params, batch) must return (total, count): total the sum of the "
-                       "per-sample losses over the batch's real (mask-True) slots, a float scalar, and "
-                       "count the number of real slots, a scalar; the strategies divide the global "
-                       "psum(total) by psum(count)")
+                       "per-sample losses over the batch's real (mask-True) rows, a float scalar (not "
+                       "their mean), and count the number of real rows, a scalar; the strategies "
+                       "divide the global sum of totals by the global sum of counts")
 OPTIMIZER_CONTRACT = ("optimizer.update(grads, state, params) must return (updates, new_state) as optax "
                       "does: updates with the params' tree structure and shapes (the strategies apply "
                       "params + updates), new_state with the state's structure")
 
 
 # --------------------------------------------------------------------------
-# The update rule: optax's contract, a pure pair passed in
+# The update rule: optax's contract
 # --------------------------------------------------------------------------
 
 
 class Optimizer(NamedTuple):
-    """An update rule as two pure functions, with optax's ``GradientTransformation`` contract:
-
-    * ``init(params) -> state``: any pytree of arrays;
-    * ``update(grads, state, params) -> (updates, new state)``, traced inside the
-      strategies' compiled steps; the strategies then apply ``params + updates``.
-
-    Any optax optimizer has this contract and is accepted as it is. Compiled steps
-    are cached on the ``update`` function's identity: keep hyperparameters in the
-    state (as ``sgd`` does) rather than in a new closure per value, or every new
-    value compiles again (an optax optimizer compiles once per ``optax.adam(...)``
-    call, so build it once)."""
+    """optax's ``GradientTransformation`` contract: ``init(params) -> state`` and
+    ``update(grads, state, params) -> (updates, new state)``. Compiled steps are cached
+    on ``update``: build an optimizer once, not once per step."""
     init: Callable[[Params], Any]
     update: Callable[[Params, Any, Params], tuple]
 
 
 def sgd(learning_rate: float = NOTEBOOK_LEARNING_RATE) -> Optimizer:
-    """Plain SGD, the notebooks' rule: updates ``-(lr * g)`` per leaf, in the leaf's dtype.
-
-    Applied as ``p + (-(lr * g))``, which is ``p - lr * g`` bit for bit (IEEE
-    subtraction is addition of the negation), the notebooks' step; ``optax.sgd(lr)``
-    computes the same updates. The state is ``{"learning_rate": float32 scalar}``:
-    the rate is an input of the compiled step, not a constant baked into it."""
+    """The notebooks' plain SGD: updates ``-(lr * g)`` in each leaf's dtype, the rate kept
+    in the state ({"learning_rate": float32}) so that a new rate compiles nothing new.
+    ``optax.sgd(lr)`` computes the same updates."""
     rate = np.float32(learning_rate)
     return Optimizer(lambda params: {"learning_rate": rate}, sgd_update)
 
 
 def sgd_update(grads: Params, state: dict, params: Params = None) -> tuple:
-    """``sgd``'s update: (-(state["learning_rate"] * grads) per leaf, state)."""
+    """``sgd``'s update: (-(state["learning_rate"] * g) per leaf, state)."""
     rate = state["learning_rate"]
     return jax.tree.map(lambda g: -(rate.astype(g.dtype) * g), grads), state
 
 
 def apply_updates(params: Params, updates: Params) -> Params:
-    """``p + u`` per leaf, cast back to p's dtype: ``optax.apply_updates``' arithmetic."""
+    """``p + u`` per leaf, cast to p's dtype: ``optax.apply_updates``' arithmetic."""
     return jax.tree.map(lambda p, u: jnp.asarray(p + u).astype(jnp.asarray(p).dtype), params, updates)
 
 
@@ -177,17 +115,188 @@ class Trained(NamedTuple):
 
 
 # --------------------------------------------------------------------------
-# Moving params (and optimizer state) between layouts (current APIs only)
+# The strategies
+# --------------------------------------------------------------------------
+
+
+def sharded(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
+            optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
+            logical_shards: int | None = None) -> Trained:
+    """Params replicated, the batch sharded on 'data', a jit step: XLA adds the sums."""
+    return _train("sharded", params, batches, mesh, loss_terms, optimizer, opt_state, reduction, logical_shards)
+
+
+def pmap(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
+         optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
+         logical_shards: int | None = None) -> Trained:
+    """Params stacked on a device axis, batches (n, B, ...), ``jax.pmap`` over the mesh's
+    devices; one process only."""
+    return _train("pmap", params, batches, mesh, loss_terms, optimizer, opt_state, reduction, logical_shards)
+
+
+def shard_map(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
+              optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
+              logical_shards: int | None = None) -> Trained:
+    """``jax.shard_map`` with explicit collectives."""
+    return _train("shard_map", params, batches, mesh, loss_terms, optimizer, opt_state, reduction,
+                  logical_shards)
+
+
+def single(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
+           optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
+           logical_shards: int | None = None) -> Trained:
+    """The whole global batch on the mesh's first device each step; one process only."""
+    return _train("single", params, batches, mesh, loss_terms, optimizer, opt_state, reduction, logical_shards)
+
+
+STRATEGIES = {"sharded": sharded, "pmap": pmap, "shard_map": shard_map, "single": single}
+
+
+def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_state, reduction: str,
+           logical_shards) -> Trained:
+    if name in ("pmap", "single") and jax.process_count() > 1:
+        raise ValueError(f"strategy {name!r} runs in one process only; with {jax.process_count()} "
+                         f"processes use 'sharded' or 'shard_map'")
+    _check_reduction(name, reduction, logical_shards, mesh)
+    state = start_state(name, optimizer, params, opt_state, mesh)
+    batches = iter(batches)
+    first = next(batches, None)
+    batches = checked(itertools.chain([] if first is None else [first], batches), name, mesh, reduction,
+                      logical_shards)
+    run_mesh = Mesh(np.array([mesh.devices.flat[0]]), (AXIS,)) if name == "single" else mesh
+    if name == "single":
+        batches = (jax.device_put(b, mesh.devices.flat[0]) for b in batches)
+    if reduction == "canonical":
+        L = logical_shards or (_batch_shards(first) if first is not None else None)
+        step = canonical_step(loss_terms, optimizer.update, run_mesh, L) if L else None
+    elif name == "pmap":
+        step = pmap_step(loss_terms, optimizer.update, tuple(mesh.devices.flat))
+        state, values = train_loop(step, stack_replicas(state, mesh), batches)
+        return Trained(first_replica(state[0]), stack_losses([v[0] for v in values]), first_replica(state[1]))
+    elif name == "shard_map":
+        step = shard_map_step(loss_terms, optimizer.update, mesh)
+    else:
+        step = sharded_step(loss_terms, optimizer.update)
+    state, values = train_loop(step, replicate(state, run_mesh), batches)
+    return Trained(to_host(state[0]), stack_losses(values), to_host(state[1]))
+
+
+def _check_reduction(name: str, reduction: str, logical_shards, mesh: Mesh) -> None:
+    n = mesh.devices.size
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"strategy {name!r}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if reduction == "plain" and logical_shards is not None:
+        raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} needs reduction='canonical' "
+                         f"(the plain reduction adds whatever each device holds)")
+    if logical_shards is None:
+        return
+    if isinstance(logical_shards, (bool, np.bool_)) or not isinstance(logical_shards, (int, np.integer)):
+        raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be an int")
+    if logical_shards < 1:
+        raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be at least 1")
+    if logical_shards % n:
+        raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be a multiple of the "
+                         f"mesh's {n} device(s)")
+
+
+def _batch_shards(batch) -> int | None:
+    """L of a batch that carries its plan's logical shards (``SHARDS_KEY``), else None."""
+    if isinstance(batch, dict) and SHARDS_KEY in batch:
+        return int(np.size(batch[SHARDS_KEY]))
+    return None
+
+
+def checked(batches: Iterable[dict], strategy: str, mesh: Mesh, reduction: str = "plain",
+            logical_shards: int | None = None) -> Iterator[dict]:
+    """``batches``, each checked to be in ``strategy``'s layout and on the mesh.
+
+    The layout is told from "mask": (n*B,) in layout "sharded", (n, B) in "pmap".
+    jax.Array leaves must be sharded on 'data' over exactly the mesh's devices; NumPy
+    leaves are placed so in one process and refused across processes (a host array
+    could be the whole batch or this process's rows). Under the canonical reduction
+    the batch's L (its ``SHARDS_KEY`` entry) must equal ``logical_shards`` when both
+    are known, one of them must be, and the rows must split into L blocks.
+    ValueError naming the strategy, the step and what is wrong."""
+    layout, n = LAYOUT[strategy], mesh.devices.size
+    want = NamedSharding(mesh, P(AXIS))
+    L = logical_shards
+    for step, batch in enumerate(batches):
+        where = f"strategy {strategy!r}, batch at step {step}"
+        if not isinstance(batch, dict) or "mask" not in batch:
+            got = f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""
+            raise ValueError(f"{where}: no 'mask' (a dict with a bool 'mask', (n*B,) or (n, B), as "
+                             f"loaders.make_loader yields); got {type(batch).__name__}{got}")
+        shape = tuple(np.shape(batch["mask"]))
+        if layout == "pmap" and (len(shape) != 2 or shape[0] != n):
+            raise ValueError(f"{where}: needs layout 'pmap' (mask (n, B) = ({n}, B); "
+                             f"make_loader(..., layout='pmap')), got a mask of shape {shape}")
+        if layout == "sharded" and len(shape) != 1:
+            raise ValueError(f"{where}: needs layout 'sharded' (mask (n*B,); "
+                             f"make_loader(..., layout='sharded')), got a mask of shape {shape}")
+        if reduction == "canonical":
+            carried = _batch_shards(batch)
+            if carried is not None and L is not None and carried != L:
+                raise ValueError(f"{where}: it carries logical_shards={carried} (its loader's plan), but the "
+                                 f"canonical reduction was given logical_shards={L}: the same bits on "
+                                 f"every topology hold only for the plan's own L")
+            L = L if L is not None else carried
+            if L is None:
+                raise ValueError(f"{where}: it does not say its logical shards (a loader's batches carry "
+                                 f"{SHARDS_KEY!r}): pass logical_shards=L for the canonical reduction")
+            if L % n:
+                raise ValueError(f"{where}: it carries logical_shards={L}, not a multiple of the mesh's {n} "
+                                 f"device(s)")
+            rows = shape[0] * (shape[1] if layout == "pmap" else 1)
+            if rows % L:
+                raise ValueError(f"{where}: its {rows} rows do not split into logical_shards={L} "
+                                 f"blocks of one size")
+        placed = {}
+        for key, leaf in batch.items():
+            if not isinstance(leaf, jax.Array):
+                if jax.process_count() > 1:
+                    raise ValueError(
+                        f"{where}: batch[{key!r}] is a host array ({type(leaf).__name__}); across "
+                        f"{jax.process_count()} processes it could be the whole batch or this process's "
+                        f"rows: build global arrays (jax.make_array_from_process_local_data)")
+                placed[key] = leaf if strategy == "single" else jax.device_put(leaf, want)
+                continue
+            if leaf.sharding.device_set != set(mesh.devices.flat):
+                raise ValueError(f"{where}: batch[{key!r}] lives on "
+                                 f"{sorted(str(d) for d in leaf.sharding.device_set)}, not on the mesh's "
+                                 f"devices {[str(d) for d in mesh.devices.flat]}")
+            if n > 1 and not leaf.sharding.is_equivalent_to(want, leaf.ndim):
+                raise ValueError(f"{where}: batch[{key!r}] has sharding {leaf.sharding}, not "
+                                 f"NamedSharding(mesh, P('data')): every device would compute on rows it "
+                                 f"does not own")
+            placed[key] = leaf
+        yield placed
+
+
+def start_state(name: str, optimizer: Optimizer, params: Params, opt_state, mesh: Mesh) -> tuple:
+    """(params, opt_state) checked; ``optimizer.init(params)`` on the mesh's first local
+    device for a state of None."""
+    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+        raise TypeError(f"strategy {name!r}: optimizer must have init(params) and update(grads, state, "
+                        f"params) (optax's GradientTransformation, or strategies.sgd(...)); got "
+                        f"{type(optimizer).__name__}")
+    check_dtypes(params, f"strategy {name!r}: params")
+    if opt_state is None:
+        local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        with jax.default_device(local[0]):
+            opt_state = optimizer.init(params)
+    check_dtypes(opt_state, f"strategy {name!r}: opt_state")
+    return params, opt_state
+
+
+# --------------------------------------------------------------------------
+# Moving params (and optimizer state) between layouts
 # --------------------------------------------------------------------------
 
 
 def replicate(params: Params, mesh: Mesh) -> Params:
-    """Every leaf copied to every device of ``mesh``: ``NamedSharding(mesh, P())``.
-
-    Replaces the removed ``jax.device_put_replicated`` for jit code. Each process
-    fills only its own devices, so this also works across processes (every
-    process must pass the same values). The arrays passed in are copied (the
-    compiled steps may consume the result); a 64-bit leaf JAX would narrow is
+    """Every leaf copied to every device of ``mesh`` (``NamedSharding(mesh, P())``); each
+    process fills its own devices, so every process must pass the same values. The
+    arrays passed in are copied, never consumed; a 64-bit leaf JAX would narrow is
     refused (``check_dtypes``)."""
     check_dtypes(params, "strategies.replicate")
     sharding = NamedSharding(mesh, P())
@@ -195,15 +304,11 @@ def replicate(params: Params, mesh: Mesh) -> Params:
     def put(leaf):
         leaf = np.array(leaf)
         return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
-
     return jax.tree.map(put, params)
 
 
 def stack_replicas(params: Params, mesh: Mesh) -> Params:
-    """Every leaf as (n, ...) with one copy per device, sharded on axis 0: pmap's layout.
-
-    Built from per-device copies, so in a multi-process run each process supplies
-    only its own devices' copies."""
+    """Every leaf as (n, ...), one copy per device, sharded on axis 0: pmap's layout."""
     check_dtypes(params, "strategies.stack_replicas")
     sharding = NamedSharding(mesh, P(AXIS))
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -212,17 +317,16 @@ def stack_replicas(params: Params, mesh: Mesh) -> Params:
         leaf = np.array(leaf)
         parts = [jax.device_put(leaf[None], d) for d in devices]
         return jax.make_array_from_single_device_arrays((mesh.devices.size,) + leaf.shape, sharding, parts)
-
     return jax.tree.map(stack, params)
 
 
 def first_replica(stacked: Params) -> Params:
-    """Host copy of one replica of pmap-layout params (this process's first)."""
+    """Host copy of this process's first replica of pmap-layout params."""
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[0], stacked)
 
 
 def to_host(params: Params) -> Params:
-    """Host (NumPy) copy of replicated or single-device params."""
+    """Host (NumPy) copy of replicated or single-device params; ValueError for a sharded leaf."""
     def get(x):
         if isinstance(x, jax.Array):
             if not x.sharding.is_fully_replicated:
@@ -232,20 +336,10 @@ def to_host(params: Params) -> Params:
     return jax.tree.map(get, params)
 
 
-def on_device(params: Params, device: jax.Device) -> Params:
-    """Params copied onto one device (e.g. for single-device validation); never an alias
-    of the arrays passed in, which the compiled steps may consume."""
-    check_dtypes(params, "strategies.on_device")
-    return jax.device_put(jax.tree.map(np.array, params), device)
-
-
 def check_dtypes(tree, where: str) -> None:
-    """Raises ValueError naming the leaf if JAX would silently change a leaf's dtype:
-    a 64-bit NumPy or JAX array or NumPy scalar (float64, int64, complex128) while
-    ``jax_enable_x64`` is off, which JAX narrows to 32 bits. Python's own scalars
-    (exactly bool, int, float, complex) are weakly typed (JAX's own rules) and pass;
-    ``np.float64(1.0)`` is not one of them, although it is a subclass of float (and
-    ``np.complex128`` of complex), and is refused like a float64 array."""
+    """ValueError naming the leaf where JAX would silently narrow a 64-bit leaf (float64,
+    int64, complex128, NumPy's scalars too) because ``jax_enable_x64`` is off. Python's
+    own bool, int, float and complex are weakly typed and pass."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         dtype = getattr(leaf, "dtype", None)
         if dtype is None or type(leaf) in (bool, int, float, complex):
@@ -260,182 +354,21 @@ def check_dtypes(tree, where: str) -> None:
 
 
 # --------------------------------------------------------------------------
-# The strategies
-# --------------------------------------------------------------------------
-
-
-def sharded(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-            optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
-            logical_shards: int | None = None) -> Trained:
-    L = _reduction("sharded", reduction, logical_shards, mesh)
-    state = replicate(start_state("sharded", optimizer, params, opt_state, mesh), mesh)
-    step = (sharded_step(loss_terms, optimizer.update) if reduction == "plain"
-            else canonical_step(loss_terms, optimizer.update, mesh, L))
-    state, losses = train_loop(step, state, checked(batches, "sharded", mesh, L))
-    return Trained(to_host(state[0]), stack_losses(losses), to_host(state[1]))
-
-
-def pmap(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-         optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
-         logical_shards: int | None = None) -> Trained:
-    _single_process_only("pmap", "pmap maps over this process's devices only")
-    L = _reduction("pmap", reduction, logical_shards, mesh)
-    state = start_state("pmap", optimizer, params, opt_state, mesh)
-    if reduction == "canonical":  # the canonical step's programs, on batches (n, B, ...)
-        state, losses = train_loop(canonical_step(loss_terms, optimizer.update, mesh, L),
-                                   replicate(state, mesh), checked(batches, "pmap", mesh, L))
-        return Trained(to_host(state[0]), stack_losses(losses), to_host(state[1]))
-    step = pmap_step(loss_terms, optimizer.update, tuple(mesh.devices.flat))
-    state, losses = train_loop(step, stack_replicas(state, mesh), checked(batches, "pmap", mesh))
-    return Trained(first_replica(state[0]), stack_losses([v[0] for v in losses]),
-                   first_replica(state[1]))
-
-
-def shard_map(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-              optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
-              logical_shards: int | None = None) -> Trained:
-    L = _reduction("shard_map", reduction, logical_shards, mesh)
-    state = replicate(start_state("shard_map", optimizer, params, opt_state, mesh), mesh)
-    step = (shard_map_step(loss_terms, optimizer.update, mesh) if reduction == "plain"
-            else canonical_step(loss_terms, optimizer.update, mesh, L))
-    state, losses = train_loop(step, state, checked(batches, "shard_map", mesh, L))
-    return Trained(to_host(state[0]), stack_losses(losses), to_host(state[1]))
-
-
-def single(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-           optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
-           logical_shards: int | None = None) -> Trained:
-    _single_process_only("single", "one device cannot hold another process's rows")
-    L = _reduction("single", reduction, logical_shards, mesh)
-    device = mesh.devices.flat[0]
-    if reduction == "plain":
-        jitted = sharded_step(loss_terms, optimizer.update)
-    else:  # one device adds its L logical blocks as microbatches
-        # The mesh loaders.data_mesh([device]) builds (Auto axes), so a step compiled for it is reused.
-        jitted = canonical_step(loss_terms, optimizer.update,
-                                Mesh(np.array([device]), (AXIS,), axis_types=(AxisType.Auto,)), L)
-    step = lambda state, batch: jitted(state, jax.device_put(batch, device))
-    state = on_device(start_state("single", optimizer, params, opt_state, mesh), device)
-    state, losses = train_loop(step, state, checked(batches, "single", mesh, L))
-    return Trained(to_host(state[0]), stack_losses(losses), to_host(state[1]))
-
-
-STRATEGIES = {"sharded": sharded, "pmap": pmap, "shard_map": shard_map, "single": single}
-REDUCTIONS = ("plain", "canonical")
-
-
-def _reduction(name: str, reduction: str, logical_shards, mesh: Mesh) -> int | None:
-    """The canonical reduction's L (``logical_shards``, default the mesh's device count),
-    checked; None for the plain reduction, which takes no logical shards."""
-    n = mesh.devices.size
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"strategy {name!r}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if reduction == "plain":
-        if logical_shards is not None:
-            raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} needs "
-                             f"reduction='canonical' (the plain reduction adds whatever each device "
-                             f"holds, in the order its collective picks)")
-        return None
-    L = n if logical_shards is None else logical_shards
-    if isinstance(L, (bool, np.bool_)) or not isinstance(L, (int, np.integer)) or L < 1 or L % n:
-        raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be an int that "
-                         f"the mesh's {n} device(s) divide")
-    return int(L)
-
-
-def checked(batches: Iterable[dict], strategy: str, mesh: Mesh,
-            logical_shards: int | None = None) -> Iterator[dict]:
-    """``batches``, each checked to be in ``strategy``'s layout and on the mesh, host leaves placed.
-
-    The layout is told from "mask": (n*B,) in layout "sharded", (n, B) in "pmap",
-    n the mesh's device count. Every jax.Array leaf must be sharded on 'data' over
-    exactly the mesh's devices (``NamedSharding(mesh, P('data'))`` or equivalent);
-    NumPy leaves are placed so in one process (``single`` moves them to its device
-    directly) and refused across processes. With ``logical_shards`` L (the canonical
-    reduction) the global batch's rows must split into L equal blocks, each device's
-    into L/n. Raises ValueError naming the strategy, the step, the key and what the
-    strategy needs."""
-    layout, n = LAYOUT[strategy], mesh.devices.size
-    devices = set(mesh.devices.flat)
-    want = NamedSharding(mesh, P(AXIS))
-    for step, batch in enumerate(batches):
-        if not isinstance(batch, dict) or "mask" not in batch:
-            raise ValueError(f"strategy {strategy!r}: the batch at step {step} has no 'mask' (a dict "
-                             f"with a bool 'mask', (n*B,) or (n, B), is what loaders.make_loader "
-                             f"yields); got {type(batch).__name__}"
-                             + (f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""))
-        shape = tuple(np.shape(batch["mask"]))
-        if layout == "pmap" and (len(shape) != 2 or shape[0] != n):
-            raise ValueError(
-                f"strategy {strategy!r} needs batches in layout 'pmap' (mask (n, B) = ({n}, B), "
-                f"every other key (n, B, ...); make_loader(..., layout='pmap')), got a mask of shape "
-                f"{shape} at step {step}")
-        if layout == "sharded" and len(shape) != 1:
-            raise ValueError(
-                f"strategy {strategy!r} needs batches in layout 'sharded' (mask (n*B,), every other "
-                f"key (n*B, ...); make_loader(..., layout='sharded')), got a mask of shape {shape} "
-                f"at step {step}")
-        rows = shape[0] * (shape[1] if layout == "pmap" else 1)
-        if logical_shards is not None and rows % logical_shards:
-            raise ValueError(
-                f"strategy {strategy!r}: the batch at step {step} has {rows} rows, which do not split "
-                f"into logical_shards={logical_shards} blocks of one size (the canonical reduction "
-                f"adds one gradient sum per logical block)")
-        placed = {}
-        for key, leaf in batch.items():
-            if not isinstance(leaf, jax.Array):
-                if jax.process_count() > 1:
-                    raise ValueError(
-                        f"strategy {strategy!r}: batch[{key!r}] at step {step} is a host array "
-                        f"({type(leaf).__name__}); across {jax.process_count()} processes it could be "
-                        f"the whole batch or this process's rows: build global arrays "
-                        f"(loaders.global_batch_from_rows or jax.make_array_from_process_local_data)")
-                placed[key] = leaf if strategy == "single" else jax.device_put(leaf, want)
-                continue
-            if leaf.sharding.device_set != devices:
-                raise ValueError(
-                    f"strategy {strategy!r}: batch[{key!r}] at step {step} lives on "
-                    f"{sorted(str(d) for d in leaf.sharding.device_set)}, not on the mesh's devices "
-                    f"{[str(d) for d in mesh.devices.flat]}")
-            if n > 1 and not leaf.sharding.is_equivalent_to(want, leaf.ndim):
-                raise ValueError(
-                    f"strategy {strategy!r}: batch[{key!r}] at step {step} has sharding "
-                    f"{leaf.sharding}, not NamedSharding(mesh, P('data')): every device would "
-                    f"compute on rows it does not own (jax.device_put(x, NamedSharding(mesh, "
-                    f"P('data'))) or make_loader places it right)")
-            placed[key] = leaf
-        yield placed
-
-
-# --------------------------------------------------------------------------
-# The training loop: the way to write your own
+# The training loop
 # --------------------------------------------------------------------------
 
 
 def train_loop(step: Callable, state, batches: Iterable,
                callback: Callable[[int, Any], None] | None = None) -> tuple[Any, list]:
-    """Runs ``state, value = step(state, batch)`` over ``batches``; returns (state, [value, ...]).
+    """Runs ``state, value = step(state, batch)`` over ``batches``; returns (state, values).
 
-    At most two steps are in flight: before step s is dispatched, step s - 2 has
-    finished (this waits on the value of step s - 1 only after dispatching s, so
-    the devices always have the next step queued). Unbounded asynchronous
-    dispatch while a loader's thread transfers batches deadlocked XLA's CPU
-    all-reduce (8 virtual devices, per-device batch 128: "only 6 of 8 threads
-    arrived" after 40 s); the bound also caps the memory of queued steps.
-
-    ``callback(t, value)``, if given, is called once per step, in step order, with
-    step t's value (any pytree of arrays) after it has finished, so reading it does
-    not wait: for every step but the last, right after the loop has waited for
-    step t, which is right after step t + 1 was dispatched (step t + 1 stays
-    queued while the callback runs; the guard is unchanged); for the last step,
-    after the batches are exhausted and the loop has waited for it. The values
-    are also returned (``stack_losses`` stacks them).
-
-    Use it for your own loop: ``step`` is any function of (state, batch), e.g.
-    ``sharded_step(loss_terms, optimizer.update)`` with state = (params,
-    opt_state) replicated on the mesh (``replicate``), or your own jitted step.
-    The strategies' compiled steps consume (donate) the state passed in on
-    accelerators (``donates``): keep only the state the loop returns."""
+    At most two steps are in flight: step s is dispatched, then step s - 1 is waited
+    for. Unbounded asynchronous dispatch while a loader's thread transfers batches
+    deadlocked XLA's CPU all-reduce (8 virtual devices, per-device batch 128).
+    ``callback(t, value)`` gets each step's value once, in step order, after the step
+    has finished. ``step`` is any function of (state, batch), e.g. ``sharded_step``'s or
+    ``canonical_step``'s with state = ``replicate((params, opt_state), mesh)``; on
+    accelerators the plain steps consume (donate) the state passed in."""
     values = []
     for batch in batches:
         state, value = step(state, batch)
@@ -451,14 +384,9 @@ def train_loop(step: Callable, state, batches: Iterable,
 
 
 def stack_losses(values: list):
-    """Step values stacked on the host: for values that are each a pytree (a scalar
-    loss, a dict of metrics, ...) of one structure, that structure with every leaf a
-    NumPy array (steps, *leaf shape) of the leaf's dtype; no values: (0,) float32.
-
-    Each leaf is a replicated or single-device jax.Array (or a host array); its
-    ``addressable_data(0)`` is read, so in a multi-process run this process's full
-    copy of a replicated value is used. A leaf sharded over devices (pmap's (n,)
-    values) is refused: pass one replica (``[v[0] for v in values]``)."""
+    """Step values (each a pytree of replicated or host arrays) stacked on the host, leaf
+    by leaf, (steps, ...); no values: (0,) float32. A sharded leaf (pmap's (n,) values)
+    is refused: pass one replica."""
     if not values:
         return np.zeros((0,), np.float32)
 
@@ -469,18 +397,17 @@ def stack_losses(values: list):
                                  f"not replicated: pass one replica, e.g. [v[0] for v in values]")
             return np.asarray(x.addressable_data(0))
         return np.asarray(x)
-
     return jax.tree.map(lambda *xs: np.stack([host(x) for x in xs]), *values)
 
 
-
 # --------------------------------------------------------------------------
-# The compiled steps, one per (model, update rule, devices)
+# The plain steps: a gradient program of each strategy's own, then update_program
 # --------------------------------------------------------------------------
 
 
 def checked_terms(loss_terms: LossTerms, params: Params, batch: dict) -> tuple:
-    """``loss_terms(params, batch)``, its contract checked (at trace time)."""
+    """``loss_terms(params, batch)`` with its contract checked at trace time: (total, count),
+    count as float32 (exact for counts below 2**24)."""
     out = loss_terms(params, batch)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         if hasattr(out, "shape"):
@@ -495,11 +422,44 @@ def checked_terms(loss_terms: LossTerms, params: Params, batch: dict) -> tuple:
                         f"shape {jnp.shape(count)}")
     if not jnp.issubdtype(jnp.result_type(total), jnp.floating):
         raise TypeError(f"{LOSS_TERMS_CONTRACT}; got total of dtype {jnp.result_type(total)}")
-    return total, count
+    return total, jnp.asarray(count).astype(jnp.float32)
+
+
+def _total_gradient(loss_terms: LossTerms) -> Callable:
+    """(params, batch) -> (gradient of total, total, count)."""
+    def gradient(params, batch):
+        (total, count), grads = jax.value_and_grad(lambda p: checked_terms(loss_terms, p, batch),
+                                                   has_aux=True)(params)
+        return grads, total, count
+    return gradient
+
+
+@functools.lru_cache(maxsize=64)
+def update_program(update: Callable, donate: bool = False) -> Callable:
+    """The update, one program every strategy and reduction shares: jit of ((params,
+    opt_state), gradient sums, loss sum, count) -> ((params + updates, new state), loss).
+
+    grads = sums / max(count, 1), the count exact: in the leaf's dtype for float32 and
+    wider leaves, in float32 then cast for narrower ones (bfloat16 holds integers only
+    up to 256). A program of its own, so that the optimizer's arithmetic is compiled
+    alike whatever computed the gradient: XLA:CPU contracts a multiply and an add that
+    share a fusion into one FMA, in an order that follows the fusion's layouts."""
+    def apply(state, sums, total, count):
+        params, opt_state = state
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: _divided(g, count), sums)
+        return _updated(update, grads, opt_state, params), _divided(total, count)
+    return jax.jit(apply, donate_argnums=(0,) if donate else ())
+
+
+def _divided(x, count):
+    if jnp.finfo(x.dtype).bits >= 32:
+        return x / count.astype(x.dtype)
+    return (x.astype(jnp.float32) / count).astype(x.dtype)
 
 
 def _updated(update: Callable, grads, opt_state, params) -> tuple:
-    """(params + updates, new state) from ``update``, its contract checked (at trace time)."""
+    """(params + updates, new state) from ``update``, its contract checked at trace time."""
     out = update(grads, opt_state, params)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(f"{OPTIMIZER_CONTRACT}; got {type(out).__name__}")
@@ -514,334 +474,188 @@ def _updated(update: Callable, grads, opt_state, params) -> tuple:
     return apply_updates(params, updates), new_state
 
 
-def _mean_loss(loss_terms: LossTerms) -> Callable:
-    def mean(params, batch):
-        total, count = checked_terms(loss_terms, params, batch)
-        return total / jnp.maximum(count, 1.0)
-    return mean
-
-
-def one_step(loss_terms: LossTerms, update: Callable) -> Callable:
-    """The plain step, uncompiled: (state, batch) -> (state, the batch's masked mean loss),
-    state = (params, opt_state), the gradient of that mean applied through ``update``,
-    in one function (what equivalence.twin_growth vmaps; the strategies' steps compute
-    the gradient and the update in programs of their own: ``apply_program``)."""
-    def step(state, batch):
-        params, opt_state = state
-        value, grads = jax.value_and_grad(_mean_loss(loss_terms))(params, batch)
-        return _updated(update, grads, opt_state, params), value
-    return step
-
-
-@functools.lru_cache(maxsize=64)
-def apply_program(update: Callable, donate: bool = False) -> Callable:
-    """The update, its own program, shared by every strategy's plain step: jit of
-    ((params, opt_state), grads, loss) -> ((params + updates, new opt_state), loss) on
-    replicated (or single-device) values; the state is donated when ``donate``.
-
-    Its own program so that the same optax arithmetic compiles alike whatever computed
-    the gradient: fused into a step's program it follows that program's layouts, and
-    XLA:CPU contracts a multiply and an add into one FMA in an order that follows its
-    operands' layout (Adam's first moment, 0.1 g + 0.9 m, rounded as fma(0.1, g, 0.9 m)
-    in pmap's program and fma(0.9, m, 0.1 g) in shard_map's for the 1-d leaves, where
-    one got biases as [n] and the other as [1, n]): pmap and shard_map then ended a few
-    ulps apart under Adam, and 8.7e6 apart at a chaotic rate. Measured by disabling FMA
-    (XLA_FLAGS=--xla_cpu_max_isa=AVX): bit-identical again."""
-    def apply(state, grads, loss):
-        params, opt_state = state
-        return _updated(update, grads, opt_state, params), loss
-    return jax.jit(apply, donate_argnums=(0,) if donate else ())
-
-
-@functools.lru_cache(maxsize=64)
-def sharded_step(loss_terms: LossTerms, update: Callable, donate: bool | None = None) -> Callable:
-    """One plain step on state (params, opt_state): (state, batch) -> (state, loss): the
-    gradient of the batch's global masked mean by a jit of its own (on replicated
-    state and a batch sharded on 'data', ``sharded``, XLA adds the cross-device sums;
-    on one device, ``single``, it is the plain gradient), then ``apply_program``.
-    ``update`` has optax's contract; the step applies ``params + updates``. ``donate``:
-    whether the state passed in is donated (consumed, its buffers reused for the new
-    state); None (the default) donates where that saves memory, on accelerators, and
-    not on CPU devices (``donates``)."""
-    if donate is not None:
-        gradient = _mean_gradient(loss_terms)
-        apply = apply_program(update, donate)
-
-        def fixed(state, batch):
-            loss, grads = gradient(state[0], batch)
-            return apply(state, grads, loss)
-        return fixed
-    donating, keeping = sharded_step(loss_terms, update, True), sharded_step(loss_terms, update, False)
-
-    def step(state, batch):
-        leaf = next((x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)), None)
-        chosen = donating if leaf is not None and donates(leaf.devices()) else keeping
-        return chosen(state, batch)
-    return step
-
-
-@functools.lru_cache(maxsize=64)
-def _mean_gradient(loss_terms: LossTerms) -> Callable:
-    """jit: (params, batch) -> (the batch's masked mean loss, its gradient)."""
-    return jax.jit(jax.value_and_grad(_mean_loss(loss_terms)))
-
-
 def donates(devices) -> bool:
-    """Whether the compiled steps donate their state on these devices: on accelerators, not
-    on CPU devices. Measured with XLA's own accounting (``compiled.memory_analysis()``, bench.py's
-    donation table): on CPU (JAX 0.10.2) a donated step aliases its output to the state but
-    keeps a temporary copy of the params for the reads that follow the in-place update
-    (temporaries 16.8 -> 33.7 MB a device for the notebook MLP), so its peak is the same
-    and the copy costs time; GPUs' donation is what nanodo and the JAX examples rely on
-    (not measured here: no GPU)."""
+    """Whether the plain steps donate their state: on accelerators, not on CPU devices,
+    where XLA keeps a copy of a donated state anyway (bench.py's donation table)."""
     return all(d.platform != "cpu" for d in devices)
 
 
 @functools.lru_cache(maxsize=64)
-def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callable:
-    """The pmap step over exactly ``devices``, in that order (one per mesh position).
+def sharded_step(loss_terms: LossTerms, update: Callable) -> Callable:
+    """The plain step for your own loop: (state, batch) -> (state, loss), state =
+    (params, opt_state) replicated (``replicate``), the batch sharded on 'data'. The
+    gradient by a jit of its own (XLA adds the cross-device sums), then ``update_program``;
+    the state is donated on accelerators."""
+    gradient = jax.jit(_total_gradient(loss_terms))
 
-    Takes state (params, opt_state) stacked (n, ...), consumed where ``donates``, and a
-    batch (n, B, ...); returns (new state (n, ...), global masked loss (n,)), every
-    replica equal, on the same devices. The gradient is jax.pmap's (``_parallel_gradient``:
-    each device back-propagates 1/count through its own total, count the real samples
-    of the whole global batch, and the per-device gradients add up in a psum; the
-    notebooks' ``pmean(grads)`` of per-device means is that gradient only when every
-    device holds the same number of real samples); the update is ``apply_program`` on
-    one replica, replicated, as in every other strategy, and the new state is stacked
-    again. A pmap without ``devices=`` would map over the default backend's first n
-    devices, whatever devices its inputs live on."""
+    def step(state, batch):
+        leaf = next((x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)), None)
+        apply = update_program(update, leaf is not None and donates(leaf.devices()))
+        return apply(state, *gradient(state[0], batch))
+    return step
+
+
+@functools.lru_cache(maxsize=64)
+def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callable:
+    """The pmap step over exactly ``devices``: state stacked (n, ...), batch (n, B, ...) ->
+    (state (n, ...), loss (n,)). Each device's gradient of its total, psummed, then
+    ``update_program`` on one replica and stacked again. (The notebooks' ``pmean`` of
+    per-device mean gradients is this gradient only when every device holds as many
+    real rows.) A pmap without ``devices=`` maps over the default backend's devices."""
     mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
     donate = donates(devices)
-    gradient = jax.pmap(_parallel_gradient(loss_terms), axis_name=AXIS, devices=list(devices))
-    apply = apply_program(update, donate)
+
+    def summed(params, batch):
+        grads, total, count = _total_gradient(loss_terms)(params, batch)
+        return lax.psum((grads, total, count), AXIS)
+    gradient = jax.pmap(summed, axis_name=AXIS, devices=list(devices))
+    apply = update_program(update, donate)
     first = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[0], x), mesh=mesh, in_specs=P(AXIS),
                                   out_specs=P(), check_vma=False), donate_argnums=(0,) if donate else ())
     stacked = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[None], x), mesh=mesh, in_specs=P(),
                                     out_specs=P(AXIS), check_vma=False))
 
     def step(state, batch):
-        loss, grads = gradient(state[0], batch)
-        new, loss = apply(first(state), *first((grads, loss)))
-        return stacked((new, loss))
+        sums = gradient(state[0], batch)
+        return stacked(apply(first(state), *first(sums)))
     return step
-
-
-def _parallel_gradient(loss_terms: LossTerms) -> Callable:
-    """pmap_step's per-device function (uncompiled): (params, batch) -> (global masked loss,
-    its gradient), collectives over axis 'data'."""
-    def gradient(params, batch):
-        total, vjp, count = jax.vjp(lambda p: checked_terms(loss_terms, p, batch), params, has_aux=True)
-        denominator = jnp.maximum(lax.psum(count, AXIS), 1.0)
-        grads = lax.psum(vjp((1.0 / denominator).astype(total.dtype))[0], AXIS)
-        return lax.psum(total, AXIS) / denominator, grads
-    return gradient
 
 
 @functools.lru_cache(maxsize=64)
 def shard_map_step(loss_terms: LossTerms, update: Callable, mesh: Mesh) -> Callable:
-    """The shard_map step for ``mesh``: (state, batch) -> (state, loss), the gradient by a
-    jit(shard_map) of its own, then ``apply_program`` (the state donated where
-    ``donates(mesh.devices.flat)``).
+    """The shard_map step for ``mesh``: the gradient of psum(total) by a jit(shard_map),
+    then ``update_program``.
 
-    Why this form is correct: with ``check_vma=True`` (the default), the params enter
-    replicated (``P()``) and JAX knows they are the same on every device. The
-    gradient of a device-varying value with respect to such an input is summed
-    over devices automatically (the transpose of the implicit broadcast is a
-    psum). So we differentiate the *global* loss, psum(total) / psum(count), and
-    the automatic sum adds each device's share exactly once. The trap is porting
-    pmap's ``grad(local mean loss)`` then ``pmean(grads)``: the automatic psum
-    has already summed n per-device means, pmean of that replicated sum changes
-    nothing, and training runs with n times the gradient.
-    """
+    The trap this form avoids: with ``check_vma=True`` (the default) and params entering
+    replicated (``P()``), JAX already sums the gradient over devices (the transpose of
+    the implicit broadcast is a psum). Porting pmap's ``grad`` then ``pmean(grads)``
+    trains with n times the gradient."""
     def gradient(params, batch):
-        def global_loss(p):
+        def summed(p):
             total, count = checked_terms(loss_terms, p, batch)
-            return lax.psum(total, AXIS) / jnp.maximum(lax.psum(count, AXIS), 1.0)
-        return jax.value_and_grad(global_loss)(params)
-
-    gradient = jax.jit(jax.shard_map(gradient, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P())))
-    apply = apply_program(update, donates(mesh.devices.flat))
+            return lax.psum(total, AXIS), lax.psum(count, AXIS)
+        (total, count), grads = jax.value_and_grad(summed, has_aux=True)(params)
+        return grads, total, count
+    gradient = jax.jit(jax.shard_map(gradient, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))
+    apply = update_program(update, donates(mesh.devices.flat))
 
     def step(state, batch):
-        loss, grads = gradient(state[0], batch)
-        return apply(state, grads, loss)
+        return apply(state, *gradient(state[0], batch))
     return step
 
 
 # --------------------------------------------------------------------------
 # The canonical reduction: the same bits on every topology
 # --------------------------------------------------------------------------
-#
-# Two things make the bits the same on every topology: the order of summation, fixed
-# by construction (canonical_sums), and the same compiled arithmetic for each block
-# and for the update, whatever the mesh. The second is XLA's, and it needed one
-# setting: XLA compiles a program for one device and a program partitioned over
-# several through different pass pipelines, and the partitioned one runs a CSE before
-# the algebraic simplifier, which then rewrites what CSE left differently (measured on
-# CPU, JAX 0.10.2: an attention block's softmax gradient kept a divide by a broadcast
-# on 2, 4 and 8 devices that became a multiply by a reciprocal on one device, and
-# XLA:CPU contracted that multiply and the following add into one FMA: other bits).
-# With XLA's CSE passes off in these programs (CANONICAL_XLA_OPTIONS) the two
-# pipelines give the same arithmetic on every model tested (ReLU MLPs, the notebooks'
-# MLP, attention; SGD, Adam, AdamW with clipping), and test_equivalence.py holds it
-# on every run: an XLA that compiles them apart fails there, not in silence.
-CANONICAL_XLA_OPTIONS = {"xla_disable_hlo_passes": "cse"}
 
 
-def canonical_sums(loss_terms: LossTerms, num_devices: int, logical_shards: int) -> Callable:
-    """The per-device half of ``canonical_step``, uncompiled, for a shard_map or pmap over
-    axis 'data' of ``num_devices`` = n devices: (params, rows) -> (gradient sums, loss sum,
-    count), every output the same bits on every device. ``rows`` is this device's part
-    of the global batch: L/n logical blocks of b rows, L = ``logical_shards``.
+@functools.lru_cache(maxsize=64)
+def block_program(loss_terms: LossTerms) -> Callable:
+    """One logical block's sums, a single-device jit: (params, rows of one block) ->
+    (gradient of total, total, count), each leaf with a leading axis of 1. Every device
+    runs this same program on its own blocks, whatever the mesh: no program's arithmetic
+    depends on the number of devices. (Inside one multi-device program it would: a loop
+    of one block is inlined and fused with its neighbours, and XLA compiles partitioned
+    programs through other passes.)"""
+    gradient = _total_gradient(loss_terms)
+    return jax.jit(lambda params, rows: jax.tree.map(lambda x: x[None], gradient(params, rows)))
 
-    1. Each block's (gradient of its loss sum, loss sum, count) by one program of one
-       shape (b rows): ``lax.map`` over the device's blocks, in block order.
-    2. Leaf by leaf (the loss sums and counts too): ``all_to_all`` gives device c chunk c
-       of that leaf of every block of every device (raveled, zero-padded to n chunks),
-       in global block order, device 0's blocks first: (L, chunk). A leaf under
-       SMALL_LEAF entries is ``all_gather``ed whole instead: (L, ...) on every device.
-    3. A left fold over the L blocks with explicit adds, g_0 + g_1, then + g_2, ...,
-       + g_{L-1}: the one order of summation, whatever n (a ``jnp.sum`` would let XLA
-       pick one). It starts from g_0 itself, never from 0 + g_0 (a sign of zero).
-    4. ``all_gather`` of the folded chunks: the whole sums on every device.
 
-    Why n cannot change the bits: every block's sums come from the same program on the
-    same b rows (compiled alike on every mesh: CANONICAL_XLA_OPTIONS); the fold adds
-    the same L values in the same order (the chunking splits only which device adds
-    which entries; each entry's sum is the same sequence of IEEE additions); moving
-    values between devices and padding with zeros are exact. So the result is that of
-    one device adding its L microbatches' sums in order. It holds within one backend
-    and one device kind (measured on CPU: test_equivalence.py); nothing promises CPU
-    bits equal GPU bits, or one GPU model another's. Bytes a device sends: (L/n + 1) x
-    (n-1)/n gradients, an all-reduce's 2 x (n-1)/n when L = n. Either batch layout:
-    rows (L/n*b, ...) or, in layout "pmap", (1, L/n*b, ...)."""
-    if logical_shards % num_devices:
-        raise ValueError(f"canonical reduction: {num_devices} devices do not divide "
-                         f"logical_shards={logical_shards}")
-    per_device = logical_shards // num_devices
-
-    def block(params, rows):
-        (total, count), grads = jax.value_and_grad(
-            lambda p: checked_terms(loss_terms, p, rows), has_aux=True)(params)
-        return grads, total, count
-
-    def sums(params, rows):
-        if jnp.ndim(rows["mask"]) == 2:  # layout "pmap": this device's (1, L/n*b, ...)
-            rows = jax.tree.map(lambda x: x.reshape(x.shape[1:]), rows)
-        size = jax.tree.leaves(rows)[0].shape[0]
-        if size % per_device:
-            raise ValueError(f"canonical reduction: a device's {size} rows do not split into its "
-                             f"{per_device} logical blocks (logical_shards={logical_shards} over "
-                             f"{num_devices} devices)")
-        blocks = jax.tree.map(lambda x: x.reshape((per_device, size // per_device) + x.shape[1:]), rows)
-        grads, total, count = lax.map(lambda b: block(params, b), blocks)
-        leaves, tree = jax.tree.flatten(grads)
-        count = jnp.asarray(count, total.dtype)
-        folded = _fold_across(leaves + [total, count], per_device, num_devices)
-        return jax.tree.unflatten(tree, folded[:-2]), folded[-2], folded[-1]
-    return sums
+@functools.lru_cache(maxsize=64)
+def _split_program(blocks: int, pmap_layout: bool) -> Callable:
+    """A device's rows ((k*b, ...), or (1, k*b, ...) in layout "pmap") -> k blocks of b rows."""
+    def split(rows):
+        if pmap_layout:
+            rows = jax.tree.map(lambda x: x[0], rows)
+        b = jax.tree.leaves(rows)[0].shape[0] // blocks
+        return [jax.tree.map(lambda x: x[i * b:(i + 1) * b], rows) for i in range(blocks)]
+    return jax.jit(split)
 
 
 SMALL_LEAF = 1 << 14  # entries: a leaf this small is gathered whole and folded on every device
 
 
-def _fold_across(leaves: list, per_device: int, n: int) -> list:
-    """_fold_program's body: each leaf (per_device, ...) folded over every device's blocks
-    in global block order (device 0's first), the result (...) on every device. A leaf of
-    SMALL_LEAF entries or more goes by ``all_to_all`` (device c folds chunk c of every
-    block, raveled and zero-padded to n chunks) and an ``all_gather`` of the folded chunks;
-    a smaller one is all_gathered whole and folded on every device. Either way each entry
-    is the same left fold of the same L values."""
-    out = []
-    for x in leaves:
-        shape = x.shape[1:]
-        width = int(np.prod(shape, dtype=np.int64))
-        if width < SMALL_LEAF or n == 1:
-            out.append(_left_fold(lax.all_gather(x, AXIS, tiled=True)))  # (L, ...)
-            continue
-        chunk = -(-width // n)
-        vector = jnp.pad(x.reshape(per_device, width), ((0, 0), (0, n * chunk - width)))
-        blocks = lax.all_to_all(vector, AXIS, 1, 0, tiled=True)  # (L, chunk), global block order
-        whole = lax.all_gather(_left_fold(blocks), AXIS, tiled=True)[:width]
-        out.append(whole.reshape(shape))
-    return out
+@functools.lru_cache(maxsize=64)
+def fold_program(mesh: Mesh, per_device: int) -> Callable:
+    """jit(shard_map) on ``mesh``: k = ``per_device`` rounds, round i a pytree whose leaves
+    are (n, ...) sharded on 'data' (device d's entry: its block d*k + i) -> each leaf's
+    left fold over the L = n*k blocks, in block order, replicated.
+
+    A leaf of SMALL_LEAF entries or more goes by ``all_to_all``: device c receives chunk c
+    (raveled, zero-padded to n chunks) of every block, folds it, and an ``all_gather``
+    joins the chunks. A smaller leaf is gathered whole and folded on every device. Either
+    way each entry is the same sequence of IEEE additions, g_0 + g_1, then + g_2, ...:
+    moving values and padding with zeros are exact. A device sends (L/n + 1) x (n-1)/n
+    of a gradient: an all-reduce's 2 x (n-1)/n when L = n."""
+    n = mesh.devices.size
+
+    def fold(rounds):
+        leaves = [jnp.concatenate(xs, axis=0) for xs in zip(*(jax.tree.leaves(r) for r in rounds))]
+        folded = []
+        for x in leaves:  # x: (k, ...), this device's blocks in order
+            shape, width = x.shape[1:], int(np.prod(x.shape[1:], dtype=np.int64))
+            if width < SMALL_LEAF or n == 1:
+                folded.append(_left_fold(lax.all_gather(x, AXIS, tiled=True)))
+                continue
+            chunk = -(-width // n)
+            vector = jnp.pad(x.reshape(per_device, width), ((0, 0), (0, n * chunk - width)))
+            blocks = lax.all_to_all(vector, AXIS, 1, 0, tiled=True)  # (L, chunk), block order
+            folded.append(lax.all_gather(_left_fold(blocks), AXIS, tiled=True)[:width].reshape(shape))
+        return jax.tree.unflatten(jax.tree.structure(rounds[0]), folded)
+    return jax.jit(jax.shard_map(fold, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False))
 
 
 def _left_fold(blocks):
     """blocks[0] + blocks[1], then + blocks[2], ...: explicit adds in that order (a jnp.sum
-    would let XLA pick the order), starting from blocks[0] itself (0 + x is not x for -0.0)."""
+    lets XLA pick one), from blocks[0] itself (0 + x is not x for x = -0.0)."""
     total = blocks[0]
     for l in range(1, blocks.shape[0]):
         total = total + blocks[l]
     return total
 
 
-@functools.lru_cache(maxsize=64)
-def canonical_gradients(loss_terms: LossTerms, mesh: Mesh, logical_shards: int) -> Callable:
-    """jit(shard_map(canonical_sums)) on ``mesh``: (params replicated, batch sharded on
-    'data') -> (gradient sums, loss sum, count), replicated."""
-    sums = canonical_sums(loss_terms, mesh.devices.size, logical_shards)
-    return jax.jit(jax.shard_map(sums, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(),
-                                 check_vma=False), compiler_options=CANONICAL_XLA_OPTIONS)
-
-
-@functools.lru_cache(maxsize=64)
-def update_program(update: Callable) -> Callable:
-    """The update as its own program: jit((params, opt_state), gradient sums, loss sum,
-    count) -> ((params, opt_state), loss), dividing the sums by max(count, 1), the
-    step's global count of real samples, then ``update`` and ``params + updates``.
-
-    Its own program so that it compiles alike on every topology: inside a step's
-    program the same optax arithmetic is fused with whatever surrounds it, and XLA's
-    CPU compiler contracts a multiply and an add that land in one fusion into one
-    FMA (one rounding instead of two), so pmap and shard_map steps ended apart under
-    Adam. On replicated inputs the program each device runs is the same."""
-    def apply(state, sums, total, count):
-        params, opt_state = state
-        denominator = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / denominator.astype(g.dtype), sums)
-        return _updated(update, grads, opt_state, params), total / denominator
-    return jax.jit(apply, compiler_options=CANONICAL_XLA_OPTIONS)
-
-
 def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_shards: int) -> Callable:
-    """One training step with the canonical reduction: (state, batch) -> (state, loss).
-
-    ``state`` = (params, opt_state) replicated on ``mesh``; ``batch`` a global batch of
-    L*b rows sharded on 'data', in layout "sharded" (L*b, ...) or "pmap" (n, L/n*b,
-    ...), L = ``logical_shards`` a multiple of the mesh's n devices: logical block l is
-    rows l*b .. (l+1)*b - 1, so device k holds blocks k*L/n .. (k+1)*L/n - 1. The
-    gradient is ``canonical_sums``' (the L blocks' gradient sums added in one fixed
-    order) divided by the step's global count of real samples (never a per-device or
-    per-microbatch mean), then ``update_program``. So the params, the optimizer state
-    and the losses are the same bits on every mesh whose device count divides L, in
-    one process or several, and on one device adding the L blocks as microbatches (a
-    mesh of one device), at any learning rate: the same arithmetic in the same order."""
-    gradients, apply = canonical_gradients(loss_terms, mesh, logical_shards), update_program(update)
+    """One canonical step: (state, batch) -> (state, loss), state = (params, opt_state)
+    replicated on ``mesh`` (``replicate``), the batch L*b rows sharded on 'data' in either
+    layout, L = ``logical_shards``, a multiple of the mesh's n devices: device k holds
+    blocks k*L/n .. (k+1)*L/n - 1. The module's docstring gives the construction; the
+    state is not donated."""
+    n = mesh.devices.size
+    if logical_shards % n:
+        raise ValueError(f"canonical_step: logical_shards={logical_shards} must be a multiple of the "
+                         f"mesh's {n} device(s)")
+    k = logical_shards // n
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    block, fold, apply = block_program(loss_terms), fold_program(mesh, k), update_program(update)
 
     def step(state, batch):
-        return apply(state, *gradients(state[0], batch))
+        rows = {key: x for key, x in batch.items() if key != SHARDS_KEY}
+        split = (_split_program(k, jnp.ndim(rows["mask"]) == 2)
+                 if k > 1 or jnp.ndim(rows["mask"]) == 2 else (lambda r: [r]))
+        params, rows = _by_device(state[0], local), _by_device(rows, local)
+        sums = {d: [block(params[d], blk) for blk in split(rows[d])] for d in local}
+        rounds = [_assembled({d: sums[d][i] for d in local}, mesh, P(AXIS)) for i in range(k)]
+        held = _by_device((state, *fold(rounds)), local)
+        return _assembled({d: apply(*held[d]) for d in local}, mesh, P())
     return step
 
 
-def start_state(name: str, optimizer: Optimizer, params: Params, opt_state, mesh: Mesh) -> tuple:
-    """(params, opt_state) checked, with ``optimizer.init(params)`` (on the mesh's first
-    local device) for a state of None."""
-    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
-        raise TypeError(f"strategy {name!r}: optimizer must have init(params) and update(grads, state, "
-                        f"params) (optax's GradientTransformation, or strategies.sgd(...)); got "
-                        f"{type(optimizer).__name__}")
-    check_dtypes(params, f"strategy {name!r}: params")
-    if opt_state is None:
-        local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-        with jax.default_device(local[0]):
-            opt_state = optimizer.init(params)
-    check_dtypes(opt_state, f"strategy {name!r}: opt_state")
-    return params, opt_state
+def _by_device(tree, devices: list) -> dict:
+    """{device: ``tree`` with each leaf replaced by its shard on that device}."""
+    leaves, structure = jax.tree.flatten(tree)
+    shards = [{s.device: s.data for s in x.addressable_shards} for x in leaves]
+    return {d: jax.tree.unflatten(structure, [s[d] for s in shards]) for d in devices}
 
 
-def _single_process_only(name: str, why: str) -> None:
-    if jax.process_count() > 1:
-        raise ValueError(f"strategy {name!r} runs in one process only ({why}); with "
-                         f"{jax.process_count()} processes use 'sharded' or 'shard_map'")
+def _assembled(by_device: dict, mesh: Mesh, spec: P):
+    """This process's per-device trees as one global tree: replicated (``P()``) or stacked
+    on the device axis (``P(AXIS)``, each device's leaves of leading size 1)."""
+    devices = [d for d in mesh.devices.flat if d in by_device]
+    leaves = [jax.tree.leaves(by_device[d]) for d in devices]
+    structure = jax.tree.structure(by_device[devices[0]])
+    sharding = NamedSharding(mesh, spec)
+    out = []
+    for i, x in enumerate(leaves[0]):
+        shape = x.shape if spec == P() else (mesh.devices.size,) + x.shape[1:]
+        out.append(jax.make_array_from_single_device_arrays(shape, sharding, [l[i] for l in leaves]))
+    return jax.tree.unflatten(structure, out)

@@ -19,7 +19,7 @@ Guarantees checked:
   matches update on the concatenated global batch within 4 ulps, and every
   replica of its output is equal.
 * accuracy counts only mask-True slots and raises without any.
-* replicate / stack_replicas / first_replica / to_host / on_device put params
+* replicate / stack_replicas / first_replica / to_host put params
   where their docstrings say and round-trip them exactly.
 """
 
@@ -257,7 +257,7 @@ def test_update_parallel_matches_update_on_the_global_batch(mesh, params):
         assert all(np.array_equal(r, replicas[0]) for r in replicas)
 
     device = mesh.devices.flat[0]
-    expected, value = model.update(strategies.on_device(params, device), jax.device_put(host, device),
+    expected, value = model.update(jax.device_put(params, device), jax.device_put(host, device),
                                    learning_rate)
     # One pass over n*per rows versus n passes over per rows and a psum of n
     # partial sums: reordering an n-term sum moves it by at most about n-1 ulps of
@@ -307,7 +307,7 @@ def test_update_parallel_divides_by_the_global_real_count_at_0_and_1(mesh, param
         return
     np.testing.assert_allclose(np.asarray(losses), loss64(params, host), rtol=1e-6)
     device = mesh.devices.flat[0]
-    expected, _ = model.update(strategies.on_device(params, device), jax.device_put(host, device),
+    expected, _ = model.update(jax.device_put(params, device), jax.device_put(host, device),
                                learning_rate)
     for got, want in zip(leaves(new), leaves(expected)):
         assert np.abs(got - want).max() <= n * np.spacing(np.abs(want).max())
@@ -369,13 +369,6 @@ def test_stack_replicas(mesh, params):
     # to_host refuses a sharded (here: pmap-layout) array rather than return one shard.
     with pytest.raises(ValueError, match="replicated"):
         strategies.to_host(stacked)
-
-
-def test_on_device(devices, params):
-    device = devices[-1]  # not the default device, so the check can fail
-    placed = strategies.on_device(params, device)
-    assert all(leaf.devices() == {device} for leaf in jax.tree.leaves(placed))
-    assert trees_equal(strategies.to_host(placed), params)
 
 
 def test_update_defaults_to_the_notebooks_rate_of_0_001(params):

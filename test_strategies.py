@@ -41,7 +41,7 @@ import equivalence
 import loaders
 import model
 import strategies
-from conftest import (B, CLASSES, FEATURES, SMALL_LAYERS, assert_params_close, assert_same_bits, host_batches,
+from conftest import (B, CLASSES, FEATURES, SMALL_LAYERS, assert_params_close, assert_same_bits, bits_differ, host_batches,
                       linear_init, linear_loss_terms, place, train)
 
 
@@ -66,7 +66,7 @@ def test_checked_tells_the_layout_from_the_mask(devices, strategy, shape, ok):
             if strategy != "single":  # host arrays placed on the mesh, sharded on 'data'
                 assert got[key].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), host[key].ndim), key
     else:
-        with pytest.raises(ValueError, match=f"strategy '{strategy}' needs batches in layout "
+        with pytest.raises(ValueError, match=f"strategy '{strategy}', batch at step 0: needs layout "
                                              f"'{strategies.LAYOUT[strategy]}'.*mask of shape {re.escape(str(shape))}"):
             list(strategies.checked([host], strategy, mesh))
 
@@ -78,7 +78,7 @@ def test_checked_reads_no_key_but_mask(devices):
               "mask": np.ones(4, bool)}
     [got] = list(strategies.checked([tokens], "sharded", mesh))
     assert set(got) == set(tokens)
-    with pytest.raises(ValueError, match="has no 'mask'.*keys \\['images', 'labels'\\]"):
+    with pytest.raises(ValueError, match="no 'mask'.*keys \\['images', 'labels'\\]"):
         list(strategies.checked([{"images": np.zeros(4), "labels": np.zeros(4)}], "sharded", mesh))
 
 
@@ -88,7 +88,7 @@ def test_checked_refuses_a_batch_on_other_devices(devices):
     good = loaders.global_batch_from_rows(batch((4,)), mesh)
     bad = loaders.global_batch_from_rows(batch((4,)), elsewhere)
     assert len(list(strategies.checked([good], "sharded", mesh))) == 1
-    with pytest.raises(ValueError, match="at step 1 lives on .* not on the mesh's devices"):
+    with pytest.raises(ValueError, match="at step 1: batch\\['images'\\] lives on .* not on the mesh's devices"):
         list(strategies.checked([good, bad], "sharded", mesh))
 
 
@@ -96,15 +96,15 @@ def test_checked_refuses_a_batch_not_sharded_on_data(devices):
     # Replicated on the mesh's own devices: every device would compute every row.
     mesh = loaders.data_mesh(devices[:2])
     replicated = {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in batch((4,)).items()}
-    with pytest.raises(ValueError, match=r"batch\['images'\] at step 0 has sharding .*not NamedSharding\(mesh, P\('data'\)\)"):
+    with pytest.raises(ValueError, match=r"at step 0: batch\['images'\] has sharding .*not NamedSharding\(mesh, P\('data'\)\)"):
         list(strategies.checked([replicated], "sharded", mesh))
 
 
 def test_checked_refuses_host_arrays_across_processes(devices, monkeypatch):
     mesh = loaders.data_mesh(devices[:2])
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ValueError, match=r"batch\['images'\] at step 0 is a host array .*2 processes.*"
-                                         r"global_batch_from_rows"):
+    with pytest.raises(ValueError, match=r"at step 0: batch\['images'\] is a host array .*2 processes.*"
+                                         r"make_array_from_process_local_data"):
         list(strategies.checked([batch((4,))], "sharded", mesh))
 
 
@@ -155,8 +155,10 @@ def test_pmap_without_devices_is_caught():
     # Negative control: the notebooks' pmap (no devices=) maps over the default
     # backend's first devices. On CPU devices [4..7] its results come back on
     # [0..3] (on a GPU host it fails outright); either way the check catches it.
-    gradient = jax.pmap(strategies._parallel_gradient(linear_loss_terms), axis_name=strategies.AXIS)  # legacy, on purpose
-    legacy = lambda state, batch: gradient(state[0], batch)  # its (loss, grads), on devices checked alike
+    def summed(params, batch):
+        return jax.lax.psum(jax.grad(lambda p: linear_loss_terms(p, batch)[0])(params), strategies.AXIS)
+    gradient = jax.pmap(summed, axis_name=strategies.AXIS)  # no devices=: the legacy form, on purpose
+    legacy = lambda state, batch: (gradient(state[0], batch), None)  # its grads, on devices checked alike
     on_cpu = jax.devices()[0].platform == "cpu"
     with pytest.raises(AssertionError if on_cpu else Exception,
                        match=r"pmap's results are on \[CpuDevice\(id=0\)" if on_cpu else None):
@@ -168,7 +170,7 @@ def test_pmap_without_devices_is_caught():
 def test_a_batch_in_the_wrong_layout_is_refused(small_params, name, given):
     mesh = cpu_mesh((0, 1, 2, 3))
     host = host_batches(seed=13, steps=1, n=4, real_per_device=[B] * 4)[0]
-    with pytest.raises(ValueError, match=f"needs batches in layout '{strategies.LAYOUT[name]}'"):
+    with pytest.raises(ValueError, match=f"needs layout '{strategies.LAYOUT[name]}'"):
         strategies.STRATEGIES[name](small_params, [place(host, mesh, given)], mesh,
                                     loss_terms=model.loss_terms)
 
@@ -287,7 +289,8 @@ def test_bfloat16_params_train_in_bfloat16_in_every_strategy(devices, reduction)
     got = {}
     for name, fn in strategies.STRATEGIES.items():
         trained = fn(tiny_params(bf16), for_layout(name, tiny_batches(2, dtype=bf16), 2), mesh,
-                     loss_terms=linear_terms, optimizer=momentum(0.5), reduction=reduction)
+                     loss_terms=linear_terms, optimizer=momentum(0.5), reduction=reduction,
+                     logical_shards=2 if reduction == "canonical" else None)
         w, velocity = trained.params["w"], trained.opt_state["w"]
         assert w.dtype == velocity.dtype == trained.losses.dtype == bf16, (name, w.dtype, velocity.dtype,
                                                                           trained.losses.dtype)
@@ -308,7 +311,8 @@ def test_every_strategy_trains_on_a_one_device_mesh(devices, reduction):
     got = {}
     for name, fn in strategies.STRATEGIES.items():
         trained = fn(tiny_params(), for_layout(name, tiny_batches(1, steps=3), 1), mesh, loss_terms=linear_terms,
-                     optimizer=strategies.sgd(0.5), reduction=reduction)
+                     optimizer=strategies.sgd(0.5), reduction=reduction,
+                     logical_shards=1 if reduction == "canonical" else None)
         assert trained.losses.shape == (3,) and np.isfinite(trained.losses).all(), (name, trained.losses)
         got[name] = trained
     for name, trained in got.items():
@@ -337,9 +341,10 @@ def test_sgd_updates_are_in_each_gradients_dtype():
 
 def test_every_strategy_checks_its_reduction_and_logical_shards(devices):
     """The reduction is "plain" or "canonical", exactly; the plain one takes no logical
-    shards; the canonical one takes an int L >= 1 that the mesh's n devices divide (L = n
-    when not given: the bits of L = n given), a bool is not an int. Both sides of each
-    edge, on one device (where every L >= 1 is divided) and on two."""
+    shards; the canonical one takes an int L >= 1 (a bool is not one) that is a multiple of
+    the mesh's n devices, each rule refused in its own words, and without L on batches
+    that do not carry it, nothing: it is refused (fail closed). Both sides of each edge,
+    on one device (where every L >= 1 is a multiple) and on two."""
     one, two = loaders.data_mesh(devices[:1]), loaders.data_mesh(devices[:2])
     for name, fn in strategies.STRATEGIES.items():
         def train_on(mesh, **options):
@@ -351,14 +356,18 @@ def test_every_strategy_checks_its_reduction_and_logical_shards(devices):
                 train_on(two, reduction=reduction)
         with pytest.raises(ValueError, match=rf"strategy '{name}': logical_shards=2 needs reduction='canonical'"):
             train_on(two, logical_shards=2)
-        for mesh, bad in ((two, 3), (two, 1), (two, 0), (two, -2), (two, 2.0), (two, "2"), (one, 0), (one, True),
-                          (one, np.bool_(True)), (one, 1.0)):
-            with pytest.raises(ValueError, match=rf"strategy '{name}': logical_shards={bad!r} must be an int"):
+        for mesh, bad, rule in ((two, 2.0, "must be an int"), (two, "2", "must be an int"),
+                                (one, True, "must be an int"), (one, np.bool_(True), "must be an int"),
+                                (one, 1.0, "must be an int"), (one, 0, "must be at least 1"),
+                                (two, 0, "must be at least 1"), (two, -2, "must be at least 1"),
+                                (two, 3, "must be a multiple of the mesh's 2"),
+                                (two, 1, "must be a multiple of the mesh's 2")):
+            with pytest.raises(ValueError, match=rf"strategy '{name}': logical_shards={re.escape(repr(bad))} {rule}"):
                 train_on(mesh, reduction="canonical", logical_shards=bad)
         for mesh, good in ((one, 1), (one, 4), (two, 2), (two, 4), (two, np.int64(2))):
             assert np.isfinite(train_on(mesh, reduction="canonical", logical_shards=good).losses).all(), (name, good)
-        assert_same_bits(train_on(two, reduction="canonical").params["w"],
-                         train_on(two, reduction="canonical", logical_shards=2).params["w"], name)
+        with pytest.raises(ValueError, match="does not say its logical shards.*pass logical_shards=L"):
+            train_on(two, reduction="canonical")
 
 
 def test_pmap_and_single_refuse_a_run_of_two_processes_or_more(devices, monkeypatch):
@@ -371,7 +380,7 @@ def test_pmap_and_single_refuse_a_run_of_two_processes_or_more(devices, monkeypa
         monkeypatch.setattr(jax, "process_count", lambda: 1)
         fn(tiny_params(), for_layout(name, tiny_batches(2, steps=1), 2), mesh, loss_terms=linear_terms)
         monkeypatch.setattr(jax, "process_count", lambda: 2)
-        with pytest.raises(ValueError, match=rf"strategy '{name}' runs in one process only .*with 2 processes"):
+        with pytest.raises(ValueError, match=rf"strategy '{name}' runs in one process only; with 2 processes"):
             fn(tiny_params(), for_layout(name, tiny_batches(2, steps=1), 2), mesh, loss_terms=linear_terms)
 
 
@@ -416,7 +425,7 @@ def test_a_batch_without_a_mask_is_refused_naming_what_came(devices):
     good = tiny_batches(2, steps=1)[0]
     for batch, said in (({"x": good["x"], "y": good["y"]}, r"got dict with keys \['x', 'y'\]$"),
                         ([good["x"], good["mask"]], r"got list$"), (None, r"got NoneType$")):
-        with pytest.raises(ValueError, match=rf"strategy 'sharded': the batch at step 1 has no 'mask' .*{said}"):
+        with pytest.raises(ValueError, match=rf"strategy 'sharded', batch at step 1: no 'mask' .*{said}"):
             strategies.sharded(tiny_params(), [good, batch], mesh, loss_terms=linear_terms)
 
 
@@ -598,18 +607,15 @@ def test_steps_consume_the_state_they_replace_where_donating_never_the_callers_a
         step(state, batch)
         deleted = [leaf.is_deleted() for leaf in jax.tree.leaves(state)]
         assert deleted == [donating] * len(deleted), f"{name}: donated {deleted}, expected {donating}"
-    forced = strategies.replicate(state0, mesh)  # the control: a donating step consumes it
-    strategies.sharded_step(linear_loss_terms, strategies.sgd_update, donate=True)(forced, host)
-    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(forced))
-    # apply_program, the update every plain step shares, donates only when asked (on CPU too).
+    # update_program, the update every step shares, donates only when asked (on CPU too): the control.
     grads = jax.tree.map(jnp.ones_like, linear_init())
     for donate, consumed in ((None, False), (False, False), (True, True)):
         state = strategies.replicate(state0, mesh)
-        apply = strategies.apply_program(strategies.sgd_update) if donate is None else \
-            strategies.apply_program(strategies.sgd_update, donate)
-        apply(state, strategies.replicate(grads, mesh), jnp.float32(0))
+        apply = strategies.update_program(strategies.sgd_update) if donate is None else \
+            strategies.update_program(strategies.sgd_update, donate)
+        apply(state, strategies.replicate(grads, mesh), jnp.float32(0), jnp.float32(1))
         deleted = [leaf.is_deleted() for leaf in jax.tree.leaves(state)]
-        assert deleted == [consumed] * len(deleted), f"apply_program(donate={donate}): donated {deleted}"
+        assert deleted == [consumed] * len(deleted), f"update_program(donate={donate}): donated {deleted}"
     # The caller's arrays (jax.Arrays on the mesh's first device) survive every strategy.
     mine = jax.device_put(linear_init(), mesh.devices.flat[0])
     for name, fn in strategies.STRATEGIES.items():
@@ -693,15 +699,13 @@ def test_check_dtypes_refuses_a_numpy_float64_scalar():
 
 
 def test_every_placement_helper_refuses_a_64_bit_leaf_by_its_own_name(mesh):
-    """replicate, stack_replicas and on_device each refuse a float64 leaf (which JAX would
+    """replicate and stack_replicas each refuse a float64 leaf (which JAX would
     narrow) naming themselves and the leaf, before anything is placed; the control: the
     same tree in float32 is placed by each, its values kept."""
     wide = {"w": np.arange(4.0)}  # float64
     narrow = {"w": np.arange(4.0, dtype=np.float32)}
-    device = mesh.devices.flat[0]
     helpers = {"strategies.replicate": lambda t: strategies.replicate(t, mesh),
-               "strategies.stack_replicas": lambda t: strategies.stack_replicas(t, mesh),
-               "strategies.on_device": lambda t: strategies.on_device(t, device)}
+               "strategies.stack_replicas": lambda t: strategies.stack_replicas(t, mesh)}
     for where, place_it in helpers.items():
         with pytest.raises(ValueError, match=rf"^{where}: leaf \['w'\] is float64, which JAX would silently"):
             place_it(wide)
@@ -720,10 +724,349 @@ def test_a_batch_whose_rows_do_not_split_into_the_logical_shards_is_refused_by_e
     rows = host_batches(seed=5, steps=1, n=n, real_per_device=[B] * n, kind="linear")[0]
     for name, train in strategies.STRATEGIES.items():
         batch = place(rows, mesh, strategies.LAYOUT[name])
-        with pytest.raises(ValueError, match=rf"strategy '{name}': the batch at step 0 has {n * B} rows, which do "
+        with pytest.raises(ValueError, match=rf"strategy '{name}', batch at step 0: its {n * B} rows do "
                                              rf"not split into logical_shards={3 * n} blocks of one size"):
             train(linear_init(), [batch], mesh, loss_terms=linear_loss_terms, optimizer=strategies.sgd(0.1),
                   reduction="canonical", logical_shards=3 * n)
         params, losses, _ = train(linear_init(), [batch], mesh, loss_terms=linear_loss_terms,
                                   optimizer=strategies.sgd(0.1), reduction="canonical", logical_shards=n)
         assert np.isfinite(np.asarray(losses)).all(), name
+
+
+# --------------------------------------------------------------------------
+# The canonical reduction: the same bits on every topology, by construction
+# --------------------------------------------------------------------------
+#
+# The models users bring: a conv net with LayerNorm and GELU, a token model with a tied
+# embedding, LayerNorm and causal softmax attention, a ReLU MLP. N = 23 samples, not a
+# multiple of any L here, so every epoch ends on a padded step.
+
+CANON_N = 23
+
+
+def layer_norm(x, gain, bias):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * gain + bias
+
+
+def conv_terms(params, batch):
+    """Two 3x3 convolutions (NHWC), LayerNorm over channels, GELU, mean pool, a LayerNorm head."""
+    dims = ("NHWC", "HWIO", "NHWC")
+    y_BxHxWxC = jax.lax.conv_general_dilated(batch["x"], params["c1"], (1, 1), "SAME", dimension_numbers=dims)
+    y_BxHxWxC = jax.nn.gelu(layer_norm(y_BxHxWxC, params["g1"], params["n1"]))
+    y_BxHxWxC = jax.lax.conv_general_dilated(y_BxHxWxC, params["c2"], (2, 2), "SAME", dimension_numbers=dims)
+    logits_BxK = layer_norm(jax.nn.gelu(y_BxHxWxC).mean(axis=(1, 2)), params["g2"], params["n2"]) @ params["w"]
+    nll_B = -jnp.take_along_axis(jax.nn.log_softmax(logits_BxK), batch["y"][:, None], axis=1)[:, 0]
+    mask_B = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask_B * nll_B), jnp.sum(mask_B)
+
+
+VOCAB, SEQ, WIDTH = 32, 8, 16
+
+
+def token_terms(params, batch):
+    """Next-token prediction: embedding (tied to the output), LayerNorm, causal attention."""
+    tokens_BxT = batch["x"]
+    x_BxTxD = params["embed"][tokens_BxT] + params["position"]
+    h_BxTxD = layer_norm(x_BxTxD, params["g1"], params["b1"])
+    q, k, v = (h_BxTxD @ params[name] for name in ("wq", "wk", "wv"))
+    scores_BxTxT = jnp.einsum("btd,bsd->bts", q, k) / np.float32(np.sqrt(WIDTH))
+    scores_BxTxT = jnp.where(jnp.tril(jnp.ones((SEQ, SEQ), bool)), scores_BxTxT, -1e9)
+    x_BxTxD = x_BxTxD + jax.nn.softmax(scores_BxTxT, -1) @ v @ params["wo"]
+    logits_BxTxV = layer_norm(x_BxTxD, params["g2"], params["b2"])[:, :-1] @ params["embed"].T
+    nll_BxT = -jnp.take_along_axis(jax.nn.log_softmax(logits_BxTxV), tokens_BxT[:, 1:, None], axis=2)[..., 0]
+    mask_B = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask_B * nll_BxT.sum(1)), jnp.sum(mask_B)
+
+
+def relu_terms(params, batch):
+    logits_BxK = jax.nn.relu(batch["x"] @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
+    nll_B = -jnp.take_along_axis(jax.nn.log_softmax(logits_BxK), batch["y"][:, None], axis=1)[:, 0]
+    mask_B = batch["mask"].astype(jnp.float32)
+    return jnp.sum(mask_B * nll_B), jnp.sum(mask_B)
+
+
+def canonical_model(kind: str):
+    """(loss_terms, params, data) of ``kind``: fixed shapes, CANON_N samples."""
+    rng = np.random.default_rng(7)
+    normal = lambda *shape, scale=0.3: (scale * rng.standard_normal(shape)).astype(np.float32)
+    ones, zeros = (lambda n: np.ones(n, np.float32)), (lambda n: np.zeros(n, np.float32))
+    if kind == "conv":
+        params = {"c1": normal(3, 3, 3, 8), "g1": ones(8), "n1": zeros(8), "c2": normal(3, 3, 8, 16, scale=0.1),
+                  "g2": ones(16), "n2": zeros(16), "w": normal(16, 10)}
+        return conv_terms, params, {"x": normal(CANON_N, 8, 8, 3, scale=1.0),
+                                    "y": rng.integers(0, 10, CANON_N).astype(np.int32)}
+    if kind == "token":
+        params = {name: normal(*shape) for name, shape in (("embed", (VOCAB, WIDTH)), ("position", (SEQ, WIDTH)),
+                                                           ("wq", (WIDTH, WIDTH)), ("wk", (WIDTH, WIDTH)),
+                                                           ("wv", (WIDTH, WIDTH)), ("wo", (WIDTH, WIDTH)))}
+        params.update(g1=ones(WIDTH), b1=zeros(WIDTH), g2=ones(WIDTH), b2=zeros(WIDTH))
+        start, stride = rng.integers(0, VOCAB, (CANON_N, 1)), rng.integers(1, 4, (CANON_N, 1))
+        return token_terms, params, {"x": ((start + np.arange(SEQ) * stride) % VOCAB).astype(np.int32)}
+    x = normal(CANON_N, 12, scale=1.0)
+    params = {"w1": normal(12, 24, scale=0.5), "b1": zeros(24), "w2": normal(24, 4, scale=0.5), "b2": zeros(4)}
+    return relu_terms, params, {"x": x, "y": np.argmax(x[:, :4], axis=1).astype(np.int32)}
+
+
+@pytest.fixture(scope="module")
+def canonical_rules():
+    """Users' optax chains, built once for the module (a compiled step is cached on them)."""
+    optax = pytest.importorskip("optax")
+    return {"adamw": optax.chain(optax.clip_by_global_norm(1.0),
+                                 optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 0.03, 2, 20))),
+            "nesterov": optax.sgd(0.03, momentum=0.9, nesterov=True),
+            "chaotic": optax.sgd(40.0)}
+
+
+def canonical_run(devices, strategy: str, n: int, *, kind: str, rule, L: int, b: int, last_batch="fill"):
+    """(params, opt_state, losses) of ``strategy`` on the first n devices over one epoch of
+    make_loader(logical_shards=L, batch_size=b); L comes from the batches."""
+    loss_terms, params, data = canonical_model(kind)
+    mesh = loaders.data_mesh(devices[:n])
+    loader = loaders.make_loader(data, mesh, b, logical_shards=L, shuffle=True, seed=3, last_batch=last_batch,
+                                 layout=strategies.LAYOUT[strategy], prefetch=0)
+    return tuple(strategies.STRATEGIES[strategy](params, loader.epoch(0), mesh, loss_terms=loss_terms,
+                                                 optimizer=rule, reduction="canonical"))
+
+
+def topologies(L: int, most: int) -> list:
+    """(strategy, n) for every n dividing L up to ``most`` devices, n = L included, and single."""
+    ns = [n for n in range(1, min(L, most) + 1) if L % n == 0]
+    return [(s, n) for n in ns for s in ("sharded", "pmap", "shard_map")] + [("single", 1)]
+
+
+def differences(runs: dict) -> list:
+    """Where each run's (params, opt_state, losses) differs from the first run's, as bytes."""
+    (first, want), *rest = runs.items()
+    found = []
+    for key, got in rest:
+        for i, (x, y) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+            why = bits_differ(x, y)
+            if why:
+                found.append(f"{key} vs {first}, leaf {i}: {why}")
+    return found
+
+
+CANONICAL_CASES = [  # (kind, rule, L, b): n = L in every case; "chaotic" is sgd at lr 40
+    pytest.param("conv", "adamw", 8, 1, id="conv-adamw-L8"),
+    pytest.param("token", "nesterov", 4, 3, id="token-nesterov-L4"),
+    pytest.param("token", "chaotic", 8, 2, id="token-chaotic-L8"),
+    pytest.param("relu", "adamw", 6, 2, id="relu-adamw-L6", marks=pytest.mark.slow),
+    pytest.param("conv", "chaotic", 4, 2, id="conv-chaotic-L4", marks=pytest.mark.slow),
+    pytest.param("relu", "nesterov", 8, 1, id="relu-nesterov-L8", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("kind, rule, L, b", CANONICAL_CASES)
+def test_canonical_reduction_is_the_same_bits_on_every_topology(devices, canonical_rules, kind, rule, L, b):
+    """Params, optimizer state and losses, as bytes (NaN payloads included), through every
+    strategy on every device count n dividing L, n = L included, and on one device adding
+    the L blocks as microbatches (single)."""
+    runs = {key: canonical_run(devices, *key, kind=kind, rule=canonical_rules[rule], L=L, b=b)
+            for key in topologies(L, len(devices))}
+    assert not differences(runs), differences(runs)[:3]
+    losses = runs["single", 1][1]
+    assert rule == "chaotic" or (np.isfinite(losses).all() and losses[-1] != losses[0]), losses
+
+
+def test_the_canonical_reduction_is_not_the_plain_one_on_another_topology(devices, canonical_rules):
+    """The control of the test above: the plain reduction, the same runs on 8 and 2 devices
+    and single: not the same bits (its sums follow the device count)."""
+    loss_terms, params, data = canonical_model("token")
+    runs = {}
+    for name, n in (("shard_map", 8), ("shard_map", 2), ("single", 1)):
+        mesh = loaders.data_mesh(devices[:n])
+        loader = loaders.make_loader(data, mesh, 8 // n * 2, shuffle=True, seed=3, prefetch=0)
+        runs[name, n] = tuple(strategies.STRATEGIES[name](params, loader.epoch(0), mesh, loss_terms=loss_terms,
+                                                          optimizer=canonical_rules["nesterov"]))
+    assert len(differences(runs)) >= 2, differences(runs)
+
+
+def compiled_text(fn, *args) -> str:
+    return fn.lower(*args).compile().as_text()
+
+
+def first_instruction_apart(a: str, b: str) -> str | None:
+    """The first line where two compiled programs' texts differ (None if they do not),
+    module names and metadata aside."""
+    def lines(text):
+        return [line.split(", metadata=")[0].strip() for line in text.splitlines()
+                if line.strip() and not line.startswith("HloModule")]
+    for i, (x, y) in enumerate(zip(lines(a), lines(b))):
+        if x != y:
+            return f"instruction {i}: {x!r} vs {y!r}"
+    la, lb = lines(a), lines(b)
+    return None if len(la) == len(lb) else f"{len(la)} vs {len(lb)} instructions"
+
+
+def test_the_canonical_programs_compile_alike_on_every_topology(devices, canonical_rules):
+    """Statically: on every device of every mesh whose n divides L, and in single, the block
+    program (one block of b rows) and the update program compile to the same optimized HLO;
+    the fold program's only arithmetic is add (no multiply to contract into an FMA, no
+    reduce whose order XLA picks). The control: the block program of a block of 2b rows (two
+    blocks as one) differs, and the first differing instruction is named."""
+    loss_terms, params, data = canonical_model("conv")
+    L, b = 8, 2
+    rule = canonical_rules["adamw"]
+    rows = {k: v[:b] for k, v in data.items()} | {"mask": np.ones(b, bool), "index": np.arange(b, dtype=np.int32)}
+    block, update = strategies.block_program(loss_terms), strategies.update_program(rule.update)
+    sums = jax.eval_shape(block, params, rows)
+    texts = {}
+    for n in [n for n in (1, 2, 4, 8) if n <= len(devices)]:
+        for d in devices[:n]:
+            on_d = lambda tree: jax.device_put(tree, d)
+            texts[n, d.id, "block"] = compiled_text(block, on_d(params), on_d(rows))
+            state = on_d((params, rule.init(params)))
+            folded = on_d(jax.tree.map(lambda s: np.zeros(s.shape[1:], s.dtype), sums))
+            texts[n, d.id, "update"] = compiled_text(update, state, *folded)
+        mesh = loaders.data_mesh(devices[:n])
+        rounds = [jax.tree.map(lambda s: jax.ShapeDtypeStruct((n,) + s.shape[1:], s.dtype,
+                                                              sharding=NamedSharding(mesh, P("data"))), sums)] * (L // n)
+        fold = compiled_text(strategies.fold_program(mesh, L // n), rounds)
+        arithmetic = set(re.findall(r"= \S+ (add|subtract|multiply|divide|fma|reduce|exponential)\(", fold))
+        assert arithmetic == {"add"}, (n, arithmetic)
+    for kind in ("block", "update"):
+        programs = {key: text for key, text in texts.items() if key[2] == kind}
+        (first, text), *rest = programs.items()
+        for key, other in rest:
+            assert first_instruction_apart(text, other) is None, (key, first, first_instruction_apart(text, other))
+    double = {k: np.concatenate([v, v]) for k, v in rows.items()}
+    apart = first_instruction_apart(texts[1, devices[0].id, "block"], compiled_text(block, params, double))
+    assert apart is not None and apart.startswith("instruction "), apart
+
+
+def test_each_leaf_takes_the_collective_its_size_says(devices):
+    """fold_program: a leaf of SMALL_LEAF entries or more goes by all_to_all and all_gather;
+    a smaller one by all_gather alone (the traffic the docstring states)."""
+    mesh = loaders.data_mesh(devices[:2])
+    for width, big in ((strategies.SMALL_LEAF, True), (strategies.SMALL_LEAF - 1, False)):
+        leaf = jax.ShapeDtypeStruct((2, width), np.float32, sharding=NamedSharding(mesh, P("data")))
+        text = compiled_text(strategies.fold_program(mesh, 2), [leaf, leaf])
+        assert ("all-to-all" in text) == big and "all-gather" in text, (width, big)
+
+
+def test_the_fold_keeps_the_sign_of_a_zero_sum_and_pads_any_width(devices):
+    """The fold starts from block 0 itself (a sum of -0.0 stays -0.0; 0 + -0.0 is +0.0) and
+    pads a leaf to n chunks with zeros that reach no entry: a leaf of 16,512 entries (5
+    devices pad it by 3) whose entries past the fifth are -0.0 in every block folds to the
+    same bits on 1, 2 and 5 devices, -0.0 included."""
+    width, L = 129 * 128, 10
+    blocks = np.full((L, width), -0.0, np.float32)
+    blocks[:, :5] = np.random.default_rng(4).standard_normal((L, 5))
+    got = {}
+    for n in [n for n in (1, 2, 5) if n <= len(devices)]:
+        mesh = loaders.data_mesh(devices[:n])
+        per = L // n
+        rounds = [jax.device_put(blocks.reshape(n, per, width)[:, i], NamedSharding(mesh, P("data")))
+                  for i in range(per)]
+        got[n] = np.asarray(strategies.fold_program(mesh, per)(rounds).addressable_data(0))
+    want = blocks[0].copy()
+    for l in range(1, L):
+        want = want + blocks[l]
+    assert width >= strategies.SMALL_LEAF and width % 5 and len(got) == 3
+    for n, folded in got.items():
+        assert_same_bits(folded, want, f"{n} devices")
+    assert np.signbit(want[5:]).all() and not np.signbit(np.float32(0) + want[5:]).any()
+
+
+def linear_sgd64(params: dict, batch: dict, rate: float) -> dict:
+    """linear_terms' SGD step on one global batch, in float64: the gradient of the masked
+    sum over every real row, divided by max(real rows, 1)."""
+    w = np.asarray(params["w"], np.float64)
+    x, y, mask = (np.asarray(batch[k]) for k in ("x", "y", "mask"))
+    z = x.astype(np.float64) @ w
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(len(y)), y] -= 1
+    return {"w": w - rate * (x.T @ (p * mask[:, None])) / max(mask.sum(), 1)}
+
+
+def test_the_canonical_step_is_the_float64_mean_gradient_over_the_real_rows(devices, monkeypatch):
+    """Equal is not correct: each canonical step, against a float64 step on the same global
+    batch (drawn values, uneven masks, blocks of 3 rows, one step all padding), within
+    float32 rounding. The controls, each caught by the same comparison: a per-block mean
+    (each block divided by its own count, then averaged: the gradient-accumulation bug,
+    which blocks of several rows with uneven masks show) and a division by the count
+    without max(count, 1) (NaN on the all-padding step)."""
+    L, b, n = 4, 3, 2
+    mesh = loaders.data_mesh(devices[:n])
+    rng = np.random.default_rng(9)
+    batches = []
+    for mask in (rng.random(L * b) < 0.6, np.zeros(L * b, bool), np.arange(L * b) % 5 != 0):
+        mask[:2] = mask[:2] if mask.any() else False
+        batches.append({"x": rng.standard_normal((L * b, 6)).astype(np.float32),
+                        "y": rng.integers(0, 3, L * b).astype(np.int32), "mask": mask})
+
+    def run(loss_terms):
+        params, out = tiny_params(), []
+        for batch in batches:
+            params = strategies.sharded(params, [batch], mesh, loss_terms=loss_terms, optimizer=strategies.sgd(0.5),
+                                        reduction="canonical", logical_shards=L).params
+            out.append(params)
+        return out
+
+    def apart(trained) -> float:
+        """The largest relative distance of a step from the float64 step from the same params."""
+        params, each = tiny_params(), []
+        for batch, got in zip(batches, trained):
+            want = linear_sgd64(params, batch, 0.5)
+            each.append(float(np.abs(got["w"] - want["w"]).max() / np.abs(want["w"]).max()))
+            params = got
+        return float(np.max(each))  # NaN if any step's is
+    assert apart(run(linear_terms)) < 2.0**-20
+    per_block_mean = lambda p, batch: (linear_terms(p, batch)[0] / jnp.maximum(linear_terms(p, batch)[1], 1.0),
+                                       jnp.float32(1))
+    assert apart(run(per_block_mean)) > 1e-3
+    monkeypatch.setattr(strategies, "_divided", lambda x, count: x / count.astype(x.dtype))
+    monkeypatch.setattr(jnp, "maximum", lambda a, b: a)  # update_program's max(count, 1) gone
+    strategies.update_program.cache_clear()
+    try:
+        assert np.isnan(apart(run(linear_terms)))
+    finally:
+        monkeypatch.undo()
+        strategies.update_program.cache_clear()
+
+
+def test_a_canonical_strategy_takes_the_batches_logical_shards_and_refuses_another(devices):
+    """Fail closed: a loader's batches carry its plan's L ("logical_shards"). Given no L the
+    strategy takes it; given another L (4 or 16 for batches of 8) it refuses, naming both;
+    host batches that carry none and no L given: refused. make_loader refuses L below 1 in
+    those words."""
+    loss_terms, params, data = canonical_model("relu")
+    mesh = loaders.data_mesh(devices[:4])
+    loader = loaders.make_loader(data, mesh, 1, logical_shards=8, shuffle=True, seed=3, prefetch=0)
+    batch = loader.batch(0, 0)
+    train = lambda batches, **options: strategies.sharded(params, batches, mesh, loss_terms=loss_terms,
+                                                          reduction="canonical", **options)
+    assert_same_bits(train([batch]).params["w1"], train([batch], logical_shards=8).params["w1"])
+    for other in (4, 16):
+        with pytest.raises(ValueError, match=f"carries logical_shards=8 .* was given logical_shards={other}"):
+            train([batch], logical_shards=other)
+    host = {k: np.asarray(v) for k, v in batch.items() if k != "logical_shards"}
+    with pytest.raises(ValueError, match="does not say its logical shards"):
+        train([host])
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=rf"logical_shards={bad} must be at least 1"):
+            loaders.make_loader(data, mesh, 1, logical_shards=bad)
+
+
+@pytest.mark.parametrize("reduction", ["plain", "canonical"])
+def test_the_count_reaches_the_division_exactly_with_bfloat16_params(devices, reduction):
+    """A count is an integer: with bfloat16 params and 257..320 real rows (bfloat16 holds
+    integers only up to 256), every strategy's gradient is bfloat16(1/count) for a loss whose
+    gradient sum is 1 (the first row's), and so is the loss."""
+    mesh = loaders.data_mesh(devices[:2])
+    terms = lambda p, batch: (jnp.sum(batch["mask"] * batch["x"] * p["v"]), jnp.sum(batch["mask"].astype(jnp.float32)))
+    record = strategies.Optimizer(lambda p: {"g": jax.tree.map(jnp.zeros_like, p)},
+                                  lambda g, s, p: (jax.tree.map(jnp.zeros_like, g), {"g": g}))
+    rows, x = 320, np.zeros(320, jnp.bfloat16)
+    x[0] = 1
+    for count in (257, 263, 300, 319):
+        batch = {"x": x, "mask": np.arange(rows) < count}
+        want = np.float32(1 / count).astype(jnp.bfloat16)
+        for name, fn in strategies.STRATEGIES.items():
+            trained = fn({"v": np.ones((), jnp.bfloat16)}, for_layout(name, [batch], 2), mesh, loss_terms=terms,
+                         optimizer=record, reduction=reduction,
+                         logical_shards=2 if reduction == "canonical" else None)
+            assert_same_bits(np.asarray(trained.opt_state["g"]["v"]), want, f"{name}, count {count}")
+            assert_same_bits(trained.losses[0], want, f"{name}, count {count}: the loss")
