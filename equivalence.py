@@ -172,7 +172,7 @@ def stepwise_distances(fn_a: Callable, layout_a: str, fn_b: Callable, layout_b: 
     n, sharding = mesh.devices.size, NamedSharding(mesh, P(AXIS))
     distances, twins, same, diverged = [], [], True, None
     for t, host in enumerate(batches):
-        host = {k: np.asarray(v) for k, v in host.items()}
+        host = {k: np.asarray(v) for k, v in host.items() if k != strategies.SHARDS_KEY}  # rows only
         params = jax.tree.map(np.asarray, params)
         start = (opt_state, jax.tree.map(np.zeros_like, params))
         out = []
