@@ -1,30 +1,22 @@
 """The notebooks' datasets on disk: CIFAR-10's binary files and MNIST's IDX files.
 
-``read_cifar10`` reads the CIFAR-10 "binary version" (3073-byte records: one
-label byte 0..9, then the R, G, B planes of 32x32, row-major); ``read_mnist``
-reads MNIST's IDX files, gzipped or not. Both give ``(images_NCHW uint8,
-labels_N int32)``. ``write_cifar10`` and ``write_mnist`` write the same formats
-(atomically), and ``synthetic_cifar10`` / ``synthetic_mnist`` write small
-deterministic datasets in them, so that every test and the main job run without
-a download.
+``read_cifar10`` reads the CIFAR-10 "binary version": 3073-byte records, each one
+label byte 0..9, then the R, G, B planes of 32x32, row-major. ``read_mnist`` reads
+MNIST's IDX files, gzipped or not. Both give ``(images_NCHW uint8, labels_N int32)``.
+``write_cifar10`` and ``write_mnist`` write the same formats, atomically, and the
+``synthetic_*`` functions write small deterministic datasets in them, so that every
+test and job runs without a download. A reader reads back what a writer wrote, bit
+for bit, and refuses a malformed file naming it.
 
-Guarantees (test_cifar_mnist.py): what a writer writes its reader reads back bit
-for bit; a malformed file (a truncated record, a label out of range, a wrong
-magic number or shape) is refused naming the file.
+Deliberate difference from rocAL: files are read in sorted name order, not in raw
+``readdir`` order, which depends on the filesystem.
 
-Deliberate difference from rocAL: files are read in sorted name order. rocAL
-lists a folder in raw ``readdir`` order, which depends on the filesystem, so the
-same folder can give a different sample order on another machine.
+Inputs: a count or seed is a Python or NumPy integer, never a bool nor a float (even
+5.0); a path a str or an ``os.PathLike``; labels of an integer dtype. Anything else
+raises ValueError at the call, naming the function, the parameter and the value.
 
-Inputs: a count or seed takes a Python or NumPy integer, never a bool and never a
-float, even a whole one; a path a str or an ``os.PathLike``; labels an integer
-dtype. A wrong type or value raises ValueError at the call, naming the function,
-the parameter and the value.
-
-Imports: NumPy only. Imported by loaders.py (a CIFAR-10 folder is one of
-make_loader's forms), rocal_loader.py, dali_loader.py and refimpl.py. Named
-after its two datasets, not ``datasets``, so that copying it beside Hugging
-Face's ``datasets`` package shadows nothing.
+Imports: NumPy only, so the module can be copied alone (its name shadows no
+``datasets`` package).
 """
 
 from __future__ import annotations
@@ -43,108 +35,83 @@ TRAIN_PREFIX = "data_batch_"
 TEST_PREFIX = "test_batch"
 
 
-# --------------------------------------------------------------------------
-# Reading and writing the CIFAR-10 binary format
-# --------------------------------------------------------------------------
-
-
 def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREFIX):
-    """Reads every file in ``file_root`` whose name starts with ``filename_prefix``.
+    """``(images_NCHW, labels_N)`` of every file in ``file_root`` whose name starts with ``filename_prefix``.
 
-    Files are read in sorted name order, so the sample order is the same on every
-    filesystem. Returns ``(images_NCHW, labels_N)``: uint8 (N, 3, 32, 32) and
-    int32 (N,). With one matching file the images are a read-only view of a
-    memory map (no copy); with several they are one in-memory copy, never more.
+    Files are read in sorted name order, the same on every filesystem. The images are
+    uint8 (N, 3, 32, 32), the labels int32 (N,). With one matching file the images are a
+    read-only view of a memory map (no copy); with several, one in-memory copy.
 
-    ``file_root`` is a str or an ``os.PathLike``, ``filename_prefix`` a str. Raises
-    ValueError for a parameter of another type (named, with its value),
-    FileNotFoundError (folder missing, no matching file) or ValueError (a file
-    whose size is not a whole number of 3073-byte records, a label > 9, no records
-    at all); each message names the file and the offending value.
+    Raises:
+      ValueError: ``file_root`` not a str or an ``os.PathLike``, ``filename_prefix`` not
+        a str; a file that is not whole 3073-byte records, a label > 9, no record at all.
+      FileNotFoundError: the folder is missing, or no file matches.
     """
     root = _path("read_cifar10", "file_root", file_root)
     if not isinstance(filename_prefix, str):
         raise ValueError(f"read_cifar10: filename_prefix must be a str, got {filename_prefix!r}")
     if not os.path.isdir(root):
         raise FileNotFoundError(f"read_cifar10: file_root={root!r} is not a directory")
-    names = sorted(
-        name for name in os.listdir(root)
-        if name.startswith(filename_prefix) and os.path.isfile(os.path.join(root, name))
-    )
+    names = sorted(name for name in os.listdir(root)
+                   if name.startswith(filename_prefix) and os.path.isfile(os.path.join(root, name)))
     if not names:
-        raise FileNotFoundError(
-            f"read_cifar10: no file in {root!r} starts with filename_prefix={filename_prefix!r}"
-        )
+        raise FileNotFoundError(f"read_cifar10: no file in {root!r} starts with filename_prefix={filename_prefix!r}")
     counts = {}
     for name in names:
         path = os.path.join(root, name)
         size = os.path.getsize(path)
         if size % RECORD_BYTES:
-            raise ValueError(
-                f"{path}: size {size} bytes is not a multiple of the {RECORD_BYTES}-byte "
-                f"CIFAR-10 record ({size % RECORD_BYTES} bytes left over: truncated or not CIFAR-10)"
-            )
+            raise ValueError(f"{path}: size {size} bytes is not a multiple of the {RECORD_BYTES}-byte CIFAR-10 "
+                             f"record ({size % RECORD_BYTES} bytes left over: truncated or not CIFAR-10)")
         if size:  # np.memmap cannot map an empty file; it holds no record anyway.
             counts[name] = size // RECORD_BYTES
     if not counts:
-        raise ValueError(
-            f"read_cifar10: the files matching {filename_prefix!r} in {root!r} hold no record "
-            f"(all empty: {names})"
-        )
+        raise ValueError(f"read_cifar10: the files matching {filename_prefix!r} in {root!r} hold no record "
+                         f"(all empty: {names})")
+    starts = np.cumsum([0, *counts.values()])
     if len(counts) == 1:
         rows = np.memmap(os.path.join(root, *counts), dtype=np.uint8, mode="r").reshape(-1, RECORD_BYTES)
     else:
         # Read into one array, file by file. Concatenating memory maps would hold
         # every file's mapped pages and the copy at once: twice the dataset.
-        rows = np.empty((sum(counts.values()), RECORD_BYTES), np.uint8)
-        start = 0
-        for name, count in counts.items():
+        rows = np.empty((starts[-1], RECORD_BYTES), np.uint8)
+        for name, start, stop in zip(counts, starts, starts[1:]):
             with open(os.path.join(root, name), "rb") as f:
-                f.readinto(memoryview(rows[start:start + count]).cast("B"))
-            start += count
-    start = 0
-    for name, count in counts.items():
-        bad = np.flatnonzero(rows[start:start + count, 0] >= NUM_CLASSES)
+                f.readinto(memoryview(rows[start:stop]).cast("B"))
+    for name, start, stop in zip(counts, starts, starts[1:]):
+        bad = np.flatnonzero(rows[start:stop, 0] >= NUM_CLASSES)
         if bad.size:
             raise ValueError(f"{os.path.join(root, name)}: record {bad[0]} has label "
                              f"{rows[start + bad[0], 0]}; CIFAR-10 labels are 0..9")
-        start += count
-    images = rows[:, 1:].reshape((-1,) + IMAGE_SHAPE)
-    labels = rows[:, 0].astype(np.int32)
-    return images, labels
+    return rows[:, 1:].reshape((-1,) + IMAGE_SHAPE), rows[:, 0].astype(np.int32)
 
 
 def write_cifar10(path: str | os.PathLike, images_NCHW: np.ndarray, labels_N: np.ndarray) -> None:
     """Writes one CIFAR-10 binary file, atomically (a reader never sees half a file).
 
-    ``path`` is a str or an ``os.PathLike``; ``images_NCHW`` must be uint8 (N, 3, 32,
-    32) and ``labels_N`` N integers 0..9 (an integer dtype: not bool, not float).
-    ValueError, naming the parameter and the value, otherwise.
+    ``path`` is a str or an ``os.PathLike``, ``images_NCHW`` uint8 (N, 3, 32, 32) and
+    ``labels_N`` N integers 0..9 of an integer dtype: ValueError, naming the parameter
+    and the value, otherwise.
     """
     path = _path("write_cifar10", "path", path)
-    images_NCHW, labels_N = _check_images_and_labels(f"write_cifar10({path!r})", images_NCHW,
-                                                     labels_N, IMAGE_SHAPE)
+    images_NCHW, labels_N = _check_images_and_labels(f"write_cifar10({path!r})", images_NCHW, labels_N, IMAGE_SHAPE)
     rows = np.empty((len(labels_N), RECORD_BYTES), np.uint8)
     rows[:, 0] = labels_N
     rows[:, 1:] = images_NCHW.reshape(len(labels_N), RECORD_BYTES - 1)  # not -1: N may be 0
     _write_atomically(path, rows.tobytes())
 
 
-def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000,
-                      num_test: int = 10_000, seed: int = 0) -> str:
-    """Writes a CIFAR-10-format folder: data_batch_1..5.bin and test_batch.bin.
+def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000, num_test: int = 10_000,
+                      seed: int = 0) -> str:
+    """Writes a CIFAR-10-format folder, data_batch_1..5.bin and test_batch.bin; returns ``root``.
 
-    Each class has a fixed random low-frequency colour pattern; an image is its
-    class pattern at a random contrast, shifted by a random brightness, plus
-    strong per-pixel noise. Classes are learnable by the seed MLP but not
-    separable at a glance (accuracy climbs over several epochs, as with real
-    data). The bytes are a function of (num_train, num_test, seed) alone, the same on
-    every machine (test_cifar_mnist pins two folders' digests on the NumPy the suite
-    installs; a NumPy whose Generator draws normal or uniform values anew would change them).
-    Returns ``root``. ``num_train`` and ``num_test`` are ints >= 0 and ``seed`` an
-    int in [0, 2**32) (Python or NumPy integers; never a bool, nor a float even
-    when whole), ``root`` a str or an ``os.PathLike``: ValueError, naming the
-    parameter and the value, before anything is written, otherwise.
+    An image is its class's fixed random low-frequency colour pattern at a random
+    contrast, shifted by a random brightness, plus strong per-pixel noise: learnable, but
+    not at a glance, as with real data. The bytes are a function of (num_train,
+    num_test, seed) alone, on every machine whose NumPy Generator draws the same values.
+    ``num_train`` and ``num_test`` are ints >= 0, ``seed`` an int in [0, 2**32), ``root``
+    a str or an ``os.PathLike``: ValueError, naming the parameter and the value, before
+    anything is written, otherwise.
     """
     draw = _synthetic_images("synthetic_cifar10", IMAGE_SHAPE, num_train, num_test, seed, salt=0xC1FA)
     root = _path("synthetic_cifar10", "root", root)
@@ -157,29 +124,23 @@ def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000,
     return root
 
 
-# --------------------------------------------------------------------------
-# Reading and writing MNIST's IDX files (the DALI notebook's dataset)
-# --------------------------------------------------------------------------
-
 MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
                "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 _IDX_MAGIC = {"images": 0x00000803, "labels": 0x00000801}  # uint8 data, 3 or 1 dimensions
 
 
 def read_mnist(folder: str | os.PathLike, split: str = "train"):
-    """MNIST's ``split`` ("train" or "test") from the IDX files users download.
+    """``(images_NCHW uint8 (N, 1, 28, 28), labels_N int32)`` of MNIST's ``split``, "train" or "test".
 
-    Looks for ``train-images-idx3-ubyte`` / ``train-labels-idx1-ubyte`` (or
-    ``t10k-*`` for "test"), each optionally gzipped (``.gz``) and also under the
-    ``train-images.idx3-ubyte`` spelling some mirrors use. Returns
-    ``(images_NCHW uint8 (N, 1, 28, 28), labels_N int32)``; uncompressed images
-    are a read-only memory map.
+    Reads ``train-images-idx3-ubyte`` and ``train-labels-idx1-ubyte`` (``t10k-*`` for "test"),
+    plain or ``.gz``, also spelled ``train-images.idx3-ubyte`` as some mirrors do.
+    Uncompressed images are a read-only memory map.
 
-    ``folder`` is a str or an ``os.PathLike``. Raises ValueError for a parameter of
-    another type or an unknown split (named, with its value), FileNotFoundError
-    (folder or file missing) or ValueError (a bad magic number, a header that is
-    not 28x28, a file shorter or longer than its header says, image and label
-    counts that differ, a label > 9); each names the file and the value.
+    Raises:
+      ValueError: ``folder`` not a str or an ``os.PathLike``, an unknown split; a bad
+        magic number, images not 28x28, a file shorter or longer than its header says,
+        image and label counts that differ, a label > 9 (naming the file and the value).
+      FileNotFoundError: the folder or a file is missing.
     """
     _check_split("read_mnist", split)
     root = _path("read_mnist", "folder", folder)
@@ -189,37 +150,34 @@ def read_mnist(folder: str | os.PathLike, split: str = "train"):
     labels_path = _find_idx(root, MNIST_FILES[split][1])
     labels = _read_idx(labels_path, "labels")
     if len(images) != len(labels):
-        raise ValueError(f"{labels_path}: {len(labels)} labels, but the images file of split "
-                         f"{split!r} holds {len(images)} images")
+        raise ValueError(f"{labels_path}: {len(labels)} labels, but the images file of split {split!r} holds "
+                         f"{len(images)} images")
     bad = np.flatnonzero(labels >= NUM_CLASSES)
     if bad.size:
         raise ValueError(f"{labels_path}: label {bad[0]} is {labels[bad[0]]}; MNIST labels are 0..9")
     return images.reshape((-1,) + MNIST_SHAPE), labels.astype(np.int32)
 
 
-def write_mnist(folder: str | os.PathLike, split: str, images_NCHW: np.ndarray,
-                labels_N: np.ndarray) -> None:
-    """Writes ``split``'s two IDX files (uncompressed) into ``folder``, each atomically.
+def write_mnist(folder: str | os.PathLike, split: str, images_NCHW: np.ndarray, labels_N: np.ndarray) -> None:
+    """Writes ``split``'s two IDX files, uncompressed, into ``folder``, each atomically.
+
     ``split`` is "train" or "test", ``images_NCHW`` uint8 (N, 1, 28, 28), ``labels_N`` N
-    integers 0..9 (an integer dtype), ``folder`` a str or an ``os.PathLike``:
-    ValueError, naming the parameter and the value, otherwise."""
+    integers 0..9 of an integer dtype, ``folder`` a str or an ``os.PathLike``:
+    ValueError, naming the parameter and the value, otherwise.
+    """
     _check_split("write_mnist", split)
     folder = _path("write_mnist", "folder", folder)
-    images_NCHW, labels_N = _check_images_and_labels(f"write_mnist({folder!r})", images_NCHW,
-                                                     labels_N, MNIST_SHAPE)
-    count = len(labels_N)
-    header = np.array([_IDX_MAGIC["images"], count, 28, 28], ">u4").tobytes()
+    images_NCHW, labels_N = _check_images_and_labels(f"write_mnist({folder!r})", images_NCHW, labels_N, MNIST_SHAPE)
     images_name, labels_name = MNIST_FILES[split]
+    header = np.array([_IDX_MAGIC["images"], len(labels_N), 28, 28], ">u4").tobytes()
     _write_atomically(os.path.join(folder, images_name), header + images_NCHW.tobytes())
-    header = np.array([_IDX_MAGIC["labels"], count], ">u4").tobytes()
+    header = np.array([_IDX_MAGIC["labels"], len(labels_N)], ">u4").tobytes()
     _write_atomically(os.path.join(folder, labels_name), header + labels_N.astype(np.uint8).tobytes())
 
 
-def synthetic_mnist(root: str | os.PathLike, *, num_train: int = 60_000, num_test: int = 10_000,
-                    seed: int = 0) -> str:
-    """Writes MNIST-format IDX files (train and t10k) of synthetic 28x28 grey images,
-    made like ``synthetic_cifar10``'s; a function of (num_train, num_test, seed), which
-    it validates as synthetic_cifar10 does. Returns ``root``."""
+def synthetic_mnist(root: str | os.PathLike, *, num_train: int = 60_000, num_test: int = 10_000, seed: int = 0) -> str:
+    """Writes MNIST-format IDX files (train and t10k) of synthetic 28x28 grey images, made
+    and validated as ``synthetic_cifar10``'s; returns ``root``."""
     draw = _synthetic_images("synthetic_mnist", MNIST_SHAPE, num_train, num_test, seed, salt=0x3A15)
     root = _path("synthetic_mnist", "root", root)
     os.makedirs(root, exist_ok=True)
@@ -238,15 +196,12 @@ def _find_idx(root: str, name: str) -> str:
 
 
 def _read_idx(path: str, kind: str) -> np.ndarray:
-    dims = 3 if kind == "images" else 1
-    header_bytes = 4 * (1 + dims)
-    if path.endswith(".gz"):
-        with gzip.open(path, "rb") as f:
-            raw = f.read()
-        size = len(raw)
-    else:
-        raw, size = None, os.path.getsize(path)
-    head = raw[:header_bytes] if raw is not None else open(path, "rb").read(header_bytes)
+    header_bytes = 4 * (1 + (3 if kind == "images" else 1))  # the magic number, then each dimension
+    compressed = path.endswith(".gz")
+    with (gzip.open if compressed else open)(path, "rb") as f:
+        head = f.read(header_bytes)
+        raw = head + f.read() if compressed else None  # a plain file is mapped, not read
+    size = len(raw) if compressed else os.path.getsize(path)
     if len(head) < header_bytes:
         raise ValueError(f"{path}: {size} bytes, shorter than the {header_bytes}-byte IDX header")
     magic, *shape = np.frombuffer(head, ">u4").tolist()
@@ -266,19 +221,13 @@ def _read_idx(path: str, kind: str) -> np.ndarray:
     return np.memmap(path, np.uint8, mode="r", offset=header_bytes).reshape(shape)
 
 
-# --------------------------------------------------------------------------
-# Shared by the readers and writers
-# --------------------------------------------------------------------------
-
-
 def _check_images_and_labels(where: str, images_NCHW, labels_N, shape: tuple[int, ...]):
     images_NCHW, labels_N = np.asarray(images_NCHW), np.asarray(labels_N)
     if images_NCHW.dtype != np.uint8 or images_NCHW.shape[1:] != shape:
         raise ValueError(f"{where}: images must be uint8 (N, {', '.join(map(str, shape))}), "
                          f"got {images_NCHW.dtype} {images_NCHW.shape}")
     if labels_N.shape != images_NCHW.shape[:1]:
-        raise ValueError(f"{where}: labels shape {labels_N.shape} does not match "
-                         f"{images_NCHW.shape[0]} images")
+        raise ValueError(f"{where}: labels shape {labels_N.shape} does not match {images_NCHW.shape[0]} images")
     if labels_N.dtype.kind not in "iu":  # a float label 1.5 would be written as 1, a bool as 0 or 1
         raise ValueError(f"{where}: labels must be integers 0..9, got dtype {labels_N.dtype}")
     if labels_N.size and (labels_N.min() < 0 or labels_N.max() >= NUM_CLASSES):
@@ -288,10 +237,9 @@ def _check_images_and_labels(where: str, images_NCHW, labels_N, shape: tuple[int
 
 def _write_atomically(path: str, data: bytes) -> None:
     """Writes ``data`` to ``path`` so that a reader sees the old file or the whole new one:
-    into a hidden file (its name starts with ".") in ``path``'s own folder (so the rename
-    is atomic, on any filesystem, with no system temporary folder), then renamed onto
-    ``path``. A write that fails removes that file and raises its own error; an existing
-    file at ``path`` is then unchanged."""
+    into a hidden file (".tmp-...") beside ``path``, then renamed onto it, which is atomic on
+    any filesystem and needs no system temporary folder. A write that fails removes that
+    file, leaves ``path`` unchanged and raises its own error."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
     try:
@@ -303,15 +251,15 @@ def _write_atomically(path: str, data: bytes) -> None:
         raise
 
 
+# _is_int and _check_int are copied, not imported, in each module that needs them: each
+# module stands alone, so a user can copy it without the rest of the project.
 def _is_int(value) -> bool:
-    """The module's one rule for an int: a Python or NumPy integer, never a bool, never a
-    float (even a whole one)."""
+    """A Python or NumPy integer, never a bool, never a float (even a whole one)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _check_int(where: str, name: str, value, minimum: int) -> int:
-    """``value`` as a Python int; ValueError naming ``where``, ``name`` and the value unless
-    it is an int (``_is_int``) >= ``minimum``."""
+    """``value`` as a Python int if it is an int >= ``minimum``; else ValueError naming it."""
     if not _is_int(value):
         raise ValueError(f"{where}: {name} must be an int, got {value!r}")
     if value < minimum:
@@ -330,8 +278,7 @@ def _check_split(where: str, split) -> None:
         raise ValueError(f"{where}: split must be one of {tuple(MNIST_FILES)}, got {split!r}")
 
 
-def _synthetic_images(where: str, shape: tuple[int, ...], num_train: int, num_test: int, seed: int,
-                      salt: int):
+def _synthetic_images(where: str, shape: tuple[int, ...], num_train: int, num_test: int, seed: int, salt: int):
     num_train = _check_int(where, "num_train", num_train, 0)
     num_test = _check_int(where, "num_test", num_test, 0)
     seed = _check_int(where, "seed", seed, 0)
