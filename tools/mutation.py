@@ -1,17 +1,18 @@
-"""Mutation testing of this project with mutmut (requirements-mutation.txt): a habit, not CI.
+"""Mutation testing of this project with mutmut (tools/requirements-mutation.txt): a developer's
+tool, not part of the reference. Run it from the project's folder:
 
-    nice python mutation.py pure      # plan, arithmetic, cifar_mnist, conformance, encoding, equivalence, model
-    nice python mutation.py vendor    # loaders, strategies, dali_loader, rocal_loader, rocal_api, checkpoints, refimpl
+    nice python tools/mutation.py pure      # plan, arithmetic, cifar_mnist, conformance, encoding, equivalence, model
+    nice python tools/mutation.py vendor    # loaders, strategies, dali_loader, rocal_loader, rocal_api, refimpl
 
 Each plants every single-line bug mutmut knows in those modules and runs, for each
 mutant, only the tests that reached the function it sits in (mutmut's call statistics,
-taken once by running the set's test files); then prints the table docs/guarantees.md
-quotes. ``python mutation.py SET table`` prints it again, ``survivors`` lists each
+taken once by running the set's test files); then prints a table of the scores.
+``python tools/mutation.py SET table`` prints it again, ``survivors`` lists each
 survivor with its diff, ``rerun`` tests the survivors again (after new tests: mutmut
 keeps a verdict until asked), and any other word goes to mutmut as it is, run where the
-set lives (``python mutation.py pure show plan.x_shard_bounds__mutmut_3``, ``... results``,
+set lives (``python tools/mutation.py pure show plan.x_shard_bounds__mutmut_3``, ``... results``,
 ``... run 'plan.*'``, ``... browse``). Module names pick a part of the set
-(``python mutation.py pure arithmetic.py model.py``: those modules, their own test files);
+(``python tools/mutation.py pure arithmetic.py model.py``: those modules, their own test files);
 a folder holds one part, and a run of another part there is refused (``mutmut`` below).
 
 Why this file, and not a bare ``mutmut run`` with a [mutmut] section in setup.cfg:
@@ -34,7 +35,7 @@ Why this file, and not a bare ``mutmut run`` with a [mutmut] section in setup.cf
   program compiles anew and one that does not reuses the unmutated compilation.
 * mutmut skips every decorated function (but for staticmethod and classmethod). Here that
   would leave out arithmetic.keyed_table (the normalisation table itself, under
-  functools.lru_cache), model.update (jax.jit) and equivalence._twin_step. Both
+  functools.lru_cache) and jax.jit functions. Both
   decorators only wrap a function that the trampoline can sit under, so
   ``_mutate_decorated`` below lets mutmut mutate functions whose decorators are all in
   DECORATORS_TO_MUTATE_UNDER; properties stay skipped (mutmut's trampoline cannot wrap one).
@@ -51,7 +52,7 @@ Error messages: a mutant that changes only the wording of an error message is no
 ``message_lines`` finds the lines that hold nothing but the string literals given to
 ``raise SomeError(...)`` or ``parser.error(...)``, and ``_exclude_messages`` hands them to
 mutmut with the lines its ``do_not_mutate_patterns`` would match (a regex per line could
-not tell a message's second line from any other string). ``python mutation.py SET
+not tell a message's second line from any other string). ``python tools/mutation.py SET
 excluded`` counts what that leaves out, per module.
 """
 
@@ -65,7 +66,7 @@ from collections import Counter
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the project; this file lives in tools/
 
 # The modules each set mutates, each with the test files that judge it: a mutant of a
 # module is tested by the tests of its own files that reach its function (see
@@ -82,20 +83,11 @@ SETS = {
     },
     "vendor": {
         "loaders.py": ["test_loaders.py", "test_loaders_any_data.py", "test_loaders_resume.py"],
-        # test_equivalence.py too: the strategies' one guarantee (the same parameters, and the
-        # canonical reduction's bits) is tested at the centre; judged by test_strategies.py
-        # alone, the first vendor run left `Trained(None, ...)` of pmap and every canonical
-        # function (239 "no tests") surviving.
         "strategies.py": ["test_strategies.py", "test_equivalence.py"],
         "dali_loader.py": ["test_dali.py"],
         "rocal_loader.py": ["test_rocal.py"],
         "rocal_api.py": ["test_rocal.py"],
-        "checkpoints.py": ["test_checkpoints.py"],
-        # test_checkpoints.py too: refimpl's checkpoints live apart (checkpoints.py), and the
-        # resume guarantees of refimpl's own lines (train_strategy's Elastic calls, the
-        # spans an epoch resumes from) are tested there, through refimpl in the test process;
-        # judged without it, the fourth vendor run left those lines surviving.
-        "refimpl.py": ["test_refimpl.py", "test_multiprocess.py", "test_checkpoints.py"],
+        "refimpl.py": ["test_refimpl.py", "test_multiprocess.py"],
     },
 }
 
@@ -114,7 +106,7 @@ PROJECT_FILES = ["*.py", "pytest.ini", "README.md"]
 # imported by each mutant's process.
 PRELOAD = ["numpy", "jax", "jax.numpy", "jax.sharding", "hypothesis", "pytest", "xdist",
            "pytest_timeout", "plan", "arithmetic", "cifar_mnist", "conformance", "encoding", "model",
-           "strategies", "equivalence", "loaders", "checkpoints", "dali_loader", "rocal_api", "rocal_loader",
+           "strategies", "equivalence", "loaders", "dali_loader", "rocal_api", "rocal_loader",
            "refimpl"]
 
 DECORATORS_TO_MUTATE_UNDER = {"functools.lru_cache", "functools.cache", "jax.jit"}
@@ -696,7 +688,7 @@ def mutmut(name: str, args: list[str], modules=None) -> None:
 def equivalents() -> dict[str, tuple[str, str]]:
     """mutation-equivalent.txt: {mutant: (the line it plants, why)}."""
     found = {}
-    path = ROOT / "mutation-equivalent.txt"
+    path = Path(__file__).resolve().parent / "mutation-equivalent.txt"
     for line in path.read_text().splitlines() if path.exists() else []:
         if line.strip() and not line.startswith("#"):
             mutant, planted, why = (part.strip() for part in line.split(" | ", 2))
@@ -765,7 +757,7 @@ def table(name: str) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(str(x) for x in row) + " |")
-    print(f"\n`nice python mutation.py {name}`, mutmut 3.8.1, {date.today().isoformat()}; score = "
+    print(f"\n`nice python tools/mutation.py {name}`, mutmut 3.8.1, {date.today().isoformat()}; score = "
           f"(killed + timeout + crashed) / (checked - equivalent)")
     for mutant in stale:
         print(f"mutation-equivalent.txt: {mutant} no longer plants {known[mutant][0]!r}: argue it again")
