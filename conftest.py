@@ -127,7 +127,11 @@ def child_env(**extra: str) -> dict:
     faulthandler on (PYTHONFAULTHANDLER), so that a crash, or the SIGABRT with which
     ``run_children`` stops a late child, writes every Python thread's stack to its stderr."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
-    env.pop("XLA_FLAGS", None)  # the child sets its own device count
+    # The child sets its own device count; every other XLA flag (an instruction set played,
+    # --xla_cpu_max_isa) goes on to it, so that a pass on another CPU covers the children too.
+    flags = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     env.update(extra)
     return env
 
