@@ -1,21 +1,16 @@
-"""conformance.py: the describer every vendor conformance test relies on.
+"""conformance.py: the describers every loader's conformance test relies on.
 
-Each check is shown to fire on a hand-made wrong epoch (a negative control),
-and to stay silent on the plan itself, so an empty report from a vendor's
-conformance test means something (the index encoding itself: test_encoding.py).
-Two broken loaders built on loaders.make_loader,
-which describe_epoch alone passes, are named in words by the checks across
-epochs (a shuffle that ignores the epoch) and by index (labels shifted by one
-sample), for samples of several shapes and dtypes, normalised or not.
-
-For any loader (moved from the loader's any-data tests): strided partitions (k::n)
-pass the "every sample exactly once" mode and fail the contiguous one (controls:
-the any mode still catches a lost sample, a sample on two shards and an uneven
-shard); the plan's own layout (steps, n, B) is accepted, bad input is refused
-clearly, every finding names real steps, and shard_blocks splits both layouts.
+Each check fires on a hand-made wrong epoch (its negative control) and stays silent on
+the plan itself, so an empty report means something. Every finding names the steps it
+sits at, with uneven shards and across resizes. Two broken loaders built on
+loaders.make_loader, which describe_epoch alone passes, are named by the checks across
+epochs (a shuffle that ignores the epoch) and by index (labels shifted by one sample),
+for samples of several shapes and dtypes, normalised or not. Two broken resumes on other
+shard sets are named (the epoch restarted from step 0, the new size's fresh plan). A
+strided partition passes partition="any" and fails "contiguous". Bad input is refused,
+naming the parameter. The index encoding itself: test_encoding.py.
 """
 
-import itertools
 import re
 
 import jax
@@ -29,8 +24,8 @@ import encoding
 import loaders
 from conftest import assert_same_bits, examples
 from arithmetic import Normalize
-from plan import (LAST_BATCH_POLICIES, elastic_num_steps, elastic_plan, epoch_plan, num_steps,
-                  remaining_samples, shard_bounds)
+from plan import (LAST_BATCH_POLICIES, LoaderState, elastic_num_steps, elastic_plan, epoch_plan,
+                  num_steps, remaining_samples, shard_bounds)
 
 
 N, n, B = 13, 2, 2  # shards [0, 6) and [6, 13); 4 fill steps, 3 drop steps
@@ -62,18 +57,6 @@ def test_the_plan_conforms(last_batch, shuffle):
     assert kinds(delivered, None, last_batch=last_batch, shuffle=shuffle) == set()
 
 
-def test_a_wrong_reported_length_and_missing_batches():
-    delivered, masks = plan_delivery()
-    assert kinds(delivered, masks, length=7) == {"step count"}
-    assert "batches arrived" in kinds([delivered[0][:3], delivered[1]], [masks[0][:3], masks[1]])
-
-
-def test_undecodable_slots():
-    delivered, masks = plan_delivery()
-    delivered[1][2, 1] = -1
-    assert "undecodable slots" in kinds(delivered, masks)
-
-
 def test_every_shard_reading_the_whole_dataset():
     """rocAL's bug: both shards deliver the same stream over the whole dataset."""
     whole = np.arange(16).reshape(8, 2) % N
@@ -81,83 +64,26 @@ def test_every_shard_reading_the_whole_dataset():
                                        length=8)
     assert {"same batch on several shards", "samples on two shards", "step count", "batches arrived",
             "order", "outside the shard"} <= set(found.kinds)
-    report = found.report("rocAL, 2 shards")
-    lines = report.splitlines()
-    assert lines[0] == "rocAL, 2 shards" and lines[1].endswith("kind(s) of deviation:")
-    assert "- same batch on several shards: 8 finding(s), 2 shard(s), 8 step(s)" in report
-    # Summary first: every kind's summary line comes before any example.
-    first_example = next(i for i, l in enumerate(lines) if l.endswith(", e.g.:"))
-    assert all(l.startswith("- ") for l in lines[2:first_example])
+    assert "- same batch on several shards: 8 finding(s), 2 shard(s), 8 step(s)" in found.report()
 
 
-def test_examples_are_capped_but_counted():
+def test_a_report_puts_one_summary_line_per_kind_first_then_capped_examples():
     found = conformance.Findings()
-    for i in range(10):
-        found.add("order", f"finding {i}", shards=[i])
+    assert found.report("header") == ""  # nothing found: no report, not even its header
+    for i in range(conformance.EXAMPLES):
+        found.add("order", f"finding {i}", shards=[0], steps=[i], samples=[i, i + 1])
     report = found.report()
-    assert "finding 2" in report and "finding 3" not in report and "... and 7 more" in report
-    assert "- order: 10 finding(s), 10 shard(s), 0 step(s), 0 sample(s)" in report
-
-
-def test_a_stream_that_starts_one_slot_late_is_named_as_a_shift():
-    delivered, masks = plan_delivery()
-    delivered[1] = np.roll(delivered[1].ravel(), 1).reshape(delivered[1].shape)
-    found = conformance.describe_epoch(delivered, N, B, shuffle=False, last_batch="fill", length=4,
-                                       masks=masks)
-    [text] = [t for t, *_ in found.kinds["order"]]
-    assert "shard 1 is shifted by 1 slots" in text
-
-
-def test_swapped_samples_are_an_order_finding_not_a_shift():
-    delivered, masks = plan_delivery()
-    delivered[0][0] = delivered[0][0][::-1]
-    [text] = [t for t, *_ in conformance.describe_epoch(
-        delivered, N, B, shuffle=False, last_batch="fill", length=4, masks=masks).kinds["order"]]
-    assert text.startswith("shard 0 step 0 slot 0: sample 1, the plan says 0 (2 of 8 slots differ)")
-
-
-def test_samples_from_another_shard_missing_and_repeated():
-    delivered, masks = plan_delivery(shuffle=True)
-    delivered[0][0, 0] = 12  # a sample of shard 1 in shard 0, and shard 0 loses one
-    found = kinds(delivered, masks, shuffle=True)
-    assert {"outside the shard", "missing", "samples on two shards"} <= found
-    drop, drop_masks = plan_delivery("drop", shuffle=True)
-    drop[1][0, 0] = drop[1][1, 0]
-    assert "repeated" in kinds(drop, drop_masks, last_batch="drop", shuffle=True)
-
-
-def test_a_wrong_mask_and_stray_padding():
-    delivered, masks = plan_delivery()
-    masks[0][tuple(np.argwhere(~masks[0])[0])] = True  # shard 0's padding slot counted as real
-    assert {"mask", "repeated"} <= kinds(delivered, masks)
-    delivered, masks = plan_delivery()
-    pad = np.argwhere(~masks[1])
-    delivered[1][tuple(pad[0])] = 3  # padding that repeats another shard's sample
-    assert "padding" in kinds(delivered, masks)
-
-
-def test_content_names_labels_mirrored_pixels_and_another_arithmetic():
-    norm = Normalize()
-    ref_images = encoding.encoded_images(np.arange(8))
-    ref_labels = (np.arange(8) % 10).astype(np.int32)
-    indices = np.array([3, 4, 5])
-    images, labels = norm(ref_images[indices]), ref_labels[indices].copy()
-    assert conformance.describe_content(images, labels, indices, ref_images, ref_labels, norm) == []
-    labels[1] = 9
-    found = conformance.describe_content(images[..., ::-1], labels, indices, ref_images, ref_labels, norm)
-    assert found[0] == ("1 labels differ from the file (slot 1 holds sample 4 with label 9, "
-                        "the file says 4)")
-    assert "mirror=0 was not honoured" in found[1]
-    dali = Normalize(arithmetic="dali_cpu")(ref_images[indices])
-    [text] = conformance.describe_content(dali, ref_labels[indices], indices, ref_images, ref_labels, norm)
-    assert "another arithmetic than the table's" in text
-
-
-def test_a_reported_length_too_short_is_a_step_count_finding():
-    # The check is "differs from the plan's", both ways (too long is above).
-    delivered, masks = plan_delivery()
-    assert kinds(delivered, masks, length=3) == {"step count"}
-    assert kinds(delivered, masks, length=4) == set()  # control: the plan's own count
+    assert report.splitlines()[0] == "1 kind(s) of deviation:" and "more" not in report, report
+    assert "- order: 3 finding(s), 1 shard(s), 3 step(s), 4 sample(s)" in report, report
+    for i in range(conformance.EXAMPLES, 10):  # past the cap: counted, not shown
+        found.add("order", f"finding {i}", shards=[i])
+    found.add("mask", "a mask", shards=[0], steps=[0])
+    lines = found.report("epoch 3").splitlines()
+    assert lines[:4] == ["epoch 3", "2 kind(s) of deviation:",
+                         "- order: 10 finding(s), 8 shard(s), 3 step(s), 4 sample(s)",
+                         "- mask: 1 finding(s), 1 shard(s), 1 step(s), 0 sample(s)"], lines
+    assert lines[4:9] == ["order, e.g.:", "    finding 0", "    finding 1", "    finding 2",
+                          "    ... and 7 more"], lines
 
 
 def test_the_next_shards_first_sample_is_outside_the_shard():
@@ -172,9 +98,7 @@ def test_the_next_shards_first_sample_is_outside_the_shard():
     assert "outside the shard" not in kinds(delivered, masks, shuffle=True)
 
 
-# --------------------------------------------------------------------------
-# Uneven shards: the step count and the step every finding names
-# --------------------------------------------------------------------------
+# Uneven shards: the step count and the step every finding names -----------------
 
 # N=31 over 4 shards: [0, 7), [7, 15), [15, 23), [23, 31). B=3: fill ceil(8/3) = 3 steps (shard 0
 # pads its last two slots, step 2 slots 1-2), drop floor(7/3) = 2 steps (each shard skips 1 or 2).
@@ -183,32 +107,35 @@ USTEPS = {"fill": 3, "drop": 2}
 
 
 @pytest.mark.parametrize("last_batch", ["fill", "drop"])
-def test_uneven_shards_have_the_documented_step_counts(last_batch):
+def test_a_reported_step_count_other_than_the_plans_names_every_shard_and_the_steps_between(last_batch):
     steps = USTEPS[last_batch]
     for shuffle in (False, True):
         plan = epoch_plan(UN, Un, UB, shuffle=shuffle, last_batch=last_batch, seed=4)
         assert plan.indices.shape == (steps, Un, UB)
         args = dict(shuffle=shuffle, last_batch=last_batch, masks=plan.mask)
-        assert not conformance.describe_epoch(plan.indices, UN, UB, length=steps, **args)
-        for wrong in (steps - 1, steps + 1):  # a count one off either way names the step between
-            [(text, _, named, _)] = conformance.describe_epoch(plan.indices, UN, UB, length=wrong,
-                                                               **args).kinds["step count"]
-            assert named == {min(wrong, steps)} and text.endswith(f"steps {min(wrong, steps)}"), text
-            assert f"the plan has {steps} (N=31, 4 shards, batch 3, {last_batch})" in text, text
+        assert not conformance.describe_epoch(plan.indices, UN, UB, length=steps, **args)  # control
+        for wrong, between, span in ((steps - 1, {steps - 1}, f"{steps - 1}"), (steps + 1, {steps}, f"{steps}"),
+                                     (steps + 2, {steps, steps + 1}, f"{steps}-{steps + 1}")):
+            [(text, shards, named, _)] = conformance.describe_epoch(plan.indices, UN, UB, length=wrong,
+                                                                    **args).kinds["step count"]
+            assert (shards, named) == (set(range(Un)), between) and text.endswith(f"steps {span}"), text
+            assert text.startswith(f"the loader reports {wrong} steps per epoch; the plan has {steps} (N=31, "
+                                   f"4 shards, batch 3, {last_batch})"), text
 
 
-def planted(kind, last_batch, shard, step, slot, seed):
-    """One deviation of ``kind`` planted at (shard, step, slot) of the plan of N=31 over 4
-    shards: (describe_epoch's arguments, the steps the finding must name, words its text
-    must hold)."""
+def one_deviation(kind, last_batch, shard, step, slot, seed):
+    """The plan of N=31 over 4 shards with one deviation of ``kind`` at (shard, step, slot):
+    (indices, masks, describe_epoch's arguments, the steps the finding must name, words its
+    text must hold)."""
     steps = USTEPS[last_batch]
     shuffle = kind not in ("order",)
     plan = epoch_plan(UN, Un, UB, shuffle=shuffle, seed=seed, last_batch=last_batch)
     got, mask = plan.indices.copy(), plan.mask.copy()
     args = dict(shuffle=shuffle, last_batch=last_batch, length=steps, partition="contiguous")
     other = (shard + 1) % Un
-    if not mask[step, shard, slot] and kind in ("outside the shard", "samples on two shards", "order"):
-        slot = 0  # shard 0's padding slots: these kinds look at real slots
+    if not mask[step, shard, slot] and kind in ("outside the shard", "samples on two shards", "order",
+                                                "outside the dataset"):
+        slot = 0  # shard 0's padding slots: these kinds look at real slots (padding is "padding"'s)
     if kind == "undecodable slots":
         got[step, shard, slot] = -1
         return got, mask, args, {step}, f"first: step {step} slot {slot}"
@@ -268,7 +195,7 @@ KINDS = ["undecodable slots", "same batch on several shards", "mask", "order", "
 def test_every_finding_names_the_step_it_sits_at_with_uneven_shards(kind, last_batch, shard, step, slot,
                                                                      seed):
     step = min(step, USTEPS[last_batch] - 1)
-    got, mask, args, want_steps, words = planted(kind, last_batch, shard, step, slot, seed)
+    got, mask, args, want_steps, words = one_deviation(kind, last_batch, shard, step, slot, seed)
     found = conformance.describe_epoch(got, UN, UB, masks=mask, **args)
     items = found.kinds.get(kind)
     assert items, f"{kind} not found:\n{found.report()}"
@@ -277,9 +204,7 @@ def test_every_finding_names_the_step_it_sits_at_with_uneven_shards(kind, last_b
     assert any(steps == want_steps for _, steps in named), (named, want_steps)
 
 
-# --------------------------------------------------------------------------
-# Across epochs and by index: two broken loaders that describe_epoch alone passes
-# --------------------------------------------------------------------------
+# Across epochs and by index: two broken loaders that describe_epoch alone passes --
 
 # 48 samples over 4 devices (12 each: a repeated shuffle has chance 1/12! per shard), batch 3.
 EN, En, EB = 48, 4, 3
@@ -328,8 +253,7 @@ def dataset(kind):
 def make(devices, data, normalize, shuffle=True, labels=None):
     samples, own = data
     return loaders.make_loader((samples, own if labels is None else labels), devices[:En], EB,
-                               shuffle=shuffle, seed=5, normalize=normalize, prefetch=0,
-                               placement="host_float32")
+                               shuffle=shuffle, seed=5, normalize=normalize, prefetch=0)
 
 
 def read(loader, epoch, normalize):
@@ -381,9 +305,15 @@ def test_epochs_without_shuffle_stay_and_reads_do_not_depend_on_history(devices)
     twice = [(1, read(counting, 1, normalize)[0]), (1, read(counting, 1, normalize)[0])]
     found = conformance.describe_epochs(twice, EB, shuffle=True)
     assert set(found.kinds) == {"epoch read twice"} and len(found.kinds["epoch read twice"]) == En
-    assert "the epoch depends on what was read before" in found.report()
+    plan = epoch_plan(UN, Un, UB)  # shard 0 holds 0..6, then padding: 9 slots
+    other = plan.indices.copy()
+    other[1, 0, 1] = 5
+    [(text, shards, steps, _)] = conformance.describe_epochs([(4, plan.indices), (4, other)], UB,
+                                                             shuffle=True).kinds["epoch read twice"]
+    assert (shards, steps) == ({0}, {1}) and text == (
+        "shard 0: two reads of epoch 4 differ in 1 of 9 slots (first: step 1 slot 1, sample 4, then 5): the "
+        "epoch depends on what was read before"), text
     # A read with a batch fewer differs in the slots it lacks (-1 in the text).
-    plan = epoch_plan(UN, Un, UB)
     short = [plan.indices[:, k] for k in range(Un)]
     short[2] = short[2][:-1]
     found = conformance.describe_epochs({0: plan.indices, 1: short}, UB, shuffle=False)
@@ -476,24 +406,13 @@ def test_values_compare_bits_within_a_dtype_and_numbers_across_dtypes():
     exact = np.array([0.1, 0.5, 1.0, 2.0, 0.25, 1 / 3])  # float64 targets delivered as float32
     found = conformance.describe_values(indices, exact.astype(np.float32)[indices], exact)
     assert found.kinds["labels"][0][3] == {0, 5}  # 0.1 and 1/3 were rounded; the others are exact
-    per_token = np.zeros((6, 4), np.int32)
-    found = conformance.describe_values(indices, np.zeros((3, 1, 2), np.int32), per_token)
-    [(text, *_)] = found.kinds["labels shape"]
-    assert text == "shard 0: labels arrive as int32 () per sample; the dataset's are int32 (4,)", text
     undecodable = indices.copy()
     undecodable[0, 0, 0] = -1  # skipped here: describe_epoch names it
     assert not conformance.describe_values(undecodable, wide[indices], wide)
     assert not conformance.describe_values(np.full_like(indices, -1), wide[indices], wide)  # none decodes
-    for bad, words in [((indices, wide[indices][:2], wide), "covers 2 batches, delivered has 3"),
-                       ((indices, wide[indices], wide[0]), "(N, ...)"),
-                       ((indices[:, 0], wide[indices], wide), "must be an array (steps, n, B)")]:
-        with pytest.raises(ValueError, match=re.escape(words)):
-            conformance.describe_values(*bad)
 
 
-# --------------------------------------------------------------------------
-# Across a resize: one epoch on several sets of shards (describe_resized_epoch)
-# --------------------------------------------------------------------------
+# Across a resize: one epoch on several sets of shards (describe_resized_epoch) ---
 
 # 48 encoded images; the epoch runs on 4 shards of 3 for steps 0-1, 3 of 2 for steps 2-3,
 # 6 of 1 for steps 4-5 (24, then 12, then 12 samples; fill and drop alike).
@@ -522,7 +441,7 @@ def resize_loaders():
     labels = np.zeros(RN, np.int32)
     return {(n, B, last_batch): loaders.make_loader((images, labels), cpus[:n], B, shuffle=True,
                                                    seed=RSEED, last_batch=last_batch, normalize=RNORM,
-                                                   prefetch=0, placement="host_float32")
+                                                   prefetch=0)
             for _, n, B in RSEGMENTS for last_batch in LAST_BATCH_POLICIES}
 
 
@@ -533,26 +452,37 @@ def decoded(batches, n):
     return indices, np.stack([conformance.shard_blocks(np.asarray(b["mask"]), n) for b in batches])
 
 
-def loader_steps(loader, start, stop):
-    """Steps start..stop-1 of loader's own (fresh) epoch REPOCH, as it yields them."""
-    batches = list(itertools.islice(loader.epoch(REPOCH, start), stop - start))
-    return decoded(batches, loader.num_shards)
+def loader_steps(loader, start, stop, state=None):
+    """Steps start..stop-1 of epoch REPOCH as ``loader.batch`` gives them (fresh, or resumed
+    from ``state``), decoded."""
+    return decoded([loader.batch(REPOCH, s, state=state) for s in range(start, stop)], loader.num_shards)
+
+
+def resumed_at(loader, segments, last_batch):
+    """The state ``loader`` resumes epoch REPOCH from, after running ``segments[:-1]``."""
+    (_, n, B), *later = segments
+    state = LoaderState.start(RN, n, B, epoch=REPOCH, seed=RSEED, shuffle=True, last_batch=last_batch,
+                              dataset=loader.dataset)
+    for t, n, B in later:
+        state = state.at_step(t).resized(n, B)
+    return state
 
 
 @pytest.fixture(scope="module")
 def resized_epochs(resize_loaders):
     """Per policy, the conforming epoch over RSEGMENTS as delivered blocks: segment 0 from the
-    4-device loader's own epoch (elastic segment 0 is its epoch_plan), later segments from
-    each new loader's gather (host_rows) of elastic_plan's rows; all decoded from images."""
+    4-device loader's fresh epoch, each later one from its loader resumed from the state at
+    the change; all decoded from images, and checked against elastic_plan."""
     out = {}
     for last_batch in LAST_BATCH_POLICIES:
         plans = elastic_plan(RN, RSEGMENTS, epoch=REPOCH, seed=RSEED, shuffle=True,
-                                     last_batch=last_batch)
-        (_, n0, B0), *later = RSEGMENTS
-        blocks = [loader_steps(resize_loaders[(n0, B0, last_batch)], 0, RSEGMENTS[1][0])]
-        for (_, n, B), plan in zip(later, plans[1:]):
+                             last_batch=last_batch)
+        ends = [t for t, _, _ in RSEGMENTS[1:]] + [elastic_num_steps(RN, RSEGMENTS, last_batch)]
+        blocks = []
+        for i, ((t, n, B), end) in enumerate(zip(RSEGMENTS, ends)):
             loader = resize_loaders[(n, B, last_batch)]
-            blocks.append(decoded([loader.host_rows(plan, r) for r in range(len(plan.indices))], n))
+            state = resumed_at(loader, RSEGMENTS[:i + 1], last_batch) if i else None
+            blocks.append(loader_steps(loader, t, end, state))
         for i, ((got, mask), plan) in enumerate(zip(blocks, plans)):
             assert_same_bits(got, plan.indices, f"{last_batch} segment {i}: decoded indices")
             assert_same_bits(mask, plan.mask, f"{last_batch} segment {i}: masks")
@@ -632,10 +562,8 @@ def test_a_resume_on_the_new_sizes_fresh_plan_is_named(resized_epochs, resize_lo
         # The fresh plan ends at step 8, the resized one at 6: held to the plan (contiguous),
         # not to what the loader itself delivered (any).
         assert ("step count" in found.kinds) == (partition == "contiguous"), found.report()
-        # Control: the same loader's gather of the resized plan's rows conforms.
-        plan = elastic_plan(RN, segments, epoch=REPOCH, seed=RSEED, shuffle=True,
-                                    last_batch=last_batch)[1]
-        rest = decoded([loader.host_rows(plan, r) for r in range(len(plan.indices))], 3)
+        # Control: the same loader resumed from the state at the change conforms.
+        rest = loader_steps(loader, 2, 6, resumed_at(loader, segments, last_batch))
         assert not resized([delivered[0], rest[0]], segments, masks=[masks[0], rest[1]],
                            last_batch=last_batch, partition=partition, length=6)
 
@@ -666,16 +594,16 @@ def test_a_segment_whose_shards_run_different_step_counts(resized_epochs, last_b
                        last_batch=last_batch)
 
 
-# Planted deviations: each is named with its segment and global step. N=31: 4 shards of 3
+# One deviation each, named with its segment and global step. N=31: 4 shards of 3
 # for step 0, 3 of 2 for steps 1-2, then 5 of 1 (7 samples left: runs 1,1,1,2,2) for steps
 # 3-4 (fill: shards 0-2 pad at step 4) or step 3 (drop).
 PN, PSEGMENTS = 31, [(0, 4, 3), (1, 3, 2), (3, 5, 1)]
 
 
-def planted_resize(kind, last_batch, shuffle, seed, epoch, segment, shard, row, slot):
+def one_resize_deviation(kind, last_batch, shuffle, seed, epoch, segment, shard, row, slot):
     """(delivered, masks, partition, the segment whose words the finding carries or None,
     words its text must hold, a global step its steps must hold) for one deviation of
-    ``kind`` planted in elastic_plan's epoch, its indices encoded and decoded first."""
+    ``kind`` in elastic_plan's epoch, its indices encoded and decoded first."""
     plans = elastic_plan(PN, PSEGMENTS, epoch=epoch, seed=seed, shuffle=shuffle,
                                  last_batch=last_batch)
     got = [encoding.decode_indices(encoding.encoded_images(p.indices.ravel(), (2,), np.float32))
@@ -750,7 +678,7 @@ def planted_resize(kind, last_batch, shuffle, seed, epoch, segment, shard, row, 
     raise AssertionError(kind)
 
 
-RESIZE_KINDS = {  # kind: the policies it is planted with
+RESIZE_KINDS = {  # kind: the policies it can happen with
     "undecodable slots": ("fill", "drop"), "mask": ("fill", "drop"), "order": ("fill", "drop"),
     "outside the shard": ("fill", "drop"), "samples on two shards": ("fill", "drop"),
     "same batch on several shards": ("fill", "drop"), "repeated": ("fill", "drop"), "padding": ("fill",),
@@ -768,7 +696,7 @@ def test_every_resize_finding_names_its_segment_and_global_step(kind, data, seed
                                                                row, slot):
     last_batch = data.draw(st.sampled_from(RESIZE_KINDS[kind]))
     shuffle = kind != "order" and data.draw(st.booleans())
-    got, masks, partition, i, words, step = planted_resize(kind, last_batch, shuffle, seed, epoch, segment,
+    got, masks, partition, i, words, step = one_resize_deviation(kind, last_batch, shuffle, seed, epoch, segment,
                                                            shard, row, slot)
     found = resized(got, PSEGMENTS, masks=masks, last_batch=last_batch, shuffle=shuffle, partition=partition,
                     N=PN, seed=seed, epoch=epoch)
@@ -783,7 +711,7 @@ def test_every_resize_finding_names_its_segment_and_global_step(kind, data, seed
         contiguous = resized(got, PSEGMENTS, masks=masks, last_batch=last_batch, shuffle=shuffle, N=PN,
                              seed=seed, epoch=epoch)
         assert contiguous, f"{kind}: 'any' found it, 'contiguous' did not"
-    # (The unplanted plans conform: test_elastic_plans_conform_and_a_restart_never_does.)
+    # (The plans alone conform: test_elastic_plans_conform_and_a_restart_never_does.)
 
 
 @st.composite
@@ -854,7 +782,7 @@ def test_one_segment_gives_describe_epochs_findings_by_segment(kind):
     for last_batch, shard, step, slot, seed in (("fill", 0, 2, 1, 7), ("drop", 3, 1, 2, 8),
                                                 ("fill", 2, 0, 0, 9)):
         step = min(step, USTEPS[last_batch] - 1)
-        got, mask, args, _, _ = planted(kind, last_batch, shard, step, slot, seed)
+        got, mask, args, _, _ = one_deviation(kind, last_batch, shard, step, slot, seed)
         want = conformance.describe_epoch(got, UN, UB, masks=mask, **args)
         args.pop("length")
         found = conformance.describe_resized_epoch([got], UN, [(0, Un, UB)], epoch=0, seed=seed, masks=[mask],
@@ -865,34 +793,6 @@ def test_one_segment_gives_describe_epochs_findings_by_segment(kind):
                 assert found.kinds[name] == [(f"segment 0: {text}", {(0, k) for k in shards}, steps, samples)
                                              for text, shards, steps, samples in items], name
         assert set(found.kinds) - set(want.kinds) <= {"missing from the epoch", "drop count"}
-
-
-def test_describe_resized_epoch_refuses_what_it_cannot_read():
-    segments = [(0, 2, 2), (1, 3, 1)]
-    plans = elastic_plan(7, segments)
-    good = dict(epoch=0, seed=0, shuffle=False, last_batch="fill")
-    for args, kw, words in [
-            (([p.indices for p in plans], 7, [(0, 2, 2), (5, 3, 1)]), {},
-             "describe_resized_epoch: segments=[(0, 2, 2), (5, 3, 1)] is not an epoch elastic_plan accepts: "
-             "elastic_num_steps: segments[1].start=5 is after the epoch's end at step 2"),
-            (([plans[0].indices], 7, segments), {},
-             "delivered must be a list with one entry per segment (2), got 1"),
-            ((plans[0].indices, 7, segments), {}, "delivered must be a list with one entry per segment (2), "
-                                                  "got ndarray"),
-            (([p.indices for p in plans], 7, segments), dict(masks=[plans[0].mask]),
-             "masks must be a list with one entry per segment (2), got 1"),
-            (([plans[0].indices, plans[0].indices], 7, segments), {},
-             "describe_resized_epoch: delivered[1] as one array must be (steps, n, B) like Plan.indices with "
-             "B = batch_size = 1, got shape (1, 2, 2)"),
-            (([plans[0].indices, plans[1].indices[:, :2]], 7, segments), {},
-             "describe_resized_epoch: delivered[1] has 2 shards; segments[1]=(1, 3, 1) has 3"),
-            (([p.indices for p in plans], 7, segments), dict(masks=[p.indices for p in plans]),
-             "describe_resized_epoch: masks[0][0] must hold bool values, got dtype int64"),
-            (([p.indices for p in plans], 7, segments), dict(partition="strided"),
-             "describe_resized_epoch: partition must be one of ('contiguous', 'any'), got 'strided'")]:
-        with pytest.raises(ValueError, match=re.escape(words)):
-            conformance.describe_resized_epoch(*args, **{**good, **kw})
-    assert not conformance.describe_resized_epoch([p.indices for p in plans], 7, segments, **good)  # control
 
 
 @pytest.mark.parametrize("last_batch", LAST_BATCH_POLICIES)
@@ -915,12 +815,10 @@ def test_another_exactly_once_partition_after_the_resize_conforms_only_to_any(re
     assert set(found.kinds) == want, found.report()
 
 
-# --------------------------------------------------------------------------
-# conformance.py for any loader
-# --------------------------------------------------------------------------
+# Any partition, where a finding points, and the helpers ------------------------
 
 
-def strided_epoch(N, n, B, drop_last=False):
+def strided_epoch(N, n, B):
     """A correct loader with another partition: shard k is k::n, padded to equal steps."""
     steps = -(-(-(-N // n)) // B)
     delivered = np.empty((steps, n, B), np.int64)
@@ -946,36 +844,12 @@ def test_a_strided_partition_passes_the_any_mode_and_fails_the_contiguous_one():
     found = conformance.describe_epoch(lost, N, B, partition="any", **args)
     assert {"missing", "samples on two shards"} <= set(found.kinds), found.report()
     [(text, shards, steps, samples)] = found.kinds["samples on two shards"]
-    assert steps == {0} and "sample 1 at step 0 of shard 0 and step 0 of shard 1" in text
-    assert "0 step(s)" not in found.report()
+    assert (steps, samples) == ({0}, {1}) and "sample 1 at step 0 of shard 0 and step 0 of shard 1" in text
     short = [delivered[:, k] for k in range(n)]
     short[3] = short[3][:-1]
     found = conformance.describe_epoch(short, N, B, partition="any", shuffle=False, last_batch="fill",
                                        length=len(delivered), masks=[masks[:, k] for k in range(n)])
     assert "batches arrived" in found.kinds
-    outside = delivered.copy()
-    outside[2, 5, 1] = N + 7
-    assert "outside the dataset" in conformance.describe_epoch(outside, N, B, partition="any", **args).kinds
-
-
-def test_the_plan_layout_is_accepted_and_bad_input_is_refused_clearly():
-    N, n, B = 13, 2, 2
-    plan = epoch_plan(N, n, B)
-    args = dict(shuffle=False, last_batch="fill", length=4)
-    assert not conformance.describe_epoch(plan.indices, N, B, masks=plan.mask, **args)
-    listed = conformance.describe_epoch([plan.indices[:, k] for k in range(n)], N, B,
-                                        masks=[plan.mask[:, k] for k in range(n)], **args)
-    assert not listed
-    bad = [((plan.indices[:, 0], N, B), {}, "must be (steps, n, B) like Plan.indices"),
-           ((plan.indices, N, 3), {}, "B = batch_size = 3"),
-           ((plan.indices.astype(float), N, B), {}, "must hold integer values"),
-           ((plan.indices, N, B), {"masks": plan.mask[:, :1]}, "masks has 1 shards, delivered 2"),
-           ((plan.indices, N, B), {"partition": "strided"}, "partition must be one of"),
-           (([np.zeros(4, np.int64)], N, B), {}, "delivered[0] must be (steps, B)")]
-    for positional, kwargs, words in bad:
-        with pytest.raises(ValueError) as error:
-            conformance.describe_epoch(*positional, **{**args, **kwargs})
-        assert words in str(error.value) and "describe_epoch" in str(error.value), str(error.value)
 
 
 def test_every_finding_names_its_steps():
@@ -998,19 +872,6 @@ def test_every_finding_names_its_steps():
             assert steps and "step" in text, f"{kind}: {text!r} names no step"
 
 
-def test_shard_blocks_in_both_layouts():
-    x = np.arange(24).reshape(12, 2)
-    np.testing.assert_array_equal(conformance.shard_blocks(x, 3)[1], x[4:8])
-    np.testing.assert_array_equal(conformance.shard_blocks(x.reshape(3, 4, 2), 3, "pmap")[2], x[8:])
-    with pytest.raises(ValueError, match="num_shards = 5"):
-        conformance.shard_blocks(x, 5)
-    with pytest.raises(ValueError, match="'pmap' batch must be"):
-        conformance.shard_blocks(x, 3, "pmap")
-
-
-# --------------------------------------------------------------------------
-# Where a finding points (describe_epoch's "every finding names the step(s) it concerns"):
-# each kind's shards, steps and samples, exactly, at the edges of what it recognises.
 def long_delivery(N=800, shards=2, batch=4):
     plan = epoch_plan(N, shards, batch)
     return [plan.indices[:, k].copy() for k in range(shards)], [plan.mask[:, k].copy() for k in range(shards)]
@@ -1068,17 +929,27 @@ def test_any_partition_names_a_missing_sample_at_either_end_with_every_shard_and
     assert (shards, steps, samples) == ({0, 1}, set(range(100)), {lost})
 
 
-@pytest.mark.parametrize("extra", [800, 801])
+@pytest.mark.parametrize("extra", [799, 800, 801])
 def test_any_partition_names_a_sample_past_the_dataset_with_its_shard_and_step(extra):
+    # Sample N - 1 = 799 is in the dataset (on another shard too); N and past it are not.
     delivered, masks = long_delivery()
     lost = int(delivered[1][7, 2])
     delivered[1][7, 2] = extra
     found = conformance.describe_epoch(delivered, 800, 4, shuffle=True, last_batch="fill", length=100,
                                        masks=masks, partition="any")
+    assert found.kinds["missing"][0][3] == {lost}
+    one = conformance.describe_resized_epoch([np.stack(delivered, 1)], 800, [(0, 2, 4)], epoch=0, seed=0,
+                                             shuffle=True, last_batch="fill", masks=[np.stack(masks, 1)],
+                                             partition="any")
+    if extra < 800:
+        assert "outside the dataset" not in set(found.kinds) | set(one.kinds), found.report()
+        return
     [(text, shards, steps, samples)] = found.kinds["outside the dataset"]
     assert text == f"1 delivered samples are not in range(800) (e.g. [{extra}]; first at step 7)", text
     assert (shards, steps, samples) == ({1}, {7}, {extra})
-    assert found.kinds["missing"][0][3] == {lost}
+    [(text, shards, steps, samples)] = one.kinds["outside the dataset"]  # one segment, the same range
+    assert (shards, steps, samples) == ({(0, 1)}, {7}, {extra}) and text.endswith(
+        f"first: sample {extra} at step 7 on shard 1 of segment 0)"), text
 
 
 @pytest.mark.parametrize("d", [1, -1, 4, -4, 5, -5])
@@ -1095,26 +966,13 @@ def test_values_shifted_in_the_shards_stream_are_named_up_to_four_slots_either_w
         values[:, k] = reference[np.roll(flat, -d)].reshape(-1, 4)
     found = conformance.describe_values(plan.indices, values, reference)
     items = found.kinds["labels"]
-    assert [sorted(shards) for _, shards, *_ in items] == [[0], [1]], found.report()
+    assert conformance.SHIFTS == 4 and [sorted(shards) for _, shards, *_ in items] == [[0], [1]], found.report()
     for k, (text, shards, steps, samples) in enumerate(items):
-        bad = 32
-        assert text.startswith(f"shard {k}: {bad} of 32 slots hold labels that are not their sample's"), text
+        assert text.startswith(f"shard {k}: 32 of 32 slots hold labels that are not their sample's"), text
         words = (f"; every one holds the labels of the sample {abs(d)} slot(s) {'later' if d > 0 else 'earlier'}"
                  f" in the shard's stream (where there is one): labels shifted by {d:+d} slot(s)")
         assert text.endswith(words) if abs(d) <= 4 else "shifted" not in text, text
-        assert len(samples) == bad and steps <= set(range(8)), (samples, steps)
-
-
-def test_real_first_is_stable_over_a_long_shard_and_takes_masks_of_0_and_1():
-    # 40 slots (a sort that is not stable reorders equal keys beyond 16), masks as ints.
-    rng = np.random.default_rng(8)
-    delivered = [rng.permutation(40).reshape(5, 8)]
-    mask = rng.integers(0, 2, (5, 8))
-    [got], [got_mask] = conformance.real_first(delivered, [mask])
-    flat, real = delivered[0].ravel(), mask.ravel().astype(bool)
-    np.testing.assert_array_equal(got.ravel(), np.concatenate([flat[real], flat[~real]]))
-    assert got_mask.dtype == bool
-    np.testing.assert_array_equal(got_mask.ravel(), np.sort(real)[::-1])
+        assert len(samples) == 32 and steps <= set(range(8)), (samples, steps)
 
 
 def test_describe_values_adds_to_the_findings_it_is_given_and_names_each_shard():
@@ -1155,41 +1013,18 @@ def test_describe_values_names_the_first_wrong_scalar_and_its_step_and_skips_wha
                     "holds sample 13)"), text
 
 
-def test_a_report_has_its_header_and_counts_what_it_leaves_out_only_past_the_examples():
-    found = conformance.Findings()
-    for i in range(conformance.EXAMPLES):
-        found.add("order", f"finding {i}", shards=[0], steps=[i], samples=[i, i + 1])
-    report = found.report()
-    assert report.splitlines()[0] == "1 kind(s) of deviation:" and "more" not in report, report
-    assert found.report("epoch 3").splitlines()[:2] == ["epoch 3", "1 kind(s) of deviation:"]
-    assert "- order: 3 finding(s), 1 shard(s), 3 step(s), 4 sample(s)" in report, report
-    assert conformance.Findings().report("header") == ""
-
-
-def test_shard_blocks_takes_a_pmap_batch_of_two_axes_and_refuses_one_axis():
-    x = np.arange(12).reshape(4, 3)
-    np.testing.assert_array_equal(conformance.shard_blocks(x, 4, "pmap"), x)
-    np.testing.assert_array_equal(conformance.shard_blocks(x.ravel(), 4), x)
-    with pytest.raises(ValueError, match="a 'pmap' batch must be"):
-        conformance.shard_blocks(np.arange(4), 4, "pmap")
-
-
-def test_the_step_count_finding_names_every_shard_and_the_steps_between_the_counts():
-    delivered, masks = long_delivery(N=40, shards=2, batch=4)  # 5 steps a shard
-    found = conformance.describe_epoch(delivered, 40, 4, shuffle=False, last_batch="fill", length=7,
-                                       masks=masks)
-    [(text, shards, steps, _)] = found.kinds["step count"]
-    assert (shards, steps) == ({0, 1}, {5, 6}) and text.endswith("steps 5-6"), (text, shards, steps)
-
-
-# real_first (used by test_rocal.py alone until the mutation run asked for its own test)
-# --------------------------------------------------------------------------
+def test_shard_blocks_splits_both_layouts():
+    x = np.arange(24).reshape(12, 2)
+    np.testing.assert_array_equal(conformance.shard_blocks(x, 3)[1], x[4:8])
+    np.testing.assert_array_equal(conformance.shard_blocks(x.reshape(3, 4, 2), 3, "pmap")[2], x[8:])
+    y = np.arange(12).reshape(4, 3)  # a pmap batch of two axes; a sharded one of one
+    np.testing.assert_array_equal(conformance.shard_blocks(y, 4, "pmap"), y)
+    np.testing.assert_array_equal(conformance.shard_blocks(y.ravel(), 4), y)
 
 
 def test_real_first_moves_every_real_slot_first_in_order_and_keeps_the_shapes():
-    # "Each shard's slots reordered real first (stable)": for every shard, the real
-    # slots in their order, then the padding in its order; masks the same way, cut to
-    # the batches that arrived; each shard (steps, B) as it came.
+    # Each shard: its real slots in their order, then its padding in its order; masks
+    # likewise, cut to the batches that arrived; each shard (steps, B) as it came.
     delivered = [np.arange(6).reshape(3, 2), np.arange(10, 16).reshape(3, 2), np.arange(20, 24).reshape(2, 2)]
     masks = [np.array([[False, True], [True, False], [False, True]]),
              np.ones((3, 2), bool),
@@ -1202,14 +1037,20 @@ def test_real_first_moves_every_real_slot_first_in_order_and_keeps_the_shapes():
         assert got[k].shape == got_masks[k].shape == delivered[k].shape
         np.testing.assert_array_equal(got[k].ravel(), want[k], err_msg=f"shard {k}")
         np.testing.assert_array_equal(got_masks[k].ravel(), want_masks[k], err_msg=f"shard {k}")
+    # 40 slots (a sort that is not stable reorders equal keys beyond 16), masks of 0 and 1.
+    rng = np.random.default_rng(8)
+    long, mask = rng.permutation(40).reshape(5, 8), rng.integers(0, 2, (5, 8))
+    [got], [got_mask] = conformance.real_first([long], [mask])
+    real = mask.ravel().astype(bool)
+    np.testing.assert_array_equal(got.ravel(), np.concatenate([long.ravel()[real], long.ravel()[~real]]))
+    assert got_mask.dtype == bool
+    np.testing.assert_array_equal(got_mask.ravel(), np.sort(real)[::-1])
 
 
-# --------------------------------------------------------------------------
-# describe_content's edges (survivors of the mutation run)
-# --------------------------------------------------------------------------
+# describe_content -----------------------------------------------------------------
 
 
-def _content_case():
+def content_case():
     norm = Normalize()
     ref_images = encoding.encoded_images(np.arange(8))
     ref_labels = (np.arange(8) % 10).astype(np.int32)
@@ -1217,10 +1058,9 @@ def _content_case():
 
 
 def test_content_checks_sample_0_skips_only_undecodable_slots_and_counts_each_image():
-    # "slots with -1 are skipped": sample 0 is a sample like any other, a -1 slot may hold
-    # anything; labels one per sample in any shape ((B, 1) too); the count names how many
-    # images differ, not whether any does.
-    norm, ref_images, ref_labels = _content_case()
+    # Sample 0 is a sample like any other; a -1 slot may hold anything; labels one per slot
+    # in any shape ((B, 1) too); the count names how many images differ.
+    norm, ref_images, ref_labels = content_case()
     indices = np.array([0, -1, 2, 3])
     images = norm(ref_images[np.maximum(indices, 0)])
     labels = ref_labels[np.maximum(indices, 0)].reshape(-1, 1)
@@ -1235,13 +1075,17 @@ def test_content_checks_sample_0_skips_only_undecodable_slots_and_counts_each_im
         "2 images differ from the rocal table of their sample"]
     nothing = np.full(4, -1)
     assert conformance.describe_content(images, labels, nothing, ref_images, ref_labels, norm) == []
+    # DALI's own arithmetic against rocAL's table: a few ulps apart, named so.
+    dali = Normalize(arithmetic="dali_cpu")(ref_images[[3, 4, 5]])
+    [text] = conformance.describe_content(dali, ref_labels[[3, 4, 5]], [3, 4, 5], ref_images, ref_labels, norm)
+    assert text.endswith("another arithmetic than the table's"), text
 
 
 @pytest.mark.parametrize("ulps", [1, 8, 9])
 def test_content_names_up_to_8_ulps_as_another_arithmetic_and_not_beyond(ulps):
-    # "differs by ulps only" is named with the count, up to 8 ulps (of the largest
-    # magnitude, the table's scale); 9 is a plain difference; a mirrored batch is named so.
-    norm, ref_images, ref_labels = _content_case()
+    # "up to 8 ulps" (of the largest magnitude, the table's scale) is named with the count;
+    # 9 is a plain difference; a mirrored batch is named so.
+    norm, ref_images, ref_labels = content_case()
     indices = np.array([1, 4, 6])
     want = norm(ref_images[indices])
     scale = np.spacing(np.float32(np.abs(want).max()))
@@ -1258,25 +1102,116 @@ def test_content_names_up_to_8_ulps_as_another_arithmetic_and_not_beyond(ulps):
                     "images: mirror=0 was not honoured")
 
 
-@pytest.mark.parametrize("resized", [False, True], ids=["describe_epoch", "describe_resized_epoch"])
-def test_any_partition_flags_sample_N_and_not_sample_N_minus_1(resized):
-    # partition="any": "no sample outside range(N)", at the dataset's end on both sides:
-    # sample N (one past the last) is outside, sample N - 1 is not.
-    N, n, B = 1003, 8, 16
-    delivered, masks = strided_epoch(N, n, B)
-    found = {}
-    for sample in (N - 1, N):
-        got = delivered.copy()
-        got[2, 5, 1] = sample
-        if resized:
-            found[sample] = conformance.describe_resized_epoch(
-                [got], N, [(0, n, B)], epoch=0, seed=0, shuffle=False, last_batch="fill", masks=[masks],
-                length=len(got), partition="any")
-        else:
-            found[sample] = conformance.describe_epoch(got, N, B, partition="any", shuffle=False,
-                                                       last_batch="fill", length=len(got), masks=masks)
-    assert "outside the dataset" not in found[N - 1].kinds, found[N - 1].report()
-    [(_, _, steps, samples)] = found[N].kinds["outside the dataset"]
-    assert samples == {N} and steps == {2}
+# Bad input ------------------------------------------------------------------------
+
+PLAN = epoch_plan(13, 2, 2)
+SEGMENTS = [(0, 2, 2), (1, 3, 1)]
+PLANS = elastic_plan(7, SEGMENTS)
+RUN = dict(epoch=0, seed=0, shuffle=False, last_batch="fill")
+EPOCH = dict(shuffle=False, last_batch="fill", length=4)
 
 
+def one_epoch(*args, **kwargs):
+    return conformance.describe_epoch(*args, **{**EPOCH, **kwargs})
+
+
+def resized_epoch(*args, **kwargs):
+    return conformance.describe_resized_epoch(*args, **{**RUN, **kwargs})
+
+
+def content(images=None, labels=None, indices=(0, 1)):
+    norm, ref_images, ref_labels = content_case()
+    images = norm(ref_images[:2]) if images is None else images
+    return conformance.describe_content(images, ref_labels[:2] if labels is None else labels, np.array(indices),
+                                        ref_images, ref_labels, norm)
+
+
+BAD = [  # (call, the words of its ValueError)
+    (lambda: one_epoch(PLAN.indices[:, 0], 13, 2), "describe_epoch: delivered as one array must be (steps, "
+                                                        "n, B) like Plan.indices"),
+    (lambda: one_epoch(PLAN.indices, 13, 3), "B = batch_size = 3"),
+    (lambda: one_epoch(PLAN.indices.astype(float), 13, 2), "describe_epoch: delivered[0] must hold integer "
+                                                                "values, got dtype float64"),
+    (lambda: one_epoch(PLAN.indices, 13, 2, masks=PLAN.mask[:, :1]), "masks has 1 shards, delivered 2"),
+    (lambda: one_epoch([PLAN.indices[:, 0]], 13, 2, masks=[PLAN.mask[:2, 0]]),
+     "describe_epoch: masks of shard 0 cover 2 batches, delivered has 4"),
+    (lambda: one_epoch(PLAN.indices, 13, 2, partition="strided"),
+     "describe_epoch: partition must be one of ('contiguous', 'any'), got 'strided'"),
+    (lambda: one_epoch(PLAN.indices, 13, 2, last_batch="pad"), "describe_epoch: last_batch must be one of"),
+    (lambda: one_epoch([np.zeros(4, np.int64)], 13, 2), "describe_epoch: delivered[0] must be (steps, B)"),
+    (lambda: one_epoch([], 13, 2), "delivered must be an array (steps, n, B) or a non-empty list"),
+    (lambda: one_epoch(PLAN.indices, -13, 2, partition="any"),
+     "describe_epoch: num_samples must be an int >= 0, got -13"),
+    (lambda: one_epoch(PLAN.indices, 13, 0), "describe_epoch: batch_size must be an int >= 1, got 0"),
+    (lambda: one_epoch(PLAN.indices, 13, 2, length=None), "describe_epoch: length must be an int >= 0, "
+                                                               "got None"),
+    (lambda: one_epoch(PLAN.indices, 13, 2, length=4.0), "length must be an int >= 0, got 4.0"),
+    (lambda: resized_epoch([p.indices for p in PLANS], 7, [(0, 2, 2), (5, 3, 1)]),
+     "describe_resized_epoch: segments=[(0, 2, 2), (5, 3, 1)] is not an epoch elastic_plan accepts: "
+     "elastic_num_steps: segments[1].start=5 is after the epoch's end at step 2"),
+    (lambda: resized_epoch([PLANS[0].indices], 7, SEGMENTS),
+     "describe_resized_epoch: delivered must be a list with one entry per segment (2), got 1"),
+    (lambda: resized_epoch(PLANS[0].indices, 7, SEGMENTS),
+     "delivered must be a list with one entry per segment (2), got ndarray"),
+    (lambda: resized_epoch([p.indices for p in PLANS], 7, SEGMENTS, masks=[PLANS[0].mask]),
+     "masks must be a list with one entry per segment (2), got 1"),
+    (lambda: resized_epoch([PLANS[0].indices, PLANS[0].indices], 7, SEGMENTS),
+     "describe_resized_epoch: delivered[1] as one array must be (steps, n, B) like Plan.indices with "
+     "B = batch_size = 1, got shape (1, 2, 2)"),
+    (lambda: resized_epoch([PLANS[0].indices, PLANS[1].indices[:, :2]], 7, SEGMENTS),
+     "describe_resized_epoch: delivered[1] has 2 shards; segments[1]=(1, 3, 1) has 3"),
+    (lambda: resized_epoch([p.indices for p in PLANS], 7, SEGMENTS, masks=[p.indices for p in PLANS]),
+     "describe_resized_epoch: masks[0][0] must hold bool values, got dtype int64"),
+    (lambda: resized_epoch([p.indices for p in PLANS], 7, SEGMENTS, partition="strided"),
+     "describe_resized_epoch: partition must be one of ('contiguous', 'any'), got 'strided'"),
+    (lambda: resized_epoch([p.indices for p in PLANS], 7, SEGMENTS, length=-1),
+     "describe_resized_epoch: length must be an int >= 0, got -1"),
+    (lambda: conformance.describe_epochs({0: PLAN.indices}, 2, shuffle=True),
+     "describe_epochs: needs two or more reads (epoch, delivered), got 1"),
+    (lambda: conformance.describe_epochs({0: PLAN.indices, 1: PLAN.indices[:, :1]}, 2, shuffle=True),
+     "describe_epochs: epoch 1 has 1 shards, epoch 0 has 2; all reads must come from one loader"),
+    (lambda: conformance.describe_epochs({0: PLAN.indices, 1: PLAN.indices[0]}, 2, shuffle=True),
+     "describe_epochs: epochs[1] as one array must be (steps, n, B)"),
+    (lambda: conformance.describe_values(PLAN.indices, PLAN.indices[:2], np.arange(13)),
+     "describe_values: labels[0] covers 2 batches, delivered has 4"),
+    (lambda: conformance.describe_values(PLAN.indices, PLAN.indices[:, :1], np.arange(13)),
+     "describe_values: labels has 1 shards, delivered 2"),
+    (lambda: conformance.describe_values(PLAN.indices, PLAN.indices, np.int64(3), name="ids"),
+     "describe_values: reference must be the dataset's 'ids' array (N, ...), got shape ()"),
+    (lambda: conformance.describe_values(PLAN.indices[:, 0], PLAN.indices, np.arange(13)),
+     "describe_values: delivered must be an array (steps, n, B)"),
+    (lambda: conformance.shard_blocks(np.zeros((12, 2)), 5), "'sharded' batch must be (n*B, ...) with n = "
+                                                             "num_shards = 5, got shape (12, 2)"),
+    (lambda: conformance.shard_blocks(np.zeros((12, 2)), 3, "pmap"), "a 'pmap' batch must be (n, B, ...)"),
+    (lambda: conformance.shard_blocks(np.arange(4), 4, "pmap"), "a 'pmap' batch must be (n, B, ...)"),
+    (lambda: conformance.shard_blocks(np.zeros((12, 2)), 0), "shard_blocks: num_shards must be an int >= 1, "
+                                                             "got 0"),
+    (lambda: conformance.shard_blocks(np.zeros((12, 2)), 3, "jit"), "shard_blocks: layout must be one of"),
+    (lambda: conformance.real_first([PLAN.indices[:, 0]], [PLAN.mask[:, 0]] * 2),
+     "real_first: masks has 2 shards, delivered 1"),
+    (lambda: conformance.real_first([PLAN.indices[:, 0]], [PLAN.mask[:3, 0]]),
+     "real_first: masks[0] covers 3 batches, delivered[0] has 4"),
+    (lambda: content(indices=(0, 1, 2)), "describe_content: images_BCHW (B, C, H, W), labels_B and indices_B must "
+                                         "hold one entry per slot, got shapes (2, 3, 32, 32), (2,) and (3,)"),
+    (lambda: content(labels=np.zeros(3, np.int32)), "got shapes (2, 3, 32, 32), (3,) and (2,)"),
+    (lambda: content(images=np.zeros((2, 3, 32), np.float32)), "got shapes (2, 3, 32), (2,) and (2,)"),
+]
+
+
+@pytest.mark.parametrize("call, words", BAD, ids=[words[:48] for _, words in BAD])
+def test_bad_input_is_refused_naming_the_parameter_and_the_value(call, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        call()
+
+
+def test_the_bad_input_tables_good_calls_are_accepted():
+    """The control of the test above: its calls with good input raise nothing."""
+    assert not one_epoch(PLAN.indices, 13, 2, masks=PLAN.mask)
+    assert not one_epoch([PLAN.indices[:, k] for k in range(2)], 13, 2, masks=[PLAN.mask[:, k] for k in range(2)])
+    assert not resized_epoch([p.indices for p in PLANS], 7, SEGMENTS, masks=[p.mask for p in PLANS],
+                                      length=2)
+    assert not conformance.describe_epochs({0: PLAN.indices, 1: PLAN.indices}, 2, shuffle=False)
+    assert not conformance.describe_values(PLAN.indices, PLAN.indices, np.arange(13))
+    assert conformance.shard_blocks(np.zeros((12, 2)), 3).shape == (3, 4, 2)
+    assert conformance.real_first([PLAN.indices[:, 0]], [PLAN.mask[:, 0]])[0][0].shape == (4, 2)
+    assert content() == []
