@@ -554,7 +554,7 @@ def crop_cases(draw):
 
 def random_mnist(seed: int, count: int):
     rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (count,) + MNIST_SHAPE, dtype=np.uint8), rng.integers(0, 10, count)
+    return rng.integers(0, 256, (count,) + MNIST_SHAPE, dtype=np.uint8), rng.integers(0, 10, count).astype(np.int32)
 
 
 # --------------------------------------------------------------------------

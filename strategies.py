@@ -166,6 +166,11 @@ def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_st
     run_mesh = Mesh(np.array([mesh.devices.flat[0]]), (AXIS,)) if name == "single" else mesh
     if name == "single":
         batches = (jax.device_put(b, mesh.devices.flat[0]) for b in batches)
+    if first is not None:  # the first batch, checked and placed
+        first = next(batches)
+    if first is not None:
+        _check_count(name, loss_terms, state[0], first, run_mesh, LAYOUT[name])
+        batches = itertools.chain([first], batches)
     if reduction == "canonical":
         L = logical_shards or (_batch_shards(first) if first is not None else None)
         step = canonical_step(loss_terms, optimizer.update, run_mesh, L) if L else None
@@ -270,6 +275,30 @@ def checked(batches: Iterable[dict], strategy: str, mesh: Mesh, reduction: str =
                                  f"does not own")
             placed[key] = leaf
         yield placed
+
+
+def _check_count(name: str, loss_terms: LossTerms, params, batch: dict, mesh: Mesh, layout: str) -> None:
+    """ValueError, naming the contract, when ``loss_terms``' count over the first batch is not
+    its number of real (mask-True) rows: a loss that ignores the mask would train on the
+    padding. A total returned as a mean cannot be told from a sum here; the message says it."""
+    count, real = _counts(loss_terms, mesh, layout)(replicate(params, mesh), batch)
+    count, real = float(count.addressable_data(0)), float(real.addressable_data(0))
+    if count != real:
+        raise ValueError(f"strategy {name!r}: loss_terms returned count={count:g} for the first batch, which "
+                         f"has {real:g} real (mask-True) rows; {LOSS_TERMS_CONTRACT}")
+
+
+@functools.lru_cache(maxsize=64)
+def _counts(loss_terms: LossTerms, mesh: Mesh, layout: str) -> Callable:
+    """jit(shard_map): (params replicated, batch sharded on 'data') -> (sum of the devices'
+    counts, sum of the mask), replicated."""
+    def counts(params, rows):
+        rows = {k: v for k, v in rows.items() if k != SHARDS_KEY}
+        if layout == "pmap":
+            rows = jax.tree.map(lambda x: x[0], rows)
+        count = checked_terms(loss_terms, params, rows)[1]
+        return lax.psum(count, AXIS), lax.psum(jnp.sum(rows["mask"], dtype=jnp.float32), AXIS)
+    return jax.jit(jax.shard_map(counts, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False))
 
 
 def start_state(name: str, optimizer: Optimizer, params: Params, opt_state, mesh: Mesh) -> tuple:

@@ -85,8 +85,8 @@ def test_checked_reads_no_key_but_mask(devices):
 def test_checked_refuses_a_batch_on_other_devices(devices):
     mesh = loaders.data_mesh(devices[:2])
     elsewhere = loaders.data_mesh(devices[2:4])
-    good = loaders.global_batch_from_rows(batch((4,)), mesh)
-    bad = loaders.global_batch_from_rows(batch((4,)), elsewhere)
+    good = jax.device_put(batch((4,)), NamedSharding(mesh, P("data")))
+    bad = jax.device_put(batch((4,)), NamedSharding(elsewhere, P("data")))
     assert len(list(strategies.checked([good], "sharded", mesh))) == 1
     with pytest.raises(ValueError, match="at step 1: batch\\['images'\\] lives on .* not on the mesh's devices"):
         list(strategies.checked([good, bad], "sharded", mesh))
@@ -1014,16 +1014,27 @@ def test_the_canonical_step_is_the_float64_mean_gradient_over_the_real_rows(devi
             params = got
         return float(np.max(each))  # NaN if any step's is
     assert apart(run(linear_terms)) < 2.0**-20
-    per_block_mean = lambda p, batch: (linear_terms(p, batch)[0] / jnp.maximum(linear_terms(p, batch)[1], 1.0),
-                                       jnp.float32(1))
-    assert apart(run(per_block_mean)) > 1e-3
-    monkeypatch.setattr(strategies, "_divided", lambda x, count: x / count.astype(x.dtype))
-    monkeypatch.setattr(jnp, "maximum", lambda a, b: a)  # update_program's max(count, 1) gone
-    strategies.update_program.cache_clear()
+    whole = strategies._total_gradient
+
+    def per_block_mean(loss_terms):  # each block's sums over its own count, counted as 1
+        def gradient(params, rows):
+            grads, total, count = whole(loss_terms)(params, rows)
+            each = jnp.maximum(count, 1.0)
+            return jax.tree.map(lambda g: g / each, grads), total / each, jnp.float32(1)
+        return gradient
     try:
+        monkeypatch.setattr(strategies, "_total_gradient", per_block_mean)
+        strategies.block_program.cache_clear()
+        assert apart(run(linear_terms)) > 1e-3
+        monkeypatch.undo()
+        monkeypatch.setattr(strategies, "_divided", lambda x, count: x / count.astype(x.dtype))
+        monkeypatch.setattr(jnp, "maximum", lambda a, b: a)  # update_program's max(count, 1) gone
+        strategies.block_program.cache_clear()
+        strategies.update_program.cache_clear()
         assert np.isnan(apart(run(linear_terms)))
     finally:
         monkeypatch.undo()
+        strategies.block_program.cache_clear()
         strategies.update_program.cache_clear()
 
 
@@ -1070,3 +1081,38 @@ def test_the_count_reaches_the_division_exactly_with_bfloat16_params(devices, re
                          logical_shards=2 if reduction == "canonical" else None)
             assert_same_bits(np.asarray(trained.opt_state["g"]["v"]), want, f"{name}, count {count}")
             assert_same_bits(trained.losses[0], want, f"{name}, count {count}: the loss")
+
+
+def test_a_count_that_is_not_the_real_rows_is_refused_at_the_first_step(devices):
+    """The strategies know the mask: a loss_terms whose count is not the first batch's number of
+    real rows (one that ignores the mask, or counts padding) is refused before training, naming
+    the contract, in every strategy and both reductions; the control: the right count trains."""
+    mesh = loaders.data_mesh(devices[:2])
+    unmasked = lambda p, batch: (linear_terms(p, batch)[0], jnp.float32(batch["mask"].shape[-1]))
+    for reduction in ("plain", "canonical"):
+        extra = {"logical_shards": 2} if reduction == "canonical" else {}
+        for name, fn in strategies.STRATEGIES.items():
+            batches = for_layout(name, tiny_batches(2, steps=1), 2)
+            with pytest.raises(ValueError, match=rf"strategy '{name}': loss_terms returned count=8 for the first "
+                                                 rf"batch, which has 6 real .*the sum of the per-sample losses"):
+                fn(tiny_params(), batches, mesh, loss_terms=unmasked, reduction=reduction, **extra)
+            fn(tiny_params(), batches, mesh, loss_terms=linear_terms, reduction=reduction, **extra)
+
+
+def test_apply_updates_adds_in_the_wider_dtype_then_casts_as_optax_does(devices):
+    """strategies.apply_updates is optax.apply_updates' arithmetic: p + u in the wider of the two
+    dtypes, then cast to p's (a bfloat16 leaf with a float32 update rounds once); the control:
+    casting the update first rounds twice and gives other bits."""
+    optax = pytest.importorskip("optax")
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal(64).astype(jnp.bfloat16)
+    ulp = np.abs(np.nextafter(w, np.array(np.inf, jnp.bfloat16)).astype(np.float32) - w.astype(np.float32))
+    # Just over half a bfloat16 ulp of w: rounded once it carries w up, cast first it ties to even.
+    p = {"w": w, "b": rng.standard_normal(4).astype(np.float32)}
+    u = {"w": (ulp * (0.5 + 2.0**-12)).astype(np.float32), "b": (1e-3 * rng.standard_normal(4)).astype(np.float32)}
+    mine, theirs = strategies.apply_updates(p, u), optax.apply_updates(p, u)
+    for key in p:
+        assert_same_bits(np.asarray(mine[key]), np.asarray(theirs[key]), key)
+        assert np.asarray(mine[key]).dtype == p[key].dtype
+    cast_first = (p["w"] + u["w"].astype(jnp.bfloat16)).astype(jnp.bfloat16)
+    assert bits_differ(np.asarray(mine["w"]), cast_first) is not None
