@@ -522,7 +522,7 @@ def expected_steps(N: int, n: int, B: int, last_batch: str) -> int:
     return ceil_div(ceil_div(N, n), B) if last_batch == "fill" else (N // n) // B
 
 
-# What an int parameter must refuse (issue 30.7; test_plan.py, test_arithmetic.py,
+# What an int parameter must refuse (test_plan.py, test_arithmetic.py,
 # test_cifar_mnist.py): a bool (Python's or NumPy's), a whole float (Python's or NumPy's,
 # the valid value itself among them), the valid value as a string, None.
 def not_ints(valid: int):
@@ -555,99 +555,6 @@ def crop_cases(draw):
 def random_mnist(seed: int, count: int):
     rng = np.random.default_rng(seed)
     return rng.integers(0, 256, (count,) + MNIST_SHAPE, dtype=np.uint8), rng.integers(0, 10, count).astype(np.int32)
-
-
-# --------------------------------------------------------------------------
-# arithmetic.py's docstrings read again, exactly (test_arithmetic.py; test_loaders.py
-# holds every placement to the same bits): float32 as exact rationals, each operation
-# rounded once, the sign of a zero as IEEE 754 gives it.
-# --------------------------------------------------------------------------
-
-
-FLOAT32_MAX = Fraction(2) ** 128 - Fraction(2) ** 104
-
-
-def text_r32(exact: Fraction) -> Fraction:
-    """Round-to-nearest-even to float32, with integers: |v| = q * 2**e, q in [2**23, 2**24)
-    for normal numbers, e >= -149 below; Python's round() of a Fraction rounds half to even."""
-    if exact == 0:
-        return Fraction(0)
-    e = math.floor(math.log2(abs(exact))) - 23
-    while abs(exact) / Fraction(2) ** e >= 2**24:  # log2 of a Fraction can be off by one
-        e += 1
-    while abs(exact) / Fraction(2) ** e < 2**23:
-        e -= 1
-    e = max(e, -149)
-    value = round(exact / Fraction(2) ** e) * Fraction(2) ** e
-    assert abs(value) <= FLOAT32_MAX, "overflow: the spec says this is refused"
-    return value
-
-
-class F32(NamedTuple):
-    """A float32 as the text sees it: its exact value and its sign bit (which
-    matters only for a zero)."""
-    value: Fraction
-    negative: bool
-
-
-def f32(exact: Fraction, negative_if_zero: bool) -> F32:
-    """An operation's exact result rounded once to float32. A non-zero result that
-    rounds to zero keeps its sign (underflow); an exact zero takes the sign the
-    operation's rule gives (``negative_if_zero``)."""
-    value = text_r32(exact)
-    if value != 0:
-        return F32(value, value < 0)
-    return F32(value, exact < 0 if exact != 0 else negative_if_zero)
-
-
-def from_double(d: float) -> F32:
-    return f32(Fraction(d), math.copysign(1.0, d) < 0)
-
-
-# IEEE 754's rules for the sign of an exact zero (round to nearest), as the text restates them.
-def mul(a: F32, b: F32) -> F32:
-    return f32(a.value * b.value, a.negative != b.negative)
-
-
-def div(a: F32, b: F32) -> F32:
-    return f32(a.value / b.value, a.negative != b.negative)
-
-
-def add(a: F32, b: F32) -> F32:
-    return f32(a.value + b.value, a.negative and b.negative)
-
-
-def neg(a: F32) -> F32:
-    return F32(-a.value, not a.negative)
-
-
-def fma(a: F32, b: F32, c: F32) -> F32:
-    return f32(a.value * b.value + c.value, (a.negative != b.negative) and c.negative)
-
-
-def bits(x: F32) -> int:
-    """The float32 bit pattern of ``x``."""
-    if x.value == 0:
-        return 0x80000000 if x.negative else 0
-    return int(np.float32(float(x.value)).view(np.uint32))  # exact: x.value is a float32
-
-
-def text_normalize_table(mean, std, arithmetic) -> list[list[int]]:
-    """normalize_table's docstring, as float32 bit patterns: float() of each entry,
-    then every operation on signed exact values rounded once."""
-    C = len(mean)
-    one = F32(Fraction(1), False)
-    table = []
-    for c in range(C):
-        m, s = from_double(float(mean[c])), from_double(float(std[c]))
-        inv = div(one, s)
-        xs = [F32(Fraction(x), False) for x in range(256)]
-        if arithmetic == "dali_cpu":
-            table.append([bits(mul(add(x, neg(m)), inv)) for x in xs])
-            continue
-        off = neg(div(m, s)) if arithmetic == "rocal" and C == 1 else neg(mul(m, inv))
-        table.append([bits(fma(x, inv, off)) for x in xs])
-    return table
 
 
 # Values that are not doubles (test_arithmetic.py: through float() first; test_loaders.py:

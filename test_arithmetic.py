@@ -19,6 +19,7 @@ import math
 import warnings
 from decimal import Decimal
 from fractions import Fraction
+from typing import NamedTuple
 
 import jax
 import ml_dtypes
@@ -29,11 +30,104 @@ from hypothesis import given, settings, strategies as st
 from arithmetic import (ARITHMETICS, Normalize, aligned_empty, crop_anchor, crop_mirror_normalize, crop_window,
                         keyed_table, normalize_table, one_row, table_key)
 from conftest import (NOT_DOUBLES, SEEDS, assert_raises_naming, assert_refuses_naming_value, assert_same_bits,
-                      crop_cases, examples, not_ints, text_normalize_table, text_r32)
+                      crop_cases, examples, not_ints)
 
 X = np.arange(256)
 NOTEBOOK = ((127.5,) * 3, (127.5,) * 3)
 F32_MAX = float(np.finfo(np.float32).max)  # (2 - 2**-23) * 2**127
+
+
+
+# --------------------------------------------------------------------------
+# arithmetic.py's docstrings read again, exactly: float32 as exact rationals, each operation
+# rounded once, the sign of a zero as IEEE 754 gives it.
+# --------------------------------------------------------------------------
+
+
+FLOAT32_MAX = Fraction(2) ** 128 - Fraction(2) ** 104
+
+
+def r32(exact: Fraction) -> Fraction:
+    """Round-to-nearest-even to float32, with integers: |v| = q * 2**e, q in [2**23, 2**24)
+    for normal numbers, e >= -149 below; Python's round() of a Fraction rounds half to even."""
+    if exact == 0:
+        return Fraction(0)
+    e = math.floor(math.log2(abs(exact))) - 23
+    while abs(exact) / Fraction(2) ** e >= 2**24:  # log2 of a Fraction can be off by one
+        e += 1
+    while abs(exact) / Fraction(2) ** e < 2**23:
+        e -= 1
+    e = max(e, -149)
+    value = round(exact / Fraction(2) ** e) * Fraction(2) ** e
+    assert abs(value) <= FLOAT32_MAX, "overflow: the spec says this is refused"
+    return value
+
+
+class F32(NamedTuple):
+    """A float32 as the text sees it: its exact value and its sign bit (which
+    matters only for a zero)."""
+    value: Fraction
+    negative: bool
+
+
+def f32(exact: Fraction, negative_if_zero: bool) -> F32:
+    """An operation's exact result rounded once to float32. A non-zero result that
+    rounds to zero keeps its sign (underflow); an exact zero takes the sign the
+    operation's rule gives (``negative_if_zero``)."""
+    value = r32(exact)
+    if value != 0:
+        return F32(value, value < 0)
+    return F32(value, exact < 0 if exact != 0 else negative_if_zero)
+
+
+def from_double(d: float) -> F32:
+    return f32(Fraction(d), math.copysign(1.0, d) < 0)
+
+
+# IEEE 754's rules for the sign of an exact zero (round to nearest), as the text restates them.
+def mul(a: F32, b: F32) -> F32:
+    return f32(a.value * b.value, a.negative != b.negative)
+
+
+def div(a: F32, b: F32) -> F32:
+    return f32(a.value / b.value, a.negative != b.negative)
+
+
+def add(a: F32, b: F32) -> F32:
+    return f32(a.value + b.value, a.negative and b.negative)
+
+
+def neg(a: F32) -> F32:
+    return F32(-a.value, not a.negative)
+
+
+def fma(a: F32, b: F32, c: F32) -> F32:
+    return f32(a.value * b.value + c.value, (a.negative != b.negative) and c.negative)
+
+
+def bits(x: F32) -> int:
+    """The float32 bit pattern of ``x``."""
+    if x.value == 0:
+        return 0x80000000 if x.negative else 0
+    return int(np.float32(float(x.value)).view(np.uint32))  # exact: x.value is a float32
+
+
+def docstring_normalize_table(mean, std, arithmetic) -> list[list[int]]:
+    """normalize_table's docstring, as float32 bit patterns: float() of each entry,
+    then every operation on signed exact values rounded once."""
+    C = len(mean)
+    one = F32(Fraction(1), False)
+    table = []
+    for c in range(C):
+        m, s = from_double(float(mean[c])), from_double(float(std[c]))
+        inv = div(one, s)
+        xs = [F32(Fraction(x), False) for x in range(256)]
+        if arithmetic == "dali_cpu":
+            table.append([bits(mul(add(x, neg(m)), inv)) for x in xs])
+            continue
+        off = neg(div(m, s)) if arithmetic == "rocal" and C == 1 else neg(mul(m, inv))
+        table.append([bits(fma(x, inv, off)) for x in xs])
+    return table
 
 
 def coordinate_image() -> np.ndarray:
@@ -178,17 +272,17 @@ def test_the_notebook_values_against_the_naive_arithmetic():
 
 
 def docstring_crop_anchor(pos: float, size: int, crop: int, arithmetic: str) -> int:
-    p = text_r32(Fraction(pos))
+    p = r32(Fraction(pos))
     d = Fraction(size - crop)
     if arithmetic == "rocal":
-        return round(text_r32(p * d))  # a float32 product, then half to even
+        return round(r32(p * d))  # a float32 product, then half to even
     return math.floor(p * d + Fraction(1, 2))  # DALI: the exact product, half away from zero
 
 
 def docstring_crop_mirror_normalize(images, crop, crop_pos, mirror, mean, std, arithmetic):
     N, C, H, W = images.shape
     ch, cw = crop
-    table = text_normalize_table(mean, std, arithmetic)
+    table = docstring_normalize_table(mean, std, arithmetic)
     y0 = docstring_crop_anchor(crop_pos[0], H, ch, arithmetic)
     x0 = docstring_crop_anchor(crop_pos[1], W, cw, arithmetic)
     out = np.empty((N, C, ch, cw), np.uint32)
@@ -201,7 +295,7 @@ def docstring_crop_mirror_normalize(images, crop, crop_pos, mirror, mean, std, a
 def assert_is_its_docstring(mean, std, arithmetic):
     got = normalize_table(mean, std, arithmetic)
     assert got.shape == (len(mean), 256) and got.dtype == np.float32
-    assert_same_bits(got.view(np.uint32), np.array(text_normalize_table(mean, std, arithmetic), np.uint32),
+    assert_same_bits(got.view(np.uint32), np.array(docstring_normalize_table(mean, std, arithmetic), np.uint32),
                      f"normalize_table({mean}, {std}, {arithmetic!r}) against its docstring")
 
 
@@ -223,7 +317,7 @@ def test_normalize_table_is_its_docstring(mean_std, arithmetic):
     except ValueError as error:  # the docstring refuses only an overflow here
         assert "overflows" in str(error)
         with pytest.raises(AssertionError, match="overflow"):
-            text_normalize_table(mean, std, arithmetic)
+            docstring_normalize_table(mean, std, arithmetic)
         return
     assert_is_its_docstring(mean, std, arithmetic)
 
@@ -252,15 +346,15 @@ def exact(value) -> Fraction:
 def test_values_that_are_not_doubles_go_through_float_first(mean, std, arithmetic):
     # Normalize (which stores those doubles), its table and normalize_table agree with the
     # docstring, bit for bit.
-    want = np.array(text_normalize_table(mean, std, arithmetic), np.uint32)
+    want = np.array(docstring_normalize_table(mean, std, arithmetic), np.uint32)
     assert_same_bits(normalize_table(mean, std, arithmetic).view(np.uint32), want, "normalize_table")
     norm = Normalize(mean=mean, std=std, arithmetic=arithmetic)
     assert norm.mean == tuple(float(m) for m in mean) and all(type(m) is float for m in norm.mean + norm.std)
     assert_same_bits(norm.table.view(np.uint32), want, "Normalize(...).table")
     # The control: rounded once from the exact value, these inputs give another table
     # (except a float32 scalar, which is a double exactly: both readings agree there).
-    once = [[float(text_r32(exact(v))) for v in values] for values in (mean, std)]
-    other = np.array(text_normalize_table(*once, arithmetic), np.uint32)
+    once = [[float(r32(exact(v))) for v in values] for values in (mean, std)]
+    other = np.array(docstring_normalize_table(*once, arithmetic), np.uint32)
     if isinstance(mean[0], np.float32):
         assert_same_bits(other, want, "a float32 scalar, read either way")
     else:
@@ -280,7 +374,7 @@ def test_the_sign_of_a_zero_is_ieee_754s(mean, std, arithmetic, zero):
     # Pixel 0 is the sign bit alone: a reading that signs a zero otherwise differs there.
     table = normalize_table(mean, std, arithmetic)
     assert table[0, 0] == 0 and int(table[0, :1].view(np.uint32)[0]) == zero
-    assert text_normalize_table(mean, std, arithmetic)[0][0] == zero
+    assert docstring_normalize_table(mean, std, arithmetic)[0][0] == zero
 
 
 @given(st.floats(0, 1), st.integers(1, 4096), st.data(), st.sampled_from(ARITHMETICS))
