@@ -221,3 +221,42 @@ def test_the_deeper_profiles_scale_the_watchdog(request):
     overridden = {o.split("=")[0] for o in request.config.option.override_ini or []}  # -o NAME=...
     for name in {"timeout", "faulthandler_timeout"} - overridden:
         assert float(request.config.getini(name)) == float(ini["pytest"][name]) * scale, name
+
+
+def markdown_links(text: str) -> list[str]:
+    """The targets of a markdown text's links: [words](target), code blocks left out."""
+    import re
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchor of every heading: lower case, punctuation dropped, spaces to hyphens."""
+    import re
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in text.splitlines() if line.startswith("#")}
+
+
+def test_every_link_in_the_readme_and_the_docs_resolves():
+    """Every relative link in README.md and docs/*.md names a file that exists and, with a
+    #fragment, a heading of it; the control: a made-up file and heading are caught."""
+    pages = [os.path.join(HERE, "README.md")] + [os.path.join(HERE, "docs", f)
+                                                 for f in sorted(os.listdir(os.path.join(HERE, "docs")))]
+    broken = []
+
+    def check(page: str, target: str) -> None:
+        if target.startswith(("http://", "https://", "mailto:")):
+            return
+        path, _, fragment = target.partition("#")
+        full = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+        if not os.path.exists(full):
+            broken.append(f"{os.path.relpath(page, HERE)}: {target} (no such file)")
+        elif fragment and full.endswith(".md") and fragment not in anchors(open(full).read()):
+            broken.append(f"{os.path.relpath(page, HERE)}: {target} (no such heading)")
+    for page in pages:
+        for target in markdown_links(open(page).read()):
+            check(page, target)
+    assert not broken, broken
+    check(pages[0], "docs/nowhere.md")
+    check(pages[0], "docs/guarantees.md#no-such-heading")
+    assert len(broken) == 2, broken
