@@ -1,22 +1,18 @@
-"""rocAL itself, as the rocAL loader calls it: the import, a pipeline built and released,
-its outputs copied to the host or handed to a device. Below rocal_loader.py, which plans,
-shards and delivers; nothing here knows a plan or a loader.
+"""rocAL itself, as rocal_loader.py calls it: the import, a pipeline built and released, its
+outputs copied to the host or handed to a device. Nothing here knows a plan or a loader.
 
 * ``import_rocal``: ``(Pipeline, fn, types)`` from amd.rocal, or ImportError saying how to
-  install it (INSTALL_HINT); ``rocal_version``: the version in librocal's file name.
-* ``rocal_pipeline``: one CIFAR-10 reader pipeline (crop, mirror, normalize, as the
-  notebook builds it), built with rocAL's per-pipeline chatter kept off stdout, retried
-  ``BUILD_ATTEMPTS`` times on a RuntimeError.
-* ``release_pipelines``: rocAL's release, bounded (RELEASE_TIMEOUT_S) on a daemon thread
-  because rocAL 2.3.0's can block for ever; a release that did not return warns
-  (RocalReleaseWarning) and is listed by ``unreleased()``.
-* ``copy_output`` (CPU backend: the output tensor into a host array) and
-  ``device_images`` (GPU backend: the output through DLPack, ``RocalDLPack``, copied into
-  a JAX array on the device), with ``check_dlpack`` refusing a rocAL built without DLPack.
-* ``_call``: a rocAL call whose error is re-raised naming the shard, the step and the call.
+  install it; ``rocal_version``: the version in librocal's file name.
+* ``rocal_pipeline``: one CIFAR-10 reader pipeline (crop, mirror, normalize, as the notebook
+  builds it), rocAL's per-pipeline lines kept off stdout, retried ``BUILD_ATTEMPTS`` times.
+* ``release_pipelines``: rocAL's release, bounded by RELEASE_TIMEOUT_S a pipeline (rocAL
+  2.3.0's can block for ever); one that does not return warns (RocalReleaseWarning).
+* ``copy_output`` (CPU backend: an output into a host array, checked first) and
+  ``device_images`` (GPU backend: an output through DLPack, copied on the device), with
+  ``check_dlpack`` refusing a rocAL built without DLPack.
 
 What is known of rocAL's C++ here (the lost wake-up of its release, the DLPack build flag)
-comes from reading its source: docs/vendors.md, with the files and functions.
+comes from reading its source: docs/vendors.md names the files and functions.
 """
 
 from __future__ import annotations
@@ -78,15 +74,12 @@ def rocal_version() -> str:
 
 # ---- releasing a pipeline: bounded ----------------------------------------------------
 #
-# rocAL 2.3.0's rocal_release() can block for ever: a lost wake-up (its worker threads wait
-# on a condition variable without a predicate, and the release notifies them without the
-# lock: docs/vendors.md has the code paths and the evidence). No delay before a release can
-# close that window, and rocAL's pybind binding holds the GIL while it blocks, so
-# ``release_pipelines`` runs rocAL's C rocalRelease through ctypes (which drops the GIL) on a
-# daemon thread, waits at most RELEASE_TIMEOUT_S, and otherwise warns (RocalReleaseWarning)
-# and leaves that pipeline, its two blocked threads and its buffers, until the process exits
-# (``unreleased()``). A release that returns takes 5-7 ms in plan order (measured beside two
-# busy processes on 2 cores) and at most ~0.1 s elsewhere: 2 s is 20 times the slowest.
+# rocAL 2.3.0's rocal_release() can block for ever: a lost wake-up (its worker threads wait on
+# a condition variable without a predicate, and the release notifies them without the lock;
+# docs/vendors.md). rocAL's pybind binding holds the GIL while it blocks, so
+# ``release_pipelines`` calls rocAL's C rocalRelease through ctypes (which drops the GIL) on a
+# daemon thread and waits at most RELEASE_TIMEOUT_S, far above a release that returns (its
+# longest wait is the output thread's 0.1 s sleep, MasterGraph::output_routine).
 RELEASE_TIMEOUT_S = 2.0
 _UNRELEASED: list = []  # (where, thread) of every release that did not return within its bound
 
@@ -102,15 +95,17 @@ def unreleased() -> list[str]:
 
 
 def release_pipelines(pipelines, where: str = "rocAL") -> None:
-    """Releases every pipeline of ``pipelines`` (a dict {shard k: pipeline} or a sequence),
-    one after the other, each within ``RELEASE_TIMEOUT_S``: never blocks longer than that per
-    pipeline, whatever rocAL's release race does. A pipeline whose release has not returned
-    by then is left to it (its release goes on in a daemon thread; rocAL 2.3.0's lost wake-up
-    makes it wait for ever) and named in a ``RocalReleaseWarning`` ("<where>, shard k").
-    amd.rocal pipelines are released through rocAL's C API ``rocalRelease(handle)`` called by
-    ctypes, which drops the GIL, so the bound holds; any other object (a double) through its
-    own ``rocal_release()``. An error raised by a release is re-raised, naming the pipeline,
-    once every pipeline has been released."""
+    """Releases each of ``pipelines`` ({shard k: pipeline} or a sequence) in turn, waiting at
+    most ``RELEASE_TIMEOUT_S`` for each.
+
+    amd.rocal pipelines go through rocAL's C ``rocalRelease`` (ctypes: the GIL is dropped, so
+    the bound holds), any other object (a double) through its ``rocal_release()``. A release
+    still running at the bound is left to its daemon thread, listed by ``unreleased()`` and
+    named in a ``RocalReleaseWarning`` ("<where>, shard k").
+
+    Raises:
+      RuntimeError: once all are released, naming each release that raised.
+    """
     named = pipelines.items() if isinstance(pipelines, dict) else enumerate(pipelines)
     errors = []
     for k, pipe in list(named):
@@ -204,16 +199,16 @@ def rocal_pipeline(file_root: str, *, batch_size: int, normalize: Normalize, on_
                    device_id: int = 0, shard_id: int = 0, num_shards: int = 1,
                    filename_prefix: str = TRAIN_PREFIX, shuffle: bool = False, seed: int = 0,
                    num_threads: int = 1, last_batch_policy: str = "FILL", pad_last_batch: bool = True):
-    """A built rocAL Pipeline: ``fn.readers.cifar10`` then ``fn.crop_mirror_normalize`` to
-    float32 NCHW, ``mirror`` always explicit. CPU backend (``rocal_cpu=True``,
-    HOST_MEMORY) or, ``on_gpu``, the GPU backend on GPU ``device_id`` (DEVICE_MEMORY).
-    The loader always reads with FILL + pad_last_batch; ``last_batch_policy`` ("FILL",
-    "DROP") and ``pad_last_batch`` are there to show what rocAL does with the others.
+    """A built rocAL Pipeline: ``fn.readers.cifar10``, then ``fn.crop_mirror_normalize`` to float32
+    NCHW with ``mirror`` explicit; rocAL's CPU backend (HOST_MEMORY) or, ``on_gpu``, its GPU
+    backend on GPU ``device_id`` (DEVICE_MEMORY). The loader reads with FILL + pad_last_batch;
+    the other policies are there to show what rocAL does with them. rocAL's two lines a
+    pipeline are kept off stdout.
 
-    rocAL's ``build()`` calls ``exit(0)`` when its graph does not verify: that is
-    raised here as RuntimeError; a build that raises RuntimeError is retried,
-    ``BUILD_ATTEMPTS`` times in all. The two lines rocAL prints for every pipeline
-    are kept off stdout (and put in the error where the graph does not verify).
+    Raises:
+      RuntimeError: the graph does not verify (rocAL's build() calls exit(0) then), or the
+        build raised RuntimeError ``BUILD_ATTEMPTS`` times, or anything else once; each failed
+        pipeline is released first.
     """
     Pipeline, fn, types = import_rocal()
     crop = normalize.crop or IMAGE_SHAPE[1:]
@@ -241,30 +236,29 @@ def rocal_pipeline(file_root: str, *, batch_size: int, normalize: Normalize, on_
                     pipe.set_outputs(out)
                 pipe.build()
             return pipe
-        except SystemExit as stop:  # rocAL's build() ends the process when its graph does not verify
-            if pipe is not None:
+        except (SystemExit, Exception) as error:
+            if pipe is not None:  # a half-built pipeline's threads and buffers would stay
                 release_pipelines({shard_id: pipe}, f"rocAL, a failed build ({file_root})")
-            raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): the graph did not "
-                               f"verify, and rocAL called exit({stop.code}); it printed: "
-                               f"{' | '.join(said).strip()!r}") from None
-        except RuntimeError as error:  # seen once in ten builds in an early probe: retried
-            if pipe is not None:
-                release_pipelines({shard_id: pipe}, f"rocAL, a failed build ({file_root})")
-            failures.append(f"{error}".strip())
-        except Exception as error:  # anything else would fail again
-            if pipe is not None:
-                release_pipelines({shard_id: pipe}, f"rocAL, a failed build ({file_root})")
-            raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): building raised "
-                               f"{type(error).__name__}: {error}") from error
+            if isinstance(error, SystemExit):  # rocAL's build() exits when its graph does not verify
+                raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): the graph did not "
+                                   f"verify, and rocAL called exit({error.code}); it printed: "
+                                   f"{' | '.join(said).strip()!r}") from None
+            if not isinstance(error, RuntimeError):  # anything else would fail again
+                raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): building raised "
+                                   f"{type(error).__name__}: {error}") from error
+            failures.append(str(error).strip())  # rocAL's build fails now and then: retried
     raise RuntimeError(f"rocAL pipeline of shard {shard_id} ({file_root}): building failed "
                        f"{BUILD_ATTEMPTS} times; rocAL said: {failures}")
 
 
 def copy_output(tensor, out: np.ndarray, where: str = "rocAL") -> None:
-    """``tensor.copy_data(out)`` after checking what rocAL does not: ``out`` must be a
-    C-contiguous, writeable array of the tensor's ``dtype()`` and ``dimensions()``.
-    rocAL's copy_data is a raw memcpy of dimensions x itemsize bytes to ``out``'s
-    first byte, whatever ``out`` is. Raises RuntimeError, writing nothing, otherwise."""
+    """``tensor.copy_data(out)``, after checking what rocAL does not: its copy_data is a raw
+    memcpy to ``out``'s first byte, whatever ``out`` is.
+
+    Raises:
+      RuntimeError, naming ``where`` and writing nothing: the tensor is not NCHW, or ``out``
+        is not a C-contiguous, writeable array of its dtype and dimensions.
+    """
     dims, dtype = tuple(int(d) for d in tensor.dimensions()), np.dtype(tensor.dtype())
     problems = [text for bad, text in [
         (tensor.layout() != "NCHW", f"NCHW, rocAL's output is {tensor.layout()}"),
@@ -298,11 +292,14 @@ class RocalDLPack:
 
 def device_images(tensor, device: jax.Device, image_shape: tuple, batch_size: int,
                   where: str = "rocAL") -> jax.Array:
-    """A rocAL output as a jax.Array on ``device``: checked, imported through DLPack and
-    copied on the device. The copy is only enqueued: the caller must see it finished
-    before rocAL's second next run writes the buffer again (``_Transfers`` does), and
-    before the pipeline is released. RuntimeError, naming ``where``, for an output of
-    another dtype, shape or layout, and for a rocAL without DLPack (``DLPACK_MISSING``)."""
+    """A rocAL output as a jax.Array on ``device``: checked, imported through DLPack and copied
+    on the device. The copy is only enqueued: the caller waits for it before rocAL's second
+    next run writes the buffer again (``rocal_loader._Transfers``) and before the release.
+
+    Raises:
+      RuntimeError, naming ``where``: an output that is not float32 (batch_size,
+        *image_shape) NCHW, or a rocAL built without DLPack (``DLPACK_MISSING``).
+    """
     dims, want = tuple(int(d) for d in tensor.dimensions()), (batch_size,) + tuple(image_shape)
     if dims != want or np.dtype(tensor.dtype()) != np.float32 or tensor.layout() != "NCHW":
         raise RuntimeError(f"{where}: rocAL's output is {tensor.dtype()} {dims} {tensor.layout()}, "
@@ -315,8 +312,8 @@ def device_images(tensor, device: jax.Device, image_shape: tuple, batch_size: in
         if "Dlpack not installed" in str(error):
             raise RuntimeError(f"{where}: {DLPACK_MISSING}") from error
         raise
-    # A copy of our own: JAX 0.10.2's from_dlpack(copy=True) returned an alias of the
-    # producer's buffer on CPU (seen here), whatever its docstring says.
+    # A copy of our own: JAX 0.10.2's from_dlpack(copy=True) returns an alias on CPU
+    # (test_dali.py pins it).
     return jnp.array(alias, copy=True)
 
 
@@ -324,9 +321,7 @@ def device_images(tensor, device: jax.Device, image_shape: tuple, batch_size: in
 def _rocal_chatter_hidden(said: list):
     """Runs the block with stdout (Python's and the C library's, fd 1) caught; appends
     what was printed to ``said`` and passes every line but ``ROCAL_CHATTER`` on to
-    stdout once the block has ended (a warning or error rocAL prints is never lost).
-    rocAL prints two lines for each pipeline it builds (one epoch of refimpl on 8
-    devices: 16)."""
+    stdout once the block has ended (a warning or error rocAL prints is never lost)."""
     sys.stdout.flush()
     saved = os.dup(1)
     text = ""

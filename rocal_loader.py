@@ -1,144 +1,40 @@
-"""AMD rocAL backend: the reference loader's sharded epochs, read and normalised by rocAL.
+"""AMD rocAL backend: the reference loader's epochs (loaders.py), read and normalised by rocAL.
 
-This module plans, shards and delivers; rocAL's own calls (the import, a pipeline's
-build and its bounded release, the output copies and DLPack) are rocal_api.py's, below it.
+``make_rocal_loader(data, devices, batch_size, ...)`` builds a ``RocalLoader``. Its ``epoch(e,
+*, state=None)`` is a ``loaders.EpochIterator`` of global batches {"images" float32, "labels"
+int32, "mask", "index", "logical_shards"}; row block k comes from pipeline k (mesh position k,
+never ``device.id``): ``fn.readers.cifar10``, then ``fn.crop_mirror_normalize`` to float32 NCHW.
+Pipelines are built at an epoch's first step and released when its iterator ends. rocAL's own
+calls are rocal_api.py's. CIFAR-10 only.
 
-One rocAL ``Pipeline`` per local device and epoch. Pipeline k (k = its device's
-position in the mesh, never ``device.id``) reads with ``fn.readers.cifar10`` and
-runs ``fn.crop_mirror_normalize`` to float32 NCHW. Its outputs become row block
-k of global ``jax.Array``s through ``loaders.global_batch``, in both layouts, as
-``loaders.Loader`` gives them.
+order="plan" (the default): pipeline k reads one CIFAR-10 file of its plan slots (padding
+included) in plan order, then TAIL_BATCHES batches never run; shuffle off, one shard, FILL +
+pad_last_batch, so rocAL pads nothing. The file lives in ``cache_dir/.rocal-epoch-<e>-*``,
+deleted with the epoch. Each run's labels are checked against the plan. The batches are
+``loaders.make_loader(..., normalize=Normalize(arithmetic="rocal"))``'s bit for bit, fresh or
+resumed from any state of the run (any shards, batch size, processes), as the reference's.
 
-What the rocAL notebook's code does on the rocAL that exists (rocAL 2.3.0, its
-CPU backend; docs/vendors.md has each fact with its evidence, and test_rocal.py's
-conformance test fails when one changes): ``fn.readers.cifar10(shard_id=k,
-num_shards=n)`` ignores ``shard_id``, so every pipeline delivers the same stream
-over the whole dataset (EVERY DEVICE TRAINS ON THE SAME BATCH, and an epoch is n
-times too long); DROP and ``pad_last_batch=False`` silently lose records, and only
-FILL with ``pad_last_batch=True`` delivers every record, padding with unmarked
-copies; ``random_shuffle`` is seeded by the shard index, not the Pipeline's seed,
-and shuffles those copies in; ``rocal_run()`` can return a stale batch past an
-epoch's end; ``rocal_release()`` can block for ever (a lost wake-up), so every
-release here is bounded (``release_pipelines``, ``RELEASE_TIMEOUT_S``,
-``RocalReleaseWarning``); ``crop_mirror_normalize`` flips every image unless told
-``mirror=0``; files are read in raw ``readdir`` order; and the notebook's
-``ROCALJaxIterator`` imports ``PositionalSharding``, removed in JAX 0.7.
+order="vendor": rocAL's own order over shard k's records [N*k//n, N*(k+1)//n), no "index":
+sharding "files" gives each pipeline one file of its shard (``shard_folders``, kept, keyed by
+content); "rocal" uses rocAL's shard_id (refused at build while rocAL ignores it). The mask is
+found by content (the shard's last record beyond its own copies is padding) and checked
+against rocAL's padding count at the epoch's end. Shuffled, the order is one permutation per
+shard size, the same every epoch and seed; with drop, the padding rocAL shuffles into the steps
+kept is masked (``real_samples`` reads an epoch to count). A state resumes only when its plan
+is the loader's own (one segment (0, n, B)): the steps before it are read and dropped, since
+rocAL has no checkpoint and no seek.
 
-So this module never uses rocAL's sharding, shuffle or resets for the data a
-model trains on. Two orders:
-
-* ``order="plan"`` (the default). Every ``epoch(e, start_step)`` call builds its
-  own pipelines. Pipeline k reads ONE CIFAR-10 file holding exactly the slots
-  ``plan.indices[start_step:, k]`` of ``plan.epoch_plan`` (padding slots
-  included, in plan order), followed by ``TAIL_BATCHES`` batches that are never
-  run, with rocAL's shuffle off, ``num_shards=1`` and FILL + pad_last_batch:
-  rocAL's epoch is exactly the planned ``steps * B`` records and pads nothing.
-  rocAL reads and decodes the records and runs crop_mirror_normalize; the mask
-  is the plan's. The files are written (each atomically) into a temporary
-  folder ``cache_dir/.rocal-epoch-<e>-*`` that the iterator deletes, with the
-  pipelines released, when it ends, is closed or is collected, or is left
-  unfinished at the interpreter's exit (``loaders.EpochIterator``: before modules
-  are torn down, printing nothing; its cost: docs/vendors.md).
-* ``order="vendor"``: rocAL's own order, for the conformance tests and to show
-  what rocAL does. Pipelines are built per epoch too (stateless), over
-  sharding="files" (shard k's records ``[N*k//n, N*(k+1)//n)`` as one file
-  ``data_batch_1.bin`` in a folder of its own: ``shard_folders``, written once,
-  atomically, under a cache keyed by content) read as shard 0 of 1, or
-  sharding="rocal" (``shard_id=k, num_shards=n`` over the original folder, for a
-  fixed rocAL: refused at build time, naming the bug, when every pipeline's
-  ``get_remaining_images()`` is not its padded shard's size). The mask is found
-  by content (a slot whose image and label equal the shard's last record,
-  beyond the shard's own records with that content, is padding) and checked
-  against what rocAL padded at the end of each epoch: never guessed.
-
-Guaranteed, both orders:
-
-* ``len()`` is ``plan.num_steps(N, n, B, last_batch)``; ``epoch(e, s)``
-  yields steps s .. len()-1 of epoch e, and is a function of (seed, e, s,
-  shard) alone: the same batches whatever was read before, in any call order,
-  from any number of loaders built alike, also with several epochs in flight.
-* A pipeline is never run at 0 remaining: before every run
-  ``get_remaining_images()`` must be exactly what is left of its epoch.
-  ``mirror`` is always passed explicitly; output layout, shape and dtype are
-  checked before a byte is copied (``copy_output``; rocAL's ``copy_data`` is a
-  raw memcpy). Every rocAL error is re-raised naming the shard, the epoch and
-  the step; a build that raises RuntimeError is retried (``BUILD_ATTEMPTS``).
-* Releasing never hangs: each pipeline's release returns or is given up after
-  ``RELEASE_TIMEOUT_S`` with a ``RocalReleaseWarning`` naming its epoch and
-  shard (``release_pipelines``); the epoch's files are deleted either way.
-
-order="plan", also guaranteed: the global arrays are bit for bit those of
-``loaders.make_loader(..., normalize=Normalize(arithmetic="rocal"))`` with the
-same seed, images, labels, mask and sharding, shuffled or not, fill or drop,
-both layouts, one or several processes (each process builds the pipelines of
-its own devices and writes only their files); and so is training on them:
-``refimpl.py --backend rocal`` ends with the reference backend's params.
-
-order="vendor", not guaranteed (rocAL's, stated): with shuffle the order is
-rocAL's: one fixed permutation per shard size, the same for every seed and
-every epoch (fresh pipelines, seeded by shard_id, which is 0 for every pipeline
-in files mode, so shards of equal size are permuted alike); drop with shuffle
-masks the padding copies rocAL shuffled into the steps kept, so such an epoch
-has fewer than ``n * len() * B`` real slots (``real_samples`` reads an epoch
-to count them). ``start_step`` is served by reading and dropping the steps
-before it. In files mode a shard of floor(N/n) samples, a multiple of B, gets
-an epoch of ``ceil(S_k/B)`` rocAL batches, one fewer than ``len()``: that step
-is filled here with B copies of the shard's last record, mask False.
-
-Resuming from a saved ``plan.LoaderState`` (``epoch(e, state=saved)``,
-``state``, ``real_samples``: ``loaders.Loader``'s signatures and meaning; every
-state names this loader's data, ``dataset``, and a state naming other data is
-refused, through ``plan.Schedule``, as the reference loader refuses it):
-
-* order="plan", on any device or process count and batch size: with ``st =
-  saved.resized(n, B)`` and ``plan, row = st.plan()`` (``plan.elastic_plan``'s
-  last segment), pipeline k's file holds ``plan.indices[row:, k]`` (padding
-  slots included, then the tail), and the iterator yields global steps
-  ``st.step .. st.num_steps - 1`` with the plan's mask: bit for bit
-  ``loaders.make_loader(...).epoch(e, state=saved)``. What a resumed segment may
-  hold and a fresh epoch never does (a batch larger than a shard's run, a shard
-  whose run is empty and holds only padding, 0 steps under drop) is written
-  into the files like any other slot; a segment of 0 steps builds nothing.
-* order="vendor": on the saved shards and batch only (then ``epoch(e,
-  start_step=st.step)``, steps 0..s-1 read and dropped); any other state is
-  refused, saying why: rocAL has no checkpoint and no seek, and which samples the
-  old shards delivered in rocAL's order no pipeline over other shards can skip.
-
-Worked example, N=9, n=2, B=2 (fill: 3 steps; drop: 2). Shard 0 is {0,1,2,3},
-shard 1 is {4,...,8}. ``*`` marks a padding slot (mask False); rows marked
-"rocAL" are what rocAL 2.3.0 delivered in a probe; ``p`` is a planned sample:
-
-    reader                           | shard 0             | shard 1
-    ---------------------------------+---------------------+-----------------------
-    rocAL, notebook (native, DROP)   | [0 4][0 1][5 6][2 3]| the same: 7, 8 never
-    order plan, fill (= reference)   | [0 1][2 3][3* 3*]   | [4 5][6 7][8 8*]
-    order plan, drop (= reference)   | [0 1][2 3]          | [4 5][6 7]
-    order plan, fill, shuffled       | [p p][p p][p* p*]   | [p p][p p][p p*]
-    rocAL, files mode                | [0 1][2 3]          | [4 5][6 7][8 8]
-    order vendor, fill               | [0 1][2 3][3* 3*]   | [4 5][6 7][8 8*]
-    order vendor, fill, shuffled     | [p p][p p][3* 3*]   | [6 8][7 4][5 8*], every epoch
-    order vendor, drop, shuffled     | [p p][p p]          | [6 8][7 4], every epoch
-
-How the output reaches JAX: on CPU devices, rocAL's CPU backend, each output
-copied (``copy_output``, after its layout, shape and dtype are checked) into an
-aligned float32 buffer that ``global_batch`` places on device k. On AMD GPUs
-(platform "rocm", or "gpu" on a ROCm JAX; never CUDA devices), the GPU backend
-through DLPack (``check_dlpack``, ``RocalDLPack``), the imported alias copied on
-the device; rocAL's outputs are ring-buffer slots its second next run overwrites,
-so before the runs of step s one wait covers the copies of step s-2. NOT RUN on a
-GPU (none was available): that path runs in the tests on CPU devices with a double
-of rocAL's tensor and with real rocAL CPU tensors; what its HIP kernels compute
-was read in rocAL's source (docs/vendors.md, pinned in test_rocal.py).
-
-Caches, each keyed by everything that determines its bits: the shard files of
-order="vendor" (``shard_folders``: N, n and a hash of the images' shape and bytes
-and the int32 labels, which must be 0..9, checked before hashing); the epoch files
-of order="plan" are never reused (one temporary folder per ``epoch()`` call). No
-table or compiled step is cached here: tables come from ``arithmetic.normalize_table``
-(keyed by the float32 bit patterns of mean and std, so -0.0 is not 0.0).
-
-Imports: plan.py, arithmetic.py, cifar_mnist.py, and loaders.py to place each step's
-blocks on the devices (``global_batch``); amd.rocal lazily (this module loads without it).
+rocAL 2.3.0 facts relied on (docs/vendors.md has the source read; test_rocal.py's conformance
+test fails when one changes): cifar10 ignores shard_id, so every pipeline reads everything;
+only FILL with pad_last_batch delivers every record, padding with unmarked copies of a shard's
+last one (CIFAR10DataReader); random_shuffle is seeded by shard_id, not the pipeline's seed; a
+run at 0 remaining can return a stale batch, so get_remaining_images() is checked before
+every run; crop_mirror_normalize mirrors unless given mirror=0; files are read in readdir
+order, the prefix matched anywhere in a name; rocal_release() can block for ever (bounded:
+rocal_api.release_pipelines). On AMD GPUs (READ, not run) outputs reach JAX through DLPack;
+an output is a slot of a ring of two that the second next run writes again, so the copies of
+step s-2 are waited for before the runs of step s (``_Transfers``). On CPU devices each output
+is copied to the host (``copy_output``).
 """
 
 from __future__ import annotations
@@ -147,10 +43,11 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import numbers
 import os
 import shutil
 import tempfile
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import jax
@@ -161,8 +58,8 @@ import loaders
 from arithmetic import Normalize, aligned_empty
 from cifar_mnist import IMAGE_SHAPE, RECORD_BYTES, TRAIN_PREFIX, write_cifar10
 from plan import LoaderState, Plan, Schedule, check_seed, dataset_digest, on_devices, shard_bounds
-from rocal_api import (_call, _check_remaining, _hardware_id, _rocal_ok, check_dlpack, copy_output, rocal_version,
-                       device_images, import_rocal, release_pipelines, rocal_pipeline)
+from rocal_api import (_call, _check_remaining, _hardware_id, _rocal_ok, check_dlpack, copy_output, device_images,
+                       import_rocal, release_pipelines, rocal_pipeline, rocal_version)
 
 ORDERS = ("plan", "vendor")
 SHARDINGS = ("files", "rocal")
@@ -173,10 +70,16 @@ ROCAL_SHARDING_BUG = (
     "loader per shard and overwrites the caller's shard_id, so every pipeline reads the whole "
     "dataset and every device would train on the same batch)"
 )
+# order="plan" writes this many batches more at the end of each file and never runs them: with
+# nothing left to load, rocAL's output thread sleeps in 100 ms steps (MasterGraph::output_routine)
+# and rocal_release() waits that sleep out; with batches left it returns at once. More than rocAL
+# loads ahead (its ring of 2, and one being processed).
+TAIL_BATCHES = 4
+RING_SLOTS = 2  # a rocAL output is a ring-buffer slot that the second next run writes again
 
 
 def is_amd_gpu(device: jax.Device) -> bool:
-    """Platform "rocm", or "gpu" on a JAX built for ROCm."""
+    """Platform "rocm", or "gpu" on a JAX built for ROCm (its client names ROCm or HIP)."""
     if device.platform == "rocm":
         return True
     version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
@@ -184,10 +87,8 @@ def is_amd_gpu(device: jax.Device) -> bool:
 
 
 def usable(devices: Sequence[jax.Device] | Mesh) -> bool:
-    """What ``--backend auto`` asks: is every device an AMD GPU, and does amd.rocal import?
-
-    The notebook's hosts. On CPU devices the CPU backend works too, but only when
-    asked for (``--backend rocal``)."""
+    """``--backend auto``'s question: is every device an AMD GPU, and does amd.rocal import?
+    (On CPU devices rocAL's CPU backend works too, but only when asked for.)"""
     devices = list(devices.devices.flat) if isinstance(devices, Mesh) else list(devices)
     if not devices or not all(is_amd_gpu(d) for d in devices):
         return False
@@ -198,23 +99,29 @@ def usable(devices: Sequence[jax.Device] | Mesh) -> bool:
     return True
 
 
-# --------------------------------------------------------------------------
-# Files mode: one CIFAR-10 file per shard
-# --------------------------------------------------------------------------
+def uses_gpu(devices: Sequence[jax.Device]) -> bool:
+    """False for CPU devices (rocAL's CPU backend), True for AMD GPUs; ValueError otherwise."""
+    if all(d.platform == "cpu" for d in devices):
+        return False
+    if all(is_amd_gpu(d) for d in devices):
+        return True
+    raise ValueError(f"make_rocal_loader: rocAL runs on CPU devices or AMD GPUs, got platform(s) "
+                     f"{sorted({d.platform for d in devices})}")
 
 
 def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int,
                   cache_dir: str | os.PathLike) -> list[str]:
-    """Folder k holds shard k's records ``[N*k//n, N*(k+1)//n)``, in order, as one
-    CIFAR-10 file ``data_batch_1.bin``. Returns the n folders.
+    """The n folders of order="vendor", sharding="files": folder k holds shard k's records
+    [N*k//n, N*(k+1)//n), in order, as its only file ``data_batch_1.bin``.
 
-    They live in ``cache_dir/rocal-shards-<N>-of-<n>-<hash>``, the hash taken over
-    the images' shape and bytes and the labels, so a changed dataset never reuses
-    stale files and the same one is written once. The set is written into a
-    temporary folder and renamed: a reader never sees half of it, and of two
-    concurrent writers the first rename wins. Raises ValueError for images that
-    are not CIFAR-10's uint8 (N, 3, 32, 32), labels outside 0..9, more shards than
-    samples, or a cached file of the wrong size (named).
+    They live in ``cache_dir/rocal-shards-<N>-of-<n>-<hash>``, the hash over the images' shape
+    and bytes and the labels: a dataset is written once and a changed one never reuses its
+    files. The set is written under another name and renamed: of two writers the first wins.
+
+    Raises:
+      ValueError: images that are not uint8 (N, 3, 32, 32), labels that are not integers
+        0..9, more shards than samples, or a cached folder that is not one file of its shard's
+        size (named: it is never read).
     """
     images_NCHW, labels_N = np.ascontiguousarray(images_NCHW), np.asarray(labels_N)
     if images_NCHW.dtype != np.uint8 or images_NCHW.shape[1:] != IMAGE_SHAPE \
@@ -222,8 +129,7 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
         raise ValueError(f"shard_folders: rocAL's cifar10 reader needs uint8 images (N, 3, 32, 32) "
                          f"and N labels, got images {images_NCHW.dtype} {images_NCHW.shape}, "
                          f"labels {labels_N.shape}")
-    if not np.issubdtype(labels_N.dtype, np.integer) or (labels_N.size and not (
-            (labels_N >= 0) & (labels_N <= 9)).all()):
+    if not np.issubdtype(labels_N.dtype, np.integer) or ((labels_N < 0) | (labels_N > 9)).any():
         raise ValueError(f"shard_folders: CIFAR-10 labels are integers 0..9, got {labels_N.dtype} in "
                          f"[{labels_N.min() if labels_N.size else ''}, {labels_N.max() if labels_N.size else ''}]"
                          f" (checked before the cache key is taken: they are hashed as int32)")
@@ -243,7 +149,7 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
                 start, stop = shard_bounds(N, k, num_shards)
                 os.mkdir(os.path.join(scratch, os.path.basename(folders[k])))
                 write_cifar10(os.path.join(scratch, os.path.basename(folders[k]), SHARD_FILE),
-                                      images_NCHW[start:stop], labels_N[start:stop])
+                              images_NCHW[start:stop], labels_N[start:stop])
             os.rename(scratch, top)
         except OSError:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -252,7 +158,7 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
-    for k, folder in enumerate(folders):  # a damaged cache is named, never read
+    for k, folder in enumerate(folders):
         start, stop = shard_bounds(N, k, num_shards)
         path = os.path.join(folder, SHARD_FILE)
         size = os.path.getsize(path) if os.path.isfile(path) else None
@@ -265,26 +171,19 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
 
 
 def rocal_padded_size(num_samples: int, num_shards: int, shard_id: int, batch_size: int) -> int:
-    """What ``get_remaining_images()`` says at the start of an epoch of shard k of n
-    under FILL + pad_last_batch when rocAL's sharding works: rocAL pads every shard
-    with copies of its last record up to a whole number of batches of the largest
-    shard, or not at all when the largest shard is a whole number of batches
-    (``CIFAR10DataReader::subfolder_reading``)."""
+    """``get_remaining_images()`` at the start of shard k's epoch under FILL + pad_last_batch,
+    were rocAL's sharding to work: every shard padded to whole batches of the largest shard,
+    or none when the largest is whole batches (``CIFAR10DataReader::subfolder_reading``)."""
     start, stop = shard_bounds(num_samples, shard_id, num_shards)
     largest = -(-num_samples // num_shards)
     return -(-largest // batch_size) * batch_size if largest % batch_size else stop - start
 
 
-# --------------------------------------------------------------------------
-# The loader
-# --------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
-    """order="vendor": what the loader knows of shard k before reading it: its size
-    and rocAL's epoch over it (batches, padding copies), its last record normalised
-    (the padding's content) and how many of its records have that content."""
+    """order="vendor": shard k before it is read: its size, rocAL's epoch over it (batches,
+    padding copies), its last record normalised (the padding's content), and how many of its
+    records normalise to that content with its label."""
     size: int
     batches: int
     padded: int
@@ -295,17 +194,9 @@ class ShardInfo:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RocalLoader:
-    """Sharded epochs read and normalised by rocAL; see the module docstring.
-
-    Build it with ``make_rocal_loader``. ``len()`` steps per epoch; ``epoch(e,
-    start_step)`` yields steps ``start_step .. len()-1`` of epoch e as
-    ``{"images" float32, "labels" int32, "mask" bool}`` global arrays in
-    ``layout``; ``epoch(e, state=saved)`` the rest of a saved epoch (the module
-    docstring's "Resuming"). The loader holds no pipeline: each ``epoch()``
-    iterator builds its own, and releases them (and deletes its files) when it ends,
-    is closed or collected, or is left unfinished at exit, so epoch e is a function of (seed, e, start_step, shard) whatever
-    was read before, and several epochs may be iterated at once.
-    """
+    """Epochs read by rocAL (the module docstring); build it with ``make_rocal_loader``.
+    It holds no pipeline: each epoch's iterator builds and releases its own, so an epoch is
+    the same whatever was read before, and several may be read at once."""
     images: np.ndarray = dataclasses.field(repr=False)  # uint8 (N, 3, 32, 32), read_cifar10's order
     labels: np.ndarray = dataclasses.field(repr=False)  # int32 (N,)
     mesh: Mesh
@@ -318,15 +209,15 @@ class RocalLoader:
     order: str  # "plan" or "vendor"
     sharding: str  # order="vendor": "files" or "rocal"
     on_gpu: bool  # rocAL's GPU backend (AMD GPUs) or its CPU backend
-    dlpack: bool  # outputs reach JAX through DLPack (the GPU path; on CPU, tests drive it)
+    dlpack: bool  # outputs reach JAX through DLPack (the GPU path; tests drive it on CPU)
     cache_dir: str
     num_threads: int = 1
     folders: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> folder
     prefix: str = TRAIN_PREFIX  # vendor: the filename_prefix rocAL reads with
     shards: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> ShardInfo
     logical_shards: int | None = None  # order="plan": the plan's shards (None: one a device)
-    # order="vendor", drop + shuffle: {"steps": real slots of each step} once an epoch has been
-    # read (every epoch alike). Not an argument: a loader made with dataclasses.replace starts its own.
+    # order="vendor", drop + shuffle: {"steps": real slots of each step} once an epoch was read
+    # (every epoch alike). Not an argument: a loader made by dataclasses.replace starts its own.
     known_real: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
 
     @property
@@ -345,27 +236,19 @@ class RocalLoader:
 
     @functools.cached_property
     def dataset(self) -> str:
-        """The identity of this loader's data, ``plan.dataset_digest({"images": images,
-        "labels": labels})``: what ``loaders.make_loader`` over the same data gives, so a
-        state moves between the two. Computed the first time a state is made or
-        checked, then kept."""
+        """``plan.dataset_digest`` of {"images", "labels"}, as ``loaders.make_loader``'s over the
+        same data: a state moves between the two. Computed when first asked."""
         return dataset_digest({"images": self.images, "labels": self.labels})
 
     @property
     def schedule(self) -> Schedule:
-        """This loader's epochs as pure schedule (plan.Schedule), its data's identity
-        (``dataset``) read when a state is made or checked."""
         return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
-                        self.last_batch, dataset=self._dataset)
-
-    def _dataset(self) -> str:
-        return self.dataset
+                        self.last_batch, dataset=lambda: self.dataset)
 
     def __len__(self) -> int:
         return self.schedule.steps
 
     def plan(self, epoch: int) -> Plan:
-        """The reference plan of ``epoch`` (what order="plan" delivers)."""
         return self.schedule.plan(epoch)
 
     def describe(self) -> str:
@@ -382,89 +265,63 @@ class RocalLoader:
                 f"device, shard = mesh position; {how}")
 
     def real_samples(self, epoch: int, *, state: LoaderState | None = None) -> int:
-        """Mask-True slots of ``epoch`` in the whole global batch: the plan's (fill: N;
-        drop: n * len() * B); with a ``state``, those of the steps ``epoch(epoch,
-        state=state)`` yields (order="plan": ``plan.mask[row:]`` of the resumed
-        segment). order="vendor" with drop and shuffle: rocAL shuffles its padding
-        copies into the steps kept, so the count is found by reading the epoch (once:
-        every epoch of a fresh rocAL pipeline is alike); RuntimeError when this
-        process does not hold every shard."""
-        first = 0
+        """Mask-True slots of ``epoch``, or of ``epoch(epoch, state=state)``'s steps: the plan's,
+        except order="vendor" with drop and shuffle, where rocAL shuffles padding into the steps
+        kept and one epoch is read to count them (every epoch alike). RuntimeError there when
+        this process does not hold every shard."""
+        where, first = "RocalLoader.real_samples", 0
         if state is not None:
-            st = self._resumed("RocalLoader.real_samples", epoch, state)
+            resumed = self._resumed(where, epoch, state)
             if self.order == "plan":
-                plan, row = st.plan()
+                plan, row = resumed.plan()
                 return int(plan.mask[row:].sum())
-            first = st.step  # vendor: the saved shards' fresh epoch from its step
+            first = resumed.step  # vendor: the loader's own plan from the step
         if self.order == "plan" or self.last_batch == "fill" or not self.shuffle \
                 or not any(shard.padded for shard in self.shards.values()):
             return int(self.plan(epoch).mask[first:].sum())
         if len(self.shards) != self.num_shards:
-            raise RuntimeError("RocalLoader.real_samples: with order='vendor', drop and shuffle the "
-                               "count comes from reading every shard; this process holds only some")
+            raise RuntimeError(f"{where}: with order='vendor', drop and shuffle the count comes from "
+                               f"reading every shard; this process holds only some")
         if "steps" not in self.known_real:
             for _ in self.epoch(epoch):
                 pass
         return sum(self.known_real["steps"][first:])
 
-    def state(self, epoch: int, step: int = 0, *,
-              state: LoaderState | None = None) -> LoaderState:
-        """The ``plan.LoaderState`` to save after ``step`` steps of ``epoch``:
-        ``loaders.Loader.state``'s meaning, range and refusals (without ``state``:
-        of a fresh epoch on this loader's shards; with the ``state`` the epoch was
-        resumed from: ``state.resized(n, B).at_step(step)``, step from its step on).
-        order="vendor" refuses a ``state`` of other shards as ``epoch`` does."""
-        if state is not None:
-            self._resumed("RocalLoader.state", epoch, state)  # order="vendor" refuses a resize
-        return self.schedule.state("RocalLoader.state", epoch, step, state=state)
+    def epoch(self, epoch: int, *, state: LoaderState | None = None) -> loaders.EpochIterator:
+        """The batches of ``epoch``, or its rest from ``state`` (``loaders.Loader.epoch``'s). The
+        pipelines are built, and the epoch's files written, at the first ``next()``.
 
-    def epoch(self, epoch: int, start_step: int = 0, *,
-              state: LoaderState | None = None) -> Iterator[dict[str, jax.Array]]:
-        """With ``state`` (a saved ``plan.LoaderState`` of this run: the same data, seed,
-        shuffle and last_batch), the rest of the epoch it was taken in, from its step
-        (the module docstring's "Resuming"), and ``start_step`` must stay 0. Without
-        it, steps ``start_step .. len()-1`` of this loader's own fresh plan: what
-        another loader delivered there only if it had the same logical shards and
-        batch_size (``loaders.Loader``'s last paragraph); after any other, resume from
-        its state. Raises ValueError for an epoch outside [0, 2**32), a state of
-        another run (num_samples, dataset, seed, shuffle, last_batch: named) or epoch,
-        a start_step with a state, or (order="vendor") a state of other shards;
-        IndexError for a start_step outside [0, len()]. The pipelines are built, and
-        the epoch's files written, at the first ``next()``."""
-        check_seed("epoch", epoch, "RocalLoader.epoch")
-        if state is not None:
-            st = self._resumed("RocalLoader.epoch", epoch, state)
-            if start_step != 0:
-                raise ValueError(f"RocalLoader.epoch: start_step={start_step!r} with a state; the state "
-                                 f"says where the epoch resumes (step {state.step})")
-            if self.order == "vendor":  # one segment (0, n, B): the saved shards' fresh epoch
-                return loaders.EpochIterator(_vendor_steps(self, epoch, st.step))
-            plan, row = st.plan()
-            return loaders.EpochIterator(_plan_steps(self, epoch, plan, row, st.step))
-        if not 0 <= start_step <= len(self):
-            raise IndexError(f"RocalLoader.epoch: start_step={start_step} is outside [0, {len(self)}]")
-        if self.order == "plan":
-            return loaders.EpochIterator(_plan_steps(self, epoch, self.plan(epoch), start_step,
-                                                     start_step))
-        return loaders.EpochIterator(_vendor_steps(self, epoch, start_step))
+        Raises:
+          ValueError: an epoch outside [0, 2**32); a state that is not a LoaderState, or of
+            another run or epoch; with order="vendor", a state whose plan is not this loader's.
+        """
+        where = "RocalLoader.epoch"
+        check_seed("epoch", epoch, where)
+        if state is None:
+            (plan, row), first = (self.plan(epoch), 0), 0
+            saved = lambda: self.schedule.state(where, epoch, 0)
+        else:
+            saved = self._resumed(where, epoch, state)
+            (plan, row), first = saved.plan(), saved.step  # order="vendor": its own plan, row = step
+        batches = _plan_steps(self, epoch, plan, row, first) if self.order == "plan" else \
+            _vendor_steps(self, epoch, row)
+        return loaders.EpochIterator(batches, saved)
 
     def close(self) -> None:
         """Nothing to release: pipelines live as long as one epoch's iterator."""
 
     def _resumed(self, where: str, epoch: int, state) -> LoaderState:
-        """``state`` checked against this run and ``epoch`` (as loaders.Loader checks
-        it), resized to this loader's shards; order="vendor" refuses a resize."""
-        st = self.schedule.resumed(where, epoch, state)
-        if self.order == "vendor" and len(st.segments) > 1:
+        """``state`` checked and resized to this loader's shards; order="vendor" refuses a resize."""
+        resumed = self.schedule.resumed(where, epoch, state)
+        if self.order == "vendor" and len(resumed.segments) > 1:
             raise ValueError(
                 f"{where}: order='vendor' resumes only on the shards and batch that wrote the state "
                 f"(segments {[tuple(x) for x in state.segments]}; this loader: {self.num_shards} shards "
-                f"x {self.batch_size}), and only by reading its steps again: rocAL has no checkpoint "
-                f"and no seek (a reset moves the read position on), so this backend reaches step s by "
-                f"reading and dropping steps 0..s-1 of fresh pipelines, and which samples were "
-                f"delivered is rocAL's order on the old shards, which pipelines over other shards "
-                f"cannot skip. Use order='plan' (plan.elastic_plan's order, on any shard count)")
-        return st
+                f"x {self.batch_size}): rocAL has no checkpoint and no seek (a reset moves the read "
+                f"position on), so step s is reached by reading steps 0..s-1 again, and rocAL's order "
+                f"on the old shards is not one pipelines over other shards can skip. Use order='plan' "
+                f"(plan.elastic_plan's order, on any shard count)")
+        return resumed
 
 
 # --------------------------------------------------------------------------
@@ -473,10 +330,9 @@ class RocalLoader:
 
 
 def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: int):
-    """Rows ``row ..`` of ``plan`` (a fresh epoch's or a resumed segment's), global
-    steps ``first ..`` of the epoch."""
-    local, B = loaders.local_positions(loader.mesh), loader.device_rows
-    plan = on_devices(plan, loader.mesh.devices.size)  # device k's logical shards, one block
+    """Rows ``row ..`` of ``plan`` (a fresh epoch's or a resumed segment's), global steps ``first ..``."""
+    local, B, n = loaders.local_positions(loader.mesh), loader.device_rows, loader.mesh.devices.size
+    plan = on_devices(plan, n)  # device k's logical shards, one block
     stop = len(plan.indices)
     if row == stop:  # nothing left (drop's segment of 0 steps, or a state at the end)
         return
@@ -488,7 +344,6 @@ def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: in
             folder = os.path.join(scratch, f"shard-{k:05d}")
             os.mkdir(folder)
             rows = plan.indices[row:, k].reshape(-1)  # padding slots included: rocAL pads nothing
-            # TAIL_BATCHES more (never run): see TAIL_BATCHES.
             rows = np.concatenate([rows, np.full(TAIL_BATCHES * B, rows[-1])])
             write_cifar10(os.path.join(folder, SHARD_FILE), loader.images[rows], loader.labels[rows])
             pipelines[k] = _pipeline(loader, folder, k, shuffle=False)
@@ -496,20 +351,18 @@ def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: in
                              f"a file of {len(rows)} records (whole batches of {B})")
         devices = list(loader.mesh.devices.flat)
         for r in range(row, stop):
-            where = f"rocAL, shard {{}} on {{}}, epoch {epoch} step {first + r - row}"
             transfers.before_runs()
             blocks = {}
             for k in local:
-                here = where.format(k, devices[k])
-                images, labels = _run(loader, pipelines[k], devices[k], (stop - r + TAIL_BATCHES) * B,
-                                           here, transfers)
+                here = f"rocAL, shard {k} on {devices[k]}, epoch {epoch} step {first + r - row}"
+                images, labels = _run(loader, pipelines[k], devices[k], (stop - r + TAIL_BATCHES) * B, here,
+                                      transfers)
                 want = loader.labels[plan.indices[r, k]]
                 if not np.array_equal(labels, want):
                     raise RuntimeError(f"{here}: rocAL read labels {labels.tolist()} from the epoch's "
                                        f"file, which holds {want.tolist()} there")
                 blocks[k] = {"images": images, "labels": labels,
-                            **loaders.added_fields(plan.mask[r, k], plan.indices[r, k], k, loader.num_shards,
-                                                   loader.mesh.devices.size)}
+                             **loaders.added_fields(plan.mask[r, k], plan.indices[r, k], k, loader.num_shards, n)}
             transfers.after_runs()
             yield loaders.global_batch(blocks, loader.mesh, loader.layout)
     finally:
@@ -521,6 +374,8 @@ def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: in
 
 
 def _vendor_steps(loader: RocalLoader, epoch: int, start: int):
+    """rocAL's own epoch from fresh pipelines, yielded from step ``start`` (the steps before it
+    read and dropped), the padding found by content and checked at the end."""
     devices, B = list(loader.mesh.devices.flat), loader.device_rows
     pipelines, transfers = {}, _Transfers(loader.dlpack)
     runs = {k: 0 for k in loader.shards}
@@ -540,7 +395,7 @@ def _vendor_steps(loader: RocalLoader, epoch: int, start: int):
                 here = f"rocAL, shard {k} on {devices[k]}, epoch {epoch} step {step}"
                 if runs[k] < shard.batches:
                     images, labels, mask = _read_by_content(loader, pipelines[k], k, devices[k], runs, seen,
-                                                                 here, transfers)
+                                                            here, transfers)
                 else:  # files mode: this shard's rocAL epoch is a batch short of the plan
                     images, labels = _padding(loader, k, devices[k])
                     mask = np.zeros(B, bool)
@@ -550,16 +405,16 @@ def _vendor_steps(loader: RocalLoader, epoch: int, start: int):
                         f"as padding, the plan pads slots {np.flatnonzero(~plan_mask[step, k]).tolist()}: "
                         f"rocAL's order is not the plan's, so the mask cannot be the plan's")
                 real[step] += int(mask.sum())
-                blocks[k] = {"images": images, "labels": labels, "mask": mask,
-                             loaders.SHARDS: np.array([k], np.int32)}  # rocAL's order: no sample indices
+                blocks[k] = {"images": images, "labels": labels, loaders.MASK: mask,
+                             loaders.SHARDS: np.array([k], np.int32)}  # rocAL's order: no "index"
             transfers.after_runs()
-            if step >= start:  # resuming: the steps before are read by rocAL and dropped
+            if step >= start:
                 yield loaders.global_batch(blocks, loader.mesh, loader.layout)
         for k, shard in loader.shards.items():  # run out rocAL's epoch, then check its padding
             while runs[k] < shard.batches:
                 transfers.before_runs()
                 _read_by_content(loader, pipelines[k], k, devices[k], runs, seen,
-                                      f"rocAL, shard {k}, the end of epoch {epoch}", transfers)
+                                 f"rocAL, shard {k}, the end of epoch {epoch}", transfers)
                 transfers.after_runs()
             found = seen[k] - shard.copies
             if found != shard.padded:
@@ -576,7 +431,7 @@ def _vendor_steps(loader: RocalLoader, epoch: int, start: int):
 
 
 def _read_by_content(loader: RocalLoader, pipe, k: int, device, runs: dict, seen: dict, where: str, transfers):
-    """One rocAL run of shard k: (images, labels int32 (B,), mask found by content)."""
+    """One rocAL run of shard k: (images, labels int32 (B,), the mask found by content)."""
     shard, B = loader.shards[k], loader.device_rows
     where = f"{where} (batch {runs[k] + 1} of its {shard.batches})"
     images, labels = _run(loader, pipe, device, (shard.batches - runs[k]) * B, where, transfers)
@@ -592,7 +447,8 @@ def _read_by_content(loader: RocalLoader, pipe, k: int, device, runs: dict, seen
     return images, labels, mask
 
 
-def _padding(loader: RocalLoader, k: int, device: jax.Device):
+def _padding(loader: RocalLoader, k: int, device):
+    """B copies of shard k's last record (normalised) and its label; on ``device`` with DLPack."""
     shard, B = loader.shards[k], loader.device_rows
     images = aligned_empty((B,) + shard.last_image.shape, np.float32)
     images[:] = shard.last_image
@@ -611,10 +467,8 @@ def _pipeline(loader: RocalLoader, folder: str, k: int, *, shuffle: bool, **nati
 
 
 def _run(loader: RocalLoader, pipe, device, left: int, where: str, transfers):
-    """One ``rocal_run()`` with ``left`` samples left of rocAL's epoch (checked first:
-    a pipeline is never run at 0, where rocAL 2.3.0 can return a stale batch):
-    (images float32 (B, C, ch, cw) on the host or, ``dlpack``, on ``device``,
-    labels int32 (B,))."""
+    """One ``rocal_run()`` with ``left`` samples left of rocAL's epoch (checked first): (images
+    float32 (B, C, ch, cw) on the host or, with DLPack, on ``device``; labels int32 (B,))."""
     B = loader.device_rows
     remaining = _call(where, "get_remaining_images()", pipe.get_remaining_images)
     if remaining != left:
@@ -636,24 +490,10 @@ def _run(loader: RocalLoader, pipe, device, left: int, where: str, transfers):
     return images, labels.astype(np.int32)
 
 
-# order="plan" writes this many batches more than the epoch's at the end of each file and
-# never runs them. rocAL's output thread, once its reader has nothing left to load, sleeps
-# in 100 ms steps (MasterGraph::output_routine), and rocal_release() waits that sleep out:
-# 0.1 s per pipeline per epoch, one after the other (0.75 s for 8 pipelines, measured).
-# With batches left to load the thread waits on the full ring buffer instead, and
-# rocal_release() returns in about 1 ms. More than rocAL loads ahead (its ring of 2 plus
-# one being processed). Either way a release can meet rocAL's lost wake-up (see
-# release_pipelines): the tail changes its cost, not its safety.
-TAIL_BATCHES = 4
-RING_SLOTS = 2  # a rocAL output is a ring-buffer slot that the second following run writes again
-
-
 class _Transfers:
-    """The DLPack path's copies, kept safe from rocAL's ring buffer without waiting on
-    every one: before the runs of a step, ONE ``jax.block_until_ready`` waits for the
-    copies made ``RING_SLOTS`` steps earlier (the slots these runs will write); the
-    device runs its queue in order, so they have long finished and the wait costs
-    nothing. ``drain()`` waits for the rest before the pipelines are released."""
+    """The DLPack copies, kept safe from rocAL's ring without a wait per copy: before a step's
+    runs, one ``jax.block_until_ready`` on the copies made ``RING_SLOTS`` steps earlier (the
+    slots these runs write); ``drain()`` waits for the rest before the pipelines are released."""
 
     def __init__(self, active: bool):
         self.active, self.steps, self.current = active, collections.deque(), []
@@ -678,43 +518,34 @@ class _Transfers:
             self.current = []
 
 
-def uses_gpu(devices: Sequence[jax.Device]) -> bool:
-    """False for CPU devices (rocAL's CPU backend), True for AMD GPUs (its GPU backend);
-    ValueError for anything else or a mix."""
-    if all(d.platform == "cpu" for d in devices):
-        return False
-    if all(is_amd_gpu(d) for d in devices):
-        return True
-    raise ValueError(f"make_rocal_loader: rocAL runs on CPU devices or AMD GPUs, got platform(s) "
-                     f"{sorted({d.platform for d in devices})}")
-
-
 def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
                       layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
                       shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
                       normalize: Normalize = Normalize(), order: str = "plan",
                       cache_dir: str | os.PathLike | None = None, sharding: str = "files",
                       num_threads: int = 1, logical_shards: int | None = None) -> RocalLoader:
-    """A ``RocalLoader`` over ``data``: a CIFAR-10 folder (read with ``filename_prefix``),
-    or an ``(images uint8 (N, 3, 32, 32), labels_N)`` pair. ``batch_size`` is per
-    device; shard k goes to ``devices[k]`` (or mesh position k). ``order`` is "plan"
-    (default: the reference loader's epochs, bit for bit) or "vendor" (rocAL's own
-    order; ``sharding`` "files" or "rocal" picks how rocAL is given its shard).
-    ``logical_shards``: as ``loaders.make_loader``'s (order="plan" only: pipeline k
-    reads its device's logical shards' blocks, (L/n)*B records a step).
-    Files go under ``cache_dir`` (default ~/.cache/refimpl): the epoch files of
-    order="plan" (deleted when the epoch ends) and the shard files of
-    order="vendor", sharding="files" (kept, keyed by content).
+    """A ``RocalLoader`` over ``data``, shard k on ``devices[k]`` (or mesh position k).
 
-    Raises ImportError (how to install rocAL) without amd.rocal; ValueError for
-    everything ``loaders.make_loader`` refuses, a normalize that is not
-    ``Normalize(arithmetic="rocal")`` (rocAL computes rocAL's arithmetic), images
-    that are not CIFAR-10's (rocAL's reader is CIFAR-10 only: no MNIST), an
-    unknown order or sharding, sharding="rocal" with order="plan", num_threads < 1,
-    devices that are neither all CPU nor all AMD GPUs, and in rocal mode arrays
-    instead of a folder or a folder rocAL would read differently from
-    ``read_cifar10``; RuntimeError for a rocAL GPU build without DLPack, when
-    rocAL's sharding does not work (rocal mode), or a pipeline cannot be built.
+    Args:
+      data: a CIFAR-10 folder (read with ``filename_prefix``) or ``(images uint8 (N, 3, 32,
+        32), labels_N)``.
+      batch_size, layout, shuffle, seed, last_batch, logical_shards: ``loaders.make_loader``'s;
+        ``logical_shards`` with order="plan" only.
+      normalize: a Normalize with arithmetic "rocal" (rocAL computes its own).
+      order: "plan" or "vendor"; sharding: order="vendor"'s "files" or "rocal" (the module
+        docstring). "rocal" needs the folder, read by rocAL as ``read_cifar10`` reads it.
+      cache_dir: where the epoch files (order="plan", deleted with the epoch) and the shard
+        files (order="vendor", kept) go; None: DEFAULT_CACHE, ~/.cache/refimpl.
+      num_threads: rocAL's threads a pipeline, an int >= 1.
+
+    Raises:
+      ImportError: amd.rocal does not import (the message says how to install it).
+      ValueError: anything ``loaders.make_loader`` refuses; another arithmetic; images that are
+        not CIFAR-10's; an unknown order or sharding, or sharding "rocal" with order "plan" or
+        with arrays; num_threads not an int >= 1; logical_shards with order="vendor"; devices
+        that are not all CPU or all AMD GPUs; a folder rocAL would read otherwise.
+      RuntimeError: a rocAL GPU build without DLPack; sharding "rocal" while rocAL ignores
+        shard_id; a pipeline that cannot be built.
     """
     if not isinstance(normalize, Normalize) or normalize.arithmetic != "rocal":
         raise ValueError(f"make_rocal_loader: normalize={normalize!r}: rocAL computes rocAL's "
@@ -727,8 +558,8 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
         raise ValueError(f"make_rocal_loader: sharding={sharding!r} reads rocAL's own shards in rocAL's "
                          f"order; order='plan' writes each shard's planned samples itself: use "
                          f"order='vendor' with it")
-    if num_threads < 1:
-        raise ValueError(f"make_rocal_loader: num_threads must be >= 1, got {num_threads}")
+    if not isinstance(num_threads, numbers.Integral) or isinstance(num_threads, bool) or num_threads < 1:
+        raise ValueError(f"make_rocal_loader: num_threads must be an int >= 1, got {num_threads!r}")
     if order == "vendor" and logical_shards is not None:
         raise ValueError(f"make_rocal_loader: logical_shards={logical_shards!r} with order='vendor': "
                          f"rocAL's own order is one shard a pipeline; use order='plan'")
@@ -737,7 +568,7 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
         raise ValueError("make_rocal_loader: sharding='rocal' reads the CIFAR-10 files itself; "
                          "pass the folder, not (images, labels) arrays")
     import_rocal()  # how to install it, before any data is read
-    # The reference loader checks every argument as make_loader does. It does no device work.
+    # The reference loader built alike checks every other argument; it does no device work.
     spec = loaders.make_loader(data, devices, batch_size, layout=layout, filename_prefix=filename_prefix,
                                shuffle=shuffle, seed=seed, last_batch=last_batch,
                                normalize=normalize, prefetch=0, logical_shards=logical_shards)
@@ -749,23 +580,21 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
     on_gpu = uses_gpu(device_list)
     if on_gpu:
         check_dlpack()
-    cache = os.path.expanduser(os.fspath(cache_dir if cache_dir is not None else DEFAULT_CACHE))
-    loader = RocalLoader(images, labels, mesh, batch_size, layout, shuffle, seed, last_batch, normalize,
-                         order, sharding, on_gpu, on_gpu, cache, num_threads,
+    cache = os.path.expanduser(os.fspath(DEFAULT_CACHE if cache_dir is None else cache_dir))
+    loader = RocalLoader(images, labels, mesh, spec.batch_size, layout, spec.shuffle, spec.seed, last_batch,
+                         normalize, order, sharding, on_gpu, on_gpu, cache, int(num_threads),
                          logical_shards=spec.logical_shards)
     if order == "plan":
         return loader
     n, N, B = len(device_list), len(labels), batch_size
-    local = loaders.local_positions(mesh)
     if sharding == "files":
-        folders = shard_folders(images, labels, n, cache)
-        prefix = TRAIN_PREFIX
+        folders, prefix = shard_folders(images, labels, n, cache), TRAIN_PREFIX
     else:
         _check_native_folder(os.fspath(data), filename_prefix)
         folders, prefix = [os.fspath(data)] * n, filename_prefix
     loader = dataclasses.replace(loader, prefix=prefix)  # the build-time check below reads with it
     shards = {}
-    for k in local:
+    for k in loaders.local_positions(mesh):
         start, stop = shard_bounds(N, k, n)
         want = rocal_padded_size(N, n, k, B) if sharding == "rocal" else -(-(stop - start) // B) * B
         if sharding == "rocal":  # rocAL 2.3.0's sharding bug shows in the first pipeline's count
@@ -786,14 +615,13 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
                                  f"({want} samples, batch {B}) and FILL would never deliver its last "
                                  f"{want % B}; use sharding='files' or another batch size")
         shards[k] = _shard_info(images, labels, start, stop, B, want // B, normalize)
-    return dataclasses.replace(loader, folders={k: folders[k] for k in local}, shards=shards)
+    return dataclasses.replace(loader, folders={k: folders[k] for k in shards}, shards=shards)
 
 
 def _shard_info(images: np.ndarray, labels: np.ndarray, start: int, stop: int, batch_size: int,
                 batches: int, normalize: Normalize) -> ShardInfo:
-    """Shard [start, stop)'s last record normalised, and how many of its records
-    normalise to the same image with the same label (found on the uint8 window:
-    two pixel values are alike where the table maps them to the same float)."""
+    """Shard [start, stop)'s ShardInfo. Its records alike to its last are found on the uint8
+    window: two pixel values are alike where the table maps them to the same float."""
     last = stop - 1
     y0, x0, ch, cw = normalize.window(images.shape[2:])
     # ids[c, x]: pixel values x that channel c's table maps to the same float share an id
@@ -815,10 +643,9 @@ def _shard_info(images: np.ndarray, labels: np.ndarray, start: int, stop: int, b
 
 
 def _check_native_folder(root: str, prefix: str) -> None:
-    """sharding="rocal": rocAL must read the same records in the same order as
-    ``read_cifar10``: it matches ``prefix`` anywhere in a name (read_cifar10: at
-    the start), lists files in readdir order (read_cifar10: sorted), and reads
-    subfolders instead when the first name in sorted order is a folder."""
+    """sharding="rocal": ValueError unless rocAL reads ``root`` as ``read_cifar10`` does. rocAL
+    matches ``prefix`` anywhere in a name (read_cifar10: at its start), lists files in readdir
+    order (read_cifar10: sorted), and reads subfolders when the first name sorted is one."""
     names = os.listdir(root)  # readdir order, what rocAL sees
     if names and os.path.isdir(os.path.join(root, sorted(names)[0])):
         raise ValueError(f"{root}: rocAL reads only the subfolders of a folder whose first entry "

@@ -1,49 +1,26 @@
-"""The rocAL backend (rocal_loader.py): a simulation of rocAL everywhere, real rocAL where it imports.
+"""The rocAL backend (rocal_loader.py, rocal_api.py): on a double of rocAL, and on real rocAL where it imports.
 
-* ``FakeRocal`` stands in for the ``amd.rocal`` package (put in ``sys.modules``
-  only inside a test). It simulates rocAL 2.3.0's cifar10 reader over the real
-  file, with the API facts measured on a real build: ``copy_data`` a raw
-  memcpy without checks, ``dimensions()`` a list, ``dtype()`` 'float32',
-  ``dlpack_device(id)`` and ``__dlpack__(id)`` (no stream argument) but no
-  ``__dlpack_device__`` (or, ``dlpack=False``, a build without DLPack: no
-  ``dlpack_device`` and a ``__dlpack__`` that raises "Dlpack not installed"),
-  one tensor object overwritten every run (a ring of two buffers: run r's
-  output is written again by run r+2), ``get_remaining_images()`` counting
-  down as FILL/DROP with padding do, DROP moving on by B at each reset, an
-  epoch reset early restarting where the prefetcher was, padding copies
-  shuffled in, files in readdir order matched anywhere in the name, rocAL's
-  defaults (``mirror=1``, NHWC, uint8), optionally the stale OK run past the
-  end after which ``get_image_labels()`` raises, and (``sharding_bug=True``,
-  the default) native sharding as rocAL 2.3.0 does it: one internal loader per
-  shard, taking turns, the same stream for every shard_id. Not modelled:
-  rocAL's mt19937 order (the double's shuffle is a fixed permutation per shard
-  id, applied again at every reset), the buggy stream's first sample from
-  outside its internal shard, and rocal_release's 0.1 s wait.
-* Wiring tests (double): the arguments of each pipeline on both backends,
-  mirror always explicit, refusals, the per-epoch files of order="plan", the
-  reference's bits, epochs as a function of (seed, epoch, start_step),
-  masks by content (order="vendor"), errors naming shard and step, bounded
-  rebuilds, output checks, rocAL's console lines, DLPack and the GPU path on
-  CPU devices (the ring buffer, one wait per step, a rocAL without DLPack).
-* rocAL's GPU arithmetic and crop anchor, read in rocAL's, MIVisionX's and
-  RPP's source (no AMD GPU here), pinned with the files and functions named.
-* Conformance (``conformance_run``): a dataset whose images encode their own
-  index goes through the raw pipelines (what rocAL itself does) and through the
-  loader (order "plan"; order "vendor" with either sharding), shuffle on and
-  off, fill and drop, both layouts, two epochs; every departure from the plan
-  is described in words (conformance.Findings) and compared with
-  ``known_deviations``, rocAL 2.3.0's known deviations stated in words (none for
-  order="plan", whose steps must also be the reference loader's bits): the
-  test fails on an unknown deviation and on a known one that disappears (a
-  fixed rocAL: the negative control on the double shows it). On the double it
-  runs in CI as controls; on real rocAL (``-m rocal``) wherever ``amd.rocal``
-  imports, on up to 4 of the suite's devices: the cells in ``REAL_IN_CI`` by
-  default, the whole matrix with ``--run-slow``.
-* End to end on real rocAL: ``refimpl.py --backend rocal`` ends with the
-  reference backend's params bit for bit (one process; two processes with
-  ``--run-slow``), and two jax.distributed processes (4 CPU devices each, this
-  file as their program) get the reference's blocks on their own shards. The
-  children inherit PYTHONPATH/LD_LIBRARY_PATH, where the rocAL archive is.
+* ``FakeRocal`` stands in for amd.rocal (in ``sys.modules`` inside a test only): rocAL 2.3.0's
+  cifar10 reader over the real file, with the API facts measured on a real build. ``copy_data``
+  is a raw memcpy; ``dlpack_device(id)`` and ``__dlpack__(id)`` but no ``__dlpack_device__`` (or
+  none of it: a build without DLPack); one output tensor over a ring of two buffers, run r's
+  written again by run r+2; ``get_remaining_images()`` counting down as FILL/DROP with padding
+  do; DROP moving on by B at each reset; padding copies shuffled in; files in readdir order,
+  the prefix matched anywhere; ``mirror=1``, NHWC and uint8 by default; optionally the stale
+  run past the end; by default the native sharding bug (every shard_id the same stream).
+  Not modelled: rocAL's mt19937 order and rocal_release's 0.1 s wait.
+* On the double: the pipelines' arguments, the files of each order and where they go,
+  refusals, the reference's bits (order "plan": every field; "vendor": no "index"), masks by
+  content, errors naming shard and step, bounded releases and builds, output checks, DLPack and
+  the GPU path on CPU devices (the ring buffer's waits).
+* rocAL's GPU arithmetic and crop anchor, read in rocAL's, MIVisionX's and RPP's source.
+* Conformance: images that encode their index go through raw pipelines and the loader; each
+  departure from the plan is described in words and held to ``known_deviations``, rocAL
+  2.3.0's, so a deviation that appears or disappears fails (on the double: the controls).
+* Real rocAL (``-m rocal``, skipped where amd.rocal does not import): the cells in
+  ``REAL_IN_CI``, the pixels, resumes, DLPack on real tensors, the release through its C API.
+* With --run-slow: the sweeps, refimpl.py end to end and two jax.distributed processes (this
+  file is their worker program).
 """
 
 import collections
@@ -88,10 +65,8 @@ def write_encoded(folder, N: int) -> str:
     """One data_batch file where sample i encodes i (label i % 10), plus a test_batch."""
     os.makedirs(folder, exist_ok=True)
     index = np.arange(N)
-    write_cifar10(os.path.join(folder, "data_batch_1.bin"), encoding.encoded_images(index),
-                          index % 10)
-    write_cifar10(os.path.join(folder, "test_batch.bin"), encoding.encoded_images(index[:4]),
-                          index[:4] % 10)
+    write_cifar10(os.path.join(folder, "data_batch_1.bin"), encoding.encoded_images(index), index % 10)
+    write_cifar10(os.path.join(folder, "test_batch.bin"), encoding.encoded_images(index[:4]), index[:4] % 10)
     return str(folder)
 
 
@@ -399,12 +374,23 @@ def assert_same_arrays(got: dict, want: dict, where: str) -> None:
         assert_same_bits(got[name], want[name], f"{where} {name}")
 
 
+def state_at(loader, epoch: int, step: int) -> LoaderState:
+    """The state a job saves after ``step`` steps of a fresh ``epoch`` (the iterator's get_state)."""
+    return loader.epoch(epoch).get_state().at_step(step)
+
+
+def without_index(batch: dict) -> dict:
+    """A reference batch as rocAL's own order delivers it: no "index" (rocAL picks the samples)."""
+    return {name: x for name, x in batch.items() if name != loaders.INDEX}
+
+
 # --------------------------------------------------------------------------
 # Installing, choosing, refusing
 # --------------------------------------------------------------------------
 
 
 def test_without_rocal_the_error_says_how_to_install(monkeypatch, small_dir, mesh4):
+    """Without amd.rocal: an ImportError saying how to install it, and no device is usable."""
     monkeypatch.setitem(sys.modules, "amd", None)
     monkeypatch.setitem(sys.modules, "amd.rocal", None)
     with pytest.raises(ImportError) as error:
@@ -415,6 +401,7 @@ def test_without_rocal_the_error_says_how_to_install(monkeypatch, small_dir, mes
 
 
 def test_auto_chooses_rocal_only_on_amd_gpus(monkeypatch, fake, mesh4):
+    """usable and uses_gpu: AMD GPUs (ROCm or HIP clients) only, never CUDA or a mix."""
     def gpu(version):
         client = pytypes.SimpleNamespace(platform_version=version)
         return pytypes.SimpleNamespace(platform="gpu", client=client)
@@ -439,6 +426,7 @@ def test_auto_chooses_rocal_only_on_amd_gpus(monkeypatch, fake, mesh4):
 
 
 def test_refusals_build_no_pipeline(monkeypatch, small_dir, mesh4, fake, cache, tmp_path):
+    """Bad arguments, and folders rocAL would read otherwise, are refused before a pipeline."""
     def refused(match, data=small_dir, **kwargs):
         with pytest.raises(ValueError, match=match):
             rocal_loader.make_rocal_loader(data, mesh4, 2, cache_dir=cache, **kwargs)
@@ -448,7 +436,8 @@ def test_refusals_build_no_pipeline(monkeypatch, small_dir, mesh4, fake, cache, 
     refused("sharding must be one of", sharding="dali", order="vendor")
     refused("order must be one of", order="shuffled")
     refused("use order='vendor' with it", sharding="rocal")
-    refused("num_threads must be >= 1", num_threads=0)
+    for threads in (0, 2.0, False):
+        refused(f"num_threads must be an int >= 1, got {threads!r}", num_threads=threads)
     with pytest.raises(ValueError, match="larger than the smallest shard"):
         rocal_loader.make_rocal_loader(small_dir, mesh4, 13, cache_dir=cache)
     refused("does not fit", normalize=Normalize(crop=(40, 40)))
@@ -458,12 +447,10 @@ def test_refusals_build_no_pipeline(monkeypatch, small_dir, mesh4, fake, cache, 
     refused("pass the folder", data=read_cifar10(small_dir), sharding="rocal", order="vendor")
     # rocal mode: rocAL must read what read_cifar10 reads, in the same order.
     odd = write_encoded(tmp_path / "odd", 16)
-    write_cifar10(os.path.join(odd, "old_data_batch_1.bin"), encoding.encoded_images(np.arange(4)),
-                          np.arange(4))
+    write_cifar10(os.path.join(odd, "old_data_batch_1.bin"), encoding.encoded_images(np.arange(4)), np.arange(4))
     refused(r"rocAL would also read \['old_data_batch_1.bin'\]", data=odd, sharding="rocal", order="vendor")
     two = write_encoded(tmp_path / "two", 16)
-    write_cifar10(os.path.join(two, "data_batch_2.bin"), encoding.encoded_images(np.arange(4)),
-                          np.arange(4))
+    write_cifar10(os.path.join(two, "data_batch_2.bin"), encoding.encoded_images(np.arange(4)), np.arange(4))
     listdir = os.listdir
     monkeypatch.setattr(rocal_loader.os, "listdir", lambda root: sorted(listdir(root), reverse=True))
     refused("directory order", data=two, sharding="rocal", order="vendor")
@@ -474,6 +461,7 @@ def test_refusals_build_no_pipeline(monkeypatch, small_dir, mesh4, fake, cache, 
 
 
 def test_rocal_sharding_is_refused_naming_the_bug(small_dir, mesh4, fake, cache):
+    """sharding='rocal' on a rocAL that ignores shard_id: refused at the first pipeline, naming the bug."""
     with pytest.raises(RuntimeError) as error:
         rocal_loader.make_rocal_loader(small_dir, mesh4, 4, sharding="rocal", order="vendor", cache_dir=cache)
     text = str(error.value)
@@ -484,12 +472,11 @@ def test_rocal_sharding_is_refused_naming_the_bug(small_dir, mesh4, fake, cache)
 
 
 # --------------------------------------------------------------------------
-# The pipelines' arguments (both backends) and the per-shard files
+# The pipelines' arguments (both backends), and the files each order writes
 # --------------------------------------------------------------------------
 
 
-NORM_ARGS = Normalize(mean=(1.0, 2.0, 3.0), std=(4.0, 5.0, 6.0), mirror=True, crop=(28, 30),
-                              crop_pos=(0.25, 0.75))
+NORM_ARGS = Normalize(mean=(1.0, 2.0, 3.0), std=(4.0, 5.0, 6.0), mirror=True, crop=(28, 30), crop_pos=(0.25, 0.75))
 
 
 def assert_pipeline_arguments(pipe, *, seed: int, shuffle: bool, norm=NORM_ARGS) -> None:
@@ -508,16 +495,17 @@ def assert_pipeline_arguments(pipe, *, seed: int, shuffle: bool, norm=NORM_ARGS)
 @pytest.mark.parametrize("shuffle, last_batch", [(False, "fill"), (True, "drop")])
 def test_plan_order_feeds_each_pipeline_a_file_of_its_planned_slots(small_dir, mesh4, fake, cache, shuffle,
                                                                     last_batch):
-    """order="plan": per epoch() call, pipeline k reads one file holding plan.indices[start:, k]
-    in plan order (padding slots too) and TAIL_BATCHES batches more that are never run, rocAL's
-    shuffle off, shard 0 of 1; the files live in a temporary folder that is gone when the epoch
-    ends, and nothing is built before the first step is asked for."""
+    """order="plan", an epoch resumed at step 1: pipeline k reads one file of plan.indices[1:, k]
+    in plan order (padding slots too), then TAIL_BATCHES batches never run; rocAL's shuffle off,
+    shard 0 of 1. The file lives in a folder of the epoch's own under cache_dir, gone when the
+    epoch ends, is closed or was never started; nothing is built before the first step."""
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=shuffle, last_batch=last_batch,
                                             normalize=NORM_ARGS, seed=7, cache_dir=cache)
     images, labels = read_cifar10(small_dir)
-    steps = loader.epoch(3, start_step=1)
+    steps = loader.epoch(3, state=state_at(loader, 3, 1))
     assert fake.pipelines == []
     next(steps)
+    assert steps.get_state() == state_at(loader, 3, 2)
     (scratch,) = os.listdir(cache)
     assert scratch.startswith(".rocal-epoch-3-")
     plan, tail = loader.plan(3), rocal_loader.TAIL_BATCHES * 4
@@ -543,6 +531,7 @@ def test_plan_order_feeds_each_pipeline_a_file_of_its_planned_slots(small_dir, m
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_vendor_order_gets_a_fill_pipeline_over_each_shards_file(small_dir, mesh4, fake, cache, shuffle):
+    """order="vendor", files mode: pipeline k reads its shard's records, in order, as one file."""
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=shuffle, last_batch="drop",
                                             normalize=NORM_ARGS, seed=7, cache_dir=cache, order="vendor")
     images, labels = read_cifar10(small_dir)
@@ -558,7 +547,43 @@ def test_vendor_order_gets_a_fill_pipeline_over_each_shards_file(small_dir, mesh
         assert np.array_equal(got[0], images[start:stop]) and np.array_equal(got[1], labels[start:stop])
 
 
+def test_stray_files_in_the_cache_folder_are_neither_read_nor_touched(small_dir, mesh4, fake, cache):
+    """cache_dir holding what the loader did not write: CIFAR-10 files a reader of the folder
+    would take as records (negative control: a pipeline over it does), a shard folder, and the
+    leftovers of an earlier epoch's folder. Both orders' epochs are the reference's and every
+    stray is left as it was. A stray beside a cached shard file, which rocAL would read with
+    it, is refused, named."""
+    os.makedirs(os.path.join(cache, ".rocal-epoch-0", "shard-00000"))
+    strays = {"data_batch_1.bin": 7, "test_batch.bin": 2, os.path.join("shard-00000", "data_batch_1.bin"): 3,
+              os.path.join(".rocal-epoch-0", "shard-00000", "data_batch_2.bin"): 5}
+    for name, count in strays.items():
+        os.makedirs(os.path.dirname(os.path.join(cache, name)), exist_ok=True)
+        write_cifar10(os.path.join(cache, name), encoding.encoded_images(np.arange(100, 100 + count)),
+                      np.full(count, 9))
+
+    def contents() -> dict:
+        return {os.path.relpath(os.path.join(top, name), cache): open(os.path.join(top, name), "rb").read()
+                for top, _, names in os.walk(cache) for name in names if "rocal-shards-" not in top}
+
+    before = contents()
+    reference = loaders.make_loader(small_dir, mesh4, 4, prefetch=0)
+    for order in rocal_loader.ORDERS:
+        loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache, order=order)
+        for step, got in enumerate(loader.epoch(0)):
+            want = reference.batch(0, step)
+            assert_same_arrays(got, want if order == "plan" else without_index(want), f"{order} step {step}")
+        assert contents() == before, f"{order}: a stray file was changed or removed"
+    pipe = rocal_loader.rocal_pipeline(cache, batch_size=1, normalize=NORM, on_gpu=False)
+    assert pipe.get_remaining_images() == 7, "control: a reader of the cache folder reads the strays"
+    [shard] = [f for f in rocal_loader.shard_folders(*read_cifar10(small_dir), 4, cache) if f.endswith("1")]
+    write_cifar10(os.path.join(shard, "data_batch_2.bin"), encoding.encoded_images(np.arange(2)), np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match=r"shard-00001/data_batch_1.bin: the cached shard should hold 13 "
+                                         r"records, alone in its folder .*'data_batch_2.bin'"):
+        rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache, order="vendor")
+
+
 def test_gpu_and_rocal_sharding_arguments(small_dir, fake):
+    """The GPU backend's arguments, rocAL's sharding passed on, mirror=0 explicit."""
     rocal_loader.rocal_pipeline(small_dir, batch_size=8, normalize=NORM, on_gpu=True, device_id=3,
                                 shard_id=2, num_shards=4, shuffle=True, num_threads=8)
     (pipe,) = fake.pipelines
@@ -570,6 +595,8 @@ def test_gpu_and_rocal_sharding_arguments(small_dir, fake):
 
 
 def test_rocal_sharding_on_a_fixed_rocal_reads_the_original_folder(monkeypatch, small_dir, mesh4, cache):
+    """sharding='rocal' on a rocAL whose sharding works: checked at build, then the reference's
+    batches (no "index") read from the data folder itself."""
     fixed = FakeRocal(sharding_bug=False).install(monkeypatch)
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, sharding="rocal", order="vendor",
                                             cache_dir=cache)
@@ -577,12 +604,14 @@ def test_rocal_sharding_on_a_fixed_rocal_reads_the_original_folder(monkeypatch, 
     assert [(p.reader["file_root"], p.reader["shard_id"], p.reader["num_shards"]) for p in fixed.pipelines] \
         == [(small_dir, k, 4) for k in range(4)] and all(p.released for p in fixed.pipelines)
     assert not os.path.exists(cache)  # no files written
-    reference = loaders.make_loader(small_dir, mesh4, 4, placement="host_float32", prefetch=0)
+    reference = loaders.make_loader(small_dir, mesh4, 4, prefetch=0)
     for step, got in enumerate(loader.epoch(0)):
-        assert_same_arrays(got, reference.batch(0, step), f"step {step}")
+        assert_same_arrays(got, without_index(reference.batch(0, step)), f"step {step}")
 
 
 def test_shard_files_are_written_once_atomically_and_keyed_by_content(cache):
+    """Shard k's records as one file, written once, keyed by the data and n; a damaged cached file
+    is named, never read."""
     images, labels = encoding.encoded_images(np.arange(30)), (np.arange(30) % 10).astype(np.int32)
     folders = rocal_loader.shard_folders(images, labels, 4, cache)
     assert len(folders) == 4 and len({os.path.dirname(f) for f in folders}) == 1
@@ -598,10 +627,6 @@ def test_shard_files_are_written_once_atomically_and_keyed_by_content(cache):
     assert rocal_loader.shard_folders(images, labels, 3, cache)[0] not in folders
     labels[5] = 9
     assert rocal_loader.shard_folders(images, labels, 4, cache)[0] not in folders
-    for wrong in (np.where(np.arange(30) == 3, np.int64(2**32 + 1), labels.astype(np.int64)), labels + 0.0,
-                  labels - 1):
-        with pytest.raises(ValueError, match="shard_folders: CIFAR-10 labels are integers 0..9"):
-            rocal_loader.shard_folders(images, wrong, 4, cache)  # 2**32 + 1 would hash as label 1
     with open(os.path.join(folders[2], "data_batch_1.bin"), "ab") as f:
         f.write(b"\0" * 3073)
     with pytest.raises(ValueError, match="shard-00002/data_batch_1.bin: the cached shard should hold 7"):
@@ -633,30 +658,33 @@ def assert_pixels_are_the_rocal_table(mesh, cache: str) -> None:
 
 
 def test_crop_mirror_and_channels_reach_the_pipelines(mesh4, fake, cache):
+    """assert_pixels_are_the_rocal_table on the double."""
     assert_pixels_are_the_rocal_table(mesh4, cache)
 
 
 # --------------------------------------------------------------------------
-# Epochs: the reference's bits (plan), stateless, masks by content (vendor)
+# Epochs: the reference's bits, stateless, masks by content (order="vendor")
 # --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("order, shuffle, last_batch, layout", [
-    ("plan", False, "fill", "sharded"), ("plan", True, "fill", "pmap"), ("plan", True, "drop", "sharded"),
-    ("vendor", False, "fill", "sharded"), ("vendor", False, "fill", "pmap"), ("vendor", False, "drop", "sharded")])
+    ("plan", True, "fill", "pmap"), ("plan", False, "drop", "sharded"),
+    ("vendor", False, "fill", "sharded"), ("vendor", False, "drop", "pmap")])
 def test_epochs_are_the_reference_loaders_bit_for_bit(small_dir, mesh4, fake, cache, order, shuffle, last_batch,
                                                       layout):
-    """order="plan": shuffled or not; order="vendor": only unshuffled (rocAL's own order)."""
+    """order="plan", shuffled or not: every field, "index" and "logical_shards" too. order="vendor",
+    unshuffled (rocAL's order is then the plan's): every field but "index", which it leaves out."""
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, last_batch=last_batch, layout=layout,
                                             shuffle=shuffle, seed=11, order=order, cache_dir=cache)
     reference = loaders.make_loader(small_dir, mesh4, 4, last_batch=last_batch, layout=layout, shuffle=shuffle,
-                                    seed=11, placement="host_float32", prefetch=0)
+                                    seed=11, prefetch=0)
     assert len(loader) == len(reference) == {"fill": 4, "drop": 3}[last_batch]
     for epoch in (1, 0):
         batches = list(loader.epoch(epoch))
         assert len(batches) == len(loader)
         for step, got in enumerate(batches):
-            assert_same_arrays(got, reference.batch(epoch, step), f"epoch {epoch} step {step}")
+            want = reference.batch(epoch, step)
+            assert_same_arrays(got, want if order == "plan" else without_index(want), f"epoch {epoch} step {step}")
         assert loader.real_samples(epoch) == reference.real_samples(epoch)
     if order == "vendor" and last_batch == "fill":  # shards 0, 2 (12 samples): 3 rocAL batches, the 4th filled
         runs = [sum(1 for call in p.calls if isinstance(call, tuple) and call[0] == "run")
@@ -666,12 +694,12 @@ def test_epochs_are_the_reference_loaders_bit_for_bit(small_dir, mesh4, fake, ca
 
 
 @pytest.mark.parametrize("order", rocal_loader.ORDERS)
-def test_epochs_are_a_function_of_seed_epoch_and_start_step(small_dir, mesh4, fake, cache, order):
+def test_epochs_are_a_function_of_seed_epoch_and_step(small_dir, mesh4, fake, cache, order):
     """Nothing depends on history: epoch 3 twice is the same; two loaders built alike give the
-    same epochs in any call order, also iterated at once; resuming at step s gives the epoch's
-    steps s.. . order="plan": and a new seed or epoch is a new order. order="vendor": rocAL
-    seeds its shuffle by shard_id and each epoch has fresh pipelines, so every epoch and every
-    seed has the same order (stated in the module docstring)."""
+    same epochs in any call order, also iterated at once; resumed from the state of step s, the
+    epoch's steps s.. . order="plan": a new seed or epoch is a new order. order="vendor": rocAL
+    seeds its shuffle by shard_id and each epoch has fresh pipelines, so every epoch and seed
+    has the same order (the module docstring says so)."""
     def images_of(batches):
         return [(np.asarray(b["images"]), np.asarray(b["mask"])) for b in batches]
 
@@ -695,14 +723,12 @@ def test_epochs_are_a_function_of_seed_epoch_and_start_step(small_dir, mesh4, fa
     later, first = two.epoch(3), two.epoch(0)  # two epochs in flight at once
     assert differ(images_of(later), three) is None and differ(images_of(first), zero) is None
     for start in (1, len(one) - 1, len(one)):
-        assert differ(images_of(one.epoch(3, start_step=start)), three[start:]) is None, start
+        assert differ(images_of(one.epoch(3, state=state_at(one, 3, start))), three[start:]) is None, start
     other_seed, other_epoch = images_of(make(6).epoch(3)), images_of(one.epoch(4))
     if order == "plan":
         assert differ(other_seed, three) and differ(other_epoch, three)
     else:
         assert differ(other_seed, three) is None and differ(other_epoch, three) is None
-    with pytest.raises(IndexError, match="start_step=5 is outside"):
-        one.epoch(0, start_step=5)
     with pytest.raises(ValueError, match="epoch=-1"):
         one.epoch(-1)
     assert all(p.released for p in fake.pipelines)
@@ -710,6 +736,8 @@ def test_epochs_are_a_function_of_seed_epoch_and_start_step(small_dir, mesh4, fa
 
 @pytest.mark.parametrize("last_batch", ["fill", "drop"])
 def test_vendor_shuffled_masks_are_found_by_content(small_dir, mesh4, fake, cache, last_batch):
+    """rocAL's shuffled padding copies are masked where they fall: fill, each record real once;
+    drop, none twice; padding holds the shard's last record."""
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, last_batch=last_batch,
                                             cache_dir=cache, order="vendor")
     blocks = [shard_blocks(b, 4) for b in loader.epoch(0)]
@@ -733,6 +761,7 @@ def test_vendor_shuffled_masks_are_found_by_content(small_dir, mesh4, fake, cach
 
 
 def test_vendor_drop_and_shuffle_counts_its_real_slots_by_reading(small_dir, mesh4, fake, cache):
+    """real_samples reads one epoch (once) to count drop + shuffle's real slots: every epoch's."""
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, last_batch="drop",
                                             cache_dir=cache, order="vendor")
     count = loader.real_samples(2)  # nothing read yet: it reads an epoch (once)
@@ -740,19 +769,6 @@ def test_vendor_drop_and_shuffle_counts_its_real_slots_by_reading(small_dir, mes
     assert loader.real_samples(0) == count and len(fake.pipelines) == 4
     masks = [np.asarray(b["mask"]) for b in loader.epoch(5)]
     assert sum(int(m.sum()) for m in masks) == count
-
-
-def test_a_last_record_that_also_appears_earlier_in_its_shard_is_real_once_each(mesh4, fake, cache):
-    images, labels = encoding.encoded_images(np.arange(50)), (np.arange(50) % 10).astype(np.int32)
-    images[24], labels[24] = images[14], labels[14]  # shard 1 = [12, 25): its last record = record 14
-    loader = rocal_loader.make_rocal_loader((images, labels), mesh4, 4, shuffle=True, cache_dir=cache,
-                                            order="vendor")
-    assert loader.shards[1].copies == 2 and loader.shards[1].padded == 3
-    blocks = [shard_blocks(b, 4) for b in loader.epoch(0)]
-    got = np.concatenate([encoding.decode_indices(b["images"][1], NORM) for b in blocks])
-    mask = np.concatenate([b["mask"][1] for b in blocks])
-    assert (got == 14).sum() == 5 and (got[mask] == 14).sum() == 2  # two real, three rocAL copies
-    assert sorted(got[mask].tolist()) == sorted(list(range(12, 24)) + [14])
 
 
 def test_a_reused_pipeline_would_start_its_next_epoch_rotated(small_dir, fake):
@@ -766,6 +782,7 @@ def test_a_reused_pipeline_would_start_its_next_epoch_rotated(small_dir, fake):
 
 
 def test_vendor_drop_runs_out_the_rest_of_rocals_epoch(small_dir, mesh4, fake, cache):
+    """Drop: the batch rocAL has past the plan's steps is run at the end, so its padding is checked."""
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, last_batch="drop", cache_dir=cache,
                                             order="vendor")
     list(loader.epoch(0))
@@ -776,6 +793,8 @@ def test_vendor_drop_runs_out_the_rest_of_rocals_epoch(small_dir, mesh4, fake, c
 
 @pytest.mark.parametrize("order", rocal_loader.ORDERS)
 def test_a_stale_run_past_the_end_is_never_reached(monkeypatch, small_dir, mesh4, cache, order):
+    """A pipeline is never run at 0 remaining, where rocAL can return a stale OK batch (negative
+    control: a loop on the status meets it)."""
     stale = FakeRocal(stale_run_past_end=True).install(monkeypatch)
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache, order=order)
     for epoch in range(2):
@@ -803,11 +822,12 @@ def test_a_stale_run_past_the_end_is_never_reached(monkeypatch, small_dir, mesh4
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("order, where", [
-    ("plan", "rocAL, shard 0 on cpu:2, epoch 0 step 1: "),
-    ("vendor", "rocAL, shard 0 on cpu:2, epoch 0 step 1 (batch 2 of its 3): ")])
-@pytest.mark.parametrize("how", ["raise", "status"])
+@pytest.mark.parametrize("order, how, where", [
+    ("plan", "raise", "rocAL, shard 0 on cpu:2, epoch 0 step 1: "),
+    ("vendor", "status", "rocAL, shard 0 on cpu:2, epoch 0 step 1 (batch 2 of its 3): ")])
 def test_rocal_errors_name_the_shard_and_the_step(monkeypatch, small_dir, mesh4, cache, how, order, where):
+    """A run that raises, or returns an error status, is an error naming the shard, its device,
+    the epoch and the step; the epoch's files are gone."""
     FakeRocal(fail=(1, how)).install(monkeypatch)  # the 2nd run of every pipeline
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache, order=order)
     with pytest.raises(RuntimeError) as error:
@@ -821,6 +841,8 @@ def test_rocal_errors_name_the_shard_and_the_step(monkeypatch, small_dir, mesh4,
 
 
 def test_padding_that_is_not_rocals_is_an_error_not_a_guess(monkeypatch, small_dir, mesh4, cache):
+    """A rocAL that pads more than its rule says is refused before a run (both orders); one
+    whose padding found by content at the epoch's end is not what it padded, after it."""
     FakeRocal(pad_extra=4).install(monkeypatch)  # a rocAL that pads a whole batch more than it says
     with pytest.raises(RuntimeError, match=r"shard 0, epoch 0: get_remaining_images\(\) = 16 for shard 0 "
                                            r"\(12 records read with FILL \+ pad_last_batch\); expected 12"):
@@ -856,8 +878,7 @@ def test_rocals_labels_are_checked_by_value(monkeypatch, small_dir, mesh4, fake,
         list(loader.epoch(0))
 
 
-@pytest.mark.parametrize("order", rocal_loader.ORDERS)
-@pytest.mark.parametrize("off", [-4, 4])
+@pytest.mark.parametrize("order, off", [("plan", -4), ("vendor", 4)])
 def test_rocals_remaining_count_is_checked_both_ways(monkeypatch, small_dir, mesh4, fake, cache, order, off):
     """Before every run get_remaining_images() must be exactly what is left of the epoch: a
     rocAL that says a batch more, or a batch less, is an error naming shard and step."""
@@ -877,13 +898,13 @@ def test_a_resumed_vendor_epoch_is_checked_as_a_whole_one(monkeypatch, small_dir
     content are still held to the plan (unshuffled) and to rocAL's padding."""
     make = lambda **kw: rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache, order="vendor", **kw)
     resumed, whole = make(shuffle=True, last_batch="drop"), make(shuffle=True, last_batch="drop")
-    assert len(list(resumed.epoch(0, start_step=2))) == len(resumed) - 2
+    assert len(list(resumed.epoch(0, state=state_at(resumed, 0, 2)))) == len(resumed) - 2
     assert resumed.real_samples(0) == whole.real_samples(0) < 4 * len(whole) * 4
     for shuffle in (False, True):
         loader = make(shuffle=shuffle)
         loader.shards[1] = dataclasses.replace(loader.shards[1], padded=2)  # rocAL said 2 copies, gave 3
         with pytest.raises(RuntimeError, match="shard 1, at the end of epoch 0: .* so 3 padding copies"):
-            list(loader.epoch(0, start_step=len(loader) - 1))
+            list(loader.epoch(0, state=state_at(loader, 0, len(loader) - 1)))
     # Shard 3 = [37, 50): record 38 made a twin of its last record 49, and the loader told that
     # the shard holds none of that content (copies=0): step 0's twin is then taken for padding
     # where the plan has a real sample. Resumed at the last step, that step 0 is still checked.
@@ -894,7 +915,7 @@ def test_a_resumed_vendor_epoch_is_checked_as_a_whole_one(monkeypatch, small_dir
     loader.shards[3] = dataclasses.replace(loader.shards[3], copies=0)
     with pytest.raises(RuntimeError, match=r"shard 3 on .*, epoch 0 step 0: the shard's last record sits in "
                                            r"slots \[1\] as padding, the plan pads slots \[\]"):
-        list(loader.epoch(0, start_step=3))
+        list(loader.epoch(0, state=state_at(loader, 0, 3)))
 
 
 def test_an_interrupted_steps_copies_are_waited_for_before_release(monkeypatch, small_dir, mesh4, fake, cache,
@@ -965,7 +986,7 @@ def test_a_release_that_blocks_for_ever_is_bounded_and_named(monkeypatch):
     """release_pipelines returns within RELEASE_TIMEOUT_S per blocked pipeline, warns naming
     it, releases the others, and reports it in unreleased(); the double really blocks
     (negative control: its release is still waiting after the call returned)."""
-    monkeypatch.setattr(rocal_api, "RELEASE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(rocal_api, "RELEASE_TIMEOUT_S", 0.1)
     stuck, released = ReleaseBlocksForEver(), []
     before = pytypes.SimpleNamespace(rocal_release=lambda: released.append("shard 0"))
     after = pytypes.SimpleNamespace(rocal_release=lambda: released.append("shard 2"))
@@ -974,7 +995,7 @@ def test_a_release_that_blocks_for_ever_is_bounded_and_named(monkeypatch):
             bounded(lambda: rocal_loader.release_pipelines({0: before, 1: stuck, 2: after}, "rocAL, epoch 7"),
                     5, "release_pipelines with a release that blocks for ever")
         assert [str(w.message).split(":")[0] for w in caught] == ["rocAL, epoch 7, shard 1"]
-        assert "did not return within 0.2 s" in str(caught[0].message)
+        assert "did not return within 0.1 s" in str(caught[0].message)
         assert released == ["shard 0", "shard 2"] and stuck.entered.is_set() and not stuck.unblock.is_set()
         assert "rocAL, epoch 7, shard 1" in rocal_api.unreleased()
         [thread] = [t for where, t in rocal_api._UNRELEASED if where == "rocAL, epoch 7, shard 1"]
@@ -1007,8 +1028,7 @@ def test_an_epoch_whose_release_blocks_ends_warns_and_cleans_up(monkeypatch, sma
     monkeypatch.setattr(FakePipeline, "rocal_release", lambda self: (
         stuck.rocal_release() if self.reader["file_root"].endswith("shard-00002") else release(self)))
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, seed=2, cache_dir=cache)
-    reference = loaders.make_loader(small_dir, mesh4, 4, shuffle=True, seed=2, placement="host_float32",
-                                    prefetch=0)
+    reference = loaders.make_loader(small_dir, mesh4, 4, shuffle=True, seed=2, prefetch=0)
     try:
         with pytest.warns(rocal_api.RocalReleaseWarning, match=r"rocAL, epoch 5, shard 2: rocal_release"):
             got = bounded(lambda: list(loader.epoch(5)), 5, "an epoch whose release blocks")[0]
@@ -1021,6 +1041,8 @@ def test_an_epoch_whose_release_blocks_ends_warns_and_cleans_up(monkeypatch, sma
 
 
 def test_builds_are_retried_a_bounded_number_of_times(monkeypatch, small_dir, capsys):
+    """A build raising RuntimeError is retried BUILD_ATTEMPTS times; a graph that does not verify,
+    or another error, is not; every failed pipeline is released."""
     flaky = FakeRocal(build_failures=2).install(monkeypatch)
     pipe = rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
     assert [p.released for p in flaky.pipelines] == [True, True, False] and pipe is flaky.pipelines[-1]
@@ -1067,6 +1089,8 @@ def test_rocals_console_lines_are_kept_off_but_anything_else_gets_through(monkey
 
 
 def test_outputs_are_checked_before_rocals_raw_copy(small_dir, fake):
+    """copy_output refuses, writing nothing, a buffer of another shape or dtype, not C-contiguous or
+    read-only (negative control: rocAL's copy_data writes into any)."""
     pipe = rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
     pipe.rocal_run()
     (tensor,) = pipe.get_output_tensors()
@@ -1121,6 +1145,7 @@ def assert_dlpack_copy_survives_the_ring(pipe, device) -> None:
 
 
 def test_dlpack_import_is_a_copy_of_rocals_ring_buffer(small_dir, fake):
+    """assert_dlpack_copy_survives_the_ring on the double; one tensor object every run."""
     pipe = rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=False)
     assert_dlpack_copy_survives_the_ring(pipe, jax.devices("cpu")[1])
     assert pipe.get_output_tensors()[0] is pipe.tensor  # one tensor object, every run
@@ -1133,59 +1158,98 @@ def as_if_on_amd_gpus(monkeypatch):
     monkeypatch.setattr(rocal_loader, "uses_gpu", lambda devices: True)
 
 
-def test_gpu_path_on_the_double(monkeypatch, small_dir, mesh4, fake, cache, as_if_on_amd_gpus):
-    """The GPU path on CPU devices: GPU pipelines, DLPack copies, the reference's bits with every
-    batch of the epoch held at once; and no wait per shard and step: one jax.block_until_ready
-    per step, on the copies made two steps before (the ring slots the coming runs write), none
-    for the first two steps, and one at the end, before the pipelines are released."""
-    waits, real_wait = [], jax.block_until_ready
+class RingWatch:
+    """Watches the GPU path on the double: each DLPack copy (``device_images``) by the run it
+    copied, each ``jax.block_until_ready`` on copies, and each run. ``late``: copies of run r
+    not waited for when run r + 2 began (it writes their ring slot again). ``early``: copies
+    waited for before run r + 1 began, but at the end (a wait on the freshest copies stalls the
+    pipelines). ``waits``: the copies each wait covered."""
 
-    def recording_wait(arrays):
-        waits.append(([p.runs for p in fake.pipelines[-4:]], [p.released for p in fake.pipelines[-4:]],
-                      jax.tree.leaves(arrays)))
-        return real_wait(arrays)
+    def __init__(self, monkeypatch):
+        self.copies, self.waited, self.late, self.waits = {}, {}, [], []
+        images, wait, run = rocal_loader.device_images, jax.block_until_ready, FakePipeline.rocal_run
 
-    monkeypatch.setattr(jax, "block_until_ready", recording_wait)
-    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, seed=2, cache_dir=cache)
-    reference = loaders.make_loader(small_dir, mesh4, 4, shuffle=True, seed=2, placement="host_float32",
-                                    prefetch=0)
+        def copied(tensor, *args, **kwargs):
+            array = images(tensor, *args, **kwargs)
+            self.copies[id(array)] = (array, tensor.pipe, tensor.pipe.runs)
+            return array
+
+        def waiting(arrays):
+            leaves = [x for x in jax.tree.leaves(arrays) if id(x) in self.copies]
+            self.waits.append(leaves)
+            for x in leaves:
+                self.waited.setdefault(id(x), self.copies[id(x)][1].runs)
+            return wait(arrays)
+
+        def running(pipe):
+            self.late += [(pipe.reader["file_root"][-5:], r) for key, (_, p, r) in self.copies.items()
+                          if p is pipe and r == pipe.runs - 1 and key not in self.waited]
+            return run(pipe)
+
+        monkeypatch.setattr(rocal_loader, "device_images", copied)
+        monkeypatch.setattr(jax, "block_until_ready", waiting)
+        monkeypatch.setattr(FakePipeline, "rocal_run", running)
+
+    @property
+    def early(self) -> list:
+        return [(pipe.reader["file_root"][-5:], r) for key, (_, pipe, r) in self.copies.items()
+                if self.waited.get(key) == r != pipe.runs]
+
+
+@pytest.mark.parametrize("order, last_batch", [("plan", "drop"), ("vendor", "fill")])
+def test_gpu_path_waits_for_each_copy_before_rocal_writes_its_slot_again(monkeypatch, small_dir, mesh4, fake, cache,
+                                                                        as_if_on_amd_gpus, order, last_batch):
+    """The GPU path on CPU devices (GPU pipelines, outputs copied through DLPack; the double's
+    outputs a ring of two): the copy of run r is waited for before run r + 2 writes its slot
+    again, and not before run r + 1 but at the end: one wait a step, all shards at once. The
+    batches, all held at once, are the reference's (order "plan") or the host path's (order
+    "vendor": the same masks found by content)."""
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, seed=2, last_batch=last_batch,
+                                            order=order, cache_dir=cache)
     assert loader.on_gpu and loader.dlpack and "(GPU backend)" in loader.describe()
+    watch = RingWatch(monkeypatch)
     batches = list(loader.epoch(1))
-    for step, got in enumerate(batches):
-        assert_same_arrays(got, reference.batch(1, step), f"step {step}")
+    assert watch.copies and not watch.late and not watch.early, (watch.late, watch.early)
+    assert len(watch.waits) == len(loader) - 2 + 1 and all(len(w) == 4 for w in watch.waits[:-1])
     for pipe, device in zip(fake.pipelines, mesh4.devices.flat):
         assert pipe.kwargs["rocal_cpu"] is False and pipe.kwargs["output_memory_type"] == "DEVICE_MEMORY"
         assert pipe.kwargs["device_id"] == device.id  # CPU devices have no local_hardware_id
-    steps = len(loader)
-    assert [runs for runs, _, _ in waits] == [[s] * 4 for s in range(2, steps)] + [[steps] * 4]
-    assert all(len(arrays) == 4 for _, _, arrays in waits[:-1])  # one step's copies, all shards at once
-    assert len(waits[-1][2]) == 8 and not any(waits[-1][1])  # the last two steps', before any release
+    if order == "plan":
+        reference = loaders.make_loader(small_dir, mesh4, 4, shuffle=True, seed=2, last_batch=last_batch,
+                                        prefetch=0)
+        want = [reference.batch(1, step) for step in range(len(reference))]
+    else:
+        host = dataclasses.replace(loader, dlpack=False)
+        want = list(host.epoch(1))
+        assert loader.real_samples(1) == host.real_samples(1)
+    for step, (got, w) in enumerate(zip(batches, want, strict=True)):
+        assert_same_arrays(got, w, f"step {step}")
 
 
-@pytest.mark.parametrize("last_batch", ["fill", "drop"])
-def test_gpu_path_vendor_order_on_the_double(small_dir, mesh4, fake, cache, as_if_on_amd_gpus, last_batch):
-    """order="vendor" through DLPack finds the same masks by content as through copy_data."""
-    gpu = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, last_batch=last_batch,
-                                         order="vendor", cache_dir=cache)
-    host = dataclasses.replace(gpu, dlpack=False)
-    assert gpu.dlpack
-    for step, (a, b) in enumerate(zip(gpu.epoch(0), host.epoch(0), strict=True)):
-        assert_same_arrays(a, b, f"step {step}")
-    assert gpu.real_samples(0) == host.real_samples(0)
+def test_the_ring_watch_sees_a_missing_wait_and_an_early_one(monkeypatch, small_dir, mesh4, fake, cache,
+                                                             as_if_on_amd_gpus):
+    """RingWatch's negative controls: a wait one step later than the ring allows sees a copy late;
+    one a step sooner, early."""
+    loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, order="vendor", cache_dir=cache)
+    for ring, seen in ((3, "late"), (1, "early")):
+        monkeypatch.setattr(rocal_loader, "RING_SLOTS", ring)
+        watch = RingWatch(monkeypatch)
+        list(loader.epoch(0))
+        assert getattr(watch, seen), seen
 
 
 def test_a_gpu_loader_refuses_a_rocal_without_dlpack(monkeypatch, small_dir, mesh4, cache, as_if_on_amd_gpus):
-    FakeRocal(dlpack=False).install(monkeypatch)
+    """The GPU path needs rocAL's tensor type with dlpack_device (a build with ENABLE_DLPACK):
+    refused, building nothing, without it, and where rocal_pybind has no rocalTensor at all."""
+    without = FakeRocal(dlpack=False).install(monkeypatch)
     with pytest.raises(RuntimeError, match=r"built without DLPack \(ENABLE_DLPACK off"):
         rocal_loader.make_rocal_loader(small_dir, mesh4, 4, cache_dir=cache)
-    # A tensor that lacks it anyway (built before the check could run) is named as clearly.
-    pipe = rocal_loader.rocal_pipeline(small_dir, batch_size=4, normalize=NORM, on_gpu=True)
-    pipe.rocal_run()
-    with pytest.raises(RuntimeError, match="shard 0 here: this rocAL was built without DLPack"):
-        rocal_loader.device_images(pipe.get_output_tensors()[0], jax.devices("cpu")[0], (3, 32, 32), 4,
-                                   "shard 0 here")
-    with pytest.raises(RuntimeError, match="Dlpack not installed"):  # what rocAL itself says
-        pipe.get_output_tensors()[0].__dlpack__(0)
+    assert without.pipelines == []
+    monkeypatch.delattr(sys.modules["rocal_pybind"], "rocalTensor")
+    with pytest.raises(RuntimeError, match=r"built without DLPack \(ENABLE_DLPACK off"):
+        rocal_api.check_dlpack()
+    FakeRocal(dlpack=True).install(monkeypatch)
+    rocal_api.check_dlpack()  # control
 
 
 # --------------------------------------------------------------------------
@@ -1427,7 +1491,7 @@ def _loader_epochs(mesh, folder, cache, images, labels, *, sharding, shuffle, la
         yield -1, None, None, None, found
         return
     reference = loaders.make_loader(folder, mesh, B, shuffle=shuffle, last_batch=last_batch, layout=layout,
-                                    seed=9, placement="host_float32", prefetch=0)
+                                    seed=9, prefetch=0)
     try:
         for epoch in range(epochs):
             found = conformance.Findings()
@@ -1465,8 +1529,10 @@ def _loader_epochs(mesh, folder, cache, images, labels, *, sharding, shuffle, la
             if not shuffle or order == "plan":  # the reference's bits, masks and shardings
                 for step, got in enumerate(batches[:len(reference)]):
                     want = reference.batch(epoch, step)
-                    differ = [name for name in want if got[name].sharding != want[name].sharding
-                              or bits_differ(got[name], want[name])]
+                    want = want if order == "plan" else without_index(want)
+                    differ = sorted(set(got) ^ set(want)) or [
+                        name for name in want if got[name].sharding != want[name].sharding
+                        or bits_differ(got[name], want[name])]
                     if differ:
                         found.add("differs from the reference loader", f"step {step}: {differ} differ "
                                   f"from loaders.make_loader's", steps=[step])
@@ -1492,28 +1558,35 @@ def check_known(observed: Observed, expected: dict[str, str], setup: str) -> str
     return f"{report}\n{known}"
 
 
+def case_id(case) -> str:
+    source, raw, shuffle, last_batch, layout = case
+    what = "raw" if raw else ("loader" if source == "plan" else "loader-vendor")
+    return f"{source}-{what}-{'shuffle' if shuffle else 'ordered'}-{last_batch}-{layout}"
+
+
 # (source, raw, shuffle, last_batch, layout). source: "files" / "rocal" = rocAL's sharding
 # bypassed / used (raw pipelines, or the loader with order="vendor"); "plan": order="plan".
 RAW_CASES = [(source, True, shuffle, last_batch, "sharded") for source in rocal_loader.SHARDINGS
              for shuffle in (False, True) for last_batch in ("fill", "drop")]
 LOADER_CASES = [(source, False, shuffle, last_batch, layout) for source in ("plan", "files", "rocal")
                 for shuffle in (False, True) for last_batch in ("fill", "drop") for layout in loaders.LAYOUTS]
-CASES = RAW_CASES + [case for case in LOADER_CASES if case[-1] == "sharded"]  # the doubles'
-# On real rocAL in CI (the rest with --run-slow): every rocAL deviation the module docstring
-# states, every order="plan" cell (fast: about 0.1 s), and one cell per vendor mode and layout.
+# By default (the rest with --run-slow), on the double: each control once, the sharding bug
+# found and, fixed, gone; on real rocAL: every deviation the module docstring states, and one
+# cell per order, vendor mode and layout.
+DOUBLE_IN_CI = {(("rocal", True, False, "fill", "sharded"), True), (("rocal", True, False, "fill", "sharded"), False),
+                (("rocal", False, False, "fill", "sharded"), True), (("rocal", False, False, "fill", "sharded"), False),
+                (("files", True, False, "fill", "sharded"), True), (("files", False, True, "drop", "sharded"), True),
+                (("plan", False, True, "fill", "sharded"), True)}
+DOUBLE_CASES = [pytest.param(case, bug, marks=() if (case, bug) in DOUBLE_IN_CI else pytest.mark.slow,
+                             id=f"{case_id(case)}-{'buggy' if bug else 'fixed'}-double")
+                for case in RAW_CASES + [c for c in LOADER_CASES if c[-1] == "sharded"] for bug in (True, False)]
 REAL_IN_CI = {("files", True, False, "fill", "sharded"), ("files", True, False, "drop", "sharded"),
               ("files", True, True, "drop", "sharded"), ("rocal", True, False, "fill", "sharded"),
-              ("rocal", True, True, "drop", "sharded"), ("files", False, False, "fill", "sharded"),
-              ("files", False, True, "drop", "pmap"), ("rocal", False, False, "fill", "sharded")} \
-    | {case for case in LOADER_CASES if case[0] == "plan"}
-REAL_CASES = [pytest.param(case, id=None, marks=() if case in REAL_IN_CI else pytest.mark.slow)
+              ("files", False, False, "fill", "sharded"), ("files", False, True, "drop", "pmap"),
+              ("rocal", False, False, "fill", "sharded"), ("plan", False, True, "fill", "sharded"),
+              ("plan", False, False, "drop", "pmap")}
+REAL_CASES = [pytest.param(case, marks=() if case in REAL_IN_CI else pytest.mark.slow, id=case_id(case))
               for case in RAW_CASES + LOADER_CASES]
-
-
-def case_id(case) -> str:
-    source, raw, shuffle, last_batch, layout = case
-    what = "raw" if raw else ("loader" if source == "plan" else "loader-vendor")
-    return f"{source}-{what}-{'shuffle' if shuffle else 'ordered'}-{last_batch}-{layout}"
 
 
 def setup_line(mesh, N, case, rocal: str) -> str:
@@ -1535,11 +1608,10 @@ def encoded_for(encoded_dir, n: int) -> str:
     return folder if os.path.isdir(folder) else write_encoded(folder, dataset_size(n))
 
 
-@pytest.mark.parametrize("sharding_bug", [True, False], ids=["buggy-double", "fixed-double"])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case, sharding_bug", DOUBLE_CASES)
 def test_conformance_checker_on_the_double(monkeypatch, encoded_dir, cache, case, sharding_bug):
-    """Controls: the double with rocAL 2.3.0's sharding bug must be reported as such (negative
-    control), and with the bug fixed it must conform (positive control). Both on 4 devices."""
+    """Controls: the double with rocAL 2.3.0's sharding bug is reported as such (negative
+    control), and with the bug fixed it conforms (positive control), on 4 devices."""
     FakeRocal(sharding_bug=sharding_bug).install(monkeypatch)
     mesh = loaders.data_mesh(jax.devices("cpu")[:4])
     folder = encoded_for(encoded_dir, 4)
@@ -1553,6 +1625,8 @@ def test_conformance_checker_on_the_double(monkeypatch, encoded_dir, cache, case
         assert observed.lengths[0][1] == 4 * num_steps(dataset_size(4), 4, B, last_batch)  # n x
     if sharding == "rocal" and sharding_bug and not raw:
         assert "sharding bug" in observed.found.report()
+    if sharding == "files" and raw and not shuffle and last_batch == "fill":
+        assert "shard 0: rocAL's epoch has 3 batches, another shard's 4" in observed.found.report()
 
 
 @pytest.mark.parametrize("case", [("rocal", True, False, "fill", "sharded"), ("files", True, False, "drop", "sharded"),
@@ -1585,15 +1659,6 @@ def _reader_without_shuffled_padding(init):
     return wrapped
 
 
-def test_conformance_checker_finds_a_short_shard_on_the_double(monkeypatch, encoded_dir, cache):
-    FakeRocal().install(monkeypatch)
-    mesh = loaders.data_mesh(jax.devices("cpu")[:4])
-    observed = conformance_run(mesh, encoded_for(encoded_dir, 4), cache, sharding="files", raw=True,
-                               shuffle=False, last_batch="fill", epochs=1)
-    report = check_known(observed, SHORT_SHARD, "files, raw")
-    assert "shard 0: rocAL's epoch has 3 batches, another shard's 4" in report
-
-
 # --------------------------------------------------------------------------
 # Conformance on real rocAL (-m rocal): wherever amd.rocal imports
 # --------------------------------------------------------------------------
@@ -1610,12 +1675,13 @@ def rocal_mesh(devices):
         pytest.skip(f"rocAL runs on CPU devices or AMD GPUs; the suite's devices are {devices[0].platform}")
     if len(devices) < 2:
         pytest.skip("needs at least 2 devices to shard")
-    # Four at most: order="vendor" pays rocAL's 0.1 s release wait per pipeline and epoch.
-    return loaders.data_mesh(devices[:4])
+    # Two: order="vendor" waits out rocAL's 0.1 s release per pipeline and epoch, and shards of
+    # 12 and 13 (dataset_size) show every deviation.
+    return loaders.data_mesh(devices[:2])
 
 
 @pytest.mark.rocal
-@pytest.mark.parametrize("case", REAL_CASES, ids=lambda p: case_id(p) if isinstance(p, tuple) else None)
+@pytest.mark.parametrize("case", REAL_CASES)
 def test_rocal_deviations_are_the_known_ones(rocal_mesh, encoded_dir, tmp_path, case):
     """The conformance matrix on real rocAL, one process: raw pipelines, and the loader
     (order x shuffle x last_batch x layout). order="plan": no deviation, and the reference
@@ -1636,18 +1702,16 @@ def test_rocal_deviations_are_the_known_ones(rocal_mesh, encoded_dir, tmp_path, 
 
 
 @pytest.mark.rocal
-@pytest.mark.parametrize("shuffle, last_batch, layout", [(True, "fill", "sharded"), (False, "drop", "pmap")])
-def test_rocal_loader_equals_the_reference_loader_resumed_and_out_of_order(rocal_mesh, encoded_dir, tmp_path,
-                                                                          shuffle, last_batch, layout):
+def test_rocal_loader_equals_the_reference_loader_resumed_and_out_of_order(rocal_mesh, encoded_dir, tmp_path):
+    """order="plan" on real rocAL: epoch 3, epoch 1 resumed at step 2, epoch 3 again resumed at
+    step 1: the reference's steps, and no file left behind."""
     folder = encoded_for(encoded_dir, rocal_mesh.devices.size)
-    loader = rocal_loader.make_rocal_loader(folder, rocal_mesh, B, layout=layout, shuffle=shuffle, seed=3,
-                                            last_batch=last_batch, cache_dir=str(tmp_path))
-    reference = loaders.make_loader(folder, rocal_mesh, B, layout=layout, shuffle=shuffle, seed=3,
-                                    last_batch=last_batch, placement="host_float32", prefetch=0)
-    assert len(loader) == len(reference)
+    loader = rocal_loader.make_rocal_loader(folder, rocal_mesh, B, shuffle=True, seed=3, cache_dir=str(tmp_path))
+    reference = loaders.make_loader(folder, rocal_mesh, B, shuffle=True, seed=3, prefetch=0)
     for epoch, start in ((3, 0), (1, 2), (3, 1)):
-        for step, got in enumerate(loader.epoch(epoch, start), start=start):
-            assert_same_arrays(got, reference.batch(epoch, step), f"epoch {epoch} step {step} ({layout})")
+        state = state_at(loader, epoch, start)
+        for step, got in enumerate(loader.epoch(epoch, state=state), start=start):
+            assert_same_arrays(got, reference.batch(epoch, step), f"epoch {epoch} step {step}")
     assert os.listdir(tmp_path) == []
 
 
@@ -1656,22 +1720,21 @@ def test_rocal_vendor_order_ignores_seed_and_epoch(rocal_mesh, encoded_dir, tmp_
     """order="vendor": a fresh pipeline per epoch, and rocAL seeds its shuffle with shard_id
     (CIFAR10DataReader: std::mt19937(_shard_id)), so every epoch and seed has one order. A
     pipeline that is reset instead reshuffles: the order changes each epoch (negative control)."""
-    folder = encoded_for(encoded_dir, rocal_mesh.devices.size)
+    folder = encoded_for(encoded_dir, 2)
     orders = []
-    for seed, epoch in ((0, 0), (0, 1), (12345, 0)):
+    for seed, epoch in ((0, 0), (12345, 1)):
         loader = rocal_loader.make_rocal_loader(folder, rocal_mesh, B, shuffle=True, seed=seed, order="vendor",
                                                 cache_dir=str(tmp_path))
         orders.append([encoding.decode_indices(np.asarray(b["images"]), NORM).tolist()
                        for b in loader.epoch(epoch)])
     assert all(order == orders[0] for order in orders), "rocAL's shuffle now depends on the seed or epoch"
-    pipe = rocal_loader.rocal_pipeline(encoded_for(encoded_dir, rocal_mesh.devices.size), batch_size=B,
-                                       normalize=NORM, on_gpu=False, shuffle=True, seed=5)
+    pipe = rocal_loader.rocal_pipeline(folder, batch_size=B, normalize=NORM, on_gpu=False, shuffle=True, seed=5)
     try:
         epochs = []
         for _ in range(2):
             got = []
             while pipe.get_remaining_images() > 0:
-                assert len(got) <= dataset_size(rocal_mesh.devices.size) // B, \
+                assert len(got) <= dataset_size(2) // B, \
                     f"rocAL's epoch still has {pipe.get_remaining_images()} images after {len(got)} batches"
                 pipe.rocal_run()
                 got.append(encoding.decode_indices(rocal_pipeline_output(pipe), NORM).tolist())
@@ -1696,20 +1759,19 @@ def test_rocal_gpu_conversion_runs_on_real_rocal_tensors(rocal_mesh, encoded_dir
         rocal_loader.release_pipelines([pipe], "rocAL, a test pipeline")
     loader = dataclasses.replace(rocal_loader.make_rocal_loader(
         folder, rocal_mesh, B, shuffle=True, seed=4, last_batch="drop", cache_dir=str(tmp_path)), dlpack=True)
-    reference = loaders.make_loader(folder, rocal_mesh, B, shuffle=True, seed=4, last_batch="drop",
-                                    placement="host_float32", prefetch=0)
+    reference = loaders.make_loader(folder, rocal_mesh, B, shuffle=True, seed=4, last_batch="drop", prefetch=0)
     for step, got in enumerate(list(loader.epoch(2))):
         assert_same_arrays(got, reference.batch(2, step), f"step {step}")
 
 
 @pytest.mark.rocal
 def test_rocal_negative_zero_mean_gives_the_reference_tables_bits(rocal_mesh, tmp_path):
-    """Issue 23.4 through real rocAL: mean -0.0 after mean +0.0 (std -2): each loader's pixels
+    """Real rocAL, mean -0.0 after mean +0.0 (std -2): each loader's pixels
     are Normalize.table's bits, which differ in the sign of pixel value 0's entry (-(m*inv)
     keeps the sign of the zero: +0.0, then -0.0), so nothing keyed by mean == 0.0 is reused."""
     images = np.zeros((8, 3, 32, 32), np.uint8)
     images[:, :, 0, 1], images[:, :, 0, 2] = 7, 255
-    labels = np.arange(8) % 10
+    labels = (np.arange(8) % 10).astype(np.int32)
     signs = []
     for mean in (0.0, -0.0):
         norm = Normalize(mean=(mean,) * 3, std=(-2.0,) * 3)
@@ -1749,11 +1811,12 @@ def rocal_pipeline_output(pipe) -> np.ndarray:
 
 @pytest.mark.rocal
 def test_rocal_pixels_are_the_rocal_table(rocal_mesh, tmp_path):
+    """assert_pixels_are_the_rocal_table on real rocAL."""
     assert_pixels_are_the_rocal_table(rocal_mesh, str(tmp_path))
 
 
 # --------------------------------------------------------------------------
-# Resuming a saved epoch (plan.LoaderState) on other shards: issue 25.2
+# Resuming a saved epoch (plan.LoaderState), on other shards in order "plan"
 # --------------------------------------------------------------------------
 
 # (n0, B0, stop, n1, B1): epoch 1 of 48 samples saved after `stop` steps on n0 shards of B0,
@@ -1774,8 +1837,7 @@ def cpu_devices(count: int) -> list:
 
 
 def saved_state(N: int, n0: int, B0: int, stop: int, **run) -> LoaderState:
-    """What a loader of N samples on n0 shards of B0 saves after ``stop`` steps of epoch 1
-    (loaders.Loader.state's value)."""
+    """What a loader of N samples on n0 shards of B0 saves after ``stop`` steps of epoch 1."""
     return LoaderState.start(N, n0, B0, epoch=1, **run).at_step(stop)
 
 
@@ -1783,21 +1845,21 @@ def resumed_pair(N: int, n1: int, B1: int, cache: str, order: str = "plan", **ar
     """(rocAL's loader, the reference loader) over N encoded samples on the first n1 CPU devices."""
     data = encoding.encoded_images(np.arange(N)), (np.arange(N) % 10).astype(np.int32)
     loader = rocal_loader.make_rocal_loader(data, cpu_devices(n1), B1, cache_dir=cache, order=order, **args)
-    reference = loaders.make_loader(data, cpu_devices(n1), B1, prefetch=0, placement="host_float32", **args)
+    reference = loaders.make_loader(data, cpu_devices(n1), B1, prefetch=0, **args)
     return loader, reference
 
 
 def check_resumed(loader, reference, saved: LoaderState, where: str) -> list:
     """rocAL's ``epoch(1, state=saved)`` is the reference's, bit for bit, with the same count,
     real slots and state after it, and leaves no file behind; returns rocAL's batches."""
-    got, want = list(loader.epoch(1, state=saved)), list(reference.epoch(1, state=saved))
+    it, reference_it = loader.epoch(1, state=saved), reference.epoch(1, state=saved)
+    got, want = list(it), list(reference_it)
     resized = saved.resized(reference.num_shards, reference.batch_size)
     assert len(got) == len(want) == resized.num_steps - saved.step, where
     for step, (g, w) in enumerate(zip(got, want), start=saved.step):
         assert_same_arrays(g, w, f"{where}: resumed step {step}")
     assert loader.real_samples(1, state=saved) == reference.real_samples(1, state=saved), where
-    end = saved.step + len(got)
-    assert loader.state(1, end, state=saved) == reference.state(1, end, state=saved), where
+    assert it.get_state() == reference_it.get_state(), where
     assert not os.path.isdir(loader.cache_dir) or not os.listdir(loader.cache_dir), "files left behind"
     return got
 
@@ -1823,9 +1885,11 @@ def test_plan_order_resumes_on_other_shards_as_the_reference(real_rocal, tmp_pat
     saved = saved_state(48, n0, B0, stop, **run)
     loader, reference = resumed_pair(48, n1, B1, cache, layout=layout, **run)
     where = f"{n0}x{B0} -> {n1}x{B1} at step {stop}, {last_batch}, shuffle={shuffle}, {layout}"
-    got = check_resumed(loader, reference, saved, where)
-    assert len(saved.resized(n1, B1).segments) == 2 and len(got) >= 2, "the cell resumes a resized epoch"
-    again = loader.state(1, stop + 1, state=saved)
+    it = loader.epoch(1, state=saved)
+    next(it)
+    again = it.get_state()
+    it.close()
+    assert len(again.segments) == 2 and len(check_resumed(loader, reference, saved, where)) >= 2
     back, back_reference = resumed_pair(48, n0, B0, cache, layout=layout, **run)
     assert check_resumed(back, back_reference, again, where + f", then back to {n0}x{B0} at step {stop + 1}")
 
@@ -1853,8 +1917,8 @@ def test_plan_order_resumes_what_only_a_resized_segment_holds(real_rocal, tmp_pa
 
 def test_a_resumed_segment_feeds_each_pipeline_its_rows_on_the_double(fake, cache):
     """The wiring, without rocAL: pipeline k's file holds plan.indices[row:, k] of the resumed
-    segment (then the tail), the batches are the reference's; negative control: the new
-    shards' fresh plan read from the saved step (epoch(e, start_step)) is not that epoch."""
+    segment (then the tail), the batches are the reference's. Negative control: the new shards'
+    own plan from the saved step is not that epoch."""
     run = dict(seed=5, shuffle=True, last_batch="fill")
     saved = saved_state(48, 8, 2, 1, **run)
     loader, reference = resumed_pair(48, 3, 4, cache, **run)
@@ -1865,12 +1929,14 @@ def test_a_resumed_segment_feeds_each_pipeline_its_rows_on_the_double(fake, cach
     for k, pipe in enumerate(fake.pipelines):
         rows = np.concatenate([plan.indices[row:, k].ravel(), np.full(tail, plan.indices[-1, k, -1])])
         assert np.array_equal(encoding.decode_indices(pipe.images, None), rows), k
-    fresh_from_step = [np.asarray(b["images"]) for b in loader.epoch(1, start_step=saved.step)]
+    own = state_at(loader, 1, saved.step)
+    fresh_from_step = [np.asarray(b["images"]) for b in loader.epoch(1, state=own)]
     resumed = [np.asarray(b["images"]) for b in reference.epoch(1, state=saved)]
     assert len(fresh_from_step) != len(resumed) or any(map(bits_differ, fresh_from_step, resumed))
 
 
 def test_resume_refusals_name_the_field(fake, cache):
+    """A state of another run or epoch, or not a LoaderState, is refused naming the field."""
     run = dict(seed=5, shuffle=True, last_batch="fill")
     saved = saved_state(48, 8, 2, 1, **run)
     loader, _ = resumed_pair(48, 3, 4, cache, **run)
@@ -1878,12 +1944,9 @@ def test_resume_refusals_name_the_field(fake, cache):
             (lambda: loader.epoch(1, state=dataclasses.replace(saved, seed=6)),
              ("RocalLoader.epoch", "seed=6", "this run has seed=5")),
             (lambda: loader.epoch(2, state=saved), ("epoch=2", "state is of epoch 1")),
-            (lambda: loader.epoch(1, 1, state=saved), ("start_step=1 with a state",)),
             (lambda: loader.epoch(1, state=saved.to_json()), ("must be a plan.LoaderState",)),
             (lambda: loader.real_samples(1, state=dataclasses.replace(saved, shuffle=False)),
-             ("RocalLoader.real_samples", "shuffle")),
-            (lambda: loader.state(1, 0, state=saved), ("step=0 is before the state's step 1",)),
-            (lambda: loader.state(1, 99, state=saved), ("RocalLoader.state: step=99",))):
+             ("RocalLoader.real_samples", "shuffle"))):
         with pytest.raises(ValueError) as error:
             call()
         assert all(fragment in str(error.value) for fragment in fragments), (fragments, str(error.value))
@@ -1892,24 +1955,26 @@ def test_resume_refusals_name_the_field(fake, cache):
 
 @pytest.mark.parametrize("last_batch", LAST_BATCH_POLICIES)
 def test_vendor_order_resumes_only_on_the_saved_shards(fake, cache, last_batch):
-    """order="vendor": rocAL's own order continues only on the shards and batch that saved the
-    state, by reading again (there ``epoch(e, state=s)`` is ``epoch(e, start_step=s.step)``,
-    and real_samples counts the steps it yields, also where drop + shuffle count by reading);
-    a state of other shards, another batch, or an epoch already resized, is refused with the
-    reason."""
+    """order="vendor" continues rocAL's order only from a state of its own shards and batch (one
+    segment), by reading again: the steps after it, the state after them, and real_samples
+    counting them (drop + shuffle by reading). A fresh epoch's iterator gives its state too. A
+    state of other shards, another batch, or an epoch resized on the way, is refused naming why."""
     run = dict(seed=5, shuffle=True, last_batch=last_batch)
     loader, _ = resumed_pair(50, 4, 4, cache, order="vendor", **run)  # shards of 12 and 13
-    same = saved_state(50, 4, 4, 2, **run)
-    got = list(loader.epoch(1, state=same))
-    for step, (g, w) in enumerate(zip(got, list(loader.epoch(1, start_step=2)), strict=True), start=2):
+    fresh = loader.epoch(1)
+    whole = list(fresh)
+    same = fresh.get_state().at_step(2)
+    assert same == dataclasses.replace(saved_state(50, 4, 4, 2, **run), dataset=loader.dataset)
+    it = loader.epoch(1, state=same)
+    got = list(it)
+    for step, (g, w) in enumerate(zip(got, whole[2:], strict=True), start=2):
         assert_same_arrays(g, w, f"vendor order, resumed on the saved shards, step {step}")
-    assert loader.state(1, 3, state=same) == dataclasses.replace(same.at_step(3), dataset=loader.dataset)
+    assert it.get_state() == same.at_step(len(loader))
     assert loader.real_samples(1, state=same) == sum(int(np.asarray(b["mask"]).sum()) for b in got)
     # Another shard count; another batch; these shards and batch, after a resize in the epoch.
     for other in (saved_state(50, 8, 2, 1, **run), saved_state(50, 4, 2, 1, **run),
                   same.resized(3, 4).at_step(3).resized(4, 4)):
-        for call in (lambda: loader.epoch(1, state=other), lambda: loader.state(1, other.step, state=other),
-                     lambda: loader.real_samples(1, state=other)):
+        for call in (lambda: loader.epoch(1, state=other), lambda: loader.real_samples(1, state=other)):
             with pytest.raises(ValueError) as error:
                 call()
             for fragment in ("order='vendor' resumes only on the shards and batch", "rocAL has no checkpoint "
@@ -1934,7 +1999,7 @@ def test_rocal_has_no_checkpoint_and_no_seek(real_rocal):
 
 
 # --------------------------------------------------------------------------
-# End to end, and across processes, on real rocAL
+# End to end, and across processes, on real rocAL (--run-slow)
 # --------------------------------------------------------------------------
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1983,12 +2048,9 @@ def refimpl_resized(data_dir: str, tmp_path, common: list, stop: list, resume: l
             where = str(tmp_path / f"ck-{backend}")
             more = (["--checkpoint-dir", where] if phase == "stop" else
                     ["--resume-from", where, "--params-out", str(tmp_path / f"{backend}.npz")])
-            # The reference on the host (the same bits in every placement, test_loaders.py):
-            # no device-side normalisation to compile in each child.
-            placement = ["--placement", "host_float32"] if backend == "reference" else []
             commands.append([sys.executable, os.path.join(HERE, "refimpl.py"), "--data-dir", data_dir,
                              "--cache-dir", str(tmp_path / f"cache-{backend}"), "--backend", backend,
-                             *placement, "--normalize", "rocal", *common, *options, *more])
+                             "--normalize", "rocal", *common, *options, *more])
         for command, (code, out, err) in zip(commands, run_children(commands, timeout=timeout, cwd=HERE)):
             assert code == 0, f"{' '.join(command[1:])} exited {code}:\n{out[-2000:]}\n{err[-3000:]}"
             assert not any(line in out + err for line in ROCAL_CHATTER_SEEN), "rocAL's console lines got through"
@@ -2010,13 +2072,13 @@ def assert_same_params_after_the_resize(tmp_path, leaves: int) -> None:
 
 
 @pytest.mark.rocal
+@pytest.mark.slow
 def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_cifar, tmp_path):
-    """``refimpl.py --backend rocal`` end to end, as a user runs it, through a resize: 4 devices
-    stop after 2 run steps, 3 devices resume (plan.elastic_plan's order); rocAL and the
-    reference backend (rocAL's arithmetic, the same seed, shuffled epochs, the pmap strategy:
-    test_dali's runs sharded) each report every sample of the interrupted epoch delivered
-    exactly once across the change, and end with the same final params, bit for bit; rocAL's
-    console lines are kept off the output. The issue's two resizes run with --run-slow."""
+    """``refimpl.py --backend rocal`` end to end through a resize: 4 devices stop after 2 run
+    steps, 3 resume; rocAL and the reference backend (rocAL's arithmetic, the same seed, shuffled,
+    the pmap strategy) each report every sample of the interrupted epoch delivered exactly once
+    across the change and end with the same trained params, bit for bit; rocAL's console lines
+    are kept off the output."""
     # The notebook's MLP with narrow hidden layers (the same code, a fraction of the compute).
     common = ["--epochs", "1", "--batch-size", "4", "--eval-batch-size", "16", "--strategies", "pmap",
               "--hidden", "64,64"]
@@ -2027,18 +2089,16 @@ def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_
     assert "segments [(0, 4, 4), (2, 3, 4)]" in rocal, rocal
     for backend, out in outputs.items():
         [line] = exactly_once(out)
-        how = "rocal" if backend == "rocal" else "reference loader, placement host_float32"
         assert line.startswith("pmap epoch 0: every one of the 96 samples delivered in exactly one real "
                                "slot, counted from the delivered rows"), line
-        assert f"steps 0-1 on 4 cpu device(s) x 4 ({how}): 32; steps 2-7 on 3 cpu device(s) x 4" in line, line
     assert_same_params_after_the_resize(tmp_path, 7)  # 6 params, 1 SGD state
     import model
     initial = np.asarray(jax.tree.leaves(model.init_model((3072, 64, 64, 10)))[0])
     assert bits_differ(np.load(tmp_path / "rocal.npz")["pmap/0"], initial), "the params did not train"
 
 
-# Issue 25's two resizes: (name, stop options, resume options, the stopped run, the resumed run).
-ISSUE_RESIZES = [
+# Two resizes: (name, stop options, resume options, the stopped run, the resumed run).
+RESIZES_2048 = [
     ("2x4 -> 8", ["--local-processes", "2"], ["--devices", "8"], "8 cpu device(s) in 2 processes x 16",
      "8 cpu device(s) x 16"),
     ("8 -> 3", ["--devices", "8"], ["--devices", "3"], "8 cpu device(s) x 16", "3 cpu device(s) x 16")]
@@ -2053,14 +2113,12 @@ def cifar_2048(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("name, stop, resume, before, after",
-                         [pytest.param(*r, id=r[0].replace(" ", "")) for r in ISSUE_RESIZES])
-def test_refimpl_the_issues_resizes_through_rocal(rocal_mesh, cifar_2048, tmp_path, name, stop, resume, before,
-                                                  after):
-    """Issue 25's two resizes with --backend rocal and --backend reference (rocAL's arithmetic,
+                         [pytest.param(*r, id=r[0].replace(" ", "")) for r in RESIZES_2048])
+def test_refimpl_resizes_through_rocal(rocal_mesh, cifar_2048, tmp_path, name, stop, resume, before, after):
+    """Two resizes with --backend rocal and --backend reference (rocAL's arithmetic,
     synthetic CIFAR-10 of 2048, batch 16, 2 epochs): 2 processes of 4 devices stop at run step 7
     and 1 process of 8 resumes; 8 devices stop at step 7 and 3 resume. Each reports exactly once
-    across the change per strategy; the params are the reference's bit for bit. 45-60 s each on a
-    busy machine (one resize a test: both in one would come near the watchdog there)."""
+    across the change per strategy; the params are the reference's bit for bit."""
     common = ["--epochs", "2", "--strategies", "sharded,shard_map"]
     outputs = refimpl_resized(cifar_2048, tmp_path, common, stop + ["--stop-after-step", "7"], resume,
                               timeout=600)
@@ -2081,7 +2139,7 @@ def test_refimpl_the_issues_resizes_through_rocal(rocal_mesh, cifar_2048, tmp_pa
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_refimpl_rocal_backend_in_two_processes_trains_to_the_reference_params(rocal_mesh, tiny_cifar, tmp_path):
-    """The issue's case (before: 841 ulps, OUTSIDE the bound): two processes, two epochs."""
+    """Two processes, two epochs: rocAL's params are the reference's, bit for bit."""
     from conftest import run_children
     results = run_children(refimpl_commands(tiny_cifar, tmp_path, "--epochs", "2", "--local-processes", "2",
                                             "--batch-size", "8"), timeout=300, cwd=HERE)
@@ -2091,8 +2149,8 @@ def test_refimpl_rocal_backend_in_two_processes_trains_to_the_reference_params(r
 
 def two_process_worker(folder: str, cache: str, coordinator: str, process_id: int) -> None:
     """One of two jax.distributed processes, 4 CPU devices each: order="plan" against the
-    reference loader, shard by shard on this process's devices, bit for bit: fresh epochs,
-    one resumed at a step, and one resumed from a state saved on 3 shards of 5."""
+    reference loader, shard by shard on this process's devices, bit for bit: epoch 1, and
+    epoch 0 resumed from a state saved on 3 shards of 5."""
     jax.config.update("jax_num_cpu_devices", 4)
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=process_id,
                                initialization_timeout=60, heartbeat_timeout_seconds=30,
@@ -2102,15 +2160,12 @@ def two_process_worker(folder: str, cache: str, coordinator: str, process_id: in
     for layout, shuffle, last_batch in (("sharded", True, "fill"), ("pmap", False, "drop"), ("sharded", True, "drop")):
         common = dict(layout=layout, shuffle=shuffle, seed=6, last_batch=last_batch)
         loader = rocal_loader.make_rocal_loader(folder, devices, B, cache_dir=cache, **common)
-        reference = loaders.make_loader(folder, devices, B, placement="host_float32", prefetch=0, **common)
+        reference = loaders.make_loader(folder, devices, B, prefetch=0, **common)
         saved = LoaderState.start(len(reference.labels), 3, 5, epoch=0, seed=6, shuffle=shuffle,
-                                          last_batch=last_batch).at_step(2)
-        resumed = zip(loader.epoch(0, state=saved), reference.epoch(0, state=saved), strict=True)
-        for epoch, start, pairs in ((1, 0, None), (0, 1, None), (0, saved.step, resumed)):
-            if pairs is None:
-                pairs = ((got, reference.batch(epoch, step)) for step, got in
-                         enumerate(loader.epoch(epoch, start), start=start))
-            for step, (got, want) in enumerate(pairs, start=start):
+                                  last_batch=last_batch).at_step(2)
+        for epoch, state in ((1, None), (0, saved)):
+            pairs = zip(loader.epoch(epoch, state=state), reference.epoch(epoch, state=state), strict=True)
+            for step, (got, want) in enumerate(pairs):
                 for name in want:
                     assert got[name].sharding == want[name].sharding and got[name].shape == want[name].shape
                     for a, b in zip(got[name].addressable_shards, want[name].addressable_shards):
@@ -2127,7 +2182,9 @@ def two_process_worker(folder: str, cache: str, coordinator: str, process_id: in
 
 @pytest.mark.rocal
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_rocal_plan_order_in_two_processes_equals_the_reference(rocal_mesh, encoded_dir, tmp_path):
+    """Two jax.distributed processes (two_process_worker): each local shard is the reference's."""
     import socket
     from conftest import run_children
     folder = encoded_for(encoded_dir, 8)
@@ -2138,44 +2195,36 @@ def test_rocal_plan_order_in_two_processes_equals_the_reference(rocal_mesh, enco
                              coordinator, str(i)] for i in range(2)], timeout=120, cwd=HERE, grace=10)
     report = "\n".join(f"process {i} exited {code} (None: still running at the deadline):\n"
                        f"stdout: {out[-2000:]}\nstderr: {err[-3000:]}" for i, (code, out, err) in enumerate(results))
-    steps = 0  # the worker's: epoch 1 whole, epoch 0 from step 1, epoch 0 resumed from its state
+    steps = 0  # the worker's: epoch 1 whole, epoch 0 resumed from its state
     for shuffle, last_batch in ((True, "fill"), (False, "drop"), (True, "drop")):
-        fresh = num_steps(dataset_size(8), 8, B, last_batch)
         resumed = LoaderState.start(dataset_size(8), 3, 5, shuffle=shuffle, last_batch=last_batch) \
             .at_step(2).resized(8, B)
-        steps += fresh + fresh - 1 + resumed.num_steps - resumed.step
+        steps += num_steps(dataset_size(8), 8, B, last_batch) + resumed.num_steps - resumed.step
     for i, (code, out, err) in enumerate(results):  # every child's output, whichever failed
         assert code == 0, report
         assert f"process {i}: {steps} steps equal the reference on 4 local shards" in out, report
     assert os.listdir(tmp_path / "cache") == []
 
 
-
 # --------------------------------------------------------------------------
-# Issue 30.3: a state names its data, and rocAL's loader checks it (through plan.Schedule)
+# A state names its data; padding found by what rocAL delivers (the crop window)
 # --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("order", rocal_loader.ORDERS)
 def test_a_state_of_other_data_is_refused_naming_dataset(small_dir, mesh4, fake, cache, order):
+    """A state taken over other labels is refused before a pipeline is built; the loader's own
+    state is the reference's over the same data (the same digest)."""
     loader = rocal_loader.make_rocal_loader(small_dir, mesh4, 4, shuffle=True, seed=5, cache_dir=cache, order=order)
     images, labels = read_cifar10(small_dir)
-    foreign = loaders.make_loader((images, (labels + 1) % 10), mesh4, 4, shuffle=True, seed=5).state(0, 1)
+    foreign = state_at(loaders.make_loader((images, (labels + 1) % 10), mesh4, 4, shuffle=True, seed=5), 0, 1)
     for what, call in [("epoch", lambda: loader.epoch(0, state=foreign)),
-                       ("state", lambda: loader.state(0, 2, state=foreign)),
                        ("real_samples", lambda: loader.real_samples(0, state=foreign))]:
         with pytest.raises(ValueError, match=rf"RocalLoader.{what}: the loader state was taken with "
                                              rf"dataset='{foreign.dataset}', this run has dataset='{loader.dataset}'"):
             call()
     assert fake.pipelines == [], "refused before any pipeline is built"
-    # The control: its state is the reference loader's over the same data (the same digest).
-    assert loader.state(0, 1) == loaders.make_loader(small_dir, mesh4, 4, shuffle=True, seed=5).state(0, 1)
-
-
-
-# --------------------------------------------------------------------------
-# Issue 30.8: order="vendor" finds rocAL's padding by what rocAL delivers: the crop window
-# --------------------------------------------------------------------------
+    assert state_at(loader, 0, 1) == state_at(loaders.make_loader(small_dir, mesh4, 4, shuffle=True, seed=5), 0, 1)
 
 
 def twin_outside_the_window(norm: Normalize):
@@ -2225,30 +2274,27 @@ def check_padding_found_by_content(mesh, cache: str) -> None:
 
 
 def test_padding_is_found_on_the_crop_window_on_the_double(fake, cache):
+    """check_padding_found_by_content on the double."""
     check_padding_found_by_content(loaders.data_mesh(jax.devices("cpu")[:2]), cache)
 
 
 @pytest.mark.rocal
 def test_padding_is_found_on_the_crop_window_on_real_rocal(rocal_mesh, tmp_path):
-    check_padding_found_by_content(loaders.data_mesh(list(rocal_mesh.devices.flat)[:2]), str(tmp_path / "cache"))
-
-
-if __name__ == "__main__":
-    two_process_worker(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    """check_padding_found_by_content on real rocAL."""
+    check_padding_found_by_content(rocal_mesh, str(tmp_path / "cache"))
 
 
 # --------------------------------------------------------------------------
-# Logical shards on real rocAL (order="plan"): the reference's batches on any devices dividing L
+# Logical shards on real rocAL: the reference's batches on any devices dividing L
 # --------------------------------------------------------------------------
 
 
 @pytest.mark.rocal
-@pytest.mark.parametrize("layout", ["sharded", "pmap"])
-def test_logical_shards_read_by_rocal_are_the_references_on_2_and_4_devices(real_rocal, tmp_path, layout):
+def test_logical_shards_read_by_rocal_are_the_references_on_2_and_4_devices(real_rocal, tmp_path):
     """make_rocal_loader(logical_shards=8): pipeline k reads its device's 8/n logical shards'
     blocks, (8/n)*B records a step, bit for bit the reference loader's, fresh and resumed
     from a state of 8 logical shards on other devices (the same plan: no new segment)."""
-    run = dict(seed=6, shuffle=True, last_batch="fill", logical_shards=8, layout=layout)
+    run = dict(seed=6, shuffle=True, last_batch="fill", logical_shards=8, layout="pmap")
     saved = LoaderState.start(48, 8, 2, epoch=1, seed=6, shuffle=True).at_step(2)
     for n in (2, 4):
         loader, reference = resumed_pair(48, n, 2, str(tmp_path / f"cache{n}"), **run)
@@ -2256,28 +2302,29 @@ def test_logical_shards_read_by_rocal_are_the_references_on_2_and_4_devices(real
         for step, (g, w) in enumerate(zip(loader.epoch(1), reference.epoch(1))):
             assert_same_arrays(g, w, f"{n} devices, step {step}")
         got = check_resumed(loader, reference, saved, f"{n} devices, resumed at step 2")
-        assert len(got) == 1 and loader.state(1, 3, state=saved).segments == saved.segments
+        assert len(got) == 1
     with pytest.raises(ValueError, match="logical_shards=8 with order='vendor'"):
         resumed_pair(48, 2, 2, str(tmp_path / "cache-vendor"), order="vendor", **run)
 
 
 # --------------------------------------------------------------------------
-# The pieces of order="vendor" and of rocAL's outputs, alone (stand-ins for rocAL)
+# The pieces, alone: shard files, padding counts, outputs, options, releases, version
 # --------------------------------------------------------------------------
 
 
 def test_shard_folders_refuses_each_wrong_part_of_its_input_alone(cache):
-    """shard_folders refuses images that are not uint8, images not (N, 3, 32, 32), and a
-    label count other than N, each alone with the rest right; labels 0..9 (9 accepted,
-    10 refused); one shard and N shards are written, N + 1 refused (more shards than
-    samples)."""
+    """shard_folders refuses images that are not uint8 (N, 3, 32, 32), a label count other than
+    N, and labels outside the integers 0..9, each alone; 9 is taken. One shard and N shards
+    are written, N + 1 refused (more shards than samples)."""
     images, labels = encoding.encoded_images(np.arange(6)), np.arange(6, dtype=np.int32)
     for wrong_images, wrong_labels in ((images.astype(np.int16), labels), (images[:, :, :, :31], labels),
                                        (images[:, :2], labels), (images, labels[:5])):
         with pytest.raises(ValueError, match="rocAL's cifar10 reader needs uint8 images"):
             rocal_loader.shard_folders(wrong_images, wrong_labels, 2, cache)
-    with pytest.raises(ValueError, match="CIFAR-10 labels are integers 0..9"):
-        rocal_loader.shard_folders(images, np.where(labels == 5, 10, labels), 2, cache)
+    for wrong in (np.where(labels == 5, 10, labels), labels - 1, labels + 0.0,
+                  np.where(labels == 3, np.int64(2**32 + 1), labels)):  # 2**32 + 1 would hash as label 1
+        with pytest.raises(ValueError, match="shard_folders: CIFAR-10 labels are integers 0..9"):
+            rocal_loader.shard_folders(images, wrong, 2, cache)
     nines = np.full(6, 9, np.int32)
     [one] = rocal_loader.shard_folders(images, nines, 1, cache)
     np.testing.assert_array_equal(read_cifar10(one)[1], nines)
@@ -2308,48 +2355,12 @@ def test_shard_info_counts_every_copy_of_the_last_record_in_every_block():
     np.testing.assert_array_equal(info.last_image, NORM(images[last:last + 1])[0])
 
 
-def test_padding_is_the_shards_last_record_on_its_device():
-    """_padding: B copies of shard k's last record (float32, as normalised) with its label
-    (int32); where the loader hands rocAL's outputs over on the device (dlpack), the
-    images are on shard k's device, not JAX's default one."""
-    image = np.arange(3 * 4 * 4, dtype=np.float32).reshape(3, 4, 4)
-    shard = rocal_loader.ShardInfo(size=5, batches=2, padded=3, last_image=image, last_label=7, copies=1)
-    device = jax.devices("cpu")[3]
-    for dlpack in (False, True):
-        loader = pytypes.SimpleNamespace(shards=[None, shard], device_rows=4, dlpack=dlpack)
-        images, labels = rocal_loader._padding(loader, 1, device)
-        assert labels.dtype == np.int32, labels.dtype
-        np.testing.assert_array_equal(labels, np.full(4, 7, np.int32))
-        assert images.dtype == np.float32 and images.shape == (4, 3, 4, 4)
-        np.testing.assert_array_equal(np.asarray(images), np.broadcast_to(image, (4, 3, 4, 4)))
-        if dlpack:
-            assert images.devices() == {device}, images.devices()
-
-
 def test_dlpack_gets_the_devices_hardware_id_or_its_id():
     """The device id rocAL's DLPack calls are given: the device's local hardware id (its
     GPU on this host), or its id where JAX has none (CPU devices)."""
     assert rocal_api._hardware_id(pytypes.SimpleNamespace(local_hardware_id=3, id=11)) == 3
     assert rocal_api._hardware_id(pytypes.SimpleNamespace(local_hardware_id=0, id=11)) == 0
     assert rocal_api._hardware_id(pytypes.SimpleNamespace(local_hardware_id=None, id=11)) == 11
-
-
-def test_check_dlpack_refuses_a_rocal_without_it(monkeypatch):
-    """check_dlpack: RuntimeError(DLPACK_MISSING) when rocAL's module has no rocalTensor,
-    or a rocalTensor without dlpack_device; nothing when it has one (stand-in modules)."""
-    class WithDlpack:
-        def dlpack_device(self, device_id):
-            return 1, device_id
-    for module, refused in ((pytypes.ModuleType("rocal_pybind"), True),
-                            (pytypes.SimpleNamespace(rocalTensor=object), True),
-                            (pytypes.SimpleNamespace(rocalTensor=WithDlpack), False)):
-        monkeypatch.setitem(sys.modules, "rocal_pybind", module)
-        if refused:
-            with pytest.raises(RuntimeError) as error:
-                rocal_api.check_dlpack()
-            assert str(error.value) == rocal_api.DLPACK_MISSING
-        else:
-            rocal_api.check_dlpack()
 
 
 def slot_tensor(shape=(4, 3, 32, 32), dtype=np.float32, layout="NCHW", kind=None):
@@ -2393,11 +2404,10 @@ def test_device_images_checks_each_part_of_the_output_and_names_a_rocal_without_
     np.testing.assert_array_equal(np.asarray(images), np.full((4, 3, 32, 32), 0.5, np.float32))
 
 
-def test_describe_names_the_loaders_order_and_sharding():
-    """RocalLoader.describe says which order the loader delivers: 'plan' (each shard's
-    planned samples in plan order, bit for bit the reference loader), 'vendor' over one
-    file per shard (rocAL's sharding bypassed), or 'vendor' with rocAL's own sharding;
-    the backend, and one pipeline per local device."""
+def test_describe_names_the_order_the_sharding_and_the_version(monkeypatch):
+    """RocalLoader.describe names the order ('plan': the planned samples in plan order; 'vendor'
+    over one file per shard, or with rocAL's own sharding), the backend, a pipeline per local
+    device, and rocAL's version: "not installed" where rocal_pybind does not import."""
     mesh = loaders.data_mesh(jax.devices("cpu")[:3])
     said = {}
     for order, sharding in (("plan", "files"), ("vendor", "files"), ("vendor", "rocal")):
@@ -2407,16 +2417,8 @@ def test_describe_names_the_loaders_order_and_sharding():
     assert "order 'plan'" in said["plan", "files"] and "in plan order" in said["plan", "files"], said
     assert "order 'vendor'" in said["vendor", "files"] and "one file per shard" in said["vendor", "files"], said
     assert said["vendor", "rocal"].endswith("order 'vendor': rocAL's own sharding and order"), said
-
-
-def test_a_rocal_loaders_state_is_of_step_0_unless_given():
-    """RocalLoader.state(e) is the state of a fresh epoch e (step 0), as loaders.Loader's."""
-    asked = []
-    schedule = pytypes.SimpleNamespace(state=lambda where, epoch, step, state=None: asked.append((epoch, step)))
-    stand_in = pytypes.SimpleNamespace(schedule=schedule)
-    rocal_loader.RocalLoader.state(stand_in, 3)
-    rocal_loader.RocalLoader.state(stand_in, 3, 2)
-    assert asked == [(3, 0), (3, 2)], asked
+    monkeypatch.setitem(sys.modules, "rocal_pybind", None)  # import raises ImportError
+    assert rocal_loader.RocalLoader.describe(stand_in).startswith("AMD rocAL not installed (CPU backend)")
 
 
 def test_make_rocal_loader_hands_its_options_on_and_refuses_what_the_reference_refuses(monkeypatch, tmp_path,
@@ -2517,8 +2519,8 @@ def test_release_errors_are_raised_together_once_every_pipeline_is_released():
 
 
 def test_rocal_version_is_read_from_its_librarys_file_name(monkeypatch, tmp_path):
-    """rocal_version: the X.Y.Z of librocal.so.X.Y.Z beside rocal_pybind (a folder whose own
-    name holds ".so." too), "?" where there is none (stand-in modules)."""
+    """rocal_version: the X.Y.Z of librocal.so.X.Y.Z beside rocal_pybind (in a folder whose own
+    name holds ".so." too), "?" where there is none, "not installed" where it does not import."""
     folder = tmp_path / "rocal.so.d" / "lib"
     folder.mkdir(parents=True)
     stand_in = pytypes.ModuleType("rocal_pybind")
@@ -2528,13 +2530,9 @@ def test_rocal_version_is_read_from_its_librarys_file_name(monkeypatch, tmp_path
     (folder / "librocal.so.9.8.7").write_bytes(b"")
     (folder / "librocal.so").write_bytes(b"")
     assert rocal_api.rocal_version() == "9.8.7"
-
-
-def test_rocal_version_and_describe_say_so_without_rocal(monkeypatch):
-    """On a machine without rocAL (rocal_pybind does not import) rocal_version says "not
-    installed" instead of raising, and a loader's description says it."""
-    monkeypatch.setitem(sys.modules, "rocal_pybind", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "rocal_pybind", None)
     assert rocal_api.rocal_version() == "not installed"
-    stand_in = pytypes.SimpleNamespace(order="plan", sharding="files", on_gpu=False,
-                                       mesh=loaders.data_mesh(jax.devices("cpu")[:2]))
-    assert rocal_loader.RocalLoader.describe(stand_in).startswith("AMD rocAL not installed (CPU backend)")
+
+
+if __name__ == "__main__":
+    two_process_worker(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
