@@ -679,15 +679,14 @@ def _check_normalizer(what: str, array: np.ndarray, normalize, fix: str) -> None
 class EpochIterator:
     """An epoch's batches, with ``get_state()`` and ``close()``.
 
-    ``get_state()`` is the ``LoaderState`` after the batches yielded so far (the state to save
-    for a resume that delivers each remaining sample exactly once); ValueError where the
-    loader gives none (a vendor's own order). What the iterator holds (a prefetch thread, a
+    ``get_state()`` is the ``LoaderState`` after the batches yielded so far: the state to save
+    for a resume that delivers each remaining sample exactly once. What the iterator holds (a prefetch thread, a
     vendor's pipelines and files) is released exactly once, at the first of: the epoch's end,
     ``close()``, garbage collection, or the interpreter's exit (a ``weakref.finalize``, which
     runs before modules are torn down, so nothing is printed and nothing is left running).
     The batches never reference this object."""
 
-    def __init__(self, batches: Iterator, state: LoaderState | Callable[[], LoaderState] | None = None):
+    def __init__(self, batches: Iterator, state: LoaderState | Callable[[], LoaderState]):
         self._batches = batches  # state: of the first batch, or a function making it when asked
         self._state, self._yielded = state, 0
         self._end = weakref.finalize(self, getattr(batches, "close", lambda: None))
@@ -707,9 +706,6 @@ class EpochIterator:
         return batch
 
     def get_state(self) -> LoaderState:
-        if self._state is None:
-            raise ValueError("this epoch's loader gives no state (a vendor's own order cannot resume "
-                             "on other shards); use order='plan'")
         if callable(self._state):
             self._state = self._state()
         return self._state.at_step(self._state.step + self._yielded)

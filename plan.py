@@ -456,7 +456,7 @@ class Schedule:
     """One run's epochs on one set of shards: every epoch's Plan and every state a loader gives or takes.
 
     The pure part of every loader (loaders.Loader, dali_loader.DaliLoader,
-    rocal_loader.RocalLoader). ``where`` names the caller in errors (e.g. "Loader.state").
+    rocal_loader.RocalLoader). ``where`` names the caller in errors (e.g. "Loader.epoch").
 
     * ``steps``: ``num_steps(N, n, B, last_batch)``, a fresh epoch's length;
     * ``plan(e)``: ``epoch_plan(N, n, B, epoch=e, ...)``;
