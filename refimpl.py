@@ -234,6 +234,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{flag.replace('_', '-')} {path}: {problem}")
     if args.compare_to and not os.path.isfile(args.compare_to):
         parser.error(f"--compare-to {args.compare_to}: no such file (give another run's --params-out)")
+    problem = not_npz(args.compare_to) if args.compare_to else None
+    if problem:
+        parser.error(f"--compare-to {args.compare_to}: not a .npz written by --params-out ({problem})")
     if (args.stop_after_step is None) != (args.checkpoint_dir is None):
         parser.error("--stop-after-step and --checkpoint-dir go together")
     if args.checkpoint_dir:
@@ -268,7 +271,7 @@ def check_run(args: argparse.Namespace, several) -> None:
     """The checks a resumed run's options need again once the checkpoint has completed them:
     ValueError naming the option (the checkpoint, for a value taken from it)."""
     source = (lambda name: f"--resume-from {args.resume_from}: the checkpoint's run has --{name} "
-              if name in getattr(args, "from_checkpoint", ()) else f"--{name} ")
+              if name.replace("-", "_") in getattr(args, "from_checkpoint", ()) else f"--{name} ")
     if args.dataset == "mnist" and args.backend == "rocal":
         raise ValueError(f"{source('backend')}rocal, which reads CIFAR-10 only; use --dataset cifar10 or "
                          f"--backend dali or reference for mnist")
@@ -299,6 +302,20 @@ def known_device_count(args: argparse.Namespace) -> int | None:
         return args.devices
     if args.devices and args.num_processes and args.platform == "cpu":
         return args.devices * args.num_processes
+    return None
+
+
+def not_npz(path: str) -> str | None:
+    """Why ``path`` is not a .npz file, or None."""
+    import numpy as np
+
+    try:
+        npz = np.load(path)
+    except (OSError, ValueError) as error:
+        return str(error)
+    if not hasattr(npz, "files"):
+        return "a .npy array"
+    npz.close()
     return None
 
 
@@ -373,19 +390,21 @@ def connect(args: argparse.Namespace) -> None:
 
 def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
     """Runs this program in ``--local-processes`` processes on 127.0.0.1 (processes.run_local),
-    the synthetic data generated once first, the coordinator on a port the OS chose."""
+    the synthetic data generated once first (a resume's processes read the checkpoint's data
+    unless --data-dir is given), the coordinator on a port the OS chose."""
     import socket
 
     count = args.local_processes
     per_process = (args.devices or DEFAULT_CPU_DEVICES) // count
-    data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.dataset, args.seed)
+    data_dir = args.data_dir or (None if args.resume_from else
+                                 synthetic_dataset(args.cache_dir, args.dataset, args.seed))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     base = [sys.executable, os.path.abspath(__file__),
             *processes.strip_options(argv, ("--local-processes", "--devices", "--data-dir", "--platform")),
-            "--data-dir", data_dir, "--devices", str(per_process), "--num-processes", str(count),
-            "--coordinator", f"127.0.0.1:{port}"]
+            *(["--data-dir", data_dir] if data_dir else []), "--devices", str(per_process),
+            "--num-processes", str(count), "--coordinator", f"127.0.0.1:{port}"]
     return processes.run_local(base, count, passthrough=FAILED)
 
 
@@ -449,7 +468,7 @@ def set_up(args: argparse.Namespace) -> Job:
     import loaders
 
     distributed = bool(args.coordinator or args.auto_distributed)
-    job = Job(devices=jax.devices() if distributed else pick_devices(args.devices))
+    job = Job(devices=jax.devices() if distributed else pick_devices(args.devices, args.platform))
     n = len(job.devices)
     if args.reduction == "canonical" and args.logical_shards is None:
         args.logical_shards = n  # --reduction canonical alone: one logical shard a device
@@ -472,7 +491,12 @@ def set_up(args: argparse.Namespace) -> Job:
         import dali_loader
         dali_loader.import_dali()
     job.data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.dataset, args.seed)
-    job.train_data, test_data = read_dataset(args.dataset, job.data_dir)
+    try:
+        job.train_data, test_data = read_dataset(args.dataset, job.data_dir)
+    except (ValueError, OSError) as error:
+        if not args.data_dir:
+            raise
+        raise ValueError(f"--data-dir {args.data_dir}: {error}") from None
     # Validation on one device, the reference loader: fill with a mask counts every test sample once.
     first_local = job.mesh.devices.flat[loaders.local_positions(job.mesh)[0]]
     job.test_loader = loaders.make_loader(test_data, [first_local], min(args.eval_batch_size, len(test_data[1])),
@@ -490,10 +514,12 @@ def set_up(args: argparse.Namespace) -> Job:
     return job
 
 
-def pick_devices(requested: int | None) -> list:
+def pick_devices(requested: int | None, platform: str | None = None) -> list:
+    """The first ``requested`` devices of ``platform`` (--platform; JAX's default backend
+    without it), whatever JAX's default backend is."""
     import jax
 
-    devices = jax.devices()
+    devices = jax.devices({"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)) if platform else jax.devices()
     if requested is not None and requested > len(devices):
         raise ValueError(f"--devices {requested}: only {len(devices)} {devices[0].platform} device(s) exist")
     return devices if requested is None else devices[:requested]
@@ -721,6 +747,11 @@ class Span:
                 raise ValueError(f"--epochs {args.epochs}: the checkpoint is at epoch {state.epoch}, step "
                                  f"{state.step}; give --epochs {state.epoch + 1} or more")
             first = (self.resumed.step, self.resumed.num_steps)
+            for loader in job.loaders.values():  # a vendor's own order resumes only on its own shards
+                try:
+                    loader.epoch(state.epoch, state=state).close()
+                except ValueError as error:
+                    raise ValueError(f"--backend {args.backend}: {error}") from None
             job.say(f"resuming {args.resume_from} at run step {done} = epoch {state.epoch}, step {state.step} "
                     f"(written on {saved['where']}); this run: {job.where}: steps {state.step}-"
                     f"{self.resumed.num_steps - 1} of epoch {state.epoch}"
@@ -745,10 +776,7 @@ class Span:
 
         lo, hi = self.spans[epoch]
         resumed = self.resumed is not None and epoch == self.first_epoch
-        try:
-            iterator = loader.epoch(epoch, state=self.saved_state) if resumed else loader.epoch(epoch)
-        except ValueError as error:  # a vendor's own order resumes only on its own shards
-            raise ValueError(f"--backend {self.args.backend}: {error}") from None
+        iterator = loader.epoch(epoch, state=self.saved_state) if resumed else loader.epoch(epoch)
         counts = self.delivered.setdefault((name, epoch), np.zeros(self.num_samples, np.int32)) \
             if epoch in self.counted else None
         try:
