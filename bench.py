@@ -1,41 +1,37 @@
-"""Speed of the loaders and the four strategies, as ratios measured side by side.
+"""Speed and memory of the loaders and the training steps, as ratios measured side by side.
 
-    python bench.py [--quick | --smoke] [--num-train N] [--json FILE]
+    python bench.py [--quick | --smoke] [--sections loader,...] [--num-train N] [--json FILE]
 
-Every figure is a median over repeats, and the cases that are compared run in
-interleaved rounds (a, b, c, a, b, c, ...) in one process, so load from other
-processes on a shared machine slows them alike: read the ratios, not the
-absolute times. Sections, on the default backend's devices (8 virtual CPU
-devices without an accelerator) and a synthetic CIFAR-10 of ``--num-train``
-images:
+Cases that are compared run in interleaved rounds (a, b, a, b, ...) in one process, and
+each figure is a median over the rounds, so load from other processes slows them alike:
+read the ratios, not the absolute times. A peak is the RSS a case adds in a fresh
+process (with CPU devices, every device's memory together). The devices are the default
+backend's (8 virtual CPU devices without an accelerator), the data a synthetic CIFAR-10.
 
-1. Loaders: one shuffled epoch into global sharded arrays, per-device batch 16
-   and 128, for each placement of the reference loader ("host": uint8 on the
-   wire, normalised on the devices; "device": the dataset resident on the
-   devices; "host_float32": normalised on the host), NVIDIA DALI's CPU pipelines
-   (optional, requirements-dali.txt), Grain (optional, requirements-peers.txt)
-   and the per-sample Python loop most tutorials write, all doing the same work
-   from the same records (shuffle, normalise, batch, global arrays), against a
+1. loader: one shuffled epoch into global sharded arrays, per placement of the reference
+   loader, DALI's CPU pipelines and Grain (when installed) and the per-sample Python loop
+   tutorials write, all doing the same work from the same records, against a
    single-thread memory copy of the bytes the epoch outputs.
-2. Placements against training: for each placement, the loader's time per step
-   over the training step's (``sharded``, prebuilt batches), the share of a
-   training epoch spent waiting for data, and the epoch's slowdown against
-   prebuilt batches, at global batch 1024 and 8192.
-3. Training: per-step time of each strategy at global batch 128 and 1024, its
-   ratio to ``single``, and its compile time (first call minus a warm call).
-4. The canonical reduction against the plain one: per-step time of
-   ``shard_map`` with ``reduction="canonical"`` (L = the device count) over the
-   plain ``shard_map`` step, at global batch 128 and 1024, and the peak RSS a few
-   steps of each add, in a fresh process each.
-5. Memory: peak RSS while reading and over a loader epoch, in a fresh process,
-   against the raw dataset and the batches the design keeps alive; and the
-   compiled steps' donation: what one training step holds with the state donated
-   against kept (XLA's memory_analysis), and their step times.
+2. placements: per placement, the loader's time per step over the training step's, the
+   share of a synchronous training epoch spent waiting for data, and the epoch's
+   slowdown against prebuilt batches.
+3. training: each strategy's step time, its ratio to ``single``'s, its compile time.
+4. reduction: ``strategies.canonical_step`` against the plain ``sharded_step`` on the same
+   prebuilt batch, for the notebooks' MLP, a conv net and an attention model, at L = n
+   and 3n logical shards: step time, the peak of a few steps, and their ratios.
+5. memory: peak RSS while reading and over an epoch, against the raw dataset and the
+   batches the design keeps alive; and a plain step's memory with its state donated
+   against kept (XLA's memory_analysis), with their step times.
+
+The markdown report (of the sections run) ends with their goals and the figures no sane
+run gives ("implausible": the machine was too busy to measure them); ``--json`` writes the
+figures too.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import itertools
 import json
 import os
@@ -46,11 +42,11 @@ import sys
 import tempfile
 import time
 
-# GPU memory on demand, not 75% up front: the memory section's child process
-# needs some of it too.
+# GPU memory on demand, not 75% up front: the child processes need some of it too.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
+import jax.numpy as jnp
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -64,14 +60,16 @@ from arithmetic import Normalize
 from cifar_mnist import RECORD_BYTES, read_cifar10, synthetic_cifar10
 from plan import shard_bounds
 
-GLOBAL_BATCHES = (128, 1024)  # training; per device 16 and 128 on 8 devices
+GLOBAL_BATCHES = (128, 1024)  # training and reduction
 REFERENCE = "reference, host"  # the row the others are compared with
+DALI = "nvidia-dali-cuda130"  # the package whose version the report names
 LEARNING_RATE = 0.01
 MEAN = STD = np.float32(127.5)  # arithmetic.Normalize()'s default, written out for the peers
+SMOKE_LAYERS = (3072, 32, 10)  # --smoke's MLP: the code paths, not the figures
 
 
 # --------------------------------------------------------------------------
-# Timing
+# Measuring
 # --------------------------------------------------------------------------
 
 
@@ -108,6 +106,43 @@ def copy_case(nbytes: int):
     src = np.ones(nbytes // 4, np.float32)
     dst = np.zeros_like(src)
     return lambda: np.copyto(dst, src)
+
+
+def rss_mb(field: str = "VmRSS") -> float:
+    """VmRSS (now) or VmHWM (peak) of this process, in MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def reset_peak() -> None:
+    """Restarts this process's VmHWM from its current RSS (clear_refs "5", Linux 4.0+)."""
+    # getrusage's ru_maxrss would carry the parent's peak across fork+exec.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # the peaks then include JAX's start-up
+
+
+def children(commands: list[list[str]]) -> list[dict]:
+    """The JSON last line of each command's output, all run at once (a peak RSS is each
+    process's own), on this process's platform, without preallocating GPU memory."""
+    env = dict(os.environ, JAX_PLATFORMS=jax.devices()[0].platform, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    running = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+               for c in commands]
+    try:
+        out = []
+        for command, process in zip(commands, running):
+            stdout, stderr = process.communicate(timeout=600)
+            if process.returncode:
+                raise RuntimeError(f"{' '.join(command)} exited {process.returncode}:\n{stderr[-3000:]}")
+            out.append(json.loads(stdout.splitlines()[-1]))
+        return out
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 # --------------------------------------------------------------------------
@@ -188,16 +223,17 @@ def grain_cases(images, labels, mesh, batch_size: int, cap: int) -> dict:
             "grain DataLoader": data_loader}
 
 
-def grain_version() -> str | None:
+def installed(package: str) -> str | None:
+    """The installed version of ``package``, or None."""
     try:
-        from importlib.metadata import version
-        return version("grain")
-    except Exception:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 
 def loader_section(images, labels, mesh, args) -> dict:
-    """Sections 1 and 2: every loader at each per-device batch, plus the copy limit."""
+    """Per per-device batch: each loader's epoch (images/s, GB/s, share of the copy limit,
+    the reference's speed over its) and the copy limit."""
     out = {}
     for batch_size in (16, 128):
         by_placement = {p: loaders.make_loader((images, labels), mesh, batch_size, shuffle=True,
@@ -207,7 +243,7 @@ def loader_section(images, labels, mesh, args) -> dict:
         if dali is not None:
             cases["dali (CPU pipelines)"] = lambda: dali.epoch(0)
         cases["naive loop"] = lambda b=batch_size: naive_batches(images, labels, mesh, b)
-        if grain_version() and not args.no_grain:
+        if installed("grain") and not args.no_grain:
             cases.update(grain_cases(images, labels, mesh, batch_size, cap=args.dataloader_cap))
         for name, make in cases.items():
             if name.startswith(("reference", "dali")):
@@ -232,8 +268,9 @@ def loader_section(images, labels, mesh, args) -> dict:
 
 
 def dali_loader_or_none(images, labels, mesh, batch_size: int, args):
-    """DALI's CPU pipelines over the same records (DALI's arithmetic: same work, its
-    own bits), or None without DALI or on accelerators (bench measures CPU here)."""
+    """DALI's CPU pipelines over the same records, or None without DALI or on accelerators.
+
+    DALI's arithmetic: the same work, its own bits."""
     if args.no_dali or mesh.devices.flat[0].platform != "cpu":
         return None
     try:
@@ -246,17 +283,38 @@ def dali_loader_or_none(images, labels, mesh, batch_size: int, args):
                                         cache_dir=args.cache_dir, num_threads=1)
 
 
-def dali_version() -> str | None:
-    try:
-        from importlib.metadata import version
-        return version("nvidia-dali-cuda130")
-    except Exception:
-        return None
-
-
 # --------------------------------------------------------------------------
 # 2. Placements against the training step
 # --------------------------------------------------------------------------
+
+
+class TimedIter:
+    """Wraps an iterator and adds up the time its consumer spends blocked in next()."""
+
+    def __init__(self, batches):
+        self.batches = iter(batches)
+        self.wait_s = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        try:
+            return next(self.batches)
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+
+def synchronous_epoch(loader, params) -> float:
+    """The share of an epoch's wall time spent in next() when each step (the notebooks'
+    ``model.update``) is finished before the next batch is asked for: the devices idle."""
+    start = time.perf_counter()
+    batches = TimedIter(loader.epoch(0))
+    for batch in batches:
+        params, value = model.update(params, batch, LEARNING_RATE)
+        value.block_until_ready()
+    return batches.wait_s / (time.perf_counter() - start)
 
 
 def placement_section(images, labels, mesh, args) -> dict:
@@ -313,6 +371,9 @@ def train(strategy, params, batches, mesh):
 
 
 def training_section(images, labels, mesh, args) -> dict:
+    """Per global batch and strategy: the step time (a run of ``train_steps`` + 1 steps minus a
+    run of one, per step), its ratio to ``single``'s, and the compile time (first call minus
+    a warm one-step run)."""
     params = model.init_model(args.layers)
     n = mesh.devices.size
     calls = {}
@@ -347,114 +408,155 @@ def training_section(images, labels, mesh, args) -> dict:
 
 
 # --------------------------------------------------------------------------
-# Waiting for data
+# 4. The canonical reduction on the models users bring
 # --------------------------------------------------------------------------
 
-
-class TimedIter:
-    """Wraps an iterator and adds up the time its consumer spends blocked in next()."""
-
-    def __init__(self, batches):
-        self.batches = iter(batches)
-        self.wait_s = 0.0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        start = time.perf_counter()
-        try:
-            return next(self.batches)
-        finally:
-            self.wait_s += time.perf_counter() - start
+VOCAB, SEQUENCE, WIDTH = 256, 32, 64  # the attention model's
+CONV_CHANNELS, SMOKE_CHANNELS = (32, 64), (4, 8)
+PEAK_STEPS = 3  # steps of each case a fresh process's peak RSS covers (the first compiles)
 
 
-def synchronous_epoch(loader, params) -> float:
-    """``sharded``'s step, waiting for each step's result before asking for the next
-    batch: time in next() is then time the devices sit idle for data. Returns the
-    fraction of the epoch's wall time spent there."""
-    start = time.perf_counter()
-    batches = TimedIter(loader.epoch(0))
-    for batch in batches:
-        params, value = model.update(params, batch, LEARNING_RATE)
-        value.block_until_ready()
-    return batches.wait_s / (time.perf_counter() - start)
+def layer_norm(x, p):
+    """LayerNorm over the last axis, p = {"scale", "bias"}."""
+    mean = x.mean(-1, keepdims=True)
+    centred = x - mean
+    return centred * jax.lax.rsqrt((centred * centred).mean(-1, keepdims=True) + 1e-5) * p["scale"] + p["bias"]
 
 
-# --------------------------------------------------------------------------
-# 4. Peak memory, in a fresh process
-# --------------------------------------------------------------------------
+def masked_nll(logits, labels, mask) -> tuple:
+    """(sum over real rows of the NLL, averaged over any further axes, number of real rows)."""
+    logp = jax.nn.log_softmax(logits)
+    nll = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    nll = nll.reshape(nll.shape[0], -1).mean(1)
+    real = mask.astype(nll.dtype)
+    return jnp.sum(real * nll), jnp.sum(real)
 
 
-def reduction_section(images, labels, mesh, args) -> dict:
-    """shard_map's step with the canonical reduction over its plain step (prebuilt batches,
-    the notebooks' MLP and SGD, L = the device count), interleaved rounds; and the peak
-    RSS of a few steps of each in a fresh process (8 CPU devices live in this host's
-    memory: the figure is every device's together)."""
-    params = model.init_model(args.layers)
-    n = mesh.devices.size
-    out = {}
-    for global_batch in args.reduction_batches:
-        loader = loaders.make_loader((images, labels), mesh, global_batch // n)
-        batches = [loader.batch(0, s % len(loader)) for s in range(args.train_steps + 1)]
-        cases = {}
-        for reduction in strategies.REDUCTIONS:
-            def run(batches, reduction=reduction):
-                return strategies.shard_map(params, batches, mesh, loss_terms=model.loss_terms,
-                                            optimizer=strategies.sgd(LEARNING_RATE), reduction=reduction)
-            run(batches[:1])  # compiled before the rounds
-            cases[reduction, 1] = lambda run=run: run(batches[:1])
-            cases[reduction, 0] = lambda run=run: run(batches)
-        times = rounds(cases, args.repeats)
-        row = {r: {"step_ms": 1e3 * paired(times, (r, 0), (r, 1), lambda many, one: (many - one) / args.train_steps)}
-               for r in strategies.REDUCTIONS}
-        for reduction in strategies.REDUCTIONS:
-            command = [sys.executable, os.path.abspath(__file__), "--reduction-child", reduction,
-                       str(global_batch // n), ",".join(map(str, args.layers))]
-            env = dict(os.environ, JAX_PLATFORMS=jax.devices()[0].platform, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-            done = subprocess.run(command, check=True, capture_output=True, env=env, text=True, timeout=600)
-            row[reduction]["peak_mb"] = json.loads(done.stdout.splitlines()[-1])["peak_mb"]
+def normal(rng, *shape) -> np.ndarray:
+    """float32 N(0, 1 / fan-in), fan-in the product of all but the last axis."""
+    return (rng.standard_normal(shape) / np.sqrt(np.prod(shape[:-1]))).astype(np.float32)
+
+
+def norm_params(width: int) -> dict:
+    return {"scale": np.ones(width, np.float32), "bias": np.zeros(width, np.float32)}
+
+
+def conv_init(rng, channels=CONV_CHANNELS) -> dict:
+    convs, c_in = [], 3
+    for c in channels:
+        convs.append({"w": normal(rng, 3, 3, c_in, c), "b": np.zeros(c, np.float32), "norm": norm_params(c)})
+        c_in = c
+    return {"convs": convs, "norm": norm_params(c_in), "w": normal(rng, c_in, 10), "b": np.zeros(10, np.float32)}
+
+
+def conv_loss_terms(params, batch) -> tuple:
+    """Two 3x3 convs over NHWC images, each LayerNorm over channels and GELU; mean pool,
+    LayerNorm, a dense head of 10 classes."""
+    x = batch["images"]
+    for layer in params["convs"]:
+        x = jax.lax.conv_general_dilated(x, layer["w"], (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC")) + layer["b"]
+        x = jax.nn.gelu(layer_norm(x, layer["norm"]))
+    logits = layer_norm(x.mean((1, 2)), params["norm"]) @ params["w"] + params["b"]
+    return masked_nll(logits, batch["labels"], batch["mask"])
+
+
+def attention_init(rng) -> dict:
+    return {"embed": normal(rng, VOCAB, WIDTH), "norm": norm_params(WIDTH), "qkv": normal(rng, WIDTH, 3 * WIDTH),
+            "out": normal(rng, WIDTH, WIDTH), "final": norm_params(WIDTH)}
+
+
+def attention_loss_terms(params, batch) -> tuple:
+    """Next-token NLL: an embedding tied to the output projection, LayerNorm, one causal
+    single-head softmax attention layer (residual), LayerNorm."""
+    x = params["embed"][batch["tokens"]]
+    q, k, v = jnp.split(layer_norm(x, params["norm"]) @ params["qkv"], 3, axis=-1)
+    scores = q @ k.swapaxes(1, 2) / np.float32(np.sqrt(WIDTH))
+    causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+    x = x + jax.nn.softmax(jnp.where(causal, scores, -jnp.inf)) @ v @ params["out"]
+    logits = layer_norm(x, params["final"]) @ params["embed"].T
+    return masked_nll(logits, batch["targets"], batch["mask"])
+
+
+def image_rows(rng, rows: int, shape: tuple) -> dict:
+    return {"images": rng.standard_normal((rows, *shape), dtype=np.float32),
+            "labels": rng.integers(0, 10, rows).astype(np.int32)}
+
+
+def token_rows(rng, rows: int) -> dict:
+    ids = rng.integers(0, VOCAB, (rows, SEQUENCE + 1)).astype(np.int32)
+    return {"tokens": ids[:, :-1], "targets": ids[:, 1:]}
+
+
+# name: (init(rng, smoke) -> params, loss_terms, rows(rng, count) -> {field: host array})
+MODELS = {
+    "mlp": (lambda rng, smoke: model.init_model(SMOKE_LAYERS if smoke else model.LAYERS), model.loss_terms,
+            lambda rng, rows: image_rows(rng, rows, (3, 32, 32))),
+    "conv": (lambda rng, smoke: conv_init(rng, SMOKE_CHANNELS if smoke else CONV_CHANNELS), conv_loss_terms,
+             lambda rng, rows: image_rows(rng, rows, (32, 32, 3))),
+    "attention": (lambda rng, smoke: attention_init(rng), attention_loss_terms, token_rows),
+}
+
+
+def reduction_case(name: str, global_batch: int, shards: int, mesh, smoke: bool = False) -> tuple:
+    """One case: (host (params, SGD state), a batch of L*round(G/L) rows sharded on 'data',
+    {"plain": sharded_step, "canonical": canonical_step at L}) for model ``name``."""
+    init, loss_terms, rows = MODELS[name]
+    rng = np.random.default_rng(0)
+    params = init(rng, smoke)
+    count = shards * max(1, round(global_batch / shards))
+    host = dict(rows(rng, count), mask=np.ones(count, bool))
+    batch = jax.device_put(host, NamedSharding(mesh, P(loaders.DATA_AXIS)))
+    steps = {"plain": strategies.sharded_step(loss_terms, strategies.sgd_update),
+             "canonical": strategies.canonical_step(loss_terms, strategies.sgd_update, mesh, shards)}
+    return (params, strategies.sgd(LEARNING_RATE).init(params)), batch, steps
+
+
+def reduction_section(args) -> list[dict]:
+    """Per case of ``args.reduction_cases``: both steps' median time over interleaved rounds
+    (two warm-up calls each first), and the peak RSS of PEAK_STEPS steps of each in a fresh
+    process."""
+    n = args.reduction_devices
+    mesh = loaders.data_mesh(jax.devices()[:n])
+    out = []
+    for name, global_batch, per_device in args.reduction_cases:
+        shards = per_device * n
+        start, batch, steps = reduction_case(name, global_batch, shards, mesh, args.smoke)
+        states = {s: strategies.replicate(start, mesh) for s in steps}  # plain donates on accelerators
+
+        def call(s):
+            states[s], loss = steps[s](states[s], batch)
+            jax.block_until_ready((states[s], loss))
+        for s in [*steps] * 2:  # compile
+            call(s)
+        times = rounds({s: lambda s=s: call(s) for s in steps}, args.step_rounds)
+        peaks = children([[sys.executable, os.path.abspath(__file__), "--reduction-child", name, s,
+                           str(global_batch), str(shards), str(n)] + ["--smoke"] * args.smoke for s in steps])
+        row = {"model": name, "devices": n, "global_batch": global_batch, "logical_shards": shards,
+               "rows": int(batch["mask"].shape[0])}
+        for s, peak in zip(steps, peaks):
+            row[s] = {"step_ms": 1e3 * statistics.median(times[s]), "peak_mb": peak["peak_mb"]}
         row["ratio"] = {"step_time": row["canonical"]["step_ms"] / row["plain"]["step_ms"],
                         "peak_rss": row["canonical"]["peak_mb"] / row["plain"]["peak_mb"]}
-        out[f"global_{global_batch}"] = row
+        out.append(row)
     return out
 
 
-def reduction_child(reduction: str, batch_size: int, layers: tuple) -> dict:
-    """Runs in its own process: the peak RSS (MiB over the RSS before) of 3 steps of
-    shard_map with ``reduction`` on random CIFAR-sized batches."""
-    mesh = loaders.data_mesh(jax.devices())
-    n = mesh.devices.size
-    rng = np.random.default_rng(0)
-    host = {"images": rng.standard_normal((n * batch_size, 3, 32, 32), dtype=np.float32),
-            "labels": rng.integers(0, 10, n * batch_size).astype(np.int32),
-            "mask": np.ones(n * batch_size, bool)}
-    batch = jax.device_put(host, NamedSharding(mesh, P(loaders.DATA_AXIS)))
-    params = model.init_model(layers)
-    jax.block_until_ready(batch)
+def reduction_child(name: str, step: str, global_batch: int, shards: int, devices: int, smoke: bool) -> dict:
+    """In a fresh process: the peak RSS (MiB over the RSS before) of PEAK_STEPS steps of one case."""
+    mesh = loaders.data_mesh(jax.devices()[:devices])
+    start, batch, steps = reduction_case(name, global_batch, shards, mesh, smoke)
+    state = strategies.replicate(start, mesh)
+    jax.block_until_ready((state, batch))
     base = rss_mb()
     reset_peak()
-    done = strategies.shard_map(params, [batch] * 3, mesh, loss_terms=model.loss_terms,
-                                optimizer=strategies.sgd(LEARNING_RATE), reduction=reduction)
-    jax.block_until_ready(done.params)
+    jax.block_until_ready(strategies.train_loop(steps[step], state, [batch] * PEAK_STEPS))
     return {"peak_mb": rss_mb("VmHWM") - base}
 
 
-def rss_mb(field: str = "VmRSS") -> float:
-    """VmRSS (now) or VmHWM (peak) of this process, in MiB."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
-
-
-def reset_peak() -> None:
-    # getrusage's ru_maxrss looks right for a fresh process, but Linux carries the
-    # parent's peak across fork+exec into it (here: the parent's 1.7 GB). VmHWM is
-    # this process's own, and "5" (Linux 4.0+) restarts it from the current RSS.
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # the peaks then include JAX's start-up
+# --------------------------------------------------------------------------
+# 5. Memory
+# --------------------------------------------------------------------------
 
 
 def memory_child(root: str, batch_size: int, prefetch: int, placement: str) -> dict:
@@ -481,45 +583,44 @@ def memory_child(root: str, batch_size: int, prefetch: int, placement: str) -> d
 
 
 def donation_section(mesh, args) -> dict:
-    """An MLP's ``sharded_step`` (the notebook's, but for --smoke) with the state donated and
-    kept. A plain step is two compiled programs, the gradient (params, batch) -> (loss, grads)
-    and the update (``strategies.apply_program``: state, grads, loss -> state, loss), and the
-    donation acts in the update only. For each, XLA's own memory accounting
-    (``memory_analysis()``, per device: arguments + outputs - aliased + temporaries, the bytes
-    the program holds at once); the step's figure is the larger of the two programs (they run
-    one after the other). And the median step time, interleaved rounds (what
-    ``strategies.donates`` decides from)."""
+    """The plain step's memory and time with its state donated and kept, the MLP at
+    ``args.layers``.
+
+    The step is ``sharded_step``'s two programs: the gradient (params, batch) -> (sums,
+    total, count), and ``strategies.update_program``, where the donation acts. Per program,
+    XLA's ``memory_analysis()`` per device: arguments + outputs - aliased + temporaries; the
+    step holds the larger of the two (they run one after the other). Step time: the median
+    over interleaved rounds (what ``strategies.donates`` decides from)."""
     n = mesh.devices.size
     rng = np.random.default_rng(0)
-    params = model.init_model(args.donation_layers)
-    host = {"images": Normalize()(rng.integers(0, 256, (n * args.donation_batch, 3, 32, 32),
-                                                        dtype=np.uint8)),
-            "labels": rng.integers(0, 10, n * args.donation_batch).astype(np.int32),
-            "mask": np.ones(n * args.donation_batch, bool)}
+    params = model.init_model(args.layers)
+    rows = n * args.donation_batch
+    host = {"images": Normalize()(rng.integers(0, 256, (rows, 3, 32, 32), dtype=np.uint8)),
+            "labels": rng.integers(0, 10, rows).astype(np.int32), "mask": np.ones(rows, bool)}
     batch = jax.device_put(host, NamedSharding(mesh, P(loaders.DATA_AXIS)))
     start = (params, strategies.sgd(LEARNING_RATE).init(params))
-    out, cases = {"batch": args.donation_batch, "layers": list(args.donation_layers)}, {}
+    out, cases = {"batch": args.donation_batch, "layers": list(args.layers)}, {}
 
     def held(stats):
         return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
                 + stats.temp_size_in_bytes)
     state = strategies.replicate(start, mesh)
-    gradient = strategies._mean_gradient(model.loss_terms)  # the plain step's gradient program itself
-    loss, grads = gradient(state[0], batch)
-    gradient_stats = gradient.lower(state[0], batch).compile().memory_analysis()
+    gradient = jax.jit(strategies._total_gradient(model.loss_terms))  # sharded_step's gradient program
+    sums = gradient(state[0], batch)
+    gradient_mb = held(gradient.lower(state[0], batch).compile().memory_analysis()) / 2**20
     for name, donate in (("donated", True), ("kept", False)):
-        step = strategies.sharded_step(model.loss_terms, strategies.sgd_update, donate)
-        stats = strategies.apply_program(strategies.sgd_update, donate).lower(state, grads, loss).compile() \
-            .memory_analysis()
+        update = strategies.update_program(strategies.sgd_update, donate)
+        stats = update.lower(state, *sums).compile().memory_analysis()
         out[name] = {"state_mb": sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20,
                      "aliased_mb": stats.alias_size_in_bytes / 2**20, "temp_mb": stats.temp_size_in_bytes / 2**20,
-                     "update_mb": held(stats) / 2**20, "gradient_mb": held(gradient_stats) / 2**20,
-                     "step_mb": max(held(stats), held(gradient_stats)) / 2**20}
+                     "update_mb": held(stats) / 2**20, "gradient_mb": gradient_mb,
+                     "step_mb": max(held(stats) / 2**20, gradient_mb)}
 
-        def run(step=step):
-            state, values = strategies.train_loop(step, strategies.replicate(start, mesh),
-                                                  [batch] * args.donation_steps)
-            jax.block_until_ready((state, values))
+        def run(update=update):
+            def step(state, batch):
+                return update(state, *gradient(state[0], batch))
+            jax.block_until_ready(strategies.train_loop(step, strategies.replicate(start, mesh),
+                                                        [batch] * args.donation_steps))
         run()
         cases[name] = run
     times = rounds(cases, args.repeats)
@@ -530,25 +631,20 @@ def donation_section(mesh, args) -> dict:
     return out
 
 
-MEMORY_CASES = {"host_float32 prefetch 2": ("host_float32", 2), "host_float32 prefetch 0": ("host_float32", 0),
-                "host prefetch 2": ("host", 2), "device": ("device", 0)}
+MEMORY_CASES = {"host prefetch 2": ("host", 2), "host prefetch 0": ("host", 0), "device": ("device", 0)}
 
 
 def memory_section(root: str, args, results: dict) -> dict:
-    """The loader cases (returned), and the compiled steps' donation (results["donation"])."""
+    """The loader cases of ``args.memory_cases`` (returned) and the donation (results["donation"])."""
     results["donation"] = donation_section(loaders.data_mesh(jax.devices()), args)
     out = {}
     for name in args.memory_cases:
         placement, prefetch = MEMORY_CASES[name]
-        command = [sys.executable, os.path.abspath(__file__), "--memory-child", root,
-                   str(128), str(prefetch), placement]
-        # The child runs on this process's platform, without preallocating GPU memory.
-        env = dict(os.environ, JAX_PLATFORMS=jax.devices()[0].platform, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        result = json.loads(subprocess.run(command, check=True, capture_output=True, env=env,
-                                           text=True, timeout=600).stdout.splitlines()[-1])
-        # What the design allows: the dataset, the queue, the batch being built and
-        # the one the consumer holds (host placements); for "device", the dataset a
-        # second time as the devices' resident copy (CPU devices live in host memory).
+        result = children([[sys.executable, os.path.abspath(__file__), "--memory-child", root, "128",
+                             str(prefetch), placement]])[0]
+        # What the design allows: the dataset, the queue, the batch being built and the one
+        # the consumer holds; for "device", the dataset a second time as the devices'
+        # resident copy (CPU devices live in host memory).
         alive = (prefetch + 2) * result["batch_mb"]
         result["budget_mb"] = result["raw_mb"] * (2 if placement == "device" else 1) + alive
         out[name] = result
@@ -561,69 +657,76 @@ def memory_section(root: str, args, results: dict) -> dict:
 
 
 def goals(results: dict) -> list[dict]:
-    b128 = results["loader"]["per_device_128"]["loaders"]
-    grain = {k: v for k, v in b128.items() if k.startswith("grain")}
-    rows = [("loader at B=128, placement host: share of the copy limit",
-             b128[REFERENCE]["fraction_of_copy"], ">=", 0.40)]
-    if grain:
-        best = max(grain, key=lambda k: grain[k]["images_per_s"])
-        rows.append((f"reference / best Grain ({best}) at B=128",
-                     b128[REFERENCE]["images_per_s"] / grain[best]["images_per_s"], ">=", 2.0))
-    small = results["placements"][f"global_{min(results['placements_batches'])}"]
-    rows.append((f"training epoch waiting for data, placement device, global batch "
-                 f"{min(results['placements_batches'])}", small["device"]["wait_fraction"], "<", 0.05))
-    rows.append((f"epoch slowdown against prebuilt batches, placement device, global batch "
-                 f"{min(results['placements_batches'])}", small["device"]["slowdown_fraction"], "<", 0.05))
-    memory = results["memory"]
-    for name, m in memory.items():
-        rows.append((f"epoch peak RSS / budget, {name}", m["epoch_peak_mb"] / m["budget_mb"], "<=", 1.0))
-    first = next(iter(memory.values()))
-    rows.append(("read_cifar10 peak RSS / raw dataset", first["read_peak_mb"] / first["raw_mb"], "<=", 1.05))
-    largest = f"global_{max(results['reduction_batches'])}"
-    rows.append((f"canonical / plain reduction, shard_map step time, {largest.replace('_', ' ')}",
-                 results["reduction"][largest]["ratio"]["step_time"], "<=", 1.5))
-    if strategies.donates(jax.devices()):  # on CPU devices the steps do not donate: nothing to meet
-        rows.append(("a training step's memory, donated / kept", results["donation"]["ratio"]["step_memory"],
-                     "<", 1.0))
+    """The goals of the sections in ``results``: {goal, measured, target, met}."""
+    rows = []
+    if "loader" in results:
+        b128 = results["loader"]["per_device_128"]["loaders"]
+        rows.append(("loader at B=128, placement host: share of the copy limit",
+                     b128[REFERENCE]["fraction_of_copy"], ">=", 0.40))
+        grain = {k: v for k, v in b128.items() if k.startswith("grain")}
+        if grain:
+            best = max(grain, key=lambda k: grain[k]["images_per_s"])
+            rows.append((f"reference / best Grain ({best}) at B=128",
+                         b128[REFERENCE]["images_per_s"] / grain[best]["images_per_s"], ">=", 2.0))
+    if "placements" in results:
+        smallest = min(results["placements_batches"])
+        device = results["placements"][f"global_{smallest}"]["device"]
+        rows.append((f"training epoch waiting for data, placement device, global batch {smallest}",
+                     device["wait_fraction"], "<", 0.05))
+        rows.append((f"epoch slowdown against prebuilt batches, placement device, global batch {smallest}",
+                     device["slowdown_fraction"], "<", 0.05))
+    for r in results.get("reduction", []):
+        if r["logical_shards"] == r["devices"] and r["global_batch"] == max(
+                q["global_batch"] for q in results["reduction"] if q["model"] == r["model"]):
+            rows.append((f"canonical / plain step time at L = n, {r['model']}, global batch {r['global_batch']}",
+                         r["ratio"]["step_time"], "<=", 1.2))
+    if "memory" in results:
+        for name, m in results["memory"].items():
+            rows.append((f"epoch peak RSS / budget, {name}", m["epoch_peak_mb"] / m["budget_mb"], "<=", 1.0))
+        first = next(iter(results["memory"].values()))
+        rows.append(("read_cifar10 peak RSS / raw dataset", first["read_peak_mb"] / first["raw_mb"], "<=", 1.05))
+        if strategies.donates(jax.devices()):  # CPU devices do not donate: nothing to meet
+            rows.append(("a training step's memory, donated / kept", results["donation"]["ratio"]["step_memory"],
+                         "<", 1.0))
     return [{"goal": g, "measured": m, "target": f"{op} {t}",
              "met": m >= t if op == ">=" else (m < t if op == "<" else m <= t)} for g, m, op, t in rows]
 
 
 def implausible(results: dict) -> list[str]:
-    """Figures no sane run gives: a median time or rate that is not positive and
-    finite, a waiting share outside [0, 1), an epoch slowdown outside (-1, 1) (a
-    loaded epoch twice as fast as prebuilt batches). They mean the machine was too
-    busy to measure; bench reports them, and no test asserts on a timing."""
+    """Figures no sane run gives, as "where = value": a time or rate not positive and finite,
+    a waiting share outside [0, 1), an epoch slowdown outside (-1, 1). They mean the machine
+    was too busy to measure."""
     found = []
 
-    def check(where: str, value, ok) -> None:
+    def check(where: str, value, ok=lambda v: v > 0) -> None:
         if not (isinstance(value, (int, float)) and np.isfinite(value) and ok(value)):
             found.append(f"{where} = {value!r}")
 
-    for key, section in results["loader"].items():
+    for key, section in results.get("loader", {}).items():
         for name, r in section["loaders"].items():
             for field in ("images_per_s", "gb_per_s"):
-                check(f"loader {key} {name} {field}", r[field], lambda v: v > 0)
-    for key, row in results["placements"].items():
-        check(f"placements {key} train_step_ms", row["train_step_ms"], lambda v: v > 0)
+                check(f"loader {key} {name} {field}", r[field])
+    for key, row in results.get("placements", {}).items():
+        check(f"placements {key} train_step_ms", row["train_step_ms"])
         for p in loaders.PLACEMENTS:
-            check(f"placements {key} {p} loader_step_ms", row[p]["loader_step_ms"], lambda v: v > 0)
+            check(f"placements {key} {p} loader_step_ms", row[p]["loader_step_ms"])
             check(f"placements {key} {p} wait_fraction", row[p]["wait_fraction"], lambda v: 0 <= v < 1)
-            check(f"placements {key} {p} slowdown_fraction", row[p]["slowdown_fraction"],
-                  lambda v: -1 < v < 1)
-    for key, row in results["training"].items():
+            check(f"placements {key} {p} slowdown_fraction", row[p]["slowdown_fraction"], lambda v: -1 < v < 1)
+    for key, row in results.get("training", {}).items():
         for name, r in row.items():
-            check(f"training {key} {name} step_ms", r["step_ms"], lambda v: v > 0)
-    for key, row in results["reduction"].items():
-        for name in strategies.REDUCTIONS:
-            check(f"reduction {key} {name} step_ms", row[name]["step_ms"], lambda v: v > 0)
+            check(f"training {key} {name} step_ms", r["step_ms"])
+    for r in results.get("reduction", []):
+        for step in ("plain", "canonical"):
+            check(f"reduction {r['model']} G={r['global_batch']} L={r['logical_shards']} {step} step_ms",
+                  r[step]["step_ms"])
     return found
 
 
 def markdown(results: dict) -> str:
+    """The report: a table per section in ``results``, then the goals and implausible figures."""
     lines = [f"Machine: {results['machine']}; {results['config']}; read_cifar10 "
              f"{results['read_cifar10_s']:.2f} s", ""]
-    for key, section in results["loader"].items():
+    for key, section in results.get("loader", {}).items():
         lines += [f"**Loaders, {key.replace('_', ' ')}** (copy limit "
                   f"{section['copy_limit_gb_per_s']:.1f} GB/s)", "",
                   "| loader | images/s | output GB/s | share of copy limit | reference, host / this |",
@@ -632,7 +735,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {name} | {r['images_per_s']:,.0f} | {r['gb_per_s']:.2f} | "
                          f"{r['fraction_of_copy']:.0%} | {r['reference_speedup']:.2f} |")
         lines.append("")
-    for key, row in results["placements"].items():
+    for key, row in results.get("placements", {}).items():
         lines += [f"**Placements against training**, {key.replace('_', ' ')} ({row['images']:,} images, "
                   f"{row['steps']} steps; train step {row['train_step_ms']:.1f} ms)", "",
                   "| placement | loader step ms | loader / train step | waiting for data (sync loop) "
@@ -642,44 +745,53 @@ def markdown(results: dict) -> str:
             lines.append(f"| {p} | {r['loader_step_ms']:.1f} | {r['loader_over_train']:.2f} | "
                          f"{r['wait_fraction']:.1%} | {r['slowdown_fraction']:+.1%} |")
         lines.append("")
-    lines += ["**Training** (per step, median; compile = first call - warm call)", "",
-              "| global batch | strategy | step ms | / single | compile s |",
-              "| ---: | --- | ---: | ---: | ---: |"]
-    for key, row in results["training"].items():
-        for name, r in row.items():
-            lines.append(f"| {key.split('_')[1]} | {name} | {r['step_ms']:.1f} | "
-                         f"{r['ratio_to_single']:.2f} | {r['compile_s']:.2f} |")
-    lines += ["", "**The canonical reduction** (shard_map, L = the device count; step median over "
-              "interleaved rounds; peak RSS of 3 steps in a fresh process, every device's together)", "",
-              "| global batch | plain step ms | canonical step ms | canonical / plain time | plain peak MiB "
-              "| canonical peak MiB | canonical / plain peak |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for key, row in results["reduction"].items():
-        lines.append(f"| {key.split('_')[1]} | {row['plain']['step_ms']:.1f} | {row['canonical']['step_ms']:.1f} | "
-                     f"{row['ratio']['step_time']:.2f} | {row['plain']['peak_mb']:.0f} | "
-                     f"{row['canonical']['peak_mb']:.0f} | {row['ratio']['peak_rss']:.2f} |")
-    lines += ["", "**Memory** (one epoch, per-device batch 128, fresh process; MiB over the RSS before reading)", "",
-              "| case | raw dataset | global batch | peak in read_cifar10 | held after read | peak in epoch | budget |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, m in results["memory"].items():
-        lines.append(f"| {name} | {m['raw_mb']:.0f} | {m['batch_mb']:.1f} | {m['read_peak_mb']:.0f} | "
-                     f"{m['after_read_mb']:.0f} | {m['epoch_peak_mb']:.0f} | {m['budget_mb']:.0f} |")
-    d = results["donation"]
-    lines += ["", f"**Donation** (MLP {'-'.join(map(str, d['layers']))}, sharded_step, per-device batch "
-              f"{d['batch']}; per device, "
-              f"XLA's memory_analysis: arguments + outputs - aliased + temporaries, of the update program, where "
-              f"the donation acts, and of the gradient program; a step holds the larger; step time median)", "",
-              "| state | params MiB | aliased MiB | update temporaries MiB | update holds MiB "
-              "| gradient holds MiB | one step holds MiB | step ms |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name in ("donated", "kept"):
-        r = d[name]
-        lines.append(f"| {name} | {r['state_mb']:.1f} | {r['aliased_mb']:.1f} | {r['temp_mb']:.1f} | "
-                     f"{r['update_mb']:.1f} | {r['gradient_mb']:.1f} | {r['step_mb']:.1f} | {r['step_ms']:.1f} |")
-    lines.append(f"| donated / kept | | | | | | {d['ratio']['step_memory']:.2f} | {d['ratio']['step_time']:.2f} |")
-    lines += ["", "**Goals**", "", "| goal | measured | target | met |", "| --- | ---: | --- | --- |"]
+    if "training" in results:
+        lines += ["**Training** (per step, median; compile = first call - warm call)", "",
+                  "| global batch | strategy | step ms | / single | compile s |",
+                  "| ---: | --- | ---: | ---: | ---: |"]
+        for key, row in results["training"].items():
+            for name, r in row.items():
+                lines.append(f"| {key.split('_')[1]} | {name} | {r['step_ms']:.1f} | "
+                             f"{r['ratio_to_single']:.2f} | {r['compile_s']:.2f} |")
+        lines.append("")
+    if "reduction" in results:
+        lines += [f"**The canonical reduction** (canonical_step against sharded_step on the same batch of L*b "
+                  f"rows, SGD; step median over interleaved rounds; peak RSS of {PEAK_STEPS} steps, compile "
+                  f"included, in a fresh process)", "",
+                  "| model | global batch | L | plain ms | canonical ms | canonical / plain | plain peak MiB "
+                  "| canonical peak MiB | canonical / plain peak |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in results["reduction"]:
+            lines.append(f"| {r['model']} | {r['rows']} | {r['logical_shards']} | {r['plain']['step_ms']:.1f} | "
+                         f"{r['canonical']['step_ms']:.1f} | {r['ratio']['step_time']:.2f} | "
+                         f"{r['plain']['peak_mb']:.0f} | {r['canonical']['peak_mb']:.0f} | "
+                         f"{r['ratio']['peak_rss']:.2f} |")
+        lines.append("")
+    if "memory" in results:
+        lines += ["**Memory** (one epoch, per-device batch 128, fresh process; MiB over the RSS before reading)",
+                  "", "| case | raw dataset | global batch | peak in read_cifar10 | held after read | peak in epoch "
+                  "| budget |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for name, m in results["memory"].items():
+            lines.append(f"| {name} | {m['raw_mb']:.0f} | {m['batch_mb']:.1f} | {m['read_peak_mb']:.0f} | "
+                         f"{m['after_read_mb']:.0f} | {m['epoch_peak_mb']:.0f} | {m['budget_mb']:.0f} |")
+        d = results["donation"]
+        lines += ["", f"**Donation** (MLP {'-'.join(map(str, d['layers']))}, sharded_step's programs, per-device "
+                  f"batch {d['batch']}; per device, XLA's memory_analysis: arguments + outputs - aliased + "
+                  f"temporaries, of the update program, where the donation acts, and of the gradient program; "
+                  f"a step holds the larger; step time median)", "",
+                  "| state | params MiB | aliased MiB | update temporaries MiB | update holds MiB "
+                  "| gradient holds MiB | one step holds MiB | step ms |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for name in ("donated", "kept"):
+            r = d[name]
+            lines.append(f"| {name} | {r['state_mb']:.1f} | {r['aliased_mb']:.1f} | {r['temp_mb']:.1f} | "
+                         f"{r['update_mb']:.1f} | {r['gradient_mb']:.1f} | {r['step_mb']:.1f} | {r['step_ms']:.1f} |")
+        lines += [f"| donated / kept | | | | | | {d['ratio']['step_memory']:.2f} | {d['ratio']['step_time']:.2f} |",
+                  ""]
+    lines += ["**Goals**", "", "| goal | measured | target | met |", "| --- | ---: | --- | --- |"]
     for g in results["goals"]:
         lines.append(f"| {g['goal']} | {g['measured']:.2f} | {g['target']} | {'yes' if g['met'] else 'no'} |")
-    if results.get("implausible"):
+    if results["implausible"]:
         lines += ["", "**Implausible figures** (the machine was too busy to measure them; rerun):", ""]
         lines += [f"- {text}" for text in results["implausible"]]
     return "\n".join(lines)
@@ -692,43 +804,47 @@ def cpu_name() -> str:
 
 
 def main(argv=None) -> dict:
+    """Runs the chosen sections, prints the report and returns the figures (``--json``: also to a file)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller data, fewer repeats (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="smaller data, fewer repeats")
     parser.add_argument("--smoke", action="store_true",
-                        help="the smallest run through every section (and a 3072-64-10 MLP), for the "
-                             "test suite: its figures are noise")
+                        help="the smallest run through every code path, for the test suite: its figures are noise")
     parser.add_argument("--num-train", type=int, help="synthetic images (default 50,000; quick 4,096)")
-    parser.add_argument("--repeats", type=int, help="rounds per median (default 3; quick 2)")
+    parser.add_argument("--repeats", type=int, help="rounds per median (default 3; quick 2); a single step's "
+                                                    "median takes 3 times as many")
     parser.add_argument("--json", metavar="FILE", help="also write the figures here")
     parser.add_argument("--no-grain", action="store_true", help="skip Grain even if installed")
     parser.add_argument("--no-dali", action="store_true", help="skip DALI even if installed")
     parser.add_argument("--sections", default="loader,placements,training,reduction,memory",
                         help="comma-separated sections to run (default: all of them)")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
-    parser.add_argument("--reduction-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--reduction-child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
         root, batch_size, prefetch, placement = args.memory_child
         print(json.dumps(memory_child(root, int(batch_size), int(prefetch), placement)))
         return {}
     if args.reduction_child:
-        reduction, batch_size, layers = args.reduction_child
-        print(json.dumps(reduction_child(reduction, int(batch_size), tuple(int(w) for w in layers.split(",")))))
+        name, step, *sizes = args.reduction_child
+        print(json.dumps(reduction_child(name, step, *map(int, sizes), args.smoke)))
         return {}
-    # (full, quick, smoke)
-    size = 2 if args.smoke else 1 if args.quick else 0
+    size = 2 if args.smoke else 1 if args.quick else 0  # (full, quick, smoke)
     args.num_train = args.num_train or (50_000, 4_096, 1_024)[size]  # 1024: 8 devices x B 128
     args.repeats = args.repeats or (3, 2, 1)[size]
+    args.step_rounds = 3 * args.repeats
     args.train_steps = (4, 2, 1)[size]
     args.placement_images = (16_384, 1_024, 256)[size]
     args.placement_batches = [(1024, 8192), (128, 512), (64,)][size]
     args.training_batches = GLOBAL_BATCHES if size < 2 else GLOBAL_BATCHES[:1]
-    args.reduction_batches = GLOBAL_BATCHES if size < 2 else GLOBAL_BATCHES[:1]
+    # (model, G, L / n): L = n and 3n; --smoke: each model, step and L once, on 2 devices
+    args.reduction_cases = (list(itertools.product(MODELS, GLOBAL_BATCHES, (1, 3))) if size < 2 else
+                            [("mlp", 16, 3), ("conv", 16, 1), ("attention", 16, 1)])
+    args.reduction_devices = len(jax.devices()) if size < 2 else min(2, len(jax.devices()))
     args.dataloader_cap = (4_096, 1_024, 256)[size]
     args.memory_cases = [tuple(MEMORY_CASES), ("host prefetch 2", "device"), ("device",)][size]
-    args.layers = model.LAYERS if size < 2 else (3072, 64, 10)  # smoke: the code paths, not the figures
+    args.layers = model.LAYERS if size < 2 else SMOKE_LAYERS
     args.donation_batch, args.donation_steps = (128, 16, 2)[size], (5, 3, 2)[size]
-    args.donation_layers = (model.LAYERS, model.LAYERS, (3072, 32, 10))[size]  # smoke: a small MLP
+    chosen = args.sections.split(",")
     mesh = loaders.data_mesh(jax.devices())
     with tempfile.TemporaryDirectory() as root:
         args.cache_dir = os.path.join(root, "cache")
@@ -741,20 +857,18 @@ def main(argv=None) -> dict:
             "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, "
                        f"{mesh.devices.size} {jax.devices()[0].platform} devices",
             "config": f"{args.num_train:,} images, {args.repeats} rounds, JAX {jax.__version__}, "
-                      f"NumPy {np.__version__}, Grain {grain_version() or 'not installed'}, "
-                      f"DALI {dali_version() or 'not installed'}",
+                      f"NumPy {np.__version__}, Grain {installed('grain') or 'not installed'}, "
+                      f"DALI {installed(DALI) or 'not installed'}",
             "read_cifar10_s": read_s,
             "placements_batches": list(args.placement_batches),
             "training_batches": list(args.training_batches),
-            "reduction_batches": list(args.reduction_batches),
             "section_s": {},
         }
         sections = {"loader": lambda: loader_section(images, labels, mesh, args),
                     "placements": lambda: placement_section(images, labels, mesh, args),
                     "training": lambda: training_section(images, labels, mesh, args),
-                    "reduction": lambda: reduction_section(images, labels, mesh, args),
+                    "reduction": lambda: reduction_section(args),
                     "memory": lambda: memory_section(data, args, results)}
-        chosen = args.sections.split(",")
         unknown = sorted(set(chosen) - set(sections))
         if unknown:
             parser.error(f"--sections: unknown {unknown}; choose from {list(sections)}")
@@ -765,12 +879,9 @@ def main(argv=None) -> dict:
             results[name] = section()
             results["section_s"][name] = time.perf_counter() - start
             print(f"bench: {name} section {results['section_s'][name]:.1f} s", file=sys.stderr, flush=True)
-    if set(chosen) == set(sections):
-        results["goals"] = goals(results)
-        results["implausible"] = implausible(results)
-        print(markdown(results))
-    else:  # a part of the run: its figures as JSON, no goals
-        print(json.dumps({name: results[name] for name in chosen}, indent=1))
+    results["goals"] = goals(results)
+    results["implausible"] = implausible(results)
+    print(markdown(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -40,7 +40,7 @@ derandomised with modest example counts, ``dev`` random with more examples,
 jitted test pays for compilation. A test that sets its own count (an expensive
 one) takes it from ``examples(n)``, which scales n like the profile (ci x1,
 dev x4, thorough x40), so every property test goes deeper under ``thorough``.
-``mutation`` is ci without shrinking (mutation.py's).
+``mutation`` is ci without shrinking (tools/mutation.py's).
 
 Helpers that several test files share live here too, at the end, each section
 naming the files that use it (``from conftest import ...``, as for
@@ -49,7 +49,6 @@ no test file imports another.
 """
 
 import collections
-import math
 import os
 import resource
 import shutil
@@ -59,7 +58,6 @@ import sys
 import tempfile
 import time
 from fractions import Fraction
-from typing import NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -349,16 +347,14 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow")
+    parser.addoption("--run-slow", action="store_true", help="also run the extended tier (tests marked slow)")
 
 
-# The files that take longest (seconds of one core, measured on 2 cores), run first: xdist's
-# loadfile hands whole files to workers as they come free, so a long file started last would
-# leave one worker running alone at the end. A file not named here goes after these.
-HEAVY_FIRST = ("test_equivalence.py", "test_dali.py", "test_rocal.py", "test_loaders.py", "test_multiprocess.py",
-               "test_checkpoints.py", "test_refimpl.py", "test_own_job.py", "test_bench.py", "test_model.py",
-               "test_strategies.py", "test_arithmetic.py", "test_loaders_resume.py", "test_harness.py",
-               "test_conformance.py", "test_loaders_any_data.py", "test_plan.py")  # measured 2026-12-02
+# The files that take longest run first: xdist's loadfile hands whole files to workers as they
+# come free, so a long file started last would leave one worker running alone at the end.
+HEAVY_FIRST = ("test_strategies.py", "test_refimpl.py", "test_equivalence.py", "test_dali.py", "test_rocal.py",
+               "test_loaders.py", "test_multiprocess.py", "test_own_job.py", "test_bench.py", "test_model.py",
+               "test_arithmetic.py", "test_harness.py", "test_conformance.py", "test_plan.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -366,7 +362,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))  # stable
     if config.getoption("--run-slow"):
         return
-    skip = pytest.mark.skip(reason="slow (about 20 s): run with --run-slow")
+    skip = pytest.mark.skip(reason="the extended tier: run with --run-slow")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
@@ -390,7 +386,8 @@ def pytest_configure(config):
     # examples, so their tests get 4 and 40 times as long.
     if settings.default.max_examples > 25:
         scale_watchdog(config, settings.default.max_examples / 25)
-    config.addinivalue_line("markers", "slow: a long end-to-end regression run; skipped unless --run-slow")
+    config.addinivalue_line("markers", "slow: the extended tier (matrices, soaks, sweeps, child and multi-process "
+                                       "runs); skipped unless --run-slow")
     config.addinivalue_line("markers", "multiprocess: launches several JAX processes (jax.distributed)")
     config.addinivalue_line("markers", "rocal: needs amd.rocal (rocAL's CPU or GPU backend)")
     config.addinivalue_line("markers", "dali: needs nvidia.dali (runs its CPU pipelines)")
@@ -567,7 +564,7 @@ if np.finfo(np.longdouble).nmant >= 63:  # an x86 extended long double holds 1 +
 
 
 # --------------------------------------------------------------------------
-# Resumes on other meshes: test_loaders_resume.py, test_checkpoints.py
+# Resumes on other meshes: test_loaders.py
 # --------------------------------------------------------------------------
 
 
@@ -616,23 +613,6 @@ def linear_features(rng, rows: int) -> np.ndarray:
 # Fixed shapes (one compilation each): the model is drawn, not its sizes.
 MODELS = {"mlp": (model.loss_terms, lambda: model.init_model(SMALL_LAYERS), mlp_features, 10),
           "linear": (linear_loss_terms, linear_init, linear_features, CLASSES)}
-
-
-def assert_params_close(a, b, *, ulps_per_step: float, steps: int, what: str):
-    """Every leaf of a within ``ulps_per_step * steps`` ulps of b (0 means bit-identical).
-
-    The ulp is that of the leaf's largest magnitude: a reordered gradient sum is
-    off relative to the size of its terms, not of its result, so an entry near
-    zero can legitimately differ by more than its own ulp."""
-    for i, (x, y) in enumerate(zip(jax.tree.leaves(a), jax.tree.leaves(b))):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.shape == y.shape and x.dtype == y.dtype, f"{what}: leaf {i} {x.shape} vs {y.shape}"
-        allowed = ulps_per_step * steps * np.spacing(max(np.abs(x).max(), np.abs(y).max()))
-        off = np.abs(x - y) > allowed
-        assert not off.any(), (
-            f"{what}: leaf {i} differs in {off.sum()} of {x.size} entries; max |diff| "
-            f"{np.max(np.abs(x - y)):.3g} (allowed {ulps_per_step} ulps x {steps} steps)"
-        )
 
 
 def host_batches(seed: int, steps: int, n: int, real_per_device: list[int], kind: str = "mlp"):

@@ -34,8 +34,7 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
     for key in ("per_device_16", "per_device_128"):
         section = results["loader"][key]
         assert number(section["copy_limit_gb_per_s"])
-        assert {"reference, host", "reference, device", "reference, host_float32",
-                "naive loop"} <= set(section["loaders"])
+        assert {f"reference, {p}" for p in loaders.PLACEMENTS} | {"naive loop"} <= set(section["loaders"])
         for r in section["loaders"].values():
             assert all(number(r[f]) for f in ("images_per_s", "gb_per_s", "fraction_of_copy",
                                               "reference_speedup")), r
@@ -55,15 +54,22 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
             assert number(r["step_ms"]) and number(r["compile_s"]) and number(r["ratio_to_single"]), r
         assert row["single"]["ratio_to_single"] == 1.0
 
-    assert set(results["reduction"]) == {f"global_{b}" for b in results["reduction_batches"]}
-    for row in results["reduction"].values():
-        for reduction in ("plain", "canonical"):
-            assert number(row[reduction]["step_ms"]) and number(row[reduction]["peak_mb"]), row
-        assert number(row["ratio"]["step_time"]) and number(row["ratio"]["peak_rss"]), row
+    rows = results["reduction"]
+    assert {r["model"] for r in rows} == {"mlp", "conv", "attention"}
+    assert {r["logical_shards"] // r["devices"] for r in rows} == {1, 3}  # L = n and 3n
+    for r in rows:
+        assert r["rows"] % r["logical_shards"] == 0, r
+        for step in ("plain", "canonical"):
+            assert number(r[step]["step_ms"]) and number(r[step]["peak_mb"]), r
+        assert number(r["ratio"]["step_time"]) and number(r["ratio"]["peak_rss"]), r
+    assert "| mlp |" in stdout and "at L = n, conv" in stdout
 
     assert results["memory"]
     for m in results["memory"].values():
         assert all(number(m[f]) for f in ("raw_mb", "batch_mb", "budget_mb", "read_peak_mb", "epoch_peak_mb"))
+
+    for name in ("donated", "kept"):
+        assert all(number(results["donation"][name][f]) for f in ("step_mb", "step_ms")), results["donation"]
 
     assert results["goals"] and all({"goal", "measured", "target", "met"} <= set(g) for g in results["goals"])
     assert isinstance(results["implausible"], list) and all(isinstance(t, str) for t in results["implausible"])
