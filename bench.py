@@ -307,12 +307,14 @@ class TimedIter:
 
 
 def synchronous_epoch(loader, params) -> float:
-    """The share of an epoch's wall time spent in next() when each step (the notebooks'
-    ``model.update``) is finished before the next batch is asked for: the devices idle."""
+    """The share of an epoch's wall time spent in next() when each step (the plain
+    ``sharded_step``) is finished before the next batch is asked for: the devices idle."""
+    step = strategies.sharded_step(model.loss_terms, strategies.sgd_update)
+    state = strategies.replicate((params, strategies.sgd(LEARNING_RATE).init(params)), loader.mesh)
     start = time.perf_counter()
     batches = TimedIter(loader.epoch(0))
     for batch in batches:
-        params, value = model.update(params, batch, LEARNING_RATE)
+        state, value = step(state, batch)
         value.block_until_ready()
     return batches.wait_s / (time.perf_counter() - start)
 
