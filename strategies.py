@@ -62,6 +62,10 @@ LAYOUT = {"sharded": "sharded", "pmap": "pmap", "shard_map": "sharded", "single"
 REDUCTIONS = ("plain", "canonical")
 NOTEBOOK_LEARNING_RATE = 0.001
 SHARDS_KEY = "logical_shards"  # a loader batch's entry: int32 (L,), 0..L-1, sharded like its rows
+# The canonical programs' XLA options, set here, not by the user: each device compiles its own
+# copy of a program, so on GPUs the kernels must not be chosen by timing (autotuning) nor add
+# with atomics. On CPU they change nothing.
+CANONICAL_XLA_OPTIONS = {"xla_gpu_deterministic_ops": True, "xla_gpu_autotune_level": 0}
 
 Params = Any  # any pytree of float arrays
 LossTerms = Callable[[Any, dict], tuple]  # (params, batch) -> (total over real rows, count)
@@ -478,7 +482,7 @@ def update_program(update: Callable, donate: bool = False) -> Callable:
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: _divided(g, count), sums)
         return _updated(update, grads, opt_state, params), _divided(total, count)
-    return jax.jit(apply, donate_argnums=(0,) if donate else ())
+    return jax.jit(apply, donate_argnums=(0,) if donate else (), compiler_options=CANONICAL_XLA_OPTIONS)
 
 
 def _divided(x, count):
@@ -585,9 +589,11 @@ def block_program(loss_terms: LossTerms) -> Callable:
     runs this same program on its own blocks, whatever the mesh: no program's arithmetic
     depends on the number of devices. (Inside one multi-device program it would: a loop
     of one block is inlined and fused with its neighbours, and XLA compiles partitioned
-    programs through other passes.)"""
+    programs through other passes.) XLA binds an executable to its device, so the first
+    step compiles it once per local device."""
     gradient = _total_gradient(loss_terms)
-    return jax.jit(lambda params, rows: jax.tree.map(lambda x: x[None], gradient(params, rows)))
+    return jax.jit(lambda params, rows: jax.tree.map(lambda x: x[None], gradient(params, rows)),
+                   compiler_options=CANONICAL_XLA_OPTIONS)
 
 
 @functools.lru_cache(maxsize=64)
@@ -631,7 +637,8 @@ def fold_program(mesh: Mesh, per_device: int) -> Callable:
             blocks = lax.all_to_all(vector, AXIS, 1, 0, tiled=True)  # (L, chunk), block order
             folded.append(lax.all_gather(_left_fold(blocks), AXIS, tiled=True)[:width].reshape(shape))
         return jax.tree.unflatten(jax.tree.structure(rounds[0]), folded)
-    return jax.jit(jax.shard_map(fold, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False))
+    return jax.jit(jax.shard_map(fold, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False),
+                   compiler_options=CANONICAL_XLA_OPTIONS)
 
 
 def _left_fold(blocks):

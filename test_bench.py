@@ -11,6 +11,8 @@ import math
 import os
 import sys
 
+import pytest
+
 import loaders
 from conftest import run_children
 
@@ -21,6 +23,7 @@ def number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+@pytest.mark.slow
 def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
     out = tmp_path / "bench.json"
     command = [sys.executable, os.path.join(HERE, "bench.py"), "--smoke", "--no-grain", "--json", str(out)]

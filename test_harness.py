@@ -74,6 +74,7 @@ waits_in_native()
 '''
 
 
+@pytest.mark.slow  # child processes: the extended tier
 def test_a_hung_child_fails_within_its_bound_with_its_stacks(tmp_path):
     (tmp_path / "hung.py").write_text(HUNG)
     start = time.monotonic()
@@ -94,6 +95,7 @@ def test_a_hung_child_fails_within_its_bound_with_its_stacks(tmp_path):
         assert "pause" in message, message
 
 
+@pytest.mark.slow  # child processes: the extended tier
 def test_a_childs_own_children_are_dumped_and_killed(tmp_path):
     # As refimpl --local-processes does: the child starts a process in a session of its own,
     # out of reach of a kill of the child's process group. (Neither imports JAX; both inherit
@@ -121,6 +123,7 @@ def test_a_childs_own_children_are_dumped_and_killed(tmp_path):
     assert not os.path.exists(f"/proc/{grandchild}"), "the grandchild outlived run_children"
 
 
+@pytest.mark.slow  # child processes: the extended tier
 def test_a_failed_peer_stops_the_others_of_its_job_after_the_grace():
     # The processes of one job (grace given): a peer of a failed process may wait forever.
     sleeps = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -146,6 +149,7 @@ def test_children_that_end_by_themselves_are_returned_as_they_ended():
     assert 0.5 <= results[0].seconds < 30 and results[1].seconds < results[0].seconds
 
 
+@pytest.mark.slow  # child processes: the extended tier
 def test_the_watchdog_caps_a_childs_deadline(monkeypatch, request):
     # Inside a test, run_children stops its children STACK_MARGIN s before the watchdog
     # fires, whatever timeout the caller gave, so their stacks are still reported.
@@ -173,6 +177,7 @@ def test_waits_in_native():
 '''
 
 
+@pytest.mark.slow  # child processes: the extended tier
 def test_the_watchdog_fails_a_hung_test_with_its_stack(tmp_path, request):
     # The suite's own configuration, with its limits shortened: a wait pytest-timeout can
     # interrupt fails the test (and the run goes on); a native one, which it cannot, ends

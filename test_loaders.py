@@ -950,6 +950,7 @@ print(f"main done at {time.time()!r}", flush=True)
 '''
 
 
+@pytest.mark.slow  # a child process: the extended tier
 def test_epochs_left_unfinished_at_exit_print_nothing_and_end(tmp_path):
     """Every backend's epoch left unfinished at the interpreter's exit (host epochs with their
     prefetch threads, one never started, a resumed one; "device"; DALI's and rocAL's pipelines

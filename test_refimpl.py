@@ -140,9 +140,9 @@ def stopped(data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def canonical(data, tmp_path_factory):
-    """The canonical reduction over 8 logical shards on 8 devices, Adam, uninterrupted."""
+    """The canonical reduction over 8 logical shards on 4 devices, Adam, uninterrupted."""
     path = tmp_path_factory.mktemp("canonical") / "c8.npz"
-    done = run_here(["--data-dir", data, *CANONICAL, "--devices", "8", "--params-out", path])
+    done = run_here(["--data-dir", data, *CANONICAL, "--devices", "4", "--params-out", path])
     assert done.status == 0, done.out + done.err
     done.params = path
     return done
@@ -152,7 +152,7 @@ def canonical(data, tmp_path_factory):
 def canonical_stopped(data, tmp_path_factory):
     """The same run stopped after run step 2, before its masked last step."""
     folder = tmp_path_factory.mktemp("canonical-stopped") / "ck"
-    done = run_here(["--data-dir", data, *CANONICAL, "--devices", "8", "--stop-after-step", "3",
+    done = run_here(["--data-dir", data, *CANONICAL, "--devices", "4", "--stop-after-step", "3",
                      "--checkpoint-dir", folder])
     assert done.status == 0, done.out + done.err
     done.folder = folder
@@ -416,7 +416,7 @@ def test_a_run_trains_every_strategy_and_reports_each_epoch_and_verdict(plain):
     assert "FAILED" not in plain.out
 
 
-@pytest.mark.parametrize("run", ["plain", "mnist"])
+@pytest.mark.parametrize("run", ["plain", pytest.param("mnist", marks=pytest.mark.slow)])
 def test_what_a_run_trains_is_what_the_modules_train_by_hand(run, request):
     """A run by hand: make_loader (shuffled by --seed, fill, the notebook's normalisation:
     rocAL's (x - 127.5) / 127.5 for cifar10, DALI's x / 255 for mnist), init_model of the
@@ -587,8 +587,8 @@ def test_jax_is_configured_before_it_touches_a_device(monkeypatch):
 
 
 def test_canonical_runs_are_the_same_bits_pair_by_pair_and_on_another_device_count(canonical, data, tmp_path):
-    """On 8 devices sharded and single (one device adding the 8 logical shards as
-    microbatches) are said bit-identical; on 2 devices, --compare-to the 8-device run's
+    """On 4 devices sharded and single (one device adding the 8 logical shards as
+    microbatches) are said bit-identical; on 2 devices, --compare-to the 4-device run's
     --params-out says each strategy bit-identical, exit 0. The control: that file with one
     bit of sharded's first leaf flipped and single's second leaf missing fails the run, each
     named (the leaf and the entry; the missing name), a FAILED line last, exit status 1."""
@@ -679,10 +679,10 @@ def test_with_drop_a_resume_skips_the_stated_count(data, tmp_path):
         in done.out.splitlines(), done.out
 
 
-def test_canonical_stopped_on_8_devices_and_resumed_on_2_ends_on_the_uninterrupted_bits(canonical, canonical_stopped):
-    """The canonical run over 8 logical shards stopped on 8 devices before its masked step
+def test_canonical_stopped_on_4_devices_and_resumed_on_2_ends_on_the_uninterrupted_bits(canonical, canonical_stopped):
+    """The canonical run over 8 logical shards stopped on 4 devices before its masked step
     and resumed on 2 with --resume-from alone: every sample once, and --compare-to the
-    uninterrupted 8-device run says each strategy bit-identical, params and Adam's state."""
+    uninterrupted 4-device run says each strategy bit-identical, params and Adam's state."""
     done = run_here(["--resume-from", canonical_stopped.folder, "--devices", "2", "--compare-to", canonical.params])
     assert done.status == 0, done.out + done.err
     for name in ("sharded", "single"):
