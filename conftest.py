@@ -350,16 +350,28 @@ def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run the extended tier (tests marked slow)")
 
 
-# The files that take longest run first: xdist's loadfile hands whole files to workers as they
-# come free, so a long file started last would leave one worker running alone at the end.
-HEAVY_FIRST = ("test_strategies.py", "test_refimpl.py", "test_equivalence.py", "test_dali.py", "test_rocal.py",
-               "test_loaders.py", "test_multiprocess.py", "test_own_job.py", "test_bench.py", "test_model.py",
-               "test_arithmetic.py", "test_harness.py", "test_conformance.py", "test_plan.py")
+# The default tier's files, longest first. xdist's loadfile hands each worker two files at the
+# start and then one more whenever it has fewer than two waiting; so the first n go one to each
+# of the n workers, the n shortest next (each worker's second file, short, so no two long files
+# queue on one worker), then the rest longest first (none long left to run alone at the end).
+HEAVY_FIRST = ("test_strategies.py", "test_equivalence.py", "test_refimpl.py", "test_loaders.py", "test_dali.py",
+               "test_rocal.py", "test_model.py", "test_arithmetic.py", "test_conformance.py", "test_plan.py",
+               "test_grain.py", "test_harness.py", "test_cifar_mnist.py", "test_own_job.py", "test_multiprocess.py",
+               "test_bench.py", "test_encoding.py")
+
+
+def file_order(names, workers: int) -> list:
+    """The order the files go to ``workers`` xdist workers (above); names not in HEAVY_FIRST last."""
+    heavy = [n for n in HEAVY_FIRST if n in names] + sorted(set(names) - set(HEAVY_FIRST))
+    first, shortest = heavy[:workers], heavy[workers:][::-1][:workers]
+    return first + shortest + [n for n in heavy if n not in first + shortest]
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))  # stable
+    names = {os.path.basename(str(item.path)) for item in items}
+    order = file_order(names, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    rank = {name: i for i, name in enumerate(order)}
+    items.sort(key=lambda item: rank[os.path.basename(str(item.path))])  # stable
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="the extended tier: run with --run-slow")
