@@ -82,7 +82,7 @@ SETS = {
         "model.py": ["test_model.py"],
     },
     "vendor": {
-        "loaders.py": ["test_loaders.py", "test_loaders_any_data.py", "test_loaders_resume.py"],
+        "loaders.py": ["test_loaders.py"],
         "strategies.py": ["test_strategies.py", "test_equivalence.py"],
         "dali_loader.py": ["test_dali.py"],
         "rocal_loader.py": ["test_rocal.py"],

@@ -158,6 +158,14 @@ def test_a_folder_holds_one_part_and_a_run_of_another_is_refused_naming_both(tmp
         mutation.mutmut("pure", ["run"], ["model.py"])
 
 
+def test_every_module_and_test_file_a_set_names_exists():
+    # A renamed or merged test file left in SETS would judge its module by fewer tests, silently.
+    for name, modules in mutation.SETS.items():
+        for module, files in modules.items():
+            for path in (module, *files):
+                assert (mutation.ROOT / path).is_file(), (name, path)
+
+
 def test_a_deselected_test_is_left_out_of_every_set_and_still_exists():
     # Each DESELECTED test is handed to pytest as --deselect in both sets' configurations, and
     # names a test its file still defines (a renamed test would be deselected silently as
