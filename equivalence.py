@@ -265,7 +265,7 @@ def _absolute_gradient(loss_terms: LossTerms, mesh: Mesh) -> Callable:
     block k alone over the whole batch's count, the rows cut into TERM_BLOCKS blocks per
     device of ``mesh`` (the largest count up to it that divides a device's rows), each
     device computing its own blocks' gradients: the scale at which a reordered sum of the
-    gradient's terms rounds (``Growth``)."""
+    gradient's terms rounds (``stepwise_distances``' unit)."""
     def absolute(params, batch):
         count = jnp.maximum(strategies.checked_terms(loss_terms, params, batch)[1], 1.0)
         block_grad = jax.grad(lambda p, block: strategies.checked_terms(loss_terms, p, block)[0] / count)
@@ -279,41 +279,3 @@ def _absolute_gradient(loss_terms: LossTerms, mesh: Mesh) -> Callable:
         return jax.tree.map(lambda g: jnp.sum(jnp.abs(g), axis=0), grads)
     return absolute
 
-
-def _twin_step(loss_terms: LossTerms, update: Callable, donate: bool, mesh: Mesh) -> Callable:
-    """twin_growth's step on ((r, a, b) stacked states, tangent): the plain step vmapped over
-    the three states, and the tangent carried by the derivative (``jax.jvp``) of r's step
-    (params and the state's float leaves). The value is a list with, per leaf, in the leaf's
-    dtype (zeros for an empty leaf): (max|r|, max|a - r|, max|b - r|) of the new params,
-    max|u|, u the update ``update`` makes at r's old params and state from sum_k |g_k|
-    (``_absolute_gradient``), and max|tangent| of the new params."""
-    plain = strategies.one_step(loss_terms, update)
-    one = jax.vmap(plain, in_axes=(0, None))
-    absolute = _absolute_gradient(loss_terms, mesh)
-
-    def linearised(state, tangent, batch):
-        params, opt_state = state
-        leaves, tree = jax.tree.flatten(opt_state)
-        moving = [i for i, x in enumerate(leaves) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
-
-        def f(p, floats):
-            held = list(leaves)
-            for i, x in zip(moving, floats):
-                held[i] = x
-            new_params, new_state = plain((p, jax.tree.unflatten(tree, held)), batch)[0]
-            new_leaves = jax.tree.leaves(new_state)
-            return new_params, [new_leaves[i] for i in moving]
-        return jax.jvp(f, (params, [leaves[i] for i in moving]), tangent)[1]
-
-    def step(carry, batch):
-        states, tangent = carry
-        params, opt_state = jax.tree.map(lambda x: x[0], states)
-        sizes = jax.tree.leaves(update(absolute(params, batch), opt_state, params)[0])
-        tangent = linearised((params, opt_state), tangent, batch)
-        states, _ = one(states, batch)
-        maxima = [jnp.stack([jnp.max(jnp.abs(x[0])), jnp.max(jnp.abs(x[1] - x[0])), jnp.max(jnp.abs(x[2] - x[0])),
-                             jnp.max(jnp.abs(u)).astype(x.dtype), jnp.max(jnp.abs(d)).astype(x.dtype)])
-                  if x[0].size else jnp.zeros(5, x.dtype)
-                  for x, u, d in zip(jax.tree.leaves(states[0]), sizes, jax.tree.leaves(tangent[0]))]
-        return (states, tangent), maxima
-    return jax.jit(step, donate_argnums=(0,) if donate else ())
