@@ -2,30 +2,20 @@
 
     python bench.py [--quick | --smoke] [--sections loader,...] [--num-train N] [--json FILE]
 
-Cases that are compared run in interleaved rounds (a, b, a, b, ...) in one process, and
-each figure is a median over the rounds, so load from other processes slows them alike:
-read the ratios, not the absolute times. A peak is the RSS a case adds in a fresh
-process (with CPU devices, every device's memory together). The devices are the default
-backend's (8 virtual CPU devices without an accelerator), the data a synthetic CIFAR-10.
+Compared cases run in interleaved rounds (a, b, a, b, ...) in one process, and each figure is
+a median over the rounds. Load from other processes slows them alike: read the ratios, not the
+absolute times. A peak is the RSS a case adds in a fresh process (with CPU devices, all the
+devices' memory). The devices are the default backend's (8 virtual CPU devices without an
+accelerator); the data is a synthetic CIFAR-10. Sections:
 
-1. loader: one shuffled epoch into global sharded arrays, per placement of the reference
-   loader, DALI's CPU pipelines and Grain (when installed) and the per-sample Python loop
-   tutorials write, all doing the same work from the same records, against a
-   single-thread memory copy of the bytes the epoch outputs.
-2. placements: per placement, the loader's time per step over the training step's, the
-   share of a synchronous training epoch spent waiting for data, and the epoch's
-   slowdown against prebuilt batches.
-3. training: each strategy's step time, its ratio to ``single``'s, its compile time.
-4. reduction: ``strategies.canonical_step`` against the plain ``sharded_step`` on the same
-   prebuilt batch, for the notebooks' MLP, a conv net and an attention model, at L = n
-   and 3n logical shards: step time, the peak of a few steps, and their ratios.
-5. memory: peak RSS while reading and over an epoch, against the raw dataset and the
-   batches the design keeps alive; and a plain step's memory with its state donated
-   against kept (XLA's memory_analysis), with their step times.
+1. loader: one shuffled epoch into sharded global arrays, per loader, against a memory copy.
+2. placements: each placement's loader against the training step it feeds.
+3. training: each strategy's step time and compile time.
+4. reduction: ``canonical_step`` against ``sharded_step`` on an MLP, a conv net and attention.
+5. memory: peak RSS reading and over an epoch; a step's memory, its state donated or kept.
 
-The markdown report (of the sections run) ends with their goals and the figures no sane
-run gives ("implausible": the machine was too busy to measure them); ``--json`` writes the
-figures too.
+The report ends with the goals and the figures no sane run gives ("implausible": the machine
+was too busy to measure them); ``--json`` also writes the figures.
 """
 
 from __future__ import annotations
@@ -66,6 +56,10 @@ DALI = "nvidia-dali-cuda130"  # the package whose version the report names
 LEARNING_RATE = 0.01
 MEAN = STD = np.float32(127.5)  # arithmetic.Normalize()'s default, written out for the peers
 SMOKE_LAYERS = (3072, 32, 10)  # --smoke's MLP: the code paths, not the figures
+VOCAB, SEQUENCE, WIDTH = 256, 32, 64  # the attention model's
+CONV_CHANNELS, SMOKE_CHANNELS = (32, 64), (4, 8)
+PEAK_STEPS = 3  # steps of each reduction case a fresh process's peak RSS covers (the first compiles)
+MEMORY_CASES = {"host prefetch 2": ("host", 2), "host prefetch 0": ("host", 0), "device": ("device", 0)}
 
 
 # --------------------------------------------------------------------------
@@ -93,19 +87,11 @@ def drain(batches) -> tuple[int, int]:
     """Consumes batch dicts until the last is ready; returns (samples, bytes) delivered."""
     samples = nbytes = 0
     last = None
-    for batch in batches:
-        samples += batch["images"].shape[0]
-        nbytes += sum(leaf.nbytes for leaf in jax.tree.leaves(batch))
-        last = batch
+    for last in batches:
+        samples += last["images"].shape[0]
+        nbytes += sum(leaf.nbytes for leaf in jax.tree.leaves(last))
     jax.block_until_ready(last)
     return samples, nbytes
-
-
-def copy_case(nbytes: int):
-    """A NumPy copy of ``nbytes``, both buffers touched beforehand (page faults excluded)."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.zeros_like(src)
-    return lambda: np.copyto(dst, src)
 
 
 def rss_mb(field: str = "VmRSS") -> float:
@@ -115,8 +101,8 @@ def rss_mb(field: str = "VmRSS") -> float:
 
 
 def reset_peak() -> None:
-    """Restarts this process's VmHWM from its current RSS (clear_refs "5", Linux 4.0+)."""
-    # getrusage's ru_maxrss would carry the parent's peak across fork+exec.
+    """Restarts this process's VmHWM from its current RSS (clear_refs "5", Linux 4.0+); unlike
+    getrusage's ru_maxrss, it does not carry the parent's peak across fork+exec."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -124,30 +110,63 @@ def reset_peak() -> None:
         pass  # the peaks then include JAX's start-up
 
 
-def children(commands: list[list[str]]) -> list[dict]:
-    """The JSON last line of each command's output, all run at once (a peak RSS is each
-    process's own), on this process's platform, without preallocating GPU memory."""
+def children(calls: list[list]) -> list[dict]:
+    """Runs each call, ["memory" or "reduction", *arguments], at once in a fresh process of this
+    platform (so a peak RSS is each call's own); returns each child function's dict."""
     env = dict(os.environ, JAX_PLATFORMS=jax.devices()[0].platform, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    running = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-               for c in commands]
+    running = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(call)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True) for call in calls]
     try:
-        out = []
-        for command, process in zip(commands, running):
-            stdout, stderr = process.communicate(timeout=600)
-            if process.returncode:
-                raise RuntimeError(f"{' '.join(command)} exited {process.returncode}:\n{stderr[-3000:]}")
-            out.append(json.loads(stdout.splitlines()[-1]))
-        return out
+        outputs = [process.communicate(timeout=600) for process in running]
     finally:
         for process in running:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            process.kill()  # a no-op on a child that has exited
+            process.wait()
+    for call, process, (_, stderr) in zip(calls, running, outputs):
+        if process.returncode:
+            raise RuntimeError(f"bench.py --child {json.dumps(call)} exited {process.returncode}:\n{stderr[-3000:]}")
+    return [json.loads(stdout.splitlines()[-1]) for stdout, _ in outputs]
 
 
 # --------------------------------------------------------------------------
 # 1. The loaders
 # --------------------------------------------------------------------------
+
+
+def loader_section(images, labels, mesh, args) -> dict:
+    """Per per-device batch: the copy limit (GB/s) and, per loader, one epoch drained: images/s,
+    GB/s, share of the copy limit, and "reference, host"'s speed over it. Medians of rounds."""
+    out = {}
+    for batch_size in (16, 128):
+        by_placement = {p: loaders.make_loader((images, labels), mesh, batch_size, shuffle=True,
+                                               placement=p) for p in loaders.PLACEMENTS}
+        cases = {f"reference, {p}": lambda l=l: l.epoch(0) for p, l in by_placement.items()}
+        dali = dali_loader_or_none(images, labels, mesh, batch_size, args)
+        if dali is not None:
+            cases["dali (CPU pipelines)"] = lambda: dali.epoch(0)
+        cases["naive loop"] = lambda b=batch_size: naive_batches(images, labels, mesh, b)
+        if installed("grain") and not args.no_grain:
+            cases.update(grain_cases(images, labels, mesh, batch_size, cap=args.dataloader_cap))
+        for name, make in cases.items():
+            if name.startswith(("reference", "dali")):
+                drain(make())  # warm-up: compilation, first-call costs of device_put
+        _, epoch_bytes = drain(by_placement["host"].epoch(0))
+        sizes = {}
+        timed = {name: (lambda n=name, make=make: sizes.__setitem__(n, drain(make())))
+                 for name, make in cases.items()}
+        src = np.ones(epoch_bytes // 4, np.float32)  # both buffers touched: no page faults timed
+        dst = np.zeros_like(src)
+        timed["copy"] = lambda: np.copyto(dst, src)
+        seconds = {name: statistics.median(t) for name, t in rounds(timed, args.repeats).items()}
+        limit = epoch_bytes / seconds["copy"] / 1e9
+        results = {name: {"seconds": seconds[name], "images": samples, "images_per_s": samples / seconds[name],
+                          "gb_per_s": nbytes / seconds[name] / 1e9,
+                          "fraction_of_copy": nbytes / seconds[name] / 1e9 / limit}
+                   for name, (samples, nbytes) in sizes.items()}
+        for r in results.values():
+            r["reference_speedup"] = results[REFERENCE]["images_per_s"] / r["images_per_s"]
+        out[f"per_device_{batch_size}"] = {"copy_limit_gb_per_s": limit, "loaders": results}
+    return out
 
 
 def naive_batches(images, labels, mesh, batch_size: int, seed: int = 0):
@@ -167,16 +186,13 @@ def naive_batches(images, labels, mesh, batch_size: int, seed: int = 0):
 
 
 def grain_cases(images, labels, mesh, batch_size: int, cap: int) -> dict:
-    """Grain pipelines over the same records, global batch n*B, as global sharded arrays.
+    """Grain pipelines over the same records, global batch n*B, as arrays sharded on 'data'.
 
-    "grain docs": Grain's JAX tutorial recipe: MapDataset.source -> seed -> shuffle
-    -> map(per record) -> batch -> to_iter_dataset() -> grain.experimental.device_put
-    onto NamedSharding(mesh, P('data')), the process's shard chosen by ShardOptions
-    (ShardByJaxProcess; one process here, so the whole dataset). "grain batch-first":
-    the same with batch before map, so normalising is one NumPy call per batch, and
-    2 reader threads for 2 cores. "grain DataLoader": the DataLoader API with an
-    IndexSampler(shard_options=...) and its default ReadOptions, timed on its first
-    ``cap`` images only (it is slow; see docs/performance.md).
+    "grain docs": Grain's JAX recipe, MapDataset.source, seed, shuffle, a per-record map,
+    batch, to_iter_dataset, grain.experimental.device_put; the process's shard by
+    ShardByJaxProcess. "grain batch-first": batch before map (one NumPy call per batch),
+    2 reader threads. "grain DataLoader": an IndexSampler and default ReadOptions, timed on
+    its first ``cap`` images only (it is slow).
     """
     import grain
 
@@ -187,40 +203,46 @@ def grain_cases(images, labels, mesh, batch_size: int, cap: int) -> dict:
         def __getitem__(self, i):
             return {"images": images[i], "labels": labels[i]}
 
-    def normalise(record):  # a record or a batch of them
-        return {"images": (record["images"] - MEAN) / STD, "labels": record["labels"]}
-
     class Normalise(grain.transforms.Map):
-        def map(self, record):
-            return normalise(record)
+        def map(self, record):  # a record or a batch of them
+            return {"images": (record["images"] - MEAN) / STD, "labels": record["labels"]}
 
     sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
     shard = grain.sharding.ShardByJaxProcess(drop_remainder=True)
     per_process = mesh.devices.size * batch_size
 
     def dataset(batch_first: bool, read_options=None):
-        ds = grain.MapDataset.source(Records())[shard.shard_index::shard.shard_count]
-        ds = ds.seed(0).shuffle()
-        if batch_first:
-            ds = ds.batch(per_process, drop_remainder=True).map(normalise)
-        else:
-            ds = ds.map(normalise).batch(per_process, drop_remainder=True)
-        ds = ds.to_iter_dataset(read_options)
-        return grain.experimental.device_put(ds, sharding, cpu_buffer_size=4, device_buffer_size=2)
+        ds = grain.MapDataset.source(Records())[shard.shard_index::shard.shard_count].seed(0).shuffle()
+        ds = (ds.batch(per_process, drop_remainder=True).map(Normalise()) if batch_first
+              else ds.map(Normalise()).batch(per_process, drop_remainder=True))
+        return grain.experimental.device_put(ds.to_iter_dataset(read_options), sharding,
+                                             cpu_buffer_size=4, device_buffer_size=2)
 
     def data_loader():
         sampler = grain.samplers.IndexSampler(len(labels), shard_options=shard, shuffle=True,
                                               num_epochs=1, seed=0)
         ops = [Normalise(), grain.transforms.Batch(per_process, drop_remainder=True)]
-        batches = grain.DataLoader(data_source=Records(), sampler=sampler, operations=ops,
-                                   worker_count=0)
-        steps = max(1, cap // per_process)
-        return (jax.device_put(b, sharding) for b in itertools.islice(batches, steps))
+        batches = grain.DataLoader(data_source=Records(), sampler=sampler, operations=ops, worker_count=0)
+        return (jax.device_put(b, sharding) for b in itertools.islice(batches, max(1, cap // per_process)))
 
     return {"grain docs": lambda: dataset(False),
-            "grain batch-first": lambda: dataset(True, grain.ReadOptions(num_threads=2,
-                                                                         prefetch_buffer_size=4)),
+            "grain batch-first": lambda: dataset(True, grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)),
             "grain DataLoader": data_loader}
+
+
+def dali_loader_or_none(images, labels, mesh, batch_size: int, args):
+    """DALI's CPU pipelines (its own arithmetic) over the same records; None without DALI,
+    with --no-dali or on accelerators."""
+    if args.no_dali or mesh.devices.flat[0].platform != "cpu":
+        return None
+    try:
+        import dali_loader
+        dali_loader.import_dali()
+    except ImportError:
+        return None
+    return dali_loader.make_dali_loader((images, labels), mesh, batch_size, shuffle=True,
+                                        normalize=Normalize(arithmetic="dali_cpu"),
+                                        cache_dir=args.cache_dir, num_threads=1)
 
 
 def installed(package: str) -> str | None:
@@ -231,113 +253,26 @@ def installed(package: str) -> str | None:
         return None
 
 
-def loader_section(images, labels, mesh, args) -> dict:
-    """Per per-device batch: each loader's epoch (images/s, GB/s, share of the copy limit,
-    the reference's speed over its) and the copy limit."""
-    out = {}
-    for batch_size in (16, 128):
-        by_placement = {p: loaders.make_loader((images, labels), mesh, batch_size, shuffle=True,
-                                               placement=p) for p in loaders.PLACEMENTS}
-        cases = {f"reference, {p}": lambda l=l: l.epoch(0) for p, l in by_placement.items()}
-        dali = dali_loader_or_none(images, labels, mesh, batch_size, args)
-        if dali is not None:
-            cases["dali (CPU pipelines)"] = lambda: dali.epoch(0)
-        cases["naive loop"] = lambda b=batch_size: naive_batches(images, labels, mesh, b)
-        if installed("grain") and not args.no_grain:
-            cases.update(grain_cases(images, labels, mesh, batch_size, cap=args.dataloader_cap))
-        for name, make in cases.items():
-            if name.startswith(("reference", "dali")):
-                drain(make())  # warm-up: compilation, first-call costs of device_put
-        _, epoch_bytes = drain(by_placement["host"].epoch(0))
-        sizes = {}
-        timed = {name: (lambda n=name, make=make: sizes.__setitem__(n, drain(make())))
-                 for name, make in cases.items()}
-        timed["copy"] = copy_case(epoch_bytes)
-        seconds = {name: statistics.median(t) for name, t in rounds(timed, args.repeats).items()}
-        limit = epoch_bytes / seconds["copy"] / 1e9
-        results = {}
-        for name, (samples, nbytes) in sizes.items():
-            results[name] = {"seconds": seconds[name], "images": samples,
-                             "images_per_s": samples / seconds[name],
-                             "gb_per_s": nbytes / seconds[name] / 1e9}
-            results[name]["fraction_of_copy"] = results[name]["gb_per_s"] / limit
-        for r in results.values():
-            r["reference_speedup"] = results[REFERENCE]["images_per_s"] / r["images_per_s"]
-        out[f"per_device_{batch_size}"] = {"copy_limit_gb_per_s": limit, "loaders": results}
-    return out
-
-
-def dali_loader_or_none(images, labels, mesh, batch_size: int, args):
-    """DALI's CPU pipelines over the same records, or None without DALI or on accelerators.
-
-    DALI's arithmetic: the same work, its own bits."""
-    if args.no_dali or mesh.devices.flat[0].platform != "cpu":
-        return None
-    try:
-        import dali_loader
-        dali_loader.import_dali()
-    except ImportError:
-        return None
-    norm = Normalize(arithmetic="dali_cpu")
-    return dali_loader.make_dali_loader((images, labels), mesh, batch_size, shuffle=True, normalize=norm,
-                                        cache_dir=args.cache_dir, num_threads=1)
-
-
 # --------------------------------------------------------------------------
 # 2. Placements against the training step
 # --------------------------------------------------------------------------
 
 
-class TimedIter:
-    """Wraps an iterator and adds up the time its consumer spends blocked in next()."""
-
-    def __init__(self, batches):
-        self.batches = iter(batches)
-        self.wait_s = 0.0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        start = time.perf_counter()
-        try:
-            return next(self.batches)
-        finally:
-            self.wait_s += time.perf_counter() - start
-
-
-def synchronous_epoch(loader, params) -> float:
-    """The share of an epoch's wall time spent in next() when each step (the plain
-    ``sharded_step``) is finished before the next batch is asked for: the devices idle."""
-    step = strategies.sharded_step(model.loss_terms, strategies.sgd_update)
-    state = strategies.replicate((params, strategies.sgd(LEARNING_RATE).init(params)), loader.mesh)
-    start = time.perf_counter()
-    batches = TimedIter(loader.epoch(0))
-    for batch in batches:
-        state, value = step(state, batch)
-        value.block_until_ready()
-    return batches.wait_s / (time.perf_counter() - start)
-
-
 def placement_section(images, labels, mesh, args) -> dict:
-    """Per placement and global batch: loader step / train step, waiting, slowdown.
+    """Per global batch and placement: loader step / training step, waiting, slowdown.
 
-    loader step: one epoch drained without training, per step. train step:
-    ``strategies.sharded`` on prebuilt batches, per step. waiting: a synchronous
-    loop (each step finished before the next batch is asked for) spends this
-    share of its wall time in next(); "device" hands out a dispatched gather,
-    so its cost shows in the slowdown instead: the epoch fed by the loader
-    against the same epoch on prebuilt batches.
+    Loader step: an epoch drained without training, per step. Training step:
+    ``strategies.sharded`` on prebuilt batches, per step. Waiting: ``synchronous_epoch``'s
+    share. Slowdown: the epoch fed by the loader against the same epoch on prebuilt
+    batches; "device" hands out a dispatched gather, so its cost shows here, not in waiting.
     """
     n = mesh.devices.size
     params = model.init_model(args.layers)
-    replicated = strategies.replicate(params, mesh)
     out = {}
     for global_batch in args.placement_batches:
         count = min(len(labels), max(args.placement_images, 2 * global_batch))
-        data = (images[:count], labels[:count])
-        make = {p: loaders.make_loader(data, mesh, global_batch // n, shuffle=True, placement=p)
-                for p in loaders.PLACEMENTS}
+        make = {p: loaders.make_loader((images[:count], labels[:count]), mesh, global_batch // n,
+                                       shuffle=True, placement=p) for p in loaders.PLACEMENTS}
         prebuilt = list(make["host"].epoch(0))
         train(strategies.sharded, params, prebuilt[:1], mesh)  # compile
         waits = {p: [] for p in make}
@@ -346,7 +281,7 @@ def placement_section(images, labels, mesh, args) -> dict:
             drain(loader.epoch(0))  # compile the placement's device code
             cases[f"loader {p}"] = lambda l=loader: drain(l.epoch(0))
             cases[f"fed {p}"] = lambda l=loader: train(strategies.sharded, params, l.epoch(0), mesh)
-            cases[f"sync {p}"] = lambda l=loader, p=p: waits[p].append(synchronous_epoch(l, replicated))
+            cases[f"sync {p}"] = lambda l=loader, p=p: waits[p].append(synchronous_epoch(l, params))
         times = rounds(cases, args.repeats)
         steps = len(prebuilt)
         train_step = statistics.median(times["prebuilt"]) / steps
@@ -355,10 +290,26 @@ def placement_section(images, labels, mesh, args) -> dict:
             loader_step = statistics.median(times[f"loader {p}"]) / steps
             row[p] = {"loader_step_ms": 1e3 * loader_step, "loader_over_train": loader_step / train_step,
                       "wait_fraction": statistics.median(waits[p]),
-                      "slowdown_fraction": paired(times, f"fed {p}", "prebuilt",
-                                                  lambda fed, pre: (fed - pre) / fed)}
+                      "slowdown_fraction": paired(times, f"fed {p}", "prebuilt", lambda fed, pre: (fed - pre) / fed)}
         out[f"global_{global_batch}"] = row
     return out
+
+
+def synchronous_epoch(loader, params) -> float:
+    """The share of an epoch's wall time spent in next() when each step (the plain
+    ``sharded_step``) finishes before the next batch is asked for: the devices idle."""
+    step = strategies.sharded_step(model.loss_terms, strategies.sgd_update)
+    state = strategies.replicate((params, strategies.sgd(LEARNING_RATE).init(params)), loader.mesh)
+    start, wait = time.perf_counter(), 0.0
+    batches = iter(loader.epoch(0))
+    while True:
+        asked = time.perf_counter()
+        batch = next(batches, None)
+        wait += time.perf_counter() - asked
+        if batch is None:
+            return wait / (time.perf_counter() - start)
+        state, value = step(state, batch)
+        value.block_until_ready()
 
 
 # --------------------------------------------------------------------------
@@ -368,41 +319,32 @@ def placement_section(images, labels, mesh, args) -> dict:
 
 def train(strategy, params, batches, mesh):
     """``strategy`` on ``batches`` with the notebooks' MLP and SGD(LEARNING_RATE)."""
-    return strategy(params, batches, mesh, loss_terms=model.loss_terms,
-                    optimizer=strategies.sgd(LEARNING_RATE))
+    return strategy(params, batches, mesh, loss_terms=model.loss_terms, optimizer=strategies.sgd(LEARNING_RATE))
 
 
 def training_section(images, labels, mesh, args) -> dict:
-    """Per global batch and strategy: the step time (a run of ``train_steps`` + 1 steps minus a
-    run of one, per step), its ratio to ``single``'s, and the compile time (first call minus
-    a warm one-step run)."""
+    """Per global batch and strategy: the step time (a run of ``train_steps`` + 1 steps minus
+    a run of one, per step), its ratio to ``single``'s, and the compile time (the first call
+    minus a warm one-step run)."""
     params = model.init_model(args.layers)
-    n = mesh.devices.size
-    calls = {}
+    compile_s, cases = {}, {}
     for global_batch in args.training_batches:
         for name, strategy in strategies.STRATEGIES.items():
-            loader = loaders.make_loader((images, labels), mesh, global_batch // n,
+            loader = loaders.make_loader((images, labels), mesh, global_batch // mesh.devices.size,
                                          layout=strategies.LAYOUT[name])
             batches = [loader.batch(0, s % len(loader)) for s in range(args.train_steps + 1)]
-            calls[name, global_batch] = (strategy, batches)
-    compile_s = {}
-    for key, (strategy, batches) in calls.items():
-        start = time.perf_counter()
-        train(strategy, params, batches[:1], mesh)
-        compile_s[key] = time.perf_counter() - start
-    cases = {}
-    for key, (strategy, batches) in calls.items():
-        cases[key, 1] = lambda s=strategy, b=batches: train(s, params, b[:1], mesh)
-        cases[key, 0] = lambda s=strategy, b=batches: train(s, params, b, mesh)
+            start = time.perf_counter()
+            train(strategy, params, batches[:1], mesh)
+            compile_s[name, global_batch] = time.perf_counter() - start
+            cases[name, global_batch, 1] = lambda s=strategy, b=batches[:1]: train(s, params, b, mesh)
+            cases[name, global_batch, 0] = lambda s=strategy, b=batches: train(s, params, b, mesh)
     times = rounds(cases, args.repeats)
     out = {}
-    for key in calls:
-        name, global_batch = key
-        step_s = paired(times, (key, 0), (key, 1), lambda many, one: (many - one) / args.train_steps)
+    for name, global_batch in compile_s:
+        many, one = (name, global_batch, 0), (name, global_batch, 1)
         out.setdefault(f"global_{global_batch}", {})[name] = {
-            "step_ms": 1e3 * step_s,
-            "compile_s": compile_s[key] - statistics.median(times[key, 1]),
-        }
+            "step_ms": 1e3 * paired(times, many, one, lambda t, t1: (t - t1) / args.train_steps),
+            "compile_s": compile_s[name, global_batch] - statistics.median(times[one])}
     for row in out.values():
         for r in row.values():
             r["ratio_to_single"] = r["step_ms"] / row["single"]["step_ms"]
@@ -413,15 +355,64 @@ def training_section(images, labels, mesh, args) -> dict:
 # 4. The canonical reduction on the models users bring
 # --------------------------------------------------------------------------
 
-VOCAB, SEQUENCE, WIDTH = 256, 32, 64  # the attention model's
-CONV_CHANNELS, SMOKE_CHANNELS = (32, 64), (4, 8)
-PEAK_STEPS = 3  # steps of each case a fresh process's peak RSS covers (the first compiles)
+
+def reduction_section(args) -> list[dict]:
+    """Per case of ``args.reduction_cases``: each step's median time over interleaved rounds
+    (after two warm-up calls each), and the peak RSS of PEAK_STEPS steps in a fresh process."""
+    n = args.reduction_devices
+    mesh = loaders.data_mesh(jax.devices()[:n])
+    out = []
+    for name, global_batch, per_device in args.reduction_cases:
+        shards = per_device * n
+        start, batch, steps = reduction_case(name, global_batch, shards, mesh, args.smoke)
+        states = {s: strategies.replicate(start, mesh) for s in steps}  # plain donates on accelerators
+
+        def call(s):
+            states[s], loss = steps[s](states[s], batch)
+            jax.block_until_ready((states[s], loss))
+        for s in [*steps] * 2:  # compile
+            call(s)
+        times = rounds({s: lambda s=s: call(s) for s in steps}, args.step_rounds)
+        peaks = children([["reduction", name, s, global_batch, shards, n, args.smoke] for s in steps])
+        row = {"model": name, "devices": n, "global_batch": global_batch, "logical_shards": shards,
+               "rows": int(batch["mask"].shape[0])}
+        for s, peak in zip(steps, peaks):
+            row[s] = {"step_ms": 1e3 * statistics.median(times[s]), "peak_mb": peak["peak_mb"]}
+        row["ratio"] = {"step_time": row["canonical"]["step_ms"] / row["plain"]["step_ms"],
+                        "peak_rss": row["canonical"]["peak_mb"] / row["plain"]["peak_mb"]}
+        out.append(row)
+    return out
+
+
+def reduction_child(name: str, step: str, global_batch: int, shards: int, devices: int, smoke: bool) -> dict:
+    """The peak RSS (MiB over the RSS before) of PEAK_STEPS steps of one case, in this process."""
+    mesh = loaders.data_mesh(jax.devices()[:devices])
+    start, batch, steps = reduction_case(name, global_batch, shards, mesh, smoke)
+    state = strategies.replicate(start, mesh)
+    jax.block_until_ready((state, batch))
+    base = rss_mb()
+    reset_peak()
+    jax.block_until_ready(strategies.train_loop(steps[step], state, [batch] * PEAK_STEPS))
+    return {"peak_mb": rss_mb("VmHWM") - base}
+
+
+def reduction_case(name: str, global_batch: int, shards: int, mesh, smoke: bool = False) -> tuple:
+    """Model ``name``'s host (params, SGD state), a batch of L*round(G/L) rows sharded on 'data',
+    and {"plain": sharded_step, "canonical": canonical_step at L}."""
+    init, loss_terms, rows = MODELS[name]
+    rng = np.random.default_rng(0)
+    params = init(rng, smoke)
+    count = shards * max(1, round(global_batch / shards))
+    batch = jax.device_put(dict(rows(rng, count), mask=np.ones(count, bool)),
+                           NamedSharding(mesh, P(loaders.DATA_AXIS)))
+    steps = {"plain": strategies.sharded_step(loss_terms, strategies.sgd_update),
+             "canonical": strategies.canonical_step(loss_terms, strategies.sgd_update, mesh, shards)}
+    return (params, strategies.sgd(LEARNING_RATE).init(params)), batch, steps
 
 
 def layer_norm(x, p):
     """LayerNorm over the last axis, p = {"scale", "bias"}."""
-    mean = x.mean(-1, keepdims=True)
-    centred = x - mean
+    centred = x - x.mean(-1, keepdims=True)
     return centred * jax.lax.rsqrt((centred * centred).mean(-1, keepdims=True) + 1e-5) * p["scale"] + p["bias"]
 
 
@@ -429,9 +420,8 @@ def masked_nll(logits, labels, mask) -> tuple:
     """(sum over real rows of the NLL, averaged over any further axes, number of real rows)."""
     logp = jax.nn.log_softmax(logits)
     nll = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    nll = nll.reshape(nll.shape[0], -1).mean(1)
     real = mask.astype(nll.dtype)
-    return jnp.sum(real * nll), jnp.sum(real)
+    return jnp.sum(real * nll.reshape(nll.shape[0], -1).mean(1)), jnp.sum(real)
 
 
 def normal(rng, *shape) -> np.ndarray:
@@ -443,12 +433,11 @@ def norm_params(width: int) -> dict:
     return {"scale": np.ones(width, np.float32), "bias": np.zeros(width, np.float32)}
 
 
-def conv_init(rng, channels=CONV_CHANNELS) -> dict:
-    convs, c_in = [], 3
-    for c in channels:
-        convs.append({"w": normal(rng, 3, 3, c_in, c), "b": np.zeros(c, np.float32), "norm": norm_params(c)})
-        c_in = c
-    return {"convs": convs, "norm": norm_params(c_in), "w": normal(rng, c_in, 10), "b": np.zeros(10, np.float32)}
+def conv_init(rng, channels: tuple) -> dict:
+    convs = [{"w": normal(rng, 3, 3, c_in, c), "b": np.zeros(c, np.float32), "norm": norm_params(c)}
+             for c_in, c in zip((3, *channels), channels)]
+    return {"convs": convs, "norm": norm_params(channels[-1]), "w": normal(rng, channels[-1], 10),
+            "b": np.zeros(10, np.float32)}
 
 
 def conv_loss_terms(params, batch) -> tuple:
@@ -500,69 +489,29 @@ MODELS = {
 }
 
 
-def reduction_case(name: str, global_batch: int, shards: int, mesh, smoke: bool = False) -> tuple:
-    """One case: (host (params, SGD state), a batch of L*round(G/L) rows sharded on 'data',
-    {"plain": sharded_step, "canonical": canonical_step at L}) for model ``name``."""
-    init, loss_terms, rows = MODELS[name]
-    rng = np.random.default_rng(0)
-    params = init(rng, smoke)
-    count = shards * max(1, round(global_batch / shards))
-    host = dict(rows(rng, count), mask=np.ones(count, bool))
-    batch = jax.device_put(host, NamedSharding(mesh, P(loaders.DATA_AXIS)))
-    steps = {"plain": strategies.sharded_step(loss_terms, strategies.sgd_update),
-             "canonical": strategies.canonical_step(loss_terms, strategies.sgd_update, mesh, shards)}
-    return (params, strategies.sgd(LEARNING_RATE).init(params)), batch, steps
-
-
-def reduction_section(args) -> list[dict]:
-    """Per case of ``args.reduction_cases``: both steps' median time over interleaved rounds
-    (two warm-up calls each first), and the peak RSS of PEAK_STEPS steps of each in a fresh
-    process."""
-    n = args.reduction_devices
-    mesh = loaders.data_mesh(jax.devices()[:n])
-    out = []
-    for name, global_batch, per_device in args.reduction_cases:
-        shards = per_device * n
-        start, batch, steps = reduction_case(name, global_batch, shards, mesh, args.smoke)
-        states = {s: strategies.replicate(start, mesh) for s in steps}  # plain donates on accelerators
-
-        def call(s):
-            states[s], loss = steps[s](states[s], batch)
-            jax.block_until_ready((states[s], loss))
-        for s in [*steps] * 2:  # compile
-            call(s)
-        times = rounds({s: lambda s=s: call(s) for s in steps}, args.step_rounds)
-        peaks = children([[sys.executable, os.path.abspath(__file__), "--reduction-child", name, s,
-                           str(global_batch), str(shards), str(n)] + ["--smoke"] * args.smoke for s in steps])
-        row = {"model": name, "devices": n, "global_batch": global_batch, "logical_shards": shards,
-               "rows": int(batch["mask"].shape[0])}
-        for s, peak in zip(steps, peaks):
-            row[s] = {"step_ms": 1e3 * statistics.median(times[s]), "peak_mb": peak["peak_mb"]}
-        row["ratio"] = {"step_time": row["canonical"]["step_ms"] / row["plain"]["step_ms"],
-                        "peak_rss": row["canonical"]["peak_mb"] / row["plain"]["peak_mb"]}
-        out.append(row)
-    return out
-
-
-def reduction_child(name: str, step: str, global_batch: int, shards: int, devices: int, smoke: bool) -> dict:
-    """In a fresh process: the peak RSS (MiB over the RSS before) of PEAK_STEPS steps of one case."""
-    mesh = loaders.data_mesh(jax.devices()[:devices])
-    start, batch, steps = reduction_case(name, global_batch, shards, mesh, smoke)
-    state = strategies.replicate(start, mesh)
-    jax.block_until_ready((state, batch))
-    base = rss_mb()
-    reset_peak()
-    jax.block_until_ready(strategies.train_loop(steps[step], state, [batch] * PEAK_STEPS))
-    return {"peak_mb": rss_mb("VmHWM") - base}
-
-
 # --------------------------------------------------------------------------
 # 5. Memory
 # --------------------------------------------------------------------------
 
 
+def memory_section(root: str, args, results: dict) -> dict:
+    """The loader cases of ``args.memory_cases`` (returned) and the donation (results["donation"])."""
+    results["donation"] = donation_section(loaders.data_mesh(jax.devices()), args)
+    out = {}
+    for name in args.memory_cases:
+        placement, prefetch = MEMORY_CASES[name]
+        [result] = children([["memory", root, 128, prefetch, placement]])
+        # What the design allows: the dataset, the queue, the batch being built and the one
+        # the consumer holds; for "device", the dataset a second time as the devices'
+        # resident copy (CPU devices live in host memory).
+        alive = (prefetch + 2) * result["batch_mb"]
+        result["budget_mb"] = result["raw_mb"] * (2 if placement == "device" else 1) + alive
+        out[name] = result
+    return out
+
+
 def memory_child(root: str, batch_size: int, prefetch: int, placement: str) -> dict:
-    """Runs in its own process: the peak RSS while reading, then over one epoch (MiB)."""
+    """The peak RSS (MiB) while reading, then over one epoch, in this process."""
     mesh = loaders.data_mesh(jax.devices())
     jax.block_until_ready(jax.device_put(np.zeros(8), NamedSharding(mesh, P())))
     base = rss_mb()
@@ -585,71 +534,41 @@ def memory_child(root: str, batch_size: int, prefetch: int, placement: str) -> d
 
 
 def donation_section(mesh, args) -> dict:
-    """The plain step's memory and time with its state donated and kept, the MLP at
-    ``args.layers``.
+    """The plain step's memory and time, its state donated and kept, the MLP at ``args.layers``.
 
-    The step is ``sharded_step``'s two programs: the gradient (params, batch) -> (sums,
-    total, count), and ``strategies.update_program``, where the donation acts. Per program,
-    XLA's ``memory_analysis()`` per device: arguments + outputs - aliased + temporaries; the
-    step holds the larger of the two (they run one after the other). Step time: the median
-    over interleaved rounds (what ``strategies.donates`` decides from)."""
-    n = mesh.devices.size
-    rng = np.random.default_rng(0)
-    params = model.init_model(args.layers)
-    rows = n * args.donation_batch
-    host = {"images": Normalize()(rng.integers(0, 256, (rows, 3, 32, 32), dtype=np.uint8)),
-            "labels": rng.integers(0, 10, rows).astype(np.int32), "mask": np.ones(rows, bool)}
-    batch = jax.device_put(host, NamedSharding(mesh, P(loaders.DATA_AXIS)))
-    start = (params, strategies.sgd(LEARNING_RATE).init(params))
-    out, cases = {"batch": args.donation_batch, "layers": list(args.layers)}, {}
-
-    def held(stats):
-        return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-                + stats.temp_size_in_bytes)
+    The step is ``sharded_step``'s two programs: the gradient, then ``strategies.update_program``,
+    where the donation acts. Memory per program and device, from XLA's ``memory_analysis()``:
+    arguments + outputs - aliased + temporaries; the step holds the larger of the two. Step
+    time: the median over interleaved rounds."""
+    start, batch, _ = reduction_case("mlp", mesh.devices.size * args.donation_batch, mesh.devices.size,
+                                     mesh, args.smoke)
     state = strategies.replicate(start, mesh)
     gradient = jax.jit(strategies._total_gradient(model.loss_terms))  # sharded_step's gradient program
     sums = gradient(state[0], batch)
-    gradient_mb = held(gradient.lower(state[0], batch).compile().memory_analysis()) / 2**20
+
+    def held(stats):
+        return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+                + stats.temp_size_in_bytes) / 2**20
+    gradient_mb = held(gradient.lower(state[0], batch).compile().memory_analysis())
+    out, cases = {"batch": args.donation_batch, "layers": list(args.layers)}, {}
     for name, donate in (("donated", True), ("kept", False)):
         update = strategies.update_program(strategies.sgd_update, donate)
         stats = update.lower(state, *sums).compile().memory_analysis()
-        out[name] = {"state_mb": sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20,
+        out[name] = {"state_mb": sum(x.nbytes for x in jax.tree.leaves(start[0])) / 2**20,
                      "aliased_mb": stats.alias_size_in_bytes / 2**20, "temp_mb": stats.temp_size_in_bytes / 2**20,
-                     "update_mb": held(stats) / 2**20, "gradient_mb": gradient_mb,
-                     "step_mb": max(held(stats) / 2**20, gradient_mb)}
+                     "update_mb": held(stats), "gradient_mb": gradient_mb, "step_mb": max(held(stats), gradient_mb)}
 
         def run(update=update):
-            def step(state, batch):
-                return update(state, *gradient(state[0], batch))
-            jax.block_until_ready(strategies.train_loop(step, strategies.replicate(start, mesh),
+            jax.block_until_ready(strategies.train_loop(lambda s, b: update(s, *gradient(s[0], b)),
+                                                        strategies.replicate(start, mesh),
                                                         [batch] * args.donation_steps))
         run()
         cases[name] = run
     times = rounds(cases, args.repeats)
-    for name in ("donated", "kept"):
+    for name in cases:
         out[name]["step_ms"] = 1e3 * statistics.median(times[name]) / args.donation_steps
     out["ratio"] = {"step_memory": out["donated"]["step_mb"] / out["kept"]["step_mb"],
                     "step_time": out["donated"]["step_ms"] / out["kept"]["step_ms"]}
-    return out
-
-
-MEMORY_CASES = {"host prefetch 2": ("host", 2), "host prefetch 0": ("host", 0), "device": ("device", 0)}
-
-
-def memory_section(root: str, args, results: dict) -> dict:
-    """The loader cases of ``args.memory_cases`` (returned) and the donation (results["donation"])."""
-    results["donation"] = donation_section(loaders.data_mesh(jax.devices()), args)
-    out = {}
-    for name in args.memory_cases:
-        placement, prefetch = MEMORY_CASES[name]
-        result = children([[sys.executable, os.path.abspath(__file__), "--memory-child", root, "128",
-                             str(prefetch), placement]])[0]
-        # What the design allows: the dataset, the queue, the batch being built and the one
-        # the consumer holds; for "device", the dataset a second time as the devices'
-        # resident copy (CPU devices live in host memory).
-        alive = (prefetch + 2) * result["batch_mb"]
-        result["budget_mb"] = result["raw_mb"] * (2 if placement == "device" else 1) + alive
-        out[name] = result
     return out
 
 
@@ -695,114 +614,91 @@ def goals(results: dict) -> list[dict]:
 
 
 def implausible(results: dict) -> list[str]:
-    """Figures no sane run gives, as "where = value": a time or rate not positive and finite,
-    a waiting share outside [0, 1), an epoch slowdown outside (-1, 1). They mean the machine
-    was too busy to measure."""
+    """Figures no sane run gives, as "where = value": a time (*_ms) or rate (*_per_s) not positive
+    and finite, a waiting share outside [0, 1), an epoch slowdown outside (-1, 1), in the loader,
+    placements, training and reduction sections. They mean the machine was too busy to measure."""
+    ranges = {"wait_fraction": lambda v: 0 <= v < 1, "slowdown_fraction": lambda v: -1 < v < 1}
     found = []
 
-    def check(where: str, value, ok=lambda v: v > 0) -> None:
-        if not (isinstance(value, (int, float)) and np.isfinite(value) and ok(value)):
-            found.append(f"{where} = {value!r}")
-
-    for key, section in results.get("loader", {}).items():
-        for name, r in section["loaders"].items():
-            for field in ("images_per_s", "gb_per_s"):
-                check(f"loader {key} {name} {field}", r[field])
-    for key, row in results.get("placements", {}).items():
-        check(f"placements {key} train_step_ms", row["train_step_ms"])
-        for p in loaders.PLACEMENTS:
-            check(f"placements {key} {p} loader_step_ms", row[p]["loader_step_ms"])
-            check(f"placements {key} {p} wait_fraction", row[p]["wait_fraction"], lambda v: 0 <= v < 1)
-            check(f"placements {key} {p} slowdown_fraction", row[p]["slowdown_fraction"], lambda v: -1 < v < 1)
-    for key, row in results.get("training", {}).items():
-        for name, r in row.items():
-            check(f"training {key} {name} step_ms", r["step_ms"])
-    for r in results.get("reduction", []):
-        for step in ("plain", "canonical"):
-            check(f"reduction {r['model']} G={r['global_batch']} L={r['logical_shards']} {step} step_ms",
-                  r[step]["step_ms"])
+    def walk(where: str, figures) -> None:
+        if isinstance(figures, list):  # the reduction's rows
+            figures = {f"{r['model']} G={r['global_batch']} L={r['logical_shards']}": r for r in figures}
+        for key, value in figures.items():
+            if isinstance(value, (dict, list)):
+                walk(f"{where} {key}", value)
+            elif key.endswith(("_ms", "_per_s")) or key in ranges:
+                if not (isinstance(value, (int, float)) and np.isfinite(value)
+                        and ranges.get(key, lambda v: v > 0)(value)):
+                    found.append(f"{where} {key} = {value!r}")
+    for section in ("loader", "placements", "training", "reduction"):
+        walk(section, results.get(section, {}))
     return found
+
+
+def table(title: str, header: str, align: str, row: str, items) -> list[str]:
+    """Markdown lines: a blank line, ``title``, a table with a row ``row.format(**item)`` per
+    item (``align``: "l" or "r" per column)."""
+    rule = " | ".join("---" if a == "l" else "---:" for a in align)
+    return ["", title, "", f"| {header} |", f"| {rule} |", *(f"| {row.format(**i)} |" for i in items)]
 
 
 def markdown(results: dict) -> str:
     """The report: a table per section in ``results``, then the goals and implausible figures."""
-    lines = [f"Machine: {results['machine']}; {results['config']}; read_cifar10 "
-             f"{results['read_cifar10_s']:.2f} s", ""]
+    lines = [f"Machine: {results['machine']}; {results['config']}; "
+             f"read_cifar10 {results['read_cifar10_s']:.2f} s"]
     for key, section in results.get("loader", {}).items():
-        lines += [f"**Loaders, {key.replace('_', ' ')}** (copy limit "
-                  f"{section['copy_limit_gb_per_s']:.1f} GB/s)", "",
-                  "| loader | images/s | output GB/s | share of copy limit | reference, host / this |",
-                  "| --- | ---: | ---: | ---: | ---: |"]
-        for name, r in section["loaders"].items():
-            lines.append(f"| {name} | {r['images_per_s']:,.0f} | {r['gb_per_s']:.2f} | "
-                         f"{r['fraction_of_copy']:.0%} | {r['reference_speedup']:.2f} |")
-        lines.append("")
+        lines += table(f"**Loaders, {key.replace('_', ' ')}** (copy limit {section['copy_limit_gb_per_s']:.1f} GB/s)",
+                       "loader | images/s | output GB/s | share of copy limit | reference, host / this", "lrrrr",
+                       "{name} | {images_per_s:,.0f} | {gb_per_s:.2f} | {fraction_of_copy:.0%} | "
+                       "{reference_speedup:.2f}", [dict(r, name=name) for name, r in section["loaders"].items()])
     for key, row in results.get("placements", {}).items():
-        lines += [f"**Placements against training**, {key.replace('_', ' ')} ({row['images']:,} images, "
-                  f"{row['steps']} steps; train step {row['train_step_ms']:.1f} ms)", "",
-                  "| placement | loader step ms | loader / train step | waiting for data (sync loop) "
-                  "| epoch slowdown vs prebuilt |", "| --- | ---: | ---: | ---: | ---: |"]
-        for p in loaders.PLACEMENTS:
-            r = row[p]
-            lines.append(f"| {p} | {r['loader_step_ms']:.1f} | {r['loader_over_train']:.2f} | "
-                         f"{r['wait_fraction']:.1%} | {r['slowdown_fraction']:+.1%} |")
-        lines.append("")
+        lines += table(f"**Placements against training**, {key.replace('_', ' ')} ({row['images']:,} images, "
+                       f"{row['steps']} steps; train step {row['train_step_ms']:.1f} ms)",
+                       "placement | loader step ms | loader / train step | waiting for data (sync loop) "
+                       "| epoch slowdown vs prebuilt", "lrrrr",
+                       "{name} | {loader_step_ms:.1f} | {loader_over_train:.2f} | {wait_fraction:.1%} | "
+                       "{slowdown_fraction:+.1%}", [dict(row[p], name=p) for p in loaders.PLACEMENTS])
     if "training" in results:
-        lines += ["**Training** (per step, median; compile = first call - warm call)", "",
-                  "| global batch | strategy | step ms | / single | compile s |",
-                  "| ---: | --- | ---: | ---: | ---: |"]
-        for key, row in results["training"].items():
-            for name, r in row.items():
-                lines.append(f"| {key.split('_')[1]} | {name} | {r['step_ms']:.1f} | "
-                             f"{r['ratio_to_single']:.2f} | {r['compile_s']:.2f} |")
-        lines.append("")
+        lines += table("**Training** (per step, median; compile = first call - warm call)",
+                       "global batch | strategy | step ms | / single | compile s", "rlrrr",
+                       "{batch} | {name} | {step_ms:.1f} | {ratio_to_single:.2f} | {compile_s:.2f}",
+                       [dict(r, batch=key.split("_")[1], name=name)
+                        for key, row in results["training"].items() for name, r in row.items()])
     if "reduction" in results:
-        lines += [f"**The canonical reduction** (canonical_step against sharded_step on the same batch of L*b "
-                  f"rows, SGD; step median over interleaved rounds; peak RSS of {PEAK_STEPS} steps, compile "
-                  f"included, in a fresh process)", "",
-                  "| model | global batch | L | plain ms | canonical ms | canonical / plain | plain peak MiB "
-                  "| canonical peak MiB | canonical / plain peak |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for r in results["reduction"]:
-            lines.append(f"| {r['model']} | {r['rows']} | {r['logical_shards']} | {r['plain']['step_ms']:.1f} | "
-                         f"{r['canonical']['step_ms']:.1f} | {r['ratio']['step_time']:.2f} | "
-                         f"{r['plain']['peak_mb']:.0f} | {r['canonical']['peak_mb']:.0f} | "
-                         f"{r['ratio']['peak_rss']:.2f} |")
-        lines.append("")
+        lines += table(f"**The canonical reduction** (canonical_step against sharded_step on the same batch of L*b "
+                       f"rows, SGD; step median over interleaved rounds; peak RSS of {PEAK_STEPS} steps, compile "
+                       f"included, in a fresh process)",
+                       "model | global batch | L | plain ms | canonical ms | canonical / plain | plain peak MiB "
+                       "| canonical peak MiB | canonical / plain peak", "lrrrrrrrr",
+                       "{model} | {rows} | {logical_shards} | {plain[step_ms]:.1f} | {canonical[step_ms]:.1f} | "
+                       "{ratio[step_time]:.2f} | {plain[peak_mb]:.0f} | {canonical[peak_mb]:.0f} | "
+                       "{ratio[peak_rss]:.2f}", results["reduction"])
     if "memory" in results:
-        lines += ["**Memory** (one epoch, per-device batch 128, fresh process; MiB over the RSS before reading)",
-                  "", "| case | raw dataset | global batch | peak in read_cifar10 | held after read | peak in epoch "
-                  "| budget |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for name, m in results["memory"].items():
-            lines.append(f"| {name} | {m['raw_mb']:.0f} | {m['batch_mb']:.1f} | {m['read_peak_mb']:.0f} | "
-                         f"{m['after_read_mb']:.0f} | {m['epoch_peak_mb']:.0f} | {m['budget_mb']:.0f} |")
+        lines += table("**Memory** (one epoch, per-device batch 128, fresh process; MiB over the RSS before reading)",
+                       "case | raw dataset | global batch | peak in read_cifar10 | held after read | peak in epoch "
+                       "| budget", "lrrrrrr",
+                       "{name} | {raw_mb:.0f} | {batch_mb:.1f} | {read_peak_mb:.0f} | {after_read_mb:.0f} | "
+                       "{epoch_peak_mb:.0f} | {budget_mb:.0f}",
+                       [dict(m, name=name) for name, m in results["memory"].items()])
         d = results["donation"]
-        lines += ["", f"**Donation** (MLP {'-'.join(map(str, d['layers']))}, sharded_step's programs, per-device "
-                  f"batch {d['batch']}; per device, XLA's memory_analysis: arguments + outputs - aliased + "
-                  f"temporaries, of the update program, where the donation acts, and of the gradient program; "
-                  f"a step holds the larger; step time median)", "",
-                  "| state | params MiB | aliased MiB | update temporaries MiB | update holds MiB "
-                  "| gradient holds MiB | one step holds MiB | step ms |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for name in ("donated", "kept"):
-            r = d[name]
-            lines.append(f"| {name} | {r['state_mb']:.1f} | {r['aliased_mb']:.1f} | {r['temp_mb']:.1f} | "
-                         f"{r['update_mb']:.1f} | {r['gradient_mb']:.1f} | {r['step_mb']:.1f} | {r['step_ms']:.1f} |")
-        lines += [f"| donated / kept | | | | | | {d['ratio']['step_memory']:.2f} | {d['ratio']['step_time']:.2f} |",
-                  ""]
-    lines += ["**Goals**", "", "| goal | measured | target | met |", "| --- | ---: | --- | --- |"]
-    for g in results["goals"]:
-        lines.append(f"| {g['goal']} | {g['measured']:.2f} | {g['target']} | {'yes' if g['met'] else 'no'} |")
+        lines += table(f"**Donation** (MLP {'-'.join(map(str, d['layers']))}, sharded_step's programs, per-device "
+                       f"batch {d['batch']}; per device, XLA's memory_analysis: arguments + outputs - aliased + "
+                       f"temporaries, of the update program, where the donation acts, and of the gradient program; "
+                       f"a step holds the larger; step time median)",
+                       "state | params MiB | aliased MiB | update temporaries MiB | update holds MiB "
+                       "| gradient holds MiB | one step holds MiB | step ms", "lrrrrrrr",
+                       "{name} | {state_mb:.1f} | {aliased_mb:.1f} | {temp_mb:.1f} | {update_mb:.1f} | "
+                       "{gradient_mb:.1f} | {step_mb:.1f} | {step_ms:.1f}",
+                       [dict(d[name], name=name) for name in ("donated", "kept")])
+        lines.append(f"| donated / kept | | | | | | {d['ratio']['step_memory']:.2f} | "
+                     f"{d['ratio']['step_time']:.2f} |")
+    lines += table("**Goals**", "goal | measured | target | met", "lrll",
+                   "{goal} | {measured:.2f} | {target} | {met}",
+                   [dict(g, met="yes" if g["met"] else "no") for g in results["goals"]])
     if results["implausible"]:
         lines += ["", "**Implausible figures** (the machine was too busy to measure them; rerun):", ""]
         lines += [f"- {text}" for text in results["implausible"]]
     return "\n".join(lines)
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                    platform.machine())
 
 
 def main(argv=None) -> dict:
@@ -819,16 +715,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-dali", action="store_true", help="skip DALI even if installed")
     parser.add_argument("--sections", default="loader,placements,training,reduction,memory",
                         help="comma-separated sections to run (default: all of them)")
-    parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
-    parser.add_argument("--reduction-child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # children()'s call, as JSON
     args = parser.parse_args(argv)
-    if args.memory_child:
-        root, batch_size, prefetch, placement = args.memory_child
-        print(json.dumps(memory_child(root, int(batch_size), int(prefetch), placement)))
-        return {}
-    if args.reduction_child:
-        name, step, *sizes = args.reduction_child
-        print(json.dumps(reduction_child(name, step, *map(int, sizes), args.smoke)))
+    if args.child:
+        kind, *call = json.loads(args.child)
+        print(json.dumps({"memory": memory_child, "reduction": reduction_child}[kind](*call)))
         return {}
     size = 2 if args.smoke else 1 if args.quick else 0  # (full, quick, smoke)
     args.num_train = args.num_train or (50_000, 4_096, 1_024)[size]  # 1024: 8 devices x B 128
@@ -852,16 +743,17 @@ def main(argv=None) -> dict:
         args.cache_dir = os.path.join(root, "cache")
         data = os.path.join(root, "cifar10")
         synthetic_cifar10(data, num_train=args.num_train, num_test=16)
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                       platform.machine())
         start = time.perf_counter()
         images, labels = read_cifar10(data)
-        read_s = time.perf_counter() - start
         results = {
-            "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, "
-                       f"{mesh.devices.size} {jax.devices()[0].platform} devices",
+            "machine": f"{cpu}, {os.cpu_count()} CPUs, {mesh.devices.size} {jax.devices()[0].platform} devices",
             "config": f"{args.num_train:,} images, {args.repeats} rounds, JAX {jax.__version__}, "
                       f"NumPy {np.__version__}, Grain {installed('grain') or 'not installed'}, "
                       f"DALI {installed(DALI) or 'not installed'}",
-            "read_cifar10_s": read_s,
+            "read_cifar10_s": time.perf_counter() - start,
             "placements_batches": list(args.placement_batches),
             "training_batches": list(args.training_batches),
             "section_s": {},
@@ -874,11 +766,9 @@ def main(argv=None) -> dict:
         unknown = sorted(set(chosen) - set(sections))
         if unknown:
             parser.error(f"--sections: unknown {unknown}; choose from {list(sections)}")
-        for name, section in sections.items():
-            if name not in chosen:
-                continue
+        for name in (name for name in sections if name in chosen):
             start = time.perf_counter()
-            results[name] = section()
+            results[name] = sections[name]()
             results["section_s"][name] = time.perf_counter() - start
             print(f"bench: {name} section {results['section_s'][name]:.1f} s", file=sys.stderr, flush=True)
     results["goals"] = goals(results)
