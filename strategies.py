@@ -35,9 +35,10 @@ The reductions, how a step's gradient is summed:
   runs the same compiled program on its own copy, whatever the mesh. The fold moves
   values between devices and adds them in block order, nothing else. So params,
   optimizer state and losses are the same bits on every mesh whose device count n
-  divides L, in one process or several, through every strategy, and on one device
-  adding the L blocks as microbatches (``single``), at any learning rate. Not across
-  L, jaxlib versions, CPU against GPU, or GPU models. L comes from the batches (a
+  divides L, in one process or several, through every strategy, on one device adding
+  the L blocks as microbatches (``single``), across a stop and a resume on another of
+  these, at any learning rate. Not across L, jaxlib versions, CPU against GPU, or GPU
+  models. The XLA options the programs need are set here (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a
   loader's carry a "logical_shards" entry) or from ``logical_shards``; given both,
   they must agree; given neither, the step is refused.
 
