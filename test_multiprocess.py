@@ -2,7 +2,8 @@
 
 In this process: refimpl joins the others with bounded waits (jax.distributed's start and
 heartbeat both --peer-timeout) and fails in one line naming the process; --local-processes
-hands every process one dataset generated first, and a resume's processes the checkpoint's.
+hands every process one dataset generated first, and a resume's processes the checkpoint's;
+processes.run_local returns the first failing process's status, names it and stops the rest.
 
 With --run-slow (child processes, bounded by conftest.run_children):
 
@@ -183,6 +184,43 @@ def test_local_processes_are_handed_one_dataset_and_a_resumes_processes_the_chec
                          str(tmp_path / "empty")]) == 7
     [(base, _, _)] = calls
     assert "--data-dir" not in base and not (tmp_path / "empty").exists(), base
+
+
+# Each of 3 children prints its id; process ``who`` then exits with status ``how`` (after a
+# line on stderr) or is killed by a signal; process 2 sleeps (unless all exit 0), so it ends
+# only if stopped.
+CHILD = """
+import os, signal, sys, time
+i, who, how = int(sys.argv[-1]), int(sys.argv[1]), sys.argv[2]
+print(f"process {i} ran", flush=True)
+if i == who and how == "signal":
+    os.kill(os.getpid(), signal.SIGKILL)
+if i == who:
+    print(f"process {i} says why", file=sys.stderr, flush=True)
+    sys.exit(int(how))
+if i == 2 and how != "0":
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("who, how, status, said", [
+    (9, "0", 0, ""),  # no process 9: all exit 0
+    (0, "1", 1, "process 0 says why"),  # process 0 alone, with passthrough: its words, nothing added
+    (0, "3", 3, "process 0 says why\nrefimpl.py: error: local process 0 exited with status 3; stopping the others"),
+    (1, "3", 3, "process 1 says why\nrefimpl.py: error: local process 1 exited with status 3; stopping the others"),
+    (1, "signal", 1, "refimpl.py: error: local process 1 was killed by signal SIGKILL; stopping the others"),
+], ids=["all-0", "passthrough", "process-0-exits-3", "process-1-exits-3", "process-1-killed"])
+def test_run_local_returns_the_first_failure_names_it_and_stops_the_others(who, how, status, said, capfd):
+    """processes.run_local on 3 children: the status refimpl exits with; process 0's output
+    passed through; a failing process's last lines and one line naming it; the sleeping
+    process stopped (the call returns at once)."""
+    import time
+    import processes
+    started = time.monotonic()
+    got = processes.run_local([sys.executable, "-c", CHILD, str(who), how], 3, passthrough=1)
+    out, err = capfd.readouterr()
+    assert (got, out.splitlines()[0], err.strip()) == (status, "process 0 ran", said), (got, out, err)
+    assert time.monotonic() - started < 60, "the sleeping process was not stopped"
 
 
 # --------------------------------------------------------------------------
