@@ -1,29 +1,22 @@
 """How a loader's epochs depart from plan.py's plan, or from "every sample exactly once", in words.
 
-The recipe, for any loader: build samples that encode their own index
-(``encoding.encoded_images``), run them through the loader, cut each global batch into
-per-shard blocks (``shard_blocks``), decode them (``encoding.decode_indices``) and hand the
-indices to a describer. Each returns ``Findings``: one summary line per kind of deviation
-(how many shards, steps and samples it touches), then up to ``EXAMPLES`` examples of each.
-Every finding names its shard(s) and step(s). An empty report means no check fired;
-test_conformance.py makes every check fire on a wrong epoch.
+Feed a loader samples that encode their index (``encoding.encoded_images``), cut each global
+batch into per-shard blocks (``shard_blocks``), decode them (``encoding.decode_indices``) and
+pass the indices to a describer. Each returns ``Findings`` (or adds to ``findings``): a summary
+line per kind of deviation, then up to ``EXAMPLES`` examples, each naming shard(s) and step(s).
+An empty report means no check fired; test_conformance.py makes each one fire.
 
-* ``describe_epoch``: one epoch against ``plan.epoch_plan`` (partition="contiguous"), or
-  against what any sharded loader owes (partition="any": equal steps, exactly once).
-* ``describe_resized_epoch``: one epoch run on a chain of shard sets (``plan.elastic_plan``'s
-  segments): the same per segment, and exactly once across the changes.
-* ``describe_epochs``: several epochs of one loader: two reads of an epoch agree; the
-  order stays without shuffle and changes with it.
-* ``describe_values``: every slot holds its own sample's value of any key, bit for bit.
+* ``describe_epoch``: one epoch against ``plan.epoch_plan``, or exactly once (partition="any").
+* ``describe_resized_epoch``: one epoch over ``plan.elastic_plan``'s segments.
+* ``describe_epochs``: several reads: a re-read agrees; the order changes only under shuffle.
+* ``describe_values``: every slot holds its own sample's value of a key, bit for bit.
 * ``describe_content``: normalised images are the ``Normalize`` table's bits, labels the file's.
 
-No describer sees what the index does not carry (a crop or noise that still decodes,
-unless describe_values or describe_content holds the content); without masks, which slots
-are padding; with shuffle, whether the order is the plan's; epochs or processes it is not
-given; which device holds a block (decode each of ``addressable_shards`` for that); speed.
+Not seen: content that still decodes (unless describe_values or describe_content holds it);
+padding, without masks; the order, with shuffle; epochs or processes not given; which device
+holds a block (decode each of ``addressable_shards``); speed.
 
-Imports plan.py, arithmetic.py and NumPy; no JAX (it reads host arrays). Copy it with those two,
-and encoding.py for the samples.
+Imports plan.py, arithmetic.py and NumPy, no JAX. Copy it with those two, and encoding.py.
 """
 
 from __future__ import annotations
@@ -35,8 +28,7 @@ from collections import defaultdict
 import numpy as np
 
 from arithmetic import Normalize
-from plan import (LAST_BATCH_POLICIES, Segment, elastic_num_steps, elastic_plan, epoch_plan,
-                  shard_bounds)
+from plan import LAST_BATCH_POLICIES, Segment, elastic_num_steps, elastic_plan, epoch_plan
 
 EXAMPLES = 3  # examples per kind of deviation in a report
 LAYOUTS = ("sharded", "pmap")  # a batch's two shapes, (n*B, ...) and (n, B, ...): loaders.LAYOUTS
@@ -48,9 +40,9 @@ SHIFTS = 4  # describe_values names a shift of up to this many samples or slots
 def shard_blocks(array, num_shards: int, layout: str = "sharded") -> np.ndarray:
     """A global batch as per-shard blocks (n, B, ...): block k is mesh position k's.
 
-    ``array``: a NumPy array or a fully addressable jax.Array, (n*B, ...) for layout "sharded"
-    (what ``make_loader`` and jit take) or (n, B, ...) for "pmap". Raises ValueError for a
-    bad ``num_shards`` or ``layout``, or a leading axis that does not fit them.
+    ``array``: NumPy or a fully addressable jax.Array, (n*B, ...) for layout "sharded" (what
+    ``make_loader`` and jit take) or (n, B, ...) for "pmap". Raises ValueError for a bad
+    ``num_shards`` or ``layout``, or a leading axis that does not fit them.
     """
     _check_args("shard_blocks", num_shards=(num_shards, 1))
     if layout not in LAYOUTS:
@@ -58,8 +50,8 @@ def shard_blocks(array, num_shards: int, layout: str = "sharded") -> np.ndarray:
     x = np.asarray(array)
     if layout == "pmap":
         if x.ndim < 2 or x.shape[0] != num_shards:
-            raise ValueError(f"shard_blocks: a 'pmap' batch must be (n, B, ...) with n = "
-                             f"num_shards = {num_shards}, got shape {x.shape}")
+            raise ValueError(f"shard_blocks: a 'pmap' batch must be (n, B, ...) with n = num_shards = "
+                             f"{num_shards}, got shape {x.shape}")
         return x
     if x.ndim < 1 or x.shape[0] % num_shards:
         raise ValueError(f"shard_blocks: a 'sharded' batch must be (n*B, ...) with n = num_shards = "
@@ -71,8 +63,7 @@ def shard_blocks(array, num_shards: int, layout: str = "sharded") -> np.ndarray:
 class Findings:
     """Deviations by kind: ``kinds[kind]`` lists (text, shards, steps, samples), each a set.
 
-    describe_resized_epoch names shards as (segment, shard) pairs, and steps as the epoch's.
-    """
+    describe_resized_epoch's shards are (segment, shard) pairs, its steps the epoch's."""
     kinds: dict = dataclasses.field(default_factory=lambda: defaultdict(list))
 
     def add(self, kind: str, text: str, *, shards=(), steps=(), samples=()) -> None:
@@ -99,26 +90,20 @@ class Findings:
 
 
 # One epoch -------------------------------------------------------------------
-
-
 def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: bool,
                    last_batch: str, length: int, masks=None, findings: Findings | None = None,
                    partition: str = "contiguous") -> Findings:
     """How one epoch departs from ``epoch_plan(num_samples, n, batch_size)`` or from exactly once.
 
-    ``delivered``: the decoded indices (-1 where a slot decodes to nothing), one int array
-    (steps, n, B) like ``Plan.indices`` or a list of n per-shard (steps, B) arrays of the
-    batches that arrived. ``masks``: the loader's, in the same layout, or None (every slot
-    real). ``length``: the step count the loader reports. ``findings``: added to if given.
+    ``delivered``: decoded indices (-1: decodes to nothing), an int array (steps, n, B) like
+    ``Plan.indices`` or a list of n per-shard (steps, B) arrays as they arrived. ``masks``: the
+    loader's, same layout, or None (every slot real). ``length``: the loader's step count.
 
-    Both partitions check: the reported and arrived step counts; undecodable slots; shards
-    delivering the same batch at a step; a sample in real slots of two shards; padding
-    (with masks) holding a sample no real slot of its shard delivers.
-    "contiguous" (the plan) also checks: the masks; without shuffle, the order (a constant
-    shift of up to 4 batches named as one); with shuffle, only the shard's own samples;
-    fill, each of them exactly once in real slots; drop, at most once.
-    "any" (exactly once under any partition) also checks: no sample outside range(N);
-    fill, every sample exactly once in real slots; drop, at most once.
+    Both partitions check the step counts (reported, arrived); undecodable slots; one batch on
+    several shards; a sample in real slots of two shards; padding (with masks) holding a sample
+    no real slot of its shard delivers. "contiguous" (the plan) adds the masks, the order
+    without shuffle (a shift of up to 4 batches is one finding) and the shard's own samples;
+    "any" adds range(N). Fill: every owed sample once in real slots; drop: at most once.
     Without masks, with fill, a repeat within a shard may be padding and is not flagged.
 
     Raises ValueError for input in neither layout, masks that do not match it, a bad
@@ -128,26 +113,23 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
                 batch_size=(batch_size, 1), length=(length, 0))
     delivered, masks = _blocks(delivered, masks, batch_size, "describe_epoch")
     found = findings if findings is not None else Findings()
-    n = len(delivered)
-    longest = max(len(got) for got in delivered)
+    n, longest = len(delivered), max(len(got) for got in delivered)
     if partition == "contiguous":
         plan = epoch_plan(num_samples, n, batch_size, last_batch=last_batch)
         steps = plan.indices.shape[0]
         what = f"the plan has {steps} (N={num_samples}, {n} shards, batch {batch_size}, {last_batch})"
-        bounds = [shard_bounds(num_samples, k, n) for k in range(n)]
-        runs = [(np.arange(start, stop), f"its range [{start}, {stop})") for start, stop in bounds]
-        owed = [(run, f"its {len(run)} samples") for run, _ in runs] if last_batch == "fill" else None
+        runs, owed = _runs([plan], 0, num_samples, last_batch == "fill")
     else:
         plan, steps, runs, owed = None, longest, None, None
         what = f"the longest shard delivered {steps}"
     if length != steps:
         lo, hi = min(length, steps), max(length, steps)
-        found.add("step count", f"the loader reports {length} steps per epoch; {what}; steps "
-                  f"{_span(lo, hi)}", shards=range(n), steps=range(lo, hi))
+        found.add("step count", f"the loader reports {length} steps per epoch; {what}; steps {_span(lo, hi)}",
+                  shards=range(n), steps=range(lo, hi))
     reals = _check_shards(delivered, masks, found, plan=plan, steps=steps, what=what, runs=runs,
                           owed=owed, shuffle=shuffle, last_batch=last_batch)
     if plan is None:
-        _exactly_once(reals, num_samples, last_batch, f"in any of steps {_span(0, longest)}", found)
+        _exactly_once(_table([reals], [0]), num_samples, last_batch, longest, range(n), found)
     return found
 
 
@@ -172,20 +154,25 @@ def _blocks(delivered, masks, batch_size: int, where: str, name: str = "delivere
         raise ValueError(f"{where}: masks has {len(masks)} shards, delivered {len(delivered)}")
     for k, (got, mask) in enumerate(zip(delivered, masks)):
         if len(mask) < len(got):
-            raise ValueError(f"{where}: masks of shard {k} cover {len(mask)} batches, "
-                             f"delivered has {len(got)}")
+            raise ValueError(f"{where}: masks of shard {k} cover {len(mask)} batches, delivered has {len(got)}")
     return delivered, [mask[:len(got)] for got, mask in zip(delivered, masks)]
 
 
-def _per_shard(value, batch_size: int, name: str, kind, where: str, sample_dims: bool = False) -> list:
-    """``value`` (an array (steps, n, B) or a list of (steps, B) arrays; with ``sample_dims``,
-    per-sample axes after those) as a list of per-shard arrays of dtype family ``kind`` (None: any)."""
+def _per_shard(value, batch_size: int | None, name: str, kind, where: str, sample_dims: bool = False) -> list:
+    """``value`` (an array (steps, n, B) or a list of (steps, B) arrays; with ``sample_dims``, per-sample
+    axes after those) as per-shard arrays of dtype family ``kind`` (None: any). ``batch_size`` None: any B."""
     more = ", ..." if sample_dims else ""
+    if batch_size is None:  # B read from the value
+        first = value[0] if isinstance(value, (list, tuple)) and value else None
+        if not (isinstance(value, np.ndarray) and value.ndim == 3 or np.ndim(first) == 2):
+            raise ValueError(f"{where}: {name} must be an array (steps, n, B) or a non-empty list of "
+                             f"per-shard (steps, B) arrays, got {type(value).__name__}")
+        batch_size = np.shape(value)[2] if first is None else np.shape(first)[1]
     if isinstance(value, np.ndarray):
         if value.ndim < 3 or (value.ndim != 3 and not sample_dims) or value.shape[2] != batch_size:
-            raise ValueError(f"{where}: {name} as one array must be (steps, n, B{more}) like "
-                             f"Plan.indices with B = batch_size = {batch_size}, got shape {value.shape}; "
-                             f"a list holds one (steps, B{more}) array per shard")
+            raise ValueError(f"{where}: {name} as one array must be (steps, n, B{more}) like Plan.indices with "
+                             f"B = batch_size = {batch_size}, got shape {value.shape}; a list holds one "
+                             f"(steps, B{more}) array per shard")
         value = [value[:, k] for k in range(value.shape[1])]
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"{where}: {name} must be an array (steps, n, B{more}) or a non-empty list "
@@ -207,19 +194,15 @@ def _per_shard(value, batch_size: int, name: str, kind, where: str, sample_dims:
 
 def _check_shards(delivered: list, masks, found, *, plan, steps: int, what: str, runs, owed,
                   shuffle: bool, last_batch: str, offset: int = 0, resized: bool = False) -> list:
-    """describe_epoch's per-shard checks of one set of shards; returns the real slots (-1 elsewhere).
-
-    Row r is step ``offset + r``. ``plan``: the Plan, or None for "any". ``steps``: the batches
-    each shard owes (``what`` says why). ``runs`` and ``owed``: per shard, (the samples it may,
-    or must, deliver, words). ``resized``: describe_resized_epoch's allowances for empty runs.
-    """
+    """describe_epoch's per-shard checks; returns the real slots (-1 elsewhere). Row r is step
+    ``offset + r``; ``plan`` None is "any"; ``what`` says why ``steps``; ``resized`` allows empty runs."""
     reals = [got if masks is None else np.where(masks[k], got, -1) for k, got in enumerate(delivered)]
     head = what.split(" (")[0]
     for k, got in enumerate(delivered):
         if len(got) != steps:
             lo, hi = offset + min(len(got), steps), offset + max(len(got), steps)
-            found.add("batches arrived", f"shard {k}: {len(got)} batches arrived, {head}; steps "
-                      f"{_span(lo, hi)}", shards=[k], steps=range(lo, hi))
+            found.add("batches arrived", f"shard {k}: {len(got)} batches arrived, {head}; steps {_span(lo, hi)}",
+                      shards=[k], steps=range(lo, hi))
         bad = np.argwhere(got < 0)
         if bad.size:
             found.add("undecodable slots", f"shard {k}: {len(bad)} slots hold no encoded sample (first: "
@@ -236,17 +219,17 @@ def _check_shards(delivered: list, masks, found, *, plan, steps: int, what: str,
                 want_mask = plan.mask[:len(got), k]
                 wrong = np.argwhere(masks[k][:len(want_mask)] != want_mask)
                 if wrong.size:
-                    found.add("mask", f"shard {k}: the mask differs from the plan's in {len(wrong)} "
-                              f"slots (first: step {offset + wrong[0][0]} slot {wrong[0][1]})", shards=[k],
+                    found.add("mask", f"shard {k}: the mask differs from the plan's in {len(wrong)} slots "
+                              f"(first: step {offset + wrong[0][0]} slot {wrong[0][1]})", shards=[k],
                               steps=wrong[:, 0] + offset)
             padding = got[~masks[k] & (got >= 0)]
             # resized: an empty run's padding repeats a sample real on another shard
             stray = np.setdiff1d(padding, stretch if resized and not values.size else values)
             if stray.size:
                 at = _steps_of(got, stray, ~masks[k]) + offset
-                found.add("padding", f"shard {k}: {stray.size} padding slots hold samples that no real "
-                          f"slot of the shard delivers (e.g. {stray[:5].tolist()}; first at step "
-                          f"{at[0]})", shards=[k], steps=at, samples=stray)
+                found.add("padding", f"shard {k}: {stray.size} padding slots hold samples that no real slot of "
+                          f"the shard delivers (e.g. {stray[:5].tolist()}; first at step {at[0]})", shards=[k],
+                          steps=at, samples=stray)
         outside = ()
         if plan is not None:
             run, run_words = runs[k]
@@ -262,18 +245,23 @@ def _check_shards(delivered: list, masks, found, *, plan, steps: int, what: str,
                 want, owed_words = owed[k]
                 missing = np.setdiff1d(want, values)
                 if missing.size:
-                    found.add("missing", f"shard {k} never delivers {missing.size} of {owed_words} "
-                              f"{every_step} (e.g. {missing[:5].tolist()})", shards=[k],
-                              steps=range(offset, offset + len(got)), samples=missing)
+                    found.add("missing", f"shard {k} never delivers {missing.size} of {owed_words} {every_step} "
+                              f"(e.g. {missing[:5].tolist()})", shards=[k], steps=range(offset, offset + len(got)),
+                              samples=missing)
         # without masks, with fill, a repeat may be padding; a sample from outside is named already
-        if not len(outside) and (masks is not None or last_batch == "drop"):
-            _repeats_within(k, real, found, offset)
+        samples, counts = np.unique(values, return_counts=True)
+        twice = samples[counts > 1]
+        if twice.size and not len(outside) and (masks is not None or last_batch == "drop"):
+            at = _steps_of(real, twice) + offset
+            found.add("repeated", f"shard {k} delivers {twice.size} samples more than once in real slots "
+                      f"(e.g. {twice[:5].tolist()}; at steps {at[:5].tolist()})", shards=[k], steps=at,
+                      samples=twice)
     return reals
 
 
 def _steps_of(got: np.ndarray, samples, where: np.ndarray | None = None) -> np.ndarray:
     """The steps (ascending) at which ``got`` holds any of ``samples`` (where ``where``)."""
-    hit = np.isin(got, np.asarray(list(samples) if isinstance(samples, set) else samples))
+    hit = np.isin(got, samples)
     if where is not None:
         hit &= where
     return np.unique(np.argwhere(hit)[:, 0])
@@ -283,35 +271,7 @@ def _span(first: int, stop: int) -> str:
     return f"{first}" if stop - first <= 1 else f"{first}-{stop - 1}"
 
 
-def _exactly_once(reals: list, num_samples: int, last_batch: str, every_step: str, found) -> None:
-    """partition="any": no sample outside range(N); fill: every sample in a real slot of some shard."""
-    values = np.concatenate([r[r >= 0].ravel() for r in reals])
-    outside = np.unique(values[values >= num_samples])
-    if outside.size:
-        shards = [k for k, r in enumerate(reals) if np.isin(r, outside).any()]
-        steps = np.unique(np.concatenate([_steps_of(reals[k], outside) for k in shards]))
-        found.add("outside the dataset", f"{outside.size} delivered samples are not in range({num_samples}) "
-                  f"(e.g. {outside[:5].tolist()}; first at step {steps[0]})", shards=shards, steps=steps,
-                  samples=outside)
-    missing = np.setdiff1d(np.arange(num_samples), values)
-    if last_batch == "fill" and missing.size:
-        found.add("missing", f"{missing.size} of the {num_samples} samples are never delivered in a "
-                  f"real slot of any shard, {every_step} (e.g. {missing[:5].tolist()})",
-                  shards=range(len(reals)), steps=range(max(len(r) for r in reals)), samples=missing)
-
-
-def _repeats_within(k: int, real: np.ndarray, found, offset: int = 0) -> None:
-    """Samples that shard k's real slots (-1 elsewhere) deliver more than once."""
-    samples, counts = np.unique(real[real >= 0], return_counts=True)
-    twice = samples[counts > 1]
-    if twice.size:
-        steps = _steps_of(real, twice) + offset
-        found.add("repeated", f"shard {k} delivers {twice.size} samples more than once in real "
-                  f"slots (e.g. {twice[:5].tolist()}; at steps {steps[:5].tolist()})", shards=[k],
-                  steps=steps, samples=twice)
-
-
-def _same_batches(delivered: list, found, offset: int = 0, reals: list | None = None) -> None:
+def _same_batches(delivered: list, found, offset: int, reals: list | None) -> None:
     """Shards that deliver the same samples at a step; with ``reals``, batches with no real slot are left out."""
     for s in range(min(len(d) for d in delivered)):
         groups = defaultdict(list)
@@ -320,29 +280,28 @@ def _same_batches(delivered: list, found, offset: int = 0, reals: list | None = 
                 groups[tuple(np.sort(got[s]))].append(k)
         for key, shards in groups.items():
             if len(shards) > 1:
-                found.add("same batch on several shards", f"step {offset + s}: shards {shards} deliver "
-                          f"the same {len(key)} samples", shards=shards, steps=[offset + s], samples=key)
+                found.add("same batch on several shards", f"step {offset + s}: shards {shards} deliver the same "
+                          f"{len(key)} samples", shards=shards, steps=[offset + s], samples=key)
 
 
-def _overlap(reals: list, found, offset: int = 0) -> None:
+def _overlap(reals: list, found, offset: int) -> None:
     """Samples in the real slots of two shards, with the steps where they sit."""
-    owner = {}
-    shared = defaultdict(set)
+    owner, shared = {}, defaultdict(list)
     for k, real in enumerate(reals):
         for sample in np.unique(real[real >= 0]).tolist():
             if sample in owner and owner[sample] != k:
-                shared[(owner[sample], k)].add(sample)
+                shared[(owner[sample], k)].append(sample)
             owner.setdefault(sample, k)
     for (a, b), samples in shared.items():
-        first = min(samples)
+        first = samples[0]
         at_a, at_b = _steps_of(reals[a], [first])[0] + offset, _steps_of(reals[b], [first])[0] + offset
         steps = np.union1d(_steps_of(reals[a], samples), _steps_of(reals[b], samples)) + offset
-        found.add("samples on two shards", f"shards {a} and {b} both deliver {len(samples)} samples "
-                  f"(e.g. {sorted(samples)[:5]}; sample {first} at step {at_a} of shard {a} and step "
-                  f"{at_b} of shard {b})", shards=[a, b], steps=steps, samples=list(samples))
+        found.add("samples on two shards", f"shards {a} and {b} both deliver {len(samples)} samples (e.g. "
+                  f"{samples[:5]}; sample {first} at step {at_a} of shard {a} and step {at_b} of shard {b})",
+                  shards=[a, b], steps=steps, samples=samples)
 
 
-def _order(k: int, got: np.ndarray, want: np.ndarray, found, offset: int = 0) -> None:
+def _order(k: int, got: np.ndarray, want: np.ndarray, found, offset: int) -> None:
     """Shuffle off: shard k's slots against the plan's; a constant shift is one finding."""
     steps = min(len(got), len(want))
     flat_got, flat_want = got[:steps].ravel(), want[:steps].ravel()
@@ -366,16 +325,43 @@ def _order(k: int, got: np.ndarray, want: np.ndarray, found, offset: int = 0) ->
               shards=[k], steps=wrong // B + offset, samples=flat_got[wrong])
 
 
+def _table(reals: list, starts: list) -> np.ndarray:
+    """(sample, segment, global step, shard) of every real slot; ``reals[i][k]``: segment i's shard k."""
+    rows = [np.zeros((0, 4), np.int64)]
+    for i, (shards, start) in enumerate(zip(reals, starts)):
+        for k, real in enumerate(shards):
+            s, b = np.nonzero(real >= 0)
+            rows.append(np.stack([real[s, b], np.full(len(s), i), s + start, np.full(len(s), k)], axis=1))
+    return np.concatenate(rows).astype(np.int64)
+
+
+def _exactly_once(table: np.ndarray, num_samples: int, last_batch: str, end: int, everyone, found,
+                  resized: bool = False, outside: bool = True) -> None:
+    """Over a ``_table``: no sample outside range(N) (if ``outside``); fill, every sample in a real
+    slot. ``resized``: describe_resized_epoch's words and (segment, shard) pairs, else describe_epoch's."""
+    out = table[table[:, 0] >= num_samples]
+    if outside and len(out):
+        x, i, s, k = out[np.lexsort((out[:, 3], out[:, 2]))][0]
+        samples = np.unique(out[:, 0])
+        first = f"first: sample {x} at step {s} on shard {k} of segment {i}" if resized else f"first at step {s}"
+        found.add("outside the dataset", f"{samples.size} delivered samples are not in range({num_samples}) "
+                  f"(e.g. {samples[:5].tolist()}; {first})", steps=out[:, 2], samples=samples,
+                  shards={(int(i), int(k)) if resized else int(k) for i, k in out[:, [1, 3]]})
+    missing = np.setdiff1d(np.arange(num_samples), table[:, 0])
+    if last_batch == "fill" and missing.size:
+        found.add("missing from the epoch" if resized else "missing", f"{missing.size} of the {num_samples} "
+                  f"samples are never delivered in a real slot of any {'segment' if resized else 'shard'}, in "
+                  f"any of steps {_span(0, end)} (e.g. {missing[:5].tolist()})", shards=everyone,
+                  steps=range(end), samples=missing)
+
+
 def real_first(delivered: list, masks: list) -> tuple[list, list]:
     """Each shard's slots reordered real first (stable), each shard (steps, B) as it came.
 
-    For ``describe_epoch`` on a shuffled epoch whose padding may sit anywhere in a shard
-    (rocAL shuffles its padding in): the spec fixes only how many slots are real. The mask
-    check then compares counts of real slots, and the steps that examples and "same batch
-    on several shards" name are the reordered ones. ``masks`` (bool or 0/1) may cover more
-    batches than arrived.
-
-    Raises ValueError for masks of another shard count, or covering fewer batches.
+    For ``describe_epoch`` on a shuffled epoch whose padding may sit anywhere (rocAL's): the
+    spec fixes only how many slots are real, so the mask check compares counts, and findings
+    name reordered steps. ``masks`` (bool or 0/1) may cover more batches than arrived. Raises
+    ValueError for masks of another shard count, or covering fewer batches.
     """
     if len(masks) != len(delivered):
         raise ValueError(f"real_first: masks has {len(masks)} shards, delivered {len(delivered)}")
@@ -392,33 +378,26 @@ def real_first(delivered: list, masks: list) -> tuple[list, list]:
 
 
 # One epoch across resizes ----------------------------------------------------
-
-
 def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int, seed: int,
                            shuffle: bool, last_batch: str, masks=None, length: int | None = None,
-                           findings: Findings | None = None,
-                           partition: str = "contiguous") -> Findings:
+                           findings: Findings | None = None, partition: str = "contiguous") -> Findings:
     """How one epoch run across resizes departs from ``plan.elastic_plan`` and from exactly once.
 
-    ``segments``: elastic_plan's [(t_0, n_0, B_0), (t_1, n_1, B_1), ...]. ``delivered`` and
-    ``masks`` (or None): one entry per segment, in a layout of ``describe_epoch`` with n_i
-    shards of B_i; row r is step t_i + r. ``epoch``, ``seed``, ``shuffle`` and ``last_batch``
-    are the run's; ``length`` the step count the loader reports (None: not checked).
+    ``segments``: elastic_plan's [(t_0, n_0, B_0), ...]; ``delivered`` and ``masks`` (or None)
+    hold one entry per segment, in a layout of ``describe_epoch`` (n_i shards of B_i; row r is
+    step t_i + r). ``length``: the loader's step count (None: not checked).
 
-    Per segment: describe_epoch's per-shard checks and words, prefixed "segment i: ", steps
-    global, shards as (segment, shard). "contiguous" holds segment i to elastic_plan's
-    plans[i]; "any" holds each shard to t_{i+1} - t_i steps (the last segment: equal steps).
-    Where fewer samples are left than shards, elastic_plan pads an empty run with a sample
-    real elsewhere: with masks, a batch with no real slot is then no "same batch", and such
-    padding may repeat any sample of the segment; without masks it reads as another shard's.
-
-    Over the epoch: "repeated across segments", per pair of segments; fill, "missing from
-    the epoch"; drop, "drop count" (distinct samples against elastic_plan's sum of n_i * B_i
-    * d_i); "step count"; "any", "outside the dataset".
+    Per segment: describe_epoch's per-shard checks, texts prefixed "segment i: ", shards as
+    (segment, shard). "contiguous" holds segment i to plans[i]; "any" holds each shard to
+    t_{i+1} - t_i steps (the last segment: equal steps). An empty run (fewer samples left than
+    shards) pads with a sample real elsewhere: with masks its batch is no "same batch" and its
+    padding may repeat any sample; without, it reads as another shard's. Over the epoch:
+    "repeated across segments"; fill, "missing from the epoch"; drop, "drop count" (distinct
+    samples against the sum of n_i * B_i * d_i); "step count"; "any", "outside the dataset".
 
     Raises ValueError for segments elastic_plan refuses (its reason quoted), ``delivered`` or
-    ``masks`` without one entry per segment, blocks in neither layout or of another shard
-    count or batch, a bad num_samples or length, or an unknown partition or last_batch.
+    ``masks`` without one entry per segment, blocks in neither layout or of another shard count
+    or batch, a bad num_samples or length, or an unknown partition or last_batch.
     """
     where = "describe_resized_epoch"
     _check_args(where, partition, last_batch, num_samples=(num_samples, 0),
@@ -428,30 +407,28 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
         plans = elastic_plan(num_samples, segments, epoch=epoch, seed=seed, shuffle=shuffle,
                              last_batch=last_batch) if partition == "contiguous" else None
     except ValueError as error:
-        raise ValueError(f"{where}: segments={segments!r} is not an epoch elastic_plan accepts: "
-                         f"{error}") from None
+        raise ValueError(f"{where}: segments={segments!r} is not an epoch elastic_plan accepts: {error}") from None
     segments = [Segment(*(int(v) for v in s)) for s in segments]
     for name, value in (("delivered", delivered), ("masks", masks)):
         if (value is not None or name == "delivered") and (
                 not isinstance(value, (list, tuple)) or len(value) != len(segments)):
             got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
-            raise ValueError(f"{where}: {name} must be a list with one entry per segment "
-                             f"({len(segments)}), got {got}")
+            raise ValueError(f"{where}: {name} must be a list with one entry per segment ({len(segments)}), "
+                             f"got {got}")
     found = findings if findings is not None else Findings()
     stops = [s.start for s in segments[1:]] + [None]
     reals, end = [], 0
     for i, ((start, n, B), stop) in enumerate(zip(segments, stops)):
-        got, mask = _blocks(delivered[i], None if masks is None else masks[i], B, where,
-                            f"delivered[{i}]")
+        got, mask = _blocks(delivered[i], None if masks is None else masks[i], B, where, f"delivered[{i}]")
         if len(got) != n:
-            raise ValueError(f"{where}: delivered[{i}] has {len(got)} shards; segments[{i}]="
-                             f"{tuple(segments[i])} has {n}")
+            raise ValueError(f"{where}: delivered[{i}] has {len(got)} shards; segments[{i}]={tuple(segments[i])} "
+                             f"has {n}")
         end = max(end, start + max(len(x) for x in got))
         runs = owed = None
         if plans is not None:
             steps = len(plans[i].indices)
-            what = (f"the plan has {steps} (segment {i}: N={num_samples}, from step {start}, {n} "
-                    f"shards of {B}, {last_batch})")
+            what = (f"the plan has {steps} (segment {i}: N={num_samples}, from step {start}, {n} shards of {B}, "
+                    f"{last_batch})")
             runs, owed = _runs(plans, i, num_samples, last_batch == "fill" or stop is not None)
         elif stop is not None:
             steps = stop - start
@@ -461,22 +438,23 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
             what = f"the longest shard delivered {steps}"
         own = Findings()
         reals.append(_check_shards(got, mask, own, plan=None if plans is None else plans[i], steps=steps,
-                                   what=what, runs=runs, owed=owed, shuffle=shuffle,
-                                   last_batch=last_batch, offset=start, resized=True))
+                                   what=what, runs=runs, owed=owed, shuffle=shuffle, last_batch=last_batch,
+                                   offset=start, resized=True))
         for kind, items in own.kinds.items():
             for text, shards, at, samples in items:
                 found.add(kind, f"segment {i}: {text}", shards=[(i, k) for k in shards], steps=at,
                           samples=list(samples))
+    everyone = [(i, k) for i, s in enumerate(segments) for k in range(s.num_shards)]
     want = total if plans is not None else end
     if length is not None and length != want:
         what = (f"the resized plan has {want} (N={num_samples}, segments {[tuple(s) for s in segments]}, "
-                f"{last_batch})" if plans is not None else f"the last segment's longest shard ends at "
-                f"step {want}")
+                f"{last_batch})" if plans is not None else f"the last segment's longest shard ends at step {want}")
         lo, hi = min(length, want), max(length, want)
-        found.add("step count", f"the loader reports {length} steps for the epoch; {what}; steps "
-                  f"{_span(lo, hi)}", shards=[(i, k) for i, s in enumerate(segments) for k in range(s.num_shards)],
-                  steps=range(lo, hi))
-    _across_segments(reals, segments, num_samples, last_batch, partition, total, end, found)
+        found.add("step count", f"the loader reports {length} steps for the epoch; {what}; steps {_span(lo, hi)}",
+                  shards=everyone, steps=range(lo, hi))
+    table = _table(reals, [s.start for s in segments])
+    _exactly_once(table, num_samples, last_batch, end, everyone, found, resized=True, outside=partition == "any")
+    _across_segments(table, segments, num_samples, last_batch, total, end, everyone, found)
     return found
 
 
@@ -505,25 +483,9 @@ def _runs(plans: list, i: int, num_samples: int, owes: bool) -> tuple[list, list
     return runs, owed if owes else None
 
 
-def _across_segments(reals: list, segments: list, num_samples: int, last_batch: str, partition: str,
-                     total: int, end: int, found: Findings) -> None:
-    """describe_resized_epoch's checks over the whole epoch, from each segment's real slots."""
-    rows = [np.zeros((0, 4), np.int64)]  # (sample, segment, global step, shard) of every real slot
-    for i, shards in enumerate(reals):
-        for k, real in enumerate(shards):
-            s, b = np.nonzero(real >= 0)
-            rows.append(np.stack([real[s, b], np.full(len(s), i), s + segments[i].start,
-                                  np.full(len(s), k)], axis=1).astype(np.int64))
-    table = np.concatenate(rows)
-    everyone = [(i, k) for i, s in enumerate(segments) for k in range(s.num_shards)]
-    outside = table[table[:, 0] >= num_samples]
-    if partition == "any" and len(outside):
-        x, i, s, k = outside[np.lexsort((outside[:, 3], outside[:, 2]))][0]
-        found.add("outside the dataset", f"{np.unique(outside[:, 0]).size} delivered samples are not in "
-                  f"range({num_samples}) (e.g. {np.unique(outside[:, 0])[:5].tolist()}; first: sample "
-                  f"{x} at step {s} on shard {k} of segment {i})",
-                  shards={(int(a), int(c)) for a, c in outside[:, [1, 3]]}, steps=outside[:, 2],
-                  samples=outside[:, 0])
+def _across_segments(table: np.ndarray, segments: list, num_samples: int, last_batch: str, total: int,
+                     end: int, everyone: list, found: Findings) -> None:
+    """describe_resized_epoch's "repeated across segments" and, for drop, "drop count", over a ``_table``."""
     inside = table[table[:, 0] < num_samples]
     first = np.full(num_samples, len(segments))  # the first segment to deliver each sample
     np.minimum.at(first, inside[:, 0], inside[:, 1])
@@ -534,49 +496,37 @@ def _across_segments(reals: list, segments: list, num_samples: int, last_batch: 
         x, _, s, k = here[np.lexsort((here[:, 3], here[:, 2]))][0]
         there = inside[(inside[:, 1] == a) & np.isin(inside[:, 0], samples)]
         _, _, s_a, k_a = there[(there[:, 0] == x)][0]
-        found.add("repeated across segments", f"segment {b} delivers {samples.size} samples that segment "
-                  f"{a} had delivered in real slots (e.g. {samples[:5].tolist()}); the repeats start at "
-                  f"step {s} on shard {k} of segment {b} (sample {x}, delivered at step {s_a} on shard "
-                  f"{k_a} of segment {a})",
+        found.add("repeated across segments", f"segment {b} delivers {samples.size} samples that segment {a} had "
+                  f"delivered in real slots (e.g. {samples[:5].tolist()}); the repeats start at step {s} on shard "
+                  f"{k} of segment {b} (sample {x}, delivered at step {s_a} on shard {k_a} of segment {a})",
                   shards={(a, int(c)) for c in there[:, 3]} | {(b, int(c)) for c in here[:, 3]},
                   steps=np.union1d(there[:, 2], here[:, 2]), samples=samples)
-    delivered = np.unique(inside[:, 0])
     if last_batch == "fill":
-        missing = np.setdiff1d(np.arange(num_samples), delivered)
-        if missing.size:
-            found.add("missing from the epoch", f"{missing.size} of the {num_samples} samples are never "
-                      f"delivered in a real slot of any segment, in any of steps {_span(0, end)} (e.g. "
-                      f"{missing[:5].tolist()})", shards=everyone, steps=range(end), samples=missing)
         return
+    delivered = np.unique(inside[:, 0]).size
     steps = [b.start - a.start for a, b in zip(segments, segments[1:])] + [total - segments[-1].start]
     stated = sum(n * B * d for (_, n, B), d in zip(segments, steps))
-    if delivered.size != stated:
+    if delivered != stated:
         terms = " + ".join(f"{n}*{B}*{d}" for (_, n, B), d in zip(segments, steps))
-        found.add("drop count", f"the epoch delivers {delivered.size} distinct samples in real slots; "
-                  f"elastic_plan states {stated} ({terms}: n*B*steps of each segment), skipping "
-                  f"{num_samples - stated} of the {num_samples}", shards=everyone, steps=range(end))
+        found.add("drop count", f"the epoch delivers {delivered} distinct samples in real slots; elastic_plan "
+                  f"states {stated} ({terms}: n*B*steps of each segment), skipping {num_samples - stated} of "
+                  f"the {num_samples}", shards=everyone, steps=range(end))
 
 
 # Several epochs --------------------------------------------------------------
-
-
-def describe_epochs(epochs, batch_size: int, *, shuffle: bool,
-                    findings: Findings | None = None) -> Findings:
+def describe_epochs(epochs, batch_size: int, *, shuffle: bool, findings: Findings | None = None) -> Findings:
     """How several reads of one loader relate: whether its order follows the epoch.
 
-    ``epochs``: ``{epoch: delivered}`` or (epoch, delivered) pairs, an epoch maybe twice, each
-    in a layout of ``describe_epoch``. Reads are compared slot by slot, padding included; a
-    slot one read lacks differs (-1 in the text).
+    ``epochs``: ``{epoch: delivered}`` or (epoch, delivered) pairs, an epoch maybe twice, each in
+    a layout of ``describe_epoch``. Reads are compared slot by slot, padding included; a slot
+    one read lacks differs (-1 in the text). "epoch read twice": two reads of one epoch differ.
+    Shuffle off, "order changes with the epoch": an epoch differs from the lowest one. Shuffle
+    on, "same order in two epochs": shards identical in two epochs, if a uniform shuffle
+    repeats them all with chance below ``CHANCE``: the product of 1/L_k!, L_k the distinct
+    samples of shard k. One shard of 10 is flagged (1/10!); one of 9 is not.
 
-    * "epoch read twice": two reads of one epoch differ.
-    * shuffle off, "order changes with the epoch": an epoch differs from the lowest one.
-    * shuffle on, "same order in two epochs": shards identical in two epochs, flagged when
-      a uniform shuffle repeats them all with chance below ``CHANCE``. That chance is the
-      product of 1/L_k!, L_k the distinct samples of shard k (an upper bound with drop).
-      One shard of 10 samples is flagged (1/10!); one of 9 is not, nor are 8 shards of 2.
-
-    Raises ValueError for fewer than two reads, reads with other shard counts, or a read
-    in neither layout.
+    Raises ValueError for fewer than two reads, reads of other shard counts, or a read in
+    neither layout.
     """
     pairs = list(epochs.items()) if isinstance(epochs, dict) else list(epochs)
     if len(pairs) < 2:
@@ -586,8 +536,8 @@ def describe_epochs(epochs, batch_size: int, *, shuffle: bool,
     n = len(reads[0][1])
     for epoch, shards in reads:
         if len(shards) != n:
-            raise ValueError(f"describe_epochs: epoch {epoch} has {len(shards)} shards, epoch "
-                             f"{reads[0][0]} has {n}; all reads must come from one loader")
+            raise ValueError(f"describe_epochs: epoch {epoch} has {len(shards)} shards, epoch {reads[0][0]} has "
+                             f"{n}; all reads must come from one loader")
     found = findings if findings is not None else Findings()
     first, compare = {}, []
     for epoch, shards in reads:
@@ -618,10 +568,9 @@ def describe_epochs(epochs, batch_size: int, *, shuffle: bool,
                 continue
             steps = max(len(first[a][k]) for k in same)
             who = f"shard {same[0]} delivers" if len(same) == 1 else f"shards {same} deliver"
-            found.add("same order in two epochs", f"{who} the same samples in the same slots in epochs "
-                      f"{a} and {b} (steps {_span(0, steps)}): the shuffle ignores the epoch (a uniform "
-                      f"shuffle repeats this with probability {math.exp(log_chance):.1e})",
-                      shards=same, steps=range(steps))
+            found.add("same order in two epochs", f"{who} the same samples in the same slots in epochs {a} and "
+                      f"{b} (steps {_span(0, steps)}): the shuffle ignores the epoch (a uniform shuffle repeats "
+                      f"this with probability {math.exp(log_chance):.1e})", shards=same, steps=range(steps))
     return found
 
 
@@ -641,21 +590,19 @@ def _slot_difference(x: np.ndarray, y: np.ndarray):
 
 
 # Values by index, and normalised content -------------------------------------
-
-
 def describe_values(delivered, values, reference, *, name: str = "labels",
                     findings: Findings | None = None) -> Findings:
     """Whether every delivered slot holds its own sample's value of one key.
 
-    ``delivered``: the decoded indices, in a layout of ``describe_epoch``; ``values``: the key
-    ``name`` as delivered, in the same layout with the per-sample axes last; ``reference``:
-    the dataset's array of that key, (N, ...), of any per-sample shape and dtype.
+    ``delivered``: decoded indices, in a layout of ``describe_epoch``; ``values``: the key
+    ``name`` as delivered, same layout, per-sample axes last; ``reference``: the dataset's
+    (N, ...) array of that key, any per-sample shape and dtype.
 
-    Every slot whose index i lies in range(N), padding included, must hold reference[i]: the
-    same bits when the dtypes agree (-0.0 is not 0.0; a NaN matches itself), the same number
-    when they differ (int32 labels of int64 data). One finding per shard: "{name} shape", or
-    "{name}" naming the wrong slots, and a shift when every wrong one holds the value of the
-    sample d indices (mod N) or d slots away in the shard's stream, 0 < |d| <= ``SHIFTS``.
+    Every slot whose index i is in range(N), padding included, must hold reference[i]: the
+    same bits when the dtypes agree (-0.0 is not 0.0; a NaN matches itself), else the same
+    number. One finding per shard: "{name} shape", or "{name}" naming the wrong slots and a
+    shift if every wrong one holds the value of the sample d indices (mod N) or d slots away
+    in the shard's stream, 0 < |d| <= ``SHIFTS``.
 
     Raises ValueError for ``values`` that do not match ``delivered`` in shards, steps or B, or
     a ``reference`` with no leading N axis.
@@ -664,7 +611,7 @@ def describe_values(delivered, values, reference, *, name: str = "labels",
     if reference.ndim < 1 or not len(reference):
         raise ValueError(f"describe_values: reference must be the dataset's {name!r} array (N, ...), "
                          f"got shape {reference.shape}")
-    delivered = _per_shard(delivered, _batch_of(delivered), "delivered", np.integer, "describe_values")
+    delivered = _per_shard(delivered, None, "delivered", np.integer, "describe_values")
     B = delivered[0].shape[1]
     values = _per_shard(values, B, name, None, "describe_values", sample_dims=True)
     if len(values) != len(delivered):
@@ -673,12 +620,11 @@ def describe_values(delivered, values, reference, *, name: str = "labels",
     N, sample = len(reference), reference.shape[1:]
     for k, (got, value) in enumerate(zip(delivered, values)):
         if value.shape[0] != got.shape[0]:
-            raise ValueError(f"describe_values: {name}[{k}] covers {value.shape[0]} batches, delivered "
-                             f"has {got.shape[0]}")
+            raise ValueError(f"describe_values: {name}[{k}] covers {value.shape[0]} batches, delivered has "
+                             f"{got.shape[0]}")
         if value.shape[2:] != sample:
-            found.add(f"{name} shape", f"shard {k}: {name} arrive as {value.dtype} {value.shape[2:]} per "
-                      f"sample; the dataset's are {reference.dtype} {sample}", shards=[k],
-                      steps=range(len(got)))
+            found.add(f"{name} shape", f"shard {k}: {name} arrive as {value.dtype} {value.shape[2:]} per sample; "
+                      f"the dataset's are {reference.dtype} {sample}", shards=[k], steps=range(len(got)))
             continue
         flat_i, flat_v = got.ravel(), value.reshape((-1,) + sample)
         known = np.flatnonzero((flat_i >= 0) & (flat_i < N))
@@ -689,21 +635,10 @@ def describe_values(delivered, values, reference, *, name: str = "labels",
         first = int(flat_i[bad[0]])
         detail = "" if sample else \
             f" with {name} {flat_v[bad[0]].tolist()}, the dataset's is {reference[first].tolist()}"
-        found.add(name, f"shard {k}: {bad.size} of {known.size} slots hold {name} that are not their "
-                  f"sample's (first: step {s} slot {j} holds sample {first}{detail})"
-                  f"{_shift(flat_i, flat_v, bad, reference, name)}", shards=[k],
-                  steps=np.unique(bad // B), samples=flat_i[bad])
+        found.add(name, f"shard {k}: {bad.size} of {known.size} slots hold {name} that are not their sample's (first: "
+                  f"step {s} slot {j} holds sample {first}{detail}){_shift(flat_i, flat_v, bad, reference, name)}",
+                  shards=[k], steps=np.unique(bad // B), samples=flat_i[bad])
     return found
-
-
-def _batch_of(delivered) -> int:
-    """B of describe_epoch's layouts, read from the value."""
-    if isinstance(delivered, np.ndarray) and delivered.ndim == 3:
-        return delivered.shape[2]
-    if isinstance(delivered, (list, tuple)) and delivered and np.ndim(delivered[0]) == 2:
-        return np.shape(delivered[0])[1]
-    raise ValueError(f"describe_values: delivered must be an array (steps, n, B) or a non-empty list "
-                     f"of per-shard (steps, B) arrays, got {type(delivered).__name__}")
 
 
 def _same_values(got: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -718,53 +653,46 @@ def _same_values(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     return np.all(np.equal(got, want).reshape(M, -1), axis=1)
 
 
-def _shift(flat_i: np.ndarray, flat_v: np.ndarray, bad: np.ndarray, reference: np.ndarray,
-           name: str) -> str:
+def _shift(flat_i: np.ndarray, flat_v: np.ndarray, bad: np.ndarray, reference: np.ndarray, name: str) -> str:
     """The words for a constant shift that explains every wrong slot, or ""."""
     N = len(reference)
     shifts = [d for m in range(1, SHIFTS + 1) for d in (m, -m)]
     for d in shifts:  # by d samples in the dataset
         if _same_values(flat_v[bad], reference[(flat_i[bad] + d) % N]).all():
-            return (f"; every one holds the {name} of sample i{d:+d} (mod {N}), i its own index: "
-                    f"{name} shifted by {d:+d} sample(s)")
+            return (f"; every one holds the {name} of sample i{d:+d} (mod {N}), i its own index: {name} shifted "
+                    f"by {d:+d} sample(s)")
     for d in shifts:  # by d slots in the shard's stream; at most |d| wrong slots lack a neighbour
         at = bad + d
         has = (at >= 0) & (at < len(flat_i))
         has[has] = (flat_i[at[has]] >= 0) & (flat_i[at[has]] < N)
-        if (~has).sum() <= abs(d) and has.any() \
-                and _same_values(flat_v[bad[has]], reference[flat_i[at[has]]]).all():
-            where = f"{abs(d)} slot(s) {'later' if d > 0 else 'earlier'}"
-            return (f"; every one holds the {name} of the sample {where} in the shard's stream (where "
-                    f"there is one): {name} shifted by {d:+d} slot(s)")
+        if (~has).sum() <= abs(d) and has.any() and _same_values(flat_v[bad[has]], reference[flat_i[at[has]]]).all():
+            return (f"; every one holds the {name} of the sample {abs(d)} slot(s) {'later' if d > 0 else 'earlier'} "
+                    f"in the shard's stream (where there is one): {name} shifted by {d:+d} slot(s)")
     return ""
 
 
-def describe_content(images_BCHW, labels_B, indices_B, ref_images, ref_labels,
-                     normalize: Normalize) -> list[str]:
+def describe_content(images_BCHW, labels_B, indices_B, ref_images, ref_labels, normalize: Normalize) -> list[str]:
     """Labels and pixels of one shard's batch against the file and the table, in words.
 
     ``images_BCHW``: normalised float32 (B, C, H, W); ``labels_B``: integer labels, one per
-    slot; ``indices_B``: the decoded indices (slots of -1 are skipped); ``ref_images`` and
-    ``ref_labels``: the file's. Pixels must be ``normalize(ref_images[i])`` bit for bit;
-    images that equal the mirrored ones, or lie up to 8 ulps away, are named so. Labels must
-    equal the file's; for other keys or shapes use ``describe_values``.
-
-    Raises ValueError for images, labels or indices that are not one per slot.
+    slot; ``indices_B``: decoded indices (-1 skipped). Pixels must be ``normalize(ref_images[i])``
+    bit for bit (mirrored images, or up to 8 ulps away, are named so); labels must be
+    ``ref_labels[i]``. Other keys or shapes: ``describe_values``. Raises ValueError for images,
+    labels or indices that are not one per slot.
     """
     images_BCHW, labels_B, indices_B = np.asarray(images_BCHW), np.asarray(labels_B), np.asarray(indices_B)
     if indices_B.ndim != 1 or images_BCHW.ndim != 4 or len(images_BCHW) != len(indices_B) \
             or labels_B.size != len(indices_B):
         raise ValueError(f"describe_content: images_BCHW (B, C, H, W), labels_B and indices_B must hold one "
-                         f"entry per slot, got shapes {images_BCHW.shape}, {labels_B.shape} and "
-                         f"{indices_B.shape}")
+                         f"entry per slot, got shapes {images_BCHW.shape}, {labels_B.shape} and {indices_B.shape}")
     labels_B = labels_B.reshape(-1)
     ok = indices_B >= 0
     found = []
     wrong = np.flatnonzero(ok & (labels_B != ref_labels[np.where(ok, indices_B, 0)]))
     if wrong.size:
         j = wrong[0]
-        found.append(f"{wrong.size} labels differ from the file (slot {j} holds sample "
-                     f"{indices_B[j]} with label {labels_B[j]}, the file says {ref_labels[indices_B[j]]})")
+        found.append(f"{wrong.size} labels differ from the file (slot {j} holds sample {indices_B[j]} with label "
+                     f"{labels_B[j]}, the file says {ref_labels[indices_B[j]]})")
     want, got = normalize(ref_images[indices_B[ok]]), images_BCHW[ok]
     bad = ~np.all(got == want, axis=(1, 2, 3)) if got.size else np.zeros(0, bool)
     if bad.any():
@@ -773,8 +701,6 @@ def describe_content(images_BCHW, labels_B, indices_B, ref_images, ref_labels,
         scale = np.spacing(np.float32(np.abs(want[bad]).max()))
         ulps = int(np.ceil(np.abs(got[bad].astype(np.float64) - want[bad]).max() / scale))
         note = ("; they equal the mirrored images: mirror=0 was not honoured" if mirrored.all()
-                else f"; up to {ulps} ulps apart: another arithmetic than the table's" if ulps <= 8
-                else "")
-        found.append(f"{bad.sum()} images differ from the {normalize.arithmetic} table of their "
-                     f"sample{note}")
+                else f"; up to {ulps} ulps apart: another arithmetic than the table's" if ulps <= 8 else "")
+        found.append(f"{bad.sum()} images differ from the {normalize.arithmetic} table of their sample{note}")
     return found
