@@ -2,41 +2,28 @@
 
 ``make_dali_loader(data, devices, batch_size, ...)`` builds a ``DaliLoader``. Its ``epoch(e, *,
 state=None)`` is a ``loaders.EpochIterator`` of global batches {"images" float32, "labels"
-int32, "mask", "index", "logical_shards"}; row block k comes from pipeline k, the DALI Pipeline
+int32, "mask", "index", "logical_shards"}. Row block k comes from pipeline k, the DALI Pipeline
 of mesh position k (never ``device.id``), built at the first step and dropped with the
-iterator. Its file reader reads one raw file per sample (``sample_files``, under
-``cache_dir``), reshapes it to (C, H, W) and runs ``crop_mirror_normalize`` to float32.
+iterator. Its file reader reads one raw file per sample (``sample_files``, under ``cache_dir``),
+reshapes it to (C, H, W) and runs ``crop_mirror_normalize`` to float32.
 
-order="plan" (the default): reader k is given the files of its plan slots (padding included)
-in plan order, as one shard, DALI's shuffle off. The batches are ``loaders.make_loader(...,
+order="plan" (the default): reader k gets the files of its plan slots (padding included) in
+plan order, as one shard, DALI's shuffle off. The batches are ``loaders.make_loader(...,
 normalize=Normalize(arithmetic=arithmetic_for(devices)))``'s bit for bit, fresh or resumed
-from any state of the run (any shards, batch size, processes), as the reference resumes it.
+from any state of the run (any shards, batch size, processes).
 
-order="vendor": DALI's own order, no "index". Shuffle off: DALI's sharding of one list, which
-is the plan's order. Shuffle on: shard k's own list, ``random_shuffle`` with ``initial_fill``
-its size, pipeline seed ``SeedSequence([seed, epoch, k])``: shard k holds [N*k//n, N*(k+1)//n)
-only, each sample once (fill; drop: at most once), padded with its last sample; the mask is
-the plan's by position, the order within the shard DALI's. A state resumes only when its plan
-is the loader's own (one segment (0, n, B)): the steps before it are read and dropped. DALI's
-checkpoints restore one reader per pipeline onto as many pipelines (plugin/jax/iterator.py,
-``data_iterator``), so no other state is taken.
+order="vendor": DALI's own order, no "index". Shuffle off: DALI's sharding of one list, the
+plan's order. Shuffle on: shard k's own list, ``random_shuffle`` with ``initial_fill`` its size,
+pipeline seed ``SeedSequence([seed, epoch, k])``. Shard k holds only [N*k//n, N*(k+1)//n), each
+sample once (fill; drop: at most once), padded with its last sample; the mask is the plan's.
+A state resumes only on the loader's own plan (one segment (0, n, B)): earlier steps are read
+and dropped. DALI's checkpoints restore only onto as many pipelines, so no other state is taken.
 
-DALI 2.4 facts relied on, each pinned in test_dali.py on CPU pipelines unless marked READ (read
-in DALI's source, not run):
-* readers.file: random_shuffle over shards permutes the whole list with a fixed seed (524287)
-  before cutting it, hence one list per shard; without stick_to_shard reader k reads shard
-  (k+e) mod n in epoch e; pad_last_batch repeats a shard's last sample; a shard of S samples
-  is ceil(S/B) batches, a batch short of the plan when S = floor(N/n) is a multiple of B (the
-  step is filled with that last sample, mask False); run() never ends an epoch and reset()
-  does not rewind, hence fresh pipelines per epoch.
-* crop_mirror_normalize: mirror is passed always. CPU, "dali_cpu": (x - mean) * (1/std), two
-  float32 roundings (kernels/slice/slice_flip_normalize_permute_pad_cpu.h). READ, GPU,
-  "dali_gpu": fmaf(x, inv, -(mean*inv)), inv = 1/std in float32 (slice_flip_normalize_gpu_impl.cuh,
-  SliceNormalizeKernel_2D_NoPad). Crop anchor on both: std::round(double(pos) * (W - cw))
-  (operators/image/crop/crop_attr.cc, CropAttr::CalculateAnchor).
-* Outputs reach JAX through DLPack (``to_jax``). The dynamic executor (2.x's default) never
-  writes an output again, so it is wrapped; otherwise it is copied (plugin/jax/iterator.py).
-  READ: GPU pipelines run on CUDA device ``local_hardware_id``.
+DALI 2.4 behaviour relied on is in docs/vendors.md, pinned in test_dali.py (on CPU, or READ in
+source). random_shuffle over shards scatters them, hence one list a shard. A shard's list can be
+a batch short of the plan: that step repeats its last sample, masked. run() never ends an epoch
+and reset() does not rewind, hence fresh pipelines per epoch. The arithmetics are arithmetic.py's
+"dali_cpu" and "dali_gpu". Under the dynamic executor an output is wrapped, else copied (``to_jax``).
 
 Imports loaders.py; nvidia.dali lazily (``pip install -r requirements-dali.txt``).
 """
@@ -129,9 +116,8 @@ def usable(devices: Sequence[jax.Device] | Mesh) -> bool:
 def to_jax(tensor_list, device: jax.Device, *, buffers_reused: bool) -> jax.Array:
     """One DALI output (equal-shape samples) as a jax.Array on ``device``, through DLPack.
 
-    ``buffers_reused`` (``not pipeline.exec_dynamic``): DALI may write the output again, so
-    it is copied, the copy finished on return; otherwise DALI's buffer is wrapped where it
-    already lives on ``device``."""
+    ``buffers_reused`` (``not pipeline.exec_dynamic``): DALI may write the output again, so it
+    is copied, finished on return; else DALI's buffer on ``device`` is wrapped."""
     array = jax.dlpack.from_dlpack(tensor_list.as_tensor(), device=device, copy=None)
     if buffers_reused:
         # Not from_dlpack(copy=True): JAX 0.10.2 wraps a CPU buffer even then (test_dali.py).
@@ -143,13 +129,11 @@ def sample_files(images_NCHW: np.ndarray, labels_N: np.ndarray, cache_dir: str |
     """One raw file per sample (C*H*W bytes) and ``list.txt`` ("<name> <label>" lines); returns
     the folder, ``cache_dir/dali-samples-<N>x<C>x<H>x<W>-<hash>``.
 
-    The hash covers the shape, the bytes and the int32 labels: a dataset is written once and
-    a changed one never reuses its files. The folder is written under another name and
-    renamed: a reader never sees half of it, and of two writers the first rename wins.
+    The hash covers the shape, the bytes and the int32 labels. The folder is written under
+    another name and renamed: a reader never sees half of it; of two writers the first wins.
 
     Raises:
-      ValueError: images that are not uint8 (N, C, H, W), or labels that are not N integers
-        within int32 (as which they are stored).
+      ValueError: images not uint8 (N, C, H, W), or labels not N integers within int32.
     """
     images_NCHW, labels_N = np.ascontiguousarray(images_NCHW), np.asarray(labels_N)
     if images_NCHW.dtype != np.uint8 or images_NCHW.ndim != 4 or labels_N.shape != images_NCHW.shape[:1] \
@@ -200,8 +184,7 @@ def sample_name(index: int, num_samples: int) -> str:
 
 
 def shard_list(folder: str, shard_id: int, num_shards: int) -> str:
-    """``folder/list-<k>-of-<n>.txt``, the lines of ``list.txt`` of shard k of n, written once,
-    atomically; returns its path."""
+    """The path of ``folder/list-<k>-of-<n>.txt``: shard k of n's lines of ``list.txt``, written once, atomically."""
     path = os.path.join(folder, f"list-{shard_id}-of-{num_shards}.txt")
     if os.path.isfile(path):
         return path
@@ -221,8 +204,8 @@ def shard_list(folder: str, shard_id: int, num_shards: int) -> str:
 
 @dataclasses.dataclass(eq=False)
 class DaliLoader:
-    """Epochs read by DALI (the module docstring); build it with ``make_dali_loader``.
-    ``len()``, ``plan``, ``real_samples`` and ``dataset`` are its spec's (``loaders.Loader``)."""
+    """Epochs read by DALI (the module docstring), built by ``make_dali_loader``. ``len()``,
+    ``plan``, ``real_samples`` and ``dataset`` are its spec's (``loaders.Loader``)."""
     spec: loaders.Loader  # the reference loader built alike: the plan, the mesh, the checks
     order: str
     folder: str  # the sample_files folder
@@ -397,12 +380,10 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
     """A ``DaliLoader`` over ``data``, shard k on ``devices[k]`` (or mesh position k).
 
     Args:
-      data: a CIFAR-10 folder (read with ``filename_prefix``) or ``(images uint8 (N, C, H, W),
-        labels_N)``, MNIST's (N, 1, 28, 28) too.
+      data: a CIFAR-10 folder (read with ``filename_prefix``) or ``(images uint8 (N, C, H, W), labels_N)``.
       batch_size, layout, shuffle, seed, last_batch, logical_shards: ``loaders.make_loader``'s;
         ``logical_shards`` with order="plan" only.
-      normalize: a Normalize with the devices' arithmetic (``arithmetic_for``); None:
-        ``Normalize(arithmetic=arithmetic_for(devices))``.
+      normalize: a Normalize with the devices' arithmetic (``arithmetic_for``); None: the default one.
       order: "plan" or "vendor" (the module docstring).
       cache_dir: where ``sample_files`` writes (None: DEFAULT_CACHE, ~/.cache/refimpl).
       num_threads: DALI's threads a pipeline, an int >= 1.
@@ -443,10 +424,10 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
 
 def dali_pipeline(folder: str, reader: dict, device: jax.Device, image_shape: tuple[int, int, int],
                   normalize: Normalize, batch_size: int, *, seed: int, num_threads: int = 1):
-    """A built DALI Pipeline: ``fn.readers.file(file_root=folder, **reader)`` with stick_to_shard
-    and pad_last_batch, the bytes reshaped to ``image_shape`` (C, H, W), crop_mirror_normalize to
-    float32 CHW; outputs (images, labels). On CPU for a CPU ``device``; on an NVIDIA GPU, CUDA
-    device ``local_hardware_id`` and the normalisation there. DALI's default executor."""
+    """A built DALI Pipeline with outputs (images, labels): ``fn.readers.file(file_root=folder,
+    **reader)`` with stick_to_shard and pad_last_batch, reshaped to ``image_shape`` (C, H, W),
+    crop_mirror_normalize to float32 CHW. Runs on CPU, or normalises on a GPU ``device``'s CUDA
+    device ``local_hardware_id``. DALI's default executor."""
     Pipeline, fn, types = import_dali()
     on_gpu = device.platform != "cpu"
     pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, seed=seed,

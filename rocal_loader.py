@@ -2,39 +2,32 @@
 
 ``make_rocal_loader(data, devices, batch_size, ...)`` builds a ``RocalLoader``. Its ``epoch(e,
 *, state=None)`` is a ``loaders.EpochIterator`` of global batches {"images" float32, "labels"
-int32, "mask", "index", "logical_shards"}; row block k comes from pipeline k (mesh position k,
+int32, "mask", "index", "logical_shards"}. Row block k comes from pipeline k (mesh position k,
 never ``device.id``): ``fn.readers.cifar10``, then ``fn.crop_mirror_normalize`` to float32 NCHW.
-Pipelines are built at an epoch's first step and released when its iterator ends. rocAL's own
-calls are rocal_api.py's. CIFAR-10 only.
+Pipelines live from an epoch's first step until its iterator ends; rocAL's calls are
+rocal_api.py's. CIFAR-10 only.
 
-order="plan" (the default): pipeline k reads one CIFAR-10 file of its plan slots (padding
-included) in plan order, then TAIL_BATCHES batches never run; shuffle off, one shard, FILL +
-pad_last_batch, so rocAL pads nothing. The file lives in ``cache_dir/.rocal-epoch-<e>-*``,
-deleted with the epoch. Each run's labels are checked against the plan. The batches are
-``loaders.make_loader(..., normalize=Normalize(arithmetic="rocal"))``'s bit for bit, fresh or
-resumed from any state of the run (any shards, batch size, processes), as the reference's.
+order="plan" (the default): pipeline k reads one file of its plan slots (padding included) in
+plan order, then TAIL_BATCHES batches never run; shuffle off, one shard, FILL + pad_last_batch,
+so rocAL pads nothing. The file lives in ``cache_dir/.rocal-epoch-<e>-*`` until the epoch ends.
+Each run's labels are checked against the plan. The batches are ``loaders.make_loader(...,
+normalize=Normalize(arithmetic="rocal"))``'s bit for bit, fresh or resumed from any state.
 
-order="vendor": rocAL's own order over shard k's records [N*k//n, N*(k+1)//n), no "index":
-sharding "files" gives each pipeline one file of its shard (``shard_folders``, kept, keyed by
-content); "rocal" uses rocAL's shard_id (refused at build while rocAL ignores it). The mask is
-found by content (the shard's last record beyond its own copies is padding) and checked
-against rocAL's padding count at the epoch's end. Shuffled, the order is one permutation per
-shard size, the same every epoch and seed; with drop, the padding rocAL shuffles into the steps
-kept is masked (``real_samples`` reads an epoch to count). A state resumes only when its plan
-is the loader's own (one segment (0, n, B)): the steps before it are read and dropped, since
-rocAL has no checkpoint and no seek.
+order="vendor": rocAL's own order over shard k's records [N*k//n, N*(k+1)//n), no "index".
+sharding "files" gives pipeline k one file of its shard (``shard_folders``); "rocal" uses
+rocAL's shard_id, refused at build while rocAL ignores it. The mask is found by content (copies
+of the shard's last record beyond its own are padding), checked against rocAL's count at the
+epoch's end. Shuffled, the order is one permutation per shard size, the same every epoch and
+seed; with drop, padding shuffled into the kept steps is masked. A state resumes only on the
+loader's own plan (one segment (0, n, B)): rocAL cannot seek, so earlier steps are read and
+dropped.
 
-rocAL 2.3.0 facts relied on (docs/vendors.md has the source read; test_rocal.py's conformance
-test fails when one changes): cifar10 ignores shard_id, so every pipeline reads everything;
-only FILL with pad_last_batch delivers every record, padding with unmarked copies of a shard's
-last one (CIFAR10DataReader); random_shuffle is seeded by shard_id, not the pipeline's seed; a
-run at 0 remaining can return a stale batch, so get_remaining_images() is checked before
-every run; crop_mirror_normalize mirrors unless given mirror=0; files are read in readdir
-order, the prefix matched anywhere in a name; rocal_release() can block for ever (bounded:
-rocal_api.release_pipelines). On AMD GPUs (READ, not run) outputs reach JAX through DLPack;
-an output is a slot of a ring of two that the second next run writes again, so the copies of
-step s-2 are waited for before the runs of step s (``_Transfers``). On CPU devices each output
-is copied to the host (``copy_output``).
+rocAL 2.3.0 behaviour relied on is in docs/vendors.md; test_rocal.py fails when it changes.
+cifar10 ignores shard_id; only FILL + pad_last_batch delivers every record; random_shuffle is
+seeded by shard_id; a run at 0 remaining can return a stale batch, so get_remaining_images() is
+checked first; rocal_release() can block for ever (rocal_api.release_pipelines bounds it). On
+AMD GPUs (READ, not run) outputs come through DLPack from a ring of two slots: step s first
+waits for step s-2's copies (``_Transfers``). On CPU devices ``copy_output`` copies each output.
 """
 
 from __future__ import annotations
@@ -70,10 +63,9 @@ ROCAL_SHARDING_BUG = (
     "loader per shard and overwrites the caller's shard_id, so every pipeline reads the whole "
     "dataset and every device would train on the same batch)"
 )
-# order="plan" writes this many batches more at the end of each file and never runs them: with
-# nothing left to load, rocAL's output thread sleeps in 100 ms steps (MasterGraph::output_routine)
-# and rocal_release() waits that sleep out; with batches left it returns at once. More than rocAL
-# loads ahead (its ring of 2, and one being processed).
+# order="plan" writes this many batches more at each file's end and never runs them: with nothing
+# left, rocAL's output thread sleeps in 100 ms steps (MasterGraph::output_routine) that
+# rocal_release() waits out. More than rocAL loads ahead (its ring of 2, and one in progress).
 TAIL_BATCHES = 4
 RING_SLOTS = 2  # a rocAL output is a ring-buffer slot that the second next run writes again
 
@@ -114,14 +106,12 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
     """The n folders of order="vendor", sharding="files": folder k holds shard k's records
     [N*k//n, N*(k+1)//n), in order, as its only file ``data_batch_1.bin``.
 
-    They live in ``cache_dir/rocal-shards-<N>-of-<n>-<hash>``, the hash over the images' shape
-    and bytes and the labels: a dataset is written once and a changed one never reuses its
-    files. The set is written under another name and renamed: of two writers the first wins.
+    They live in ``cache_dir/rocal-shards-<N>-of-<n>-<hash>``, keyed by the images' shape and
+    bytes and the labels. The set is written under another name and renamed: the first writer wins.
 
     Raises:
-      ValueError: images that are not uint8 (N, 3, 32, 32), labels that are not integers
-        0..9, more shards than samples, or a cached folder that is not one file of its shard's
-        size (named: it is never read).
+      ValueError: images not uint8 (N, 3, 32, 32), labels not integers 0..9, more shards than
+        samples, or a cached folder that is not one file of its shard's size (never read).
     """
     images_NCHW, labels_N = np.ascontiguousarray(images_NCHW), np.asarray(labels_N)
     if images_NCHW.dtype != np.uint8 or images_NCHW.shape[1:] != IMAGE_SHAPE \
@@ -171,9 +161,9 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
 
 
 def rocal_padded_size(num_samples: int, num_shards: int, shard_id: int, batch_size: int) -> int:
-    """``get_remaining_images()`` at the start of shard k's epoch under FILL + pad_last_batch,
-    were rocAL's sharding to work: every shard padded to whole batches of the largest shard,
-    or none when the largest is whole batches (``CIFAR10DataReader::subfolder_reading``)."""
+    """Shard k's ``get_remaining_images()`` at its epoch's start under FILL + pad_last_batch, were
+    rocAL's sharding to work: whole batches of the largest shard, or no padding when that one is
+    whole batches (``CIFAR10DataReader::subfolder_reading``)."""
     start, stop = shard_bounds(num_samples, shard_id, num_shards)
     largest = -(-num_samples // num_shards)
     return -(-largest // batch_size) * batch_size if largest % batch_size else stop - start
@@ -181,9 +171,8 @@ def rocal_padded_size(num_samples: int, num_shards: int, shard_id: int, batch_si
 
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
-    """order="vendor": shard k before it is read: its size, rocAL's epoch over it (batches,
-    padding copies), its last record normalised (the padding's content), and how many of its
-    records normalise to that content with its label."""
+    """order="vendor": shard k's size, rocAL's epoch over it (batches, padding copies), its last
+    record normalised (the padding's content), and how many records match that content and label."""
     size: int
     batches: int
     padded: int
@@ -194,9 +183,8 @@ class ShardInfo:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RocalLoader:
-    """Epochs read by rocAL (the module docstring); build it with ``make_rocal_loader``.
-    It holds no pipeline: each epoch's iterator builds and releases its own, so an epoch is
-    the same whatever was read before, and several may be read at once."""
+    """Epochs read by rocAL (the module docstring), built by ``make_rocal_loader``. It holds no
+    pipeline: each epoch's iterator has its own, so epochs are independent and may overlap."""
     images: np.ndarray = dataclasses.field(repr=False)  # uint8 (N, 3, 32, 32), read_cifar10's order
     labels: np.ndarray = dataclasses.field(repr=False)  # int32 (N,)
     mesh: Mesh
@@ -265,10 +253,9 @@ class RocalLoader:
                 f"device, shard = mesh position; {how}")
 
     def real_samples(self, epoch: int, *, state: LoaderState | None = None) -> int:
-        """Mask-True slots of ``epoch``, or of ``epoch(epoch, state=state)``'s steps: the plan's,
-        except order="vendor" with drop and shuffle, where rocAL shuffles padding into the steps
-        kept and one epoch is read to count them (every epoch alike). RuntimeError there when
-        this process does not hold every shard."""
+        """Mask-True slots of ``epoch``, or of ``epoch(epoch, state=state)``'s steps: the plan's.
+        order="vendor" with drop and shuffle reads one epoch to count them (rocAL shuffles padding
+        into the kept steps); RuntimeError there unless this process holds every shard."""
         where, first = "RocalLoader.real_samples", 0
         if state is not None:
             resumed = self._resumed(where, epoch, state)
@@ -288,8 +275,8 @@ class RocalLoader:
         return sum(self.known_real["steps"][first:])
 
     def epoch(self, epoch: int, *, state: LoaderState | None = None) -> loaders.EpochIterator:
-        """The batches of ``epoch``, or its rest from ``state`` (``loaders.Loader.epoch``'s). The
-        pipelines are built, and the epoch's files written, at the first ``next()``.
+        """The batches of ``epoch``, or its rest from ``state`` (``loaders.Loader.epoch``'s), built at
+        the first ``next()``.
 
         Raises:
           ValueError: an epoch outside [0, 2**32); a state that is not a LoaderState, or of
@@ -324,9 +311,7 @@ class RocalLoader:
         return resumed
 
 
-# --------------------------------------------------------------------------
-# Reading an epoch: the plan's order and rocAL's own
-# --------------------------------------------------------------------------
+# Reading an epoch: the plan's order and rocAL's own ------------------------
 
 
 def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: int):
@@ -374,8 +359,8 @@ def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: in
 
 
 def _vendor_steps(loader: RocalLoader, epoch: int, start: int):
-    """rocAL's own epoch from fresh pipelines, yielded from step ``start`` (the steps before it
-    read and dropped), the padding found by content and checked at the end."""
+    """rocAL's own epoch from fresh pipelines, yielded from step ``start`` (earlier steps read and
+    dropped); padding found by content and checked at the end."""
     devices, B = list(loader.mesh.devices.flat), loader.device_rows
     pipelines, transfers = {}, _Transfers(loader.dlpack)
     runs = {k: 0 for k in loader.shards}
@@ -491,9 +476,9 @@ def _run(loader: RocalLoader, pipe, device, left: int, where: str, transfers):
 
 
 class _Transfers:
-    """The DLPack copies, kept safe from rocAL's ring without a wait per copy: before a step's
-    runs, one ``jax.block_until_ready`` on the copies made ``RING_SLOTS`` steps earlier (the
-    slots these runs write); ``drain()`` waits for the rest before the pipelines are released."""
+    """The DLPack copies, safe from rocAL's ring: before a step's runs, one ``block_until_ready``
+    on the copies of ``RING_SLOTS`` steps earlier (the slots these runs write); ``drain()`` waits
+    for the rest before the pipelines are released."""
 
     def __init__(self, active: bool):
         self.active, self.steps, self.current = active, collections.deque(), []
@@ -527,15 +512,14 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
     """A ``RocalLoader`` over ``data``, shard k on ``devices[k]`` (or mesh position k).
 
     Args:
-      data: a CIFAR-10 folder (read with ``filename_prefix``) or ``(images uint8 (N, 3, 32,
-        32), labels_N)``.
+      data: a CIFAR-10 folder (read with ``filename_prefix``) or ``(images uint8 (N, 3, 32, 32), labels_N)``.
       batch_size, layout, shuffle, seed, last_batch, logical_shards: ``loaders.make_loader``'s;
         ``logical_shards`` with order="plan" only.
       normalize: a Normalize with arithmetic "rocal" (rocAL computes its own).
       order: "plan" or "vendor"; sharding: order="vendor"'s "files" or "rocal" (the module
         docstring). "rocal" needs the folder, read by rocAL as ``read_cifar10`` reads it.
-      cache_dir: where the epoch files (order="plan", deleted with the epoch) and the shard
-        files (order="vendor", kept) go; None: DEFAULT_CACHE, ~/.cache/refimpl.
+      cache_dir: for the epoch files (order="plan") and the kept shard files (order="vendor");
+        None: DEFAULT_CACHE, ~/.cache/refimpl.
       num_threads: rocAL's threads a pipeline, an int >= 1.
 
     Raises:
