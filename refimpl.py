@@ -1,9 +1,7 @@
 """The two notebooks as one program: sharded loaders, an MLP, data-parallel training.
 
-    python refimpl.py                    # synthetic CIFAR-10, sharded then pmap, 5 epochs
-    python refimpl.py --dataset mnist    # the DALI notebook's MNIST and MLP
-    python refimpl.py --backend dali     # the training data read by NVIDIA DALI
-    python refimpl.py --help
+    python refimpl.py           # synthetic CIFAR-10, sharded then pmap, 5 epochs
+    python refimpl.py --help    # every option (docs/running.md: how to use them)
 
 It builds one sharded training loader over the devices and a one-device validation loader,
 trains the notebooks' MLP with each chosen strategy from the same initial params, and after
@@ -37,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -45,7 +44,7 @@ import tempfile
 import time
 import types
 
-from arithmetic import Normalize
+from arithmetic import ARITHMETICS, Normalize
 from cifar_mnist import TEST_PREFIX, TRAIN_PREFIX, read_cifar10, read_mnist, synthetic_cifar10, synthetic_mnist
 import processes
 
@@ -54,16 +53,8 @@ MAX_CPU_DEVICES = 64  # virtual CPU devices are threads on the same cores
 SYNTHETIC = {"num_train": 2048, "num_test": 512}
 STRATEGY_NAMES = ("sharded", "pmap", "shard_map", "single")
 ONE_PROCESS = {"pmap": "pmap maps over one process's devices", "single": "single is one device"}
-REDUCTIONS = ("plain", "canonical")  # strategies.REDUCTIONS (not imported: fast errors)
-OPTIMIZERS = ("sgd", "adam")
-DATASETS = ("cifar10", "mnist")
-BACKENDS = ("reference", "rocal", "dali", "auto")
-PLACEMENTS = ("auto", "host", "device")
-PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
-# Each notebook's normalisation: rocAL's CIFAR-10 (x - 127.5) / 127.5, DALI's MNIST x / 255.
-NOTEBOOK_NORMALIZE = {"cifar10": ((127.5,) * 3, (127.5,) * 3), "mnist": ((0.0,), (255.0,))}
-ARITHMETICS = ("rocal", "dali_cpu", "dali_gpu")  # arithmetic.ARITHMETICS (not imported: fast errors)
-NOTEBOOK_ARITHMETIC = {"cifar10": "rocal", "mnist": "dali_cpu"}
+# Each notebook's (mean, std, arithmetic): rocAL's CIFAR-10 (x - 127.5) / 127.5, DALI's MNIST x / 255.
+NOTEBOOK = {"cifar10": ((127.5,) * 3, (127.5,) * 3, "rocal"), "mnist": ((0.0,), (255.0,), "dali_cpu")}
 STEPWISE_STEPS = 4  # the plain reduction's verdict: each strategy's first steps, from the same state
 FAILED = 1  # exit status of a failed verdict (2: bad input)
 
@@ -124,9 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                f"accelerator (or with --platform cpu) JAX gets {DEFAULT_CPU_DEVICES} virtual CPU devices; "
                f"they share this machine's cores, so timings there show overhead, not speed-up.")
     add = parser.add_argument
-    add("--dataset", choices=DATASETS, default="cifar10",
-        help="cifar10 (the rocAL notebook, MLP 3072-1024-1024-10) or mnist (the DALI notebook, MLP "
-             "784-1024-1024-10) (default: %(default)s)")
+    add("--dataset", choices=("cifar10", "mnist"), default="cifar10",
+        help="cifar10 (the rocAL notebook, 3072 inputs) or mnist (the DALI notebook, 784) (default: %(default)s)")
     add("--hidden", default="1024,1024", metavar="W[,W...]",
         help="the MLP's hidden layer widths (default: %(default)s, the notebooks')")
     add("--data-dir", metavar="DIR", help="cifar10: a cifar-10-batches-bin folder; mnist: a folder with "
@@ -139,29 +129,29 @@ def build_parser() -> argparse.ArgumentParser:
     add("--eval-batch-size", type=int, default=256, metavar="B",
         help="validation batch on one device (default: %(default)s)")
     add("--lr", type=float, default=0.001, metavar="RATE", help="the learning rate (default: %(default)s)")
-    add("--optimizer", choices=OPTIMIZERS, default="sgd",
+    add("--optimizer", choices=("sgd", "adam"), default="sgd",
         help="sgd: the notebooks' SGD; adam: optax.adam(--lr), which needs optax (default: %(default)s)")
     add("--seed", type=int, default=0, metavar="N", help="shuffle and synthetic-data seed, 0 <= N < 2**32")
     add("--logical-shards", type=int, metavar="L",
         help="plan each step as L logical shards of --batch-size rows: the same global batch on every "
              "device count dividing L (default: one a device)")
-    add("--reduction", choices=REDUCTIONS, default="plain",
+    add("--reduction", choices=("plain", "canonical"), default="plain",  # strategies.REDUCTIONS
         help="plain: each strategy's own sums, judged step by step; canonical: the L logical shards' "
              "sums added in one fixed order, the same bits on every device count dividing L, every "
              "pair held to the same bits (default: %(default)s)")
     add("--strategies", metavar="LIST",
         help=f"comma-separated, any of {', '.join(STRATEGY_NAMES)}, or 'all' (default: sharded,pmap; "
              f"sharded,shard_map across processes)")
-    add("--platform", choices=PLATFORMS, help="the JAX platform (default: JAX's)")
+    add("--platform", choices=("cpu", "gpu", "cuda", "rocm", "tpu"), help="the JAX platform (default: JAX's)")
     add("--devices", type=int, metavar="N",
         help=f"use the first N devices; on CPU, N virtual devices, at most {MAX_CPU_DEVICES}; across "
              f"processes, each process's count")
     add("--last-batch", choices=("fill", "drop"), default="fill",
         help="fill: pad the last batch and mask the padding; drop: skip the remainder (default: %(default)s)")
-    add("--backend", choices=BACKENDS, default="reference",
+    add("--backend", choices=("reference", "rocal", "dali", "auto"), default="reference",
         help="training loader: the reference, AMD rocAL (cifar10), NVIDIA DALI, or auto: rocal on AMD "
              "GPUs, dali on NVIDIA GPUs, else reference (default: %(default)s)")
-    add("--placement", choices=PLACEMENTS, default="auto",
+    add("--placement", choices=("auto", "host", "device"), default="auto",
         help="reference backend: device (each device holds its shard) or host (rows from the host); "
              "auto: device when the shard fits (default: %(default)s)")
     add("--normalize", choices=ARITHMETICS,
@@ -175,24 +165,24 @@ def build_parser() -> argparse.ArgumentParser:
     add("--compare-to", metavar="FILE",
         help="each strategy's final params and optimizer state against FILE (another run's --params-out), "
              "bit for bit; under --reduction canonical a difference is a failure")
-    multi = parser.add_argument_group("more than one process (jax.distributed)",
-                                      "Only process 0 prints. Strategies: sharded, shard_map.")
-    multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, reachable by all")
-    multi.add_argument("--num-processes", type=int, metavar="N", help="how many processes take part")
-    multi.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
-    multi.add_argument("--auto-distributed", action="store_true",
-                       help="let jax.distributed.initialize() detect the cluster (Slurm, Open MPI, ...)")
-    multi.add_argument("--local-processes", type=int, metavar="N",
-                       help=f"launch N processes on this machine, on CPU devices, splitting --devices "
-                            f"(default {DEFAULT_CPU_DEVICES})")
-    multi.add_argument("--peer-timeout", type=int, default=60, metavar="SECONDS",
-                       help="seconds to wait for a missing or silent peer (default: %(default)s)")
-    ck = parser.add_argument_group("checkpoint and resume", "Resume on any device or process count.")
-    ck.add_argument("--stop-after-step", type=int, metavar="S",
-                    help="train run steps 0..S-1, write the checkpoint to --checkpoint-dir and stop")
-    ck.add_argument("--checkpoint-dir", metavar="DIR", help="where --stop-after-step writes the checkpoint")
-    ck.add_argument("--resume-from", metavar="DIR",
-                    help="continue the run checkpointed in DIR; what it trains comes from the checkpoint")
+    add = parser.add_argument_group("more than one process (jax.distributed)",
+                                    "Only process 0 prints. Strategies: sharded, shard_map.").add_argument
+    add("--coordinator", metavar="HOST:PORT", help="process 0's address, reachable by all")
+    add("--num-processes", type=int, metavar="N", help="how many processes take part")
+    add("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
+    add("--auto-distributed", action="store_true",
+        help="let jax.distributed.initialize() detect the cluster (Slurm, Open MPI, ...)")
+    add("--local-processes", type=int, metavar="N",
+        help=f"launch N processes on this machine, on CPU devices, splitting --devices (default "
+             f"{DEFAULT_CPU_DEVICES})")
+    add("--peer-timeout", type=int, default=60, metavar="SECONDS",
+        help="seconds to wait for a missing or silent peer (default: %(default)s)")
+    add = parser.add_argument_group("checkpoint and resume", "Resume on any device or process count.").add_argument
+    add("--stop-after-step", type=int, metavar="S",
+        help="train run steps 0..S-1, write the checkpoint to --checkpoint-dir and stop")
+    add("--checkpoint-dir", metavar="DIR", help="where --stop-after-step writes the checkpoint")
+    add("--resume-from", metavar="DIR",
+        help="continue the run checkpointed in DIR; what it trains comes from the checkpoint")
     return parser
 
 
@@ -229,9 +219,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--devices {args.devices}: at most {MAX_CPU_DEVICES} virtual CPU devices")
     for flag in ("metrics_out", "params_out"):
         path = getattr(args, flag)
-        problem = unwritable(path) if path else None
-        if problem:
-            parser.error(f"--{flag.replace('_', '-')} {path}: {problem}")
+        if path and unwritable(path):
+            parser.error(f"--{flag.replace('_', '-')} {path}: {unwritable(path)}")
     if args.compare_to and not os.path.isfile(args.compare_to):
         parser.error(f"--compare-to {args.compare_to}: no such file (give another run's --params-out)")
     problem = not_npz(args.compare_to) if args.compare_to else None
@@ -267,9 +256,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--local-processes {args.local_processes} does not divide --devices {total}")
 
 
-def check_run(args: argparse.Namespace, several) -> None:
-    """The checks a resumed run's options need again once the checkpoint has completed them:
-    ValueError naming the option (the checkpoint, for a value taken from it)."""
+def check_run(args: argparse.Namespace, several, devices: int | None = None) -> None:
+    """The checks made again once a checkpoint has completed the options and the devices are
+    known: ValueError naming the option (the checkpoint, for a value taken from it)."""
     source = (lambda name: f"--resume-from {args.resume_from}: the checkpoint's run has --{name} "
               if name.replace("-", "_") in getattr(args, "from_checkpoint", ()) else f"--{name} ")
     if args.dataset == "mnist" and args.backend == "rocal":
@@ -287,7 +276,7 @@ def check_run(args: argparse.Namespace, several) -> None:
     if unsupported:
         raise ValueError(f"{source('strategies')}{','.join(unsupported)}: across processes only sharded and "
                          f"shard_map run ({'; '.join(ONE_PROCESS[s] for s in unsupported)})")
-    devices = known_device_count(args)
+    devices = devices or known_device_count(args)
     if args.logical_shards is not None and devices is not None and args.logical_shards % devices:
         fits = ", ".join(str(d) for d in range(1, args.logical_shards + 1) if args.logical_shards % d == 0)
         raise ValueError(f"{source('logical-shards')}{args.logical_shards}, which {devices} device(s) do not "
@@ -414,21 +403,26 @@ def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 class Job(types.SimpleNamespace):
-    """What ``set_up`` resolved: devices, mesh, say (process 0's print), backend, arithmetic,
-    normalize, data_dir, train_data, test_loader, loaders (by layout), how, steps, where."""
+    """What ``set_up`` resolved: devices, num_shards, mesh, say (process 0's print), backend,
+    arithmetic, normalize, data_dir, train_data, test_loader, loaders (by layout), steps, where."""
 
 
 def run(args: argparse.Namespace, given: set) -> list[str]:
     """Trains every chosen strategy and judges them; returns the report's failed lines."""
     import jax
     import model
+    import strategies
 
     start_jax(args)
     saved = resume_options(args, given) if args.resume_from else None
     job = set_up(args)
     params0 = model.init_model(((model.LAYERS if args.dataset == "cifar10" else model.MNIST_LAYERS)[0],
                                 *args.hidden, model.LAYERS[-1]))
-    optimizer = make_optimizer(args)
+    if args.optimizer == "adam":
+        import optax
+        optimizer = optax.adam(args.lr)
+    else:
+        optimizer = strategies.sgd(args.lr)
     span = Span(args, job, saved)
     metrics = open(args.metrics_out, "w") if args.metrics_out and jax.process_index() == 0 else None
     final, states, failures = {}, {}, []
@@ -449,19 +443,6 @@ def run(args: argparse.Namespace, given: set) -> list[str]:
     return failures
 
 
-def make_optimizer(args: argparse.Namespace):
-    import strategies
-
-    if args.optimizer == "adam":
-        import optax
-        return optax.adam(args.lr)
-    return strategies.sgd(args.lr)
-
-
-def reduction_options(args: argparse.Namespace) -> dict:
-    return {} if args.reduction == "plain" else {"reduction": "canonical", "logical_shards": args.logical_shards}
-
-
 def set_up(args: argparse.Namespace) -> Job:
     """The devices, the data and the loaders of a run, and its first line printed."""
     import jax
@@ -472,9 +453,7 @@ def set_up(args: argparse.Namespace) -> Job:
     n = len(job.devices)
     if args.reduction == "canonical" and args.logical_shards is None:
         args.logical_shards = n  # --reduction canonical alone: one logical shard a device
-    check_run(args, distributed or jax.process_count() > 1)
-    if args.logical_shards is not None and args.logical_shards % n:
-        raise ValueError(f"--logical-shards {args.logical_shards}: {n} device(s) do not divide it")
+    check_run(args, distributed or jax.process_count() > 1, n)
     job.num_shards = args.logical_shards or n
     job.mesh = loaders.data_mesh(job.devices)
     job.say = print if jax.process_index() == 0 else (lambda *a, **k: None)
@@ -482,7 +461,7 @@ def set_up(args: argparse.Namespace) -> Job:
     if args.backend == "auto":
         job.say(f"--backend auto chose {job.backend}")
     job.arithmetic = choose_arithmetic(job.backend, args.normalize, args.dataset, job.devices)
-    mean, std = NOTEBOOK_NORMALIZE[args.dataset]
+    mean, std, _ = NOTEBOOK[args.dataset]
     job.normalize = Normalize(mean=mean, std=std, arithmetic=job.arithmetic)
     if job.backend == "rocal":
         import rocal_loader
@@ -492,7 +471,11 @@ def set_up(args: argparse.Namespace) -> Job:
         dali_loader.import_dali()
     job.data_dir = args.data_dir or synthetic_dataset(args.cache_dir, args.dataset, args.seed)
     try:
-        job.train_data, test_data = read_dataset(args.dataset, job.data_dir)
+        if args.dataset == "mnist":
+            job.train_data, test_data = read_mnist(job.data_dir, "train"), read_mnist(job.data_dir, "test")
+        else:
+            job.train_data = read_cifar10(job.data_dir, TRAIN_PREFIX)
+            test_data = read_cifar10(job.data_dir, TEST_PREFIX)
     except (ValueError, OSError) as error:
         if not args.data_dir:
             raise
@@ -501,7 +484,7 @@ def set_up(args: argparse.Namespace) -> Job:
     first_local = job.mesh.devices.flat[loaders.local_positions(job.mesh)[0]]
     job.test_loader = loaders.make_loader(test_data, [first_local], min(args.eval_batch_size, len(test_data[1])),
                                           normalize=job.normalize)
-    job.loaders, job.how = training_loaders(args, job)
+    job.loaders, how = training_loaders(args, job)
     job.steps = len(next(iter(job.loaders.values())))
     procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     L, B = args.logical_shards, args.batch_size
@@ -509,20 +492,19 @@ def set_up(args: argparse.Namespace) -> Job:
     job.where = f"{n} {job.devices[0].platform} device(s){procs}, {rows} ({job.backend})"
     job.say(f"{n} {job.devices[0].platform} device(s){procs}; {args.dataset}: {len(job.train_data[1])} training "
             f"and {len(test_data[1])} test images from {job.data_dir}; {job.steps} steps of {rows} per epoch "
-            f"({args.last_batch}); epochs 0-{args.epochs - 1}; {job.how}; {job.arithmetic}'s arithmetic; "
+            f"({args.last_batch}); epochs 0-{args.epochs - 1}; {how}; {job.arithmetic}'s arithmetic; "
             f"matmul precision {args.matmul_precision}; {args.optimizer}; {args.reduction} reduction")
     return job
 
 
 def pick_devices(requested: int | None, platform: str | None = None) -> list:
-    """The first ``requested`` devices of ``platform`` (--platform; JAX's default backend
-    without it), whatever JAX's default backend is."""
+    """The first ``requested`` devices of ``platform`` (--platform), else of JAX's default backend."""
     import jax
 
     devices = jax.devices({"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)) if platform else jax.devices()
     if requested is not None and requested > len(devices):
         raise ValueError(f"--devices {requested}: only {len(devices)} {devices[0].platform} device(s) exist")
-    return devices if requested is None else devices[:requested]
+    return devices[:requested]
 
 
 def choose_backend(requested: str, dataset: str, devices: list) -> str:
@@ -545,7 +527,7 @@ def choose_arithmetic(backend: str, normalize: str | None, dataset: str, devices
     if backend == "dali":
         import dali_loader
         return dali_loader.arithmetic_for(devices)
-    return "rocal" if backend == "rocal" else NOTEBOOK_ARITHMETIC[dataset]
+    return "rocal" if backend == "rocal" else NOTEBOOK[dataset][2]
 
 
 def synthetic_dataset(cache_dir: str, dataset: str, seed: int) -> str:
@@ -567,37 +549,29 @@ def synthetic_dataset(cache_dir: str, dataset: str, seed: int) -> str:
     return folder
 
 
-def read_dataset(dataset: str, folder: str):
-    """((train images, labels), (test images, labels)) of ``dataset`` in ``folder``."""
-    if dataset == "mnist":
-        return read_mnist(folder, "train"), read_mnist(folder, "test")
-    return read_cifar10(folder, TRAIN_PREFIX), read_cifar10(folder, TEST_PREFIX)
-
-
 def training_loaders(args: argparse.Namespace, job: Job) -> tuple[dict, str]:
     """({layout: the training loader}, the loader in words) for the strategies' layouts."""
     import loaders
     import strategies
 
-    layouts = {strategies.LAYOUT[name] for name in args.strategies}
-    common = dict(shuffle=True, seed=args.seed, last_batch=args.last_batch, normalize=job.normalize,
-                  logical_shards=args.logical_shards)
+    extra = {"cache_dir": args.cache_dir}
     if job.backend == "reference":
         placement = args.placement
         if placement == "auto":
             too_big = loaders.device_fit(len(job.train_data[1]), job.train_data[0].shape[1:], job.mesh)
             placement = "host" if too_big else "device"
-        made = {layout: loaders.make_loader(job.train_data, job.mesh, args.batch_size, layout=layout,
-                                            placement=placement, **common) for layout in layouts}
-        return made, f"reference loader, placement {placement}"
-    if job.backend == "rocal":
+        make, data, extra = loaders.make_loader, job.train_data, {"placement": placement}
+    elif job.backend == "rocal":
         import rocal_loader
-        made = {layout: rocal_loader.make_rocal_loader(job.data_dir, job.mesh, args.batch_size, layout=layout,
-                                                       cache_dir=args.cache_dir, **common) for layout in layouts}
+        make, data = rocal_loader.make_rocal_loader, job.data_dir
     else:
         import dali_loader
-        made = {layout: dali_loader.make_dali_loader(job.train_data, job.mesh, args.batch_size, layout=layout,
-                                                     cache_dir=args.cache_dir, **common) for layout in layouts}
+        make, data = dali_loader.make_dali_loader, job.train_data
+    made = {layout: make(data, job.mesh, args.batch_size, layout=layout, shuffle=True, seed=args.seed,
+                         last_batch=args.last_batch, normalize=job.normalize, logical_shards=args.logical_shards,
+                         **extra) for layout in {strategies.LAYOUT[name] for name in args.strategies}}
+    if job.backend == "reference":
+        return made, f"reference loader, placement {placement}"
     return made, next(iter(made.values())).describe()
 
 
@@ -611,6 +585,7 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
 
     loader = job.loaders[strategies.LAYOUT[name]]
     params, opt_state = span.start(name, params0, optimizer)
+    reduction = {} if args.reduction == "plain" else {"reduction": "canonical", "logical_shards": args.logical_shards}
     failures = []
     job.say(f"--- {name} ---")
     for epoch, (lo, hi) in span.spans.items():
@@ -620,9 +595,9 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
             batches = with_progress(batches, hi - lo, f"{name} epoch {epoch}")
         params, losses, opt_state = strategies.STRATEGIES[name](
             params, batches, job.mesh, loss_terms=model.loss_terms, optimizer=optimizer, opt_state=opt_state,
-            **reduction_options(args))
+            **reduction)
         seconds = time.perf_counter() - start
-        real, losses, note, lines = span.epoch_done(name, epoch, loader, params, opt_state, losses)
+        real, losses, note, lines = span.epoch_done(name, epoch, loader, losses)
         accuracy = model.accuracy(params, job.test_loader.epoch(0))
         row = {"strategy": name, "epoch": epoch, "first_step": lo, "last_step": hi - 1,
                "loss": float(np.mean(losses)) if len(losses) else float("nan"), "test_accuracy": accuracy,
@@ -640,8 +615,6 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
         if metrics:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
-    if opt_state is None:  # no step trained (a resume at the run's end): the fresh state
-        opt_state = jax.tree.map(np.asarray, optimizer.init(params))
     return params, opt_state, failures
 
 
@@ -689,15 +662,16 @@ def _same(name: str, saved, mine) -> bool:
 
 
 def resume_options(args: argparse.Namespace, given: set) -> dict:
-    """Reads ``--resume-from``'s checkpoint (every process) and completes ``args`` from it: each
-    IDENTITY option (and batch_size with logical shards) and each CARRIED one not ``given``.
+    """Reads ``--resume-from``'s checkpoint (every process) and completes ``args`` from it:
+    each IDENTITY option (and batch_size with logical shards) and each CARRIED one not ``given``.
     ValueError naming the flag for a given identity option that contradicts the checkpoint.
-    Returns the checkpoint's items (the "state" item is read later, by ``Span``)."""
+    Returns the run item's fields with "loader", "state" (the other items) and "folder"."""
     import orbax.checkpoint as ocp
 
     folder = os.path.abspath(args.resume_from)
     items = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-        folder, args=ocp.args.Composite(run=ocp.args.JsonRestore(), loader=ocp.args.JsonRestore()))
+        folder, args=ocp.args.Composite(run=ocp.args.JsonRestore(), loader=ocp.args.JsonRestore(),
+                                        state=ocp.args.StandardRestore()))
     saved, args.from_checkpoint = dict(items["run"]), set()
     for name in [n for n in IDENTITY + ("batch_size",) if n in saved["identity"]]:
         value = saved["identity"][name]
@@ -713,25 +687,44 @@ def resume_options(args: argparse.Namespace, given: set) -> dict:
         if name not in given:
             setattr(args, name, value)
             args.from_checkpoint.add(name)
-    saved["loader"], saved["folder"] = items["loader"], folder
+    saved.update(loader=items["loader"], state=items["state"], folder=folder)
     return saved
+
+
+def run_spans(epochs: int, stop_after_step: int | None, done: int, first_epoch: int,
+              first_span: tuple[int, int] | None, steps: int) -> tuple[dict, tuple | None]:
+    """({epoch: (first step, stop step)} this run trains, (epoch, next step) of the stop or None).
+    The run starts at run step ``done`` in ``first_epoch`` (its span ``first_span``, else whole);
+    every later epoch up to ``epochs`` - 1 is whole. ValueError for a ``stop_after_step`` at or
+    below ``done`` or past the run's last step."""
+    spans = {e: first_span if e == first_epoch and first_span else (0, steps) for e in range(first_epoch, epochs)}
+    if stop_after_step is None:
+        return spans, None
+    if stop_after_step <= done:
+        raise ValueError(f"--stop-after-step {stop_after_step}: the checkpoint has already trained run steps "
+                         f"0-{done - 1}; stop after more than {done}")
+    run_step = done
+    for epoch, (lo, hi) in spans.items():
+        run_step += hi - lo
+        if stop_after_step <= run_step:
+            stop = (epoch, hi - run_step + stop_after_step)
+            return {e: span for e, span in spans.items() if e < epoch} | {epoch: (lo, stop[1])}, stop
+    raise ValueError(f"--stop-after-step {stop_after_step}: this run has only {run_step} run steps (epochs "
+                     f"0-{epochs - 1}); raise --epochs or lower it")
 
 
 class Span:
     """Where this run starts and stops. ``spans``: {epoch: (first step, stop step)} this run
     trains; ``stop``: (epoch, the step that comes next) or None. With ``--resume-from`` the
-    checkpoint's epoch goes on from its step (``epoch(e, state=...)``, plan.elastic_plan's
-    order on other shards), later epochs are fresh. The epochs across a checkpoint (stopped
-    or resumed) count their deliveries by sample index ("counted")."""
+    checkpoint's epoch goes on from its ``state`` (plan.elastic_plan's order on other shards);
+    later epochs are fresh. An epoch across a checkpoint counts its deliveries by sample index."""
 
     def __init__(self, args, job: Job, saved: dict | None):
         from plan import LoaderState
 
-        self.args, self.saved, self.folder = args, saved, args.checkpoint_dir
+        self.args, self.saved, self.where = args, saved, job.where
         self.identity = run_identity(args, job.train_data, job.arithmetic)
-        self.num_samples, self.where = len(job.train_data[1]), job.where
-        self.first_epoch, done, first = 0, 0, None
-        self.resumed = self.saved_state = None
+        self.first_epoch, done, first, self.state = 0, 0, None, None
         if saved is not None:
             theirs = saved["identity"]
             for name in sorted(set(theirs) | set(self.identity)):
@@ -739,35 +732,56 @@ class Span:
                     raise ValueError(f"--resume-from {args.resume_from}: the checkpoint was taken with {name}="
                                      f"{theirs.get(name)!r}, this run has {name}={self.identity.get(name)!r}; a "
                                      f"checkpoint resumes only its own run (the same data and arithmetic)")
-            state = LoaderState.from_json(json.dumps(saved["loader"]))
-            self.first_epoch, done = state.epoch, saved["run_step"]
-            self.saved_state = state
-            self.resumed = state.resized(job.num_shards, args.batch_size)
+            state = self.state = LoaderState.from_json(json.dumps(saved["loader"]))
+            resumed = state.resized(job.num_shards, args.batch_size)
             if args.epochs < state.epoch + (1 if state.step else 0):
                 raise ValueError(f"--epochs {args.epochs}: the checkpoint is at epoch {state.epoch}, step "
                                  f"{state.step}; give --epochs {state.epoch + 1} or more")
-            first = (self.resumed.step, self.resumed.num_steps)
             for loader in job.loaders.values():  # a vendor's own order resumes only on its own shards
                 try:
                     loader.epoch(state.epoch, state=state).close()
                 except ValueError as error:
                     raise ValueError(f"--backend {args.backend}: {error}") from None
+            self.first_epoch, done, first = state.epoch, saved["run_step"], (resumed.step, resumed.num_steps)
             job.say(f"resuming {args.resume_from} at run step {done} = epoch {state.epoch}, step {state.step} "
                     f"(written on {saved['where']}); this run: {job.where}: steps {state.step}-"
-                    f"{self.resumed.num_steps - 1} of epoch {state.epoch}"
-                    + (f" (plan.elastic_plan, segments {[tuple(x) for x in self.resumed.segments]})"
-                       if len(self.resumed.segments) > 1 else ""))
+                    f"{resumed.num_steps - 1} of epoch {state.epoch}"
+                    + (f" (plan.elastic_plan, segments {[tuple(x) for x in resumed.segments]})"
+                       if len(resumed.segments) > 1 else ""))
         self.spans, self.stop = run_spans(args.epochs, args.stop_after_step, done, self.first_epoch, first, job.steps)
-        self.run_step = done + sum(hi - lo for lo, hi in self.spans.values())
-        self.counted = {e for e in (self.first_epoch if self.resumed and self.resumed.step else None,
+        self.counted = {e for e in (self.first_epoch if self.state and self.state.step else None,
                                     self.stop[0] if self.stop else None) if e is not None}
-        self.kept, self.losses, self.delivered, self.states = {}, {}, {}, {}
+        self.losses, self.delivered, self.states = {}, {}, {}
+
+    def resumes(self, epoch: int):
+        """The checkpoint's loader state if this run resumes ``epoch`` from it, else None."""
+        return self.state if epoch == self.first_epoch else None
 
     def start(self, name: str, params0, optimizer) -> tuple:
-        """(params, optimizer state) strategy ``name`` starts from: the checkpoint's, else (params0, None)."""
+        """(params, optimizer state) strategy ``name`` starts from: the checkpoint's, in params0's
+        and optimizer.init(params0)'s structure; else (params0, None). ValueError naming the
+        leaf that does not fit."""
+        import numpy as np
+        import jax
+
         if self.saved is None:
             return params0, None
-        return restored(self.saved["folder"], name, params0, optimizer)
+        folder, saved = self.saved["folder"], self.saved["state"].get(name)
+        if saved is None:
+            raise ValueError(f"--resume-from {folder}: the checkpoint holds no state of strategy {name!r}")
+        out = []
+        for kind, template in (("params", params0), ("opt_state", optimizer.init(params0))):
+            leaves, structure = jax.tree.flatten(template)
+            got = [np.asarray(x) for x in jax.tree.leaves(saved[kind])]
+            for i, (want, have) in enumerate(zip(map(np.asarray, leaves), got)):
+                if have.shape != want.shape or have.dtype != want.dtype:
+                    raise ValueError(f"--resume-from {folder}: {name}'s {kind} leaf {i} is {have.dtype} {have.shape}; "
+                                     f"this run's is {want.dtype} {want.shape}")
+            if len(got) != len(leaves):
+                raise ValueError(f"--resume-from {folder}: {name}'s {kind} has {len(got)} leaves; this run's "
+                                 f"{len(leaves)}")
+            out.append(jax.tree.unflatten(structure, got))
+        return tuple(out)
 
     def batches(self, name: str, loader, epoch: int):
         """The batches this run trains of ``epoch``, cut at the stop; an epoch across a
@@ -775,41 +789,36 @@ class Span:
         import numpy as np
 
         lo, hi = self.spans[epoch]
-        resumed = self.resumed is not None and epoch == self.first_epoch
-        iterator = loader.epoch(epoch, state=self.saved_state) if resumed else loader.epoch(epoch)
-        counts = self.delivered.setdefault((name, epoch), np.zeros(self.num_samples, np.int32)) \
-            if epoch in self.counted else None
+        iterator = loader.epoch(epoch, state=self.resumes(epoch))
+        if epoch in self.counted:
+            counts = self.delivered[name, epoch] = np.zeros(self.identity["num_train"], np.int32)
         try:
-            for _ in range(hi - lo):
-                batch = next(iterator)
-                if counts is not None:
+            for batch in itertools.islice(iterator, hi - lo):
+                if epoch in self.counted:
                     count_delivered(batch, counts)
                 yield batch
             self.states[name, epoch] = iterator.get_state()
         finally:
             iterator.close()
 
-    def epoch_done(self, name: str, epoch: int, loader, params, opt_state, losses) -> tuple:
+    def epoch_done(self, name: str, epoch: int, loader, losses) -> tuple:
         """(real samples delivered, the epoch's losses with the checkpoint's, a note for the epoch
         line, [(ok, line)] verdicts). Every process calls it: the counts are summed across them."""
         import numpy as np
 
         lo, hi = self.spans[epoch]
-        resumed = self.resumed is not None and epoch == self.first_epoch
-        real = loader.real_samples(epoch, state=self.saved_state if resumed else None)
-        note, lines = "", []
-        state = self.states.get((name, epoch))
-        if resumed:
+        state, resumed = self.states.get((name, epoch)), self.resumes(epoch)
+        real, note, lines = loader.real_samples(epoch, state=resumed), "", []
+        if resumed is not None:
             losses = np.concatenate([np.asarray(self.saved["losses"].get(name, []), np.float32), losses])
             note = f"  (steps {lo}-{hi - 1} of 0-{state.num_steps - 1}: resumed)"
         if self.stop is not None and epoch == self.stop[0]:
             note += f"  (steps {lo}-{hi - 1} of 0-{state.num_steps - 1}: stopped before step {hi})"
-            self.kept[name] = (params, opt_state)
             self.losses[name] = [float(x) for x in losses]
         if epoch not in self.counted:
             return real, losses, note, lines
         here = combined(self.delivered[name, epoch])
-        total = here + (restored_counts(self.saved["folder"], name, self.num_samples) if resumed else 0)
+        total = here + (np.asarray(self.saved["state"][name]["delivered"], np.int32) if resumed is not None else 0)
         self.delivered[name, epoch] = total
         if hi == state.num_steps:  # the epoch is complete: the promise can be checked
             lines.append(exactly_once(name, epoch, total, state, self.args.last_batch, self.args.seed))
@@ -822,111 +831,34 @@ class Span:
     def save(self, job: Job, final: dict, states: dict) -> None:
         """The checkpoint at the stop: every process calls it (orbax's collectives)."""
         import numpy as np
+        import jax
         import orbax.checkpoint as ocp
 
         epoch, _ = self.stop
-        name = next(iter(self.kept))
-        state = self.states[name, epoch]
+        state = self.states[next(iter(final)), epoch]
         finishing = state.step < state.num_steps  # an epoch to finish: its losses and deliveries go too
         if not finishing:
             state = state.next_epoch()
-        run = {"identity": self.identity, "carried": carried_options(self.args), "run_step": self.run_step,
-               "where": self.where, "losses": self.losses if finishing else {}}
-        tree = {name: {"params": params, "opt_state": opt_state} for name, (params, opt_state) in self.kept.items()}
+        args, step = self.args, self.args.stop_after_step  # the run step that comes next
+        # CARRIED, folders absolute; batch_size is identity with logical shards
+        carried = {k: getattr(args, k) for k in CARRIED if not (k == "batch_size" and args.logical_shards)}
+        carried.update({k: os.path.abspath(carried[k]) for k in ("data_dir", "cache_dir") if carried[k]})
+        run = {"identity": self.identity, "carried": carried, "run_step": step, "where": self.where,
+               "losses": self.losses if finishing else {}}
+        tree = {name: {"params": final[name], "opt_state": states[name]} for name in final}
         if finishing:
             for name in tree:
                 tree[name]["delivered"] = self.delivered[name, epoch]
-        folder = os.path.abspath(self.folder)
+        folder = os.path.abspath(args.checkpoint_dir)
         ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(
             folder, args=ocp.args.Composite(run=ocp.args.JsonSave(run),
                                             loader=ocp.args.JsonSave(json.loads(state.to_json())),
-                                            state=ocp.args.StandardSave(jax_tree_map(np.asarray, tree))),
+                                            state=ocp.args.StandardSave(jax.tree.map(np.asarray, tree))),
             force=True)
-        job.say(f"stopped after run steps 0-{self.run_step - 1}: the next, run step {self.run_step}, is epoch "
+        job.say(f"stopped after run steps 0-{step - 1}: the next, run step {step}, is epoch "
                 f"{state.epoch}, step {state.step}; checkpoint {folder} (params, optimizer state, loader state "
-                f"{state.to_json()}); resume on any device or process count with --resume-from {self.folder}")
-
-
-def jax_tree_map(f, tree):
-    import jax
-    return jax.tree.map(f, tree)
-
-
-def carried_options(args: argparse.Namespace) -> dict:
-    """The CARRIED options as a checkpoint holds them: folders absolute, batch_size only
-    without logical shards (with them it is identity)."""
-    carried = {name: getattr(args, name) for name in CARRIED
-               if not (name == "batch_size" and args.logical_shards is not None)}
-    for name in ("data_dir", "cache_dir"):
-        if carried[name] is not None:
-            carried[name] = os.path.abspath(carried[name])
-    return json.loads(json.dumps(carried))
-
-
-def _saved_tree(folder: str) -> dict:
-    import orbax.checkpoint as ocp
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-        folder, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
-
-
-def restored(folder: str, name: str, params0, optimizer) -> tuple:
-    """(params, optimizer state) of strategy ``name`` from the checkpoint, in params0's and
-    optimizer.init(params0)'s structure; ValueError naming the leaf that does not fit."""
-    import numpy as np
-    import jax
-
-    saved = _saved_tree(folder).get(name)
-    if saved is None:
-        raise ValueError(f"--resume-from {folder}: the checkpoint holds no state of strategy {name!r}")
-    out = []
-    for kind, template in (("params", params0), ("opt_state", optimizer.init(params0))):
-        leaves, structure = jax.tree.flatten(template)
-        got = [np.asarray(x) for x in jax.tree.leaves(saved[kind])]
-        for i, (want, have) in enumerate(zip(leaves, got)):
-            want = np.asarray(want)
-            if have.shape != want.shape or have.dtype != want.dtype:
-                raise ValueError(f"--resume-from {folder}: {name}'s {kind} leaf {i} is {have.dtype} {have.shape}; "
-                                 f"this run's is {want.dtype} {want.shape}")
-        if len(got) != len(leaves):
-            raise ValueError(f"--resume-from {folder}: {name}'s {kind} has {len(got)} leaves; this run's "
-                             f"{len(leaves)}")
-        out.append(jax.tree.unflatten(structure, got))
-    return tuple(out)
-
-
-def restored_counts(folder: str, name: str, num_samples: int):
-    import numpy as np
-
-    counts = _saved_tree(folder).get(name, {}).get("delivered")
-    return np.zeros(num_samples, np.int32) if counts is None else np.asarray(counts, np.int32)
-
-
-def run_spans(epochs: int, stop_after_step: int | None, done: int, first_epoch: int,
-              first_span: tuple[int, int] | None, steps: int) -> tuple[dict, tuple | None]:
-    """({epoch: (first step, stop step)} this run trains, (epoch, next step) of the stop or None).
-    The run starts at run step ``done``, in ``first_epoch`` (its span ``first_span``, else
-    whole); every later epoch up to ``epochs`` - 1 is whole. ValueError for a
-    ``stop_after_step`` at or below ``done`` or past the run's last step."""
-    spans, run_step = {}, done
-    for epoch in range(first_epoch, epochs):
-        spans[epoch] = first_span if epoch == first_epoch and first_span else (0, steps)
-        run_step += spans[epoch][1] - spans[epoch][0]
-    if stop_after_step is None:
-        return spans, None
-    if stop_after_step <= done:
-        raise ValueError(f"--stop-after-step {stop_after_step}: the checkpoint has already trained run steps "
-                         f"0-{done - 1}; stop after more than {done}")
-    if stop_after_step > run_step:
-        raise ValueError(f"--stop-after-step {stop_after_step}: this run has only {run_step} run steps (epochs "
-                         f"0-{epochs - 1}); raise --epochs or lower it")
-    run_step = done
-    for epoch, (lo, hi) in spans.items():
-        if stop_after_step <= run_step + hi - lo:
-            stop = (epoch, lo + stop_after_step - run_step)
-            spans = {e: span for e, span in spans.items() if e < epoch} | {epoch: (lo, stop[1])}
-            return spans, stop
-        run_step += hi - lo
-    raise AssertionError("unreachable: stop_after_step was checked against the run's steps")
+                f"{state.to_json()}); resume on any device or process count with --resume-from "
+                f"{args.checkpoint_dir}")
 
 
 def count_delivered(batch: dict, counts) -> None:
@@ -976,76 +908,81 @@ def exactly_once(name: str, epoch: int, counts, state, last_batch: str, seed: in
 
 def verdicts(args, job: Job, final: dict, states: dict, span: Span, params0, optimizer) -> list[str]:
     """Writes --params-out, prints each verdict (process 0; the failed ones last) and returns the
-    failed lines. Every process calls it (the stepwise verdict trains)."""
+    failed lines. Every process calls it (the stepwise verdict trains). Bit for bit: the
+    canonical reduction's pairs, and each strategy against --compare-to's arrays of its names."""
+    import numpy as np
     import jax
 
-    same, failed = [], []
+    names, same, failed = list(final), [], []
     if args.reduction == "canonical":
-        same, failed = bits_verdicts(final, states, args.logical_shards)
-    else:
-        judged = stepwise_verdicts(args, job, span, params0, optimizer) if len(final) > 1 else []
-        same += [line for ok, line in judged if ok] + distances(final)
-        failed += [line for ok, line in judged if not ok]
-    if jax.process_index() == 0:
-        if args.params_out:
-            write_params(args.params_out, final, states)
-        if args.compare_to:
-            theirs = compared_to(args.compare_to, final, states)
-            same += theirs[0]
-            if args.reduction == "canonical":
-                failed += theirs[1]
+        for other in names[1:]:
+            found = first_difference((final[names[0]], states[names[0]]), (final[other], states[other]))
+            what = f"final params and optimizer state, {names[0]} vs {other}"
+            if found is None:
+                same.append(f"{what}: bit-identical (the canonical reduction over {args.logical_shards} logical "
+                            f"shards)")
             else:
-                same += theirs[1]
-        for line in same + failed:
-            print(line)
-    return failed if jax.process_index() == 0 else []
+                failed.append(f"{what}: NOT bit-identical, which the canonical reduction promises: {found}")
+    else:
+        if len(names) > 1:
+            same, failed = stepwise_verdicts(args, job, span, params0, optimizer)
+        same += distances(final)
+    if jax.process_index() != 0:
+        return []
+    # --params-out: '<strategy>/<i>' is leaf i of its params, '<strategy>/opt_state/<i>' of its optimizer state
+    mine = {f"{prefix}{i}": np.asarray(leaf) for name in names
+            for prefix, tree in ((f"{name}/", final[name]), (f"{name}/opt_state/", states[name]))
+            for i, leaf in enumerate(jax.tree.leaves(tree))}
+    if args.params_out:
+        with open(args.params_out, "wb") as f:  # np.savez would add ".npz" to a path
+            np.savez(f, **mine)
+    if args.compare_to:
+        with np.load(args.compare_to) as npz:
+            theirs, differ = dict(npz), []
+        for name in names:
+            keys = sorted(k for k in mine if k.startswith(f"{name}/"))
+            missing = [k for k in keys if k not in theirs]
+            what = f"final params and optimizer state of {name} against {args.compare_to}"
+            found = (f"it holds no {missing[0]!r}" if missing else
+                     first_difference({k: mine[k] for k in keys}, {k: theirs[k] for k in keys}))
+            if found is None:
+                same.append(f"{what}: bit-identical")
+            else:
+                differ.append(f"{what}: NOT bit-identical: {found}")
+        (failed if args.reduction == "canonical" else same).extend(differ)  # where the bits are promised
+    for line in same + failed:
+        print(line)
+    return failed
 
 
-def bits_verdicts(final: dict, states: dict, logical_shards: int) -> tuple[list, list]:
-    """The canonical reduction's verdict: each strategy's final params and optimizer state
-    against the first's, bit for bit: (the bit-identical lines, the others)."""
-    names, same, differ = list(final), [], []
-    for other in names[1:]:
-        found = first_difference((final[names[0]], states[names[0]]), (final[other], states[other]))
-        what = f"final params and optimizer state, {names[0]} vs {other}"
-        if found is None:
-            same.append(f"{what}: bit-identical (the canonical reduction over {logical_shards} logical shards)")
-        else:
-            differ.append(f"{what}: NOT bit-identical, which the canonical reduction promises: {found}")
-    return same, differ
-
-
-def stepwise_verdicts(args, job: Job, span: Span, params0, optimizer) -> list[tuple[bool, str]]:
+def stepwise_verdicts(args, job: Job, span: Span, params0, optimizer) -> tuple[list, list]:
     """The plain reduction's verdict: equivalence.stepwise_verdict of each strategy against the
-    first over the run's first STEPWISE_STEPS steps from its start state (one process)."""
+    first over the run's first STEPWISE_STEPS steps from its start state (one process): (the
+    lines within the bound, the others)."""
     import numpy as np
     import jax
     import equivalence
     import model
 
     if jax.process_count() > 1:
-        return [(True, "the stepwise verdict runs in one process: none across processes (--reduction "
-                       "canonical gives the same bits as one process instead)")]
+        return ["the stepwise verdict runs in one process: none across processes (--reduction canonical "
+                "gives the same bits as one process instead)"], []
     names = list(args.strategies)
     params, opt_state = span.start(names[0], params0, optimizer)
-    epoch = span.first_epoch
     loader = job.loaders["sharded"] if "sharded" in job.loaders else next(iter(job.loaders.values()))
-    iterator = loader.epoch(epoch, state=span.saved_state) if span.resumed is not None else loader.epoch(epoch)
-    hosts = []
-    for batch in iterator:
+    iterator, hosts = loader.epoch(span.first_epoch, state=span.state), []
+    for batch in itertools.islice(iterator, STEPWISE_STEPS):
         host = {k: np.asarray(v) for k, v in batch.items()}
         if host["mask"].ndim == 2:  # a pmap-layout loader: the same rows, (n*B, ...)
             host = {k: v.reshape((-1,) + v.shape[2:]) for k, v in host.items()}
         hosts.append(host)
-        if len(hosts) == STEPWISE_STEPS:
-            break
     iterator.close()
-    out = []
+    within, outside = [], []
     for other in names[1:]:
         found = equivalence.stepwise_verdict(names[0], other, params, hosts, job.mesh, loss_terms=model.loss_terms,
                                              optimizer=optimizer, opt_state=opt_state)
-        out.append((found.case != "OUTSIDE", f"stepwise verdict, {found.text}"))
-    return out
+        (outside if found.case == "OUTSIDE" else within).append(f"stepwise verdict, {found.text}")
+    return within, outside
 
 
 def distances(final: dict) -> list[str]:
@@ -1062,51 +999,6 @@ def distances(final: dict) -> list[str]:
                    f"({equivalence.ulps_apart(final[names[0]], final[other]):.1f} ulps; the plain reduction "
                    f"promises no bits across strategies)")
     return out
-
-
-def write_params(path: str, final: dict, states: dict) -> None:
-    """``final`` and ``states`` as one .npz: '<strategy>/<i>' leaf i of its params,
-    '<strategy>/opt_state/<i>' of its optimizer state (jax.tree.leaves order)."""
-    import numpy as np
-
-    with open(path, "wb") as f:
-        np.savez(f, **params_arrays(final, states))
-
-
-def params_arrays(final: dict, states: dict) -> dict:
-    import numpy as np
-    import jax
-
-    arrays = {}
-    for name in final:
-        for prefix, tree in ((f"{name}/", final[name]), (f"{name}/opt_state/", states[name])):
-            for i, leaf in enumerate(jax.tree.leaves(tree)):
-                if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-                    leaf = leaf.addressable_data(0)  # replicated: any local copy is the whole value
-                arrays[f"{prefix}{i}"] = np.asarray(leaf)
-    return arrays
-
-
-def compared_to(path: str, final: dict, states: dict) -> tuple[list[str], list[str]]:
-    """--compare-to: each strategy's arrays against the same names in ``path``, bit for bit:
-    (the identical lines, the others). ValueError naming the option for a file that is not a .npz."""
-    import numpy as np
-
-    try:
-        with np.load(path) as npz:
-            theirs = {key: npz[key] for key in npz.files}
-    except (OSError, ValueError) as error:
-        raise ValueError(f"--compare-to {path}: not a .npz written by --params-out ({error})") from None
-    mine, same, differ = params_arrays(final, states), [], []
-    for name in final:
-        keys = sorted(k for k in mine if k.startswith(f"{name}/"))
-        missing = [k for k in keys if k not in theirs]
-        what = f"final params and optimizer state of {name} against {path}"
-        found = (f"it holds no {missing[0]!r}" if missing else
-                 first_difference({k: mine[k] for k in keys}, {k: theirs[k] for k in keys}))
-        (same if found is None else differ).append(f"{what}: bit-identical" if found is None else
-                                                   f"{what}: NOT bit-identical: {found}")
-    return same, differ
 
 
 def first_difference(a, b) -> str | None:
