@@ -215,8 +215,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
     if not args.lr > 0:
         parser.error(f"--lr must be > 0, got {args.lr}")
-    if args.devices and args.devices > MAX_CPU_DEVICES and args.platform == "cpu":
-        parser.error(f"--devices {args.devices}: at most {MAX_CPU_DEVICES} virtual CPU devices")
+    each = args.devices // args.local_processes if args.devices and args.local_processes else args.devices
+    if each and each > MAX_CPU_DEVICES and (args.platform == "cpu" or args.local_processes):
+        parser.error(f"--devices {args.devices}: at most {MAX_CPU_DEVICES} virtual CPU devices"
+                     + (f" a process, not {each}" if args.local_processes else ""))
     for flag in ("metrics_out", "params_out"):
         path = getattr(args, flag)
         if path and unwritable(path):
