@@ -2,10 +2,9 @@
 
 ``make_dali_loader(data, devices, batch_size, ...)`` builds a ``DaliLoader``. Its ``epoch(e, *,
 state=None)`` is a ``loaders.EpochIterator`` of global batches {"images" float32, "labels"
-int32, "mask", "index", "logical_shards"}. Row block k comes from pipeline k, the DALI Pipeline
-of mesh position k (never ``device.id``), built at the first step and dropped with the
-iterator. Its file reader reads one raw file per sample (``sample_files``, under ``cache_dir``),
-reshapes it to (C, H, W) and runs ``crop_mirror_normalize`` to float32.
+int32, "mask", "index", "logical_shards"}. Row block k comes from pipeline k (mesh position k,
+never ``device.id``), built at the first step and dropped with the iterator. DALI reads one raw
+file per sample (``sample_files``, under ``cache_dir``).
 
 order="plan" (the default): reader k gets the files of its plan slots (padding included) in
 plan order, as one shard, DALI's shuffle off. The batches are ``loaders.make_loader(...,
@@ -17,15 +16,10 @@ plan's order. Shuffle on: shard k's own list, ``random_shuffle`` with ``initial_
 pipeline seed ``SeedSequence([seed, epoch, k])``. Shard k holds only [N*k//n, N*(k+1)//n), each
 sample once (fill; drop: at most once), padded with its last sample; the mask is the plan's.
 A state resumes only on the loader's own plan (one segment (0, n, B)): earlier steps are read
-and dropped. DALI's checkpoints restore only onto as many pipelines, so no other state is taken.
+and dropped.
 
-DALI 2.4 behaviour relied on is in docs/vendors.md, pinned in test_dali.py (on CPU, or READ in
-source). random_shuffle over shards scatters them, hence one list a shard. A shard's list can be
-a batch short of the plan: that step repeats its last sample, masked. run() never ends an epoch
-and reset() does not rewind, hence fresh pipelines per epoch. The arithmetics are arithmetic.py's
-"dali_cpu" and "dali_gpu". Under the dynamic executor an output is wrapped, else copied (``to_jax``).
-
-Imports loaders.py; nvidia.dali lazily (``pip install -r requirements-dali.txt``).
+DALI 2.4's behaviour relied on is in docs/vendors.md, pinned in test_dali.py. nvidia.dali is
+imported lazily (``pip install -r requirements-dali.txt``).
 """
 
 from __future__ import annotations
@@ -76,8 +70,7 @@ def dali_version() -> str:
 
 
 def is_nvidia_gpu(device) -> bool:
-    """Platform "cuda", or "gpu" whose client's ``platform_version`` names CUDA (JAX calls
-    ROCm devices "gpu" too, and nvidia.dali imports without CUDA)."""
+    """Platform "cuda", or "gpu" whose client's ``platform_version`` names CUDA (ROCm's is "gpu" too)."""
     if device.platform == "cuda":
         return True
     version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
@@ -114,10 +107,8 @@ def usable(devices: Sequence[jax.Device] | Mesh) -> bool:
 
 
 def to_jax(tensor_list, device: jax.Device, *, buffers_reused: bool) -> jax.Array:
-    """One DALI output (equal-shape samples) as a jax.Array on ``device``, through DLPack.
-
-    ``buffers_reused`` (``not pipeline.exec_dynamic``): DALI may write the output again, so it
-    is copied, finished on return; else DALI's buffer on ``device`` is wrapped."""
+    """One DALI output (equal-shape samples) as a jax.Array on ``device``, through DLPack: DALI's
+    buffer wrapped, or, ``buffers_reused`` (``not pipeline.exec_dynamic``), copied and finished."""
     array = jax.dlpack.from_dlpack(tensor_list.as_tensor(), device=device, copy=None)
     if buffers_reused:
         # Not from_dlpack(copy=True): JAX 0.10.2 wraps a CPU buffer even then (test_dali.py).
@@ -126,10 +117,8 @@ def to_jax(tensor_list, device: jax.Device, *, buffers_reused: bool) -> jax.Arra
 
 
 def sample_files(images_NCHW: np.ndarray, labels_N: np.ndarray, cache_dir: str | os.PathLike) -> str:
-    """One raw file per sample (C*H*W bytes) and ``list.txt`` ("<name> <label>" lines); returns
-    the folder, ``cache_dir/dali-samples-<N>x<C>x<H>x<W>-<hash>``.
-
-    The hash covers the shape, the bytes and the int32 labels. The folder is written under
+    """One raw file per sample (C*H*W bytes) and ``list.txt`` ("<name> <label>" lines) in the
+    returned folder, ``cache_dir/dali-samples-<N>x<C>x<H>x<W>-<content hash>``. It is written under
     another name and renamed: a reader never sees half of it; of two writers the first wins.
 
     Raises:
@@ -167,14 +156,10 @@ def sample_files(images_NCHW: np.ndarray, labels_N: np.ndarray, cache_dir: str |
         with open(os.path.join(scratch, LIST_NAME), "w") as f:
             f.write("".join(lines))
         os.rename(scratch, folder)
-    except OSError:
+    except BaseException as error:
         shutil.rmtree(scratch, ignore_errors=True)
-        if os.path.isfile(os.path.join(folder, LIST_NAME)):
-            return folder  # another process renamed its copy first
-        raise
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
+        if not (isinstance(error, OSError) and os.path.isfile(os.path.join(folder, LIST_NAME))):
+            raise  # else another process renamed its copy first
     return folder
 
 
@@ -184,7 +169,7 @@ def sample_name(index: int, num_samples: int) -> str:
 
 
 def shard_list(folder: str, shard_id: int, num_shards: int) -> str:
-    """The path of ``folder/list-<k>-of-<n>.txt``: shard k of n's lines of ``list.txt``, written once, atomically."""
+    """``folder/list-<k>-of-<n>.txt``: shard k of n's lines of ``list.txt``, written once, atomically."""
     path = os.path.join(folder, f"list-{shard_id}-of-{num_shards}.txt")
     if os.path.isfile(path):
         return path
@@ -204,8 +189,8 @@ def shard_list(folder: str, shard_id: int, num_shards: int) -> str:
 
 @dataclasses.dataclass(eq=False)
 class DaliLoader:
-    """Epochs read by DALI (the module docstring), built by ``make_dali_loader``. ``len()``,
-    ``plan``, ``real_samples`` and ``dataset`` are its spec's (``loaders.Loader``)."""
+    """Epochs read by DALI (the module docstring). ``len()``, ``plan``, ``real_samples`` and
+    ``dataset`` are its spec's (``loaders.Loader``)."""
     spec: loaders.Loader  # the reference loader built alike: the plan, the mesh, the checks
     order: str
     folder: str  # the sample_files folder
@@ -235,7 +220,6 @@ class DaliLoader:
         return self.spec.plan(epoch)
 
     def real_samples(self, epoch: int, *, state: LoaderState | None = None) -> int:
-        """Mask-True slots of ``epoch``, or of ``epoch(epoch, state=state)``'s steps."""
         if state is not None:
             self._resumed("DaliLoader.real_samples", epoch, state)
         return self.spec.schedule.real_samples("DaliLoader.real_samples", epoch, state=state)
@@ -252,13 +236,9 @@ class DaliLoader:
                 f"mesh position; {how}; files in {self.folder}")
 
     def epoch(self, epoch: int, *, state: LoaderState | None = None) -> loaders.EpochIterator:
-        """The batches of ``epoch``, or its rest from ``state`` (``loaders.Loader.epoch``'s).
-
-        Raises:
-          ValueError: an epoch outside [0, 2**32); a state that is not a LoaderState, or of
-            another run or epoch; with order="vendor", a state whose plan is not this loader's.
-          RuntimeError: the loader is closed.
-        """
+        """The batches of ``epoch``, or its rest from ``state``, as ``loaders.Loader.epoch``'s. ValueError
+        as there, and with order="vendor" for a state whose plan is not this loader's; RuntimeError
+        once closed."""
         where = "DaliLoader.epoch"
         if self.closed:
             raise RuntimeError(f"{where}: the loader is closed")
@@ -318,8 +298,7 @@ def _plan_blocks(loader: DaliLoader, epoch: int, plan: Plan, k: int, device, row
     reader = dict(files=[sample_name(i, N) for i in indices.tolist()],
                   labels=loader.spec.labels[indices].tolist(), shard_id=0, num_shards=1,
                   random_shuffle=False)
-    pipe = _pipeline(loader, reader, device, seed=0)
-    _check_size(pipe, k, (len(indices), len(indices)), "the plan's files")
+    pipe = _pipeline(loader, reader, device, k, (len(indices), len(indices)), "the plan's files", seed=0)
     for _ in range(steps):
         yield _run(pipe, device)
 
@@ -338,8 +317,7 @@ def _vendor_blocks(loader: DaliLoader, epoch: int, plan: Plan, k: int, device, f
                       random_shuffle=False)
         expect = (N, -(-N // n))
     seed = int(np.random.SeedSequence([loader.spec.seed, epoch, k]).generate_state(1)[0])
-    pipe = _pipeline(loader, reader, device, seed=seed)
-    _check_size(pipe, k, expect, reader["file_list"])
+    pipe = _pipeline(loader, reader, device, k, expect, reader["file_list"], seed=seed)
     batches = -(-expect[1] // B)  # DALI's epoch over the shard
     for step in range(len(loader)):
         if step < batches:
@@ -351,18 +329,16 @@ def _vendor_blocks(loader: DaliLoader, epoch: int, plan: Plan, k: int, device, f
             yield images, labels
 
 
-def _pipeline(loader: DaliLoader, reader: dict, device, *, seed: int):
-    return dali_pipeline(loader.folder, reader, device, loader.spec.images.shape[1:], loader.spec.normalize,
+def _pipeline(loader: DaliLoader, reader: dict, device, k: int, expect: tuple[int, int], source: str, *, seed: int):
+    """Pipeline k, built; RuntimeError unless its reader sees (samples, padded samples per shard) = ``expect``."""
+    pipe = dali_pipeline(loader.folder, reader, device, loader.spec.images.shape[1:], loader.spec.normalize,
                          loader.spec.device_rows, seed=seed, num_threads=loader.num_threads)
-
-
-def _check_size(pipe, k: int, expect: tuple[int, int], source: str) -> None:
-    """RuntimeError unless the reader sees (samples, padded samples per shard) = ``expect``."""
     meta = pipe.reader_meta(READER)
     got = (meta["epoch_size"], meta["epoch_size_padded"] // meta["number_of_shards"])
     if got != expect:
         raise RuntimeError(f"DALI's reader of shard {k} sees {got[0]} samples, {got[1]} per shard "
                            f"(reader_meta {meta}); expected {expect} from {source}")
+    return pipe
 
 
 def _run(pipe, device):
@@ -390,9 +366,8 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
 
     Raises:
       ImportError: nvidia.dali does not import (the message says how to install it).
-      ValueError: anything ``loaders.make_loader`` refuses; devices that are not all CPU or
-        all NVIDIA GPUs; a normalize of another arithmetic; an unknown order; num_threads
-        not an int >= 1; logical_shards with order="vendor".
+      ValueError: anything ``loaders.make_loader`` refuses; an argument outside its line above;
+        devices not all CPU or all NVIDIA GPUs.
     """
     arithmetic = arithmetic_for(devices)  # first: a ROCm GPU is refused by name
     mesh = loaders.data_mesh(devices)
@@ -424,10 +399,9 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
 
 def dali_pipeline(folder: str, reader: dict, device: jax.Device, image_shape: tuple[int, int, int],
                   normalize: Normalize, batch_size: int, *, seed: int, num_threads: int = 1):
-    """A built DALI Pipeline with outputs (images, labels): ``fn.readers.file(file_root=folder,
-    **reader)`` with stick_to_shard and pad_last_batch, reshaped to ``image_shape`` (C, H, W),
-    crop_mirror_normalize to float32 CHW. Runs on CPU, or normalises on a GPU ``device``'s CUDA
-    device ``local_hardware_id``. DALI's default executor."""
+    """A built Pipeline with outputs (images float32 CHW, labels): ``fn.readers.file(file_root=folder,
+    **reader)`` with stick_to_shard and pad_last_batch, reshaped to ``image_shape``, then
+    crop_mirror_normalize, on the GPU of a GPU ``device``. DALI's default executor."""
     Pipeline, fn, types = import_dali()
     on_gpu = device.platform != "cpu"
     pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, seed=seed,

@@ -1,18 +1,12 @@
-"""rocAL itself, as rocal_loader.py calls it: the import, a pipeline built and released, its
-outputs copied to the host or handed to a device. Nothing here knows a plan or a loader.
+"""rocAL itself, as rocal_loader.py calls it; nothing here knows a plan or a loader.
 
-* ``import_rocal``: ``(Pipeline, fn, types)`` from amd.rocal, or ImportError saying how to
-  install it; ``rocal_version``: the version in librocal's file name.
-* ``rocal_pipeline``: one CIFAR-10 reader pipeline (crop, mirror, normalize, as the notebook
-  builds it), rocAL's per-pipeline lines kept off stdout, retried ``BUILD_ATTEMPTS`` times.
-* ``release_pipelines``: rocAL's release, bounded by RELEASE_TIMEOUT_S a pipeline (rocAL
-  2.3.0's can block for ever); one that does not return warns (RocalReleaseWarning).
-* ``copy_output`` (CPU backend: an output into a host array, checked first) and
-  ``device_images`` (GPU backend: an output through DLPack, copied on the device), with
-  ``check_dlpack`` refusing a rocAL built without DLPack.
+* ``import_rocal``, ``rocal_version``: the package, or how to install it; its version.
+* ``rocal_pipeline``: one built CIFAR-10 pipeline, retried ``BUILD_ATTEMPTS`` times.
+* ``release_pipelines``: rocAL's release, bounded by ``RELEASE_TIMEOUT_S`` a pipeline.
+* ``copy_output`` (CPU backend) and ``device_images`` (GPU backend, through DLPack; ``check_dlpack``):
+  an output checked, then copied.
 
-What is known of rocAL's C++ here (the lost wake-up of its release, the DLPack build flag)
-comes from reading its source: docs/vendors.md names the files and functions.
+What is known of rocAL's C++ comes from its source: docs/vendors.md names the files and functions.
 """
 
 from __future__ import annotations
@@ -41,11 +35,7 @@ INSTALL_HINT = (
     "and run with PYTHONPATH=/opt/rocm/lib, where they put amd.rocal; or build rocAL for its CPU "
     "backend and put its lib folder on PYTHONPATH and LD_LIBRARY_PATH"
 )
-
-
 BUILD_ATTEMPTS = 3
-
-
 # What rocAL prints on every pipeline it builds; kept off stdout (anything else is passed on).
 ROCAL_CHATTER = ("Pipeline has been created succesfully", "OK: loaded ")
 
@@ -72,21 +62,14 @@ def rocal_version() -> str:
     return names[0].rsplit(".so.", 1)[1] if names else "?"
 
 
-# ---- releasing a pipeline: bounded ----------------------------------------------------
-#
-# rocAL 2.3.0's rocal_release() can block for ever: a lost wake-up (its worker threads wait on
-# a condition variable without a predicate, and the release notifies them without the lock;
-# docs/vendors.md). rocAL's pybind binding holds the GIL while it blocks, so
-# ``release_pipelines`` calls rocAL's C rocalRelease through ctypes (which drops the GIL) on a
-# daemon thread and waits at most RELEASE_TIMEOUT_S, far above a release that returns (its
-# longest wait is the output thread's 0.1 s sleep, MasterGraph::output_routine).
+# rocAL 2.3.0's rocal_release() can block for ever, holding the GIL (docs/vendors.md). The bound is
+# far above a release that returns: its longest wait is a 0.1 s sleep (MasterGraph::output_routine).
 RELEASE_TIMEOUT_S = 2.0
 _UNRELEASED: list = []  # (where, thread) of every release that did not return within its bound
 
 
 class RocalReleaseWarning(RuntimeWarning):
-    """A rocAL pipeline whose ``rocal_release()`` did not return within ``RELEASE_TIMEOUT_S``
-    (rocAL 2.3.0's lost wake-up) and was left unreleased."""
+    """A pipeline whose ``rocal_release()`` did not return within ``RELEASE_TIMEOUT_S``, left unreleased."""
 
 
 def unreleased() -> list[str]:
@@ -95,13 +78,9 @@ def unreleased() -> list[str]:
 
 
 def release_pipelines(pipelines, where: str = "rocAL") -> None:
-    """Releases each of ``pipelines`` ({shard k: pipeline} or a sequence) in turn, waiting at
-    most ``RELEASE_TIMEOUT_S`` for each.
-
-    amd.rocal pipelines go through rocAL's C ``rocalRelease`` (ctypes: the GIL is dropped, so
-    the bound holds), any other object (a double) through its ``rocal_release()``. A release
-    still running at the bound is left to its daemon thread, listed by ``unreleased()`` and
-    named in a ``RocalReleaseWarning`` ("<where>, shard k").
+    """Releases each of ``pipelines`` ({shard k: pipeline} or a sequence) on a daemon thread,
+    waiting at most ``RELEASE_TIMEOUT_S`` for each. One still running then is listed by
+    ``unreleased()`` and named in a ``RocalReleaseWarning`` ("<where>, shard k").
 
     Raises:
       RuntimeError: once all are released, naming each release that raised.
@@ -134,9 +113,8 @@ def release_pipelines(pipelines, where: str = "rocAL") -> None:
 
 
 def _release_call(pipe):
-    """A function of no arguments that releases ``pipe``: rocAL's C ``rocalRelease`` on the
-    pipeline's context (its ``_handle``, a PyCapsule holding the RocalContext pointer) through
-    ctypes, GIL released; for an object without such a handle, its ``rocal_release``."""
+    """A function that releases ``pipe``: rocAL's C ``rocalRelease`` on its ``_handle`` capsule
+    (ctypes drops the GIL, so the bound holds), or the ``rocal_release`` of an object without one."""
     handle = getattr(pipe, "_handle", None)
     if type(handle).__name__ != "PyCapsule":
         return pipe.rocal_release
@@ -148,9 +126,8 @@ def _release_call(pipe):
 
 @functools.lru_cache(maxsize=1)
 def _rocal_c_api():
-    """(PyCapsule_GetName, PyCapsule_GetPointer, rocalRelease) as ctypes functions. rocalRelease
-    is looked up from the pybind module's own library handle (dlsym searches its dependencies),
-    so it is the very librocal the binding calls; a ctypes.CDLL call drops the GIL."""
+    """(PyCapsule_GetName, PyCapsule_GetPointer, rocalRelease) as ctypes functions; rocalRelease
+    is looked up through the pybind module, so it is the librocal the binding calls."""
     import rocal_pybind
     api = ctypes.PyDLL(None)  # Python's C API: called with the GIL held
     name, pointer = api.PyCapsule_GetName, api.PyCapsule_GetPointer
@@ -167,19 +144,13 @@ def _check_remaining(pipe, where: str, want: int, what: str) -> None:
         raise RuntimeError(f"{where}: get_remaining_images() = {remaining} for {what}; expected {want}")
 
 
-def _rocal_ok():
-    return import_rocal()[2].OK
-
-
 def _hardware_id(device: jax.Device) -> int:
     return device.local_hardware_id if device.local_hardware_id is not None else device.id
 
 
 def check_dlpack() -> None:
-    """RuntimeError unless rocAL's tensor type has ``dlpack_device`` and ``__dlpack__``:
-    rocAL defines them only when built with DLPack (``ENABLE_DLPACK``, set when CMake
-    finds dlpack's header); without, ``dlpack_device`` is missing and ``__dlpack__``
-    raises "Dlpack not installed" (rocAL_pybind/rocal_pybind.cpp)."""
+    """RuntimeError (``DLPACK_MISSING``) unless rocAL's tensor type has ``dlpack_device``: rocAL
+    defines it only when built with DLPack (rocAL_pybind/rocal_pybind.cpp)."""
     import rocal_pybind
     tensor_type = getattr(rocal_pybind, "rocalTensor", None)
     if tensor_type is None or not hasattr(tensor_type, "dlpack_device"):
@@ -199,16 +170,13 @@ def rocal_pipeline(file_root: str, *, batch_size: int, normalize: Normalize, on_
                    device_id: int = 0, shard_id: int = 0, num_shards: int = 1,
                    filename_prefix: str = TRAIN_PREFIX, shuffle: bool = False, seed: int = 0,
                    num_threads: int = 1, last_batch_policy: str = "FILL", pad_last_batch: bool = True):
-    """A built rocAL Pipeline: ``fn.readers.cifar10``, then ``fn.crop_mirror_normalize`` to float32
-    NCHW with ``mirror`` explicit; rocAL's CPU backend (HOST_MEMORY) or, ``on_gpu``, its GPU
-    backend on GPU ``device_id`` (DEVICE_MEMORY). The loader reads with FILL + pad_last_batch;
-    the other policies are there to show what rocAL does with them. rocAL's two lines a
-    pipeline are kept off stdout.
+    """A built Pipeline: ``fn.readers.cifar10``, then ``fn.crop_mirror_normalize`` to float32 NCHW;
+    rocAL's CPU backend or, ``on_gpu``, its GPU backend on GPU ``device_id``. The loader reads
+    with FILL + pad_last_batch; the other policies show what rocAL does.
 
     Raises:
-      RuntimeError: the graph does not verify (rocAL's build() calls exit(0) then), or the
-        build raised RuntimeError ``BUILD_ATTEMPTS`` times, or anything else once; each failed
-        pipeline is released first.
+      RuntimeError: the graph does not verify (rocAL's build() calls exit), or the build raised
+        RuntimeError ``BUILD_ATTEMPTS`` times, or anything else once; a failed pipeline is released.
     """
     Pipeline, fn, types = import_rocal()
     crop = normalize.crop or IMAGE_SHAPE[1:]
@@ -252,8 +220,7 @@ def rocal_pipeline(file_root: str, *, batch_size: int, normalize: Normalize, on_
 
 
 def copy_output(tensor, out: np.ndarray, where: str = "rocAL") -> None:
-    """``tensor.copy_data(out)``, after checking what rocAL does not: its copy_data is a raw
-    memcpy to ``out``'s first byte, whatever ``out`` is.
+    """``tensor.copy_data(out)`` (a raw memcpy), after checking what rocAL does not.
 
     Raises:
       RuntimeError, naming ``where`` and writing nothing: the tensor is not NCHW, or ``out``
@@ -273,11 +240,8 @@ def copy_output(tensor, out: np.ndarray, where: str = "rocAL") -> None:
 
 
 class RocalDLPack:
-    """A rocAL output tensor as ``jax.dlpack.from_dlpack`` wants it.
-
-    rocAL's tensor has ``dlpack_device(device_id)`` and ``__dlpack__(device_id)``
-    (both need the GPU id; a legacy "dltensor" capsule), and no ``__dlpack_device__``;
-    JAX calls ``__dlpack_device__()`` and ``__dlpack__(stream=...)``."""
+    """A rocAL output as ``jax.dlpack.from_dlpack`` wants it: rocAL's ``dlpack_device`` and ``__dlpack__``
+    take the GPU id (a legacy "dltensor" capsule); JAX calls ``__dlpack_device__()``, ``__dlpack__(stream=...)``."""
 
     def __init__(self, tensor, device_id: int):
         self.tensor, self.device_id = tensor, device_id
@@ -292,9 +256,8 @@ class RocalDLPack:
 
 def device_images(tensor, device: jax.Device, image_shape: tuple, batch_size: int,
                   where: str = "rocAL") -> jax.Array:
-    """A rocAL output as a jax.Array on ``device``: checked, imported through DLPack and copied
-    on the device. The copy is only enqueued: the caller waits for it before rocAL's second
-    next run writes the buffer again (``rocal_loader._Transfers``) and before the release.
+    """A rocAL output as a jax.Array on ``device``, copied through DLPack. The copy is only
+    enqueued: the caller waits for it before rocAL writes the buffer again (``rocal_loader._Transfers``).
 
     Raises:
       RuntimeError, naming ``where``: an output that is not float32 (batch_size,
@@ -312,16 +275,14 @@ def device_images(tensor, device: jax.Device, image_shape: tuple, batch_size: in
         if "Dlpack not installed" in str(error):
             raise RuntimeError(f"{where}: {DLPACK_MISSING}") from error
         raise
-    # A copy of our own: JAX 0.10.2's from_dlpack(copy=True) returns an alias on CPU
-    # (test_dali.py pins it).
+    # Not from_dlpack(copy=True): JAX 0.10.2 returns an alias on CPU even then (test_dali.py).
     return jnp.array(alias, copy=True)
 
 
 @contextlib.contextmanager
 def _rocal_chatter_hidden(said: list):
-    """Runs the block with stdout (Python's and the C library's, fd 1) caught; appends
-    what was printed to ``said`` and passes every line but ``ROCAL_CHATTER`` on to
-    stdout once the block has ended (a warning or error rocAL prints is never lost)."""
+    """Runs the block with stdout (Python's and fd 1) caught into ``said``; every line but
+    ``ROCAL_CHATTER`` is printed once the block has ended, so rocAL's errors are never lost."""
     sys.stdout.flush()
     saved = os.dup(1)
     text = ""
@@ -343,9 +304,9 @@ def _rocal_chatter_hidden(said: list):
             print("\n".join(rest), flush=True)
 
 
-def _call(where: str, what: str, fn, *args):
-    """``fn(*args)``, with any error re-raised naming the shard, the step and the call."""
+def _call(where: str, what: str, fn):
+    """``fn()``, with any error re-raised naming the shard, the step and the call."""
     try:
-        return fn(*args)
+        return fn()
     except Exception as error:
         raise RuntimeError(f"{where}: {what} raised {type(error).__name__}: {str(error).strip()}") from error

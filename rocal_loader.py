@@ -3,9 +3,8 @@
 ``make_rocal_loader(data, devices, batch_size, ...)`` builds a ``RocalLoader``. Its ``epoch(e,
 *, state=None)`` is a ``loaders.EpochIterator`` of global batches {"images" float32, "labels"
 int32, "mask", "index", "logical_shards"}. Row block k comes from pipeline k (mesh position k,
-never ``device.id``): ``fn.readers.cifar10``, then ``fn.crop_mirror_normalize`` to float32 NCHW.
-Pipelines live from an epoch's first step until its iterator ends; rocAL's calls are
-rocal_api.py's. CIFAR-10 only.
+never ``device.id``), alive from the epoch's first step until its iterator ends. rocAL's calls
+are rocal_api.py's. CIFAR-10 only.
 
 order="plan" (the default): pipeline k reads one file of its plan slots (padding included) in
 plan order, then TAIL_BATCHES batches never run; shuffle off, one shard, FILL + pad_last_batch,
@@ -22,12 +21,7 @@ seed; with drop, padding shuffled into the kept steps is masked. A state resumes
 loader's own plan (one segment (0, n, B)): rocAL cannot seek, so earlier steps are read and
 dropped.
 
-rocAL 2.3.0 behaviour relied on is in docs/vendors.md; test_rocal.py fails when it changes.
-cifar10 ignores shard_id; only FILL + pad_last_batch delivers every record; random_shuffle is
-seeded by shard_id; a run at 0 remaining can return a stale batch, so get_remaining_images() is
-checked first; rocal_release() can block for ever (rocal_api.release_pipelines bounds it). On
-AMD GPUs (READ, not run) outputs come through DLPack from a ring of two slots: step s first
-waits for step s-2's copies (``_Transfers``). On CPU devices ``copy_output`` copies each output.
+rocAL 2.3.0's departures relied on are in docs/vendors.md; test_rocal.py fails when one changes.
 """
 
 from __future__ import annotations
@@ -51,21 +45,15 @@ import loaders
 from arithmetic import Normalize, aligned_empty
 from cifar_mnist import IMAGE_SHAPE, RECORD_BYTES, TRAIN_PREFIX, write_cifar10
 from plan import LoaderState, Plan, Schedule, check_seed, dataset_digest, on_devices, shard_bounds
-from rocal_api import (_call, _check_remaining, _hardware_id, _rocal_ok, check_dlpack, copy_output, device_images,
-                       import_rocal, release_pipelines, rocal_pipeline, rocal_version)
+from rocal_api import (_call, _check_remaining, _hardware_id, check_dlpack, copy_output, device_images, import_rocal,
+                       release_pipelines, rocal_pipeline, rocal_version)
 
 ORDERS = ("plan", "vendor")
 SHARDINGS = ("files", "rocal")
 DEFAULT_CACHE = os.path.join("~", ".cache", "refimpl")
 SHARD_FILE = "data_batch_1.bin"  # the only file in a shard's folder
-ROCAL_SHARDING_BUG = (
-    "rocAL's sharding bug: fn.readers.cifar10 ignores shard_id (rocAL 2.3.0 builds one internal "
-    "loader per shard and overwrites the caller's shard_id, so every pipeline reads the whole "
-    "dataset and every device would train on the same batch)"
-)
-# order="plan" writes this many batches more at each file's end and never runs them: with nothing
-# left, rocAL's output thread sleeps in 100 ms steps (MasterGraph::output_routine) that
-# rocal_release() waits out. More than rocAL loads ahead (its ring of 2, and one in progress).
+# order="plan" writes this many batches more at each file's end and never runs them: with nothing left,
+# rocAL's output thread sleeps in steps the release waits out. More than rocAL loads ahead (2 + 1 running).
 TAIL_BATCHES = 4
 RING_SLOTS = 2  # a rocAL output is a ring-buffer slot that the second next run writes again
 
@@ -79,8 +67,7 @@ def is_amd_gpu(device: jax.Device) -> bool:
 
 
 def usable(devices: Sequence[jax.Device] | Mesh) -> bool:
-    """``--backend auto``'s question: is every device an AMD GPU, and does amd.rocal import?
-    (On CPU devices rocAL's CPU backend works too, but only when asked for.)"""
+    """``--backend auto``'s question: is every device an AMD GPU, and does amd.rocal import?"""
     devices = list(devices.devices.flat) if isinstance(devices, Mesh) else list(devices)
     if not devices or not all(is_amd_gpu(d) for d in devices):
         return False
@@ -104,10 +91,8 @@ def uses_gpu(devices: Sequence[jax.Device]) -> bool:
 def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int,
                   cache_dir: str | os.PathLike) -> list[str]:
     """The n folders of order="vendor", sharding="files": folder k holds shard k's records
-    [N*k//n, N*(k+1)//n), in order, as its only file ``data_batch_1.bin``.
-
-    They live in ``cache_dir/rocal-shards-<N>-of-<n>-<hash>``, keyed by the images' shape and
-    bytes and the labels. The set is written under another name and renamed: the first writer wins.
+    [N*k//n, N*(k+1)//n) as its only file, in ``cache_dir/rocal-shards-<N>-of-<n>-<content hash>``.
+    The set is written under another name and renamed: the first writer wins.
 
     Raises:
       ValueError: images not uint8 (N, 3, 32, 32), labels not integers 0..9, more shards than
@@ -141,13 +126,10 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
                 write_cifar10(os.path.join(scratch, os.path.basename(folders[k]), SHARD_FILE),
                               images_NCHW[start:stop], labels_N[start:stop])
             os.rename(scratch, top)
-        except OSError:
+        except BaseException as error:
             shutil.rmtree(scratch, ignore_errors=True)
-            if not os.path.isdir(top):  # else another process renamed its copy first
+            if not (isinstance(error, OSError) and os.path.isdir(top)):  # else another process renamed first
                 raise
-        except BaseException:
-            shutil.rmtree(scratch, ignore_errors=True)
-            raise
     for k, folder in enumerate(folders):
         start, stop = shard_bounds(N, k, num_shards)
         path = os.path.join(folder, SHARD_FILE)
@@ -171,20 +153,19 @@ def rocal_padded_size(num_samples: int, num_shards: int, shard_id: int, batch_si
 
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
-    """order="vendor": shard k's size, rocAL's epoch over it (batches, padding copies), its last
-    record normalised (the padding's content), and how many records match that content and label."""
+    """order="vendor": shard k's size, rocAL's epoch over it, and its last record (the padding's content)."""
     size: int
     batches: int
     padded: int
     last_image: np.ndarray = dataclasses.field(repr=False)  # float32 (C, ch, cw), the table's bits
     last_label: int
-    copies: int
+    copies: int  # records whose content and label are the last record's
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RocalLoader:
-    """Epochs read by rocAL (the module docstring), built by ``make_rocal_loader``. It holds no
-    pipeline: each epoch's iterator has its own, so epochs are independent and may overlap."""
+    """Epochs read by rocAL (the module docstring). It holds no pipeline: each epoch's iterator has
+    its own, so epochs are independent and may overlap."""
     images: np.ndarray = dataclasses.field(repr=False)  # uint8 (N, 3, 32, 32), read_cifar10's order
     labels: np.ndarray = dataclasses.field(repr=False)  # int32 (N,)
     mesh: Mesh
@@ -210,7 +191,6 @@ class RocalLoader:
 
     @property
     def num_shards(self) -> int:
-        """The plan's shards: ``logical_shards``, or the device count."""
         return self.logical_shards or self.mesh.devices.size
 
     @property
@@ -224,8 +204,7 @@ class RocalLoader:
 
     @functools.cached_property
     def dataset(self) -> str:
-        """``plan.dataset_digest`` of {"images", "labels"}, as ``loaders.make_loader``'s over the
-        same data: a state moves between the two. Computed when first asked."""
+        """``loaders.make_loader``'s over the same data: a state moves between the two."""
         return dataset_digest({"images": self.images, "labels": self.labels})
 
     @property
@@ -253,9 +232,9 @@ class RocalLoader:
                 f"device, shard = mesh position; {how}")
 
     def real_samples(self, epoch: int, *, state: LoaderState | None = None) -> int:
-        """Mask-True slots of ``epoch``, or of ``epoch(epoch, state=state)``'s steps: the plan's.
-        order="vendor" with drop and shuffle reads one epoch to count them (rocAL shuffles padding
-        into the kept steps); RuntimeError there unless this process holds every shard."""
+        """Mask-True slots of ``epoch``, or of ``epoch(epoch, state=state)``'s steps. order="vendor"
+        with drop and shuffle reads one epoch to count them: RuntimeError unless this process holds
+        every shard."""
         where, first = "RocalLoader.real_samples", 0
         if state is not None:
             resumed = self._resumed(where, epoch, state)
@@ -275,13 +254,8 @@ class RocalLoader:
         return sum(self.known_real["steps"][first:])
 
     def epoch(self, epoch: int, *, state: LoaderState | None = None) -> loaders.EpochIterator:
-        """The batches of ``epoch``, or its rest from ``state`` (``loaders.Loader.epoch``'s), built at
-        the first ``next()``.
-
-        Raises:
-          ValueError: an epoch outside [0, 2**32); a state that is not a LoaderState, or of
-            another run or epoch; with order="vendor", a state whose plan is not this loader's.
-        """
+        """The batches of ``epoch``, or its rest from ``state``, as ``loaders.Loader.epoch``'s. ValueError
+        as there, and with order="vendor" for a state whose plan is not this loader's."""
         where = "RocalLoader.epoch"
         check_seed("epoch", epoch, where)
         if state is None:
@@ -309,9 +283,6 @@ class RocalLoader:
                 f"on the old shards is not one pipelines over other shards can skip. Use order='plan' "
                 f"(plan.elastic_plan's order, on any shard count)")
         return resumed
-
-
-# Reading an epoch: the plan's order and rocAL's own ------------------------
 
 
 def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: int):
@@ -359,8 +330,7 @@ def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: in
 
 
 def _vendor_steps(loader: RocalLoader, epoch: int, start: int):
-    """rocAL's own epoch from fresh pipelines, yielded from step ``start`` (earlier steps read and
-    dropped); padding found by content and checked at the end."""
+    """rocAL's own epoch from fresh pipelines, yielded from step ``start``; padding found by content."""
     devices, B = list(loader.mesh.devices.flat), loader.device_rows
     pipelines, transfers = {}, _Transfers(loader.dlpack)
     runs = {k: 0 for k in loader.shards}
@@ -382,8 +352,10 @@ def _vendor_steps(loader: RocalLoader, epoch: int, start: int):
                     images, labels, mask = _read_by_content(loader, pipelines[k], k, devices[k], runs, seen,
                                                             here, transfers)
                 else:  # files mode: this shard's rocAL epoch is a batch short of the plan
-                    images, labels = _padding(loader, k, devices[k])
-                    mask = np.zeros(B, bool)
+                    images = aligned_empty((B,) + shard.last_image.shape, np.float32)
+                    images[:] = shard.last_image
+                    images = jax.device_put(images, devices[k]) if loader.dlpack else images
+                    labels, mask = np.full(B, shard.last_label, np.int32), np.zeros(B, bool)
                 if plan_mask is not None and not np.array_equal(mask, plan_mask[step, k]):
                     raise RuntimeError(
                         f"{here}: the shard's last record sits in slots {np.flatnonzero(~mask).tolist()} "
@@ -432,16 +404,6 @@ def _read_by_content(loader: RocalLoader, pipe, k: int, device, runs: dict, seen
     return images, labels, mask
 
 
-def _padding(loader: RocalLoader, k: int, device):
-    """B copies of shard k's last record (normalised) and its label; on ``device`` with DLPack."""
-    shard, B = loader.shards[k], loader.device_rows
-    images = aligned_empty((B,) + shard.last_image.shape, np.float32)
-    images[:] = shard.last_image
-    if loader.dlpack:
-        images = jax.device_put(images, device)
-    return images, np.full(B, shard.last_label, np.int32)
-
-
 def _pipeline(loader: RocalLoader, folder: str, k: int, *, shuffle: bool, **native):
     device = loader.mesh.devices.flat[k]
     prefix = loader.prefix if loader.order == "vendor" else TRAIN_PREFIX
@@ -452,15 +414,15 @@ def _pipeline(loader: RocalLoader, folder: str, k: int, *, shuffle: bool, **nati
 
 
 def _run(loader: RocalLoader, pipe, device, left: int, where: str, transfers):
-    """One ``rocal_run()`` with ``left`` samples left of rocAL's epoch (checked first): (images
-    float32 (B, C, ch, cw) on the host or, with DLPack, on ``device``; labels int32 (B,))."""
+    """One ``rocal_run()`` with ``left`` samples left of rocAL's epoch, checked first (a run at 0 can
+    return a stale batch): (images float32 (B, C, ch, cw), with DLPack on ``device``; labels int32 (B,))."""
     B = loader.device_rows
     remaining = _call(where, "get_remaining_images()", pipe.get_remaining_images)
     if remaining != left:
         raise RuntimeError(f"{where}: get_remaining_images() says {remaining}, but {left} samples "
                            f"are left of this epoch")
     status = _call(where, "rocal_run()", pipe.rocal_run)
-    if status != _rocal_ok():
+    if status != import_rocal()[2].OK:
         raise RuntimeError(f"{where}: rocal_run() returned {status!r} with {remaining} samples left")
     tensor = _call(where, "get_output_tensors()", pipe.get_output_tensors)[0]
     shape = loader.normalize.output_shape(IMAGE_SHAPE)
@@ -476,9 +438,8 @@ def _run(loader: RocalLoader, pipe, device, left: int, where: str, transfers):
 
 
 class _Transfers:
-    """The DLPack copies, safe from rocAL's ring: before a step's runs, one ``block_until_ready``
-    on the copies of ``RING_SLOTS`` steps earlier (the slots these runs write); ``drain()`` waits
-    for the rest before the pipelines are released."""
+    """The DLPack copies, safe from rocAL's ring: a step's runs first wait for the copies of
+    ``RING_SLOTS`` steps earlier; ``drain()`` waits for the rest before the release."""
 
     def __init__(self, active: bool):
         self.active, self.steps, self.current = active, collections.deque(), []
@@ -499,8 +460,6 @@ class _Transfers:
     def drain(self) -> None:
         if self.active:
             jax.block_until_ready([*self.steps, self.current])
-            self.steps.clear()
-            self.current = []
 
 
 def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
@@ -518,17 +477,14 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
       normalize: a Normalize with arithmetic "rocal" (rocAL computes its own).
       order: "plan" or "vendor"; sharding: order="vendor"'s "files" or "rocal" (the module
         docstring). "rocal" needs the folder, read by rocAL as ``read_cifar10`` reads it.
-      cache_dir: for the epoch files (order="plan") and the kept shard files (order="vendor");
-        None: DEFAULT_CACHE, ~/.cache/refimpl.
+      cache_dir: for the epoch and shard files; None: DEFAULT_CACHE, ~/.cache/refimpl.
       num_threads: rocAL's threads a pipeline, an int >= 1.
 
     Raises:
       ImportError: amd.rocal does not import (the message says how to install it).
-      ValueError: anything ``loaders.make_loader`` refuses; another arithmetic; images that are
-        not CIFAR-10's; an unknown order or sharding, or sharding "rocal" with order "plan" or
-        with arrays; num_threads not an int >= 1; logical_shards with order="vendor"; devices
-        that are not all CPU or all AMD GPUs; a folder rocAL would read otherwise.
-      RuntimeError: a rocAL GPU build without DLPack; sharding "rocal" while rocAL ignores
+      ValueError: anything ``loaders.make_loader`` refuses; an argument outside its line above;
+        devices not all CPU or all AMD GPUs; a folder rocAL would read otherwise.
+      RuntimeError: a GPU rocAL built without DLPack; sharding "rocal" while rocAL ignores
         shard_id; a pipeline that cannot be built.
     """
     if not isinstance(normalize, Normalize) or normalize.arithmetic != "rocal":
@@ -547,8 +503,7 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
     if order == "vendor" and logical_shards is not None:
         raise ValueError(f"make_rocal_loader: logical_shards={logical_shards!r} with order='vendor': "
                          f"rocAL's own order is one shard a pipeline; use order='plan'")
-    is_folder = isinstance(data, (str, os.PathLike))
-    if sharding == "rocal" and not is_folder:
+    if sharding == "rocal" and not isinstance(data, (str, os.PathLike)):
         raise ValueError("make_rocal_loader: sharding='rocal' reads the CIFAR-10 files itself; "
                          "pass the folder, not (images, labels) arrays")
     import_rocal()  # how to install it, before any data is read
@@ -592,8 +547,10 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
                 raise RuntimeError(
                     f"make_rocal_loader(sharding='rocal'): the pipeline of shard {k} of {n} says "
                     f"get_remaining_images() = {remaining}; with working sharding it would be {want} "
-                    f"({stop - start} samples, padded). This is {ROCAL_SHARDING_BUG}. Use "
-                    f"sharding='files' (the default), or order='plan'")
+                    f"({stop - start} samples, padded). This is rocAL's sharding bug: fn.readers.cifar10 "
+                    f"ignores shard_id (rocAL 2.3.0 builds one internal loader per shard and overwrites the "
+                    f"caller's shard_id, so every pipeline reads the whole dataset and every device would "
+                    f"train on the same batch). Use sharding='files' (the default), or order='plan'")
             if want % B:  # rocAL pads no shard when the largest is whole batches
                 raise ValueError(f"make_rocal_loader(sharding='rocal'): rocAL would not pad shard {k} "
                                  f"({want} samples, batch {B}) and FILL would never deliver its last "
