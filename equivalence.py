@@ -76,7 +76,8 @@ TERM_BLOCKS = 2  # row blocks per device whose gradients make the term scale (_a
 class Verdict(NamedTuple):
     """``stepwise_verdict``'s answer: ``case`` "identical", "within", "OUTSIDE" or "outside
     the domain" (nothing judged); ``ulps`` and ``bound`` those of the judged step and leaf
-    nearest its bound; ``text`` the sentence refimpl prints."""
+    nearest its bound (identical: 0 and the bound the pair is held to; outside the domain: NaN
+    and None); ``text`` the sentence refimpl prints."""
     case: str
     ulps: float
     bound: float | None
@@ -132,7 +133,7 @@ def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, 
             f"in the state or in both gradients), where the comparison stops")
     pair = f"{name_a} vs {name_b}, each of {steps} steps from the same state"
     if same and steps:
-        return Verdict("identical", 0.0, 0.0, f"identical: {pair}, the same gradient bits{stop}")
+        return Verdict("identical", 0.0, float(count * STEP_UNITS), f"identical: {pair}, the same gradient bits{stop}")
     judged = twin <= STEP_UNITS
     if count == 0:
         judged = np.ones_like(judged)
