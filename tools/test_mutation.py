@@ -166,20 +166,6 @@ def test_every_module_and_test_file_a_set_names_exists():
                 assert (mutation.ROOT / path).is_file(), (name, path)
 
 
-def test_a_deselected_test_is_left_out_of_every_set_and_still_exists():
-    # Each DESELECTED test is handed to pytest as --deselect in both sets' configurations, and
-    # names a test its file still defines (a renamed test would be deselected silently as
-    # nothing, and run again under the tool).
-    for name in mutation.SETS:
-        config = mutation.mutmut_config(name)
-        for test in mutation.DESELECTED:
-            assert f"--deselect={test}" in config, (name, test)
-    for test, why in mutation.DESELECTED.items():
-        path, function = test.split("::")
-        assert f"\ndef {function}(" in (mutation.ROOT / path).read_text(), test
-        assert why
-
-
 PARSER = textwrap.dedent('''
     import argparse
     def build():
