@@ -62,11 +62,7 @@ PEAK_STEPS = 3  # steps of each reduction case a fresh process's peak RSS covers
 MEMORY_CASES = {"host prefetch 2": ("host", 2), "host prefetch 0": ("host", 0), "device": ("device", 0)}
 
 
-# --------------------------------------------------------------------------
-# Measuring
-# --------------------------------------------------------------------------
-
-
+# Measuring -----------------------------------------------------------------
 def rounds(cases: dict, repeats: int) -> dict[str, list[float]]:
     """Seconds of each zero-argument case per round, the cases interleaved in every round."""
     times = {name: [] for name in cases}
@@ -85,8 +81,7 @@ def paired(times: dict, a, b, f) -> float:
 
 def drain(batches) -> tuple[int, int]:
     """Consumes batch dicts until the last is ready; returns (samples, bytes) delivered."""
-    samples = nbytes = 0
-    last = None
+    last, samples, nbytes = None, 0, 0
     for last in batches:
         samples += last["images"].shape[0]
         nbytes += sum(leaf.nbytes for leaf in jax.tree.leaves(last))
@@ -128,11 +123,7 @@ def children(calls: list[list]) -> list[dict]:
     return [json.loads(stdout.splitlines()[-1]) for stdout, _ in outputs]
 
 
-# --------------------------------------------------------------------------
-# 1. The loaders
-# --------------------------------------------------------------------------
-
-
+# 1. The loaders ------------------------------------------------------------
 def loader_section(images, labels, mesh, args) -> dict:
     """Per per-device batch: the copy limit (GB/s) and, per loader, one epoch drained: images/s,
     GB/s, share of the copy limit, and "reference, host"'s speed over it. Medians of rounds."""
@@ -147,10 +138,9 @@ def loader_section(images, labels, mesh, args) -> dict:
         cases["naive loop"] = lambda b=batch_size: naive_batches(images, labels, mesh, b)
         if installed("grain") and not args.no_grain:
             cases.update(grain_cases(images, labels, mesh, batch_size, cap=args.dataloader_cap))
-        for name, make in cases.items():
-            if name.startswith(("reference", "dali")):
-                drain(make())  # warm-up: compilation, first-call costs of device_put
-        _, epoch_bytes = drain(by_placement["host"].epoch(0))
+        # warm-up (compilation, first-call costs of device_put), which also counts an epoch's bytes
+        warm = {name: drain(make()) for name, make in cases.items() if name.startswith(("reference", "dali"))}
+        epoch_bytes = warm[REFERENCE][1]
         sizes = {}
         timed = {name: (lambda n=name, make=make: sizes.__setitem__(n, drain(make())))
                  for name, make in cases.items()}
@@ -172,8 +162,7 @@ def loader_section(images, labels, mesh, args) -> dict:
 def naive_batches(images, labels, mesh, batch_size: int, seed: int = 0):
     """The tutorial loop: each shard shuffled, then one Python iteration per sample."""
     sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
-    n = mesh.devices.size
-    rng = np.random.default_rng(seed)
+    n, rng = mesh.devices.size, np.random.default_rng(seed)
     orders = [rng.permutation(np.arange(*shard_bounds(len(labels), k, n))) for k in range(n)]
     for step in range(min(map(len, orders)) // batch_size):
         xs, ys = [], []
@@ -253,11 +242,7 @@ def installed(package: str) -> str | None:
         return None
 
 
-# --------------------------------------------------------------------------
-# 2. Placements against the training step
-# --------------------------------------------------------------------------
-
-
+# 2. Placements against the training step -----------------------------------
 def placement_section(images, labels, mesh, args) -> dict:
     """Per global batch and placement: loader step / training step, waiting, slowdown.
 
@@ -312,11 +297,7 @@ def synchronous_epoch(loader, params) -> float:
         value.block_until_ready()
 
 
-# --------------------------------------------------------------------------
-# 3. Training step times
-# --------------------------------------------------------------------------
-
-
+# 3. Training step times ----------------------------------------------------
 def train(strategy, params, batches, mesh):
     """``strategy`` on ``batches`` with the notebooks' MLP and SGD(LEARNING_RATE)."""
     return strategy(params, batches, mesh, loss_terms=model.loss_terms, optimizer=strategies.sgd(LEARNING_RATE))
@@ -351,11 +332,7 @@ def training_section(images, labels, mesh, args) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------
-# 4. The canonical reduction on the models users bring
-# --------------------------------------------------------------------------
-
-
+# 4. The canonical reduction on the models users bring ----------------------
 def reduction_section(args) -> list[dict]:
     """Per case of ``args.reduction_cases``: each step's median time over interleaved rounds
     (after two warm-up calls each), and the peak RSS of PEAK_STEPS steps in a fresh process."""
@@ -489,11 +466,7 @@ MODELS = {
 }
 
 
-# --------------------------------------------------------------------------
-# 5. Memory
-# --------------------------------------------------------------------------
-
-
+# 5. Memory -----------------------------------------------------------------
 def memory_section(root: str, args, results: dict) -> dict:
     """The loader cases of ``args.memory_cases`` (returned) and the donation (results["donation"])."""
     results["donation"] = donation_section(loaders.data_mesh(jax.devices()), args)
@@ -501,9 +474,8 @@ def memory_section(root: str, args, results: dict) -> dict:
     for name in args.memory_cases:
         placement, prefetch = MEMORY_CASES[name]
         [result] = children([["memory", root, 128, prefetch, placement]])
-        # What the design allows: the dataset, the queue, the batch being built and the one
-        # the consumer holds; for "device", the dataset a second time as the devices'
-        # resident copy (CPU devices live in host memory).
+        # What the design allows: the dataset, the queue, the batch being built and the one the
+        # consumer holds; "device" holds the dataset again as the devices' copy (in host memory on CPU).
         alive = (prefetch + 2) * result["batch_mb"]
         result["budget_mb"] = result["raw_mb"] * (2 if placement == "device" else 1) + alive
         out[name] = result
@@ -524,8 +496,7 @@ def memory_child(root: str, batch_size: int, prefetch: int, placement: str) -> d
     reset_peak()
     previous = None
     for batch in loader.epoch(0):  # as a training loop consumes: at most two steps in flight
-        if previous is not None:
-            jax.block_until_ready(previous)
+        jax.block_until_ready(previous)
         previous = batch
     jax.block_until_ready(previous)
     return {"raw_mb": len(labels) * RECORD_BYTES / 2**20, "batch_mb": batch_mb,
@@ -534,12 +505,10 @@ def memory_child(root: str, batch_size: int, prefetch: int, placement: str) -> d
 
 
 def donation_section(mesh, args) -> dict:
-    """The plain step's memory and time, its state donated and kept, the MLP at ``args.layers``.
-
-    The step is ``sharded_step``'s two programs: the gradient, then ``strategies.update_program``,
-    where the donation acts. Memory per program and device, from XLA's ``memory_analysis()``:
-    arguments + outputs - aliased + temporaries; the step holds the larger of the two. Step
-    time: the median over interleaved rounds."""
+    """The plain step's memory and time, its state donated and kept, the MLP at ``args.layers``:
+    ``sharded_step``'s gradient program, then ``update_program``, where the donation acts. A step
+    holds the larger of the two (per device, from XLA's memory_analysis: arguments + outputs -
+    aliased + temporaries)."""
     start, batch, _ = reduction_case("mlp", mesh.devices.size * args.donation_batch, mesh.devices.size,
                                      mesh, args.smoke)
     state = strategies.replicate(start, mesh)
@@ -572,11 +541,7 @@ def donation_section(mesh, args) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------
-# Report
-# --------------------------------------------------------------------------
-
-
+# Report --------------------------------------------------------------------
 def goals(results: dict) -> list[dict]:
     """The goals of the sections in ``results``: {goal, measured, target, met}."""
     rows = []
@@ -636,8 +601,7 @@ def implausible(results: dict) -> list[str]:
 
 
 def table(title: str, header: str, align: str, row: str, items) -> list[str]:
-    """Markdown lines: a blank line, ``title``, a table with a row ``row.format(**item)`` per
-    item (``align``: "l" or "r" per column)."""
+    """Markdown lines: a blank line, ``title``, then a row ``row.format(**item)`` per item."""
     rule = " | ".join("---" if a == "l" else "---:" for a in align)
     return ["", title, "", f"| {header} |", f"| {rule} |", *(f"| {row.format(**i)} |" for i in items)]
 

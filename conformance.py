@@ -3,8 +3,7 @@
 Feed a loader samples that encode their index (``encoding.encoded_images``), cut each global
 batch into per-shard blocks (``shard_blocks``), decode them (``encoding.decode_indices``) and
 pass the indices to a describer. Each returns ``Findings`` (or adds to ``findings``): a summary
-line per kind of deviation, then up to ``EXAMPLES`` examples, each naming shard(s) and step(s).
-An empty report means no check fired; test_conformance.py makes each one fire.
+line per kind of deviation, then up to ``EXAMPLES`` examples naming shard(s) and step(s); "" if none.
 
 * ``describe_epoch``: one epoch against ``plan.epoch_plan``, or exactly once (partition="any").
 * ``describe_resized_epoch``: one epoch over ``plan.elastic_plan``'s segments.
@@ -211,8 +210,7 @@ def _check_shards(delivered: list, masks, found, *, plan, steps: int, what: str,
     _overlap(reals, found, offset)
     every_step = f"in any of steps {_span(offset, offset + max(len(got) for got in delivered))}"
     stretch = np.concatenate([r[r >= 0].ravel() for r in reals])
-    for k, got in enumerate(delivered):
-        real = reals[k]
+    for k, (got, real) in enumerate(zip(delivered, reals)):
         values = real[real >= 0]
         if masks is not None:
             if plan is not None:
@@ -544,8 +542,7 @@ def describe_epochs(epochs, batch_size: int, *, shuffle: bool, findings: Finding
         if epoch in first:
             compare.append(("epoch read twice", epoch, first[epoch], shards))
         first.setdefault(epoch, shards)
-    numbers = sorted(first)
-    base = numbers[0]
+    numbers, base = sorted(first), min(first)
     if not shuffle:
         compare += [("order changes with the epoch", epoch, first[base], first[epoch]) for epoch in numbers[1:]]
     for kind, epoch, x, y in compare:

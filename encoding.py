@@ -5,11 +5,11 @@ and ``decode_indices`` turns each delivered block back into its indices, -1 wher
 encodes none; conformance.py compares those with the plan. Both work for uint8 images of
 any shape, as stored or through a ``Normalize`` (a vendor's float32, an ulp off or not),
 and for float and integer features of any shape and dtype, up to ``index_limit`` samples.
-What a loader does to a sample that still decodes (a crop of the flat planes, noise under
-a quarter of the table's step) is conformance.describe_content's and describe_values'.
+A change that still decodes (a crop of the flat planes, noise under a quarter of the
+table's step) is conformance.describe_content's and describe_values' to see.
 
-Imports arithmetic.py (``Normalize``), cifar_mnist.py (the default image shape) and NumPy;
-ml_dtypes (which comes with JAX) only for its float types. Copy it with those two.
+Imports arithmetic.py, cifar_mnist.py (the default shape), NumPy, and ml_dtypes (with JAX)
+for its float types. Copy it with those two.
 """
 
 from __future__ import annotations
@@ -150,13 +150,11 @@ def decode_indices(images: np.ndarray, normalize: Normalize | None = None) -> np
     return np.where(np.all(_rows(near), axis=1) & flat, index, -1)
 
 
-def _rows(x: np.ndarray) -> np.ndarray:
-    """(B, ...) as (B, S), S the sample's size; reshape(B, -1) cannot tell S when B = 0."""
+def _rows(x: np.ndarray) -> np.ndarray:  # (B, ...) as (B, S): reshape(B, -1) cannot tell S when B = 0
     return x.reshape(len(x), int(np.prod(x.shape[1:])))
 
 
-def _planes(sample_shape: tuple[int, ...]) -> bool:
-    """Whether uint8 samples of this shape use the plane scheme (C, H, W), C >= 3."""
+def _planes(sample_shape: tuple[int, ...]) -> bool:  # whether uint8 samples use the plane scheme
     return len(sample_shape) == 3 and sample_shape[0] >= 3
 
 

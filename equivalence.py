@@ -47,8 +47,7 @@ def ulp_bound(a: str, b: str, platform: str, num_devices: int) -> int:
 
 
 def ulps_apart(a: Params, b: Params) -> float:
-    """Largest |a - b| over all leaves, in ulps of each leaf's largest magnitude: the
-    largest of ``leaf_ulps``."""
+    """The largest of ``leaf_ulps(a, b)``: max |a - b| in ulps of each leaf's largest magnitude."""
     each = leaf_ulps(a, b)
     return float(np.nan) if np.isnan(each).any() else float(each.max(initial=0.0))
 
@@ -70,7 +69,7 @@ def leaf_ulps(a: Params, b: Params, scale=None) -> np.ndarray:
     return np.array(out, np.float64)
 
 
-TERM_BLOCKS = 2  # row blocks per device whose gradients make the term scale (_absolute_gradient)
+TERM_BLOCKS = 2  # row blocks per device whose gradients make the term scale (_step_units)
 
 
 class Verdict(NamedTuple):
@@ -134,9 +133,7 @@ def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, 
     pair = f"{name_a} vs {name_b}, each of {steps} steps from the same state"
     if same and steps:
         return Verdict("identical", 0.0, float(count * STEP_UNITS), f"identical: {pair}, the same gradient bits{stop}")
-    judged = twin <= STEP_UNITS
-    if count == 0:
-        judged = np.ones_like(judged)
+    judged = (twin <= STEP_UNITS) | (count == 0)  # count 0: every step and leaf judged
     if not judged.any():
         return Verdict("outside the domain", float(np.nan), None,
                        f"{pair}: no step judged{stop}: no verdict" if steps else
@@ -204,8 +201,7 @@ def _finite(tree) -> bool:
 
 
 def _moved(params: Params, signs: list, ulps: float) -> Params:
-    """``params`` with every entry of each leaf moved ``ulps`` ulps of the leaf's largest
-    magnitude (np.spacing in the leaf's dtype), times its sign, rounded to the leaf's dtype."""
+    """``params``, each entry moved ``ulps`` x its sign ulps of its leaf's largest magnitude."""
     def leaf(x, s):
         x = np.asarray(x)
         unit = np.spacing(np.abs(x).max()) if x.size else x.dtype.type(0)
@@ -237,9 +233,24 @@ def _recording(update: Callable) -> Callable:
 @functools.lru_cache(maxsize=64)
 def _step_units(loss_terms: LossTerms, mesh: Mesh) -> Callable:
     """jit: (params stacked (3, ...) = (p, p + delta, p - delta), replicated; batch sharded on
-    'data') -> per leaf, (max of sum_k |g_k| at p, max |g(p + delta) - g(p)|, max |g(p - delta)
-    - g(p)|), g the batch's masked mean gradient (the sharded program)."""
-    absolute = _absolute_gradient(loss_terms, mesh)
+    'data') -> per leaf, (the term scale at p, max |g(p + delta) - g(p)|, max |g(p - delta)
+    - g(p)|), g the batch's masked mean gradient (the sharded program). The term scale, at
+    which a reordered sum of the gradient's terms rounds: the max of sum_k |g_k|, g_k the
+    gradient of row block k alone over the whole batch's count, TERM_BLOCKS blocks per device
+    (the largest count up to it that divides a device's rows), each device computing its own."""
+    by_device = NamedSharding(mesh, P(AXIS))
+
+    def absolute(params, batch):
+        count = jnp.maximum(strategies.checked_terms(loss_terms, params, batch)[1], 1.0)
+        block_grad = jax.grad(lambda p, block: strategies.checked_terms(loss_terms, p, block)[0] / count)
+        rows, blocks = jax.tree.leaves(batch)[0].shape[0], mesh.devices.size
+        parts = blocks * max(c for c in range(1, TERM_BLOCKS + 1) if (rows // blocks) % c == 0)
+        split = jax.tree.map(lambda x: lax.with_sharding_constraint(
+            x.reshape((parts, -1) + x.shape[1:]), by_device), batch)
+        grads = jax.tree.map(lambda g: lax.with_sharding_constraint(g, by_device),
+                             jax.vmap(block_grad, in_axes=(None, 0))(params, split))
+        return jax.tree.map(lambda g: jnp.sum(jnp.abs(g), axis=0), grads)
+
     def mean(params, batch):
         total, count = strategies.checked_terms(loss_terms, params, batch)
         return total / jnp.maximum(count, 1.0)
@@ -254,29 +265,5 @@ def _step_units(loss_terms: LossTerms, mesh: Mesh) -> Callable:
 
 
 def _same_bits(a: Params, b: Params) -> bool:
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.shape != y.shape or x.dtype != y.dtype or x.tobytes() != y.tobytes():
-            return False
-    return True
-
-
-def _absolute_gradient(loss_terms: LossTerms, mesh: Mesh) -> Callable:
-    """(params, batch) -> sum_k |g_k| per leaf (the params' tree), g_k the gradient of row
-    block k alone over the whole batch's count, the rows cut into TERM_BLOCKS blocks per
-    device of ``mesh`` (the largest count up to it that divides a device's rows), each
-    device computing its own blocks' gradients: the scale at which a reordered sum of the
-    gradient's terms rounds (``stepwise_distances``' unit)."""
-    def absolute(params, batch):
-        count = jnp.maximum(strategies.checked_terms(loss_terms, params, batch)[1], 1.0)
-        block_grad = jax.grad(lambda p, block: strategies.checked_terms(loss_terms, p, block)[0] / count)
-        rows, blocks = jax.tree.leaves(batch)[0].shape[0], mesh.devices.size
-        parts = blocks * max(c for c in range(1, TERM_BLOCKS + 1) if (rows // blocks) % c == 0)
-        by_device = NamedSharding(mesh, P(AXIS))  # each device its own rows' blocks
-        split = jax.tree.map(lambda x: lax.with_sharding_constraint(
-            x.reshape((parts, -1) + x.shape[1:]), by_device), batch)
-        grads = jax.tree.map(lambda g: lax.with_sharding_constraint(g, by_device),
-                             jax.vmap(block_grad, in_axes=(None, 0))(params, split))
-        return jax.tree.map(lambda g: jnp.sum(jnp.abs(g), axis=0), grads)
-    return absolute
-
+    pairs = ((np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return all(x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in pairs)

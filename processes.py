@@ -1,20 +1,10 @@
 """Several processes of one program on this machine: launched together, watched, stopped together.
 
 refimpl.py's ``--local-processes N`` runs itself N times on 127.0.0.1 as one
-jax.distributed job; this module is how, apart from the notebooks' program:
-
-* ``run_local(base, count, ...)`` starts ``base + ["--process-id", str(i)]`` for
-  i = 0..count-1, each in its own process group on CPU devices
-  (JAX_PLATFORMS=cpu: several processes must not share one accelerator), shows
-  process 0's output as it comes (the others' only when they fail), and returns
-  when all have exited 0, or as soon as one fails: then it prints that process's
-  last lines, stops the rest and returns its exit status. Every process group is
-  killed whatever happens, so nothing outlives the call.
-* ``hide_native_stdout`` (in a child): what native code writes to file descriptor 1
-  (gloo's "[Gloo] Rank N is connected to M peer ranks" notes, several threads at
-  once, interleaved mid-line) goes to /dev/null; Python's prints still show.
-  ``without_gloo_chatter`` takes those notes out of a line that caught one.
-* ``strip_options(argv, names)``: argv without some options and their values.
+jax.distributed job, through ``run_local``. In a child, ``hide_native_stdout`` sends what
+native code writes to file descriptor 1 (gloo's "[Gloo] Rank N is connected to M peer ranks"
+notes, from several threads at once, mid-line) to /dev/null; Python's prints still show.
+``without_gloo_chatter`` takes those notes out of a line that caught one.
 
 Imports: the standard library only. Imported by refimpl.py.
 """
@@ -36,20 +26,22 @@ GLOO_CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
 
 
 def run_local(base: list[str], count: int, *, passthrough: int, name: str = "refimpl.py") -> int:
-    """Runs ``base + ["--process-id", i]`` for i in 0..count-1 (see the module docstring) and
-    returns 0, or the first failing process's exit status (1 for one killed by a signal).
-    When process 0 alone exits with ``passthrough`` it has said why itself, last: that
-    status is returned after its output, with nothing added."""
+    """Runs ``base + ["--process-id", str(i)]`` for i = 0..count-1, each in its own process group
+    on CPU devices (JAX_PLATFORMS=cpu: several processes must not share one accelerator).
+
+    Shows process 0's output as it comes, the others' only when they fail. Returns 0 when all
+    have exited 0, or as soon as one fails: then prints its last lines, stops the rest and
+    returns its exit status (1 for one killed by a signal). When process 0 alone exits with
+    ``passthrough`` it has said why itself, last: that status is returned after its output,
+    with nothing added. Every process group is killed whatever happens."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **{LOCAL_CHILD: "1"})
     children, errors = [], []
     try:
         for i in range(count):
-            log = tempfile.TemporaryFile("w+")
-            child = subprocess.Popen(base + ["--process-id", str(i)], env=env, start_new_session=True,
-                                     stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE if i == 0 else log, text=True)
-            children.append(child)
-            errors.append(log)
+            errors.append(tempfile.TemporaryFile("w+"))
+            children.append(subprocess.Popen(base + ["--process-id", str(i)], env=env, start_new_session=True,
+                                             stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
+                                             stderr=subprocess.PIPE if i == 0 else errors[-1], text=True))
         forwards = [threading.Thread(target=forward, args=(stream, target), daemon=True)
                     for stream, target in ((children[0].stdout, sys.stdout), (children[0].stderr, sys.stderr))]
         for thread in forwards:
@@ -57,16 +49,12 @@ def run_local(base: list[str], count: int, *, passthrough: int, name: str = "ref
         while True:
             codes = [child.poll() for child in children]
             failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-            if failed == [0] and codes[0] == passthrough:
-                for thread in forwards:
-                    thread.join()  # process 0 has said why, last; nothing to add after it
-                return passthrough
-            if failed:
-                return _report_failure(failed[0], codes[failed[0]], errors, name)
-            if all(code == 0 for code in codes):
+            if failed == [0] and codes[0] == passthrough or all(code == 0 for code in codes):
                 for thread in forwards:
                     thread.join()  # the streams end when process 0 has exited
-                return 0
+                return codes[0]
+            if failed:
+                return _report_failure(failed[0], codes[failed[0]], errors, name)
             time.sleep(0.1)
     finally:
         for child in children:
@@ -90,8 +78,7 @@ def _report_failure(i: int, code: int, errors: list, name: str) -> int:
 
 
 def hide_native_stdout() -> None:
-    """Python's prints keep going to stdout; what native code writes to file
-    descriptor 1 goes to /dev/null (the module docstring)."""
+    """Python's prints keep going to stdout; what native code writes to file descriptor 1 goes to /dev/null."""
     sys.stdout.flush()
     python_stdout = os.dup(1)
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -101,8 +88,7 @@ def hide_native_stdout() -> None:
 
 
 def without_gloo_chatter(line: str) -> str:
-    """``line`` without the collective library's "[Gloo] Rank N is connected" notes
-    (written by C++ to the same stream, so one can land inside another line)."""
+    """``line`` without gloo's "[Gloo] Rank N is connected" notes (C++ writes them mid-line)."""
     return GLOO_CHATTER.sub("", line)
 
 
