@@ -49,11 +49,12 @@ def run_local(base: list[str], count: int, *, passthrough: int, name: str = "ref
         while True:
             codes = [child.poll() for child in children]
             failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-            if failed == [0] and codes[0] == passthrough or all(code == 0 for code in codes):
-                for thread in forwards:
-                    thread.join()  # the streams end when process 0 has exited
-                return codes[0]
-            if failed:
+            if failed or all(code == 0 for code in codes):
+                if codes[0] is not None:  # process 0's last words come before anything said of it
+                    for thread in forwards:
+                        thread.join()  # the streams end when process 0 has exited
+                if not failed or failed == [0] and codes[0] == passthrough:
+                    return codes[0]
                 return _report_failure(failed[0], codes[failed[0]], errors, name)
             time.sleep(0.1)
     finally:
