@@ -265,3 +265,21 @@ def test_every_link_in_the_readme_and_the_docs_resolves():
     check(pages[0], "docs/nowhere.md")
     check(pages[0], "docs/guarantees.md#no-such-heading")
     assert len(broken) == 2, broken
+
+
+def test_every_test_the_readme_and_the_docs_name_exists():
+    """Every test a page names (a ``test_...`` word not followed by ".py") is a function some
+    test file defines, so a removed or renamed test cannot leave its guarantee standing in the
+    docs; the control: a made-up name is caught."""
+    import glob
+    import re
+    sources = "".join(open(f).read() for f in glob.glob(os.path.join(HERE, "test_*.py"))
+                      + glob.glob(os.path.join(HERE, "tools", "test_*.py")))
+    defined = set(re.findall(r"^def (test_\w+)\(", sources, re.M))
+
+    def unknown(text: str) -> list:
+        return sorted(set(re.findall(r"\b(test_[a-z0-9_]+)\b(?!\.py)", text)) - defined)
+    pages = [os.path.join(HERE, "README.md")] + sorted(glob.glob(os.path.join(HERE, "docs", "*.md")))
+    missing = {os.path.relpath(p, HERE): unknown(open(p).read()) for p in pages}
+    assert not any(missing.values()), missing
+    assert unknown("`test_model.py::test_update_parallel_matches_update`") == ["test_update_parallel_matches_update"]
