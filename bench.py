@@ -142,8 +142,7 @@ def loader_section(images, labels, mesh, args) -> dict:
         warm = {name: drain(make()) for name, make in cases.items() if name.startswith(("reference", "dali"))}
         epoch_bytes = warm[REFERENCE][1]
         sizes = {}
-        timed = {name: (lambda n=name, make=make: sizes.__setitem__(n, drain(make())))
-                 for name, make in cases.items()}
+        timed = {name: (lambda n=name, make=make: sizes.__setitem__(n, drain(make()))) for name, make in cases.items()}
         src = np.ones(epoch_bytes // 4, np.float32)  # both buffers touched: no page faults timed
         dst = np.zeros_like(src)
         timed["copy"] = lambda: np.copyto(dst, src)
@@ -170,19 +169,14 @@ def naive_batches(images, labels, mesh, batch_size: int, seed: int = 0):
             for i in order[step * batch_size:(step + 1) * batch_size]:
                 xs.append((images[i].astype(np.float32) - MEAN) / STD)
                 ys.append(labels[i])
-        yield {"images": jax.device_put(np.stack(xs), sharding),
-               "labels": jax.device_put(np.asarray(ys), sharding)}
+        yield {"images": jax.device_put(np.stack(xs), sharding), "labels": jax.device_put(np.asarray(ys), sharding)}
 
 
 def grain_cases(images, labels, mesh, batch_size: int, cap: int) -> dict:
-    """Grain pipelines over the same records, global batch n*B, as arrays sharded on 'data'.
-
-    "grain docs": Grain's JAX recipe, MapDataset.source, seed, shuffle, a per-record map,
-    batch, to_iter_dataset, grain.experimental.device_put; the process's shard by
-    ShardByJaxProcess. "grain batch-first": batch before map (one NumPy call per batch),
-    2 reader threads. "grain DataLoader": an IndexSampler and default ReadOptions, timed on
-    its first ``cap`` images only (it is slow).
-    """
+    """Grain pipelines over the same records, global batch n*B, as arrays sharded on 'data', the
+    process's shard by ShardByJaxProcess: "grain docs", Grain's JAX recipe; "grain batch-first",
+    batch before map (one NumPy call per batch), 2 reader threads; "grain DataLoader", default
+    ReadOptions, timed on its first ``cap`` images only (it is slow)."""
     import grain
 
     class Records(grain.sources.RandomAccessDataSource):
@@ -208,8 +202,7 @@ def grain_cases(images, labels, mesh, batch_size: int, cap: int) -> dict:
                                              cpu_buffer_size=4, device_buffer_size=2)
 
     def data_loader():
-        sampler = grain.samplers.IndexSampler(len(labels), shard_options=shard, shuffle=True,
-                                              num_epochs=1, seed=0)
+        sampler = grain.samplers.IndexSampler(len(labels), shard_options=shard, shuffle=True, num_epochs=1, seed=0)
         ops = [Normalise(), grain.transforms.Batch(per_process, drop_remainder=True)]
         batches = grain.DataLoader(data_source=Records(), sampler=sampler, operations=ops, worker_count=0)
         return (jax.device_put(b, sharding) for b in itertools.islice(batches, max(1, cap // per_process)))
@@ -244,13 +237,10 @@ def installed(package: str) -> str | None:
 
 # 2. Placements against the training step -----------------------------------
 def placement_section(images, labels, mesh, args) -> dict:
-    """Per global batch and placement: loader step / training step, waiting, slowdown.
-
-    Loader step: an epoch drained without training, per step. Training step:
-    ``strategies.sharded`` on prebuilt batches, per step. Waiting: ``synchronous_epoch``'s
-    share. Slowdown: the epoch fed by the loader against the same epoch on prebuilt
-    batches; "device" hands out a dispatched gather, so its cost shows here, not in waiting.
-    """
+    """Per global batch and placement: loader step (an epoch drained) / training step
+    (``strategies.sharded`` on prebuilt batches), waiting (``synchronous_epoch``'s share), slowdown
+    (the epoch fed by the loader against prebuilt batches; "device" hands out a dispatched gather,
+    so its cost shows here, not in waiting)."""
     n = mesh.devices.size
     params = model.init_model(args.layers)
     out = {}
@@ -380,8 +370,7 @@ def reduction_case(name: str, global_batch: int, shards: int, mesh, smoke: bool 
     rng = np.random.default_rng(0)
     params = init(rng, smoke)
     count = shards * max(1, round(global_batch / shards))
-    batch = jax.device_put(dict(rows(rng, count), mask=np.ones(count, bool)),
-                           NamedSharding(mesh, P(loaders.DATA_AXIS)))
+    batch = jax.device_put(dict(rows(rng, count), mask=np.ones(count, bool)), NamedSharding(mesh, P(loaders.DATA_AXIS)))
     steps = {"plain": strategies.sharded_step(loss_terms, strategies.sgd_update),
              "canonical": strategies.canonical_step(loss_terms, strategies.sgd_update, mesh, shards)}
     return (params, strategies.sgd(LEARNING_RATE).init(params)), batch, steps
@@ -505,10 +494,9 @@ def memory_child(root: str, batch_size: int, prefetch: int, placement: str) -> d
 
 
 def donation_section(mesh, args) -> dict:
-    """The plain step's memory and time, its state donated and kept, the MLP at ``args.layers``:
-    ``sharded_step``'s gradient program, then ``update_program``, where the donation acts. A step
-    holds the larger of the two (per device, from XLA's memory_analysis: arguments + outputs -
-    aliased + temporaries)."""
+    """The plain step's memory and time, its state donated and kept, the MLP at ``args.layers``: a step
+    holds the larger of ``sharded_step``'s gradient program and ``update_program``, where the donation
+    acts (per device, XLA's memory_analysis)."""
     start, batch, _ = reduction_case("mlp", mesh.devices.size * args.donation_batch, mesh.devices.size,
                                      mesh, args.smoke)
     state = strategies.replicate(start, mesh)
@@ -608,8 +596,7 @@ def table(title: str, header: str, align: str, row: str, items) -> list[str]:
 
 def markdown(results: dict) -> str:
     """The report: a table per section in ``results``, then the goals and implausible figures."""
-    lines = [f"Machine: {results['machine']}; {results['config']}; "
-             f"read_cifar10 {results['read_cifar10_s']:.2f} s"]
+    lines = [f"Machine: {results['machine']}; {results['config']}; read_cifar10 {results['read_cifar10_s']:.2f} s"]
     for key, section in results.get("loader", {}).items():
         lines += table(f"**Loaders, {key.replace('_', ' ')}** (copy limit {section['copy_limit_gb_per_s']:.1f} GB/s)",
                        "loader | images/s | output GB/s | share of copy limit | reference, host / this", "lrrrr",
@@ -654,10 +641,8 @@ def markdown(results: dict) -> str:
                        "{name} | {state_mb:.1f} | {aliased_mb:.1f} | {temp_mb:.1f} | {update_mb:.1f} | "
                        "{gradient_mb:.1f} | {step_mb:.1f} | {step_ms:.1f}",
                        [dict(d[name], name=name) for name in ("donated", "kept")])
-        lines.append(f"| donated / kept | | | | | | {d['ratio']['step_memory']:.2f} | "
-                     f"{d['ratio']['step_time']:.2f} |")
-    lines += table("**Goals**", "goal | measured | target | met", "lrll",
-                   "{goal} | {measured:.2f} | {target} | {met}",
+        lines.append(f"| donated / kept | | | | | | {d['ratio']['step_memory']:.2f} | {d['ratio']['step_time']:.2f} |")
+    lines += table("**Goals**", "goal | measured | target | met", "lrll", "{goal} | {measured:.2f} | {target} | {met}",
                    [dict(g, met="yes" if g["met"] else "no") for g in results["goals"]])
     if results["implausible"]:
         lines += ["", "**Implausible figures** (the machine was too busy to measure them; rerun):", ""]
@@ -712,16 +697,12 @@ def main(argv=None) -> dict:
                        platform.machine())
         start = time.perf_counter()
         images, labels = read_cifar10(data)
-        results = {
-            "machine": f"{cpu}, {os.cpu_count()} CPUs, {mesh.devices.size} {jax.devices()[0].platform} devices",
-            "config": f"{args.num_train:,} images, {args.repeats} rounds, JAX {jax.__version__}, "
-                      f"NumPy {np.__version__}, Grain {installed('grain') or 'not installed'}, "
-                      f"DALI {installed(DALI) or 'not installed'}",
-            "read_cifar10_s": time.perf_counter() - start,
-            "placements_batches": list(args.placement_batches),
-            "training_batches": list(args.training_batches),
-            "section_s": {},
-        }
+        results = {"machine": f"{cpu}, {os.cpu_count()} CPUs, {mesh.devices.size} {jax.devices()[0].platform} devices",
+                   "config": f"{args.num_train:,} images, {args.repeats} rounds, JAX {jax.__version__}, "
+                             f"NumPy {np.__version__}, Grain {installed('grain') or 'not installed'}, "
+                             f"DALI {installed(DALI) or 'not installed'}",
+                   "read_cifar10_s": time.perf_counter() - start, "placements_batches": list(args.placement_batches),
+                   "training_batches": list(args.training_batches), "section_s": {}}
         sections = {"loader": lambda: loader_section(images, labels, mesh, args),
                     "placements": lambda: placement_section(images, labels, mesh, args),
                     "training": lambda: training_section(images, labels, mesh, args),

@@ -34,18 +34,23 @@ contradicting flag is refused by name), CARRIED ones unless given, OWN ones are 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import itertools
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
 import types
 
+import numpy as np
+
 from arithmetic import ARITHMETICS, Normalize
 from cifar_mnist import TEST_PREFIX, TRAIN_PREFIX, read_cifar10, read_mnist, synthetic_cifar10, synthetic_mnist
+from plan import LoaderState, elastic_num_steps, remaining_samples
 import processes
 
 DEFAULT_CPU_DEVICES = 8
@@ -173,8 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--auto-distributed", action="store_true",
         help="let jax.distributed.initialize() detect the cluster (Slurm, Open MPI, ...)")
     add("--local-processes", type=int, metavar="N",
-        help=f"launch N processes on this machine, on CPU devices, splitting --devices (default "
-             f"{DEFAULT_CPU_DEVICES})")
+        help=f"launch N processes on this machine, on CPU devices, splitting --devices (default {DEFAULT_CPU_DEVICES})")
     add("--peer-timeout", type=int, default=60, metavar="SECONDS",
         help="seconds to wait for a missing or silent peer (default: %(default)s)")
     add = parser.add_argument_group("checkpoint and resume", "Resume on any device or process count.").add_argument
@@ -298,8 +302,6 @@ def known_device_count(args: argparse.Namespace) -> int | None:
 
 def not_npz(path: str) -> str | None:
     """Why ``path`` is not a .npz file, or None."""
-    import numpy as np
-
     try:
         npz = np.load(path)
     except (OSError, ValueError) as error:
@@ -328,8 +330,7 @@ def unwritable(path: str) -> str | None:
 
 
 def start_jax(args: argparse.Namespace) -> None:
-    """JAX configured for this run (platform, matmul precision, virtual CPU devices, the
-    processes joined); ValueError naming --platform when JAX cannot start it."""
+    """JAX configured for this run, its processes joined; ValueError naming --platform when JAX cannot start it."""
     import jax
 
     if args.platform:
@@ -380,11 +381,8 @@ def connect(args: argparse.Namespace) -> None:
 
 
 def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
-    """Runs this program in ``--local-processes`` processes on 127.0.0.1 (processes.run_local),
-    the synthetic data generated once first (a resume's processes read the checkpoint's data
-    unless --data-dir is given), the coordinator on a port the OS chose."""
-    import socket
-
+    """Runs this program in ``--local-processes`` processes on 127.0.0.1 (processes.run_local), the synthetic
+    data generated once first (a resume's processes read the checkpoint's data unless --data-dir is given)."""
     count = args.local_processes
     per_process = (args.devices or DEFAULT_CPU_DEVICES) // count
     data_dir = args.data_dir or (None if args.resume_from else
@@ -580,7 +578,6 @@ def training_loaders(args: argparse.Namespace, job: Job) -> tuple[dict, str]:
 def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optimizer, span, metrics) -> tuple:
     """Strategy ``name`` over the run's epochs, a line (and a metrics row) an epoch; returns its
     final (params, optimizer state) on the host and the exactly-once failures."""
-    import numpy as np
     import jax
     import model
     import strategies
@@ -640,9 +637,6 @@ def run_identity(args: argparse.Namespace, train_data, arithmetic: str) -> dict:
     """What a checkpoint shares with every run that resumes it: each IDENTITY option (and
     batch_size with logical shards), normalize as the arithmetic used, the training data's
     size and BLAKE2b-128 digest (image bytes, then int32 label bytes)."""
-    import hashlib
-    import numpy as np
-
     images, labels = train_data
     digest = hashlib.blake2b(digest_size=16)
     for lo in range(0, len(images), 4096):  # read_cifar10's images are a strided view
@@ -722,8 +716,6 @@ class Span:
     later epochs are fresh. An epoch across a checkpoint counts its deliveries by sample index."""
 
     def __init__(self, args, job: Job, saved: dict | None):
-        from plan import LoaderState
-
         self.args, self.saved, self.where = args, saved, job.where
         self.identity = run_identity(args, job.train_data, job.arithmetic)
         self.first_epoch, done, first, self.state = 0, 0, None, None
@@ -763,7 +755,6 @@ class Span:
         """(params, optimizer state) strategy ``name`` starts from: the checkpoint's, in params0's
         and optimizer.init(params0)'s structure; else (params0, None). ValueError naming the
         leaf that does not fit."""
-        import numpy as np
         import jax
 
         if self.saved is None:
@@ -788,8 +779,6 @@ class Span:
     def batches(self, name: str, loader, epoch: int):
         """The batches this run trains of ``epoch``, cut at the stop; an epoch across a
         checkpoint counts its real rows' sample indices into ``delivered``."""
-        import numpy as np
-
         lo, hi = self.spans[epoch]
         iterator = loader.epoch(epoch, state=self.resumes(epoch))
         if epoch in self.counted:
@@ -806,8 +795,6 @@ class Span:
     def epoch_done(self, name: str, epoch: int, loader, losses) -> tuple:
         """(real samples delivered, the epoch's losses with the checkpoint's, a note for the epoch
         line, [(ok, line)] verdicts). Every process calls it: the counts are summed across them."""
-        import numpy as np
-
         lo, hi = self.spans[epoch]
         state, resumed = self.states.get((name, epoch)), self.resumes(epoch)
         real, note, lines = loader.real_samples(epoch, state=resumed), "", []
@@ -832,7 +819,6 @@ class Span:
 
     def save(self, job: Job, final: dict, states: dict) -> None:
         """The checkpoint at the stop: every process calls it (orbax's collectives)."""
-        import numpy as np
         import jax
         import orbax.checkpoint as ocp
 
@@ -855,18 +841,14 @@ class Span:
         ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(
             folder, args=ocp.args.Composite(run=ocp.args.JsonSave(run),
                                             loader=ocp.args.JsonSave(json.loads(state.to_json())),
-                                            state=ocp.args.StandardSave(jax.tree.map(np.asarray, tree))),
-            force=True)
+                                            state=ocp.args.StandardSave(jax.tree.map(np.asarray, tree))), force=True)
         job.say(f"stopped after run steps 0-{step - 1}: the next, run step {step}, is epoch "
                 f"{state.epoch}, step {state.step}; checkpoint {folder} (params, optimizer state, loader state "
-                f"{state.to_json()}); resume on any device or process count with --resume-from "
-                f"{args.checkpoint_dir}")
+                f"{state.to_json()}); resume on any device or process count with --resume-from {args.checkpoint_dir}")
 
 
 def count_delivered(batch: dict, counts) -> None:
     """Adds one to ``counts`` (N,) for each real row of this process's blocks, by its "index"."""
-    import numpy as np
-
     index = {shard.device: shard.data for shard in batch["index"].addressable_shards}
     for shard in batch["mask"].addressable_shards:
         real = np.asarray(shard.data).reshape(-1)
@@ -875,7 +857,6 @@ def count_delivered(batch: dict, counts) -> None:
 
 def combined(counts):
     """``counts`` summed over every process (a collective: every process calls it)."""
-    import numpy as np
     import jax
 
     if jax.process_count() == 1:
@@ -887,9 +868,6 @@ def combined(counts):
 def exactly_once(name: str, epoch: int, counts, state, last_batch: str, seed: int) -> tuple[bool, str]:
     """(kept, the line) for a complete epoch's delivery counts: fill, every sample once; drop,
     none twice and exactly plan.elastic_plan's stated count never."""
-    import numpy as np
-    from plan import elastic_num_steps, remaining_samples
-
     skipped = 0 if last_batch == "fill" else len(remaining_samples(
         len(counts), state.segments, elastic_num_steps(len(counts), state.segments, "drop"), epoch=epoch,
         seed=seed, shuffle=True, last_batch="drop"))
@@ -912,7 +890,6 @@ def verdicts(args, job: Job, final: dict, states: dict, span: Span, params0, opt
     """Writes --params-out, prints each verdict (process 0; the failed ones last) and returns the
     failed lines. Every process calls it (the stepwise verdict trains). Bit for bit: the
     canonical reduction's pairs, and each strategy against --compare-to's arrays of its names."""
-    import numpy as np
     import jax
 
     names, same, failed = list(final), [], []
@@ -958,10 +935,8 @@ def verdicts(args, job: Job, final: dict, states: dict, span: Span, params0, opt
 
 
 def stepwise_verdicts(args, job: Job, span: Span, params0, optimizer) -> tuple[list, list]:
-    """The plain reduction's verdict: equivalence.stepwise_verdict of each strategy against the
-    first over the run's first STEPWISE_STEPS steps from its start state (one process): (the
-    lines within the bound, the others)."""
-    import numpy as np
+    """The plain reduction's verdict, equivalence.stepwise_verdict of each strategy against the first over the
+    run's first STEPWISE_STEPS steps from its start state (one process): (the lines within the bound, the others)."""
     import jax
     import equivalence
     import model
@@ -989,7 +964,6 @@ def stepwise_verdicts(args, job: Job, span: Span, params0, optimizer) -> tuple[l
 
 def distances(final: dict) -> list[str]:
     """Each strategy's final params against the first's: the distance, not judged."""
-    import numpy as np
     import jax
     import equivalence
 
@@ -1006,7 +980,6 @@ def distances(final: dict) -> list[str]:
 def first_difference(a, b) -> str | None:
     """None if pytrees ``a`` and ``b`` hold the same leaves bit for bit (structure, dtypes,
     shapes, bytes); else where they first differ: the leaf, how many entries, the first one."""
-    import numpy as np
     import jax
 
     paths_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
