@@ -34,13 +34,15 @@ Every test is bounded by the watchdog in pytest.ini (pytest-timeout, then
 faulthandler); ``pytest_runtest_protocol`` below records when it fires, so that
 ``run_children`` stops its children first, while their stacks can be reported.
 
-Hypothesis profiles, chosen with HYPOTHESIS_PROFILE (default ``ci``): ``ci``
-derandomised with modest example counts, ``dev`` random with more examples,
-``thorough`` for a long soak. All use ``deadline=None``: the first example of a
-jitted test pays for compilation. A test that sets its own count (an expensive
-one) takes it from ``examples(n)``, which scales n like the profile (ci x1,
-dev x4, thorough x40), so every property test goes deeper under ``thorough``.
-``mutation`` is ci without shrinking (tools/mutation.py's).
+Hypothesis profiles, chosen with HYPOTHESIS_PROFILE: ``ci`` derandomised with
+modest example counts (the default with --run-slow), ``quick`` the same with 10
+examples where ci draws 25 (the default tier's), ``dev`` random with more
+examples, ``thorough`` for a long soak. All use ``deadline=None``: the first
+example of a jitted test pays for compilation. A test that sets its own count
+(an expensive one) takes it from ``examples(n)``, which scales n like the
+profile (quick x0.4, ci x1, dev x4, thorough x40), so every property test goes
+deeper under ``thorough``. ``mutation`` is ci without shrinking
+(tools/mutation.py's).
 
 Helpers that several test files share live here too, at the end, each section
 naming the files that use it (``from conftest import ...``, as for
@@ -95,6 +97,7 @@ from plan import LAST_BATCH_POLICIES
 
 settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=25,
                           print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("quick", settings.get_profile("ci"), max_examples=10)
 settings.register_profile("dev", deadline=None, max_examples=100,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", deadline=None, max_examples=1000,
@@ -394,6 +397,10 @@ def scale_watchdog(config, scale: float) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-timeout reads its limit
 def pytest_configure(config):
+    # The default tier draws quick's examples, --run-slow ci's (examples() reads the profile
+    # when the test modules are imported, after this hook).
+    if "HYPOTHESIS_PROFILE" not in os.environ:
+        settings.load_profile("ci" if config.getoption("--run-slow") else "quick")
     # The watchdog's limits are the ci profile's; dev and thorough draw 4 and 40 times the
     # examples, so their tests get 4 and 40 times as long.
     if settings.default.max_examples > 25:
@@ -496,7 +503,7 @@ def assert_same_bits(got, want, what: str = "") -> None:
 
 def examples(ci_count: int) -> int:
     """``max_examples`` for a test that sets its own: ``ci_count`` under the ci
-    profile, scaled like the active profile (dev x4, thorough x40), so that
+    profile, scaled like the active profile (quick x0.4, dev x4, thorough x40), so that
     HYPOTHESIS_PROFILE=thorough deepens every property test, not only the ones
     that leave the count to the profile."""
     return max(1, ci_count * settings.default.max_examples // 25)

@@ -283,3 +283,13 @@ def test_every_test_the_readme_and_the_docs_name_exists():
     missing = {os.path.relpath(p, HERE): unknown(open(p).read()) for p in pages}
     assert not any(missing.values()), missing
     assert unknown("`test_model.py::test_update_parallel_matches_update`") == ["test_update_parallel_matches_update"]
+
+
+def test_each_tier_draws_its_profiles_examples(request):
+    # The default tier draws quick's 10 examples a property test, --run-slow ci's 25, unless
+    # HYPOTHESIS_PROFILE chose; examples(n) scales alike (it is read at the modules' import).
+    if "HYPOTHESIS_PROFILE" in os.environ:
+        pytest.skip(f"HYPOTHESIS_PROFILE={os.environ['HYPOTHESIS_PROFILE']} chose the profile")
+    expected = 25 if request.config.getoption("--run-slow") else 10
+    assert conftest.settings.default.max_examples == expected
+    assert conftest.examples(40) == 40 * expected // 25 and conftest.examples(1) == 1
