@@ -353,7 +353,9 @@ def start_jax(args: argparse.Namespace) -> None:
 def connect(args: argparse.Namespace) -> None:
     """jax.distributed.initialize with bounded waits: a missing peer fails the start after
     --peer-timeout seconds, a peer that dies later is found by heartbeat. JAX ends the
-    process itself then (SIGABRT), so the line printed first names the process and the wait."""
+    process itself then (SIGABRT), so the line printed first names the process and the wait.
+    --devices N makes GPUs 0..N-1 this process's (``local_device_ids``; CPU devices are set
+    by their count in start_jax)."""
     import jax
 
     who = f"process {args.process_id} of {args.num_processes}" if args.num_processes else "this process"
@@ -368,7 +370,8 @@ def connect(args: argparse.Namespace) -> None:
     try:
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id, initialization_timeout=args.peer_timeout,
-                                   heartbeat_timeout_seconds=args.peer_timeout, coordinator_bind_address=bind)
+                                   heartbeat_timeout_seconds=args.peer_timeout, coordinator_bind_address=bind,
+                                   local_device_ids=list(range(args.devices)) if args.devices else None)
     except Exception as error:  # JAX raises several types here; one clear line is the point
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if args.auto_distributed and "coordinator_address" in first:

@@ -107,7 +107,7 @@ def test_a_process_joins_with_bounded_waits_and_a_failure_to_join_names_it(monke
     """refimpl.connect hands jax.distributed.initialize the coordinator, the process count
     and id, and --peer-timeout as both the start's wait and the heartbeat's (a peer that
     stops answering); a loopback coordinator binds that address only (another: None, JAX's
-    default). It says first, on stderr, which process joins and how long it waits, since JAX
+    default); --devices N as the local device ids 0..N-1. It says first, on stderr, which process joins and how long it waits, since JAX
     ends a process itself when a peer is missing. JAX's refusal to join is one
     ConnectionError naming the process, the coordinator, the wait and JAX's first line;
     --auto-distributed without a cluster says what to give instead. JAX's initialize stands
@@ -124,9 +124,14 @@ def test_a_process_joins_with_bounded_waits_and_a_failure_to_join_names_it(monke
         given.clear()
         refimpl.connect(refimpl.parse_args(["--coordinator", coordinator, *triple]))
         assert given == [dict(coordinator_address=coordinator, num_processes=3, process_id=2, initialization_timeout=17,
-                              heartbeat_timeout_seconds=17, coordinator_bind_address=bind)], given
+                              heartbeat_timeout_seconds=17, coordinator_bind_address=bind,
+                              local_device_ids=None)], given
         assert f"process 2 of 3: joining coordinator {coordinator}; if a peer has not joined within 17 s" \
             in capsys.readouterr().err
+    # --devices N: this process's GPUs are 0..N-1 (it was ignored on GPUs across processes)
+    given.clear()
+    refimpl.connect(refimpl.parse_args(["--coordinator", "10.1.2.3:7", "--devices", "2", *triple]))
+    assert given[0]["local_device_ids"] == [0, 1], given
 
     def refuse(words):
         def initialize(**kw):
