@@ -526,7 +526,7 @@ def test_the_fresh_plans_state_at_the_same_step_repeats_samples(devices):
     assert len(right.segments) == 2 and len(wrong.segments) == 1
     for state, once in ((right, True), (wrong, False)):
         got = np.concatenate(done + [real_ids(b, spec) for b in third.epoch(EPOCH, state=state)])
-        assert (np.sort(got).tolist() == list(range(NR))) is once, np.bincount(got, minlength=NR)
+        assert np.array_equal(np.sort(got), np.arange(NR)) is once, np.bincount(got, minlength=NR)
 
 
 def test_get_state_at_an_epochs_start_and_end(devices):

@@ -210,7 +210,9 @@ print("JOB OK")
 CHECKS["randomness"] = '''
 for n in (2, 1):  # the same bits on every device count dividing L
     for a, b in zip(jax.tree.leaves(trained[n]), jax.tree.leaves(trained[8])):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), n
+        x, y = (np.asarray(v).reshape(-1).view(np.uint8) for v in (a, b))  # bits, so -0.0 is not 0.0
+        assert a.dtype == b.dtype and x.shape == y.shape, (n, a.dtype, b.dtype, x.shape, y.shape)
+        assert np.array_equal(x, y), (n, "first byte apart", np.flatnonzero(x != y)[0])
 batch = next(iter(loaders.make_loader(data, jax.devices(), batch_size=16, shuffle=True, seed=0,
                                       logical_shards=8).epoch(0)))
 keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 0), i))(batch["index"])
