@@ -595,6 +595,58 @@ def meshes(devices):
 
 
 # --------------------------------------------------------------------------
+# refimpl.py resized through a vendor backend and the reference: test_dali.py, test_rocal.py
+# --------------------------------------------------------------------------
+
+# Two resizes: (name, stop options, resume options, the stopped run, the resumed run).
+RESIZES_2048 = [
+    ("2x4 -> 8", ["--local-processes", "2"], ["--devices", "8"], "8 cpu device(s) in 2 processes, 8 x 16",
+     "8 cpu device(s), 8 x 16"),
+    ("8 -> 3", ["--devices", "8"], ["--devices", "3"], "8 cpu device(s), 8 x 16", "3 cpu device(s), 3 x 16")]
+
+
+def refimpl_resized(tmp_path, backends: tuple, common: list, stop: list, resume: list, *, per_backend=None,
+                    check=None, timeout: float = 240) -> dict:
+    """refimpl.py with each of ``backends`` at once, twice: ``common + stop`` with --checkpoint-dir
+    tmp_path/ck-<backend>, then ``common + resume`` resuming it with --params-out
+    tmp_path/<backend>.npz (``per_backend(backend)``: more options for one backend). Checks every
+    exit status, that no run says Traceback, OUTSIDE or FAILED, and ``check(stdout, stderr)`` of
+    each run; returns {backend: the resumed run's stdout}."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    outputs = {}
+    for phase, options in (("stop", stop), ("resume", resume)):
+        commands = []
+        for backend in backends:
+            where = str(tmp_path / f"ck-{backend}")
+            more = (["--checkpoint-dir", where] if phase == "stop" else
+                    ["--resume-from", where, "--params-out", str(tmp_path / f"{backend}.npz")])
+            commands.append([sys.executable, os.path.join(here, "refimpl.py"), "--backend", backend, *common,
+                             *(per_backend(backend) if per_backend else []), *options, *more])
+        for backend, command, (code, out, err) in zip(backends, commands,
+                                                      run_children(commands, timeout=timeout, cwd=here)):
+            assert code == 0, f"{' '.join(command[1:])} exited {code}:\n{out[-2000:]}\n{err[-3000:]}"
+            assert "Traceback" not in err and "OUTSIDE" not in out and "FAILED" not in out, out + err
+            if check:
+                check(out, err)
+            outputs[backend] = out
+    return outputs
+
+
+def exactly_once(out: str) -> list[str]:
+    """refimpl's delivery lines: one per strategy and complete epoch, counted across the runs."""
+    return [line for line in out.splitlines() if ", counted by sample index over the runs that delivered it: " in line]
+
+
+def assert_same_params(tmp_path, backends: tuple, leaves: int) -> None:
+    """tmp_path/<backend>.npz of the two backends: the same ``leaves`` arrays, bit for bit."""
+    got, want = (np.load(tmp_path / f"{b}.npz") for b in backends)
+    assert sorted(got.files) == sorted(want.files) and len(want.files) == leaves, (got.files, want.files)
+    for name in want.files:
+        assert_same_bits(got[name], want[name], f"{name}: --backend {backends[0]}'s params against "
+                                                f"--backend {backends[1]}'s")
+
+
+# --------------------------------------------------------------------------
 # The strategies' test models and batches: test_equivalence.py, test_strategies.py
 # --------------------------------------------------------------------------
 

@@ -34,7 +34,8 @@ from hypothesis import example, given, settings, strategies as st
 pytest.importorskip("nvidia.dali", reason="needs NVIDIA DALI: pip install -r requirements-dali.txt")
 
 if __name__ != "__main__":  # the worker below runs in a child process that sets its own devices
-    from conftest import assert_same_bits, bits_differ, run_children
+    from conftest import (assert_same_bits, assert_same_params, bits_differ, exactly_once, refimpl_resized,
+                          run_children)
 
 import conformance  # noqa: E402
 import dali_loader  # noqa: E402
@@ -1163,41 +1164,6 @@ def test_two_processes_read_the_plan_bit_for_bit(tmp_path):
         assert json.loads((tmp_path / f"done-{i}.json").read_text())["compared"] == 20 * (5 + 3 + 4 + 2)
 
 
-def refimpl_resized(tmp_path, common: list, backends: tuple, stop: list, resume: list, *, timeout=240) -> dict:
-    """refimpl.py for each backend at once, twice: ``stop`` options with --checkpoint-dir, then
-    ``resume`` options from that checkpoint with --params-out <backend>.npz; returns {backend:
-    the resumed run's stdout}, after checking every exit status."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    outputs = {}
-    for phase, options in (("stop", stop), ("resume", resume)):
-        commands = []
-        for backend in backends:
-            where = str(tmp_path / f"ck-{backend}")
-            more = (["--checkpoint-dir", where] if phase == "stop" else
-                    ["--resume-from", where, "--params-out", str(tmp_path / f"{backend}.npz")])
-            commands.append([sys.executable, os.path.join(here, "refimpl.py"), "--backend", backend, *common,
-                             *options, *more])
-        for backend, command, (code, out, err) in zip(backends, commands,
-                                                      run_children(commands, timeout=timeout, cwd=here)):
-            assert code == 0, f"{' '.join(command[1:])} exited {code}:\n{out[-2000:]}\n{err[-3000:]}"
-            assert "OUTSIDE" not in out and "FAILED" not in out, out
-            outputs[backend] = out
-    return outputs
-
-
-def exactly_once(out: str) -> list[str]:
-    """refimpl's delivery lines: one per strategy and complete epoch, counted across the runs."""
-    return [line for line in out.splitlines() if ", counted by sample index over the runs that delivered it: " in line]
-
-
-def assert_same_params(tmp_path, backends: tuple, leaves: int) -> None:
-    got, want = (np.load(tmp_path / f"{b}.npz") for b in backends)
-    assert sorted(got.files) == sorted(want.files) and len(want.files) == leaves, (got.files, want.files)
-    for name in want.files:
-        assert_same_bits(got[name], want[name], f"{name}: --backend {backends[0]}'s params against "
-                                                f"--backend {backends[1]}'s")
-
-
 @pytest.mark.slow
 def test_refimpl_dali_and_reference_resize_to_identical_params(tmp_path):
     """refimpl.py: 4 devices stop after 2 run steps, 3 resume; DALI (shuffled) and the reference,
@@ -1208,7 +1174,7 @@ def test_refimpl_dali_and_reference_resize_to_identical_params(tmp_path):
               "--eval-batch-size", "16", "--strategies", "sharded", "--normalize", "dali_cpu", "--seed", "5",
               "--hidden", "64,64"]
     backends = ("dali", "reference")
-    outputs = refimpl_resized(tmp_path, common, backends, ["--devices", "4", "--stop-after-step", "2"],
+    outputs = refimpl_resized(tmp_path, backends, common, ["--devices", "4", "--stop-after-step", "2"],
                               ["--devices", "3"])
     dali = outputs["dali"]
     assert "NVIDIA DALI" in dali and "3 CPU pipeline(s)" in dali and "dali_cpu's arithmetic" in dali, dali
@@ -1222,11 +1188,8 @@ def test_refimpl_dali_and_reference_resize_to_identical_params(tmp_path):
     assert bits_differ(np.load(tmp_path / "dali.npz")["sharded/0"], initial), "the params did not train"
 
 
-# Two resizes: (name, stop options, resume options, the stopped run, the resumed run).
-RESIZES_2048 = [
-    ("2x4 -> 8", ["--local-processes", "2"], ["--devices", "8"], "8 cpu device(s) in 2 processes, 8 x 16",
-     "8 cpu device(s), 8 x 16"),
-    ("8 -> 3", ["--devices", "8"], ["--devices", "3"], "8 cpu device(s), 8 x 16", "3 cpu device(s), 3 x 16")]
+# conftest's two resizes (this file is also a worker program, run without conftest).
+RESIZES_2048 = getattr(sys.modules.get("conftest"), "RESIZES_2048", [])
 
 
 @pytest.mark.slow
@@ -1241,7 +1204,7 @@ def test_refimpl_resizes_through_dali(tmp_path, name, stop, resume, before, afte
     common = ["--cache-dir", str(tmp_path / "cache"), "--epochs", "2", "--strategies", "sharded",
               "--normalize", "dali_cpu"]
     backends = ("dali", "reference")
-    outputs = refimpl_resized(tmp_path, common, backends, stop + ["--stop-after-step", "7"], resume, timeout=600)
+    outputs = refimpl_resized(tmp_path, backends, common, stop + ["--stop-after-step", "7"], resume, timeout=600)
     for out in outputs.values():
         assert f"(written on {before}" in out and f"this run: {after}" in out, out
         lines = exactly_once(out)

@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 
 if __name__ != "__main__":  # two_process_worker runs in a child process that sets its own devices
-    from conftest import assert_same_bits, bits_differ
+    from conftest import assert_same_bits, assert_same_params, bits_differ, exactly_once, refimpl_resized
 import conformance
 import encoding
 import loaders
@@ -2033,43 +2033,19 @@ def tiny_cifar(tmp_path_factory):
     return synthetic_cifar10(tmp_path_factory.mktemp("rocal-tiny"), num_train=96, num_test=16, seed=3)
 
 
-def refimpl_resized(data_dir: str, tmp_path, common: list, stop: list, resume: list, *,
-                    timeout: float = 240) -> dict:
-    """refimpl.py with --backend rocal and --backend reference at once (rocAL's arithmetic for
-    both), twice: ``stop`` options with --checkpoint-dir, then ``resume`` options resuming that
-    checkpoint with --params-out <backend>.npz. Checks every exit status, that rocAL's console
-    lines stay off the output and no file is left behind; returns {backend: the resumed run's
-    stdout}."""
-    from conftest import run_children
-    outputs = {}
-    for phase, options in (("stop", stop), ("resume", resume)):
-        commands = []
-        for backend in ("rocal", "reference"):
-            where = str(tmp_path / f"ck-{backend}")
-            more = (["--checkpoint-dir", where] if phase == "stop" else
-                    ["--resume-from", where, "--params-out", str(tmp_path / f"{backend}.npz")])
-            commands.append([sys.executable, os.path.join(HERE, "refimpl.py"), "--data-dir", data_dir,
-                             "--cache-dir", str(tmp_path / f"cache-{backend}"), "--backend", backend,
-                             "--normalize", "rocal", *common, *options, *more])
-        for command, (code, out, err) in zip(commands, run_children(commands, timeout=timeout, cwd=HERE)):
-            assert code == 0, f"{' '.join(command[1:])} exited {code}:\n{out[-2000:]}\n{err[-3000:]}"
-            assert not any(line in out + err for line in ROCAL_CHATTER_SEEN), "rocAL's console lines got through"
-            assert "Traceback" not in err and "OUTSIDE" not in out and "FAILED" not in out, out + err
-            outputs[command[command.index("--backend") + 1]] = out
+def rocal_resized(data_dir: str, tmp_path, common: list, stop: list, resume: list, *,
+                  timeout: float = 240) -> dict:
+    """conftest.refimpl_resized with --backend rocal and --backend reference (rocAL's arithmetic
+    for both, a cache folder each), checking too that rocAL's console lines stay off the output
+    and no file is left behind in rocAL's cache."""
+    def quiet(out, err):
+        assert not any(line in out + err for line in ROCAL_CHATTER_SEEN), "rocAL's console lines got through"
+    outputs = refimpl_resized(tmp_path, ("rocal", "reference"), ["--data-dir", data_dir, "--normalize", "rocal",
+                                                                  *common], stop, resume,
+                              per_backend=lambda backend: ["--cache-dir", str(tmp_path / f"cache-{backend}")],
+                              check=quiet, timeout=timeout)
     assert [name for name in os.listdir(tmp_path / "cache-rocal") if name.startswith(".")] == []
     return outputs
-
-
-def exactly_once(out: str) -> list[str]:
-    """refimpl's delivery lines: one per strategy and complete epoch, counted across the runs."""
-    return [line for line in out.splitlines() if ", counted by sample index over the runs that delivered it: " in line]
-
-
-def assert_same_params_after_the_resize(tmp_path, leaves: int) -> None:
-    got, want = np.load(tmp_path / "rocal.npz"), np.load(tmp_path / "reference.npz")
-    assert sorted(got.files) == sorted(want.files) and len(want.files) == leaves, (got.files, want.files)
-    differ = {key: bits_differ(got[key], want[key]) for key in want.files if bits_differ(got[key], want[key])}
-    assert not differ, f"final params differ between --backend rocal and reference after the same resize: {differ}"
 
 
 @pytest.mark.rocal
@@ -2083,7 +2059,7 @@ def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_
     # The notebook's MLP with narrow hidden layers (the same code, a fraction of the compute).
     common = ["--epochs", "1", "--batch-size", "4", "--eval-batch-size", "16", "--strategies", "pmap",
               "--hidden", "64,64"]
-    outputs = refimpl_resized(tiny_cifar, tmp_path, common, ["--devices", "4", "--stop-after-step", "2"],
+    outputs = rocal_resized(tiny_cifar, tmp_path, common, ["--devices", "4", "--stop-after-step", "2"],
                               ["--devices", "3"])
     rocal = outputs["rocal"]
     assert f"AMD rocAL {rocal_api.rocal_version()} (CPU backend)" in rocal and "order 'plan'" in rocal, rocal
@@ -2091,22 +2067,19 @@ def test_refimpl_rocal_backend_resizes_to_the_reference_params(rocal_mesh, tiny_
     for backend, out in outputs.items():
         assert exactly_once(out) == ["pmap epoch 0, counted by sample index over the runs that delivered it: "
                                      "every one of the 96 samples delivered exactly once"], out
-    assert_same_params_after_the_resize(tmp_path, 7)  # 6 params, 1 SGD state
+    assert_same_params(tmp_path, ("rocal", "reference"), 7)  # 6 params, 1 SGD state
     import model
     initial = np.asarray(jax.tree.leaves(model.init_model((3072, 64, 64, 10)))[0])
     assert bits_differ(np.load(tmp_path / "rocal.npz")["pmap/0"], initial), "the params did not train"
 
 
-# Two resizes: (name, stop options, resume options, the stopped run, the resumed run).
-RESIZES_2048 = [
-    ("2x4 -> 8", ["--local-processes", "2"], ["--devices", "8"], "8 cpu device(s) in 2 processes, 8 x 16",
-     "8 cpu device(s), 8 x 16"),
-    ("8 -> 3", ["--devices", "8"], ["--devices", "3"], "8 cpu device(s), 8 x 16", "3 cpu device(s), 3 x 16")]
-
-
 @pytest.fixture(scope="module")
 def cifar_2048(tmp_path_factory):
     return synthetic_cifar10(tmp_path_factory.mktemp("cifar-2048"), num_train=2048, num_test=256, seed=0)
+
+
+# conftest's two resizes (this file is also a worker program, run without conftest).
+RESIZES_2048 = getattr(sys.modules.get("conftest"), "RESIZES_2048", [])
 
 
 @pytest.mark.rocal
@@ -2121,14 +2094,14 @@ def test_refimpl_resizes_through_rocal(rocal_mesh, cifar_2048, tmp_path, name, s
     step 7 and 3 resume. Each reports exactly once across the change; the params are the
     reference's bit for bit."""
     common = ["--epochs", "2", "--strategies", "sharded"]
-    outputs = refimpl_resized(cifar_2048, tmp_path, common, stop + ["--stop-after-step", "7"], resume,
+    outputs = rocal_resized(cifar_2048, tmp_path, common, stop + ["--stop-after-step", "7"], resume,
                               timeout=600)
     for backend, out in outputs.items():
         assert f"(written on {before}" in out and f"this run: {after}" in out, out
         lines = exactly_once(out)
         assert lines == ["sharded epoch 0, counted by sample index over the runs that delivered it: every one "
                          "of the 2048 samples delivered exactly once"], out
-    assert_same_params_after_the_resize(tmp_path, 7)  # 6 params, 1 SGD state
+    assert_same_params(tmp_path, ("rocal", "reference"), 7)  # 6 params, 1 SGD state
 
 
 @pytest.mark.rocal
