@@ -117,11 +117,26 @@ def global_batch(blocks: dict[int, dict], mesh: Mesh, layout: str = "sharded") -
     n, sharding = len(devices), NamedSharding(mesh, P(DATA_AXIS))
     out = {}
     for name, rows in blocks[local[0]].items():
+        if isinstance(rows, np.ndarray) and rows.ndim == 1:  # mask, index, labels, logical shards: one
+            # placement for all local shards (a device_put a shard cost more); images keep one a shard
+            # (no host copy of a whole batch to concatenate them)
+            out[name] = _from_local_rows(np.concatenate([blocks[k][name] for k in local]), mesh, layout)
+            continue
         expand = (lambda x: x) if layout == "sharded" else (lambda x: x[None])
         shape = (n * rows.shape[0],) + rows.shape[1:] if layout == "sharded" else (n,) + rows.shape
         parts = [jax.device_put(expand(blocks[k][name]), devices[k]) for k in local]
         out[name] = jax.make_array_from_single_device_arrays(shape, sharding, parts)
     return out
+
+
+def _from_local_rows(x: np.ndarray, mesh: Mesh, layout: str) -> jax.Array:
+    """This process's shards' rows, local shard after local shard (equal blocks), as one global
+    array in ``layout``, placed by one ``jax.make_array_from_process_local_data``."""
+    n, n_local = mesh.devices.size, len(local_positions(mesh))
+    sharding, b = NamedSharding(mesh, P(DATA_AXIS)), x.shape[0] // n_local
+    if layout == "sharded":
+        return jax.make_array_from_process_local_data(sharding, x, (n * b,) + x.shape[1:])
+    return jax.make_array_from_process_local_data(sharding, x.reshape((n_local, b) + x.shape[1:]), (n, b) + x.shape[1:])
 
 
 def added_fields(mask, indices, k: int, num_shards: int, num_devices: int) -> dict:
@@ -285,14 +300,7 @@ def _host_step(loader: Loader, work, plan: Plan, step: int) -> dict[str, jax.Arr
     rows[MASK] = on.mask[step, local].reshape(-1)
     rows[INDEX] = idx.reshape(-1).astype(np.int32)
     rows[SHARDS] = (np.asarray(local, np.int32)[:, None] * per + np.arange(per, dtype=np.int32)).reshape(-1)
-    sharding, n_local = NamedSharding(loader.mesh, P(DATA_AXIS)), len(local)
-    batch = {}
-    for name, x in rows.items():
-        block = x.reshape((n_local, -1) + x.shape[1:])
-        if loader.layout == "sharded":
-            batch[name] = jax.make_array_from_process_local_data(sharding, x, (n * block.shape[1],) + x.shape[1:])
-        else:
-            batch[name] = jax.make_array_from_process_local_data(sharding, block, (n,) + block.shape[1:])
+    batch = {name: _from_local_rows(x, loader.mesh, loader.layout) for name, x in rows.items()}
     for name, fn, table in work:
         batch[name] = fn(batch[name], table)
     return batch
