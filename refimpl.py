@@ -418,6 +418,8 @@ def run(args: argparse.Namespace, given: set) -> list[str]:
 
     start_jax(args)
     saved = resume_options(args, given) if args.resume_from else None
+    if saved is not None:  # the checkpoint's precision, which start_jax could not read yet
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     job = set_up(args)
     params0 = model.init_model(((model.LAYERS if args.dataset == "cifar10" else model.MNIST_LAYERS)[0],
                                 *args.hidden, model.LAYERS[-1]))

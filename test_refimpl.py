@@ -584,6 +584,21 @@ def test_jax_is_configured_before_it_touches_a_device(monkeypatch):
             "connect"] * joins + ["devices"], (argv, done)
 
 
+def test_a_resumed_run_trains_at_its_checkpoints_matmul_precision(data, tmp_path):
+    """--matmul-precision is the checkpoint's on a resume (an IDENTITY option), and JAX
+    computes at it, though the flag is left out and JAX starts before the checkpoint is read.
+    The control: the stopped run set it as given."""
+    import jax
+    folder = tmp_path / "ck"
+    done = run_here(["--data-dir", data, *RUN, "--batch-size", "4", "--devices", "8", "--strategies", "sharded",
+                     "--matmul-precision", "high", "--stop-after-step", "1", "--checkpoint-dir", folder])
+    assert done.status == 0 and jax.config.jax_default_matmul_precision == "high", done.err
+    jax.config.update("jax_default_matmul_precision", "highest")  # as a new process starts
+    done = run_here(["--resume-from", folder])
+    assert done.status == 0 and "matmul precision high" in done.out, done.out + done.err
+    assert jax.config.jax_default_matmul_precision == "high"
+
+
 # --------------------------------------------------------------------------
 # 3. The canonical reduction
 # --------------------------------------------------------------------------
