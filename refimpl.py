@@ -786,13 +786,16 @@ class Span:
         checkpoint counts its real rows' sample indices into ``delivered``."""
         lo, hi = self.spans[epoch]
         iterator = loader.epoch(epoch, state=self.resumes(epoch))
-        if epoch in self.counted:
-            counts = self.delivered[name, epoch] = np.zeros(self.identity["num_train"], np.int32)
+        kept = []  # each batch's index and mask, counted once the epoch is trained: no sync a step
         try:
             for batch in itertools.islice(iterator, hi - lo):
                 if epoch in self.counted:
-                    count_delivered(batch, counts)
+                    kept.append({key: batch[key] for key in ("index", "mask")})
                 yield batch
+            if epoch in self.counted:
+                counts = self.delivered[name, epoch] = np.zeros(self.identity["num_train"], np.int32)
+                for fields in kept:
+                    count_delivered(fields, counts)
             self.states[name, epoch] = iterator.get_state()
         finally:
             iterator.close()
