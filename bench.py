@@ -500,7 +500,7 @@ def donation_section(mesh, args) -> dict:
     start, batch, _ = reduction_case("mlp", mesh.devices.size * args.donation_batch, mesh.devices.size,
                                      mesh, args.smoke)
     state = strategies.replicate(start, mesh)
-    gradient = jax.jit(strategies._total_gradient(model.loss_terms))  # sharded_step's gradient program
+    gradient = strategies.sharded_gradient(model.loss_terms)  # sharded_step's gradient program
     sums = gradient(state[0], batch)
 
     def held(stats):

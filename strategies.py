@@ -515,12 +515,20 @@ def donates(devices) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
+def sharded_gradient(loss_terms: LossTerms) -> Callable:
+    """``sharded_step``'s gradient program: jit of (params, batch) -> (gradient sums, loss sum,
+    count), one for each ``loss_terms`` whatever the optimizer (each step program below
+    likewise keeps its gradient apart from ``update``, compiled once)."""
+    return jax.jit(_total_gradient(loss_terms))
+
+
+@functools.lru_cache(maxsize=64)
 def sharded_step(loss_terms: LossTerms, update: Callable) -> Callable:
     """The plain step for your own loop: (state, batch) -> (state, loss), state =
     (params, opt_state) replicated (``replicate``), the batch sharded on 'data'. The
     gradient by a jit of its own (XLA adds the cross-device sums), then ``update_program``;
     the state is donated on accelerators."""
-    gradient = jax.jit(_total_gradient(loss_terms))
+    gradient = sharded_gradient(loss_terms)
 
     def step(state, batch):
         leaf = next((x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)), None)
@@ -538,11 +546,7 @@ def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callab
     real rows.) A pmap without ``devices=`` maps over the default backend's devices."""
     mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
     donate = donates(devices)
-
-    def summed(params, batch):
-        grads, total, count = _total_gradient(loss_terms)(params, batch)
-        return lax.psum((grads, total, count), AXIS)
-    gradient = jax.pmap(summed, axis_name=AXIS, devices=list(devices))
+    gradient = _pmap_gradient(loss_terms, devices)
     apply = update_program(update, donate)
     first = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[0], x), mesh=mesh, in_specs=P(AXIS),
                                   out_specs=P(), check_vma=False), donate_argnums=(0,) if donate else ())
@@ -556,6 +560,14 @@ def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callab
 
 
 @functools.lru_cache(maxsize=64)
+def _pmap_gradient(loss_terms: LossTerms, devices: tuple) -> Callable:
+    def summed(params, batch):
+        grads, total, count = _total_gradient(loss_terms)(params, batch)
+        return lax.psum((grads, total, count), AXIS)
+    return jax.pmap(summed, axis_name=AXIS, devices=list(devices))
+
+
+@functools.lru_cache(maxsize=64)
 def shard_map_step(loss_terms: LossTerms, update: Callable, mesh: Mesh) -> Callable:
     """The shard_map step for ``mesh``: the gradient of psum(total) by a jit(shard_map),
     then ``update_program``.
@@ -564,18 +576,23 @@ def shard_map_step(loss_terms: LossTerms, update: Callable, mesh: Mesh) -> Calla
     replicated (``P()``), JAX already sums the gradient over devices (the transpose of
     the implicit broadcast is a psum). Porting pmap's ``grad`` then ``pmean(grads)``
     trains with n times the gradient."""
+    gradient = _shard_map_gradient(loss_terms, mesh)
+    apply = update_program(update, donates(mesh.devices.flat))
+
+    def step(state, batch):
+        return apply(state, *gradient(state[0], batch))
+    return step
+
+
+@functools.lru_cache(maxsize=64)
+def _shard_map_gradient(loss_terms: LossTerms, mesh: Mesh) -> Callable:
     def gradient(params, batch):
         def summed(p):
             total, count = checked_terms(loss_terms, p, batch)
             return lax.psum(total, AXIS), lax.psum(count, AXIS)
         (total, count), grads = jax.value_and_grad(summed, has_aux=True)(params)
         return grads, total, count
-    gradient = jax.jit(jax.shard_map(gradient, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))
-    apply = update_program(update, donates(mesh.devices.flat))
-
-    def step(state, batch):
-        return apply(state, *gradient(state[0], batch))
-    return step
+    return jax.jit(jax.shard_map(gradient, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))
 
 
 # --------------------------------------------------------------------------
