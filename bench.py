@@ -43,6 +43,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import dali_loader
 import loaders
 import model
 import strategies
@@ -52,7 +53,6 @@ from plan import shard_bounds
 
 GLOBAL_BATCHES = (128, 1024)  # training and reduction
 REFERENCE = "reference, host"  # the row the others are compared with
-DALI = "nvidia-dali-cuda130"  # the package whose version the report names
 LEARNING_RATE = 0.01
 MEAN = STD = np.float32(127.5)  # arithmetic.Normalize()'s default, written out for the peers
 SMOKE_LAYERS = (3072, 32, 10)  # --smoke's MLP: the code paths, not the figures
@@ -218,7 +218,6 @@ def dali_loader_or_none(images, labels, mesh, batch_size: int, args):
     if args.no_dali or mesh.devices.flat[0].platform != "cpu":
         return None
     try:
-        import dali_loader
         dali_loader.import_dali()
     except ImportError:
         return None
@@ -700,7 +699,7 @@ def main(argv=None) -> dict:
         results = {"machine": f"{cpu}, {os.cpu_count()} CPUs, {mesh.devices.size} {jax.devices()[0].platform} devices",
                    "config": f"{args.num_train:,} images, {args.repeats} rounds, JAX {jax.__version__}, "
                              f"NumPy {np.__version__}, Grain {installed('grain') or 'not installed'}, "
-                             f"DALI {installed(DALI) or 'not installed'}",
+                             f"DALI {dali_loader.dali_version()}",
                    "read_cifar10_s": time.perf_counter() - start, "placements_batches": list(args.placement_batches),
                    "training_batches": list(args.training_batches), "section_s": {}}
         sections = {"loader": lambda: loader_section(images, labels, mesh, args),
