@@ -8,6 +8,7 @@ Device policy, the same for every test, helper and child process:
     1                        | 8 virtual CPU devices        | CPU 0 (pinned here)
     2 or more (odd too)      | every accelerator, in order  | left as it is
     child processes          | CPU devices (JAX_PLATFORMS=cpu), always
+    in-process refimpl runs  | CPU devices (--platform cpu, ``run_refimpl``), always
 
 * One accelerator cannot show data parallelism, so a 1-GPU host runs the suite
   on 8 virtual CPU devices like a laptop. The default device is pinned to CPU 0
@@ -16,12 +17,18 @@ Device policy, the same for every test, helper and child process:
   permuted orders) check that.
 * Child processes (refimpl.py runs, the jax.distributed tests) test the program
   and the multi-process protocol, not the accelerator; two processes must not
-  fight over one GPU. ``child_env()`` gives their environment, and
+  fight over one accelerator (a TPU refuses a second). pytest-xdist's workers on
+  a host of one accelerator are CPU-only too. ``child_env()`` gives their
+  environment, and
   ``run_children`` starts each in its own process group, bounds it, takes the
   stacks of one it has to stop into the failure, and kills them all whatever
   happens.
 * GPU memory preallocation is off for this process (set before any backend
   starts), so it holds only what the tests use.
+* What a host lacks makes its tests skip, naming it: no TCP socket (a sandbox)
+  skips the tests marked multiprocess (``NO_SOCKETS``); no ptrace, the native
+  stacks of a hung child (``native_stacks_missing``). A vendor's own lines on
+  stderr (``VENDOR_NOISE``) are not the project's.
 * Matmul precision is "highest" for the whole suite: on NVIDIA GPUs a float32
   matmul is TF32 by default (10-bit mantissas), which the float64 references
   and the strategies' ulp bounds (equivalence.ulp_bound) do not allow. On CPU it
@@ -112,15 +119,20 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 def pick_devices() -> list:
     """The policy above: every accelerator when there are at least two, else the CPU devices."""
-    accelerators = [d for d in jax.devices() if d.platform != "cpu"]
+    accelerators = [d for d in jax.devices() if d.platform != "cpu"]  # the default backend (an accelerator where there is one), on purpose
     if len(accelerators) >= 2:
         return accelerators
     return jax.devices("cpu")
 
 
 DEVICES = pick_devices()
-if DEVICES[0].platform == "cpu":
+POLICY_PLATFORM = DEVICES[0].platform
+if POLICY_PLATFORM == "cpu":
     jax.config.update("jax_default_device", DEVICES[0])
+    # pytest-xdist's workers (started after this import) and every child follow the policy on
+    # CPU devices; one accelerator stays with this process (JAX opened it above), the only one
+    # that may hold it.
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def child_env(**extra: str) -> dict:
@@ -135,6 +147,62 @@ def child_env(**extra: str) -> dict:
         env["XLA_FLAGS"] = " ".join(flags)
     env.update(extra)
     return env
+
+
+def run_refimpl(argv) -> "types.SimpleNamespace":
+    """``refimpl.main(argv)`` in this process, on CPU devices as the device policy says
+    (``--platform cpu`` unless argv names a platform), never on JAX's default platform (an
+    accelerator, on a host that has one). Returns its exit status (argparse's too), stdout
+    and stderr. Every in-process run goes through here (test_harness.py holds it)."""
+    import contextlib
+    import io
+    import types
+    import refimpl
+    argv = [str(a) for a in argv]
+    if "--platform" not in argv:
+        argv += ["--platform", "cpu"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = refimpl.main(argv)
+        except SystemExit as exit:
+            status = exit.code
+    return types.SimpleNamespace(status=status, out=out.getvalue(), err=err.getvalue())
+
+
+def _no_sockets() -> str | None:
+    """Why this machine cannot open a TCP socket on 127.0.0.1 (jax.distributed needs one), or None."""
+    import socket
+    try:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+    except OSError as error:
+        return f"no TCP socket on 127.0.0.1 here ({error}): jax.distributed cannot run"
+    return None
+
+
+NO_SOCKETS = _no_sockets()  # tests marked multiprocess skip, saying so
+
+# What vendors print on stderr that is not this project's: libtpu's advice at start-up, on a
+# TPU host even in a CPU-only child (jax/_src/cloud_tpu_init.py).
+VENDOR_NOISE = ("UserWarning: Transparent hugepages are not enabled.",)
+
+
+def own_stderr(err: str) -> str:
+    """``err`` without the vendors' lines of VENDOR_NOISE (and the ``warnings.warn(`` line
+    Python prints after each)."""
+    lines, out = err.splitlines(keepends=True), []
+    skip = False
+    for line in lines:
+        if any(noise in line for noise in VENDOR_NOISE):
+            skip = True
+            continue
+        if skip and line.strip() == "warnings.warn(":
+            skip = False
+            continue
+        skip = False
+        out.append(line)
+    return "".join(out)
 
 
 # Seconds before the current test's watchdog (pytest.ini) at which run_children stops the
@@ -295,6 +363,25 @@ def native_stacks(pid: int, timeout: float = 10.0) -> str:
     return text if done.returncode == 0 else f"({os.path.basename(command[0])} failed: {text[-500:]})"
 
 
+_NATIVE_PROBE: list = []
+
+
+def native_stacks_missing() -> str | None:
+    """Why ``native_stacks`` cannot read a process on this machine (neither py-spy nor gdb,
+    or no ptrace, as in a gVisor sandbox), or None; probed once, on a sleeping child."""
+    if not _NATIVE_PROBE:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=child_env(),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(0.5)
+            text = native_stacks(child.pid)
+        finally:
+            child.kill()
+            child.wait()
+        _NATIVE_PROBE.append(None if "sleep" in text.lower() else f"no native stacks here: {text[:300]}")
+    return _NATIVE_PROBE[0]
+
+
 def _stop(child: subprocess.Popen, elapsed: float, stacks_until: float) -> str:
     """Takes the stacks of a running child and every process below it (until the time
     ``stacks_until`` at most), then stops them all (SIGABRT, deepest first, so faulthandler
@@ -338,12 +425,14 @@ def _running(pid: int) -> bool:
 def pytest_xdist_auto_num_workers(config):
     """How many pytest-xdist workers ``-n auto`` (pytest.ini) starts, whole files each
     (``--dist loadfile``): PYTEST_XDIST_AUTO_NUM_WORKERS if set; none (one process, no
-    xdist) on a host with accelerators, where workers would share the GPUs, or with one
+    xdist) where the tests run on accelerators, which workers would share, or with one
     core; else one per core, at most 4 (each worker holds JAX's 8 CPU devices and starts
-    child processes of its own). On 2 cores the suite's time falls by about a quarter."""
+    child processes of its own). On 2 cores the suite's time falls by about a quarter.
+    A host of one accelerator runs its tests on CPU devices, so its workers are CPU-only
+    (``JAX_PLATFORMS=cpu``) and this process alone holds the accelerator."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
-    if any(d.platform != "cpu" for d in jax.devices()):
+    if POLICY_PLATFORM != "cpu":
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return 0 if cores < 2 else min(cores, 4)
@@ -375,6 +464,9 @@ def pytest_collection_modifyitems(config, items):
     order = file_order(names, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     rank = {name: i for i, name in enumerate(order)}
     items.sort(key=lambda item: rank[os.path.basename(str(item.path))])  # stable
+    for item in items:
+        if "multiprocess" in item.keywords and NO_SOCKETS:
+            item.add_marker(pytest.mark.skip(reason=NO_SOCKETS))
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="the extended tier: run with --run-slow")
@@ -407,7 +499,8 @@ def pytest_configure(config):
         scale_watchdog(config, settings.default.max_examples / 25)
     config.addinivalue_line("markers", "slow: the extended tier (matrices, soaks, sweeps, child and multi-process "
                                        "runs); skipped unless --run-slow")
-    config.addinivalue_line("markers", "multiprocess: launches several JAX processes (jax.distributed)")
+    config.addinivalue_line("markers", "multiprocess: launches several JAX processes (jax.distributed), or their "
+                                       "launcher; skipped where no TCP socket opens")
     config.addinivalue_line("markers", "rocal: needs amd.rocal (rocAL's CPU or GPU backend)")
     config.addinivalue_line("markers", "dali: needs nvidia.dali (runs its CPU pipelines)")
 

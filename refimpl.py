@@ -338,8 +338,12 @@ def start_jax(args: argparse.Namespace) -> None:
     jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     distributed = bool(args.coordinator or args.auto_distributed)
     cpu_devices = args.devices if args.devices and args.devices <= MAX_CPU_DEVICES else DEFAULT_CPU_DEVICES
-    # Virtual CPU devices exist only if asked for before JAX first touches a device.
-    jax.config.update("jax_num_cpu_devices", cpu_devices if distributed else max(cpu_devices, DEFAULT_CPU_DEVICES))
+    # Virtual CPU devices exist only if asked for before JAX first touches a device; called
+    # from Python after that (refimpl.main in a running job), the devices stand as they are.
+    try:
+        jax.config.update("jax_num_cpu_devices", cpu_devices if distributed else max(cpu_devices, DEFAULT_CPU_DEVICES))
+    except RuntimeError:
+        pass
     if distributed:
         connect(args)
     try:
@@ -365,6 +369,10 @@ def connect(args: argparse.Namespace) -> None:
           file=sys.stderr, flush=True)
     if os.environ.get(processes.LOCAL_CHILD) == "1":
         processes.hide_native_stdout()
+    if args.auto_distributed:
+        # Without a socket there is no cluster to join: give up before JAX asks a metadata
+        # server (a TPU host's detection waits 60 s for one).
+        loopback_port("--auto-distributed")
     host = (args.coordinator or "").rsplit(":", 1)[0]
     bind = args.coordinator if host in ("127.0.0.1", "localhost", "[::1]") else None
     try:
@@ -390,14 +398,23 @@ def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
     per_process = (args.devices or DEFAULT_CPU_DEVICES) // count
     data_dir = args.data_dir or (None if args.resume_from else
                                  synthetic_dataset(args.cache_dir, args.dataset, args.seed))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = loopback_port(f"--local-processes {count}")
     base = [sys.executable, os.path.abspath(__file__),
             *processes.strip_options(argv, ("--local-processes", "--devices", "--data-dir", "--platform")),
             *(["--data-dir", data_dir] if data_dir else []), "--devices", str(per_process),
             "--num-processes", str(count), "--coordinator", f"127.0.0.1:{port}"]
     return processes.run_local(base, count, passthrough=FAILED)
+
+
+def loopback_port(flag: str) -> int:
+    """A free TCP port on 127.0.0.1; ConnectionError naming ``flag`` where no socket opens."""
+    try:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+    except OSError as error:
+        raise ConnectionError(f"{flag}: this machine cannot open a TCP socket ({error}), which several "
+                              f"processes (jax.distributed) need; run one process instead") from None
 
 
 # --------------------------------------------------------------------------

@@ -147,6 +147,32 @@ def test_a_process_joins_with_bounded_waits_and_a_failure_to_join_names_it(monke
         refimpl.connect(refimpl.parse_args(["--auto-distributed"]))
 
 
+def test_without_sockets_several_processes_are_refused_at_once(monkeypatch, tmp_path):
+    """A machine that cannot open a TCP socket (a TPU sandbox: "[Errno 97] Address family not
+    supported") cannot run jax.distributed: --local-processes ends in one line naming itself,
+    and --auto-distributed gives up before JAX looks for a cluster (on a TPU host that lookup
+    asks a metadata server and waits 60 s), so jax.distributed.initialize is never called."""
+    import socket
+    import jax
+    import refimpl
+    from conftest import run_refimpl
+
+    class NoSocket:
+        def __init__(self, *args, **kwargs):
+            raise OSError(97, "Address family not supported by protocol")
+    monkeypatch.setattr(socket, "socket", NoSocket)
+    asked = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: asked.append(kw))
+    done = run_refimpl(["--local-processes", "2", "--data-dir", tmp_path, "--platform", "cpu"])
+    assert done.status == 2 and done.err.count("\n") == 1, done.err
+    assert done.err.startswith("refimpl.py: error: --local-processes 2: this machine cannot open a TCP socket "
+                               "([Errno 97] Address family not supported by protocol)"), done.err
+    with pytest.raises(ConnectionError, match=r"^--auto-distributed: this machine cannot open a TCP socket"):
+        refimpl.connect(refimpl.parse_args(["--auto-distributed"]))
+    assert asked == []
+
+
+@pytest.mark.multiprocess  # its launcher binds a port for the coordinator
 def test_local_processes_are_handed_one_dataset_and_a_resumes_processes_the_checkpoints(tmp_path, monkeypatch):
     """--local-processes 2 without --data-dir, processes.run_local standing in: the synthetic
     data of --dataset and --seed is generated once into --cache-dir before any process
@@ -157,13 +183,14 @@ def test_local_processes_are_handed_one_dataset_and_a_resumes_processes_the_chec
     import processes
     import refimpl
     from cifar_mnist import read_mnist, synthetic_mnist
+    from conftest import run_refimpl
     calls = []
     monkeypatch.setattr(processes, "run_local", lambda base, count, *, passthrough: calls.append(
         (base, count, passthrough)) or 7)
     cache = tmp_path / "cache"
     argv = ["--local-processes", "2", "--devices", "6", "--dataset", "mnist", "--seed", "5", "--cache-dir", cache,
             "--epochs", "3", "--platform", "cpu"]
-    assert refimpl.main([str(a) for a in argv]) == 7
+    assert run_refimpl(argv).status == 7
     [(base, count, passthrough)] = calls
 
     def value(option):
@@ -185,8 +212,8 @@ def test_local_processes_are_handed_one_dataset_and_a_resumes_processes_the_chec
     (checkpoint / "run").mkdir(parents=True)
     (checkpoint / "run" / "metadata").write_text("{}")  # what parse_args looks for
     calls.clear()
-    assert refimpl.main(["--local-processes", "2", "--resume-from", str(checkpoint), "--cache-dir",
-                         str(tmp_path / "empty")]) == 7
+    assert run_refimpl(["--local-processes", "2", "--resume-from", str(checkpoint), "--cache-dir",
+                         str(tmp_path / "empty")]).status == 7
     [(base, _, _)] = calls
     assert "--data-dir" not in base and not (tmp_path / "empty").exists(), base
 
@@ -366,13 +393,13 @@ def refimpl_runs(dataset, tmp_path_factory):
     step 1; then at once, in child processes: the job in 2 local processes and the stopped
     one resumed in 2 processes of 2 devices, each --compare-to the first; process 0 of 2
     alone, its peer never coming. {name: conftest.Ended} and the first's --params-out."""
-    import refimpl
-    from conftest import run_children
+    from conftest import run_children, run_refimpl
 
     out = tmp_path_factory.mktemp("refimpl-runs")
     job = ["--data-dir", dataset, *JOB]
     for extra in (["--params-out", out / "one.npz"], ["--stop-after-step", "1", "--checkpoint-dir", out / "ck"]):
-        assert refimpl.main([str(a) for a in [*job, "--devices", "8", *extra]]) == 0
+        done = run_refimpl([*job, "--devices", "8", *extra])
+        assert done.status == 0, done.out + done.err
     program = [sys.executable, os.path.join(HERE, "refimpl.py")]
     commands = {
         "local processes": [*job, "--local-processes", "2", "--compare-to", out / "one.npz"],

@@ -19,8 +19,6 @@ With --run-slow: a chain of stops, the refusals only a fresh process can show, a
 epoch that once deadlocked. Several processes: test_multiprocess.py.
 """
 
-import contextlib
-import io
 import json
 import os
 import sys
@@ -30,25 +28,13 @@ import numpy as np
 import pytest
 
 from cifar_mnist import read_cifar10, synthetic_cifar10, write_cifar10
-from conftest import assert_same_bits, run_children
+from conftest import assert_same_bits, run_children, run_refimpl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RUN = ["--platform", "cpu", "--epochs", "1", "--hidden", "8", "--eval-batch-size", "5"]  # CPU devices on any host; 16 test images: the last batch padded
+RUN = ["--epochs", "1", "--hidden", "8", "--eval-batch-size", "5"]  # 16 test images: the last batch padded
 # 100 samples over 8 logical shards of 4 rows: shards of 12 or 13, 4 steps, the last masked.
 CANONICAL = [*RUN, "--batch-size", "4", "--logical-shards", "8", "--reduction", "canonical", "--optimizer", "adam",
              "--lr", "0.01", "--strategies", "sharded,single"]
-
-
-def run_here(argv) -> types.SimpleNamespace:
-    """refimpl.main(argv) in this process: its exit status (argparse's too), stdout, stderr."""
-    import refimpl
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            status = refimpl.main([str(a) for a in argv])
-        except SystemExit as exit:
-            status = exit.code
-    return types.SimpleNamespace(status=status, out=out.getvalue(), err=err.getvalue())
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +85,7 @@ def plain(data, tmp_path_factory):
     """Every strategy, 3 devices of 4 rows (shards of 34, 33, 33: 9 steps, the last padded)."""
     from arithmetic import Normalize
     tmp = tmp_path_factory.mktemp("plain")
-    done = run_here(["--data-dir", data, *RUN, "--batch-size", "4", "--devices", "3", "--strategies", "all",
+    done = run_refimpl(["--data-dir", data, *RUN, "--batch-size", "4", "--devices", "3", "--strategies", "all",
                      "--metrics-out", tmp / "m.jsonl", "--params-out", tmp / "p.npz"])
     done.recipe = dict(train=read_cifar10(data), test=read_cifar10(data, "test_batch"), layers=(3072, 8, 10),
                        normalize=Normalize(mean=(127.5,) * 3, std=(127.5,) * 3, arithmetic="rocal"),
@@ -114,7 +100,7 @@ def mnist(tmp_path_factory):
     from arithmetic import Normalize
     from cifar_mnist import read_mnist
     tmp = tmp_path_factory.mktemp("mnist")
-    done = run_here(["--dataset", "mnist", "--cache-dir", tmp / "cache", "--epochs", "1", "--hidden", "8",
+    done = run_refimpl(["--dataset", "mnist", "--cache-dir", tmp / "cache", "--epochs", "1", "--hidden", "8",
                      "--seed", "7", "--batch-size", "128", "--devices", "2", "--strategies", "sharded",
                      "--optimizer", "adam", "--lr", "0.01", "--eval-batch-size", "100",
                      "--metrics-out", tmp / "m.jsonl", "--params-out", tmp / "p.npz"])
@@ -131,7 +117,7 @@ def stopped(data, tmp_path_factory):
     """Sharded on 8 devices of 4 rows (4 steps an epoch), 2 epochs, stopped after run step 4:
     the checkpoint is at run step 5 = epoch 1, step 1."""
     folder = tmp_path_factory.mktemp("stopped") / "ck"
-    done = run_here(["--data-dir", data, *RUN, "--epochs", "2", "--batch-size", "4", "--devices", "8",
+    done = run_refimpl(["--data-dir", data, *RUN, "--epochs", "2", "--batch-size", "4", "--devices", "8",
                      "--strategies", "sharded", "--stop-after-step", "5", "--checkpoint-dir", folder])
     assert done.status == 0, done.out + done.err
     done.folder = folder
@@ -142,7 +128,7 @@ def stopped(data, tmp_path_factory):
 def canonical(data, tmp_path_factory):
     """The canonical reduction over 8 logical shards on 4 devices, Adam, uninterrupted."""
     path = tmp_path_factory.mktemp("canonical") / "c8.npz"
-    done = run_here(["--data-dir", data, *CANONICAL, "--devices", "4", "--params-out", path])
+    done = run_refimpl(["--data-dir", data, *CANONICAL, "--devices", "4", "--params-out", path])
     assert done.status == 0, done.out + done.err
     done.params = path
     return done
@@ -152,7 +138,7 @@ def canonical(data, tmp_path_factory):
 def canonical_stopped(data, tmp_path_factory):
     """The same run stopped after run step 2, before its masked last step."""
     folder = tmp_path_factory.mktemp("canonical-stopped") / "ck"
-    done = run_here(["--data-dir", data, *CANONICAL, "--devices", "4", "--stop-after-step", "3",
+    done = run_refimpl(["--data-dir", data, *CANONICAL, "--devices", "4", "--stop-after-step", "3",
                      "--checkpoint-dir", folder])
     assert done.status == 0, done.out + done.err
     done.folder = folder
@@ -232,7 +218,7 @@ REFUSED = {
                               "--data-dir {inputs}/truncated: {inputs}/truncated/data_batch_3.bin: size"),
     "a batch larger than a shard": (["--data-dir", "{data}", "--devices", "8", "--batch-size", "14"],
                                     "batch_size=14 per device is larger than the smallest shard (12 samples"),
-    "more devices than exist": (["--data-dir", "{data}", "--devices", "4096"], "--devices 4096: only "),
+    "more devices than exist": (["--data-dir", "{data}", "--devices", "60"], "--devices 60: only 8 cpu device(s) exist"),
     # A resume, against its checkpoint.
     **{f"a resume with --{name.replace('_', '-')} contradicting it": (
         ["--resume-from", "{ck}", f"--{name.replace('_', '-')}", value],
@@ -284,7 +270,7 @@ def test_bad_input_is_refused_in_one_line_before_anything_is_trained_or_written(
     places = Places(request, tmp=str(tmp_path), inputs=str(inputs))
     argv = [a.format_map(places) for a in argv]
     argv += [a for flag, name in OUTPUTS.items() if flag not in argv for a in (flag, tmp_path / name)]
-    done = run_here(argv)
+    done = run_refimpl(argv)
     lines = done.err.splitlines()
     assert done.status == 2 and "Traceback" not in done.err, (done.status, done.err)
     assert lines[-1].startswith("refimpl.py: error: ") and said.format_map(places) in lines[-1], lines[-1]
@@ -300,7 +286,7 @@ def test_adam_without_optax_is_refused_naming_the_option(monkeypatch):
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optax" else real(name, *a))
-    done = run_here(["--optimizer", "adam"])
+    done = run_refimpl(["--optimizer", "adam"])
     assert done.status == 2 and done.err.splitlines()[-1].startswith("refimpl.py: error: --optimizer adam: needs "
                                                                     "optax"), done.err
     import refimpl
@@ -370,7 +356,7 @@ def test_the_default_strategies_follow_the_process_count(argv, want):
     assert refimpl.parse_args(argv).strategies == want
 
 
-def test_main_exits_2_for_an_error_and_130_for_an_interrupt(monkeypatch, capsys):
+def test_main_exits_2_for_an_error_and_130_for_an_interrupt(monkeypatch):
     """A ValueError, OSError or ImportError of the run (a missing vendor library, a disk
     error) is one line on stderr and exit status 2; an interrupt, one line and 130."""
     import refimpl
@@ -381,8 +367,8 @@ def test_main_exits_2_for_an_error_and_130_for_an_interrupt(monkeypatch, capsys)
         def run(args, given, error=error):
             raise error
         monkeypatch.setattr(refimpl, "run", run)
-        assert refimpl.main([]) == status
-        assert capsys.readouterr() == ("", line + "\n")
+        done = run_refimpl([])
+        assert (done.status, done.out, done.err) == (status, "", line + "\n")
 
 
 # --------------------------------------------------------------------------
@@ -434,7 +420,7 @@ def test_what_a_run_trains_is_what_the_modules_train_by_hand(run, request):
     done = request.getfixturevalue(run)
     assert done.status == 0, done.out + done.err
     r = types.SimpleNamespace(**done.recipe)
-    devices = jax.devices()[:r.devices]
+    devices = jax.devices("cpu")[:r.devices]  # the run's own (run_refimpl: --platform cpu)
     mesh = loaders.data_mesh(devices)
     test = loaders.make_loader(r.test, devices[:1], r.eval_batch_size, normalize=r.normalize)
     optimizer = strategies.sgd(r.optimizer[1]) if r.optimizer[0] == "sgd" else optax.adam(r.optimizer[1])
@@ -489,7 +475,7 @@ def test_a_wrong_strategy_ends_the_run_with_exit_status_1_and_its_verdict_last(d
     def wrong(params, batches, mesh, *, loss_terms, **options):
         return real(params, batches, mesh, loss_terms=scaled_terms, **options)
     monkeypatch.setitem(strategies.STRATEGIES, "single", wrong)
-    done = run_here(["--data-dir", data, *RUN, "--batch-size", "4", "--devices", "3", "--strategies", "sharded,single"])
+    done = run_refimpl(["--data-dir", data, *RUN, "--batch-size", "4", "--devices", "3", "--strategies", "sharded,single"])
     lines = done.out.splitlines()
     assert done.status == 1, done.out + done.err
     assert lines[-2].startswith("stepwise verdict, sharded vs single, ") and ", OUTSIDE the bound of " in lines[-2]
@@ -590,11 +576,11 @@ def test_a_resumed_run_trains_at_its_checkpoints_matmul_precision(data, tmp_path
     The control: the stopped run set it as given."""
     import jax
     folder = tmp_path / "ck"
-    done = run_here(["--data-dir", data, *RUN, "--batch-size", "4", "--devices", "8", "--strategies", "sharded",
+    done = run_refimpl(["--data-dir", data, *RUN, "--batch-size", "4", "--devices", "8", "--strategies", "sharded",
                      "--matmul-precision", "high", "--stop-after-step", "1", "--checkpoint-dir", folder])
     assert done.status == 0 and jax.config.jax_default_matmul_precision == "high", done.err
     jax.config.update("jax_default_matmul_precision", "highest")  # as a new process starts
-    done = run_here(["--resume-from", folder])
+    done = run_refimpl(["--resume-from", folder])
     assert done.status == 0 and "matmul precision high" in done.out, done.out + done.err
     assert jax.config.jax_default_matmul_precision == "high"
 
@@ -612,7 +598,7 @@ def test_canonical_runs_are_the_same_bits_pair_by_pair_and_on_another_device_cou
     named (the leaf and the entry; the missing name), a FAILED line last, exit status 1."""
     assert "final params and optimizer state, sharded vs single: bit-identical (the canonical reduction over 8 " \
            "logical shards)" in canonical.out.splitlines()
-    done = run_here(["--data-dir", data, *CANONICAL, "--devices", "2", "--compare-to", canonical.params])
+    done = run_refimpl(["--data-dir", data, *CANONICAL, "--devices", "2", "--compare-to", canonical.params])
     assert done.status == 0, done.out + done.err
     for name in ("sharded", "single"):
         assert f"final params and optimizer state of {name} against {canonical.params}: bit-identical" in done.out
@@ -621,7 +607,7 @@ def test_canonical_runs_are_the_same_bits_pair_by_pair_and_on_another_device_cou
     arrays["sharded/0"].reshape(-1).view(np.uint32)[5] ^= 1
     del arrays["single/1"]
     np.savez(tmp_path / "bad.npz", **arrays)
-    done = run_here(["--data-dir", data, *CANONICAL, "--devices", "2", "--compare-to", tmp_path / "bad.npz"])
+    done = run_refimpl(["--data-dir", data, *CANONICAL, "--devices", "2", "--compare-to", tmp_path / "bad.npz"])
     lines = done.out.splitlines()
     assert done.status == 1, done.out + done.err
     against = f"final params and optimizer state of {{}} against {tmp_path / 'bad.npz'}: NOT bit-identical: "
@@ -669,7 +655,7 @@ def test_stopped_on_8_devices_and_resumed_on_3_every_sample_is_delivered_once(st
     assert (items["run"]["run_step"], state.epoch, state.step, state.segments) == (5, 1, 1, ((0, 8, 4),))
     resume = ["--resume-from", stopped.folder, "--devices", "3", "--hidden", "8", "--metrics-out", tmp_path / "m.jsonl",
               "--stop-after-step", "11", "--checkpoint-dir", tmp_path / "end"]
-    done = run_here(resume)
+    done = run_refimpl(resume)
     assert done.status == 0, done.out + done.err
     assert f"resuming {stopped.folder} at run step 5 = epoch 1, step 1 " in done.out
     assert exactly_once("sharded", 1) + "every one of the 100 samples delivered exactly once" in done.out
@@ -680,7 +666,7 @@ def test_stopped_on_8_devices_and_resumed_on_3_every_sample_is_delivered_once(st
     import loaders
     real = loaders.Loader.epoch
     monkeypatch.setattr(loaders.Loader, "epoch", lambda self, epoch, *, state=None: real(self, epoch))
-    done = run_here(resume)
+    done = run_refimpl(resume)
     assert done.status == 1 and "more than once" in done.out, done.out
     assert done.out.splitlines()[-1].startswith("refimpl.py: FAILED: "), done.out
 
@@ -690,8 +676,8 @@ def test_with_drop_a_resume_skips_the_stated_count(data, tmp_path):
     68 left, shards of 23, 23 and 22, make 5 steps of 3 x 4 (60 delivered); each sample at
     most once and the 8 skipped said."""
     common = ["--data-dir", data, *RUN, "--batch-size", "4", "--last-batch", "drop", "--strategies", "sharded"]
-    assert run_here([*common, "--devices", "8", "--stop-after-step", "1", "--checkpoint-dir", tmp_path]).status == 0
-    done = run_here(["--resume-from", tmp_path, "--devices", "3"])
+    assert run_refimpl([*common, "--devices", "8", "--stop-after-step", "1", "--checkpoint-dir", tmp_path]).status == 0
+    done = run_refimpl(["--resume-from", tmp_path, "--devices", "3"])
     assert done.status == 0, done.out + done.err
     assert exactly_once("sharded", 0) + "each sample at most once, 8 skipped, as elastic_plan states for drop" \
         in done.out.splitlines(), done.out
@@ -701,7 +687,7 @@ def test_canonical_stopped_on_4_devices_and_resumed_on_2_ends_on_the_uninterrupt
     """The canonical run over 8 logical shards stopped on 4 devices before its masked step
     and resumed on 2 with --resume-from alone: every sample once, and --compare-to the
     uninterrupted 4-device run says each strategy bit-identical, params and Adam's state."""
-    done = run_here(["--resume-from", canonical_stopped.folder, "--devices", "2", "--compare-to", canonical.params])
+    done = run_refimpl(["--resume-from", canonical_stopped.folder, "--devices", "2", "--compare-to", canonical.params])
     assert done.status == 0, done.out + done.err
     for name in ("sharded", "single"):
         assert exactly_once(name, 0) + "every one of the 100 samples delivered exactly once" in done.out
@@ -720,7 +706,7 @@ def test_a_loader_that_cannot_resume_on_other_shards_is_refused_naming_the_backe
             raise ValueError("Loader.epoch: this order resumes only on the shards that wrote the state")
         return real(self, epoch, state=state)
     monkeypatch.setattr(loaders.Loader, "epoch", own_shards_only)
-    done = run_here(["--resume-from", stopped.folder, "--devices", "3", "--metrics-out", tmp_path / "m.jsonl"])
+    done = run_refimpl(["--resume-from", stopped.folder, "--devices", "3", "--metrics-out", tmp_path / "m.jsonl"])
     assert done.status == 2, done.out + done.err
     assert done.err.splitlines() == ["refimpl.py: error: --backend reference: Loader.epoch: this order resumes only "
                                      "on the shards that wrote the state"], done.err
@@ -739,17 +725,17 @@ def test_a_chain_of_stops_delivers_every_sample_once_to_the_runs_very_end(stoppe
     to the run's last step (--stop-after-step 8); that resumed with --epochs 3 on 3 devices,
     which trains epoch 2. Epoch 1 is delivered exactly once over the three runs that
     trained it."""
-    done = run_here(["--resume-from", stopped.folder, "--devices", "3", "--stop-after-step", "6",
+    done = run_refimpl(["--resume-from", stopped.folder, "--devices", "3", "--stop-after-step", "6",
                      "--checkpoint-dir", tmp_path / "a"])
     assert done.status == 0, done.out + done.err
     assert "sharded epoch 1 so far, counted by sample index: " in done.out
     assert "stopped after run steps 0-5: the next, run step 6, is epoch 1, step 2" in done.out
-    done = run_here(["--resume-from", tmp_path / "a", "--devices", "8", "--stop-after-step", "8",
+    done = run_refimpl(["--resume-from", tmp_path / "a", "--devices", "8", "--stop-after-step", "8",
                      "--checkpoint-dir", tmp_path / "b"])
     assert done.status == 0, done.out + done.err
     assert exactly_once("sharded", 1) + "every one of the 100 samples delivered exactly once" in done.out
     assert "stopped after run steps 0-7: the next, run step 8, is epoch 2, step 0" in done.out
-    done = run_here(["--resume-from", tmp_path / "b", "--devices", "3", "--epochs", "3"])
+    done = run_refimpl(["--resume-from", tmp_path / "b", "--devices", "3", "--epochs", "3"])
     assert done.status == 0 and "  sharded epoch 2 of 3  loss " in done.out, done.out + done.err
 
 

@@ -154,7 +154,7 @@ def test_pmap_without_devices_is_caught():
         return jax.lax.psum(jax.grad(lambda p: linear_loss_terms(p, batch)[0])(params), strategies.AXIS)
     gradient = jax.pmap(summed, axis_name=strategies.AXIS)  # no devices=: the legacy form, on purpose
     legacy = lambda state, batch: (gradient(state[0], batch), None)  # its grads, on devices checked alike
-    on_cpu = jax.devices()[0].platform == "cpu"
+    on_cpu = jax.devices()[0].platform == "cpu"  # the default backend, on purpose
     with pytest.raises(AssertionError if on_cpu else Exception,
                        match=r"pmap's results are on \[CpuDevice\(id=0\)" if on_cpu else None):
         pmap_outputs_on_the_mesh(legacy, cpu_mesh((4, 5, 6, 7)), linear_init())
@@ -186,10 +186,11 @@ def test_single_keeps_its_state_on_the_meshs_first_device():
 
     def batches():
         for h in hosts:
-            seen.append({d for a in jax.live_arrays() if a.shape == (FEATURES, CLASSES) for d in a.devices()})
+            live = [a for p in {"cpu", jax.devices()[0].platform} for a in jax.live_arrays(p)]  # the default backend too, on purpose
+            seen.append({d for a in live if a.shape == (FEATURES, CLASSES) for d in a.devices()})
             yield place(h, mesh, "sharded")
 
-    assert jax.devices()[0] not in mesh.devices.flat
+    assert jax.config.jax_default_device not in mesh.devices.flat
     strategies.single(linear_init(), batches(), mesh, loss_terms=linear_loss_terms, optimizer=strategies.sgd(0.1))
     assert seen[1:] == [{mesh.devices.flat[0]}] * 2, seen
 
@@ -403,7 +404,7 @@ def test_the_optimizer_state_is_made_on_the_meshs_first_device(devices):
     device (here CPU 5 of [5, 6], not JAX's default CPU 0), so that nothing of the run
     is made on a device outside its mesh."""
     mesh = loaders.data_mesh([devices[5], devices[6]])
-    assert jax.devices()[0] not in mesh.devices.flat
+    assert jax.config.jax_default_device not in mesh.devices.flat
     for name, fn in strategies.STRATEGIES.items():
         seen = []
 
@@ -1158,7 +1159,7 @@ def test_the_canonical_programs_carry_their_own_xla_options(monkeypatch):
         build.cache_clear()
     try:
         strategies.block_program(linear_terms)
-        strategies.fold_program(loaders.data_mesh(jax.devices()[:2]), 1)
+        strategies.fold_program(loaders.data_mesh(jax.devices("cpu")[:2]), 1)
         strategies.update_program(strategies.sgd_update)
     finally:
         monkeypatch.undo()
