@@ -614,6 +614,41 @@ def block_program(loss_terms: LossTerms) -> Callable:
                    compiler_options=CANONICAL_XLA_OPTIONS)
 
 
+# Where a device runs all its blocks in one program (``loop_program``), not a program a block:
+# where a program's dispatch costs more than a small block. On a TPU one costs about 0.5 ms (5x
+# the plain step at L = 8, global batch 128); on CPUs a conv net's gradient inside a loop
+# compiles 20-40x slower (XLA:CPU leaves its convolutions off their fast path), and on GPUs a
+# dispatch is tens of microseconds. Either way the blocks' sums and their order are the same.
+LOOP_PLATFORMS = ("tpu",)
+
+
+@functools.lru_cache(maxsize=64)
+def loop_program(loss_terms: LossTerms, blocks: int, fold: bool) -> Callable:
+    """A device's k = ``blocks`` blocks in one single-device jit: (params, its k*b rows in
+    either layout, an int32 array holding k) -> the k blocks' sums stacked (k, ...) in block
+    order, or with ``fold`` their left fold. Block i is iteration i of a ``while`` loop whose
+    trip count is that array, a value XLA cannot see: it can neither remove the loop (at k =
+    1) nor unroll it, so every block runs the loop body's one compiled code, and the body is
+    the same for every k, k's own dimension aside (the HLO test compares them). The sums go
+    into a buffer that the fold reads after the loop: no add can join a block's arithmetic."""
+    gradient = _total_gradient(loss_terms)
+
+    def run(params, rows, trips):
+        if jnp.ndim(rows["mask"]) == 2:  # layout "pmap": (1, k*b, ...)
+            rows = jax.tree.map(lambda x: x[0], rows)
+        stacked = jax.tree.map(lambda x: x.reshape((blocks, x.shape[0] // blocks) + x.shape[1:]), rows)
+        shapes = jax.eval_shape(gradient, params, jax.tree.map(lambda x: x[0], stacked))
+
+        def body(i, sums):
+            block = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, 0, keepdims=False), stacked)
+            return jax.tree.map(lambda buffer, x: lax.dynamic_update_index_in_dim(buffer, x, i, 0), sums,
+                                gradient(params, block))
+        empty = jax.tree.map(lambda s: jnp.zeros((blocks,) + s.shape, s.dtype), shapes)
+        sums = lax.fori_loop(0, trips, body, empty)
+        return jax.tree.map(_left_fold, sums) if fold else sums
+    return jax.jit(run, compiler_options=CANONICAL_XLA_OPTIONS)
+
+
 @functools.lru_cache(maxsize=64)
 def _split_program(blocks: int, pmap_layout: bool) -> Callable:
     """A device's rows ((k*b, ...), or (1, k*b, ...) in layout "pmap") -> k blocks of b rows."""
@@ -630,9 +665,10 @@ SMALL_LEAF = 1 << 14  # entries: a leaf this small is gathered whole and folded 
 
 @functools.lru_cache(maxsize=64)
 def fold_program(mesh: Mesh, per_device: int) -> Callable:
-    """jit(shard_map) on ``mesh``: k = ``per_device`` rounds, round i a pytree whose leaves
-    are (n, ...) sharded on 'data' (device d's entry: its block d*k + i) -> each leaf's
-    left fold over the L = n*k blocks, in block order, replicated.
+    """jit(shard_map) on ``mesh``: ``rounds``, pytrees whose leaves are sharded on 'data' ->
+    each leaf's left fold over the L = n*k blocks, k = ``per_device``, in block order,
+    replicated. Device d's entries of the rounds, in order, are its blocks d*k .. d*k + k - 1
+    (k rounds of one block each, or one round of k).
 
     A leaf of SMALL_LEAF entries or more goes by ``all_to_all``: device c receives chunk c
     (raveled, zero-padded to n chunks) of every block, folds it, and an ``all_gather``
@@ -673,25 +709,42 @@ def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_
     replicated on ``mesh`` (``replicate``), the batch L*b rows sharded on 'data' in either
     layout, L = ``logical_shards``, a multiple of the mesh's n devices: device k holds
     blocks k*L/n .. (k+1)*L/n - 1. The module's docstring gives the construction; the
-    state is not donated."""
+    state is not donated. On LOOP_PLATFORMS each device runs ``loop_program`` (on one
+    device, folding too), else ``block_program`` once per block; then ``fold_program``
+    (n > 1) and ``update_program``."""
     n = mesh.devices.size
     if logical_shards % n:
         raise ValueError(f"canonical_step: logical_shards={logical_shards} must be a multiple of the "
                          f"mesh's {n} device(s)")
     k = logical_shards // n
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    block, fold, apply = block_program(loss_terms), fold_program(mesh, k), update_program(update)
+    fold, apply = fold_program(mesh, k), update_program(update)
+    if mesh.devices.flat[0].platform in LOOP_PLATFORMS:
+        loop = loop_program(loss_terms, k, n == 1)
+        trips = {d: jax.device_put(np.int32(k), d) for d in local}
+        if n == 1:
+            return lambda state, batch: apply(state, *loop(state[0], _rows(batch), trips[local[0]]))
+
+        def sums_of(params, rows):
+            return [_assembled({d: loop(params[d], rows[d], trips[d]) for d in local}, mesh, P(AXIS))]
+    else:
+        block = block_program(loss_terms)
+
+        def sums_of(params, rows):
+            split = (_split_program(k, jnp.ndim(rows[local[0]]["mask"]) == 2)
+                     if k > 1 or jnp.ndim(rows[local[0]]["mask"]) == 2 else (lambda r: [r]))
+            sums = {d: [block(params[d], blk) for blk in split(rows[d])] for d in local}
+            return [_assembled({d: sums[d][i] for d in local}, mesh, P(AXIS)) for i in range(k)]
 
     def step(state, batch):
-        rows = {key: x for key, x in batch.items() if key != SHARDS_KEY}
-        split = (_split_program(k, jnp.ndim(rows["mask"]) == 2)
-                 if k > 1 or jnp.ndim(rows["mask"]) == 2 else (lambda r: [r]))
-        params, rows = _by_device(state[0], local), _by_device(rows, local)
-        sums = {d: [block(params[d], blk) for blk in split(rows[d])] for d in local}
-        rounds = [_assembled({d: sums[d][i] for d in local}, mesh, P(AXIS)) for i in range(k)]
-        held = _by_device((state, *fold(rounds)), local)
+        params, rows = _by_device(state[0], local), _by_device(_rows(batch), local)
+        held = _by_device((state, *fold(sums_of(params, rows))), local)
         return _assembled({d: apply(*held[d]) for d in local}, mesh, P())
     return step
+
+
+def _rows(batch: dict) -> dict:
+    return {key: x for key, x in batch.items() if key != SHARDS_KEY}
 
 
 def _by_device(tree, devices: list) -> dict:
@@ -702,14 +755,14 @@ def _by_device(tree, devices: list) -> dict:
 
 
 def _assembled(by_device: dict, mesh: Mesh, spec: P):
-    """This process's per-device trees as one global tree: replicated (``P()``) or stacked
-    on the device axis (``P(AXIS)``, each device's leaves of leading size 1)."""
+    """This process's per-device trees as one global tree: replicated (``P()``) or
+    concatenated on the device axis (``P(AXIS)``, every device's leaves of one shape)."""
     devices = [d for d in mesh.devices.flat if d in by_device]
     leaves = [jax.tree.leaves(by_device[d]) for d in devices]
     structure = jax.tree.structure(by_device[devices[0]])
     sharding = NamedSharding(mesh, spec)
     out = []
     for i, x in enumerate(leaves[0]):
-        shape = x.shape if spec == P() else (mesh.devices.size,) + x.shape[1:]
+        shape = x.shape if spec == P() else (mesh.devices.size * x.shape[0],) + x.shape[1:]
         out.append(jax.make_array_from_single_device_arrays(shape, sharding, [l[i] for l in leaves]))
     return jax.tree.unflatten(structure, out)

@@ -939,6 +939,62 @@ def test_the_canonical_programs_compile_alike_on_every_topology(devices, canonic
     assert apart is not None and apart.startswith("instruction "), apart
 
 
+def while_body(text: str) -> str:
+    """The body of the one ``while`` in a compiled program's text, and every computation it
+    calls (fusions, reductions), each instruction with metadata stripped and its names
+    numbered in order of appearance: what XLA compiled the loop's iteration to."""
+    computations = {}
+    for chunk in re.split(r"\n(?=\S)", text):
+        head = re.match(r"(?:ENTRY )?%(\S+) ", chunk)
+        if head:
+            computations[head.group(1)] = chunk
+    [body] = re.findall(r" while\(.*?body=%([\w.\-]+)", text)
+    names, order, todo, seen = {}, [], [body], set()
+    while todo:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        order.append(name)
+        todo += re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", computations[name])
+    lines = [line.split(", metadata=")[0].split(", backend_config=")[0] for name in order
+             for line in computations[name].splitlines()]
+    numbered = re.sub(r"%([\w.\-]+)", lambda m: "%" + str(names.setdefault(m.group(1), len(names))), "\n".join(lines))
+    return numbered
+
+
+def test_every_block_of_the_loop_runs_code_that_does_not_depend_on_how_many_blocks():
+    """loop_program (LOOP_PLATFORMS' schedule): with k = 7 and k = 11 blocks of 2 rows on a
+    device (L = k * n for any device count n), the while loop's body, with every computation
+    it calls, compiles to the same instructions, k's own dimension aside: each
+    block runs the same arithmetic whatever the device count. The control: blocks of 3 rows
+    compile to another body, and the difference is found."""
+    loss_terms, params, data = canonical_model("relu")
+    bodies = {}
+    for k, b in ((7, 2), (11, 2), (7, 3)):
+        rows = {"x": data["x"][:k * b], "y": data["y"][:k * b], "mask": np.ones(k * b, bool)}
+        text = compiled_text(strategies.loop_program(loss_terms, k, False), params, rows, np.int32(k))
+        assert text.count(" while(") == 1, "XLA removed or unrolled the loop"
+        # k's own dimension, and k as the index arithmetic's bound (jax's negative-index wrap)
+        bodies[k, b] = re.sub(rf"\[{k}([,\]])", r"[K\1", while_body(text)).replace(f"constant({k})", "constant(K)")
+    assert bodies[7, 2] == bodies[11, 2], first_instruction_apart(bodies[7, 2], bodies[11, 2])
+    assert first_instruction_apart(bodies[7, 2], bodies[7, 3]) is not None
+
+
+@pytest.mark.parametrize("kind, L", [("relu", 4), pytest.param("conv", 4, marks=pytest.mark.slow),
+                                     pytest.param("token", 8, marks=pytest.mark.slow)])
+def test_the_loop_schedule_is_the_same_bits_on_every_topology(devices, canonical_rules, monkeypatch, kind, L):
+    """A TPU's schedule (LOOP_PLATFORMS: each device's blocks in one loop program), played on
+    these CPU devices: params, optimizer state and losses the same bits through sharded on
+    every n dividing L (up to 4) and single. (Not promised, and not so for the conv net on
+    CPU: the loop's bits against a program a block's; the schedule is fixed by the platform.)"""
+    monkeypatch.setattr(strategies, "LOOP_PLATFORMS", ("cpu",))
+    runs = {("sharded", n): canonical_run(devices, "sharded", n, kind=kind, rule=canonical_rules["adamw"], L=L, b=2)
+            for n in (1, 2, 4) if L % n == 0 and n <= len(devices)}
+    runs["single", 1] = canonical_run(devices, "single", 1, kind=kind, rule=canonical_rules["adamw"], L=L, b=2)
+    assert len(runs) >= 3 and not differences(runs), differences(runs)[:3]
+
+
 def test_each_leaf_takes_the_collective_its_size_says(devices):
     """fold_program: a leaf of SMALL_LEAF entries or more goes by all_to_all and all_gather;
     a smaller one by all_gather alone (the traffic the docstring states)."""
