@@ -129,6 +129,19 @@ def _keyed_table(key: tuple[bytes, bytes, str]) -> np.ndarray:
     return table
 
 
+def table_operands(key: tuple[bytes, bytes, str]) -> dict[str, np.ndarray]:
+    """The float32 operands (C,) of a ``table_key``'s table, as ``normalize_table`` computes
+    them: {"inv", "offset"} ("rocal", "dali_gpu": table[c, x] = fma(x, inv[c], offset[c])) or
+    {"mean", "inv"} ("dali_cpu": (x - mean[c]) * inv[c])."""
+    keyed_table(key)  # checks the key, and that every operand is finite
+    mean32, std32 = np.frombuffer(key[0], np.float32), np.frombuffer(key[1], np.float32)
+    inv = np.float32(1) / std32
+    if key[2] == "dali_cpu":
+        return {"mean": mean32.copy(), "inv": inv}
+    offset = -(mean32 / std32) if key[2] == "rocal" and len(mean32) == 1 else -(mean32 * inv)
+    return {"inv": inv, "offset": offset}
+
+
 def _nearest_float32(exact: Fraction) -> np.float32:
     """``exact`` rounded once to float32, ties to even (inf beyond float32's range)."""
     double = np.float64(float(exact))  # rounded to nearest; made round-to-odd below

@@ -29,14 +29,14 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import assume, example, given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
 
 import arithmetic
 import conformance
 import encoding
 import loaders
-from arithmetic import ARITHMETICS, Normalize, normalize_table, table_key
+from arithmetic import ARITHMETICS, Normalize, keyed_table, normalize_table, table_key, table_operands
 from cifar_mnist import read_cifar10
 from conftest import (NOT_DOUBLES, POLICIES, SEEDS, assert_raises_naming, assert_same_bits, bits_differ, crop_cases,
                       examples, expected_steps, meshes, random_mnist)
@@ -184,6 +184,22 @@ def test_blocks_follow_the_plan_in_both_placements(devices, count, kind, layout,
     blocks_follow_the_plan(devices, count, kind, layout, per, shuffle, last_batch, seed, epoch)
 
 
+@pytest.mark.parametrize("example", [
+    dict(count=3, kind="images", layout="pmap", per=2, shuffle=True, last_batch="fill", seed=7, epoch=1),
+    dict(count=8, kind="dict", layout="sharded", per=1, shuffle=True, last_batch="drop", seed=5, epoch=2)])
+def test_a_tpus_delivery_played_on_cpu_devices_follows_the_plan(devices, monkeypatch, example):
+    """On a TPU (ARITHMETIC_PLATFORMS, GATHER_ONCE_PLATFORMS) the loader normalises by the
+    table's arithmetic and placement "device" gathers an epoch's rows at once: played here by
+    CPU devices, every block still follows the plan in both placements (the test above)."""
+    monkeypatch.setattr(loaders, "ARITHMETIC_PLATFORMS", ("cpu",))
+    monkeypatch.setattr(loaders, "GATHER_ONCE_PLATFORMS", ("cpu",))
+    loaders.normalizer.cache_clear()
+    try:
+        blocks_follow_the_plan(devices, **example)
+    finally:
+        loaders.normalizer.cache_clear()
+
+
 @pytest.mark.slow
 @given(**CASES)
 @settings(max_examples=examples(60))
@@ -280,19 +296,20 @@ def test_device_placement_holds_shard_k_on_device_k(devices):
 
 
 def test_device_budget_counts_every_arrays_bytes_of_the_largest_shard(devices):
-    """Placement "device" refuses a dataset whose largest shard (every array's row bytes)
-    does not fit device_budget, and takes one that fits exactly; device_fit likewise."""
-    tokens = dataset("dict").arrays  # 12 + 8 + 60 + 4 bytes a sample
-    features, labels = dataset("float32").data  # 160 + 4 (int32 labels) bytes a sample
+    """Placement "device" refuses a dataset whose largest shard (every array's row bytes),
+    held twice (resident, and an epoch's rows), does not fit device_budget, and takes one
+    that fits exactly; device_fit likewise."""
+    tokens = dataset("dict").arrays  # 12 + 8 + 60 + 4 bytes per sample
+    features, labels = dataset("float32").data  # 160 + 4 (int32 labels) bytes per sample
     for data, sample_bytes in ((tokens, 84), ((features, labels), 164)):
-        fits = -(-N // len(devices)) * sample_bytes
+        fits = 2 * -(-N // len(devices)) * sample_bytes
         loaders.make_loader(data, devices, B, normalize=None, placement="device", device_budget=fits)
         assert_raises_naming(ValueError, lambda: loaders.make_loader(
             data, devices, B, normalize=None, placement="device", device_budget=fits - 1),
             "placement='device'", "over the budget", "placement='host'")
-    mesh = loaders.data_mesh(devices[:2])  # 7 samples: shards of 3 and 4, (1 + 4) bytes each
-    assert loaders.device_fit(7, (1, 1, 1), mesh, device_budget=20) is None
-    assert "4 samples" in loaders.device_fit(7, (1, 1, 1), mesh, device_budget=19)
+    mesh = loaders.data_mesh(devices[:2])  # 7 samples: shards of 3 and 4, (1 + 4) bytes each, twice
+    assert loaders.device_fit(7, (1, 1, 1), mesh, device_budget=40) is None
+    assert "4 samples twice" in loaders.device_fit(7, (1, 1, 1), mesh, device_budget=39)
 
 
 def test_mnist_with_the_dali_notebooks_normalisation(devices):
@@ -344,9 +361,62 @@ def test_device_normalize_gives_the_tables_bits(case, arithmetic):
     want = norm.table[np.arange(3)[None, :, None, None], window[..., ::-1] if norm.mirror else window]
     assert_same_bits(norm(images), want)
     cpu = jax.devices("cpu")[0]
-    got = loaders.device_normalize(jax.device_put(images, cpu), jax.device_put(norm.table, cpu),
-                                   norm.window(images.shape[2:]), norm.mirror)
-    assert_same_bits(np.asarray(got), want)
+    key = table_key(norm.mean, norm.std, norm.arithmetic, "test")
+    normalise = jax.jit(loaders.device_normalize, static_argnums=(2, 3))
+    for how in ({"table": norm.table}, table_operands(key)):  # both routes
+        got = normalise(jax.device_put(images, cpu), jax.device_put(how, cpu), norm.window(images.shape[2:]),
+                        norm.mirror)
+        assert_same_bits(np.asarray(got), want, sorted(how))
+
+
+@given(st.lists(st.floats(-300, 300), min_size=1, max_size=3), st.floats(0.01, 300), st.booleans(),
+       st.sampled_from(ARITHMETICS))
+@settings(max_examples=examples(40))
+def test_the_tables_arithmetic_gives_every_value_of_the_table(means, std, negative, arithmetic):
+    """The arithmetic route (ARITHMETIC_PLATFORMS', run here on CPU) on all 256 values of every
+    channel: the table's bits, where no operand and no entry is subnormal (XLA flushes those
+    to zero; the loader checks and falls back, test above). The control: the same operands as
+    x * inv + offset, two roundings, miss the FMA's table (the rocAL notebook's mean = std =
+    127.5 on 158 values)."""
+    stds = [-std if negative else std] * len(means)
+    key = table_key(means, stds, arithmetic, "test")
+    values = np.concatenate([keyed_table(key).reshape(-1), *table_operands(key).values()])
+    assume(not (np.abs(values[values != 0]) < np.finfo(np.float32).tiny).any())
+    values = np.arange(256, dtype=np.uint8)[None, None, :].repeat(len(means), 0)
+    normalise = jax.jit(loaders.device_normalize, static_argnums=(2, 3))  # compiled, as the loaders run it
+    got = normalise(jax.device_put(values, jax.devices("cpu")[0]), table_operands(key), (0, 0, 1, 256), False)[:, 0]
+    assert_same_bits(np.asarray(got), keyed_table(key))
+    rocal = table_operands(table_key([127.5], [127.5], "rocal", "test"))
+    naive = np.arange(256, dtype=np.float32) * rocal["inv"] + rocal["offset"]
+    assert bits_differ(naive, keyed_table(table_key([127.5], [127.5], "rocal", "test"))[0])
+
+
+def test_where_the_devices_normalise_by_arithmetic_they_deliver_the_tables_bits(devices, monkeypatch):
+    """On ARITHMETIC_PLATFORMS (a TPU's; played here by CPU devices) the loader normalises by
+    the table's operands after checking all 256 values on the devices: both placements and
+    layouts give the table's bits, the notebooks' tables and a zero's sign included. A table
+    the devices miss (a subnormal mean: XLA flushes it to zero) falls back to the lookup,
+    still the table's bits; the control: the operands alone do miss it."""
+    monkeypatch.setattr(loaders, "ARITHMETIC_PLATFORMS", ("cpu",))
+    loaders.normalizer.cache_clear()
+    try:
+        subnormal = Normalize(mean=(1e-45,), std=(3.0,), arithmetic="dali_cpu")
+        for norm in (Normalize(), Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu"),
+                     Normalize(mean=(120.0, 0.0, -3.5), std=(30.0, -60.0, 90.0), arithmetic="dali_gpu"),
+                     *SIGNED_ZERO_PAIRS["three channels"], subnormal):
+            for layout in loaders.LAYOUTS:
+                assert not placements_disagree(devices, norm, layout), (norm, layout)
+        mesh = loaders.data_mesh(devices[:4])
+        routes = {norm.arithmetic: sorted(loaders.normalizer(table_key(norm.mean, norm.std, norm.arithmetic, "t"), mesh))
+                  for norm in (Normalize(), subnormal)}
+        assert routes == {"rocal": ["inv", "offset"], "dali_cpu": ["table"]}, routes
+        key = table_key(subnormal.mean, subnormal.std, subnormal.arithmetic, "t")
+        values = np.arange(256, dtype=np.uint8)[None, None, :]
+        normalise = jax.jit(loaders.device_normalize, static_argnums=(2, 3))
+        by_operands = normalise(jax.device_put(values, devices[0]), table_operands(key), (0, 0, 1, 256), False)[:, 0]
+        assert bits_differ(np.asarray(by_operands), keyed_table(key))
+    finally:
+        loaders.normalizer.cache_clear()
 
 
 SIGNED_ZERO_PAIRS = {  # (first, then): tables that differ only in the sign of a zero
@@ -393,7 +463,7 @@ def test_a_zeros_sign_reaches_both_placements_and_layouts(devices, layout):
 def test_the_zero_sign_check_sees_tables_keyed_by_floats(devices, monkeypatch):
     """The controls of the test above: a table cache keyed by floats gives the -0.0 loader the
     +0.0 table, and rows compared as floats collapse the three-channel table, in both placements."""
-    real = loaders._replicated_table.__wrapped__
+    real = loaders.normalizer.__wrapped__
     by_floats = {}
 
     def float_keyed(key, mesh):
@@ -403,7 +473,7 @@ def test_the_zero_sign_check_sees_tables_keyed_by_floats(devices, monkeypatch):
 
     first, then = SIGNED_ZERO_PAIRS["one channel"]
     with monkeypatch.context() as patch:
-        patch.setattr(loaders, "_replicated_table", float_keyed)
+        patch.setattr(loaders, "normalizer", float_keyed)
         assert not placements_disagree(devices, first, "sharded")
         found = placements_disagree(devices, then, "sharded")
     assert [f.split(":")[0] for f in found] == list(loaders.PLACEMENTS), found
@@ -411,11 +481,11 @@ def test_the_zero_sign_check_sees_tables_keyed_by_floats(devices, monkeypatch):
         by_value = lambda table: bool((table == table[:1]).all())
         patch.setattr(arithmetic, "one_row", by_value)
         patch.setattr(loaders, "one_row", by_value)
-        loaders._replicated_table.cache_clear()  # tables placed before were built with the real one_row
+        loaders.normalizer.cache_clear()  # tables placed before were built with the real one_row
         try:
             found = placements_disagree(devices, SIGNED_ZERO_PAIRS["three channels"][1], "sharded")
         finally:
-            loaders._replicated_table.cache_clear()  # and the collapsed ones must not outlive the patch
+            loaders.normalizer.cache_clear()  # and the collapsed ones must not outlive the patch
     assert [f.split(":")[0] for f in found] == list(loaders.PLACEMENTS), found
     assert table_key((0.0,), (-2.0,), "rocal", "") != table_key((-0.0,), (-2.0,), "rocal", "")
 
