@@ -1,4 +1,5 @@
-"""bench.py stays runnable: --smoke (the smallest run through every section), in a subprocess.
+"""bench.py stays runnable: --smoke (the smallest run through every section), in a CPU-only
+subprocess (conftest.run_children), whose own memory children are CPU-only too.
 
 No timing is asserted, not even its range: on a loaded machine a loaded epoch
 can run faster than a prebuilt one. The run must exit 0 and write a well-formed
@@ -31,24 +32,22 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
     assert code == 0, stderr[-3000:]
     assert "| reference, host |" in stdout and "**Goals**" in stdout
     results = json.loads(out.read_text())
-    assert {"machine", "config", "loader", "placements", "training", "reduction", "memory", "goals",
+    assert {"machine", "config", "loader", "feeding", "training", "reduction", "memory", "goals",
             "implausible", "section_s"} <= set(results)
 
     for key in ("per_device_16", "per_device_128"):
         section = results["loader"][key]
-        assert number(section["copy_limit_gb_per_s"])
+        assert number(section["copy_limit_gb_per_s"]) and number(section["to_devices_gb_per_s"])
         assert {f"reference, {p}" for p in loaders.PLACEMENTS} | {"naive loop"} <= set(section["loaders"])
         for r in section["loaders"].values():
             assert all(number(r[f]) for f in ("images_per_s", "gb_per_s", "fraction_of_copy",
                                               "reference_speedup")), r
             assert r["images"] > 0
 
-    assert set(results["placements"]) == {f"global_{b}" for b in results["placements_batches"]}
-    for row in results["placements"].values():
-        assert number(row["train_step_ms"]) and row["steps"] >= 1
+    for row in results["feeding"].values():
+        assert row["steps"] >= 1 and row["images"] >= row["steps"]
         for p in loaders.PLACEMENTS:
-            assert all(number(row[p][f]) for f in ("loader_step_ms", "loader_over_train",
-                                                   "wait_fraction", "slowdown_fraction")), row[p]
+            assert number(row["sharded"][p]["fed_over_prebuilt"]) and number(row["sharded"][p]["prebuilt_step_ms"])
 
     assert set(results["training"]) == {f"global_{b}" for b in results["training_batches"]}
     for row in results["training"].values():
@@ -57,15 +56,16 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
             assert number(r["step_ms"]) and number(r["compile_s"]) and number(r["ratio_to_single"]), r
         assert row["single"]["ratio_to_single"] == 1.0
 
-    rows = results["reduction"]
-    assert {r["model"] for r in rows} == {"mlp", "conv", "attention"}
-    assert {r["logical_shards"] // r["devices"] for r in rows} == {1, 3}  # L = n and 3n
-    for r in rows:
+    reduction = results["reduction"]
+    assert {r["model"] for r in reduction["cases"]} == {"mlp", "conv", "attention"}
+    assert {r["logical_shards"] // r["devices"] for r in reduction["cases"]} == {1, 4}  # L = n and 4n
+    for r in reduction["cases"]:
         assert r["rows"] % r["logical_shards"] == 0, r
         for step in ("plain", "canonical"):
-            assert number(r[step]["step_ms"]) and number(r[step]["peak_mb"]), r
-        assert number(r["ratio"]["step_time"]) and number(r["ratio"]["peak_rss"]), r
-    assert "| mlp |" in stdout and "at L = n, conv" in stdout
+            assert number(r[step]["step_ms"]) and number(r[step]["memory_mb"]), r
+        assert number(r["ratio"]["step_time"]) and number(r["ratio"]["memory"]), r
+    assert [c["devices"] for c in reduction["compile_s"]] == [1, 8]
+    assert reduction["precision"] == "highest" and "| mlp |" in stdout and "L = 4n" in stdout
 
     assert results["memory"]
     for m in results["memory"].values():
@@ -75,5 +75,6 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
         assert all(number(results["donation"][name][f]) for f in ("step_mb", "step_ms")), results["donation"]
 
     assert results["goals"] and all({"goal", "measured", "target", "met"} <= set(g) for g in results["goals"])
+    assert "**Feeding**" in stdout and "| sharded | host |" in stdout
     assert isinstance(results["implausible"], list) and all(isinstance(t, str) for t in results["implausible"])
-    assert set(results["section_s"]) == {"loader", "placements", "training", "reduction", "memory"}
+    assert list(results["section_s"]) == ["loader", "feeding", "training", "reduction", "memory"]
