@@ -405,6 +405,21 @@ def test_a_run_trains_every_strategy_and_reports_each_epoch_and_verdict(plain):
     assert "FAILED" not in plain.out
 
 
+def test_a_run_says_what_its_data_costs_against_prebuilt_batches(data):
+    """Its first strategy's last whole epoch (not the first, which compiles) runs again over the
+    same batches prebuilt on the devices, and one line says the fed epoch's time over that; a
+    run of one epoch, or a stopped one, has no such epoch and no line."""
+    import re
+    done = run_refimpl(["--data-dir", data, *RUN, "--epochs", "3", "--batch-size", "4", "--devices", "2",
+                        "--strategies", "sharded,single"])
+    assert done.status == 0, done.out + done.err
+    [line] = [line for line in done.out.splitlines() if "prebuilt on the devices" in line]
+    assert re.fullmatch(r"sharded epoch 2 again over its batches prebuilt on the devices: \d+\.\d\d s; fed by the "
+                        r"loader it took \d+\.\d\dx that", line), line
+    once = run_refimpl(["--data-dir", data, *RUN, "--batch-size", "4", "--devices", "2", "--strategies", "sharded"])
+    assert once.status == 0 and "prebuilt on the devices" not in once.out, once.out
+
+
 @pytest.mark.parametrize("run", ["plain", pytest.param("mnist", marks=pytest.mark.slow)])
 def test_what_a_run_trains_is_what_the_modules_train_by_hand(run, request):
     """A run by hand: make_loader (shuffled by --seed, fill, the notebook's normalisation:
