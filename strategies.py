@@ -73,8 +73,9 @@ LossTerms = Callable[[Any, dict], tuple]  # (params, batch) -> (total over real 
 
 LOSS_TERMS_CONTRACT = ("loss_terms(params, batch) must return (total, count): total the sum of the "
                        "per-sample losses over the batch's real (mask-True) rows, a float scalar (not "
-                       "their mean), and count the number of real rows, a scalar; the strategies "
-                       "divide the global sum of totals by the global sum of counts")
+                       "their mean), and count how many terms total sums, a scalar (the real rows, or "
+                       "their tokens: at least one per real row); the strategies divide the global sum "
+                       "of totals by the global sum of counts")
 OPTIMIZER_CONTRACT = ("optimizer.update(grads, state, params) must return (updates, new_state) as optax "
                       "does: updates with the params' tree structure and shapes (the strategies apply "
                       "params + updates), new_state with the state's structure")
@@ -171,11 +172,6 @@ def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_st
     run_mesh = Mesh(np.array([mesh.devices.flat[0]]), (AXIS,)) if name == "single" else mesh
     if name == "single":
         batches = (jax.device_put(b, mesh.devices.flat[0]) for b in batches)
-    if first is not None:  # the first batch, checked and placed
-        first = next(batches)
-    if first is not None:
-        _check_count(name, loss_terms, state[0], first, run_mesh, LAYOUT[name])
-        batches = itertools.chain([first], batches)
     if reduction == "canonical":
         L = logical_shards or (_batch_shards(first) if first is not None else None)
         step = canonical_step(loss_terms, optimizer.update, run_mesh, L) if L else None
@@ -204,9 +200,14 @@ def _check_reduction(name: str, reduction: str, logical_shards, mesh: Mesh) -> N
         raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be an int")
     if logical_shards < 1:
         raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be at least 1")
+    _check_multiple(f"strategy {name!r}", logical_shards, n)
+
+
+def _check_multiple(where: str, logical_shards: int, n: int) -> None:
+    """ValueError unless L is a multiple of the mesh's n devices (each holds L/n whole blocks)."""
     if logical_shards % n:
-        raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be a multiple of the "
-                         f"mesh's {n} device(s)")
+        raise ValueError(f"{where}: logical_shards={logical_shards} must be a multiple of the mesh's {n} device(s) "
+                         f"(each device holds L/n whole blocks)")
 
 
 def _batch_shards(batch) -> int | None:
@@ -237,12 +238,7 @@ def checked(batches: Iterable[dict], strategy: str, mesh: Mesh, reduction: str =
             raise ValueError(f"{where}: no 'mask' (a dict with a bool 'mask', (n*B,) or (n, B), as "
                              f"loaders.make_loader yields); got {type(batch).__name__}{got}")
         shape = tuple(np.shape(batch["mask"]))
-        if layout == "pmap" and (len(shape) != 2 or shape[0] != n):
-            raise ValueError(f"{where}: needs layout 'pmap' (mask (n, B) = ({n}, B); "
-                             f"make_loader(..., layout='pmap')), got a mask of shape {shape}")
-        if layout == "sharded" and len(shape) != 1:
-            raise ValueError(f"{where}: needs layout 'sharded' (mask (n*B,); "
-                             f"make_loader(..., layout='sharded')), got a mask of shape {shape}")
+        _check_layout(where, shape, layout, n)
         if reduction == "canonical":
             carried = _batch_shards(batch)
             if carried is not None and L is not None and carried != L:
@@ -253,13 +249,12 @@ def checked(batches: Iterable[dict], strategy: str, mesh: Mesh, reduction: str =
             if L is None:
                 raise ValueError(f"{where}: it does not say its logical shards (a loader's batches carry "
                                  f"{SHARDS_KEY!r}): pass logical_shards=L for the canonical reduction")
-            if L % n:
-                raise ValueError(f"{where}: it carries logical_shards={L}, not a multiple of the mesh's {n} "
-                                 f"device(s)")
+            _check_multiple(where, L, n)
             rows = shape[0] * (shape[1] if layout == "pmap" else 1)
             if rows % L:
                 raise ValueError(f"{where}: its {rows} rows do not split into logical_shards={L} "
                                  f"blocks of one size")
+        check_dtypes({k: v for k, v in batch.items() if not isinstance(v, jax.Array)}, f"{where}: batch")
         placed = {}
         for key, leaf in batch.items():
             if not isinstance(leaf, jax.Array):
@@ -282,28 +277,125 @@ def checked(batches: Iterable[dict], strategy: str, mesh: Mesh, reduction: str =
         yield placed
 
 
-def _check_count(name: str, loss_terms: LossTerms, params, batch: dict, mesh: Mesh, layout: str) -> None:
-    """ValueError, naming the contract, when ``loss_terms``' count over the first batch is not
-    its number of real (mask-True) rows: a loss that ignores the mask would train on the
-    padding. A total returned as a mean cannot be told from a sum here; the message says it."""
-    count, real = _counts(loss_terms, mesh, layout)(replicate(params, mesh), batch)
-    count, real = float(count.addressable_data(0)), float(real.addressable_data(0))
-    if count != real:
-        raise ValueError(f"strategy {name!r}: loss_terms returned count={count:g} for the first batch, which "
-                         f"has {real:g} real (mask-True) rows; {LOSS_TERMS_CONTRACT}")
+def _check_layout(where: str, shape: tuple, layout: str, n: int) -> None:
+    """The mask's shape in ``layout``: one entry per row, (n*B,) in "sharded", (n, B) in "pmap"."""
+    if layout == "pmap" and (len(shape) != 2 or shape[0] != n):
+        raise ValueError(f"{where}: needs layout 'pmap' (mask (n, B) = ({n}, B); "
+                         f"make_loader(..., layout='pmap')), got a mask of shape {shape}")
+    if layout == "sharded" and len(shape) != 1:
+        token = (f"; a mask of one entry per token goes in a field of its own, read by loss_terms (its count "
+                 f"then counts tokens)" if len(shape) >= 2 and shape[0] != n else "")
+        raise ValueError(f"{where}: needs layout 'sharded' (mask (n*B,), one entry per row; "
+                         f"make_loader(..., layout='sharded')), got a mask of shape {shape}{token}")
+
+
+def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | None = None,
+         stacked: bool = False) -> Callable:
+    """The check a step makes of each batch of a shape it has not seen (in a loop of one shape,
+    the first): ``check(params, batch)`` raises ValueError, naming ``where``, the value and
+    the rule, for
+
+    * a batch that is not a dict with a "mask" of dtype bool (a 0/255 uint8 mask would count
+      255 per row), one entry per row in ``layout``, or with a 64-bit host leaf JAX would
+      narrow in silence;
+    * ``logical_shards`` L given and the batch carrying another (its SHARDS_KEY entry), or
+      rows that do not split into L blocks;
+    * a ``loss_terms`` that breaks its contract on the first local device's rows: its total
+      and count must be 0 when every row is padding (a total that ignores the mask trains on
+      the padding, a mean over the real rows is NaN there), must not change when padding
+      rows are added (a mean over all rows, ``(mean, count)``, trains b times too slowly),
+      and the count must be a whole number, at least the real rows (a count of tokens, for
+      a loss weighted by token, is one).
+
+    ``params`` are the step's, replicated (or ``stacked``, pmap's: the first copy is checked).
+    Where the state or the batch's total is not finite (a training that diverged, NaN data),
+    nothing can be judged, and the contract is not checked."""
+    seen = set()
+
+    def check(params, batch):
+        if not isinstance(batch, dict) or "mask" not in batch:
+            got = f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""
+            raise ValueError(f"{where}: no 'mask' (a dict with a bool 'mask', (n*B,) or (n, B), as "
+                             f"loaders.make_loader yields); got {type(batch).__name__}{got}")
+        signature = (jax.tree.structure(batch), tuple((np.shape(x), _dtype(x)) for x in jax.tree.leaves(batch)))
+        if signature in seen:
+            return
+        mask = batch["mask"]
+        if _dtype(mask) != np.bool_:
+            raise ValueError(f"{where}: batch['mask'] is {_dtype(mask)}, not bool: a mask must be True on "
+                             f"the real rows and False on padding (a 0/255 mask counts 255 per row)")
+        check_dtypes({k: v for k, v in batch.items() if not isinstance(v, jax.Array)}, f"{where}: batch")
+        n = len(mask.sharding.device_set) if isinstance(mask, jax.Array) else 1
+        _check_layout(where, tuple(np.shape(mask)), layout, n)
+        rows = np.shape(mask)[0] * (np.shape(mask)[1] if layout == "pmap" else 1)
+        if logical_shards is not None:
+            carried = _batch_shards(batch)
+            if carried is not None and carried != logical_shards:
+                raise ValueError(f"{where}: the batch carries logical_shards={carried} (its loader's plan), but "
+                                 f"the step was made for logical_shards={logical_shards}: the same bits on every "
+                                 f"topology hold only for the plan's own L")
+            if rows % logical_shards:
+                raise ValueError(f"{where}: the batch's {rows} rows do not split into logical_shards="
+                                 f"{logical_shards} blocks of one size")
+        _check_contract(where, loss_terms, params, batch, layout, stacked)
+        seen.add(signature)
+    return check
+
+
+def _dtype(x) -> np.dtype:
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
+
+
+def _check_contract(where: str, loss_terms: LossTerms, params, batch: dict, layout: str, stacked: bool) -> None:
+    """``door``'s loss_terms check, on the first local device's rows and params."""
+    def first(x):
+        x = x.addressable_shards[0].data if isinstance(x, jax.Array) else np.asarray(x)
+        return x
+    rows = {k: first(v) for k, v in batch.items() if k != SHARDS_KEY}
+    if layout == "pmap":
+        rows = {k: v[0] for k, v in rows.items()}
+    own = jax.tree.map(first, params)
+    if stacked:
+        own = jax.tree.map(lambda x: x[0], own)
+    if not all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(own)):
+        return
+    device = next(iter(jax.tree.leaves(rows)[0].devices())) if isinstance(jax.tree.leaves(rows)[0], jax.Array) \
+        else None
+    if device is not None:
+        own, rows = jax.device_put((own, rows), device)
+    found = jax.tree.map(float, _contract_program(loss_terms)(own, rows))
+    (total, count), (total0, count0), (total2, count2), real = found
+    if not np.isfinite(total):  # the data or the model is not finite: nothing can be judged
+        return
+    where = f"{where}: loss_terms on the first device's rows of the first batch ({real:g} real)"
+    if total0 != 0 or count0 != 0:
+        raise ValueError(f"{where} returned total={total0:g}, count={count0:g} when every row is padding, not "
+                         f"(0, 0): its total must sum only the real rows (mask them with jnp.where(mask, loss, "
+                         f"0), which an infinite loss on a padding row cannot turn into NaN, as mask * loss "
+                         f"does); {LOSS_TERMS_CONTRACT}")
+    if count2 != count or abs(total2 - total) > 1e-4 * abs(total) + 1e-30:
+        raise ValueError(f"{where} returned total={total:g}, count={count:g}, and total={total2:g}, count="
+                         f"{count2:g} with as many padding rows added: a total that changes with the padding "
+                         f"is a mean over all rows ((mean, count) trains b times too slowly); {LOSS_TERMS_CONTRACT}")
+    if count != round(count) or count < real:
+        raise ValueError(f"{where} returned count={count:g}, below its {real:g} real rows or not a whole number: "
+                         f"the count is what total sums, at least one per real row (rows, or a row's tokens); "
+                         f"{LOSS_TERMS_CONTRACT}")
 
 
 @functools.lru_cache(maxsize=64)
-def _counts(loss_terms: LossTerms, mesh: Mesh, layout: str) -> Callable:
-    """jit(shard_map): (params replicated, batch sharded on 'data') -> (sum of the devices'
-    counts, sum of the mask), replicated."""
-    def counts(params, rows):
-        rows = {k: v for k, v in rows.items() if k != SHARDS_KEY}
-        if layout == "pmap":
-            rows = jax.tree.map(lambda x: x[0], rows)
-        count = checked_terms(loss_terms, params, rows)[1]
-        return lax.psum(count, AXIS), lax.psum(jnp.sum(rows["mask"], dtype=jnp.float32), AXIS)
-    return jax.jit(jax.shard_map(counts, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False))
+def _contract_program(loss_terms: LossTerms) -> Callable:
+    """jit: (params, one device's rows) -> ((total, count) as given, with every row padding,
+    with as many padding rows added; the real rows)."""
+    def terms(params, rows):
+        mask = rows["mask"]
+        padding = dict(rows, mask=jnp.zeros_like(mask))
+        more = {k: jnp.concatenate([v, v]) for k, v in rows.items()}
+        more["mask"] = jnp.concatenate([mask, jnp.zeros_like(mask)])
+        real = jnp.sum(jnp.any(mask.reshape(mask.shape[0], -1), axis=1), dtype=jnp.float32)
+        return (checked_terms(loss_terms, params, rows), checked_terms(loss_terms, params, padding),
+                checked_terms(loss_terms, params, more), real)
+    return jax.jit(terms)
 
 
 def start_state(name: str, optimizer: Optimizer, params: Params, opt_state, mesh: Mesh) -> tuple:
@@ -528,9 +620,10 @@ def sharded_step(loss_terms: LossTerms, update: Callable) -> Callable:
     (params, opt_state) replicated (``replicate``), the batch sharded on 'data'. The
     gradient by a jit of its own (XLA adds the cross-device sums), then ``update_program``;
     the state is donated on accelerators."""
-    gradient = sharded_gradient(loss_terms)
+    gradient, check = sharded_gradient(loss_terms), door("sharded_step", loss_terms, "sharded")
 
     def step(state, batch):
+        check(state[0], batch)
         leaf = next((x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)), None)
         apply = update_program(update, leaf is not None and donates(leaf.devices()))
         return apply(state, *gradient(state[0], batch))
@@ -553,7 +646,10 @@ def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callab
     stacked = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[None], x), mesh=mesh, in_specs=P(),
                                     out_specs=P(AXIS), check_vma=False))
 
+    check = door("pmap_step", loss_terms, "pmap", stacked=True)
+
     def step(state, batch):
+        check(state[0], batch)
         sums = gradient(state[0], batch)
         return stacked(apply(first(state), *first(sums)))
     return step
@@ -577,9 +673,10 @@ def shard_map_step(loss_terms: LossTerms, update: Callable, mesh: Mesh) -> Calla
     the implicit broadcast is a psum). Porting pmap's ``grad`` then ``pmean(grads)``
     trains with n times the gradient."""
     gradient = _shard_map_gradient(loss_terms, mesh)
-    apply = update_program(update, donates(mesh.devices.flat))
+    apply, check = update_program(update, donates(mesh.devices.flat)), door("shard_map_step", loss_terms, "sharded")
 
     def step(state, batch):
+        check(state[0], batch)
         return apply(state, *gradient(state[0], batch))
     return step
 
@@ -713,17 +810,20 @@ def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_
     device, folding too), else ``block_program`` once per block; then ``fold_program``
     (n > 1) and ``update_program``."""
     n = mesh.devices.size
-    if logical_shards % n:
-        raise ValueError(f"canonical_step: logical_shards={logical_shards} must be a multiple of the "
-                         f"mesh's {n} device(s)")
+    _check_multiple("canonical_step", logical_shards, n)
     k = logical_shards // n
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     fold, apply = fold_program(mesh, k), update_program(update)
+    checks = {layout: door("canonical_step", loss_terms, layout, logical_shards) for layout in ("sharded", "pmap")}
+    check = lambda params, batch: checks["pmap" if _is_pmap_layout(batch) else "sharded"](params, batch)
     if mesh.devices.flat[0].platform in LOOP_PLATFORMS:
         loop = loop_program(loss_terms, k, n == 1)
         trips = {d: jax.device_put(np.int32(k), d) for d in local}
         if n == 1:
-            return lambda state, batch: apply(state, *loop(state[0], _rows(batch), trips[local[0]]))
+            def step(state, batch):
+                check(state[0], batch)
+                return apply(state, *loop(state[0], _rows(batch), trips[local[0]]))
+            return step
 
         def sums_of(params, rows):
             return [_assembled({d: loop(params[d], rows[d], trips[d]) for d in local}, mesh, P(AXIS))]
@@ -737,6 +837,7 @@ def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_
             return [_assembled({d: sums[d][i] for d in local}, mesh, P(AXIS)) for i in range(k)]
 
     def step(state, batch):
+        check(state[0], batch)
         params, rows = _by_device(state[0], local), _by_device(_rows(batch), local)
         held = _by_device((state, *fold(sums_of(params, rows))), local)
         return _assembled({d: apply(*held[d]) for d in local}, mesh, P())
@@ -745,6 +846,11 @@ def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_
 
 def _rows(batch: dict) -> dict:
     return {key: x for key, x in batch.items() if key != SHARDS_KEY}
+
+
+def _is_pmap_layout(batch) -> bool:
+    """Whether a batch a canonical step was given (either layout) is pmap's: mask (n, B)."""
+    return isinstance(batch, dict) and "mask" in batch and np.ndim(batch["mask"]) == 2
 
 
 def _by_device(tree, devices: list) -> dict:

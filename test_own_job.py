@@ -16,7 +16,8 @@ guarantees through its public names only:
   the user's models, the stepwise verdict within;
 * randomness: dropout keyed by (seed, epoch, index) gives the same bits on 8, 2 and 1 devices
   under the canonical reduction and a different mask for every sample; keyed by position it
-  repeats in every block (the control);
+  repeats in every block (the control); with the epoch as data, three more epochs compile
+  nothing, while a loss_terms built per epoch compiles every epoch (the control);
 * conformance: the user's strided loader passes the exactly-once mode, is flagged by the
   contiguous one, an overlap planted is found at its step; the reference loader conforms;
 * checkpoints (orbax, optax): saved on 8 devices, restored on 2, the canonical run ends with
@@ -213,8 +214,7 @@ for n in (2, 1):  # the same bits on every device count dividing L
         x, y = (np.asarray(v).reshape(-1).view(np.uint8) for v in (a, b))  # bits, so -0.0 is not 0.0
         assert a.dtype == b.dtype and x.shape == y.shape, (n, a.dtype, b.dtype, x.shape, y.shape)
         assert np.array_equal(x, y), (n, "first byte apart", np.flatnonzero(x != y)[0])
-batch = next(iter(loaders.make_loader(data, jax.devices(), batch_size=16, shuffle=True, seed=0,
-                                      logical_shards=8).epoch(0)))
+batch = next(with_epoch(loader.epoch(0), 0))
 keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 0), i))(batch["index"])
 masks = np.asarray(jax.vmap(lambda key: jax.random.bernoulli(key, 0.75, (40,)))(keys))
 assert len({row.tobytes() for row in masks}) == len(masks), "two samples drew the same dropout mask"
@@ -223,6 +223,23 @@ by_place = np.asarray(jax.vmap(lambda i: jax.random.bernoulli(jax.random.fold_in
                                                               0.75, (40,)))(np.arange(128)))
 assert all(np.array_equal(by_place[16 * l:16 * (l + 1)], by_place[:16]) for l in range(8))
 assert not np.array_equal(masks[16:32], masks[:16])
+# Three more epochs compile nothing; the control: a loss_terms built per epoch compiles every time.
+compiled = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *a, **k: compiled.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+def per_epoch_terms(epoch):
+    return lambda p, b: dropout_terms(p, b | {"epoch": jnp.full_like(b["index"], epoch)})
+counts = {}
+for how in ("as data", "per epoch"):
+    for epoch in range(3, 6):
+        compiled.clear()
+        terms = dropout_terms if how == "as data" else per_epoch_terms(epoch)
+        params, _, state = strategies.sharded(params, with_epoch(itertools.islice(loader.epoch(epoch), 4), epoch),
+                                              loader.mesh, loss_terms=terms, optimizer=strategies.sgd(0.5),
+                                              opt_state=state, reduction="canonical")
+        counts[how, epoch] = len(compiled)
+assert [counts["as data", e] for e in (3, 4, 5)] == [0, 0, 0], counts
+assert all(counts["per epoch", e] > 0 for e in (3, 4, 5)), counts
 print("JOB OK")
 '''
 # The user's own feeding (strategies) and the user's loader under test (conformance).

@@ -410,11 +410,11 @@ def test_a_run_says_what_its_data_costs_against_prebuilt_batches(data):
     same batches prebuilt on the devices, and one line says the fed epoch's time over that; a
     run of one epoch, or a stopped one, has no such epoch and no line."""
     import re
-    done = run_refimpl(["--data-dir", data, *RUN, "--epochs", "3", "--batch-size", "4", "--devices", "2",
+    done = run_refimpl(["--data-dir", data, *RUN, "--epochs", "2", "--batch-size", "4", "--devices", "2",
                         "--strategies", "sharded,single"])
     assert done.status == 0, done.out + done.err
     [line] = [line for line in done.out.splitlines() if "prebuilt on the devices" in line]
-    assert re.fullmatch(r"sharded epoch 2 again over its batches prebuilt on the devices: \d+\.\d\d s; fed by the "
+    assert re.fullmatch(r"sharded epoch 1 again over its batches prebuilt on the devices: \d+\.\d\d s; fed by the "
                         r"loader it took \d+\.\d\dx that", line), line
     once = run_refimpl(["--data-dir", data, *RUN, "--batch-size", "4", "--devices", "2", "--strategies", "sharded"])
     assert once.status == 0 and "prebuilt on the devices" not in once.out, once.out
@@ -698,6 +698,30 @@ def test_with_drop_a_resume_skips_the_stated_count(data, tmp_path):
         in done.out.splitlines(), done.out
 
 
+def test_drops_verdict_holds_the_delivered_counts_to_the_stated_skips():
+    """refimpl.exactly_once for drop: kept only when no sample is delivered twice and exactly
+    elastic_plan's stated samples never; one more never delivered, one of them delivered, or
+    one delivered twice, each fails, naming the counts. (Counts made by hand from the plan.)"""
+    import refimpl
+    from plan import LoaderState, elastic_num_steps, remaining_samples
+    state = LoaderState(100, seed=0, epoch=0, step=1, shuffle=True, last_batch="drop",
+                        segments=((0, 8, 4), (1, 3, 4)))
+    skipped = remaining_samples(100, state.segments, elastic_num_steps(100, state.segments, "drop"), seed=0,
+                                shuffle=True, last_batch="drop")
+    counts = np.ones(100, np.int32)
+    counts[skipped] = 0
+    ok, line = refimpl.exactly_once("sharded", 0, counts, state, "drop", 0)
+    assert ok and line.endswith(f"each sample at most once, {len(skipped)} skipped, as elastic_plan states for drop")
+    delivered = np.flatnonzero(counts)
+    for what, changed in (("one more never", {delivered[0]: 0}), ("a stated skip delivered", {skipped[0]: 1}),
+                          ("one twice", {delivered[1]: 2})):
+        wrong = counts.copy()
+        for i, v in changed.items():
+            wrong[i] = v
+        ok, line = refimpl.exactly_once("sharded", 0, wrong, state, "drop", 0)
+        assert not ok and "NOT exactly once" in line, (what, line)
+
+
 def test_canonical_stopped_on_4_devices_and_resumed_on_2_ends_on_the_uninterrupted_bits(canonical, canonical_stopped):
     """The canonical run over 8 logical shards stopped on 4 devices before its masked step
     and resumed on 2 with --resume-from alone: every sample once, and --compare-to the
@@ -707,6 +731,10 @@ def test_canonical_stopped_on_4_devices_and_resumed_on_2_ends_on_the_uninterrupt
     for name in ("sharded", "single"):
         assert exactly_once(name, 0) + "every one of the 100 samples delivered exactly once" in done.out
         assert f"final params and optimizer state of {name} against {canonical.params}: bit-identical" in done.out
+        # the epoch's reported loss: the checkpoint's steps' losses with the resumed ones, as uninterrupted
+        [whole] = [line for line in canonical.out.splitlines() if line.startswith(f"{name:>9} epoch 0 of 1  loss ")]
+        [resumed] = [line for line in done.out.splitlines() if line.startswith(f"{name:>9} epoch 0 of 1  loss ")]
+        assert resumed.split("  test")[0] == whole.split("  test")[0], (resumed, whole)
 
 
 def test_a_loader_that_cannot_resume_on_other_shards_is_refused_naming_the_backend(stopped, tmp_path, monkeypatch):

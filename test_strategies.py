@@ -30,13 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import equivalence
 import loaders
 import model
 import strategies
-from conftest import (B, CLASSES, FEATURES, SMALL_LAYERS, assert_same_bits, bits_differ, host_batches,
+from conftest import (B, CLASSES, FEATURES, SMALL_LAYERS, assert_same_bits, bits_differ, examples, host_batches,
                       linear_init, linear_loss_terms, place, train)
 
 
@@ -985,12 +986,12 @@ def test_every_block_of_the_loop_runs_code_that_does_not_depend_on_how_many_bloc
                                      pytest.param("token", 8, marks=pytest.mark.slow)])
 def test_the_loop_schedule_is_the_same_bits_on_every_topology(devices, canonical_rules, monkeypatch, kind, L):
     """A TPU's schedule (LOOP_PLATFORMS: each device's blocks in one loop program), played on
-    these CPU devices: params, optimizer state and losses the same bits through sharded on
-    every n dividing L (up to 4) and single. (Not promised, and not so for the conv net on
+    these CPU devices: params, optimizer state and losses the same bits through sharded on one
+    device and on L, and single. (Not promised, and not so for the conv net on
     CPU: the loop's bits against a program a block's; the schedule is fixed by the platform.)"""
     monkeypatch.setattr(strategies, "LOOP_PLATFORMS", ("cpu",))
     runs = {("sharded", n): canonical_run(devices, "sharded", n, kind=kind, rule=canonical_rules["adamw"], L=L, b=2)
-            for n in (1, 2, 4) if L % n == 0 and n <= len(devices)}
+            for n in (1, L) if n <= len(devices)}
     runs["single", 1] = canonical_run(devices, "single", 1, kind=kind, rule=canonical_rules["adamw"], L=L, b=2)
     assert len(runs) >= 3 and not differences(runs), differences(runs)[:3]
 
@@ -1144,20 +1145,101 @@ def test_the_count_reaches_the_division_exactly_with_bfloat16_params(devices, re
             assert np.asarray(trained.params["v"]).dtype == jnp.bfloat16, name  # bfloat16 throughout
 
 
-def test_a_count_that_is_not_the_real_rows_is_refused_at_the_first_step(devices):
-    """The strategies know the mask: a loss_terms whose count is not the first batch's number of
-    real rows (one that ignores the mask, or counts padding) is refused before training, naming
-    the contract, in every strategy and both reductions; the control: the right count trains."""
+def masked_mean_terms(p, batch):  # (mean over the real rows, count): 0/0 when all are padding
+    total, count = linear_terms(p, batch)
+    return total / count, count
+
+
+def mean_of_all_terms(p, batch):  # (mean over all rows, count): b times too small
+    total, count = linear_terms(p, batch)
+    return total / batch["mask"].shape[0], count
+
+
+def unmasked_terms(p, batch):  # a total over every row, padding too, with the right count
+    logits = batch["x"] @ p["w"]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], axis=1)[:, 0]
+    return jnp.sum(nll), jnp.sum(batch["mask"].astype(jnp.float32))
+
+
+def token_terms_weighted(p, batch):  # a loss weighted by "token": 3 per row, counted so
+    total, count = linear_terms(p, batch)
+    return 3 * total, 3 * count
+
+
+# (what, loss_terms, batch change, the message, a regex): each refused by every strategy and step
+DOOR_CASES = [
+    ("a count that counts padding", lambda p, b: (linear_terms(p, b)[0], jnp.float32(b["mask"].shape[0])), None,
+     r"returned total=0, count=[48] when every row is padding, not \(0, 0\)"),
+    ("a total that ignores the mask", unmasked_terms, None, r"total=[\d.]+, count=0 when every row is padding"),
+    ("a mean over the real rows", masked_mean_terms, None, r"returned total=nan, count=0 when every row is padding"),
+    ("a mean over all rows", mean_of_all_terms, None, r"with as many padding rows added: a total that changes"),
+    ("a count below the real rows", lambda p, b: (linear_terms(p, b)[0], jnp.maximum(linear_terms(p, b)[1] - 1, 0)),
+     None, r"returned count=[25], below its [36] real rows"),
+    ("a uint8 mask of 0 and 255", linear_terms, lambda b: dict(b, mask=b["mask"].astype(np.uint8) * 255),
+     r"batch\['mask'\] is uint8, not bool"),
+    ("an int64 host leaf", linear_terms, lambda b: dict(b, index=np.arange(len(b["mask"])) + 2**31),
+     r"batch: leaf \['index'\] is int64, which JAX would silently train as int32"),
+]
+
+
+@pytest.mark.parametrize("what, terms, change, said", DOOR_CASES, ids=[c[0] for c in DOOR_CASES])
+def test_a_step_refuses_at_the_door_what_it_would_train_wrong(devices, what, terms, change, said):
+    """The first batch of a shape is checked (strategies.door), naming the value and the rule: a
+    loss_terms that breaks its contract on the first device's rows (with every row padding its
+    total and count are 0; padding rows added change neither; the count is at least the real
+    rows), a mask that is not bool, a 64-bit host leaf; through sharded_step in a user's own
+    loop and the strategy sharded. The controls: the right loss_terms trains, and so does a
+    loss weighted by token (a count of 3 per real row)."""
     mesh = loaders.data_mesh(devices[:2])
-    unmasked = lambda p, batch: (linear_terms(p, batch)[0], jnp.float32(batch["mask"].shape[-1]))
+    hosts = [change(h) for h in tiny_batches(2, steps=1)] if change else tiny_batches(2, steps=1)
+    state = strategies.replicate((tiny_params(), strategies.sgd(0.5).init(tiny_params())), mesh)
+    with pytest.raises(ValueError, match=said):
+        strategies.sharded_step(terms, strategies.sgd_update)(state, hosts[0])
+    with pytest.raises(ValueError, match=said):
+        strategies.sharded(tiny_params(), hosts, mesh, loss_terms=terms, optimizer=strategies.sgd(0.5))
+    if change is None:
+        for good in (linear_terms, token_terms_weighted):
+            strategies.sharded(tiny_params(), hosts, mesh, loss_terms=good, optimizer=strategies.sgd(0.5))
+
+
+def test_every_way_to_train_has_the_door(devices):
+    """One refusal of the test above (a count that counts padding) from every way to train:
+    the four strategies in both reductions, and the steps of a user's own loop (sharded_step,
+    pmap_step, shard_map_step, canonical_step), each naming itself."""
+    mesh = loaders.data_mesh(devices[:2])
+    _, terms, _, said = DOOR_CASES[0]
+    hosts = tiny_batches(2, steps=1)
     for reduction in ("plain", "canonical"):
         extra = {"logical_shards": 2} if reduction == "canonical" else {}
         for name, fn in strategies.STRATEGIES.items():
-            batches = for_layout(name, tiny_batches(2, steps=1), 2)
-            with pytest.raises(ValueError, match=rf"strategy '{name}': loss_terms returned count=8 for the first "
-                                                 rf"batch, which has 6 real .*the sum of the per-sample losses"):
-                fn(tiny_params(), batches, mesh, loss_terms=unmasked, reduction=reduction, **extra)
-            fn(tiny_params(), batches, mesh, loss_terms=linear_terms, reduction=reduction, **extra)
+            with pytest.raises(ValueError, match=said):
+                fn(tiny_params(), for_layout(name, hosts, 2), mesh, loss_terms=terms, reduction=reduction, **extra)
+    state = strategies.replicate((tiny_params(), strategies.sgd(0.5).init(tiny_params())), mesh)
+    batch = loaders.global_batch({k: {f: v[k * 4:(k + 1) * 4] for f, v in hosts[0].items()} for k in range(2)}, mesh)
+    pmap_batch = loaders.global_batch({k: {f: v[k * 4:(k + 1) * 4] for f, v in hosts[0].items()} for k in range(2)},
+                                      mesh, "pmap")
+    steps = {"sharded_step": (strategies.sharded_step(terms, strategies.sgd_update), state, batch),
+             "shard_map_step": (strategies.shard_map_step(terms, strategies.sgd_update, mesh), state, batch),
+             "canonical_step": (strategies.canonical_step(terms, strategies.sgd_update, mesh, 2), state, batch),
+             "pmap_step": (strategies.pmap_step(terms, strategies.sgd_update, tuple(mesh.devices.flat)),
+                           strategies.stack_replicas((tiny_params(), strategies.sgd(0.5).init(tiny_params())), mesh),
+                           pmap_batch)}
+    for name, (step, start, given) in steps.items():
+        with pytest.raises(ValueError, match=f"^{name}: .*{said}"):
+            step(start, given)
+
+
+def test_a_canonical_step_refuses_batches_of_another_plans_logical_shards(devices):
+    """canonical_step made for L = 4 refuses a batch whose loader planned L = 8 (its
+    "logical_shards"), naming both; the control: made for 8, it trains that batch."""
+    loss_terms, params, data = canonical_model("relu")
+    mesh = loaders.data_mesh(devices[:2])
+    batch = next(iter(loaders.make_loader(data, mesh, 2, logical_shards=8).epoch(0)))
+    state = strategies.replicate((params, strategies.sgd(0.1).init(params)), mesh)
+    with pytest.raises(ValueError, match=r"canonical_step: the batch carries logical_shards=8 \(its loader's plan\), "
+                                         r"but the step was made for logical_shards=4"):
+        strategies.canonical_step(loss_terms, strategies.sgd_update, mesh, 4)(state, batch)
+    strategies.canonical_step(loss_terms, strategies.sgd_update, mesh, 8)(state, batch)
 
 
 def test_apply_updates_adds_in_the_wider_dtype_then_casts_as_optax_does(devices):
@@ -1223,3 +1305,54 @@ def test_the_canonical_programs_carry_their_own_xla_options(monkeypatch):
             build.cache_clear()
     assert seen == [strategies.CANONICAL_XLA_OPTIONS] * 3, seen
     assert strategies.CANONICAL_XLA_OPTIONS == {"xla_gpu_deterministic_ops": True, "xla_gpu_autotune_level": 0}
+
+
+def keep_gradient():
+    """An optimizer that moves nothing and keeps the gradient it was handed as its state."""
+    return strategies.Optimizer(lambda p: jax.tree.map(np.zeros_like, p),
+                                lambda g, s, p: (jax.tree.map(jnp.zeros_like, g), g))
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from([0, 1, 3, 7, 255, 2**20 + 1]))
+@settings(max_examples=examples(20))
+def test_the_update_divides_as_numpys_float32_division(seed, count):
+    """update_program's g / max(count, 1), the gradient the optimizer is handed, and the loss
+    total / max(count, 1): bit for bit NumPy's float32 division (bfloat16 leaves: in float32,
+    then cast), for drawn sums over many binades and counts from 0 up. The control: a
+    reciprocal multiply, g * (1 / count), which XLA:CPU once chose by itself, differs."""
+    import ml_dtypes
+    rng = np.random.default_rng(seed)
+    sums = {"f": (rng.standard_normal(64) * 2.0 ** rng.integers(-30, 30, 64)).astype(np.float32),
+            "h": (rng.standard_normal(16) * 8).astype(ml_dtypes.bfloat16)}
+    total = np.float32(rng.standard_normal() * 100)
+    params = jax.tree.map(np.zeros_like, sums)
+    rule = keep_gradient()
+    ((_, handed), loss) = strategies.update_program(rule.update)((params, rule.init(params)), sums, total,
+                                                                 np.float32(count))
+    c = np.float32(max(count, 1))
+    assert_same_bits(np.asarray(handed["f"]), sums["f"] / c, "float32 leaf")
+    assert_same_bits(np.asarray(handed["h"]), (sums["h"].astype(np.float32) / c).astype(ml_dtypes.bfloat16), "bf16")
+    assert_same_bits(np.asarray(loss), total / c, "loss")
+    if count in (3, 7, 255):
+        assert bits_differ(sums["f"] * (np.float32(1) / c), sums["f"] / c)
+
+
+@pytest.mark.parametrize("reduction", ["plain", "canonical"])
+def test_a_step_of_padding_only_reports_a_loss_of_zero(devices, reduction):
+    """A step whose rows are all padding reports loss +0.0 (0 / max(0, 1)), not NaN, through
+    every strategy; its neighbours' losses are finite and positive."""
+    mesh = loaders.data_mesh(devices[:2])
+    hosts = tiny_batches(2, steps=3)
+    hosts[1] = dict(hosts[1], mask=np.zeros(8, bool))
+    extra = {"logical_shards": 2} if reduction == "canonical" else {}
+    for name, fn in strategies.STRATEGIES.items():
+        losses = fn(tiny_params(), for_layout(name, hosts, 2), mesh, loss_terms=linear_terms, reduction=reduction,
+                    **extra).losses
+        assert losses[1] == 0 and not np.signbit(losses[1]) and (losses[[0, 2]] > 0).all(), (name, losses)
+
+
+def test_the_keys_and_the_axis_both_modules_spell_are_the_same():
+    """strategies.py and loaders.py are copied apart, so each spells the batch's keys and the
+    mesh axis itself: the same words."""
+    assert (strategies.AXIS, strategies.SHARDS_KEY) == (loaders.DATA_AXIS, loaders.SHARDS)
+    assert "mask" == loaders.MASK and strategies.LAYOUT["pmap"] in loaders.LAYOUTS
