@@ -211,7 +211,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--hidden {text!r}: give the hidden layers' widths as positive integers separated "
                      f"by commas, e.g. 1024,1024")
     for flag in ("epochs", "batch_size", "eval_batch_size", "devices", "peer_timeout", "logical_shards",
-                 "stop_after_step"):
+                 "stop_after_step", "local_processes"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -278,6 +278,10 @@ def check_run(args: argparse.Namespace, several, devices: int | None = None) -> 
                          f"{' or '.join(vendor)} arithmetic (by device kind)")
     if args.optimizer == "adam" and importlib.util.find_spec("optax") is None:
         raise ValueError("--optimizer adam: needs optax (python3 -m pip install -r requirements-peers.txt)")
+    for flag in ("stop_after_step", "resume_from"):
+        if getattr(args, flag) is not None and not _importable("orbax.checkpoint"):
+            raise ValueError(f"--{flag.replace('_', '-')}: needs orbax-checkpoint, the checkpointer "
+                             f"(python3 -m pip install -r requirements.txt)")
     unsupported = [s for s in args.strategies if s in ONE_PROCESS] if several else []
     if unsupported:
         raise ValueError(f"{source('strategies')}{','.join(unsupported)}: across processes only sharded and "
@@ -287,6 +291,13 @@ def check_run(args: argparse.Namespace, several, devices: int | None = None) -> 
         fits = ", ".join(str(d) for d in range(1, args.logical_shards + 1) if args.logical_shards % d == 0)
         raise ValueError(f"{source('logical-shards')}{args.logical_shards}, which {devices} device(s) do not "
                          f"divide; use a device count that divides it ({fits}) or another L")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
 
 
 def known_device_count(args: argparse.Namespace) -> int | None:
@@ -698,9 +709,18 @@ def resume_options(args: argparse.Namespace, given: set) -> dict:
     import orbax.checkpoint as ocp
 
     folder = os.path.abspath(args.resume_from)
-    items = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-        folder, args=ocp.args.Composite(run=ocp.args.JsonRestore(), loader=ocp.args.JsonRestore(),
-                                        state=ocp.args.StandardRestore()))
+    previous = sys.unraisablehook
+    # A failed read leaves tensorstore's other reads to finish into orbax's closed event loop;
+    # each would print "Event loop is closed" at exit. The error itself is raised below.
+    sys.unraisablehook = lambda hook: None if "Event loop is closed" in str(hook.exc_value) else previous(hook)
+    try:
+        items = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+            folder, args=ocp.args.Composite(run=ocp.args.JsonRestore(), loader=ocp.args.JsonRestore(),
+                                            state=ocp.args.StandardRestore()))
+    except Exception as error:  # tensorstore's, orbax's: one line naming the checkpoint
+        said = str(error).strip().splitlines()[0].split(" [tensorstore_spec=")[0] if str(error).strip() else ""
+        raise ValueError(f"--resume-from {args.resume_from}: the checkpoint cannot be read "
+                         f"({type(error).__name__}: {said[:300]})") from None
     saved, args.from_checkpoint = dict(items["run"]), set()
     for name in [n for n in IDENTITY + ("batch_size",) if n in saved["identity"]]:
         value = saved["identity"][name]

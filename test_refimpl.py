@@ -21,6 +21,7 @@ epoch that once deadlocked. Several processes: test_multiprocess.py.
 
 import json
 import os
+import shutil
 import sys
 import types
 
@@ -28,7 +29,7 @@ import numpy as np
 import pytest
 
 from cifar_mnist import read_cifar10, synthetic_cifar10, write_cifar10
-from conftest import assert_same_bits, run_children, run_refimpl
+from conftest import assert_same_bits, own_stderr, run_children, run_refimpl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUN = ["--epochs", "1", "--hidden", "8", "--eval-batch-size", "5"]  # 16 test images: the last batch padded
@@ -205,6 +206,7 @@ REFUSED = {
     "a negative process id": ([*MULTI, "--process-id", "-1"], "--process-id -1 is outside 0..1"),
     "a coordinator alone": (["--coordinator", "127.0.0.1:1"],
                             "--coordinator, --num-processes and --process-id go together"),
+    "no local processes": (["--local-processes", "0"], "--local-processes must be >= 1, got 0"),
     "local processes in a cluster": (["--local-processes", "2", "--auto-distributed"],
                                      "--local-processes N goes with no other multi-process option"),
     "local processes on a GPU": (["--local-processes", "2", "--platform", "gpu"], "--platform gpu cannot go with it"),
@@ -291,6 +293,43 @@ def test_adam_without_optax_is_refused_naming_the_option(monkeypatch):
                                                                     "optax"), done.err
     import refimpl
     assert refimpl.parse_args(["--optimizer", "sgd"]).optimizer == "sgd"
+
+
+def test_a_checkpoint_without_orbax_is_refused_before_anything_is_trained(monkeypatch, data, tmp_path):
+    """--stop-after-step and --resume-from need orbax-checkpoint: without it, one line naming
+    the option and how to install it, before training (a stop used to train first)."""
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("orbax") else real(name, *a))
+    for argv, flag in (([*RUN, "--data-dir", data, "--stop-after-step", "2", "--checkpoint-dir", tmp_path / "ck"],
+                        "--stop-after-step"), (["--resume-from", tmp_path / "ck"], "--resume-from")):
+        if flag == "--resume-from":
+            (tmp_path / "ck" / "run").mkdir(parents=True)
+            (tmp_path / "ck" / "run" / "metadata").write_text("{}")
+        done = run_refimpl(argv)
+        assert done.status == 2 and done.err.splitlines()[-1] == (
+            f"refimpl.py: error: {flag}: needs orbax-checkpoint, the checkpointer (python3 -m pip install -r "
+            f"requirements.txt)"), done.err
+        assert "--- " not in done.out, done.out
+
+
+@pytest.mark.slow  # a child process: the extended tier
+def test_a_checkpoint_whose_arrays_are_gone_is_refused_in_one_line(stopped, tmp_path):
+    """A checkpoint whose array files were deleted: one line naming --resume-from and the first
+    file missing, exit status 2, and nothing more on stderr (no tensorstore spec, no "Event
+    loop is closed" at exit: the resume runs in a child process to see its exit)."""
+    import sys
+    folder = tmp_path / "ck"
+    shutil.copytree(stopped.folder, folder)
+    for data_dir in folder.glob("state/**/d"):
+        shutil.rmtree(data_dir)
+    [(code, out, err)] = run_children([[sys.executable, os.path.join(HERE, "refimpl.py"), "--resume-from", str(folder),
+                                        "--platform", "cpu"]], timeout=120, cwd=HERE)
+    lines = own_stderr(err).splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"refimpl.py: error: --resume-from {folder}: the checkpoint cannot be read (") \
+        and "tensorstore_spec" not in lines[0] and len(lines[0]) < 600, lines[0]
 
 
 # Every option's value when it is not given, as --help and docs/running.md state it (the
