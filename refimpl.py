@@ -232,6 +232,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     problem = not_npz(args.compare_to) if args.compare_to else None
     if problem:
         parser.error(f"--compare-to {args.compare_to}: not a .npz written by --params-out ({problem})")
+    if args.reduction == "canonical" and args.logical_shards is None and not args.resume_from:
+        parser.error("--reduction canonical needs --logical-shards L: its bits are the same on every device "
+                     "count dividing L (one shard per device would make them follow the device count)")
     if (args.stop_after_step is None) != (args.checkpoint_dir is None):
         parser.error("--stop-after-step and --checkpoint-dir go together")
     if args.checkpoint_dir:
@@ -484,8 +487,6 @@ def set_up(args: argparse.Namespace) -> Job:
     distributed = bool(args.coordinator or args.auto_distributed)
     job = Job(devices=jax.devices() if distributed else pick_devices(args.devices, args.platform))
     n = len(job.devices)
-    if args.reduction == "canonical" and args.logical_shards is None:
-        args.logical_shards = n  # --reduction canonical alone: one logical shard a device
     check_run(args, distributed or jax.process_count() > 1, n)
     job.num_shards = args.logical_shards or n
     job.mesh = loaders.data_mesh(job.devices)

@@ -207,6 +207,7 @@ REFUSED = {
     "a coordinator alone": (["--coordinator", "127.0.0.1:1"],
                             "--coordinator, --num-processes and --process-id go together"),
     "no local processes": (["--local-processes", "0"], "--local-processes must be >= 1, got 0"),
+    "canonical without L": (["--reduction", "canonical"], "--reduction canonical needs --logical-shards L"),
     "local processes in a cluster": (["--local-processes", "2", "--auto-distributed"],
                                      "--local-processes N goes with no other multi-process option"),
     "local processes on a GPU": (["--local-processes", "2", "--platform", "gpu"], "--platform gpu cannot go with it"),
