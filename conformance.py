@@ -27,7 +27,7 @@ from collections import defaultdict
 import numpy as np
 
 from arithmetic import Normalize
-from plan import LAST_BATCH_POLICIES, Segment, elastic_num_steps, elastic_plan, epoch_plan
+from plan import LAST_BATCH_POLICIES, elastic_plan, epoch_plan
 
 EXAMPLES = 3  # examples per kind of deviation in a report
 LAYOUTS = ("sharded", "pmap")  # a batch's two shapes, (n*B, ...) and (n, B, ...): loaders.LAYOUTS
@@ -401,12 +401,12 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
     _check_args(where, partition, last_batch, num_samples=(num_samples, 0),
                 **({} if length is None else {"length": (length, 0)}))
     try:
-        total = elastic_num_steps(num_samples, segments, last_batch)
-        plans = elastic_plan(num_samples, segments, epoch=epoch, seed=seed, shuffle=shuffle,
-                             last_batch=last_batch) if partition == "contiguous" else None
+        plans = elastic_plan(num_samples, segments, epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
     except ValueError as error:
         raise ValueError(f"{where}: segments={segments!r} is not an epoch elastic_plan accepts: {error}") from None
-    segments = [Segment(*(int(v) for v in s)) for s in segments]
+    segments = [tuple(int(v) for v in s) for s in segments]
+    total = segments[-1][0] + len(plans[-1].indices)
+    plans = plans if partition == "contiguous" else None
     for name, value in (("delivered", delivered), ("masks", masks)):
         if (value is not None or name == "delivered") and (
                 not isinstance(value, (list, tuple)) or len(value) != len(segments)):
@@ -414,7 +414,7 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
             raise ValueError(f"{where}: {name} must be a list with one entry per segment ({len(segments)}), "
                              f"got {got}")
     found = findings if findings is not None else Findings()
-    stops = [s.start for s in segments[1:]] + [None]
+    stops = [s[0] for s in segments[1:]] + [None]
     reals, end = [], 0
     for i, ((start, n, B), stop) in enumerate(zip(segments, stops)):
         got, mask = _blocks(delivered[i], None if masks is None else masks[i], B, where, f"delivered[{i}]")
@@ -442,7 +442,7 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
             for text, shards, at, samples in items:
                 found.add(kind, f"segment {i}: {text}", shards=[(i, k) for k in shards], steps=at,
                           samples=list(samples))
-    everyone = [(i, k) for i, s in enumerate(segments) for k in range(s.num_shards)]
+    everyone = [(i, k) for i, s in enumerate(segments) for k in range(s[1])]
     want = total if plans is not None else end
     if length is not None and length != want:
         what = (f"the resized plan has {want} (N={num_samples}, segments {[tuple(s) for s in segments]}, "
@@ -450,7 +450,7 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
         lo, hi = min(length, want), max(length, want)
         found.add("step count", f"the loader reports {length} steps for the epoch; {what}; steps {_span(lo, hi)}",
                   shards=everyone, steps=range(lo, hi))
-    table = _table(reals, [s.start for s in segments])
+    table = _table(reals, [s[0] for s in segments])
     _exactly_once(table, num_samples, last_batch, end, everyone, found, resized=True, outside=partition == "any")
     _across_segments(table, segments, num_samples, last_batch, total, end, everyone, found)
     return found
@@ -502,7 +502,7 @@ def _across_segments(table: np.ndarray, segments: list, num_samples: int, last_b
     if last_batch == "fill":
         return
     delivered = np.unique(inside[:, 0]).size
-    steps = [b.start - a.start for a, b in zip(segments, segments[1:])] + [total - segments[-1].start]
+    steps = [b[0] - a[0] for a, b in zip(segments, segments[1:])] + [total - segments[-1][0]]
     stated = sum(n * B * d for (_, n, B), d in zip(segments, steps))
     if delivered != stated:
         terms = " + ".join(f"{n}*{B}*{d}" for (_, n, B), d in zip(segments, steps))

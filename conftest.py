@@ -623,6 +623,12 @@ EPOCHS = st.integers(0, 1000)
 POLICIES = st.sampled_from(LAST_BATCH_POLICIES)
 
 
+def epoch_steps(N: int, segments, last_batch: str = "fill") -> int:
+    """The steps of an epoch run by ``segments``, as a LoaderState counts them."""
+    from plan import LoaderState
+    return LoaderState(N, 0, 0, segments[-1][0], False, last_batch, tuple(segments)).num_steps
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -213,16 +213,19 @@ class DaliLoader:
     def dataset(self) -> str:
         return self.spec.dataset
 
+    @property
+    def num_steps(self) -> int:
+        return self.spec.num_steps
+
     def __len__(self) -> int:
-        return len(self.spec)
+        return self.num_steps
 
     def plan(self, epoch: int) -> Plan:
         return self.spec.plan(epoch)
 
     def real_samples(self, epoch: int, *, state: LoaderState | None = None) -> int:
-        if state is not None:
-            self._resumed("DaliLoader.real_samples", epoch, state)
-        return self.spec.schedule.real_samples("DaliLoader.real_samples", epoch, state=state)
+        resumed = None if state is None else self._resumed("DaliLoader.real_samples", epoch, state)
+        return self.spec.schedule.real_samples(epoch, resumed)
 
     def describe(self) -> str:
         if self.order == "plan":
@@ -245,7 +248,7 @@ class DaliLoader:
         check_seed("epoch", epoch, where)
         if state is None:
             return loaders.EpochIterator(_batches(self, epoch, self.plan(epoch), 0),
-                                         lambda: self.spec.schedule.state(where, epoch, 0))
+                                         lambda: self.spec.schedule.start(epoch))
         resumed = self._resumed(where, epoch, state)
         plan, row = resumed.plan()
         return loaders.EpochIterator(_batches(self, epoch, plan, row), resumed)
@@ -256,7 +259,7 @@ class DaliLoader:
 
     def _resumed(self, where: str, epoch: int, state) -> LoaderState:
         """``state`` checked and resized to this loader's shards; order="vendor" refuses a resize."""
-        resumed = self.spec.schedule.resumed(where, epoch, state)
+        resumed = self.spec.schedule.resume(where, epoch, state)
         if self.order == "vendor" and len(resumed.segments) > 1:
             raise ValueError(
                 f"{where}: order='vendor' resumes only on the shards and batch that wrote the state "

@@ -262,28 +262,35 @@ class Loader:
         first made or checked (one pass over the data), then kept."""
         return dataset_digest(self.arrays)
 
-    @property
+    @functools.cached_property
     def schedule(self) -> Schedule:
         return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
                         self.last_batch, dataset=lambda: self.dataset)
 
+    @property
+    def num_steps(self) -> int:
+        """A fresh epoch's steps, equal on every shard; ``len(loader)`` too."""
+        return self.schedule.num_steps
+
     def __len__(self) -> int:
-        return self.schedule.steps
+        return self.num_steps
 
     def plan(self, epoch: int) -> Plan:
         return self.schedule.plan(epoch)
 
     def real_samples(self, epoch: int, *, state: LoaderState | None = None) -> int:
         """Real (mask-True) slots of ``epoch``, or of ``epoch(epoch, state=state)``'s steps."""
-        return self.schedule.real_samples("Loader.real_samples", epoch, state=state)
+        resumed = None if state is None else self.schedule.resume("Loader.real_samples", epoch, state)
+        return self.schedule.real_samples(epoch, resumed)
 
     def batch(self, epoch: int, step: int, *, state: LoaderState | None = None) -> dict[str, jax.Array]:
         """Step ``step`` of ``epoch`` alone (random access), of a fresh epoch or the one resumed
-        from ``state``. IndexError for a step outside [0, len) or [state.step, num_steps)."""
-        plan, row, first, stop, fresh = self._where("Loader.batch", epoch, state)
-        if not first <= step < stop:
-            raise IndexError(f"step={step} is outside [{first}, {stop})")
-        return _steps(self, fresh, plan, row + step - first, row + step - first + 1)[0]()
+        from ``state``. IndexError for a step outside [0, num_steps) or [state.step, its end)."""
+        start = self._start("Loader.batch", epoch, state)
+        plan, row = start.plan()
+        if not start.step <= step < start.num_steps:
+            raise IndexError(f"step={step} is outside [{start.step}, {start.num_steps})")
+        return _steps(self, len(start.segments) == 1, plan, row + step - start.step, row + step - start.step + 1)[0]()
 
     def epoch(self, epoch: int, *, state: LoaderState | None = None) -> EpochIterator:
         """The batches of ``epoch``, or its rest from ``state`` (a ``get_state()`` of this run:
@@ -293,22 +300,22 @@ class Loader:
         at the first ``next()``; its errors are raised in the caller. The iterator ends what
         it started however it ends (exhausted, closed, collected, or unfinished at exit).
         ValueError for a state that is not a LoaderState or of another run or epoch."""
-        plan, row, first, _, fresh = self._where("Loader.epoch", epoch, state)
-        makers = _steps(self, fresh, plan, row, len(plan.indices))
+        start = self._start("Loader.epoch", epoch, state)
+        plan, row = start.plan()
+        makers = _steps(self, len(start.segments) == 1, plan, row, len(plan.indices))
         batches = (make() for make in makers) if self.placement == "device" else \
             _prefetched(lambda make: make(), makers, self.prefetch)
-        if state is not None:
-            return EpochIterator(batches, self.schedule.resumed("Loader.epoch", epoch, state))
-        return EpochIterator(batches, lambda: self.schedule.state("Loader.epoch", epoch, 0))
+        return EpochIterator(batches, start if state is not None else lambda: self.schedule.start(epoch))
 
-    def _where(self, name: str, epoch: int, state) -> tuple:
-        """(plan, its first row, the epoch's first and stop steps, whether the plan is a fresh
-        epoch's) of ``epoch``, fresh or resumed from ``state`` (checked)."""
+    def _start(self, where: str, epoch: int, state) -> LoaderState:
+        """The state ``epoch`` starts from on this loader: ``state`` checked and resized, once;
+        or a fresh epoch's step 0, naming no data (a state to save is made by get_state, which
+        computes the digest the first time one is asked for)."""
         if state is None:
-            return self.plan(epoch), 0, 0, len(self), True
-        st = self.schedule.resumed(name, epoch, state)
-        plan, row = st.plan()
-        return plan, row, st.step, st.num_steps, len(st.segments) == 1
+            check_seed("epoch", epoch, where)
+            return LoaderState.start(self.num_samples, self.num_shards, self.batch_size, epoch=epoch, seed=self.seed,
+                                     shuffle=self.shuffle, last_batch=self.last_batch)
+        return self.schedule.resume(where, epoch, state)
 
 
 def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> list[Callable]:

@@ -3,33 +3,35 @@
 The spec every loader follows (loaders.py, DALI and rocAL with ``order="plan"``, and
 conformance.py's checks). Pure NumPy, with no other import of the project: copy it alone.
 
-Shard k of n over range(N) is [N*k//n, N*(k+1)//n), rocAL's and DALI's partition. An epoch
-runs a chain of segments (t_i, n_i, B_i): from global step t_i on, n_i shards of per-shard
-batch B_i. A fresh epoch is the one segment (0, n, B) (``epoch_plan``); a resize mid-epoch
-appends one (``elastic_plan``, ``LoaderState``). Segment i's pool R_i is the samples in no
-real slot before step t_i, ascending (R_0 = range(N)). With m = len(R_i), n = n_i, B = B_i,
-shard k of segment i (0 <= k < n) holds at step s, in slot j = s*B + b (0 <= j < S_i*B):
+A fresh epoch (``epoch_plan``). Shard k of n over range(N) is [N*k//n, N*(k+1)//n), rocAL's
+and DALI's partition. With per-shard batch B, shard k holds at step s, in slot j = s*B + b
+(0 <= j < S*B):
 
-    S_i   = 0 if i >= 1 and t_i == t_{i-1} + S_{i-1} (the epoch has ended), else
-            ceil(ceil(m/n) / B) for fill, floor(floor(m/n) / B) for drop
-    run   = R_i[m*k//n : m*(k+1)//n]
-    order = run[shard_permutation(len(run), seed=, epoch=, shard=k, segment=i)] if shuffle else run
-    real  = min(S_i*B, len(run))
-    slot  = order[j] (mask True) if j < real, else padding (mask False):
-            order[real-1], or R_i[m*k//n] when real == 0
+    S     = ceil(ceil(N/n) / B) for fill, floor(floor(N/n) / B) for drop     (``num_steps``)
+    run   = range(N)[N*k//n : N*(k+1)//n]
+    order = run[shard_permutation(len(run), seed=, epoch=, shard=k)] if shuffle else run
+    real  = min(S*B, len(run))
+    slot  = order[j] (mask True) if j < real, else padding (mask False): order[real-1]
 
-Segment i delivers steps 0 .. d_i-1 of that plan: d_i = t_{i+1} - t_i (1 <= d_i <= S_i), or
-S_i for the last segment. Worked, a fresh epoch (N=7, n=2, B=2, no shuffle; ``*`` padding):
+Worked (N=7, n=2, B=2, no shuffle; ``*`` padding):
 
     policy | steps                 | step 0 (shard 0, 1) | step 1 (shard 0, 1)
     -------+-----------------------+---------------------+--------------------
     fill   | ceil(ceil(7/2)/2) = 2 | [0, 1]  [3, 4]      | [2, 2*]  [5, 6]
     drop   | (7//2)//2 = 1         | [0, 1]  [3, 4]      | (none: 2, 5, 6 skipped)
 
-So every shard of a segment runs the same steps (SPMD collectives need it). Fill puts each
-sample in exactly one real slot of the epoch; drop at most once, sum_i n_i*B_i*d_i in all.
-Shards exchange no samples within a segment. Unlike rocAL's and DALI's, the shuffle honours
-the seed and changes every epoch.
+So every shard runs the same steps (SPMD collectives need it). Fill puts each sample in
+exactly one real slot of the epoch; drop at most once, n*B*S in all. Shards exchange no
+samples. Unlike rocAL's and DALI's, the shuffle honours the seed and changes every epoch.
+
+A resized epoch (``elastic_plan``, ``LoaderState``): a resume on other shards runs the epoch
+as a chain of segments (t_i, n_i, B_i), from global step t_i on n_i shards of batch B_i; a
+fresh epoch is the one segment (0, n, B). Segment i plans as above over its pool R_i, the
+samples in no real slot before step t_i, ascending (R_0 = range(N)): with m = len(R_i), run =
+R_i[m*k//n : m*(k+1)//n], the shuffle's ``segment=i``, S_i from m (0 once the epoch has
+ended: t_i == t_{i-1} + S_{i-1}), and padding R_i[m*k//n] for an empty run. It delivers d_i
+= t_{i+1} - t_i of its steps (S_i for the last). Fill still puts each sample in exactly one
+real slot; drop in at most one, sum_i n_i*B_i*d_i in all.
 
 Inputs: an int parameter takes a Python or NumPy integer (never a bool or a float) and is
 used as a Python int; a bool parameter takes Python's or NumPy's bool. Anything else raises
@@ -58,9 +60,9 @@ class Plan(NamedTuple):
     mask: np.ndarray
 
 
-class Segment(NamedTuple):
-    """Steps ``start`` .. (the next segment's start) of an epoch, on ``num_shards`` shards of
-    ``batch_size``. A plain tuple or list [start, n, B] is accepted wherever a Segment is."""
+class _Segment(NamedTuple):
+    """(t_i, n_i, B_i) of the module docstring, as ``LoaderState.segments`` holds them; a plain
+    tuple or list [start, n, B] is accepted wherever one is."""
     start: int
     num_shards: int
     batch_size: int
@@ -127,7 +129,7 @@ def epoch_plan(num_samples: int, num_shards: int, batch_size: int, *, epoch: int
     epoch, seed = check_seed("epoch", epoch, where), check_seed("seed", seed, where)
     shuffle = _check_bool(where, "shuffle", shuffle)
     steps = _steps(num_samples, num_shards, batch_size, last_batch)
-    return _plans(num_samples, [Segment(0, num_shards, batch_size)], [[steps, steps]], epoch=epoch,
+    return _plans(num_samples, [_Segment(0, num_shards, batch_size)], [[steps, steps]], epoch=epoch,
                   seed=seed, shuffle=shuffle)[0]
 
 
@@ -167,18 +169,12 @@ def elastic_plan(num_samples: int, segments: Sequence, *, epoch: int = 0, seed: 
     return _plans(num_samples, segments, steps, epoch=epoch, seed=seed, shuffle=shuffle)
 
 
-def elastic_num_steps(num_samples: int, segments: Sequence, last_batch: str = "fill") -> int:
-    """The global steps of elastic_plan's epoch, t_last + d_last (num_steps for one segment)."""
-    _, segments, steps = _segments("elastic_num_steps", num_samples, segments, last_batch)
-    return segments[-1].start + steps[-1][1]
-
-
 def remaining_samples(num_samples: int, segments: Sequence, step: int, *, epoch: int = 0,
                       seed: int = 0, shuffle: bool = False, last_batch: str = "fill") -> np.ndarray:
     """The samples in no real slot of elastic_plan's epoch before global ``step``, ascending int64.
 
     At a segment's start they are its pool R_i. At the epoch's end they are none (fill) or
-    the skipped samples (drop). Raises ValueError unless 0 <= step <= elastic_num_steps(...).
+    the skipped samples (drop). Raises ValueError unless 0 <= step <= the epoch's steps.
     """
     where = "remaining_samples"
     num_samples, segments, steps = _segments(where, num_samples, segments, last_batch)
@@ -283,15 +279,15 @@ _JSON_KEYS = ("format", "num_samples", "dataset", "seed", "epoch", "step", "shuf
 class LoaderState:
     """Where a loader stands in an epoch: a small plain value to save, resumable on any shards.
 
-    ``step`` is the global step of the next batch. ``segments`` is elastic_plan's argument;
-    its last segment is the shards that wrote the state. ``dataset`` is the data's
-    ``dataset_digest``, or None for a state made by hand or read from format 1.
+    ``step`` is the global step of the next batch. ``segments`` is elastic_plan's argument, a
+    tuple of (start, num_shards, batch_size); its last segment is the shards that wrote the
+    state. ``dataset`` is the data's ``dataset_digest``, or None for a state made by hand
+    (taken on trust). ``num_steps`` is the epoch's global steps.
 
     ``to_json`` writes one object with exactly the keys format ("plan.LoaderState/2"),
     num_samples, dataset (or null), seed, epoch, step, shuffle, last_batch and segments (a
     list of [start, num_shards, batch_size]), in this order, with separators "," and ":" and
-    no spaces. ``from_json`` also reads format 1 ("loaders.LoaderState/1", no dataset key)
-    as naming no data, so a job saved before states named their data can still resume.
+    no spaces; ``from_json`` reads it back.
 
     Raises ValueError, naming the field and the value, for what elastic_plan refuses, a step
     outside [the last segment's start, the epoch's end], or a dataset not None or a digest.
@@ -306,16 +302,16 @@ class LoaderState:
     dataset: str | None = None
 
     FORMAT = "plan.LoaderState/2"
-    FORMAT_1 = "loaders.LoaderState/1"  # read, as naming no data; never written
 
     def __post_init__(self):
         where = "LoaderState"
         for name in ("seed", "epoch"):
             object.__setattr__(self, name, check_seed(name, getattr(self, name), where))
         object.__setattr__(self, "shuffle", _check_bool(where, "shuffle", self.shuffle))
-        num_samples, segments, _ = _segments(where, self.num_samples, self.segments, self.last_batch)
+        num_samples, segments, steps = _segments(where, self.num_samples, self.segments, self.last_batch)
         object.__setattr__(self, "num_samples", num_samples)
         object.__setattr__(self, "segments", tuple(segments))
+        object.__setattr__(self, "num_steps", segments[-1].start + steps[-1][1])
         object.__setattr__(self, "step", self._step(where, self.step))
         object.__setattr__(self, "dataset", _check_digest(where, self.dataset))
 
@@ -339,22 +335,9 @@ class LoaderState:
         return cls(num_samples, seed, epoch, 0, shuffle, last_batch, ((0, num_shards, batch_size),),
                    _check_digest(where, dataset))
 
-    @property
-    def num_steps(self) -> int:
-        """The epoch's global steps, ``elastic_num_steps(N, segments, last_batch)``."""
-        return elastic_num_steps(self.num_samples, self.segments, self.last_batch)
-
     def at_step(self, step: int) -> "LoaderState":
         """The same epoch at ``step``, in [the last segment's start, the epoch's end]."""
         return dataclasses.replace(self, step=self._step("LoaderState.at_step", step))
-
-    def saved_at(self, where: str, step, *, resumed: bool) -> "LoaderState":
-        """``at_step(step)`` with errors naming ``where``; ``resumed`` also refuses a step before
-        this state's own, where the resumed epoch starts. Every backend's ``state`` ends here."""
-        if resumed and (not _is_int(step) or step < self.step):
-            raise ValueError(f"{where}: step={step!r} is before the state's step {self.step}, "
-                             f"where the resumed epoch starts")
-        return dataclasses.replace(self, step=self._step(where, step))
 
     def resized(self, num_shards: int, batch_size: int) -> "LoaderState":
         """The state a loader of ``num_shards`` shards of ``batch_size`` resumes from, at this step.
@@ -383,88 +366,44 @@ class LoaderState:
                                  epoch=self.epoch + 1, seed=self.seed, shuffle=self.shuffle,
                                  last_batch=self.last_batch, dataset=self.dataset)
 
-    def check_same_run(self, where: str, *, num_samples: int, seed: int, shuffle: bool,
-                       last_batch: str, dataset: str | None = None) -> None:
-        """Raises ValueError, naming ``where`` and the first field that differs, unless the state
-        is of this run: num_samples, dataset (when both name one), seed, shuffle, last_batch."""
-        num_samples, seed = _check_int(where, "num_samples", num_samples), check_seed("seed", seed, where)
-        shuffle = _check_bool(where, "shuffle", shuffle)
-        check_policy(last_batch, where)
-        dataset = _check_digest(where, dataset)
-        for name, mine in (("num_samples", num_samples), ("dataset", dataset), ("seed", seed),
-                           ("shuffle", shuffle), ("last_batch", last_batch)):
-            theirs = getattr(self, name)
-            if name == "dataset" and (theirs is None or mine is None):
-                continue  # a state that names no data is taken on trust
-            if theirs != mine:
-                why = (" (plan.dataset_digest of the arrays: another dataset of the same size, or "
-                       "this one changed)" if name == "dataset" else "")
-                raise ValueError(f"{where}: the loader state was taken with {name}={theirs!r}, "
-                                 f"this run has {name}={mine!r}{why}; a state resumes only the run "
-                                 f"it was taken in")
-
     def to_json(self) -> str:
-        """The class docstring's JSON form, format 2."""
+        """The class docstring's JSON form."""
         return json.dumps({"format": self.FORMAT, **{k: getattr(self, k) for k in _JSON_KEYS[1:]}},
-                          separators=(",", ":"))  # a tuple, a Segment among them, is a JSON list
+                          separators=(",", ":"))  # a tuple of tuples is a JSON list of lists
 
     @classmethod
     def from_json(cls, text: str) -> "LoaderState":
-        """The state ``to_json`` wrote, or a format-1 state as naming no data."""
+        """The state ``to_json`` wrote."""
         try:
             doc = json.loads(text)
         except (TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"LoaderState.from_json: not a JSON document ({e})") from None
-        formats = {cls.FORMAT: list(_JSON_KEYS), cls.FORMAT_1: [k for k in _JSON_KEYS if k != "dataset"]}
         if not isinstance(doc, dict):
-            raise ValueError(f"LoaderState.from_json: expected an object with keys {formats[cls.FORMAT]}, "
+            raise ValueError(f"LoaderState.from_json: expected an object with keys {list(_JSON_KEYS)}, "
                              f"got {type(doc).__name__}")
-        if not isinstance(doc.get("format"), str) or doc["format"] not in formats:
-            raise ValueError(f"LoaderState.from_json: format={doc.get('format')!r}, expected {cls.FORMAT!r} "
-                             f"(or {cls.FORMAT_1!r}, read as naming no data)")
-        if set(doc) != set(formats[doc["format"]]):
-            raise ValueError(f"LoaderState.from_json: expected an object with keys {formats[doc['format']]}, "
+        if doc.get("format") != cls.FORMAT:
+            raise ValueError(f"LoaderState.from_json: format={doc.get('format')!r}, expected {cls.FORMAT!r}")
+        if set(doc) != set(_JSON_KEYS):
+            raise ValueError(f"LoaderState.from_json: expected an object with keys {list(_JSON_KEYS)}, "
                              f"got {sorted(doc)}")
         return cls(**{k: v for k, v in doc.items() if k != "format"})
 
 
-def resume_state(where: str, state, epoch: int, *, num_samples: int, seed: int, shuffle: bool,
-                 last_batch: str, num_shards: int, batch_size: int,
-                 dataset: str | None = None) -> LoaderState:
-    """``state`` checked and resized to ``num_shards`` shards of ``batch_size``, to resume ``epoch``.
-
-    Raises ValueError, naming ``where``, unless ``state`` is a LoaderState of this run
-    (``check_same_run``) and of this epoch. The result names ``dataset`` when given.
-    """
-    if not isinstance(state, LoaderState):
-        raise ValueError(f"{where}: state must be a plan.LoaderState (LoaderState.from_json "
-                         f"reads a saved one), got {type(state).__name__}")
-    epoch = check_seed("epoch", epoch, where)
-    num_shards = _check_int(where, "num_shards", num_shards, 1)
-    batch_size = _check_int(where, "batch_size", batch_size, 1)
-    state.check_same_run(where, num_samples=num_samples, seed=seed, shuffle=shuffle, last_batch=last_batch,
-                         dataset=dataset)
-    if epoch != state.epoch:
-        raise ValueError(f"{where}: epoch={epoch!r}, but the state is of epoch {state.epoch}; a state "
-                         f"resumes its own epoch (the next one is fresh: epoch({state.epoch + 1}))")
-    resized = state.resized(num_shards, batch_size)
-    return resized if dataset is None else dataclasses.replace(resized, dataset=dataset)
-
-
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """One run's epochs on one set of shards: every epoch's Plan and every state a loader gives or takes.
+    """One run's epochs on one set of shards, validated once: the part of every loader
+    (loaders.Loader, dali_loader.DaliLoader, rocal_loader.RocalLoader) that says which sample
+    goes where, and the one place a saved state is checked and resized to resume.
 
-    The pure part of every loader (loaders.Loader, dali_loader.DaliLoader,
-    rocal_loader.RocalLoader). ``where`` names the caller in errors (e.g. "Loader.epoch").
-
-    * ``steps``: ``num_steps(N, n, B, last_batch)``, a fresh epoch's length;
+    * ``num_steps``: a fresh epoch's steps, ``num_steps(N, n, B, last_batch)``;
     * ``plan(e)``: ``epoch_plan(N, n, B, epoch=e, ...)``;
-    * ``resumed(where, e, state)``: ``resume_state(where, state, e, ...)`` with this run's data;
-    * ``state(where, e, step, state=None)``: the state after ``step`` steps of epoch e, of a
-      fresh epoch or of the one resumed from ``state`` (``LoaderState.saved_at``);
-    * ``real_samples(where, e, state=None)``: the real slots epoch e delivers, from ``state`` on;
-    * ``digest``, a property: ``dataset``, or what it returns when it is a function.
+    * ``start(e)``: the state at step 0 of a fresh epoch e;
+    * ``resume(where, e, state)``: ``state``, checked to be a LoaderState of this run (the same
+      num_samples, dataset where both name one, seed, shuffle and last_batch) and of epoch e,
+      resized to these shards (``LoaderState.resized``) and naming this run's data: the state
+      the resumed epoch starts from. Its errors name ``where`` (the loader's method);
+    * ``real_samples(e, resumed=None)``: the real slots of a fresh epoch e, or from a
+      ``resume``'s state on.
 
     ``dataset`` is a ``dataset_digest``, a function of no arguments returning one (called only
     when a state is made or checked), or None (states name no data). It is not compared.
@@ -489,41 +428,45 @@ class Schedule:
         check_policy(self.last_batch, where)
         if not callable(self.dataset):
             object.__setattr__(self, "dataset", _check_digest(where, self.dataset))
+        object.__setattr__(self, "num_steps", _steps(num_samples, num_shards, self.batch_size, self.last_batch))
 
-    @property
-    def digest(self) -> str | None:
+    def _digest(self) -> str | None:
         return _check_digest("Schedule.dataset", self.dataset() if callable(self.dataset) else self.dataset)
-
-    @property
-    def steps(self) -> int:
-        return num_steps(self.num_samples, self.num_shards, self.batch_size, self.last_batch)
 
     def plan(self, epoch: int) -> Plan:
         check_seed("epoch", epoch, "Schedule.plan")
         return epoch_plan(self.num_samples, self.num_shards, self.batch_size, epoch=epoch,
                           seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch)
 
-    def resumed(self, where: str, epoch: int, state) -> LoaderState:
-        return resume_state(where, state, epoch, num_samples=self.num_samples, seed=self.seed,
-                            shuffle=self.shuffle, last_batch=self.last_batch,
-                            num_shards=self.num_shards, batch_size=self.batch_size,
-                            dataset=self.digest if isinstance(state, LoaderState) else None)
+    def start(self, epoch: int) -> LoaderState:
+        check_seed("epoch", epoch, "Schedule.start")
+        return LoaderState.start(self.num_samples, self.num_shards, self.batch_size, epoch=epoch, seed=self.seed,
+                                 shuffle=self.shuffle, last_batch=self.last_batch, dataset=self._digest())
 
-    def state(self, where: str, epoch: int, step: int = 0, *, state=None) -> LoaderState:
-        if state is None:
-            check_seed("epoch", epoch, where)
-            fresh = LoaderState.start(self.num_samples, self.num_shards, self.batch_size, epoch=epoch,
-                                      seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch,
-                                      dataset=self.digest)
-        else:
-            fresh = self.resumed(where, epoch, state)
-        return fresh.saved_at(where, step, resumed=state is not None)
+    def resume(self, where: str, epoch: int, state) -> LoaderState:
+        if not isinstance(state, LoaderState):
+            raise ValueError(f"{where}: state must be a plan.LoaderState (LoaderState.from_json "
+                             f"reads a saved one), got {type(state).__name__}")
+        epoch, mine = check_seed("epoch", epoch, where), self._digest()
+        for name, value in (("num_samples", self.num_samples), ("dataset", mine), ("seed", self.seed),
+                            ("shuffle", self.shuffle), ("last_batch", self.last_batch)):
+            theirs = getattr(state, name)
+            if theirs != value and not (name == "dataset" and None in (theirs, value)):
+                why = (" (plan.dataset_digest of the arrays: another dataset of the same size, or "
+                       "this one changed)" if name == "dataset" else "")
+                raise ValueError(f"{where}: the loader state was taken with {name}={theirs!r}, this run has "
+                                 f"{name}={value!r}{why}; a state resumes only the run it was taken in")
+        if epoch != state.epoch:
+            raise ValueError(f"{where}: epoch={epoch!r}, but the state is of epoch {state.epoch}; a state "
+                             f"resumes its own epoch (the next one is fresh: epoch({state.epoch + 1}))")
+        resized = state.resized(self.num_shards, self.batch_size)
+        return resized if mine is None else dataclasses.replace(resized, dataset=mine)
 
-    def real_samples(self, where: str, epoch: int, *, state=None) -> int:
-        check_seed("epoch", epoch, where)
-        if state is None:
+    def real_samples(self, epoch: int, resumed: LoaderState | None = None) -> int:
+        check_seed("epoch", epoch, "Schedule.real_samples")
+        if resumed is None:
             return int(self.plan(epoch).mask.sum())
-        plan, row = self.resumed(where, epoch, state).plan()
+        plan, row = resumed.plan()
         return int(plan.mask[row:].sum())
 
 
@@ -594,7 +537,7 @@ def _steps(m: int, n: int, B: int, last_batch: str) -> int:
     return -(-(-(-m // n)) // B) if last_batch == "fill" else (m // n) // B
 
 
-def _segments(where: str, num_samples, segments, last_batch) -> tuple[int, list[Segment], list[list[int]]]:
+def _segments(where: str, num_samples, segments, last_batch) -> tuple[int, list[_Segment], list[list[int]]]:
     """(N, the segments, [S_i, d_i] of each) as Python ints, from the counts alone; checked."""
     check_policy(last_batch, where)
     N = _check_int(where, "num_samples", num_samples, 1)
@@ -606,7 +549,7 @@ def _segments(where: str, num_samples, segments, last_batch) -> tuple[int, list[
         if not isinstance(segment, (list, tuple)) or len(segment) != 3:
             raise ValueError(f"{where}: segments[{i}]={segment!r} is not (start, num_shards, batch_size)")
         t, n, B = (_check_int(where, f"segments[{i}].{name}", value, least)
-                   for name, value, least in zip(Segment._fields, segment, (0, 1, 1)))
+                   for name, value, least in zip(_Segment._fields, segment, (0, 1, 1)))
         if n > N:
             raise ValueError(f"{where}: segments[{i}].num_shards={n} is more than num_samples={N}; a "
                              f"fresh epoch on it would have an empty shard")
@@ -624,16 +567,16 @@ def _segments(where: str, num_samples, segments, last_batch) -> tuple[int, list[
                                  f"{prev.start + S} (segments[{i - 1}]={tuple(prev)} has {S} steps)")
             d = steps[-1][1] = t - prev.start
             # the pool loses what the previous segment delivered: each run's first d*B samples
-            m -= sum(min(d * prev.batch_size, m * (k + 1) // prev.num_shards - m * k // prev.num_shards)
-                     for k in range(prev.num_shards))
+            # (d*B never exceeds a run before the epoch's end; after it, nothing more is planned)
+            m -= d * prev.batch_size * prev.num_shards
             ended = d == S
-        checked.append(Segment(t, n, B))
+        checked.append(_Segment(t, n, B))
         S = 0 if ended else _steps(m, n, B, last_batch)
         steps.append([S, S])
     return N, checked, steps
 
 
-def _plans(num_samples: int, segments: list[Segment], steps: list[list[int]], *, epoch: int, seed: int,
+def _plans(num_samples: int, segments: list[_Segment], steps: list[list[int]], *, epoch: int, seed: int,
            shuffle: bool) -> list[Plan]:
     """The module docstring's construction: each segment's delivered rows, from checked ints."""
     taken = np.zeros(num_samples, bool)

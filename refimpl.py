@@ -50,7 +50,7 @@ import numpy as np
 
 from arithmetic import ARITHMETICS, Normalize
 from cifar_mnist import TEST_PREFIX, TRAIN_PREFIX, read_cifar10, read_mnist, synthetic_cifar10, synthetic_mnist
-from plan import LoaderState, elastic_num_steps, remaining_samples
+from plan import LoaderState, remaining_samples
 import processes
 
 DEFAULT_CPU_DEVICES = 8
@@ -926,7 +926,7 @@ def exactly_once(name: str, epoch: int, counts, state, last_batch: str, seed: in
     """(kept, the line) for a complete epoch's delivery counts: fill, every sample once; drop,
     none twice and exactly plan.elastic_plan's stated count never."""
     skipped = 0 if last_batch == "fill" else len(remaining_samples(
-        len(counts), state.segments, elastic_num_steps(len(counts), state.segments, "drop"), epoch=epoch,
+        len(counts), state.segments, state.num_steps, epoch=epoch,
         seed=seed, shuffle=True, last_batch="drop"))
     twice, never = int(np.count_nonzero(counts > 1)), int(np.count_nonzero(counts == 0))
     where = f"{name} epoch {epoch}, counted by sample index over the runs that delivered it"

@@ -207,13 +207,17 @@ class RocalLoader:
         """``loaders.make_loader``'s over the same data: a state moves between the two."""
         return dataset_digest({"images": self.images, "labels": self.labels})
 
-    @property
+    @functools.cached_property
     def schedule(self) -> Schedule:
         return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
                         self.last_batch, dataset=lambda: self.dataset)
 
+    @property
+    def num_steps(self) -> int:
+        return self.schedule.num_steps
+
     def __len__(self) -> int:
-        return self.schedule.steps
+        return self.num_steps
 
     def plan(self, epoch: int) -> Plan:
         return self.schedule.plan(epoch)
@@ -260,7 +264,7 @@ class RocalLoader:
         check_seed("epoch", epoch, where)
         if state is None:
             (plan, row), first = (self.plan(epoch), 0), 0
-            saved = lambda: self.schedule.state(where, epoch, 0)
+            saved = lambda: self.schedule.start(epoch)
         else:
             saved = self._resumed(where, epoch, state)
             (plan, row), first = saved.plan(), saved.step  # order="vendor": its own plan, row = step
@@ -273,7 +277,7 @@ class RocalLoader:
 
     def _resumed(self, where: str, epoch: int, state) -> LoaderState:
         """``state`` checked and resized to this loader's shards; order="vendor" refuses a resize."""
-        resumed = self.schedule.resumed(where, epoch, state)
+        resumed = self.schedule.resume(where, epoch, state)
         if self.order == "vendor" and len(resumed.segments) > 1:
             raise ValueError(
                 f"{where}: order='vendor' resumes only on the shards and batch that wrote the state "

@@ -22,9 +22,9 @@ from hypothesis import example, given, settings, strategies as st
 import conformance
 import encoding
 import loaders
-from conftest import assert_same_bits, examples
+from conftest import assert_same_bits, epoch_steps, examples
 from arithmetic import Normalize
-from plan import (LAST_BATCH_POLICIES, LoaderState, elastic_num_steps, elastic_plan, epoch_plan,
+from plan import (LAST_BATCH_POLICIES, LoaderState, elastic_plan, epoch_plan,
                   num_steps, remaining_samples, shard_bounds)
 
 
@@ -477,7 +477,7 @@ def resized_epochs(resize_loaders):
     for last_batch in LAST_BATCH_POLICIES:
         plans = elastic_plan(RN, RSEGMENTS, epoch=REPOCH, seed=RSEED, shuffle=True,
                              last_batch=last_batch)
-        ends = [t for t, _, _ in RSEGMENTS[1:]] + [elastic_num_steps(RN, RSEGMENTS, last_batch)]
+        ends = [t for t, _, _ in RSEGMENTS[1:]] + [epoch_steps(RN, RSEGMENTS, last_batch)]
         blocks = []
         for i, ((t, n, B), end) in enumerate(zip(RSEGMENTS, ends)):
             loader = resize_loaders[(n, B, last_batch)]
@@ -493,7 +493,7 @@ def resized_epochs(resize_loaders):
 @pytest.mark.parametrize("last_batch", LAST_BATCH_POLICIES)
 def test_a_resized_epoch_delivered_by_loaders_conforms(resized_epochs, last_batch):
     delivered, masks = resized_epochs[last_batch]
-    steps = elastic_num_steps(RN, RSEGMENTS, last_batch)
+    steps = epoch_steps(RN, RSEGMENTS, last_batch)
     for partition in conformance.PARTITIONS:
         for passed in (masks, None):  # no segment has fewer samples left than shards
             found = resized(delivered, RSEGMENTS, masks=passed, last_batch=last_batch,
@@ -722,7 +722,7 @@ def resize_chains(draw):
     shards, batches = st.integers(1, min(N, 6)), st.integers(1, 4)
     segments = [(0, draw(shards), draw(batches))]
     for _ in range(draw(st.integers(0, 2))):
-        end, start = elastic_num_steps(N, segments, last_batch), segments[-1][0]
+        end, start = epoch_steps(N, segments, last_batch), segments[-1][0]
         if end == start:
             break
         segments.append((draw(st.integers(start + 1, end)), draw(shards), draw(batches)))
@@ -747,7 +747,7 @@ def test_elastic_plans_conform_and_a_restart_never_does(chain, seed, epoch, shuf
     got = [encoding.decode_indices(encoding.encoded_images(p.indices.ravel(), (3,), np.uint8))
            .reshape(p.indices.shape) for p in plans]
     masks = [p.mask for p in plans]
-    steps = elastic_num_steps(N, segments, last_batch)
+    steps = epoch_steps(N, segments, last_batch)
     args = dict(last_batch=last_batch, shuffle=shuffle, N=N, seed=seed, epoch=epoch)
     run = dict(epoch=epoch, seed=seed, shuffle=shuffle, last_batch=last_batch)
     crowded = {i for i, (t, n, _) in enumerate(segments)  # fewer samples left than shards
@@ -804,7 +804,7 @@ def test_another_exactly_once_partition_after_the_resize_conforms_only_to_any(re
     segments = RSEGMENTS[:2]
     pool = remaining_samples(RN, segments, 2, epoch=REPOCH, seed=RSEED, shuffle=True,
                                      last_batch=last_batch)
-    steps = elastic_num_steps(RN, segments, last_batch) - 2
+    steps = epoch_steps(RN, segments, last_batch) - 2
     strided = np.stack([pool[k::3][:steps * 2].reshape(steps, 2) for k in range(3)], axis=1)
     mask = np.ones(strided.shape, bool)  # 24 left, 8 a shard: 4 whole steps of 2, no padding
     assert not resized([delivered[0], strided], segments, masks=[masks[0], mask], last_batch=last_batch,
@@ -1148,7 +1148,7 @@ BAD = [  # (call, the words of its ValueError)
     (lambda: one_epoch(PLAN.indices, 13, 2, length=4.0), "length must be an int >= 0, got 4.0"),
     (lambda: resized_epoch([p.indices for p in PLANS], 7, [(0, 2, 2), (5, 3, 1)]),
      "describe_resized_epoch: segments=[(0, 2, 2), (5, 3, 1)] is not an epoch elastic_plan accepts: "
-     "elastic_num_steps: segments[1].start=5 is after the epoch's end at step 2"),
+     "elastic_plan: segments[1].start=5 is after the epoch's end at step 2"),
     (lambda: resized_epoch([PLANS[0].indices], 7, SEGMENTS),
      "describe_resized_epoch: delivered must be a list with one entry per segment (2), got 1"),
     (lambda: resized_epoch(PLANS[0].indices, 7, SEGMENTS),

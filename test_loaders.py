@@ -38,9 +38,9 @@ import encoding
 import loaders
 from arithmetic import ARITHMETICS, Normalize, keyed_table, normalize_table, table_key, table_operands
 from cifar_mnist import read_cifar10
-from conftest import (NOT_DOUBLES, POLICIES, SEEDS, assert_raises_naming, assert_same_bits, bits_differ, crop_cases,
+from conftest import (NOT_DOUBLES, POLICIES, SEEDS, assert_raises_naming, assert_same_bits, bits_differ, crop_cases, epoch_steps,
                       examples, expected_steps, meshes, random_mnist)
-from plan import (LoaderState, dataset_digest, elastic_num_steps, elastic_plan, epoch_plan, on_devices,
+from plan import (LoaderState, dataset_digest, elastic_plan, epoch_plan, on_devices,
                   remaining_samples, shard_bounds)
 
 N, B = 103, 3  # shards of 12 and 13 on 8 devices: uneven, so fill pads
@@ -576,7 +576,7 @@ def test_a_job_resumed_twice_with_drop_skips_the_stated_count(devices, placement
     ids, segments = run_chain(devices, "dict", placement, "sharded", "drop")
     plans = elastic_plan(NR, segments, epoch=EPOCH, seed=SEED, shuffle=True, last_batch="drop")
     assert len(ids) == sum(n * b * len(p.indices) for (_, n, b), p in zip(segments, plans))
-    skipped = remaining_samples(NR, segments, elastic_num_steps(NR, segments, "drop"), epoch=EPOCH, seed=SEED,
+    skipped = remaining_samples(NR, segments, epoch_steps(NR, segments, "drop"), epoch=EPOCH, seed=SEED,
                                 shuffle=True, last_batch="drop")
     assert_same_bits(np.sort(np.concatenate([ids, skipped.astype(np.int32)])), np.arange(NR, dtype=np.int32))
 
@@ -699,7 +699,7 @@ def test_a_state_of_another_run_or_epoch_is_refused_naming_the_field(devices):
                          "Loader.epoch: epoch=3, but the state is of epoch 2")
     assert_raises_naming(ValueError, lambda: loader.epoch(EPOCH, state=saved.to_json()),
                          "state must be a plan.LoaderState", "got str")
-    last = elastic_num_steps(NR, [(0, 8, 4), (2, 6, 2)])
+    last = epoch_steps(NR, [(0, 8, 4), (2, 6, 2)])
     for step in (1, last):
         assert_raises_naming(IndexError, lambda: loader.batch(EPOCH, step, state=saved),
                              f"step={step} is outside [2, {last})")

@@ -31,9 +31,9 @@ from hypothesis import given, settings, strategies as st
 
 import plan as plan_module
 from conftest import (EPOCHS, POLICIES, SEEDS, assert_raises_naming, assert_refuses_naming_value,
-                      assert_same_bits, examples, expected_steps, not_ints)
-from plan import (LoaderState, Plan, Schedule, check_seed, dataset_digest, elastic_num_steps, elastic_plan,
-                  epoch_plan, num_steps, on_devices, remaining_samples, resume_state, shard_bounds,
+                      assert_same_bits, epoch_steps, examples, expected_steps, not_ints)
+from plan import (LoaderState, Plan, Schedule, check_seed, dataset_digest, elastic_plan,
+                  epoch_plan, num_steps, on_devices, remaining_samples, shard_bounds,
                   shard_permutation)
 
 
@@ -245,7 +245,7 @@ def test_epoch_plan_is_the_spec_and_elastic_plans_one_segment(sizes, B, seed, ep
     [one] = elastic_plan(N, [(0, n, B)], **kw)
     assert_same_bits(one.indices, plan.indices, "indices")
     assert_same_bits(one.mask, plan.mask, "mask")
-    assert elastic_num_steps(N, [(0, n, B)], last_batch) == num_steps(N, n, B, last_batch)
+    assert epoch_steps(N, [(0, n, B)], last_batch) == num_steps(N, n, B, last_batch)
 
 
 def test_epoch_plan_spec_pins_its_choices():
@@ -453,7 +453,7 @@ TABLE = [  # (segments, policy, the delivered steps in the docstring's notation,
 def test_elastic_worked_table(segments, policy, steps, total):
     plans = elastic_plan(7, segments, last_batch=policy)
     assert [c for plan in plans for c in render(plan)] == steps
-    assert elastic_num_steps(7, segments, policy) == total
+    assert epoch_steps(7, segments, policy) == total
     key = " ".join(f"({t},{n},{B})" for t, n, B in segments)
     [row] = [row for row in docstring_table(elastic_plan.__doc__, "segments (start") if row[:2] == [key, policy]]
     assert row[-1] == str(total) and row[2:2 + len(steps)] == steps, row
@@ -485,7 +485,7 @@ def test_exactly_once_equal_steps_and_stated_counts(chain, seed, epoch, shuffle)
             assert rows == segments[i + 1][0] - t >= 1, f"segment {i} runs until the next starts"
         assert plan.indices.shape == (rows, n, B)  # every shard of the segment: `rows` steps
     end = segments[-1][0] + len(plans[-1].indices)
-    assert elastic_num_steps(N, segments, last_batch) == end
+    assert epoch_steps(N, segments, last_batch) == end
     assert last_batch == "fill" or all(p.mask.all() for p in plans), "drop has no padding"
     stated = sum(n * B * len(p.indices) for (_, n, B), p in zip(segments, plans))
     assert once_failure(N, plans, last_batch, stated) is None
@@ -571,7 +571,7 @@ def test_fewer_samples_left_than_new_shards():
 
 
 def test_a_zero_step_segment_is_last():
-    assert elastic_num_steps(7, [(0, 2, 2), (2, 3, 1)]) == 2
+    assert epoch_steps(7, [(0, 2, 2), (2, 3, 1)]) == 2
     with pytest.raises(ValueError, match=r"segments\[2\].start=3 is after the epoch's end at step 2"):
         elastic_plan(7, [(0, 2, 2), (2, 3, 1), (3, 1, 1)])
     with pytest.raises(ValueError, match=r"segments\[2\].start=2 is not after segments\[1\].start=2"):
@@ -607,9 +607,9 @@ def test_elastic_plan_refuses_naming_the_parameter(N, segments, kw, fragment):
 
 
 def test_segments_are_lists_or_tuples():
-    # The control for the refusals above: a list or tuple of lists, tuples or Segments.
+    # The control for the refusals above: a list or tuple of lists or tuples (a state's own too).
     want = elastic_plan(7, [(0, 2, 2), (1, 3, 1)])
-    for segments in (((0, 2, 2), (1, 3, 1)), [[0, 2, 2], [1, 3, 1]], [plan_module.Segment(0, 2, 2), (1, 3, 1)]):
+    for segments in (((0, 2, 2), (1, 3, 1)), [[0, 2, 2], [1, 3, 1]], [plan_module._Segment(0, 2, 2), (1, 3, 1)]):
         for a, b in zip(elastic_plan(7, segments), want):
             assert_same_bits(a.indices, b.indices)
 
@@ -636,7 +636,7 @@ def test_remaining_samples_refuses_a_step_outside_the_epoch():
 def states(draw):
     N, segments, last_batch = draw(chains())
     seed, epoch, shuffle = draw(SEEDS), draw(EPOCHS), draw(st.booleans())
-    step = draw(st.integers(segments[-1][0], elastic_num_steps(N, segments, last_batch)))
+    step = draw(st.integers(segments[-1][0], epoch_steps(N, segments, last_batch)))
     dataset = draw(st.sampled_from([None, "0123456789abcdef" * 2]))
     return LoaderState(N, seed, epoch, step, shuffle, last_batch, tuple(segments), dataset)
 
@@ -652,18 +652,17 @@ def test_state_round_trips_through_json(state):
 DIGEST = "0123456789abcdef" * 2
 
 
+
 def test_the_json_form_is_its_docstring():
     state = LoaderState.start(7, 2, 2, dataset=DIGEST).at_step(1).resized(3, 1)
     assert state.to_json() == ('{"format":"plan.LoaderState/2","num_samples":7,"dataset":"' + DIGEST + '",'
                                '"seed":0,"epoch":0,"step":1,"shuffle":false,"last_batch":"fill",'
                                '"segments":[[0,2,2],[1,3,1]]}')
     assert LoaderState.from_json(state.to_json()) == state
-    # Format 1, as loaders.LoaderState/1 wrote it: read as a state that names no data.
+    # An older format is not read: one way to save a state.
     old = ('{"format":"loaders.LoaderState/1","num_samples":7,"seed":0,"epoch":0,"step":1,"shuffle":false,'
            '"last_batch":"fill","segments":[[0,2,2],[1,3,1]]}')
-    assert LoaderState.from_json(old) == dataclasses.replace(state, dataset=None)
-    assert_raises_naming(ValueError, lambda: LoaderState.from_json(old.replace('"seed"', '"dataset":null,"seed"')),
-                         "expected an object with keys")
+    assert_raises_naming(ValueError, lambda: LoaderState.from_json(old), "format='loaders.LoaderState/1'")
 
 
 def test_from_json_refuses_what_is_not_a_state():
@@ -736,7 +735,7 @@ def test_a_job_that_saves_reloads_and_resizes_delivers_the_spec(chain, seed, epo
         stop = segments[i + 1][0] if i + 1 < len(segments) else state.num_steps
         delivered.append((plan.indices[row:row + stop - state.step], plan.mask[row:row + stop - state.step]))
         state = LoaderState.from_json(state.at_step(stop).to_json())
-        state.check_same_run("test", num_samples=N, **run)
+        assert Schedule(N, *state.segments[-1][1:], **run).resume("test", epoch, state) == state
         if i + 1 < len(segments):
             state = state.resized(*segments[i + 1][1:])
     spec = elastic_plan(N, state.segments, epoch=epoch, **run)
@@ -789,55 +788,24 @@ def test_a_state_of_the_same_logical_shards_continues_on_any_devices():
 
 
 STATE = LoaderState.start(7, 2, 2)
-RUN = dict(num_samples=7, seed=0, shuffle=False, last_batch="fill")
 
 
-def test_state_refuses_another_run_by_name():
-    state = LoaderState.start(1000, 4, 8, seed=3, shuffle=True)
-    run = dict(num_samples=1000, seed=3, shuffle=True, last_batch="fill")
-    state.check_same_run("resume", **run)
-    for name, value in [("num_samples", 999), ("seed", 4), ("shuffle", False), ("last_batch", "drop")]:
-        assert_raises_naming(ValueError, lambda: state.check_same_run("resume", **{**run, name: value}),
-                             "resume: ", f"{name}={getattr(state, name)!r}", f"{name}={value!r}")
-    # shuffle=1 is no bool, not another run's shuffle
-    assert_raises_naming(ValueError, lambda: state.check_same_run("resume", **{**run, "shuffle": 1}),
-                         "resume: shuffle must be a bool, got 1")
-
-
-def test_saved_at_is_at_step_and_a_resumed_state_refuses_only_steps_before_its_own():
-    state = LoaderState(7, 0, 0, 1, False, "fill", ((0, 2, 2), (1, 3, 1)))
-    for resumed in (False, True):
-        for step in (1, 2):  # the state's own step and the epoch's end
-            assert state.saved_at("Loader.state", step, resumed=resumed) == state.at_step(step)
-        assert_raises_naming(ValueError, lambda: state.saved_at("Loader.state", 3, resumed=resumed),
-                             "Loader.state: step=3 is outside [1, 2]")
-    fresh = LoaderState.start(7, 2, 2)
-    assert fresh.saved_at("Loader.state", 0, resumed=True) == fresh
-    later = fresh.at_step(1)
-    assert later.saved_at("Loader.state", 1, resumed=True) == later
-    assert later.saved_at("Loader.state", 2, resumed=True) == fresh.at_step(2)
-    assert later.saved_at("Loader.state", 0, resumed=False) == fresh  # not resumed: any step
-    for step in (0, -1, 1.0, "1"):
-        assert_raises_naming(ValueError, lambda: later.saved_at("Loader.state", step, resumed=True),
-                             f"Loader.state: step={step!r} is before the state's step 1")
-
-
-def test_resume_state_checks_the_type_the_run_and_the_epoch_then_resizes():
+def test_a_resume_checks_the_type_the_run_and_the_epoch_then_resizes():
+    """Schedule.resume: the state of this run (num_samples, seed, shuffle, last_batch) and
+    epoch, resized to its shards; else refused naming the caller, the field and both values."""
     state = LoaderState.start(100, 4, 8, epoch=5, seed=3, shuffle=True).at_step(2)
-    run = dict(num_samples=100, seed=3, shuffle=True, last_batch="fill")
+    run = dict(seed=3, shuffle=True, last_batch="fill")
     for n, B in ((4, 8), (3, 5), (1, 1)):
-        assert resume_state("Loader", state, 5, **run, num_shards=n, batch_size=B) == state.resized(n, B)
+        assert Schedule(100, n, B, **run).resume("Loader", 5, state) == state.resized(n, B)
     for epoch in (4, 6):
-        assert_raises_naming(ValueError, lambda: resume_state("Loader", state, epoch, **run, num_shards=4,
-                                                              batch_size=8),
+        assert_raises_naming(ValueError, lambda: Schedule(100, 4, 8, **run).resume("Loader", epoch, state),
                              f"Loader: epoch={epoch}, but the state is of epoch 5")
-    for name, value in (("num_samples", 99), ("seed", 4), ("shuffle", False), ("last_batch", "drop")):
-        assert_raises_naming(ValueError, lambda: resume_state("Loader", state, 5, **{**run, name: value},
-                                                              num_shards=4, batch_size=8),
-                             "Loader: ", f"{name}=")
+    for name, value in [("num_samples", 99), ("seed", 4), ("shuffle", False), ("last_batch", "drop")]:
+        other = dict(num_samples=100, num_shards=4, batch_size=8, **run) | {name: value}
+        assert_raises_naming(ValueError, lambda: Schedule(**other).resume("Loader", 5, state),
+                             "Loader: ", f"{name}={getattr(state, name)!r}", f"{name}={value!r}")
     for other in (None, state.to_json(), dataclasses.asdict(state)):
-        assert_raises_naming(ValueError, lambda: resume_state("Loader", other, 5, **run, num_shards=4,
-                                                              batch_size=8),
+        assert_raises_naming(ValueError, lambda: Schedule(100, 4, 8, **run).resume("Loader", 5, other),
                              "Loader: state must be a plan.LoaderState", type(other).__name__)
 
 
@@ -845,30 +813,22 @@ def test_resume_state_checks_the_type_the_run_and_the_epoch_then_resizes():
 def test_schedule_is_its_docstring(seed, shuffle, last_batch):
     s = Schedule(23, 3, 4, seed=seed, shuffle=shuffle, last_batch=last_batch)
     run = dict(seed=seed, shuffle=shuffle, last_batch=last_batch)
-    assert s.steps == num_steps(23, 3, 4, last_batch)
+    assert s.num_steps == num_steps(23, 3, 4, last_batch)
     for epoch in (0, 1, 2**32 - 1):
         want = epoch_plan(23, 3, 4, epoch=epoch, **run)
         assert_same_bits(s.plan(epoch).indices, want.indices, f"plan({epoch})")
         assert_same_bits(s.plan(epoch).mask, want.mask, f"plan({epoch}).mask")
-        assert s.real_samples("Loader", epoch) == int(want.mask.sum())
-        for step in (0, s.steps):
-            assert s.state("Loader", epoch, step) == LoaderState.start(23, 3, 4, epoch=epoch, **run).at_step(step)
-        for step in (-1, s.steps + 1):
-            assert_raises_naming(ValueError, lambda: s.state("Loader", epoch, step), "Loader: step")
+        assert s.real_samples(epoch) == int(want.mask.sum())
+        assert s.start(epoch) == LoaderState.start(23, 3, 4, epoch=epoch, **run)
     for epoch in (-1, 2**32):
-        assert_raises_naming(ValueError, lambda: s.state("Loader", epoch), "Loader: epoch=")
+        assert_raises_naming(ValueError, lambda: s.start(epoch), "Schedule.start: epoch=")
     # Resumed from a state taken on 2 shards of 5 at step 1: resized to these shards.
     other = LoaderState.start(23, 2, 5, epoch=4, **run).at_step(1)
-    resumed = s.resumed("Loader", 4, other)
+    resumed = s.resume("Loader", 4, other)
     assert resumed == other.resized(3, 4)
-    for step in (1, resumed.num_steps):
-        assert s.state("Loader", 4, step, state=other) == resumed.at_step(step)
-    for step in (0, resumed.num_steps + 1):  # before the state's step, after the end
-        assert_raises_naming(ValueError, lambda: s.state("Loader", 4, step, state=other), "Loader: step=")
     plan, row = resumed.plan()
-    assert s.real_samples("Loader", 4, state=other) == int(plan.mask[row:].sum())
-    assert_raises_naming(ValueError, lambda: s.state("Loader", 5, 1, state=other), "Loader: epoch=5")
-    assert_raises_naming(ValueError, lambda: s.real_samples("Loader", 3, state=other), "Loader: epoch=3")
+    assert s.real_samples(4, resumed) == int(plan.mask[row:].sum())
+    assert_raises_naming(ValueError, lambda: s.resume("Loader", 5, other), "Loader: epoch=5")
 
 
 # --------------------------------------------------------------------------
@@ -949,7 +909,6 @@ PLAN_INT_PARAMETERS = [
     ("elastic_plan", lambda v: elastic_plan(7, [(0, 2, 2)], epoch=v), "epoch", 1),
     ("elastic_plan", lambda v: elastic_plan(7, [(0, 2, 2)], seed=v), "seed", 1),
     ("elastic_plan", lambda v: elastic_plan(7, [(0, 2, 2), (1, v, 1)]), "segments[1].num_shards", 3),
-    ("elastic_num_steps", lambda v: elastic_num_steps(v, [(0, 2, 2)]), "num_samples", 7),
     ("remaining_samples", lambda v: remaining_samples(7, [(0, 2, 2)], v), "step", 1),
     ("remaining_samples", lambda v: remaining_samples(v, [(0, 2, 2)], 1), "num_samples", 7),
     ("LoaderState", lambda v: LoaderState(v, 0, 0, 0, False, "fill", ((0, 2, 2),)), "num_samples", 7),
@@ -963,20 +922,14 @@ PLAN_INT_PARAMETERS = [
     ("LoaderState.at_step", lambda v: STATE.at_step(v), "step", 1),
     ("LoaderState.resized", lambda v: STATE.at_step(1).resized(v, 1), "num_shards", 3),
     ("LoaderState.resized", lambda v: STATE.at_step(1).resized(3, v), "batch_size", 1),
-    ("caller", lambda v: STATE.saved_at("caller", v, resumed=False), "step", 1),
-    ("caller", lambda v: STATE.check_same_run("caller", **{**RUN, "num_samples": v}), "num_samples", 7),
-    ("caller", lambda v: STATE.check_same_run("caller", **{**RUN, "seed": v}), "seed", 0),
-    ("caller", lambda v: resume_state("caller", STATE, v, **RUN, num_shards=2, batch_size=2), "epoch", 0),
-    ("caller", lambda v: resume_state("caller", STATE, 0, **RUN, num_shards=v, batch_size=2), "num_shards", 2),
-    ("caller", lambda v: resume_state("caller", STATE, 0, **RUN, num_shards=2, batch_size=v), "batch_size", 2),
+    ("caller", lambda v: Schedule(7, 2, 2).resume("caller", v, STATE), "epoch", 0),
     ("Schedule", lambda v: Schedule(v, 2, 2), "num_samples", 7),
     ("Schedule", lambda v: Schedule(7, v, 2), "num_shards", 2),
     ("Schedule", lambda v: Schedule(7, 2, v), "batch_size", 2),
     ("Schedule", lambda v: Schedule(7, 2, 2, seed=v), "seed", 1),
     ("Schedule.plan", lambda v: Schedule(7, 2, 2).plan(v), "epoch", 1),
-    ("caller", lambda v: Schedule(7, 2, 2).state("caller", v), "epoch", 1),
-    ("caller", lambda v: Schedule(7, 2, 2).state("caller", 0, v), "step", 1),
-    ("caller", lambda v: Schedule(7, 2, 2).real_samples("caller", v), "epoch", 1),
+    ("Schedule.start", lambda v: Schedule(7, 2, 2).start(v), "epoch", 1),
+    ("Schedule.real_samples", lambda v: Schedule(7, 2, 2).real_samples(v), "epoch", 1),
 ]
 
 
@@ -1000,8 +953,7 @@ PLAN_INT_MINIMUMS = [
     ("LoaderState.start", lambda v: LoaderState.start(7, 2, v), "batch_size", 1),
     ("LoaderState.resized", lambda v: STATE.at_step(1).resized(v, 1), "num_shards", 1),
     ("LoaderState.resized", lambda v: STATE.at_step(1).resized(3, v), "batch_size", 1),
-    ("caller", lambda v: resume_state("caller", STATE, 0, **RUN, num_shards=v, batch_size=2), "num_shards", 1),
-    ("caller", lambda v: resume_state("caller", STATE, 0, **RUN, num_shards=2, batch_size=v), "batch_size", 1),
+    ("Schedule", lambda v: Schedule(7, v, 2), "num_shards", 1),
     ("Schedule", lambda v: Schedule(7, 2, v), "batch_size", 1),
 ]
 
@@ -1022,8 +974,7 @@ def test_every_int_parameter_with_a_least_value_takes_it_and_refuses_one_below(w
     (lambda: epoch_plan(5, 1, 1, last_batch="pad"), "epoch_plan: last_batch must be one of"),
     (lambda: Schedule(5, 1, 1, last_batch=None), "Schedule: last_batch must be one of ('fill', 'drop'), got None"),
     (lambda: Schedule(7, 2, 2, shuffle="yes"), "Schedule: shuffle must be a bool, got 'yes'"),
-    (lambda: STATE.check_same_run("caller", **{**RUN, "seed": 0.0}),
-     "caller: seed must be an int in [0, 2**32), got 0.0"),
+    (lambda: Schedule(7, 2, 2, seed=0.0), "Schedule: seed must be an int in [0, 2**32), got 0.0"),
 ])
 def test_other_wrong_inputs_are_refused_at_the_call(call, fragment):
     assert_raises_naming(ValueError, call, fragment)
@@ -1033,12 +984,12 @@ def test_other_wrong_inputs_are_refused_at_the_call(call, fragment):
 # overflow: the results must be the same.
 SMALL_INT_CALLS = [
     (np.int16, lambda i: elastic_plan(i(3000), [(i(0), i(20), i(100)), (i(1), i(30), i(90))])),
-    (np.int16, lambda i: elastic_num_steps(i(3000), [(0, 20, 100), (1, 30, 90)])),
+    (np.int16, lambda i: epoch_steps(i(3000), [(0, 20, 100), (1, 30, 90)])),
     (np.int16, lambda i: remaining_samples(i(3000), [(0, 20, 100), (1, 30, 90)], i(2))),
     (np.int16, lambda i: LoaderState.from_json(LoaderState(i(3000), i(0), i(0), i(2), False, "fill",
                                                            ((0, 20, 100), (1, 30, 90))).to_json())),
     (np.int16, lambda i: LoaderState.start(i(3000), i(20), i(100)).at_step(i(1)).resized(i(30), i(90)).num_steps),
-    (np.int16, lambda i: Schedule(i(3000), i(20), i(100)).state("caller", i(0), i(1)).resized(30, 90).plan()),
+    (np.int16, lambda i: Schedule(i(3000), i(20), i(100)).start(i(0)).at_step(i(1)).resized(30, 90).plan()),
     (np.int8, lambda i: on_devices(epoch_plan(220, 27, 11), i(1))),
     (np.int8, lambda i: [shard_bounds(i(120), i(k), i(7)) for k in range(7)]),
     (np.int8, lambda i: epoch_plan(i(120), i(7), i(100), seed=i(3), epoch=i(1), shuffle=True)),
@@ -1064,7 +1015,7 @@ def test_small_numpy_ints_are_used_as_python_ints(small, call):
 def test_small_numpy_ints_at_the_epochs_end():
     # N=3000 on 20 shards of 100 for a step, then 30 shards of 90: 2 steps, whatever the int type.
     for i in (int, np.int16):
-        assert elastic_num_steps(i(3000), [(0, 20, 100), (1, 30, 90)]) == 2
+        assert epoch_steps(i(3000), [(0, 20, 100), (1, 30, 90)]) == 2
         assert_raises_naming(ValueError, lambda: remaining_samples(i(3000), [(0, 20, 100), (1, 30, 90)], 3),
                              "step=3 is outside [0, 2]")
         assert_raises_naming(ValueError, lambda: LoaderState(i(3000), 0, 0, 3, False, "fill",
@@ -1083,19 +1034,18 @@ def test_states_and_schedules_hold_plain_python_values():
 def test_a_schedule_reads_its_dataset_only_for_a_state():
     reads = []
     schedule = Schedule(7, 2, 2, dataset=lambda: reads.append(1) or DIGEST)
-    schedule.steps, schedule.plan(0), schedule.real_samples("r", 0)
+    schedule.num_steps, schedule.plan(0), schedule.real_samples(0)
     with pytest.raises(ValueError, match="state must be a plan.LoaderState"):
-        schedule.state("caller", 0, state="not a state")
+        schedule.resume("caller", 0, "not a state")
     assert reads == [], "the plan needs no digest, and a state that is not one is refused first"
-    assert schedule.digest == DIGEST and reads == [1]  # a property
-    saved = schedule.state("s", 0, 1)
-    assert saved.dataset == DIGEST and schedule.resumed("r", 0, saved).dataset == DIGEST and reads == [1, 1, 1]
+    saved = schedule.start(0).at_step(1)
+    assert saved.dataset == DIGEST and reads == [1]
+    assert schedule.resume("r", 0, saved).dataset == DIGEST and reads == [1, 1]
     other = Schedule(7, 2, 2, dataset="f" * 32)
-    assert_raises_naming(ValueError, lambda: other.resumed("RocalLoader.epoch", 0, saved),
+    assert_raises_naming(ValueError, lambda: other.resume("RocalLoader.epoch", 0, saved),
                          "RocalLoader.epoch: the loader state was taken with dataset=")
-    assert_raises_naming(ValueError, lambda: other.state("DaliLoader.state", 0, 1, state=saved), "dataset=")
     assert_raises_naming(ValueError, lambda: Schedule(7, 2, 2, dataset="x"), "Schedule: dataset must be")
-    assert_raises_naming(ValueError, lambda: Schedule(7, 2, 2, dataset=lambda: "x").state("s", 0),
+    assert_raises_naming(ValueError, lambda: Schedule(7, 2, 2, dataset=lambda: "x").start(0),
                          "Schedule.dataset: dataset must be")
 
 
@@ -1200,16 +1150,14 @@ def test_a_state_names_its_dataset_and_refuses_other_data_by_name():
     state = LoaderState.start(7, 2, 2, dataset=named)
     assert state.at_step(1).resized(3, 1).next_epoch().dataset == named
     other = dataset_digest(some_data(1))
-    assert_raises_naming(ValueError, lambda: state.check_same_run("resume", **RUN, dataset=other),
-                         "resume: the loader state was taken with dataset=", repr(named), repr(other))
-    assert_raises_naming(ValueError, lambda: resume_state("Loader.epoch", state, 0, **RUN, num_shards=2,
-                                                          batch_size=2, dataset=other), "Loader.epoch: ", "dataset=")
-    state.check_same_run("resume", **RUN, dataset=named)  # the control: the same data
-    state.check_same_run("resume", **RUN)  # a run that names no data checks none
+    on = lambda n, B, dataset=None: Schedule(7, n, B, dataset=dataset)
+    assert_raises_naming(ValueError, lambda: on(2, 2, other).resume("Loader.epoch", 0, state),
+                         "Loader.epoch: the loader state was taken with dataset=", repr(named), repr(other))
+    assert on(2, 2, named).resume("r", 0, state) == state  # the control: the same data
+    assert on(2, 2).resume("r", 0, state) == state  # a run that names no data checks none
     # A state that names none is taken on trust, and names this run's data from then on.
-    STATE.check_same_run("resume", **RUN, dataset=other)
-    assert resume_state("r", STATE, 0, **RUN, num_shards=3, batch_size=1, dataset=other).dataset == other
+    assert on(3, 1, other).resume("r", 0, STATE).dataset == other
     # Resumed without a dataset, a state keeps the one it names.
-    assert resume_state("r", state, 0, **RUN, num_shards=1, batch_size=2).dataset == named
+    assert on(1, 2).resume("r", 0, state).dataset == named
     for bad in ("ABC", named.upper(), named[:-1], 5, b"0" * 32):
         assert_raises_naming(ValueError, lambda: LoaderState.start(7, 2, 2, dataset=bad), "LoaderState.start: dataset")

@@ -743,10 +743,10 @@ def test_drops_verdict_holds_the_delivered_counts_to_the_stated_skips():
     elastic_plan's stated samples never; one more never delivered, one of them delivered, or
     one delivered twice, each fails, naming the counts. (Counts made by hand from the plan.)"""
     import refimpl
-    from plan import LoaderState, elastic_num_steps, remaining_samples
+    from plan import LoaderState, remaining_samples
     state = LoaderState(100, seed=0, epoch=0, step=1, shuffle=True, last_batch="drop",
                         segments=((0, 8, 4), (1, 3, 4)))
-    skipped = remaining_samples(100, state.segments, elastic_num_steps(100, state.segments, "drop"), seed=0,
+    skipped = remaining_samples(100, state.segments, state.num_steps, seed=0,
                                 shuffle=True, last_batch="drop")
     counts = np.ones(100, np.int32)
     counts[skipped] = 0
