@@ -183,14 +183,15 @@ def stepwise_distances(fn_a: Callable, layout_a: str, fn_b: Callable, layout_b: 
             break
         moved = [params] + [_moved(params, signs, sign * STEP_TWIN_ULPS) for sign in (1.0, -1.0)]
         stacked = jax.tree.map(lambda *xs: np.stack(xs), *moved)
-        maxima = [np.asarray(x.addressable_data(0), np.float64)
-                  for x in units_of(strategies.replicate(stacked, mesh), jax.device_put(host, sharding))]
+        maxima = units_of(stacked, host)
         scale = [m[0] for m in maxima]
         units = [np.spacing(np.asarray(g).dtype.type(s)) for g, s in zip(jax.tree.leaves(ga), scale)]
         twins.append([max(m[1], m[2]) / u for m, u in zip(maxima, units)])
         distances.append(leaf_ulps(ga, gb, scale))
         same = same and _same_bits(ga, gb)
         params, opt_state = out[0].params, out[0].opt_state[0]
+        del out, ga, gb
+        strategies.release_freed_memory()  # what the step's runs and its units freed
     leaves = len(jax.tree.leaves(params))
     return (np.array(distances, np.float64).reshape(-1, leaves), np.array(twins, np.float64).reshape(-1, leaves),
             same, diverged)
@@ -232,36 +233,49 @@ def _recording(update: Callable) -> Callable:
 
 @functools.lru_cache(maxsize=64)
 def _step_units(loss_terms: LossTerms, mesh: Mesh) -> Callable:
-    """jit: (params stacked (3, ...) = (p, p + delta, p - delta), replicated; batch sharded on
-    'data') -> per leaf, (the term scale at p, max |g(p + delta) - g(p)|, max |g(p - delta)
-    - g(p)|), g the batch's masked mean gradient (the sharded program). The term scale, at
-    which a reordered sum of the gradient's terms rounds: the max of sum_k |g_k|, g_k the
-    gradient of row block k alone over the whole batch's count, TERM_BLOCKS blocks per device
-    (the largest count up to it that divides a device's rows), each device computing its own."""
-    by_device = NamedSharding(mesh, P(AXIS))
+    """(params stacked (3, ...) = (p, p + delta, p - delta), host; the batch, host, in layout
+    "sharded") -> per leaf, float64: (the term scale at p, max |g(p + delta) - g(p)|, max
+    |g(p - delta) - g(p)|), g the batch's masked mean gradient (one sharded program, called on
+    each of the three). The term scale, at which a reordered sum of the gradient's terms
+    rounds: max over entries of sum_k |G_k| / count, G_k the gradient of row block k's total
+    alone (one program, on the mesh's first device, block after block; the sum in float64),
+    TERM_BLOCKS blocks per device (the largest count up to it that divides a device's rows),
+    count the batch's. One gradient at a time, so the verdict holds little more than a step."""
+    first = mesh.devices.flat[0]
+    n = mesh.devices.size
 
-    def absolute(params, batch):
-        count = jnp.maximum(strategies.checked_terms(loss_terms, params, batch)[1], 1.0)
-        block_grad = jax.grad(lambda p, block: strategies.checked_terms(loss_terms, p, block)[0] / count)
-        rows, blocks = jax.tree.leaves(batch)[0].shape[0], mesh.devices.size
-        parts = blocks * max(c for c in range(1, TERM_BLOCKS + 1) if (rows // blocks) % c == 0)
-        split = jax.tree.map(lambda x: lax.with_sharding_constraint(
-            x.reshape((parts, -1) + x.shape[1:]), by_device), batch)
-        grads = jax.tree.map(lambda g: lax.with_sharding_constraint(g, by_device),
-                             jax.vmap(block_grad, in_axes=(None, 0))(params, split))
-        return jax.tree.map(lambda g: jnp.sum(jnp.abs(g), axis=0), grads)
+    @jax.jit
+    def block_gradient(params, block):
+        (_, count), grads = jax.value_and_grad(lambda p: strategies.checked_terms(loss_terms, p, block),
+                                               has_aux=True)(params)
+        return grads, count
 
     def mean(params, batch):
         total, count = strategies.checked_terms(loss_terms, params, batch)
         return total / jnp.maximum(count, 1.0)
-    gradient = jax.vmap(jax.grad(mean), in_axes=(0, None))
+    gradient = jax.jit(jax.grad(mean))
 
-    def units(stacked, batch):
-        scale = jax.tree.leaves(absolute(jax.tree.map(lambda x: x[0], stacked), batch))
-        grads = jax.tree.leaves(gradient(stacked, batch))
-        return [jnp.stack([jnp.max(s), jnp.max(jnp.abs(g[1] - g[0])), jnp.max(jnp.abs(g[2] - g[0]))])
-                if s.size else jnp.zeros(3, s.dtype) for s, g in zip(scale, grads)]
-    return jax.jit(units)
+    def units(stacked, host):
+        leaves = lambda tree: [np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+                               for x in jax.tree.leaves(tree)]
+        at = [jax.tree.map(lambda x: np.asarray(x)[i], stacked) for i in range(3)]
+        rows = len(host["mask"]) // n
+        parts = n * max(c for c in range(1, TERM_BLOCKS + 1) if rows % c == 0)
+        p0, total, count = jax.device_put(at[0], first), None, 0.0
+        for k in range(parts):
+            block = jax.device_put({key: v[k * len(v) // parts:(k + 1) * len(v) // parts] for key, v in host.items()},
+                                   first)
+            grads, c = block_gradient(p0, block)
+            if total is None:
+                total = [np.zeros(np.shape(g), np.float64) for g in jax.tree.leaves(grads)]
+            for t, g in zip(total, jax.tree.leaves(grads)):
+                t += np.abs(np.asarray(g))
+            count += float(c)
+        batch = jax.device_put(host, NamedSharding(mesh, P(AXIS)))
+        g = [leaves(gradient(strategies.replicate(p, mesh), batch)) for p in at]
+        return [np.array([t.max(initial=0) / max(count, 1.0), np.abs(up - g0).max(initial=0),
+                          np.abs(down - g0).max(initial=0)], np.float64) for t, g0, up, down in zip(total, *g)]
+    return units
 
 
 def _same_bits(a: Params, b: Params) -> bool:

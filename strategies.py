@@ -48,6 +48,7 @@ imported. Imported by equivalence.py, refimpl.py and bench.py.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
@@ -160,6 +161,23 @@ STRATEGIES = {"sharded": sharded, "pmap": pmap, "shard_map": shard_map, "single"
 
 def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_state, reduction: str,
            logical_shards) -> Trained:
+    trained = _run(name, params, batches, mesh, loss_terms, optimizer, opt_state, reduction, logical_shards)
+    release_freed_memory()  # the run's device buffers are garbage now
+    return trained
+
+
+def release_freed_memory() -> None:
+    """Gives the memory freed so far back to the OS (glibc's ``malloc_trim``; a no-op without
+    glibc). XLA:CPU's device threads free a run's buffers into glibc's per-thread heaps, which
+    keep them: on 8 CPU devices the main job's peak RSS was a fifth higher without it."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _run(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_state, reduction: str,
+         logical_shards) -> Trained:
     if name in ("pmap", "single") and jax.process_count() > 1:
         raise ValueError(f"strategy {name!r} runs in one process only; with {jax.process_count()} "
                          f"processes use 'sharded' or 'shard_map'")

@@ -1141,23 +1141,21 @@ def linear_row_terms(params, batch):
 @pytest.mark.parametrize("rows", [4, 3])
 def test_the_term_scale_sums_the_absolute_gradients_of_each_devices_row_blocks(devices, rows):
     """The stepwise verdict's unit (_step_units' term scale) on a loss whose row gradients are
-    the rows themselves, against NumPy on values whose sums are exact: the largest entry of
-    sum_k |g_k|, g_k the real rows of block k over the batch's count, TERM_BLOCKS blocks per
-    device where they divide its rows (4 rows: 2 blocks), else one (3 rows). Rows +1, +1, -1,
-    -1 on a device: two blocks give 2 + 2, one block 0, so the split is seen."""
+    the rows themselves, against NumPy: the largest entry of sum_k |G_k| / count, G_k the sum
+    of block k's real rows, TERM_BLOCKS blocks per device where they divide its rows (4 rows:
+    2 blocks), else one (3 rows). Rows +1, +1, -1, -1 on a device: two blocks give 2 + 2, one
+    block 0, so the split is seen."""
     n = 4
     mesh = loaders.data_mesh(devices[:n])
     signs = np.array([1, 1, -1, -1, 1, -1][:rows], np.float32)
     x = np.stack([np.tile(signs, n), np.tile(signs[::-1], n) * 2], axis=1)  # (n * rows, 2)
     mask = np.ones(n * rows, bool)
     mask[rows] = False  # one padding row, on device 1
-    count = mask.sum()
     assert equivalence.TERM_BLOCKS == 2
     parts = 2 if rows % 2 == 0 else 1
-    blocks = (x * mask[:, None]).reshape(n * parts, -1, 2).sum(axis=1) / np.float32(count)
-    want = np.abs(blocks).sum(axis=0).max()
+    blocks = (x * mask[:, None]).reshape(n * parts, -1, 2).sum(axis=1)
+    want = np.abs(blocks).astype(np.float64).sum(axis=0).max() / mask.sum()
     params = {"w": np.zeros(2, np.float32)}
-    stacked = jax.device_put({"w": np.stack([params["w"]] * 3)}, NamedSharding(mesh, P()))
-    batch = jax.device_put({"x": x, "mask": mask}, NamedSharding(mesh, P("data")))
-    [units] = equivalence._step_units(linear_row_terms, mesh)(stacked, batch)
-    assert float(units[0]) == float(want) and want > 0, (float(units[0]), float(want), parts)
+    stacked = {"w": np.stack([params["w"]] * 3)}
+    [units] = equivalence._step_units(linear_row_terms, mesh)(stacked, {"x": x, "mask": mask})
+    assert units[0] == want and want > 0, (units[0], want, parts)
