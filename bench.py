@@ -15,8 +15,7 @@ a synthetic CIFAR-10; float32 matmuls at precision "highest", as the suite's. Se
 3. training: each strategy's step time and compile time.
 4. reduction: ``canonical_step`` against ``sharded_step`` on an MLP, a conv net and attention,
    at L = n, 4n and 8n: step time, memory, compile time.
-5. memory: a loader's peak RSS reading and over an epoch (a CPU-only child process per case);
-   a plain step's memory with its state donated or kept.
+5. memory: a loader's peak RSS reading and over an epoch (a CPU-only child process per case).
 
 The report ends with the goals and the figures no sane run gives ("implausible": the machine
 was too busy to measure them); ``--json`` also writes the figures.
@@ -135,7 +134,7 @@ def loader_section(images, labels, mesh, args) -> dict:
             cases["dali (CPU pipelines)"] = lambda: dali.epoch(0)
         cases["naive loop"] = lambda b=batch_size: naive_batches(images, labels, mesh, b)
         if installed("grain") and not args.no_grain:
-            cases.update(grain_cases(images, labels, mesh, batch_size, cap=args.dataloader_cap))
+            cases.update(grain_cases(images, labels, mesh, batch_size))
         # warm-up (compilation, first-call costs of device_put), which also counts an epoch's bytes
         warm = {name: drain(make()) for name, make in cases.items() if name.startswith(("reference", "dali"))}
         epoch_bytes = warm[REFERENCE][1]
@@ -173,11 +172,10 @@ def naive_batches(images, labels, mesh, batch_size: int, seed: int = 0):
         yield {"images": jax.device_put(np.stack(xs), sharding), "labels": jax.device_put(np.asarray(ys), sharding)}
 
 
-def grain_cases(images, labels, mesh, batch_size: int, cap: int) -> dict:
+def grain_cases(images, labels, mesh, batch_size: int) -> dict:
     """Grain pipelines over the same records, global batch n*B, as arrays sharded on 'data', the
     process's shard by ShardByJaxProcess: "grain docs", Grain's JAX recipe; "grain batch-first",
-    batch before map (one NumPy call per batch), 2 reader threads; "grain DataLoader", default
-    ReadOptions, timed on its first ``cap`` images only (it is slow)."""
+    batch before map (one NumPy call per batch), 2 reader threads."""
     import grain
 
     class Records(grain.sources.RandomAccessDataSource):
@@ -202,15 +200,8 @@ def grain_cases(images, labels, mesh, batch_size: int, cap: int) -> dict:
         return grain.experimental.device_put(ds.to_iter_dataset(read_options), sharding,
                                              cpu_buffer_size=4, device_buffer_size=2)
 
-    def data_loader():
-        sampler = grain.samplers.IndexSampler(len(labels), shard_options=shard, shuffle=True, num_epochs=1, seed=0)
-        ops = [Normalise(), grain.transforms.Batch(per_process, drop_remainder=True)]
-        batches = grain.DataLoader(data_source=Records(), sampler=sampler, operations=ops, worker_count=0)
-        return (jax.device_put(b, sharding) for b in itertools.islice(batches, max(1, cap // per_process)))
-
     return {"grain docs": lambda: dataset(False),
-            "grain batch-first": lambda: dataset(True, grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)),
-            "grain DataLoader": data_loader}
+            "grain batch-first": lambda: dataset(True, grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))}
 
 
 def dali_loader_or_none(images, labels, mesh, batch_size: int, args):
@@ -483,9 +474,8 @@ MODELS = {
 
 
 # 5. Memory -----------------------------------------------------------------
-def memory_section(root: str, args, results: dict) -> dict:
-    """The loader cases of ``args.memory_cases`` (returned) and the donation (results["donation"])."""
-    results["donation"] = donation_section(loaders.data_mesh(jax.devices()), args)
+def memory_section(root: str, args) -> dict:
+    """The loader cases of ``args.memory_cases``, each in a fresh CPU-only process."""
     out = {}
     for name in args.memory_cases:
         placement, prefetch = MEMORY_CASES[name]
@@ -519,42 +509,6 @@ def memory_child_case(root: str, batch_size: int, prefetch: int, placement: str)
     return {"raw_mb": len(labels) * RECORD_BYTES / 2**20, "batch_mb": batch_mb,
             "baseline_mb": base, "after_read_mb": after_read - base,
             "read_peak_mb": read_peak - base, "epoch_peak_mb": rss_mb("VmHWM") - base}
-
-
-def donation_section(mesh, args) -> dict:
-    """The plain step's memory and time, its state donated and kept, the MLP at ``args.layers``: a step
-    holds the larger of ``sharded_step``'s gradient program and ``update_program``, where the donation
-    acts (per device, XLA's memory_analysis)."""
-    start, batch, _ = reduction_case("mlp", mesh.devices.size * args.donation_batch, mesh.devices.size,
-                                     mesh, args.smoke)
-    state = strategies.replicate(start, mesh)
-    gradient = strategies.sharded_gradient(model.loss_terms)  # sharded_step's gradient program
-    sums = gradient(state[0], batch)
-
-    def held(stats):
-        return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-                + stats.temp_size_in_bytes) / 2**20
-    gradient_mb = held(gradient.lower(state[0], batch).compile().memory_analysis())
-    out, cases = {"batch": args.donation_batch, "layers": list(args.layers)}, {}
-    for name, donate in (("donated", True), ("kept", False)):
-        update = strategies.update_program(strategies.sgd_update, donate)
-        stats = update.lower(state, *sums).compile().memory_analysis()
-        out[name] = {"state_mb": sum(x.nbytes for x in jax.tree.leaves(start[0])) / 2**20,
-                     "aliased_mb": stats.alias_size_in_bytes / 2**20, "temp_mb": stats.temp_size_in_bytes / 2**20,
-                     "update_mb": held(stats), "gradient_mb": gradient_mb, "step_mb": max(held(stats), gradient_mb)}
-
-        def run(update=update):
-            jax.block_until_ready(strategies.train_loop(lambda s, b: update(s, *gradient(s[0], b)),
-                                                        strategies.replicate(start, mesh),
-                                                        [batch] * args.donation_steps))
-        run()
-        cases[name] = run
-    times = rounds(cases, args.repeats)
-    for name in cases:
-        out[name]["step_ms"] = 1e3 * statistics.median(times[name]) / args.donation_steps
-    out["ratio"] = {"step_memory": out["donated"]["step_mb"] / out["kept"]["step_mb"],
-                    "step_time": out["donated"]["step_ms"] / out["kept"]["step_ms"]}
-    return out
 
 
 # Report --------------------------------------------------------------------
@@ -594,9 +548,6 @@ def goals(results: dict) -> list[dict]:
             rows.append((f"epoch peak RSS / budget, {name}", m["epoch_peak_mb"] / m["budget_mb"], "<=", 1.0))
         first = next(iter(results["memory"].values()))
         rows.append(("read_cifar10 peak RSS / raw dataset", first["read_peak_mb"] / first["raw_mb"], "<=", 1.05))
-        if strategies.donates(jax.devices()):  # CPU devices do not donate: nothing to meet
-            rows.append(("a training step's memory, donated / kept", results["donation"]["ratio"]["step_memory"],
-                         "<", 1.0))
     return [{"goal": g, "measured": m, "target": f"{op} {t}",
              "met": m >= t if op == ">=" else (m < t if op == "<" else m <= t)} for g, m, op, t in rows]
 
@@ -670,17 +621,6 @@ def markdown(results: dict) -> str:
                        "{name} | {raw_mb:.0f} | {batch_mb:.1f} | {read_peak_mb:.0f} | {after_read_mb:.0f} | "
                        "{epoch_peak_mb:.0f} | {budget_mb:.0f}",
                        [dict(m, name=name) for name, m in results["memory"].items()])
-        d = results["donation"]
-        lines += table(f"**Donation** (MLP {'-'.join(map(str, d['layers']))}, sharded_step's programs, per-device "
-                       f"batch {d['batch']}; per device, XLA's memory_analysis: arguments + outputs - aliased + "
-                       f"temporaries, of the update program, where the donation acts, and of the gradient program; "
-                       f"a step holds the larger; step time median)",
-                       "state | params MiB | aliased MiB | update temporaries MiB | update holds MiB "
-                       "| gradient holds MiB | one step holds MiB | step ms", "lrrrrrrr",
-                       "{name} | {state_mb:.1f} | {aliased_mb:.1f} | {temp_mb:.1f} | {update_mb:.1f} | "
-                       "{gradient_mb:.1f} | {step_mb:.1f} | {step_ms:.1f}",
-                       [dict(d[name], name=name) for name in ("donated", "kept")])
-        lines.append(f"| donated / kept | | | | | | {d['ratio']['step_memory']:.2f} | {d['ratio']['step_time']:.2f} |")
     lines += table("**Goals**", "goal | measured | target | met", "lrll", "{goal} | {measured:.2f} | {target} | {met}",
                    [dict(g, met="yes" if g["met"] else "no") for g in results["goals"]])
     if results["implausible"]:
@@ -723,10 +663,8 @@ def main(argv=None) -> dict:
                             [("mlp", 16, 4), ("conv", 16, 1), ("attention", 16, 1)]][size]
     args.reduction_devices = len(jax.devices()) if size < 2 else min(2, len(jax.devices()))
     args.compile_devices = (1, 2, 4, 8) if size == 0 else (1, 8)
-    args.dataloader_cap = (4_096, 1_024, 256)[size]
     args.memory_cases = [tuple(MEMORY_CASES), ("device",), ("device",)][size]
     args.layers = model.LAYERS if size < 2 else SMOKE_LAYERS
-    args.donation_batch, args.donation_steps = (128, 16, 2)[size], (5, 3, 2)[size]
     chosen = args.sections.split(",")
     mesh = loaders.data_mesh(jax.devices())
     with tempfile.TemporaryDirectory() as root:
@@ -750,7 +688,7 @@ def main(argv=None) -> dict:
                     "feeding": lambda: feeding_section(images, labels, mesh, args),
                     "training": lambda: training_section(images, labels, mesh, args),
                     "reduction": lambda: reduction_section(args),
-                    "memory": lambda: memory_section(data, args, results)}
+                    "memory": lambda: memory_section(data, args)}
         unknown = sorted(set(chosen) - set(sections))
         if unknown:
             parser.error(f"--sections: unknown {unknown}; choose from {list(sections)}")

@@ -27,7 +27,7 @@ from strategies import AXIS, LossTerms, Optimizer, Params
 
 
 def ulp_bound(a: str, b: str, platform: str, num_devices: int) -> int:
-    """Roundings a step by which the gradients of strategies ``a`` and ``b`` may differ.
+    """Roundings per step by which the gradients of strategies ``a`` and ``b`` may differ.
 
     From the same state two strategies differ only in the gradient (every one hands it
     to ``strategies.update_program``): in the order some stage adds its terms, or in how
@@ -101,7 +101,7 @@ def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, 
 
     Measure: per step t and leaf l, max |g_a - g_b| in units of the gradient's term
     scale: the ulp (``np.spacing``) of the largest entry of sum_k |g_k|, g_k the gradient
-    of row block k alone, TERM_BLOCKS blocks a device. Bound: ``count`` (default
+    of row block k alone, TERM_BLOCKS blocks per device. Bound: ``count`` (default
     ``ulp_bound(a, b, platform, n)``) x STEP_UNITS units. A rounding is counted at 32
     units, not 1: a stage adds rows, tokens and tied uses whose partial sums exceed a
     block's, and a sharp loss amplifies a forward rounding in the gradient; planted bugs
@@ -147,8 +147,8 @@ def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, 
     skipped = (f"; {unjudged} of {judged.size} steps x leaves not judged: a {STEP_TWIN_ULPS}-ulp move of the "
                f"params moved their gradient by more than {STEP_UNITS} units (not smooth at the scale of "
                f"rounding: a kink, a saturated softmax)" if unjudged else "")
-    why = (f"0 roundings a step ({count_name}): the same program, the same bits expected" if count == 0 else
-           f"{count:g} rounding{'' if count == 1 else 's'} a step ({count_name}) x {STEP_UNITS} units a rounding")
+    why = (f"0 roundings per step ({count_name}): the same program, the same bits expected" if count == 0 else
+           f"{count:g} rounding{'' if count == 1 else 's'} per step ({count_name}) x {STEP_UNITS} units per rounding")
     return Verdict(case, float(each[t, l]), float(bound),
                    f"{pair}: the gradients {each[t, l]:.1f} units of their term scale apart at step {t} "
                    f"(leaf {l}), {case} the bound of {bound:g}: {why}{skipped}{stop}")

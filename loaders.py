@@ -2,7 +2,7 @@
 
 ``make_loader(data, devices, batch_size, ...)`` builds a ``Loader`` over a dataset of named
 arrays (N first) or the notebooks' ``(images, labels)``; ``loader.epoch(e)`` yields one
-dict of global ``jax.Array``s a step, every vendor loader (dali_loader.py, rocal_loader.py)
+dict of global ``jax.Array``s per step, every vendor loader (dali_loader.py, rocal_loader.py)
 is held to it. With P = ``plan.on_devices(loader.plan(e), n)`` (device k's logical shards
 in order), for every name, step s and device k at mesh position k:
 
@@ -118,9 +118,7 @@ def _two_sum(a, b):
     return s, (a - (s - v)) + (b - v)
 
 
-# --------------------------------------------------------------------------
-# Devices, meshes and global arrays
-# --------------------------------------------------------------------------
+# Devices, meshes and global arrays ----------------------------------------------------------------
 
 
 def data_mesh(devices: Sequence[jax.Device] | Mesh) -> Mesh:
@@ -162,7 +160,7 @@ def global_batch(blocks: dict[int, dict], mesh: Mesh, layout: str = "sharded") -
     out = {}
     for name, rows in blocks[local[0]].items():
         if isinstance(rows, np.ndarray) and rows.ndim == 1:  # mask, index, labels, logical shards: one
-            # placement for all local shards (a device_put a shard cost more); images keep one a shard
+            # placement for all local shards (a device_put per shard cost more); images keep one per shard
             # (no host copy of a whole batch to concatenate them)
             out[name] = _from_local_rows(np.concatenate([blocks[k][name] for k in local]), mesh, layout)
             continue
@@ -196,9 +194,7 @@ def _check_layout(layout: str) -> None:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-# --------------------------------------------------------------------------
-# The loader
-# --------------------------------------------------------------------------
+# The loader ---------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,9 +202,9 @@ class Loader:
     """A sharded loader over an in-memory (or memory-mapped) dataset of named arrays; build it
     with ``make_loader``. ``len(loader)`` is a fresh epoch's steps, equal on every shard.
 
-    ``arrays``: name -> host array (N, ...). ``logical_shards`` L (None: one a device, L = n):
+    ``arrays``: name -> host array (N, ...). ``logical_shards`` L (None: one per device, L = n):
     the plan's shards of ``batch_size`` b rows; device k of the n reads logical shards
-    k*L/n .. (k+1)*L/n - 1, (L/n)*b rows a step (``device_rows``). ``normalize``: a dict
+    k*L/n .. (k+1)*L/n - 1, (L/n)*b rows per step (``device_rows``). ``normalize``: a dict
     name -> Normalize (a dict dataset), or what applies to "images" (the tuple form)."""
     arrays: dict[str, np.ndarray]
     mesh: Mesh
@@ -253,7 +249,7 @@ class Loader:
 
     @property
     def device_rows(self) -> int:
-        """Rows a device holds a step: (L/n) x batch_size."""
+        """Rows a device holds per step: (L/n) x batch_size."""
         return self.num_shards // self.num_devices * self.batch_size
 
     @functools.cached_property
@@ -359,9 +355,7 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
     return [functools.partial(program, rows, placed, np.int32(s), hows) for s in range(len(on.indices))]
 
 
-# --------------------------------------------------------------------------
-# Placement "host": rows gathered on the host, normalised on the devices
-# --------------------------------------------------------------------------
+# Placement "host": rows gathered on the host, normalised on the devices ---------------------------
 
 
 def _host_step(loader: Loader, program, on: Plan, placed: dict, hows: dict, step: int) -> dict[str, jax.Array]:
@@ -441,9 +435,7 @@ def _step_program(mesh: Mesh, layout: str, names: tuple[str, ...], windows: tupl
     return lambda *args: (lambda out: {name: out[name] for name in order})(run(*args))  # jit sorts a dict's keys
 
 
-# --------------------------------------------------------------------------
-# Placement "device": each shard resident on its device, gathered there once an epoch
-# --------------------------------------------------------------------------
+# Placement "device": each shard resident on its device, gathered there once per epoch --------------
 
 
 def _by_position(per_shard: np.ndarray, mesh: Mesh) -> jax.Array:
@@ -516,9 +508,7 @@ def _place_dataset(arrays: dict[str, np.ndarray], mesh: Mesh, budget: int | None
     return {name: rows(source) for name, source in arrays.items()}
 
 
-# --------------------------------------------------------------------------
-# make_loader: the checks
-# --------------------------------------------------------------------------
+# make_loader: the checks --------------------------------------------------------------------------
 
 
 def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
@@ -534,7 +524,7 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
         stored unless ``normalize`` names it; or the notebooks' tuple ``(samples, labels)``,
         delivered as {"images", "labels" (int32)}; or a CIFAR-10 folder, read with
         ``filename_prefix`` (the tuple form over its files).
-      batch_size: b, rows a logical shard (a device, without ``logical_shards``) a step.
+      batch_size: b, rows per logical shard (per device, without ``logical_shards``) per step.
       layout: "sharded" ((n*B, ...) for jit) or "pmap" ((n, B, ...)).
       shuffle, seed, last_batch: the plan's (plan.epoch_plan): shuffle a bool, seed in
         [0, 2**32), last_batch "fill" (pad, masked) or "drop".
@@ -543,7 +533,7 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
         A Normalize needs uint8 images (N, C, H, W), channels first.
       prefetch: steps made ahead on a thread (placement "host"), an int >= 0.
       placement: "host" or "device" (the module docstring); "device" refuses a dataset whose
-        shard does not fit ``device_budget`` bytes a device.
+        shard does not fit ``device_budget`` bytes per device.
       logical_shards: L, the plan's shards (a multiple of the device count), so that the
         global batch (L*b rows) is the same on every n dividing L; None: L = n.
 
@@ -715,9 +705,7 @@ def _check_normalizer(what: str, array: np.ndarray, normalize, fix: str) -> None
         raise ValueError(f"make_loader: {what} {array.shape}: {error}") from None
 
 
-# --------------------------------------------------------------------------
-# An epoch's iterator: its own state, and its end however it comes
-# --------------------------------------------------------------------------
+# An epoch's iterator: its own state, and its end however it comes ---------------------------------
 
 
 class EpochIterator:

@@ -68,9 +68,7 @@ class _Segment(NamedTuple):
     batch_size: int
 
 
-# --------------------------------------------------------------------------
-# Shards and the epoch plan
-# --------------------------------------------------------------------------
+# Shards and the epoch plan ------------------------------------------------------------------------
 
 
 def shard_bounds(num_samples: int, shard_id: int, num_shards: int) -> tuple[int, int]:
@@ -222,9 +220,7 @@ def on_devices(plan: Plan, num_devices: int) -> Plan:
     return Plan(plan.indices.reshape(shape), plan.mask.reshape(shape))
 
 
-# --------------------------------------------------------------------------
-# The state a job saves, the data it was taken on, and a loader's schedule
-# --------------------------------------------------------------------------
+# The state a job saves, the data it was taken on, and a loader's schedule -------------------------
 
 DIGEST_BLOCK_BYTES = 16 * 2**20  # dataset_digest reads this much at a time: a memory map is never copied whole
 
@@ -470,9 +466,7 @@ class Schedule:
         return int(plan.mask[row:].sum())
 
 
-# --------------------------------------------------------------------------
-# Checks, and the construction
-# --------------------------------------------------------------------------
+# Checks, and the construction ---------------------------------------------------------------------
 
 
 def check_seed(name: str, value: int, where: str) -> int:

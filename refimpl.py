@@ -90,9 +90,7 @@ def main(argv=None) -> int:
         return 130
 
 
-# --------------------------------------------------------------------------
-# Options
-# --------------------------------------------------------------------------
+# Options ------------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -139,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, metavar="N", help="shuffle and synthetic-data seed, 0 <= N < 2**32")
     add("--logical-shards", type=int, metavar="L",
         help="plan each step as L logical shards of --batch-size rows: the same global batch on every "
-             "device count dividing L (default: one a device)")
+             "device count dividing L (default: one per device)")
     add("--reduction", choices=("plain", "canonical"), default="plain",  # strategies.REDUCTIONS
         help="plain: each strategy's own sums, judged step by step; canonical: the L logical shards' "
              "sums added in one fixed order, the same bits on every device count dividing L, every "
@@ -222,7 +220,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     each = args.devices // args.local_processes if args.devices and args.local_processes else args.devices
     if each and each > MAX_CPU_DEVICES and (args.platform == "cpu" or args.local_processes):
         parser.error(f"--devices {args.devices}: at most {MAX_CPU_DEVICES} virtual CPU devices"
-                     + (f" a process, not {each}" if args.local_processes else ""))
+                     + (f" per process, not {each}" if args.local_processes else ""))
     for flag in ("metrics_out", "params_out"):
         path = getattr(args, flag)
         if path and unwritable(path):
@@ -338,9 +336,7 @@ def unwritable(path: str) -> str | None:
     return None if os.access(folder, os.W_OK) else f"its folder {folder} is not writable"
 
 
-# --------------------------------------------------------------------------
-# Starting JAX, one process or several
-# --------------------------------------------------------------------------
+# Starting JAX, one process or several -------------------------------------------------------------
 
 
 def start_jax(args: argparse.Namespace) -> None:
@@ -431,9 +427,7 @@ def loopback_port(flag: str) -> int:
                               f"processes (jax.distributed) need; run one process instead") from None
 
 
-# --------------------------------------------------------------------------
-# The run
-# --------------------------------------------------------------------------
+# The run ------------------------------------------------------------------------------------------
 
 
 class Job(types.SimpleNamespace):
@@ -610,7 +604,7 @@ def training_loaders(args: argparse.Namespace, job: Job) -> tuple[dict, str]:
 
 
 def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optimizer, span, metrics) -> tuple:
-    """Strategy ``name`` over the run's epochs, a line (and a metrics row) an epoch; returns its
+    """Strategy ``name`` over the run's epochs, a line (and a metrics row) per epoch; returns its
     final (params, optimizer state) on the host and the exactly-once failures."""
     import jax
     import model
@@ -625,8 +619,6 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
         before = (params, opt_state)
         start = time.perf_counter()
         batches = span.batches(name, loader, epoch)
-        if jax.process_index() == 0:
-            batches = with_progress(batches, hi - lo, f"{name} epoch {epoch}")
         params, losses, opt_state = strategies.STRATEGIES[name](
             params, batches, job.mesh, loss_terms=model.loss_terms, optimizer=optimizer, opt_state=opt_state,
             **reduction)
@@ -662,20 +654,7 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
     return params, opt_state, failures
 
 
-def with_progress(batches, total: int, label: str):
-    """Yields ``batches``; on a terminal, also a live step counter on one line."""
-    if not sys.stdout.isatty():
-        yield from batches
-        return
-    for done, batch in enumerate(batches, start=1):
-        print(f"\r  {label}: {done}/{total} steps", end="", flush=True)
-        yield batch
-    print("\r" + " " * (len(label) + 30) + "\r", end="", flush=True)
-
-
-# --------------------------------------------------------------------------
-# Where a run starts and stops; the checkpoint (orbax-checkpoint)
-# --------------------------------------------------------------------------
+# Where a run starts and stops; the checkpoint (orbax-checkpoint) ----------------------------------
 
 
 def run_identity(args: argparse.Namespace, train_data, arithmetic: str) -> dict:
@@ -938,9 +917,7 @@ def exactly_once(name: str, epoch: int, counts, state, last_batch: str, seed: in
     return True, f"{where}: each sample at most once, {skipped} skipped, as elastic_plan states for drop"
 
 
-# --------------------------------------------------------------------------
-# The verdicts
-# --------------------------------------------------------------------------
+# The verdicts -------------------------------------------------------------------------------------
 
 
 def verdicts(args, job: Job, final: dict, states: dict, span: Span, params0, optimizer) -> list[str]:

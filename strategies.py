@@ -7,18 +7,22 @@ Every strategy has one signature::
 
 * ``params``, ``opt_state``: any pytrees of arrays, host-side (NumPy) in and out, so
   epochs chain by passing both back in. ``opt_state`` None means ``optimizer.init``.
-* ``loss_terms(params, batch) -> (total, count)``: your model. ``total`` is the sum of
-  the real (mask-True) rows' losses, ``count`` how many real rows there are. Every
-  strategy minimises the global masked mean, sum(total) / max(sum(count), 1).
+* ``loss_terms(params, batch) -> (total, count)``: your model, on the rows one program sees
+  (the batch's fields but "logical_shards"). ``total``: the sum of the real (mask-True)
+  rows' losses, a float scalar; ``count``: how many terms it sums (the real rows, or their
+  tokens), a scalar. Every strategy minimises the global sum(total) / max(sum(count), 1).
 * ``optimizer``: optax's ``GradientTransformation`` (any optax optimizer) or ``sgd``.
-* ``batches``: dicts with a bool "mask", (n*B,) in layout "sharded" or (n, B) in
-  layout "pmap" (``LAYOUT[strategy]``), as ``loaders.make_loader`` yields them.
-* ``losses`` (steps,): each step's global masked mean loss, before its update.
+* ``batches``: dicts with a bool "mask", one entry per row: (n*B,) in layout "sharded",
+  (n, B) in layout "pmap" (``LAYOUT[strategy]``), as ``loaders.make_loader`` yields them.
+* ``losses`` (steps,): each step's sum(total) / max(sum(count), 1) before its update, in
+  total's dtype (float32 for float32 params); 0 for a step of padding only.
 
 The strategies: ``sharded`` (the notebooks' jit on sharded arrays), ``pmap`` (in
 maintenance mode in JAX), ``shard_map`` (pmap's modern replacement) and ``single`` (the
 whole global batch on the mesh's first device). Each runs on exactly the mesh's
-devices, in mesh order, never on JAX's default device.
+devices, in mesh order, never on JAX's default device. Each, and each step a user's own
+loop takes (``sharded_step``, ``pmap_step``, ``shard_map_step``, ``canonical_step``),
+checks the first batch of each shape (``door``).
 
 The reductions, how a step's gradient is summed:
 
@@ -27,20 +31,21 @@ The reductions, how a step's gradient is summed:
 * "canonical": the global batch is L = ``logical_shards`` blocks of b rows. Then:
 
       for each block l = 0..L-1, on the device that holds it:
-          g_l, t_l, c_l = block_program(params, rows l*b .. (l+1)*b - 1)
+          g_l, t_l, c_l = the gradient of block l's total, its total, its count
       g = ((g_0 + g_1) + g_2) + ... + g_{L-1}      (the same for t and c)
       params, state = update_program(state, g, t, c)   # g / max(c, 1), then optax
 
-  ``block_program`` and ``update_program`` are single-device programs: each device
-  runs the same compiled program on its own copy, whatever the mesh. The fold moves
-  values between devices and adds them in block order, nothing else. So params,
-  optimizer state and losses are the same bits on every mesh whose device count n
-  divides L, in one process or several, through every strategy, on one device adding
-  the L blocks as microbatches (``single``), across a stop and a resume on another of
-  these, at any learning rate. Not across L, jaxlib versions, CPU against GPU, or GPU
-  models. The XLA options the programs need are set here (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a
-  loader's carry a "logical_shards" entry) or from ``logical_shards``; given both,
-  they must agree; given neither, the step is refused.
+  Each block runs the same single-device code on every device, whatever the mesh (one
+  program per block, ``block_program``; on LOOP_PLATFORMS one loop program per device,
+  ``loop_program``), and so does the update. The fold moves values between devices and
+  adds them in block order, nothing else. So params, optimizer state and losses are the
+  same bits on every mesh whose device count n divides L, in one process or several,
+  through every strategy, on one device adding the L blocks as microbatches
+  (``single``), across a stop and a resume on another of these, at any learning rate.
+  Not across L, jaxlib versions, platforms or device kinds. The XLA options the programs
+  need are set here (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a loader's
+  carry a "logical_shards" entry) or from ``logical_shards``; given both, they must
+  agree; given neither, the step is refused.
 
 Imports: NumPy and JAX only (JAX 0.10 or newer). optax optimizers are accepted, not
 imported. Imported by equivalence.py, refimpl.py and bench.py.
@@ -82,9 +87,7 @@ OPTIMIZER_CONTRACT = ("optimizer.update(grads, state, params) must return (updat
                       "params + updates), new_state with the state's structure")
 
 
-# --------------------------------------------------------------------------
-# The update rule: optax's contract
-# --------------------------------------------------------------------------
+# The update rule: optax's contract ----------------------------------------------------------------
 
 
 class Optimizer(NamedTuple):
@@ -121,9 +124,7 @@ class Trained(NamedTuple):
     opt_state: Any
 
 
-# --------------------------------------------------------------------------
-# The strategies
-# --------------------------------------------------------------------------
+# The strategies -----------------------------------------------------------------------------------
 
 
 def sharded(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
@@ -432,9 +433,7 @@ def start_state(name: str, optimizer: Optimizer, params: Params, opt_state, mesh
     return params, opt_state
 
 
-# --------------------------------------------------------------------------
-# Moving params (and optimizer state) between layouts
-# --------------------------------------------------------------------------
+# Moving params (and optimizer state) between layouts ----------------------------------------------
 
 
 def replicate(params: Params, mesh: Mesh) -> Params:
@@ -497,9 +496,7 @@ def check_dtypes(tree, where: str) -> None:
                 f"(jax.config.update('jax_enable_x64', True)) to train in {np.dtype(dtype).name}")
 
 
-# --------------------------------------------------------------------------
-# The training loop
-# --------------------------------------------------------------------------
+# The training loop --------------------------------------------------------------------------------
 
 
 def train_loop(step: Callable, state, batches: Iterable,
@@ -544,9 +541,7 @@ def stack_losses(values: list):
     return jax.tree.map(lambda *xs: np.stack([host(x) for x in xs]), *values)
 
 
-# --------------------------------------------------------------------------
-# The plain steps: a gradient program of each strategy's own, then update_program
-# --------------------------------------------------------------------------
+# The plain steps: a gradient program of each strategy's own, then update_program ------------------
 
 
 def checked_terms(loss_terms: LossTerms, params: Params, batch: dict) -> tuple:
@@ -581,13 +576,14 @@ def _total_gradient(loss_terms: LossTerms) -> Callable:
 @functools.lru_cache(maxsize=64)
 def update_program(update: Callable, donate: bool = False) -> Callable:
     """The update, one program every strategy and reduction shares: jit of ((params,
-    opt_state), gradient sums, loss sum, count) -> ((params + updates, new state), loss).
-
-    grads = sums / max(count, 1), the count exact: in the leaf's dtype for float32 and
-    wider leaves, in float32 then cast for narrower ones (bfloat16 holds integers only
-    up to 256). A program of its own, so that the optimizer's arithmetic is compiled
-    alike whatever computed the gradient: XLA:CPU contracts a multiply and an add that
-    share a fusion into one FMA, in an order that follows the fusion's layouts."""
+    opt_state), gradient sums, loss sum, count float32) -> ((params + updates, new state),
+    loss). grads = sums / max(count, 1), one IEEE division per entry (NumPy's float32
+    division's bits): for float32 and wider leaves the count, a whole number, is converted
+    exactly to the leaf's dtype; for narrower ones (bfloat16 holds integers only up to 256)
+    the sum is divided in float32 and the quotient cast. loss = total / max(count, 1)
+    likewise. A program of its own, so that the optimizer's arithmetic is compiled alike
+    whatever computed the gradient: XLA:CPU contracts a multiply and an add that share a
+    fusion into one FMA, in an order that follows the fusion's layouts."""
     def apply(state, sums, total, count):
         params, opt_state = state
         count = jnp.maximum(count, 1.0)
@@ -619,8 +615,8 @@ def _updated(update: Callable, grads, opt_state, params) -> tuple:
 
 
 def donates(devices) -> bool:
-    """Whether the plain steps donate their state: on accelerators, not on CPU devices,
-    where XLA keeps a copy of a donated state anyway (bench.py's donation table)."""
+    """Whether the plain steps donate their state: on accelerators, not on CPU devices, where
+    XLA keeps a copy of a donated state anyway (a step held as much, and took as long)."""
     return all(d.platform != "cpu" for d in devices)
 
 
@@ -710,9 +706,7 @@ def _shard_map_gradient(loss_terms: LossTerms, mesh: Mesh) -> Callable:
     return jax.jit(jax.shard_map(gradient, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))
 
 
-# --------------------------------------------------------------------------
-# The canonical reduction: the same bits on every topology
-# --------------------------------------------------------------------------
+# The canonical reduction: the same bits on every topology -----------------------------------------
 
 
 @functools.lru_cache(maxsize=64)
@@ -787,7 +781,8 @@ def fold_program(mesh: Mesh, per_device: int) -> Callable:
 
     A leaf of SMALL_LEAF entries or more goes by ``all_to_all``: device c receives chunk c
     (raveled, zero-padded to n chunks) of every block, folds it, and an ``all_gather``
-    joins the chunks. A smaller leaf is gathered whole and folded on every device. Either
+    joins the chunks. A smaller leaf, and every leaf on one device, is gathered whole and
+    folded on every device. Either
     way each entry is the same sequence of IEEE additions, g_0 + g_1, then + g_2, ...:
     moving values and padding with zeros are exact. A device sends (L/n + 1) x (n-1)/n
     of a gradient: an all-reduce's 2 x (n-1)/n when L = n."""

@@ -71,9 +71,6 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
     for m in results["memory"].values():
         assert all(number(m[f]) for f in ("raw_mb", "batch_mb", "budget_mb", "read_peak_mb", "epoch_peak_mb"))
 
-    for name in ("donated", "kept"):
-        assert all(number(results["donation"][name][f]) for f in ("step_mb", "step_ms")), results["donation"]
-
     assert results["goals"] and all({"goal", "measured", "target", "met"} <= set(g) for g in results["goals"])
     assert "**Feeding**" in stdout and "| sharded | host |" in stdout
     assert isinstance(results["implausible"], list) and all(isinstance(t, str) for t in results["implausible"])

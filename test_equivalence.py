@@ -670,17 +670,17 @@ def test_stepwise_verdict_cases_bounds_and_words(mesh):
     assert near.case == "within" and near.bound == U and abs(near.ulps - 3.0) <= 0.5, near
     assert near.text.startswith("sharded vs shifted by 3, each of 2 steps from the same state: the "
                                 "gradients "), near.text
-    assert f"within the bound of {U}: 1 rounding a step (equivalence.ulp_bound) x {U} units a rounding" \
+    assert f"within the bound of {U}: 1 rounding per step (equivalence.ulp_bound) x {U} units per rounding" \
         in near.text and "not judged" not in near.text and "diverged" not in near.text, near.text
     two = equivalence.stepwise_verdict("sharded", shifted(3.0), count=2, count_name="mine", **kw)
-    assert two.bound == 2 * U and f"2 roundings a step (mine) x {U} units" in two.text, two.text
+    assert two.bound == 2 * U and f"2 roundings per step (mine) x {U} units" in two.text, two.text
     far = equivalence.stepwise_verdict("sharded", shifted(2.0 * U), count=1, **kw)
     assert far.case == "OUTSIDE" and abs(far.ulps - 2 * U) <= 0.5, far
     assert f"OUTSIDE the bound of {U}" in far.text and "at step " in far.text, far.text
     # count 0, the same program: any difference is OUTSIDE, however small
     zero = equivalence.stepwise_verdict("sharded", shifted(1.0), count=0, **kw)
     assert zero.case == "OUTSIDE" and zero.bound == 0.0 and zero.ulps > 0, zero
-    assert "0 roundings a step (equivalence.ulp_bound): the same program, the same bits expected" in zero.text
+    assert "0 roundings per step (equivalence.ulp_bound): the same program, the same bits expected" in zero.text
     # no batch: nothing compared
     empty = equivalence.stepwise_verdict("sharded", "single", **{**kw, "batches": []})
     assert empty.case == "outside the domain" and np.isnan(empty.ulps) and empty.bound is None, empty
@@ -741,8 +741,8 @@ def test_a_leaf_on_a_kink_is_not_judged_but_count_0_judges_every_leaf(mesh):
     assert found.case == "within" and found.ulps == 0.0 and found.bound == U, found
     assert found.text == (
         f"sharded vs b nudged, each of 1 steps from the same state: the gradients 0.0 units of their term scale "
-        f"apart at step 0 (leaf 1), within the bound of {U}: 1 rounding a step (equivalence.ulp_bound) x {U} "
-        f"units a rounding; 1 of 2 steps x leaves not judged: a {equivalence.STEP_TWIN_ULPS}-ulp move of the "
+        f"apart at step 0 (leaf 1), within the bound of {U}: 1 rounding per step (equivalence.ulp_bound) x {U} "
+        f"units per rounding; 1 of 2 steps x leaves not judged: a {equivalence.STEP_TWIN_ULPS}-ulp move of the "
         f"params moved their gradient by more than {U} units (not smooth at the scale of rounding: a kink, a "
         f"saturated softmax)"), found.text
     zero = equivalence.stepwise_verdict("sharded", nudged("b", 1e-3), count=0, **kw)
@@ -777,7 +777,7 @@ def test_the_verdict_names_the_step_and_leaf_of_the_largest_distance_not_a_zero_
     found = equivalence.stepwise_verdict("sharded", second_step_only, count=1, **kw)
     assert found.case == "within" and 0 < found.ulps <= equivalence.STEP_UNITS, found
     assert "at step 1 (leaf 1), within" in found.text, found.text
-    assert found.text.endswith(f"x {equivalence.STEP_UNITS} units a rounding"), found.text  # nothing skipped
+    assert found.text.endswith(f"x {equivalence.STEP_UNITS} units per rounding"), found.text  # nothing skipped
 
 
 def test_a_pmap_layout_strategy_takes_batches_of_several_rows_a_device(mesh):

@@ -175,7 +175,7 @@ REFUSED = {
     "65 virtual CPU devices": (["--platform", "cpu", "--devices", "65"],
                                "--devices 65: at most 64 virtual CPU devices"),
     "local processes of 65 virtual CPU devices each": (["--local-processes", "2", "--devices", "130"],
-                                                        "--devices 130: at most 64 virtual CPU devices a process, "
+                                                        "--devices 130: at most 64 virtual CPU devices per process, "
                                                         "not 65"),
     "an output in a missing folder": (["--metrics-out", "{tmp}/no/m.jsonl"],
                                       "--metrics-out {tmp}/no/m.jsonl: its folder {tmp}/no does not exist"),
