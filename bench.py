@@ -5,8 +5,8 @@
 Compared cases run in interleaved rounds (a, b, a, b, ...) in one process, and each figure is
 a median over the rounds. Load from other processes slows them alike: read the ratios, not the
 absolute times. The devices are the default backend's (8 virtual CPU devices without an
-accelerator; one process holds an accelerator, so no child process touches it); the data is
-a synthetic CIFAR-10; float32 matmuls at precision "highest", as the suite's. Sections:
+accelerator), in this one process; the data is a synthetic CIFAR-10; float32 matmuls at
+precision "highest", as the suite's. Sections:
 
 1. loader: one shuffled epoch into sharded global arrays, per loader, against a host memory
    copy; the host-to-device rate of a uint8 batch.
@@ -15,7 +15,6 @@ a synthetic CIFAR-10; float32 matmuls at precision "highest", as the suite's. Se
 3. training: each strategy's step time and compile time.
 4. reduction: ``canonical_step`` against ``sharded_step`` on an MLP, a conv net and attention,
    at L = n, 4n and 8n: step time, memory, compile time.
-5. memory: a loader's peak RSS reading and over an epoch (a CPU-only child process per case).
 
 The report ends with the goals and the figures no sane run gives ("implausible": the machine
 was too busy to measure them); ``--json`` also writes the figures.
@@ -30,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,7 +60,6 @@ MEAN = STD = np.float32(127.5)  # arithmetic.Normalize()'s default, written out 
 SMOKE_LAYERS = (3072, 32, 10)  # --smoke's MLP: the code paths, not the figures
 VOCAB, SEQUENCE, WIDTH = 256, 32, 64  # the attention model's
 CONV_CHANNELS, SMOKE_CHANNELS = (32, 64), (4, 8)
-MEMORY_CASES = {"host prefetch 2": ("host", 2), "host prefetch 0": ("host", 0), "device": ("device", 0)}
 
 
 # Measuring -----------------------------------------------------------------
@@ -90,32 +87,6 @@ def drain(batches) -> tuple[int, int]:
         nbytes += sum(leaf.nbytes for leaf in jax.tree.leaves(last))
     jax.block_until_ready(last)
     return samples, nbytes
-
-
-def rss_mb(field: str = "VmRSS") -> float:
-    """VmRSS (now) or VmHWM (peak) of this process, in MiB."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
-
-
-def reset_peak() -> None:
-    """Restarts this process's VmHWM from its current RSS (clear_refs "5", Linux 4.0+)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # the peaks then include JAX's start-up
-
-
-def memory_child(call: list) -> dict:
-    """Runs ``memory_section``'s case in a fresh process on 8 CPU devices (never the
-    accelerator this process may hold), for a peak RSS of its own; returns its dict."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(call)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    if done.returncode:
-        raise RuntimeError(f"bench.py --child {json.dumps(call)} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
 
 
 # 1. The loaders ------------------------------------------------------------
@@ -473,44 +444,6 @@ MODELS = {
 }
 
 
-# 5. Memory -----------------------------------------------------------------
-def memory_section(root: str, args) -> dict:
-    """The loader cases of ``args.memory_cases``, each in a fresh CPU-only process."""
-    out = {}
-    for name in args.memory_cases:
-        placement, prefetch = MEMORY_CASES[name]
-        result = memory_child(["memory", root, 128, prefetch, placement])
-        # What the design allows: the dataset, the queue, the batch being built and the one the
-        # consumer holds; "device" holds the dataset twice more as the devices' copy and an
-        # epoch's rows (in host memory on CPU).
-        alive = (prefetch + 2) * result["batch_mb"]
-        result["budget_mb"] = result["raw_mb"] * (3 if placement == "device" else 1) + alive
-        out[name] = result
-    return out
-
-
-def memory_child_case(root: str, batch_size: int, prefetch: int, placement: str) -> dict:
-    """The peak RSS (MiB) while reading, then over one epoch, in this process."""
-    mesh = loaders.data_mesh(jax.devices())
-    jax.block_until_ready(jax.device_put(np.zeros(8), NamedSharding(mesh, P())))
-    base = rss_mb()
-    reset_peak()
-    images, labels = read_cifar10(root)
-    read_peak, after_read = rss_mb("VmHWM"), rss_mb()
-    loader = loaders.make_loader((images, labels), mesh, batch_size, shuffle=True, prefetch=prefetch,
-                                 placement=placement)
-    batch_mb = sum(leaf.nbytes for leaf in jax.tree.leaves(loader.batch(0, 0))) / 2**20
-    reset_peak()
-    previous = None
-    for batch in loader.epoch(0):  # as a training loop consumes: at most two steps in flight
-        jax.block_until_ready(previous)
-        previous = batch
-    jax.block_until_ready(previous)
-    return {"raw_mb": len(labels) * RECORD_BYTES / 2**20, "batch_mb": batch_mb,
-            "baseline_mb": base, "after_read_mb": after_read - base,
-            "read_peak_mb": read_peak - base, "epoch_peak_mb": rss_mb("VmHWM") - base}
-
-
 # Report --------------------------------------------------------------------
 def goals(results: dict) -> list[dict]:
     """The goals of the sections in ``results``: {goal, measured, target, met}."""
@@ -543,11 +476,6 @@ def goals(results: dict) -> list[dict]:
         if r["logical_shards"] == r["devices"]:
             rows.append((f"canonical / plain step memory, {r['model']}, global {r['global_batch']}, L = n",
                          r["ratio"]["memory"], "<=", 1.5))
-    if "memory" in results:
-        for name, m in results["memory"].items():
-            rows.append((f"epoch peak RSS / budget, {name}", m["epoch_peak_mb"] / m["budget_mb"], "<=", 1.0))
-        first = next(iter(results["memory"].values()))
-        rows.append(("read_cifar10 peak RSS / raw dataset", first["read_peak_mb"] / first["raw_mb"], "<=", 1.05))
     return [{"goal": g, "measured": m, "target": f"{op} {t}",
              "met": m >= t if op == ">=" else (m < t if op == "<" else m <= t)} for g, m, op, t in rows]
 
@@ -614,13 +542,6 @@ def markdown(results: dict) -> str:
         lines += table("**Compile time** (s; the MLP, global batch 1024, L = 8; first call - warm call)",
                        "devices | plain | canonical", "rrr", "{devices} | {plain:.2f} | {canonical:.2f}",
                        red["compile_s"])
-    if "memory" in results:
-        lines += table("**Memory** (one epoch, per-device batch 128, a fresh CPU-only process; MiB over the RSS "
-                       "before reading)", "case | raw dataset | global batch | peak in read_cifar10 | held after "
-                       "read | peak in epoch | budget", "lrrrrrr",
-                       "{name} | {raw_mb:.0f} | {batch_mb:.1f} | {read_peak_mb:.0f} | {after_read_mb:.0f} | "
-                       "{epoch_peak_mb:.0f} | {budget_mb:.0f}",
-                       [dict(m, name=name) for name, m in results["memory"].items()])
     lines += table("**Goals**", "goal | measured | target | met", "lrll", "{goal} | {measured:.2f} | {target} | {met}",
                    [dict(g, met="yes" if g["met"] else "no") for g in results["goals"]])
     if results["implausible"]:
@@ -641,13 +562,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", metavar="FILE", help="also write the figures here")
     parser.add_argument("--no-grain", action="store_true", help="skip Grain even if installed")
     parser.add_argument("--no-dali", action="store_true", help="skip DALI even if installed")
-    parser.add_argument("--sections", default="loader,feeding,training,reduction,memory",
+    parser.add_argument("--sections", default="loader,feeding,training,reduction",
                         help="comma-separated sections to run, in this order (default: all of them)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # memory_child's call, as JSON
     args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(memory_child_case(*json.loads(args.child)[1:])))
-        return {}
     size = 2 if args.smoke else 1 if args.quick else 0  # (full, quick, smoke)
     args.num_train = args.num_train or (50_000, 4_096, 1_024)[size]  # 1024: 8 devices x B 128
     args.repeats = args.repeats or (3, 2, 1)[size]
@@ -663,7 +580,6 @@ def main(argv=None) -> dict:
                             [("mlp", 16, 4), ("conv", 16, 1), ("attention", 16, 1)]][size]
     args.reduction_devices = len(jax.devices()) if size < 2 else min(2, len(jax.devices()))
     args.compile_devices = (1, 2, 4, 8) if size == 0 else (1, 8)
-    args.memory_cases = [tuple(MEMORY_CASES), ("device",), ("device",)][size]
     args.layers = model.LAYERS if size < 2 else SMOKE_LAYERS
     chosen = args.sections.split(",")
     mesh = loaders.data_mesh(jax.devices())
@@ -687,8 +603,7 @@ def main(argv=None) -> dict:
         sections = {"loader": lambda: loader_section(images, labels, mesh, args),
                     "feeding": lambda: feeding_section(images, labels, mesh, args),
                     "training": lambda: training_section(images, labels, mesh, args),
-                    "reduction": lambda: reduction_section(args),
-                    "memory": lambda: memory_section(data, args)}
+                    "reduction": lambda: reduction_section(args)}
         unknown = sorted(set(chosen) - set(sections))
         if unknown:
             parser.error(f"--sections: unknown {unknown}; choose from {list(sections)}")
