@@ -1,21 +1,19 @@
 """The vendors' crop_mirror_normalize as exact float32 tables.
 
-Over uint8 input a vendor's normalisation is one float32 value per (channel, pixel
-value). ``normalize_table`` computes that table for each of ``ARITHMETICS``: rocAL's
-(one FMA), DALI's GPU kernel (one FMA) and DALI's CPU kernel (a subtract, then a
-multiply). ``crop_anchor`` is each vendor's rounding of a crop's position, and
+Over uint8 input a vendor's normalisation is one float32 value per (channel, pixel value).
+``normalize_table`` computes that table for each of ``ARITHMETICS`` (rocAL's, DALI's GPU and
+CPU kernels), ``crop_anchor`` is each vendor's rounding of a crop's position, and
 ``crop_mirror_normalize`` the whole operator on the host: crop, flip, then a lookup.
-``Normalize`` is the value a loader is given. Every path that normalises looks the
-same table up, so every device gives the same bits.
+``Normalize`` is the value a loader is given. Every path that normalises looks the same table
+up, so every device gives the same bits.
 
 Deliberate difference from rocAL: a crop larger than the image is an error here;
 rocAL silently clamps it.
 
-Inputs: an int parameter (a size, a crop, a shape) takes a Python or NumPy integer,
-never a bool nor a float, even a whole one. A real number (a mean, a std, a crop
-position) takes what ``normalize_table`` states, never a bool. ``mirror`` takes
-Python's or NumPy's bool, not 0 or 1. Anything else raises ValueError at the call,
-naming the function, the parameter and the value.
+Inputs: an int parameter (a size, a crop, a shape) takes a Python or NumPy integer, never a
+bool nor a float, even a whole one. A real number (a mean, a std, a crop position) takes what
+``normalize_table`` states, never a bool. ``mirror`` takes Python's or NumPy's bool, not 0 or
+1. Anything else raises ValueError at the call, naming the function, the parameter and the value.
 
 Imports: NumPy (>= 1.25) only, so the module can be copied alone.
 """
@@ -32,15 +30,12 @@ import numpy as np
 
 ARITHMETICS = ("rocal", "dali_cpu", "dali_gpu")
 
-# Read in the vendors' source (ROCm/rocAL develop and rocm-6.4.1, ROCm/rpp, NVIDIA/DALI 2.4):
-# rocAL's node_crop_mirror_normalize.cpp computes, in float32, inv = 1 / std and offset =
-#   -(mean * inv), or -(mean / std) for one channel; RPP applies fmaf(x, inv, offset) per pixel
-#   (crop_mirror_normalize.hpp's _mm256_fmadd_ps; the HIP kernel's pix * inv + offset is
-#   contracted to an FMA). Its crop anchor is nearbyintf of a float32 product. Default mirror=1.
-# DALI's CPU kernel (slice_flip_normalize_permute_pad_cpu.h) computes (float(x) - mean) *
-#   inv_stddev, inv_stddev = 1 / std in float32; its GPU kernel (slice_flip_normalize_gpu*.cu)
-#   fmaf(x, inv, -(mean * inv)). Both crop anchors are std::round (half away from zero) of
-#   double(crop_pos) * (W - cw) (crop_attr.cc, rounding="round"). Default mirror=0.
+# Read in the vendors' source (ROCm/rocAL develop and rocm-6.4.1, ROCm/rpp, NVIDIA/DALI 2.4), as
+# normalize_table and crop_anchor state them: rocAL's node_crop_mirror_normalize.cpp computes inv and
+#   the offset; RPP applies the FMA (crop_mirror_normalize.hpp's _mm256_fmadd_ps; the HIP kernel's
+#   pix * inv + offset is contracted to an FMA); the anchor is nearbyintf. Default mirror=1.
+# DALI's CPU kernel is slice_flip_normalize_permute_pad_cpu.h, its GPU kernel slice_flip_normalize_gpu*.cu;
+#   both anchors are crop_attr.cc's std::round (rounding="round"). Default mirror=0.
 # Neither is (x - mean) / std: for mean = std = 127.5 that differs from rocAL's result on
 # 223 of the 256 uint8 values (by 1 ulp).
 
@@ -170,8 +165,7 @@ def crop_anchor(pos: float, size: int, crop: int, arithmetic: str = "rocal") -> 
         [1, size]; pos not a real number (as normalize_table's entries) in [0, 1].
     """
     _check_arithmetic(arithmetic)
-    size = _check_int("crop_anchor", "size", size, 1)
-    crop = _check_int("crop_anchor", "crop", crop, 1)
+    size, crop = _check_int("crop_anchor", "size", size, 1), _check_int("crop_anchor", "crop", crop, 1)
     pos = _real("crop_anchor", "pos", pos)
     if not crop <= size:
         raise ValueError(f"crop_anchor: crop={crop} does not fit in size={size}")
@@ -184,9 +178,8 @@ def crop_anchor(pos: float, size: int, crop: int, arithmetic: str = "rocal") -> 
     return whole + (product - whole >= 0.5)  # product >= 0: half away from zero
 
 
-def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | None = None,
-                          mirror=False, mean: Sequence[float] = (0.0, 0.0, 0.0),
-                          std: Sequence[float] = (1.0, 1.0, 1.0),
+def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | None = None, mirror=False,
+                          mean: Sequence[float] = (0.0, 0.0, 0.0), std: Sequence[float] = (1.0, 1.0, 1.0),
                           crop_pos: tuple[float, float] = (0.5, 0.5), arithmetic: str = "rocal",
                           out: np.ndarray | None = None) -> np.ndarray:
     """A vendor's crop_mirror_normalize of uint8 NCHW images, as float32 NCHW.
@@ -199,12 +192,11 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
         out[n, c, y, x] = table[c, images[n, c, y0 + y, x0 + x']]
         x' = cw - 1 - x if mirror[n] else x     # a horizontal flip inside the window
 
-    Crop, then flip, then a lookup: no other rounding happens. ``crop`` is None or two
-    ints, ``crop_pos`` two real numbers in [0, 1]. ``mirror`` is one bool for every
-    image, or N bools (a list or a NumPy bool array; not ints). ``out`` is a float32
-    (N, C, ch, cw) array to write into; by default a new one, 64-byte aligned so that
-    JAX on CPU can use it without a copy. ValueError, naming the parameter and the
-    value, for anything else, or a crop larger than the image (rocAL clamps it).
+    Crop, then flip, then a lookup: no other rounding happens. ``crop`` is None or two ints,
+    ``crop_pos`` two real numbers in [0, 1]. ``mirror`` is one bool for every image, or N bools
+    (a list or a NumPy bool array; not ints). ``out`` is a float32 (N, C, ch, cw) array to write
+    into; by default a new 64-byte-aligned one (``aligned_empty``). ValueError for anything else,
+    or a crop larger than the image.
     """
     images_NCHW = np.asarray(images_NCHW)
     if images_NCHW.ndim != 4 or images_NCHW.dtype != np.uint8:
@@ -220,13 +212,11 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
         mirror = np.full(n, bool(mirror))
     flip = np.asarray(mirror) if isinstance(mirror, (list, tuple, np.ndarray)) else None
     if flip is None or flip.dtype != np.bool_ or flip.shape != (n,):
-        raise ValueError(f"crop_mirror_normalize: mirror must be a bool or {n} bools (one per "
-                         f"image), got {mirror!r}")
+        raise ValueError(f"crop_mirror_normalize: mirror must be a bool or {n} bools (one per image), got {mirror!r}")
     if out is None:
         out = aligned_empty((n, c, ch, cw), np.float32)
     elif not isinstance(out, np.ndarray) or out.shape != (n, c, ch, cw) or out.dtype != np.float32:
-        raise ValueError(f"crop_mirror_normalize: out must be float32 {(n, c, ch, cw)}, "
-                         f"got {out.dtype} {out.shape}")
+        raise ValueError(f"crop_mirror_normalize: out must be float32 {(n, c, ch, cw)}, got {out.dtype} {out.shape}")
     window = images_NCHW[:, :, y0:y0 + ch, x0:x0 + cw]
     if flip.any():
         window = np.where(flip[:, None, None, None], window[..., ::-1], window)
@@ -262,8 +252,7 @@ def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
     allocator only promises 16 bytes. ``shape`` is an int or ints >= 0, ``align`` an int
     >= 1, ``dtype`` what ``np.dtype`` takes: ValueError, naming the parameter, otherwise.
     """
-    shape = (shape,) if _is_int(shape) else shape
-    shape = _ints("aligned_empty", "shape", shape, None, 0)
+    shape = _ints("aligned_empty", "shape", (shape,) if _is_int(shape) else shape, None, 0)
     align = _check_int("aligned_empty", "align", align, 1)
     try:
         dtype = np.dtype(dtype)
@@ -279,17 +268,15 @@ def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
 class Normalize:
     """What a loader applies to each image: a vendor's crop_mirror_normalize, as a value.
 
-    The default is the rocAL notebook's: no crop, no flip, mean = std = 127.5 per
-    channel, rocAL's arithmetic. The DALI notebook's MNIST is
-    ``Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu")``. ``arithmetic``
-    also picks the crop anchor's rounding; ``table`` is the (C, 256) specification.
+    The default is the rocAL notebook's: no crop, no flip, mean = std = 127.5 per channel, rocAL's
+    arithmetic; the DALI notebook's MNIST is ``Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu")``.
+    ``arithmetic`` also picks the crop anchor's rounding; ``table`` is the (C, 256) specification.
     The images it takes are uint8 NCHW with C = len(mean).
 
-    The fields take what crop_mirror_normalize takes, but ``mirror`` is one bool. They
-    are checked on construction (ValueError naming the field and the value) and stored
-    as plain Python values, mean, std and crop_pos as tuples of ``float()``. Two
-    Normalize are equal, and hash alike, exactly when every field is the same, floats
-    bit for bit: mean 0.0 and -0.0, whose tables differ, are different values.
+    The fields take what crop_mirror_normalize takes, but ``mirror`` is one bool. They are checked
+    on construction and stored as plain Python values, mean, std and crop_pos as tuples of
+    ``float()``. Two Normalize are equal, and hash alike, exactly when every field is the same,
+    floats bit for bit: mean 0.0 and -0.0, whose tables differ, are different values.
     """
     mean: tuple[float, ...] = (127.5, 127.5, 127.5)
     std: tuple[float, ...] = (127.5, 127.5, 127.5)
@@ -346,9 +333,8 @@ class Normalize:
         return (c,) + self.window((h, w))[2:]
 
     def __call__(self, images_NCHW: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return crop_mirror_normalize(images_NCHW, crop=self.crop, mirror=self.mirror, mean=self.mean,
-                                     std=self.std, crop_pos=self.crop_pos, arithmetic=self.arithmetic,
-                                     out=out)
+        return crop_mirror_normalize(images_NCHW, crop=self.crop, mirror=self.mirror, mean=self.mean, std=self.std,
+                                     crop_pos=self.crop_pos, arithmetic=self.arithmetic, out=out)
 
 
 def one_row(table: np.ndarray) -> bool:
@@ -367,14 +353,12 @@ def _doubles(name: str, values, where: str) -> tuple[float, ...]:
     ordered = isinstance(values, Sequence) or (hasattr(values, "__len__") and getattr(values, "ndim", None) == 1)
     nested = ordered and any(isinstance(v, (list, tuple)) or getattr(v, "ndim", 0) for v in values)
     if isinstance(values, (str, bytes)) or not ordered or nested or getattr(values, "ndim", 1) != 1:
-        raise ValueError(f"{where}: {name} must be a sequence of real numbers, one per channel, "
-                         f"got {values!r}")
+        raise ValueError(f"{where}: {name} must be a sequence of real numbers, one per channel, got {values!r}")
     return tuple(_real(where, name, value, values) for value in values)
 
 
 def _real(where: str, name: str, value, values=None) -> float:
-    """One real number (normalize_table's rule) as the double ``float()`` gives; ValueError
-    naming ``name`` (and the whole of ``values``, when it is an entry of one) otherwise."""
+    """One real number (normalize_table's rule) as the double ``float()`` gives; else ValueError naming it."""
     dtype = getattr(value, "dtype", None)
     zero_d = dtype is not None and np.ndim(value) == 0 and (
         np.dtype(dtype).kind in "iuf" or np.dtype(dtype).type.__module__.split(".")[0] == "ml_dtypes")
@@ -390,15 +374,12 @@ def _real(where: str, name: str, value, values=None) -> float:
                          f"is beyond a double's range, so not finite") from None
 
 
-# _is_int and _check_int are copied, not imported, in each module that needs them: each
-# module stands alone, so a user can copy it without the rest of the project.
+# _is_int and _check_int are copied, not imported: each module can be copied without the rest of the project.
 def _is_int(value) -> bool:
-    """A Python or NumPy integer, never a bool, never a float (even a whole one)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _check_int(where: str, name: str, value, minimum: int) -> int:
-    """``value`` as a Python int if it is an int >= ``minimum``; else ValueError naming it."""
     if not _is_int(value):
         raise ValueError(f"{where}: {name} must be an int, got {value!r}")
     if value < minimum:
@@ -407,8 +388,7 @@ def _check_int(where: str, name: str, value, minimum: int) -> int:
 
 
 def _ints(where: str, name: str, values, count: int | None, minimum: int) -> tuple[int, ...]:
-    """``values`` as a tuple of Python ints (``count`` of them, when given), each >= ``minimum``;
-    ValueError naming ``name`` and the whole value otherwise."""
+    """``values`` as a tuple of Python ints (``count`` of them, if given), each >= ``minimum``; else ValueError."""
     ok = isinstance(values, (tuple, list, np.ndarray)) and np.ndim(values) == 1 \
         and (count is None or len(values) == count) and all(_is_int(v) and v >= minimum for v in values)
     if not ok:
@@ -431,19 +411,15 @@ def _mean_std(mean, std, where: str) -> tuple[np.ndarray, np.ndarray]:
     """mean and std as float32 (float() of each entry, then rounded), checked as normalize_table says."""
     mean, std = _doubles("mean", mean, where), _doubles("std", std, where)
     with np.errstate(over="ignore"):  # beyond float32 becomes inf, refused below
-        mean32 = np.array(mean, np.float64).astype(np.float32)
-        std32 = np.array(std, np.float64).astype(np.float32)
+        mean32, std32 = np.array(mean, np.float64).astype(np.float32), np.array(std, np.float64).astype(np.float32)
     if len(mean) != len(std) or not mean:
-        raise ValueError(f"{where}: mean and std need one entry per channel, "
-                         f"got mean={list(mean)}, std={list(std)}")
+        raise ValueError(f"{where}: mean and std need one entry per channel, got mean={list(mean)}, std={list(std)}")
     if not (np.isfinite(mean32).all() and np.isfinite(std32).all()):
-        raise ValueError(f"{where}: mean and std must be finite float32 values, got "
-                         f"mean={list(mean)}, std={list(std)}")
+        raise ValueError(f"{where}: mean and std must be finite float32 values, got mean={list(mean)}, std={list(std)}")
     if np.any(std32 == 0):
         raise ValueError(f"{where}: std has a zero entry: std={std32.tolist()}")
     if np.any(np.abs(std32) < np.finfo(np.float32).smallest_normal):
-        raise ValueError(f"{where}: std has a subnormal float32 entry (1/std would "
-                         f"overflow): std={list(std)}")
+        raise ValueError(f"{where}: std has a subnormal float32 entry (1/std would overflow): std={list(std)}")
     return mean32, std32
 
 

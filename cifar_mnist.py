@@ -38,13 +38,13 @@ TEST_PREFIX = "test_batch"
 def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREFIX):
     """``(images_NCHW, labels_N)`` of every file in ``file_root`` whose name starts with ``filename_prefix``.
 
-    Files are read in sorted name order, the same on every filesystem. The images are
-    uint8 (N, 3, 32, 32), the labels int32 (N,). With one matching file the images are a
-    read-only view of a memory map (no copy); with several, one in-memory copy.
+    Files are read in sorted name order. The images are uint8 (N, 3, 32, 32), the labels int32
+    (N,). With one matching file the images are a read-only view of a memory map (no copy); with
+    several, one in-memory copy.
 
     Raises:
-      ValueError: ``file_root`` not a str or an ``os.PathLike``, ``filename_prefix`` not
-        a str; a file that is not whole 3073-byte records, a label > 9, no record at all.
+      ValueError: ``filename_prefix`` not a str; a file that is not whole 3073-byte records, a
+        label > 9, no record at all.
       FileNotFoundError: the folder is missing, or no file matches.
     """
     root = _path("read_cifar10", "file_root", file_root)
@@ -89,9 +89,7 @@ def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREF
 def write_cifar10(path: str | os.PathLike, images_NCHW: np.ndarray, labels_N: np.ndarray) -> None:
     """Writes one CIFAR-10 binary file, atomically (a reader never sees half a file).
 
-    ``path`` is a str or an ``os.PathLike``, ``images_NCHW`` uint8 (N, 3, 32, 32) and
-    ``labels_N`` N integers 0..9 of an integer dtype: ValueError, naming the parameter
-    and the value, otherwise.
+    ``images_NCHW`` is uint8 (N, 3, 32, 32), ``labels_N`` N integers 0..9: ValueError otherwise.
     """
     path = _path("write_cifar10", "path", path)
     images_NCHW, labels_N = _check_images_and_labels(f"write_cifar10({path!r})", images_NCHW, labels_N, IMAGE_SHAPE)
@@ -105,13 +103,11 @@ def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000, num_t
                       seed: int = 0) -> str:
     """Writes a CIFAR-10-format folder, data_batch_1..5.bin and test_batch.bin; returns ``root``.
 
-    An image is its class's fixed random low-frequency colour pattern at a random
-    contrast, shifted by a random brightness, plus strong per-pixel noise: learnable, but
-    not at a glance, as with real data. The bytes are a function of (num_train,
-    num_test, seed) alone, on every machine whose NumPy Generator draws the same values.
-    ``num_train`` and ``num_test`` are ints >= 0, ``seed`` an int in [0, 2**32), ``root``
-    a str or an ``os.PathLike``: ValueError, naming the parameter and the value, before
-    anything is written, otherwise.
+    An image is its class's fixed random low-frequency colour pattern at a random contrast,
+    shifted by a random brightness, plus strong per-pixel noise: learnable, but not at a glance,
+    as with real data. The bytes are a function of (num_train, num_test, seed) alone, on every
+    machine whose NumPy Generator draws the same values. ``num_train`` and ``num_test`` are ints
+    >= 0, ``seed`` an int in [0, 2**32): ValueError before anything is written otherwise.
     """
     draw = _synthetic_images("synthetic_cifar10", IMAGE_SHAPE, num_train, num_test, seed, salt=0xC1FA)
     root = _path("synthetic_cifar10", "root", root)
@@ -133,13 +129,13 @@ def read_mnist(folder: str | os.PathLike, split: str = "train"):
     """``(images_NCHW uint8 (N, 1, 28, 28), labels_N int32)`` of MNIST's ``split``, "train" or "test".
 
     Reads ``train-images-idx3-ubyte`` and ``train-labels-idx1-ubyte`` (``t10k-*`` for "test"),
-    plain or ``.gz``, also spelled ``train-images.idx3-ubyte`` as some mirrors do.
-    Uncompressed images are a read-only memory map.
+    plain or ``.gz``, also spelled ``train-images.idx3-ubyte`` as some mirrors do. Uncompressed
+    images are a read-only memory map.
 
     Raises:
-      ValueError: ``folder`` not a str or an ``os.PathLike``, an unknown split; a bad
-        magic number, images not 28x28, a file shorter or longer than its header says,
-        image and label counts that differ, a label > 9 (naming the file and the value).
+      ValueError: an unknown split; a bad magic number, images not 28x28, a file shorter or
+        longer than its header says, image and label counts that differ, a label > 9 (naming
+        the file and the value).
       FileNotFoundError: the folder or a file is missing.
     """
     _check_split("read_mnist", split)
@@ -161,9 +157,8 @@ def read_mnist(folder: str | os.PathLike, split: str = "train"):
 def write_mnist(folder: str | os.PathLike, split: str, images_NCHW: np.ndarray, labels_N: np.ndarray) -> None:
     """Writes ``split``'s two IDX files, uncompressed, into ``folder``, each atomically.
 
-    ``split`` is "train" or "test", ``images_NCHW`` uint8 (N, 1, 28, 28), ``labels_N`` N
-    integers 0..9 of an integer dtype, ``folder`` a str or an ``os.PathLike``:
-    ValueError, naming the parameter and the value, otherwise.
+    ``split`` is "train" or "test", ``images_NCHW`` uint8 (N, 1, 28, 28), ``labels_N`` N integers
+    0..9: ValueError otherwise.
     """
     _check_split("write_mnist", split)
     folder = _path("write_mnist", "folder", folder)
@@ -251,15 +246,12 @@ def _write_atomically(path: str, data: bytes) -> None:
         raise
 
 
-# _is_int and _check_int are copied, not imported, in each module that needs them: each
-# module stands alone, so a user can copy it without the rest of the project.
+# _is_int and _check_int are copied, not imported: each module can be copied without the rest of the project.
 def _is_int(value) -> bool:
-    """A Python or NumPy integer, never a bool, never a float (even a whole one)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _check_int(where: str, name: str, value, minimum: int) -> int:
-    """``value`` as a Python int if it is an int >= ``minimum``; else ValueError naming it."""
     if not _is_int(value):
         raise ValueError(f"{where}: {name} must be an int, got {value!r}")
     if value < minimum:

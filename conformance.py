@@ -60,8 +60,7 @@ def shard_blocks(array, num_shards: int, layout: str = "sharded") -> np.ndarray:
 
 @dataclasses.dataclass
 class Findings:
-    """Deviations by kind: ``kinds[kind]`` lists (text, shards, steps, samples), each a set.
-
+    """Deviations by kind: ``kinds[kind]`` lists (text, shards, steps, samples), each a set;
     describe_resized_epoch's shards are (segment, shard) pairs, its steps the epoch's."""
     kinds: dict = dataclasses.field(default_factory=lambda: defaultdict(list))
 
@@ -89,9 +88,8 @@ class Findings:
 
 
 # One epoch -------------------------------------------------------------------
-def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: bool,
-                   last_batch: str, length: int, masks=None, findings: Findings | None = None,
-                   partition: str = "contiguous") -> Findings:
+def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: bool, last_batch: str, length: int,
+                   masks=None, findings: Findings | None = None, partition: str = "contiguous") -> Findings:
     """How one epoch departs from ``epoch_plan(num_samples, n, batch_size)`` or from exactly once.
 
     ``delivered``: decoded indices (-1: decodes to nothing), an int array (steps, n, B) like
@@ -251,9 +249,8 @@ def _check_shards(delivered: list, masks, found, *, plan, steps: int, what: str,
         twice = samples[counts > 1]
         if twice.size and not len(outside) and (masks is not None or last_batch == "drop"):
             at = _steps_of(real, twice) + offset
-            found.add("repeated", f"shard {k} delivers {twice.size} samples more than once in real slots "
-                      f"(e.g. {twice[:5].tolist()}; at steps {at[:5].tolist()})", shards=[k], steps=at,
-                      samples=twice)
+            found.add("repeated", f"shard {k} delivers {twice.size} samples more than once in real slots (e.g. "
+                      f"{twice[:5].tolist()}; at steps {at[:5].tolist()})", shards=[k], steps=at, samples=twice)
     return reals
 
 
@@ -411,8 +408,7 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
         if (value is not None or name == "delivered") and (
                 not isinstance(value, (list, tuple)) or len(value) != len(segments)):
             got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
-            raise ValueError(f"{where}: {name} must be a list with one entry per segment ({len(segments)}), "
-                             f"got {got}")
+            raise ValueError(f"{where}: {name} must be a list with one entry per segment ({len(segments)}), got {got}")
     found = findings if findings is not None else Findings()
     stops = [s[0] for s in segments[1:]] + [None]
     reals, end = [], 0
@@ -550,10 +546,9 @@ def describe_epochs(epochs, batch_size: int, *, shuffle: bool, findings: Finding
             differ = _slot_difference(x[k], y[k])
             if differ:
                 head, other, steps = differ
-                text = (f"two reads of epoch {epoch} differ in {head}, then {other}): the epoch depends on "
-                        f"what was read before" if kind == "epoch read twice" else
-                        f"epoch {epoch} differs from epoch {base} in {head} in epoch {base}, {other} in epoch "
-                        f"{epoch}); without shuffle every epoch is the same")
+                text = (f"two reads of epoch {epoch} differ in {head}, then {other}): the epoch depends on what was "
+                        f"read before" if kind == "epoch read twice" else f"epoch {epoch} differs from epoch {base} in "
+                        f"{head} in epoch {base}, {other} in epoch {epoch}); without shuffle every epoch is the same")
                 found.add(kind, f"shard {k}: {text}", shards=[k], steps=steps)
     if not shuffle:
         return found

@@ -1,25 +1,20 @@
 """NVIDIA DALI backend: the reference loader's epochs (loaders.py), read and normalised by DALI.
 
-``make_dali_loader(data, devices, batch_size, ...)`` builds a ``DaliLoader``. Its ``epoch(e, *,
-state=None)`` is a ``loaders.EpochIterator`` of global batches {"images" float32, "labels"
-int32, "mask", "index", "logical_shards"}. Row block k comes from pipeline k (mesh position k,
-never ``device.id``), built at the first step and dropped with the iterator. DALI reads one raw
-file per sample (``sample_files``, under ``cache_dir``).
+``make_dali_loader(data, devices, batch_size, ...)`` builds a ``DaliLoader``. Its ``epoch(e, *, state=None)`` is a
+``loaders.EpochIterator`` of global batches {"images" float32, "labels" int32, "mask", "index", "logical_shards"}. Row
+block k comes from pipeline k (mesh position k, never ``device.id``), built at the first step and dropped with the
+iterator. DALI reads one raw file per sample (``sample_files``, under ``cache_dir``).
 
-order="plan" (the default): reader k gets the files of its plan slots (padding included) in
-plan order, as one shard, DALI's shuffle off. The batches are ``loaders.make_loader(...,
-normalize=Normalize(arithmetic=arithmetic_for(devices)))``'s bit for bit, fresh or resumed
-from any state of the run (any shards, batch size, processes).
+order="plan" (the default): reader k gets the files of its plan slots (padding included) in plan order, as one shard,
+DALI's shuffle off. The batches are bit for bit those of ``loaders.make_loader`` with the Normalize of
+``arithmetic_for(devices)``, fresh or resumed from any state of the run (any shards, batch size, processes).
 
-order="vendor": DALI's own order, no "index". Shuffle off: DALI's sharding of one list, the
-plan's order. Shuffle on: shard k's own list, ``random_shuffle`` with ``initial_fill`` its size,
-pipeline seed ``SeedSequence([seed, epoch, k])``. Shard k holds only [N*k//n, N*(k+1)//n), each
-sample once (fill; drop: at most once), padded with its last sample; the mask is the plan's.
-A state resumes only on the loader's own plan (one segment (0, n, B)): earlier steps are read
-and dropped.
+order="vendor": DALI's own order, no "index": DALI's sharding of one list (the plan's order) or, shuffled, shard k's
+own list of [N*k//n, N*(k+1)//n), shuffled by DALI with pipeline seed ``SeedSequence([seed, epoch, k])``; the mask is
+the plan's (docs/vendors.md says what is exact). A state resumes only on the loader's own plan (one segment (0, n, B)):
+earlier steps are read and dropped.
 
-DALI 2.4's behaviour relied on is in docs/vendors.md, pinned in test_dali.py. nvidia.dali is
-imported lazily (``pip install -r requirements-dali.txt``).
+DALI 2.4's behaviour relied on is in docs/vendors.md, pinned in test_dali.py. nvidia.dali is imported lazily.
 """
 
 from __future__ import annotations
@@ -89,8 +84,7 @@ def arithmetic_for(devices: Sequence[jax.Device] | Mesh) -> str:
         return "dali_cpu"
     if devices and all(is_nvidia_gpu(d) for d in devices):
         return "dali_gpu"
-    kinds = sorted({f"{d.platform} ({getattr(getattr(d, 'client', None), 'platform_version', '?')})"
-                    for d in devices})
+    kinds = sorted({f"{d.platform} ({getattr(getattr(d, 'client', None), 'platform_version', '?')})" for d in devices})
     raise ValueError(f"DALI runs on CPU devices or NVIDIA GPUs, all of one kind; got {kinds or 'none'}")
 
 
@@ -117,19 +111,15 @@ def to_jax(tensor_list, device: jax.Device, *, buffers_reused: bool) -> jax.Arra
 
 
 def sample_files(images_NCHW: np.ndarray, labels_N: np.ndarray, cache_dir: str | os.PathLike) -> str:
-    """One raw file per sample (C*H*W bytes) and ``list.txt`` ("<name> <label>" lines) in the
-    returned folder, ``cache_dir/dali-samples-<N>x<C>x<H>x<W>-<content hash>``. It is written under
-    another name and renamed: a reader never sees half of it; of two writers the first wins.
-
-    Raises:
-      ValueError: images not uint8 (N, C, H, W), or labels not N integers within int32.
-    """
+    """One raw file per sample (C*H*W bytes) and ``list.txt`` ("<name> <label>" lines) in the returned folder,
+    ``cache_dir/dali-samples-<N>x<C>x<H>x<W>-<content hash>``. It is written under another name and renamed: a reader
+    never sees half of it; of two writers the first wins. Raises ValueError for images not uint8 (N, C, H, W), or
+    labels not N integers within int32."""
     images_NCHW, labels_N = np.ascontiguousarray(images_NCHW), np.asarray(labels_N)
     if images_NCHW.dtype != np.uint8 or images_NCHW.ndim != 4 or labels_N.shape != images_NCHW.shape[:1] \
             or not np.issubdtype(labels_N.dtype, np.integer):
-        raise ValueError(f"sample_files: need uint8 images (N, C, H, W) and N integer labels, got "
-                         f"images {images_NCHW.dtype} {images_NCHW.shape}, labels {labels_N.dtype} "
-                         f"{labels_N.shape}")
+        raise ValueError("sample_files: need uint8 images (N, C, H, W) and N integer labels, got images "
+                         f"{images_NCHW.dtype} {images_NCHW.shape}, labels {labels_N.dtype} {labels_N.shape}")
     bounds = np.iinfo(np.int32)
     outside = labels_N[(labels_N < bounds.min) | (labels_N > bounds.max)]
     if outside.size:
@@ -239,9 +229,8 @@ class DaliLoader:
                 f"mesh position; {how}; files in {self.folder}")
 
     def epoch(self, epoch: int, *, state: LoaderState | None = None) -> loaders.EpochIterator:
-        """The batches of ``epoch``, or its rest from ``state``, as ``loaders.Loader.epoch``'s. ValueError
-        as there, and with order="vendor" for a state whose plan is not this loader's; RuntimeError
-        once closed."""
+        """The batches of ``epoch``, or its rest from ``state``, as ``loaders.Loader.epoch``'s. ValueError as there, and
+        with order="vendor" for a state whose plan is not this loader's; RuntimeError once closed."""
         where = "DaliLoader.epoch"
         if self.closed:
             raise RuntimeError(f"{where}: the loader is closed")
@@ -298,17 +287,16 @@ def _plan_blocks(loader: DaliLoader, epoch: int, plan: Plan, k: int, device, row
         return
     indices = plan.indices[row:, k].reshape(-1)
     N = len(loader.spec.labels)
-    reader = dict(files=[sample_name(i, N) for i in indices.tolist()],
-                  labels=loader.spec.labels[indices].tolist(), shard_id=0, num_shards=1,
-                  random_shuffle=False)
+    reader = dict(files=[sample_name(i, N) for i in indices.tolist()], labels=loader.spec.labels[indices].tolist(),
+                  shard_id=0, num_shards=1, random_shuffle=False)
     pipe = _pipeline(loader, reader, device, k, (len(indices), len(indices)), "the plan's files", seed=0)
     for _ in range(steps):
         yield _run(pipe, device)
 
 
 def _vendor_blocks(loader: DaliLoader, epoch: int, plan: Plan, k: int, device, first: int):
-    """Shard k's (images, labels) a step in DALI's order, from step 0 of a fresh pipeline; the
-    steps before ``first`` are read and dropped."""
+    """Shard k's (images, labels) per step in DALI's order, from step 0 of a fresh pipeline; the steps before
+    ``first`` are read and dropped."""
     n, N, B = loader.num_shards, len(loader.spec.labels), loader.spec.batch_size
     if loader.spec.shuffle:  # one list per shard: DALI's sharding would cut a pre-permuted list
         start, stop = shard_bounds(N, k, n)
@@ -316,8 +304,7 @@ def _vendor_blocks(loader: DaliLoader, epoch: int, plan: Plan, k: int, device, f
                       random_shuffle=True, initial_fill=stop - start)
         expect = (stop - start, stop - start)
     else:
-        reader = dict(file_list=os.path.join(loader.folder, LIST_NAME), shard_id=k, num_shards=n,
-                      random_shuffle=False)
+        reader = dict(file_list=os.path.join(loader.folder, LIST_NAME), shard_id=k, num_shards=n, random_shuffle=False)
         expect = (N, -(-N // n))
     seed = int(np.random.SeedSequence([loader.spec.seed, epoch, k]).generate_state(1)[0])
     pipe = _pipeline(loader, reader, device, k, expect, reader["file_list"], seed=seed)
@@ -350,27 +337,25 @@ def _run(pipe, device):
     return to_jax(images, device, buffers_reused=not pipe.exec_dynamic), labels
 
 
-def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
-                     layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
-                     shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
-                     normalize: Normalize | None = None, order: str = "plan",
+def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *, layout: str = "sharded",
+                     filename_prefix: str = TRAIN_PREFIX, shuffle: bool = False, seed: int = 0,
+                     last_batch: str = "fill", normalize: Normalize | None = None, order: str = "plan",
                      cache_dir: str | os.PathLike | None = None, num_threads: int = 1,
                      logical_shards: int | None = None) -> DaliLoader:
     """A ``DaliLoader`` over ``data``, shard k on ``devices[k]`` (or mesh position k).
 
     Args:
       data: a CIFAR-10 folder (read with ``filename_prefix``) or ``(images uint8 (N, C, H, W), labels_N)``.
-      batch_size, layout, shuffle, seed, last_batch, logical_shards: ``loaders.make_loader``'s;
-        ``logical_shards`` with order="plan" only.
+      batch_size, layout, shuffle, seed, last_batch, logical_shards (order="plan" only): ``loaders.make_loader``'s.
       normalize: a Normalize with the devices' arithmetic (``arithmetic_for``); None: the default one.
       order: "plan" or "vendor" (the module docstring).
       cache_dir: where ``sample_files`` writes (None: DEFAULT_CACHE, ~/.cache/refimpl).
-      num_threads: DALI's threads a pipeline, an int >= 1.
+      num_threads: DALI's threads per pipeline, an int >= 1.
 
     Raises:
       ImportError: nvidia.dali does not import (the message says how to install it).
-      ValueError: anything ``loaders.make_loader`` refuses; an argument outside its line above;
-        devices not all CPU or all NVIDIA GPUs.
+      ValueError: anything ``loaders.make_loader`` refuses; an argument outside its line above; devices not all CPU
+        or all NVIDIA GPUs.
     """
     arithmetic = arithmetic_for(devices)  # first: a ROCm GPU is refused by name
     mesh = loaders.data_mesh(devices)
@@ -378,10 +363,9 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
         normalize = Normalize(arithmetic=arithmetic)
     if not isinstance(normalize, Normalize) or normalize.arithmetic != arithmetic:
         got = getattr(normalize, "arithmetic", type(normalize).__name__)
-        raise ValueError(f"make_dali_loader: normalize={normalize!r} (arithmetic={got!r}): DALI's "
-                         f"pipelines on {mesh.devices.flat[0].platform} devices compute "
-                         f"arithmetic={arithmetic!r}; pass arithmetic.Normalize(..., "
-                         f"arithmetic={arithmetic!r}), the spec of their bits")
+        raise ValueError(f"make_dali_loader: normalize={normalize!r} (arithmetic={got!r}): DALI's pipelines on "
+                         f"{mesh.devices.flat[0].platform} devices compute arithmetic={arithmetic!r}; pass "
+                         f"arithmetic.Normalize(..., arithmetic={arithmetic!r}), the spec of their bits")
     if order not in ORDERS:
         raise ValueError(f"make_dali_loader: order must be one of {ORDERS}, got {order!r}")
     if not isinstance(num_threads, numbers.Integral) or isinstance(num_threads, bool) or num_threads < 1:
@@ -393,9 +377,8 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
     if isinstance(data, (str, os.PathLike)):
         data = read_cifar10(data, filename_prefix)
     # The reference loader built alike checks every other argument and holds the plan.
-    spec = loaders.make_loader(data, mesh, batch_size, layout=layout, shuffle=shuffle, seed=seed,
-                               last_batch=last_batch, normalize=normalize, prefetch=0,
-                               logical_shards=logical_shards)
+    spec = loaders.make_loader(data, mesh, batch_size, layout=layout, shuffle=shuffle, seed=seed, last_batch=last_batch,
+                               normalize=normalize, prefetch=0, logical_shards=logical_shards)
     folder = sample_files(spec.images, spec.labels, DEFAULT_CACHE if cache_dir is None else cache_dir)
     return DaliLoader(spec, order, folder, int(num_threads))
 
@@ -410,8 +393,7 @@ def dali_pipeline(folder: str, reader: dict, device: jax.Device, image_shape: tu
     pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, seed=seed,
                     device_id=device.local_hardware_id if on_gpu else None)
     with pipe:
-        raw, labels = fn.readers.file(file_root=folder, stick_to_shard=True, pad_last_batch=True,
-                                      name=READER, **reader)
+        raw, labels = fn.readers.file(file_root=folder, stick_to_shard=True, pad_last_batch=True, name=READER, **reader)
         chw = fn.reshape(raw, shape=list(image_shape), layout="CHW")
         if on_gpu:
             chw = chw.gpu()

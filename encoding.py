@@ -25,7 +25,7 @@ def index_limit(shape: tuple[int, ...] = IMAGE_SHAPE, dtype=np.uint8) -> int:
 
     With S the sample's size (S = 0 gives 0):
 
-    * uint8: 65536 (two bytes a sample) when S >= 2; 0 when S = 1.
+    * uint8: 65536 (two bytes per sample) when S >= 2; 0 when S = 1.
     * a float dtype (NumPy's, or ml_dtypes' such as bfloat16): min(2**(mantissa bits + 1),
       2**63), below which every integer is exact (float64: 2**53; float32: 16,777,216;
       float16: 2048; bfloat16: 256; x86's longdouble: 2**63).
@@ -59,8 +59,7 @@ def _limit(shape, dtype, where: str) -> int:
     raise ValueError(f"{where}: dtype={dtype} is neither uint8, a float nor an integer dtype")
 
 
-def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = IMAGE_SHAPE,
-                   dtype=np.uint8) -> np.ndarray:
+def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = IMAGE_SHAPE, dtype=np.uint8) -> np.ndarray:
     """Samples (N, *shape) of ``dtype``, sample n encoding ``indices[n]``, for ``decode_indices``.
 
     * uint8, shape (C, H, W) with C >= 3 (the default, CIFAR-10's (3, 32, 32)): plane 0
@@ -85,8 +84,7 @@ def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = IMAGE_SHAPE,
                          f"{dtype} (index_limit), got range [{int(raw.min())}, {int(raw.max())}]")
     indices = raw.astype(np.int64)
     if dtype != np.uint8:
-        return np.broadcast_to(indices.astype(dtype).reshape((-1,) + (1,) * len(shape)),
-                               (len(indices),) + shape).copy()
+        return np.broadcast_to(indices.astype(dtype).reshape((-1,) + (1,) * len(shape)), (len(indices),) + shape).copy()
     images = np.empty((len(indices),) + shape, np.uint8)
     if _planes(shape):
         images[:, 0], images[:, 1] = (indices % 256).reshape((-1, 1, 1)), (indices // 256).reshape((-1, 1, 1))
@@ -159,8 +157,7 @@ def _planes(sample_shape: tuple[int, ...]) -> bool:  # whether uint8 samples use
 
 
 def _unnormalize(images: np.ndarray, normalize: Normalize) -> tuple[np.ndarray, np.ndarray]:
-    """Per element of normalised (B, C, H, W) images: the uint8 value of the nearest table
-    entry, and whether it lies within a quarter of the table's step."""
+    """Per element: the uint8 value of the nearest table entry, and whether it is near (decode_indices)."""
     table = normalize.table.astype(np.float64)
     if images.ndim != 4 or table.shape[0] != images.shape[1]:
         raise ValueError(f"decode_indices: with a Normalize of {table.shape[0]} channels, images must be "

@@ -1,12 +1,7 @@
-"""rocAL itself, as rocal_loader.py calls it; nothing here knows a plan or a loader.
-
-* ``import_rocal``, ``rocal_version``: the package, or how to install it; its version.
-* ``rocal_pipeline``: one built CIFAR-10 pipeline, retried ``BUILD_ATTEMPTS`` times.
-* ``release_pipelines``: rocAL's release, bounded by ``RELEASE_TIMEOUT_S`` a pipeline.
-* ``copy_output`` (CPU backend) and ``device_images`` (GPU backend, through DLPack; ``check_dlpack``):
-  an output checked, then copied.
-
-What is known of rocAL's C++ comes from its source: docs/vendors.md names the files and functions.
+"""rocAL itself, as rocal_loader.py calls it; nothing here knows a plan or a loader. ``import_rocal``,
+``rocal_version``, ``rocal_pipeline`` and ``release_pipelines``; an output checked, then copied by ``copy_output`` (CPU
+backend) or ``device_images`` (GPU backend, through DLPack). What is known of rocAL's C++ comes from its source:
+docs/vendors.md names the files and functions.
 """
 
 from __future__ import annotations
@@ -29,12 +24,10 @@ import jax.numpy as jnp
 from arithmetic import Normalize
 from cifar_mnist import IMAGE_SHAPE, TRAIN_PREFIX
 
-INSTALL_HINT = (
-    "the rocAL backend needs AMD rocAL's Python package amd.rocal, which is not on PyPI: on a "
-    "ROCm host install the OS packages 'rocal' and 'rocal-dev' (e.g. `apt install rocal rocal-dev`) "
-    "and run with PYTHONPATH=/opt/rocm/lib, where they put amd.rocal; or build rocAL for its CPU "
-    "backend and put its lib folder on PYTHONPATH and LD_LIBRARY_PATH"
-)
+INSTALL_HINT = ("the rocAL backend needs AMD rocAL's Python package amd.rocal, which is not on PyPI: on a ROCm host "
+                "install the OS packages 'rocal' and 'rocal-dev' (e.g. `apt install rocal rocal-dev`) and run with "
+                "PYTHONPATH=/opt/rocm/lib, where they put amd.rocal; or build rocAL for its CPU backend and put its "
+                "lib folder on PYTHONPATH and LD_LIBRARY_PATH")
 BUILD_ATTEMPTS = 3
 # What rocAL prints on every pipeline it builds; kept off stdout (anything else is passed on).
 ROCAL_CHATTER = ("Pipeline has been created succesfully", "OK: loaded ")
@@ -78,13 +71,9 @@ def unreleased() -> list[str]:
 
 
 def release_pipelines(pipelines, where: str = "rocAL") -> None:
-    """Releases each of ``pipelines`` ({shard k: pipeline} or a sequence) on a daemon thread,
-    waiting at most ``RELEASE_TIMEOUT_S`` for each. One still running then is listed by
-    ``unreleased()`` and named in a ``RocalReleaseWarning`` ("<where>, shard k").
-
-    Raises:
-      RuntimeError: once all are released, naming each release that raised.
-    """
+    """Releases each of ``pipelines`` ({shard k: pipeline} or a sequence) on a daemon thread, waiting at most
+    ``RELEASE_TIMEOUT_S`` for each; one still running then is listed by ``unreleased()`` and named in a
+    ``RocalReleaseWarning`` ("<where>, shard k"). Once all are released, RuntimeError names each release that raised."""
     named = pipelines.items() if isinstance(pipelines, dict) else enumerate(pipelines)
     errors = []
     for k, pipe in list(named):
@@ -157,27 +146,21 @@ def check_dlpack() -> None:
         raise RuntimeError(DLPACK_MISSING)
 
 
-DLPACK_MISSING = (
-    "this rocAL was built without DLPack (ENABLE_DLPACK off: CMake did not find dlpack's header), so "
-    "its GPU outputs (rocalTensor) have no dlpack_device() and their __dlpack__ raises 'Dlpack not "
-    "installed'; the GPU backend needs DLPack to hand its outputs to JAX. Rebuild rocAL with dlpack "
-    "installed (e.g. Debian's libdlpack-dev, or the dlpack headers from github.com/dmlc/dlpack), or "
-    "use CPU devices"
-)
+DLPACK_MISSING = ("this rocAL was built without DLPack (ENABLE_DLPACK off: CMake did not find dlpack's header), so its "
+                  "GPU outputs (rocalTensor) have no dlpack_device() and their __dlpack__ raises 'Dlpack not "
+                  "installed'; the GPU backend needs DLPack to hand its outputs to JAX. Rebuild rocAL with dlpack "
+                  "installed (e.g. Debian's libdlpack-dev, or the dlpack headers from github.com/dmlc/dlpack), or use "
+                  "CPU devices")
 
 
-def rocal_pipeline(file_root: str, *, batch_size: int, normalize: Normalize, on_gpu: bool,
-                   device_id: int = 0, shard_id: int = 0, num_shards: int = 1,
-                   filename_prefix: str = TRAIN_PREFIX, shuffle: bool = False, seed: int = 0,
-                   num_threads: int = 1, last_batch_policy: str = "FILL", pad_last_batch: bool = True):
-    """A built Pipeline: ``fn.readers.cifar10``, then ``fn.crop_mirror_normalize`` to float32 NCHW;
-    rocAL's CPU backend or, ``on_gpu``, its GPU backend on GPU ``device_id``. The loader reads
-    with FILL + pad_last_batch; the other policies show what rocAL does.
-
-    Raises:
-      RuntimeError: the graph does not verify (rocAL's build() calls exit), or the build raised
-        RuntimeError ``BUILD_ATTEMPTS`` times, or anything else once; a failed pipeline is released.
-    """
+def rocal_pipeline(file_root: str, *, batch_size: int, normalize: Normalize, on_gpu: bool, device_id: int = 0,
+                   shard_id: int = 0, num_shards: int = 1, filename_prefix: str = TRAIN_PREFIX, shuffle: bool = False,
+                   seed: int = 0, num_threads: int = 1, last_batch_policy: str = "FILL", pad_last_batch: bool = True):
+    """A built Pipeline: ``fn.readers.cifar10``, then ``fn.crop_mirror_normalize`` to float32 NCHW; rocAL's CPU
+    backend or, ``on_gpu``, its GPU backend on GPU ``device_id``. The loader reads with FILL + pad_last_batch; the
+    other policies show what rocAL does. Raises RuntimeError when the graph does not verify (rocAL's build() calls
+    exit), or the build raised RuntimeError ``BUILD_ATTEMPTS`` times, or anything else once; a failed pipeline is
+    released."""
     Pipeline, fn, types = import_rocal()
     crop = normalize.crop or IMAGE_SHAPE[1:]
     failures = []
@@ -186,15 +169,13 @@ def rocal_pipeline(file_root: str, *, batch_size: int, normalize: Normalize, on_
         pipe = None
         try:
             with _rocal_chatter_hidden(said):
-                pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
-                                seed=seed, rocal_cpu=not on_gpu, tensor_layout=types.NCHW,
-                                tensor_dtype=types.FLOAT,
+                pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, device_id=device_id, seed=seed,
+                                rocal_cpu=not on_gpu, tensor_layout=types.NCHW, tensor_dtype=types.FLOAT,
                                 output_memory_type=types.DEVICE_MEMORY if on_gpu else types.HOST_MEMORY)
                 with pipe:
                     raw = fn.readers.cifar10(
-                        file_root=file_root, shard_id=shard_id, num_shards=num_shards,
-                        filename_prefix=filename_prefix, random_shuffle=shuffle,
-                        last_batch_policy=getattr(types, f"LAST_BATCH_{last_batch_policy}"),
+                        file_root=file_root, shard_id=shard_id, num_shards=num_shards, filename_prefix=filename_prefix,
+                        random_shuffle=shuffle, last_batch_policy=getattr(types, f"LAST_BATCH_{last_batch_policy}"),
                         pad_last_batch=pad_last_batch)
                     out = fn.crop_mirror_normalize(
                         raw, output_layout=types.NCHW, output_dtype=types.FLOAT, crop=tuple(crop),
@@ -220,12 +201,9 @@ def rocal_pipeline(file_root: str, *, batch_size: int, normalize: Normalize, on_
 
 
 def copy_output(tensor, out: np.ndarray, where: str = "rocAL") -> None:
-    """``tensor.copy_data(out)`` (a raw memcpy), after checking what rocAL does not.
-
-    Raises:
-      RuntimeError, naming ``where`` and writing nothing: the tensor is not NCHW, or ``out``
-        is not a C-contiguous, writeable array of its dtype and dimensions.
-    """
+    """``tensor.copy_data(out)`` (a raw memcpy), after checking what rocAL does not. Raises RuntimeError, naming
+    ``where`` and writing nothing, when the tensor is not NCHW, or ``out`` is not a C-contiguous, writeable array of
+    its dtype and dimensions."""
     dims, dtype = tuple(int(d) for d in tensor.dimensions()), np.dtype(tensor.dtype())
     problems = [text for bad, text in [
         (tensor.layout() != "NCHW", f"NCHW, rocAL's output is {tensor.layout()}"),
@@ -254,15 +232,11 @@ class RocalDLPack:
         return int(kind), int(index)
 
 
-def device_images(tensor, device: jax.Device, image_shape: tuple, batch_size: int,
-                  where: str = "rocAL") -> jax.Array:
-    """A rocAL output as a jax.Array on ``device``, copied through DLPack. The copy is only
-    enqueued: the caller waits for it before rocAL writes the buffer again (``rocal_loader._Transfers``).
-
-    Raises:
-      RuntimeError, naming ``where``: an output that is not float32 (batch_size,
-        *image_shape) NCHW, or a rocAL built without DLPack (``DLPACK_MISSING``).
-    """
+def device_images(tensor, device: jax.Device, image_shape: tuple, batch_size: int, where: str = "rocAL") -> jax.Array:
+    """A rocAL output as a jax.Array on ``device``, copied through DLPack. The copy is only enqueued: the caller waits
+    for it before rocAL writes the buffer again (``rocal_loader._Transfers``). Raises RuntimeError, naming ``where``,
+    for an output that is not float32 (batch_size, *image_shape) NCHW, or a rocAL built without DLPack
+    (``DLPACK_MISSING``)."""
     dims, want = tuple(int(d) for d in tensor.dimensions()), (batch_size,) + tuple(image_shape)
     if dims != want or np.dtype(tensor.dtype()) != np.float32 or tensor.layout() != "NCHW":
         raise RuntimeError(f"{where}: rocAL's output is {tensor.dtype()} {dims} {tensor.layout()}, "

@@ -1,25 +1,20 @@
 """AMD rocAL backend: the reference loader's epochs (loaders.py), read and normalised by rocAL.
 
-``make_rocal_loader(data, devices, batch_size, ...)`` builds a ``RocalLoader``. Its ``epoch(e,
-*, state=None)`` is a ``loaders.EpochIterator`` of global batches {"images" float32, "labels"
-int32, "mask", "index", "logical_shards"}. Row block k comes from pipeline k (mesh position k,
-never ``device.id``), alive from the epoch's first step until its iterator ends. rocAL's calls
-are rocal_api.py's. CIFAR-10 only.
+``make_rocal_loader(data, devices, batch_size, ...)`` builds a ``RocalLoader``. Its ``epoch(e, *, state=None)`` is a
+``loaders.EpochIterator`` of global batches {"images" float32, "labels" int32, "mask", "index", "logical_shards"}. Row
+block k comes from pipeline k (mesh position k, never ``device.id``), alive from the epoch's first step until its
+iterator ends. rocAL's calls are rocal_api.py's. CIFAR-10 only.
 
-order="plan" (the default): pipeline k reads one file of its plan slots (padding included) in
-plan order, then TAIL_BATCHES batches never run; shuffle off, one shard, FILL + pad_last_batch,
-so rocAL pads nothing. The file lives in ``cache_dir/.rocal-epoch-<e>-*`` until the epoch ends.
-Each run's labels are checked against the plan. The batches are ``loaders.make_loader(...,
-normalize=Normalize(arithmetic="rocal"))``'s bit for bit, fresh or resumed from any state.
+order="plan" (the default): pipeline k reads one file of its plan slots (padding included) in plan order, then
+TAIL_BATCHES batches never run; shuffle off, one shard, FILL + pad_last_batch, so rocAL pads nothing. The file lives in
+``cache_dir/.rocal-epoch-<e>-*`` until the epoch ends. Each run's labels are checked against the plan. The batches are
+``loaders.make_loader(..., normalize=Normalize(arithmetic="rocal"))``'s bit for bit, fresh or resumed from any state.
 
-order="vendor": rocAL's own order over shard k's records [N*k//n, N*(k+1)//n), no "index".
-sharding "files" gives pipeline k one file of its shard (``shard_folders``); "rocal" uses
-rocAL's shard_id, refused at build while rocAL ignores it. The mask is found by content (copies
-of the shard's last record beyond its own are padding), checked against rocAL's count at the
-epoch's end. Shuffled, the order is one permutation per shard size, the same every epoch and
-seed; with drop, padding shuffled into the kept steps is masked. A state resumes only on the
-loader's own plan (one segment (0, n, B)): rocAL cannot seek, so earlier steps are read and
-dropped.
+order="vendor": rocAL's own order (docs/vendors.md) over shard k's records [N*k//n, N*(k+1)//n), no "index". sharding
+"files" gives pipeline k one file of its shard (``shard_folders``); "rocal" uses rocAL's shard_id, refused at build
+while rocAL ignores it. The mask is found by content (copies of the shard's last record beyond its own are padding, even
+where a shuffle moved them into the steps drop keeps), checked against rocAL's count at the epoch's end. A state resumes
+only on the loader's own plan (one segment (0, n, B)): rocAL cannot seek, so earlier steps are read and dropped.
 
 rocAL 2.3.0's departures relied on are in docs/vendors.md; test_rocal.py fails when one changes.
 """
@@ -90,20 +85,14 @@ def uses_gpu(devices: Sequence[jax.Device]) -> bool:
 
 def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int,
                   cache_dir: str | os.PathLike) -> list[str]:
-    """The n folders of order="vendor", sharding="files": folder k holds shard k's records
-    [N*k//n, N*(k+1)//n) as its only file, in ``cache_dir/rocal-shards-<N>-of-<n>-<content hash>``.
-    The set is written under another name and renamed: the first writer wins.
-
-    Raises:
-      ValueError: images not uint8 (N, 3, 32, 32), labels not integers 0..9, more shards than
-        samples, or a cached folder that is not one file of its shard's size (never read).
-    """
+    """The n folders of order="vendor", sharding="files": folder k holds shard k's records [N*k//n, N*(k+1)//n) as its
+    only file, in ``cache_dir/rocal-shards-<N>-of-<n>-<content hash>``. The set is written under another name and
+    renamed: the first writer wins. Raises ValueError for images not uint8 (N, 3, 32, 32), labels not integers 0..9,
+    more shards than samples, or a cached folder that is not one file of its shard's size (never read)."""
     images_NCHW, labels_N = np.ascontiguousarray(images_NCHW), np.asarray(labels_N)
-    if images_NCHW.dtype != np.uint8 or images_NCHW.shape[1:] != IMAGE_SHAPE \
-            or labels_N.shape != images_NCHW.shape[:1]:
-        raise ValueError(f"shard_folders: rocAL's cifar10 reader needs uint8 images (N, 3, 32, 32) "
-                         f"and N labels, got images {images_NCHW.dtype} {images_NCHW.shape}, "
-                         f"labels {labels_N.shape}")
+    if images_NCHW.dtype != np.uint8 or images_NCHW.shape[1:] != IMAGE_SHAPE or labels_N.shape != images_NCHW.shape[:1]:
+        raise ValueError("shard_folders: rocAL's cifar10 reader needs uint8 images (N, 3, 32, 32) and N labels, got "
+                         f"images {images_NCHW.dtype} {images_NCHW.shape}, labels {labels_N.shape}")
     if not np.issubdtype(labels_N.dtype, np.integer) or ((labels_N < 0) | (labels_N > 9)).any():
         raise ValueError(f"shard_folders: CIFAR-10 labels are integers 0..9, got {labels_N.dtype} in "
                          f"[{labels_N.min() if labels_N.size else ''}, {labels_N.max() if labels_N.size else ''}]"
@@ -136,9 +125,8 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
         size = os.path.getsize(path) if os.path.isfile(path) else None
         names = sorted(os.listdir(folder)) if os.path.isdir(folder) else None
         if size != (stop - start) * RECORD_BYTES or names != [SHARD_FILE]:
-            raise ValueError(f"{path}: the cached shard should hold {stop - start} records, alone in "
-                             f"its folder (size {size}, folder holds {names}); delete {top} to have "
-                             f"it written again")
+            raise ValueError(f"{path}: the cached shard should hold {stop - start} records, alone in its folder (size "
+                             f"{size}, folder holds {names}); delete {top} to have it written again")
     return folders
 
 
@@ -184,7 +172,7 @@ class RocalLoader:
     folders: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> folder
     prefix: str = TRAIN_PREFIX  # vendor: the filename_prefix rocAL reads with
     shards: dict = dataclasses.field(default_factory=dict, repr=False)  # vendor: position -> ShardInfo
-    logical_shards: int | None = None  # order="plan": the plan's shards (None: one a device)
+    logical_shards: int | None = None  # order="plan": the plan's shards (None: one per device)
     # order="vendor", drop + shuffle: {"steps": real slots of each step} once an epoch was read
     # (every epoch alike). Not an argument: a loader made by dataclasses.replace starts its own.
     known_real: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
@@ -195,7 +183,7 @@ class RocalLoader:
 
     @property
     def device_rows(self) -> int:
-        """Samples a pipeline reads a step: (L/n) x batch_size."""
+        """Samples per pipeline per step: (L/n) x batch_size."""
         return self.num_shards // self.mesh.devices.size * self.batch_size
 
     @property
@@ -236,9 +224,8 @@ class RocalLoader:
                 f"device, shard = mesh position; {how}")
 
     def real_samples(self, epoch: int, *, state: LoaderState | None = None) -> int:
-        """Mask-True slots of ``epoch``, or of ``epoch(epoch, state=state)``'s steps. order="vendor"
-        with drop and shuffle reads one epoch to count them: RuntimeError unless this process holds
-        every shard."""
+        """Mask-True slots of ``epoch``, or of ``epoch(epoch, state=state)``'s steps. order="vendor" with drop and
+        shuffle reads one epoch to count them: RuntimeError unless this process holds every shard."""
         where, first = "RocalLoader.real_samples", 0
         if state is not None:
             resumed = self._resumed(where, epoch, state)
@@ -280,12 +267,11 @@ class RocalLoader:
         resumed = self.schedule.resume(where, epoch, state)
         if self.order == "vendor" and len(resumed.segments) > 1:
             raise ValueError(
-                f"{where}: order='vendor' resumes only on the shards and batch that wrote the state "
-                f"(segments {[tuple(x) for x in state.segments]}; this loader: {self.num_shards} shards "
-                f"x {self.batch_size}): rocAL has no checkpoint and no seek (a reset moves the read "
-                f"position on), so step s is reached by reading steps 0..s-1 again, and rocAL's order "
-                f"on the old shards is not one pipelines over other shards can skip. Use order='plan' "
-                f"(plan.elastic_plan's order, on any shard count)")
+                f"{where}: order='vendor' resumes only on the shards and batch that wrote the state (segments "
+                f"{[tuple(x) for x in state.segments]}; this loader: {self.num_shards} shards x {self.batch_size}): "
+                "rocAL has no checkpoint and no seek (a reset moves the read position on), so step s is reached by "
+                "reading steps 0..s-1 again, and rocAL's order on the old shards is not one pipelines over other "
+                "shards can skip. Use order='plan' (plan.elastic_plan's order, on any shard count)")
         return resumed
 
 
@@ -315,8 +301,7 @@ def _plan_steps(loader: RocalLoader, epoch: int, plan: Plan, row: int, first: in
             blocks = {}
             for k in local:
                 here = f"rocAL, shard {k} on {devices[k]}, epoch {epoch} step {first + r - row}"
-                images, labels = _run(loader, pipelines[k], devices[k], (stop - r + TAIL_BATCHES) * B, here,
-                                      transfers)
+                images, labels = _run(loader, pipelines[k], devices[k], (stop - r + TAIL_BATCHES) * B, here, transfers)
                 want = loader.labels[plan.indices[r, k]]
                 if not np.array_equal(labels, want):
                     raise RuntimeError(f"{here}: rocAL read labels {labels.tolist()} from the epoch's "
@@ -380,10 +365,9 @@ def _vendor_steps(loader: RocalLoader, epoch: int, start: int):
             found = seen[k] - shard.copies
             if found != shard.padded:
                 raise RuntimeError(
-                    f"rocAL, shard {k}, at the end of epoch {epoch}: its epoch held {seen[k]} slots with "
-                    f"the content of the shard's last record, of which {shard.copies} are the shard's "
-                    f"own records, so {found} padding copies; rocAL padded {shard.padded}. The masks "
-                    f"of this epoch cannot be trusted")
+                    f"rocAL, shard {k}, at the end of epoch {epoch}: its epoch held {seen[k]} slots with the content "
+                    f"of the shard's last record, of which {shard.copies} are the shard's own records, so {found} "
+                    f"padding copies; rocAL padded {shard.padded}. The masks of this epoch cannot be trusted")
         if len(loader.shards) == loader.num_shards:
             loader.known_real["steps"] = real
     finally:
@@ -411,10 +395,9 @@ def _read_by_content(loader: RocalLoader, pipe, k: int, device, runs: dict, seen
 def _pipeline(loader: RocalLoader, folder: str, k: int, *, shuffle: bool, **native):
     device = loader.mesh.devices.flat[k]
     prefix = loader.prefix if loader.order == "vendor" else TRAIN_PREFIX
-    return rocal_pipeline(folder, batch_size=loader.device_rows, normalize=loader.normalize,
-                          on_gpu=loader.on_gpu, device_id=_hardware_id(device) if loader.on_gpu else 0,
-                          filename_prefix=prefix, shuffle=shuffle, seed=loader.seed,
-                          num_threads=loader.num_threads, **native)
+    return rocal_pipeline(folder, batch_size=loader.device_rows, normalize=loader.normalize, on_gpu=loader.on_gpu,
+                          device_id=_hardware_id(device) if loader.on_gpu else 0, filename_prefix=prefix,
+                          shuffle=shuffle, seed=loader.seed, num_threads=loader.num_threads, **native)
 
 
 def _run(loader: RocalLoader, pipe, device, left: int, where: str, transfers):
@@ -466,30 +449,28 @@ class _Transfers:
             jax.block_until_ready([*self.steps, self.current])
 
 
-def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
-                      layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX,
-                      shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
-                      normalize: Normalize = Normalize(), order: str = "plan",
-                      cache_dir: str | os.PathLike | None = None, sharding: str = "files",
-                      num_threads: int = 1, logical_shards: int | None = None) -> RocalLoader:
+def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *, layout: str = "sharded",
+                      filename_prefix: str = TRAIN_PREFIX, shuffle: bool = False, seed: int = 0,
+                      last_batch: str = "fill", normalize: Normalize = Normalize(), order: str = "plan",
+                      cache_dir: str | os.PathLike | None = None, sharding: str = "files", num_threads: int = 1,
+                      logical_shards: int | None = None) -> RocalLoader:
     """A ``RocalLoader`` over ``data``, shard k on ``devices[k]`` (or mesh position k).
 
     Args:
       data: a CIFAR-10 folder (read with ``filename_prefix``) or ``(images uint8 (N, 3, 32, 32), labels_N)``.
-      batch_size, layout, shuffle, seed, last_batch, logical_shards: ``loaders.make_loader``'s;
-        ``logical_shards`` with order="plan" only.
+      batch_size, layout, shuffle, seed, last_batch, logical_shards (order="plan" only): ``loaders.make_loader``'s.
       normalize: a Normalize with arithmetic "rocal" (rocAL computes its own).
-      order: "plan" or "vendor"; sharding: order="vendor"'s "files" or "rocal" (the module
-        docstring). "rocal" needs the folder, read by rocAL as ``read_cifar10`` reads it.
+      order: "plan" or "vendor"; sharding: order="vendor"'s "files" or "rocal" (the module docstring). "rocal" needs
+        the folder, read by rocAL as ``read_cifar10`` reads it.
       cache_dir: for the epoch and shard files; None: DEFAULT_CACHE, ~/.cache/refimpl.
-      num_threads: rocAL's threads a pipeline, an int >= 1.
+      num_threads: rocAL's threads per pipeline, an int >= 1.
 
     Raises:
       ImportError: amd.rocal does not import (the message says how to install it).
-      ValueError: anything ``loaders.make_loader`` refuses; an argument outside its line above;
-        devices not all CPU or all AMD GPUs; a folder rocAL would read otherwise.
-      RuntimeError: a GPU rocAL built without DLPack; sharding "rocal" while rocAL ignores
-        shard_id; a pipeline that cannot be built.
+      ValueError: anything ``loaders.make_loader`` refuses; an argument outside its line above; devices not all CPU
+        or all AMD GPUs; a folder rocAL would read otherwise.
+      RuntimeError: a GPU rocAL built without DLPack; sharding "rocal" while rocAL ignores shard_id; a pipeline that
+        cannot be built.
     """
     if not isinstance(normalize, Normalize) or normalize.arithmetic != "rocal":
         raise ValueError(f"make_rocal_loader: normalize={normalize!r}: rocAL computes rocAL's "
@@ -499,9 +480,8 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
     if sharding not in SHARDINGS:
         raise ValueError(f"make_rocal_loader: sharding must be one of {SHARDINGS}, got {sharding!r}")
     if order == "plan" and sharding != "files":
-        raise ValueError(f"make_rocal_loader: sharding={sharding!r} reads rocAL's own shards in rocAL's "
-                         f"order; order='plan' writes each shard's planned samples itself: use "
-                         f"order='vendor' with it")
+        raise ValueError(f"make_rocal_loader: sharding={sharding!r} reads rocAL's own shards in rocAL's order; "
+                         "order='plan' writes each shard's planned samples itself: use order='vendor' with it")
     if not isinstance(num_threads, numbers.Integral) or isinstance(num_threads, bool) or num_threads < 1:
         raise ValueError(f"make_rocal_loader: num_threads must be an int >= 1, got {num_threads!r}")
     if order == "vendor" and logical_shards is not None:
@@ -524,9 +504,8 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
     if on_gpu:
         check_dlpack()
     cache = os.path.expanduser(os.fspath(DEFAULT_CACHE if cache_dir is None else cache_dir))
-    loader = RocalLoader(images, labels, mesh, spec.batch_size, layout, spec.shuffle, spec.seed, last_batch,
-                         normalize, order, sharding, on_gpu, on_gpu, cache, int(num_threads),
-                         logical_shards=spec.logical_shards)
+    loader = RocalLoader(images, labels, mesh, spec.batch_size, layout, spec.shuffle, spec.seed, last_batch, normalize,
+                         order, sharding, on_gpu, on_gpu, cache, int(num_threads), logical_shards=spec.logical_shards)
     if order == "plan":
         return loader
     n, N, B = len(device_list), len(labels), batch_size
