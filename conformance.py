@@ -2,14 +2,12 @@
 
 Feed a loader samples that encode their index (``encoding.encoded_images``), cut each global
 batch into per-shard blocks (``shard_blocks``), decode them (``encoding.decode_indices``) and
-pass the indices to a describer. Each returns ``Findings`` (or adds to ``findings``): a summary
-line per kind of deviation, then up to ``EXAMPLES`` examples naming shard(s) and step(s); "" if none.
-
-* ``describe_epoch``: one epoch against ``plan.epoch_plan``, or exactly once (partition="any").
-* ``describe_resized_epoch``: one epoch over ``plan.elastic_plan``'s segments.
-* ``describe_epochs``: several reads: a re-read agrees; the order changes only under shuffle.
-* ``describe_values``: every slot holds its own sample's value of a key, bit for bit.
-* ``describe_content``: normalised images are the ``Normalize`` table's bits, labels the file's.
+pass the indices to a describer: ``describe_epoch`` (one epoch against ``plan.epoch_plan``, or
+exactly once), ``describe_resized_epoch`` (over ``plan.elastic_plan``'s segments),
+``describe_epochs`` (several reads), ``describe_values`` (a key's values, bit for bit) or
+``describe_content`` (normalised images and labels). Each returns ``Findings`` (or adds to
+``findings``): a summary line per kind of deviation, then up to ``EXAMPLES`` examples naming
+shard(s) and step(s); "" if none.
 
 Not seen: content that still decodes (unless describe_values or describe_content holds it);
 padding, without masks; the order, with shuffle; epochs or processes not given; which device
@@ -71,7 +69,6 @@ class Findings:
         return bool(self.kinds)
 
     def report(self, header: str = "") -> str:
-        """The summary lines, one per kind, then up to EXAMPLES examples of each; "" if none."""
         if not self.kinds:
             return ""
         lines = ([header] if header else []) + [f"{len(self.kinds)} kind(s) of deviation:"]
@@ -215,9 +212,8 @@ def _check_shards(delivered: list, masks, found, *, plan, steps: int, what: str,
                 want_mask = plan.mask[:len(got), k]
                 wrong = np.argwhere(masks[k][:len(want_mask)] != want_mask)
                 if wrong.size:
-                    found.add("mask", f"shard {k}: the mask differs from the plan's in {len(wrong)} slots "
-                              f"(first: step {offset + wrong[0][0]} slot {wrong[0][1]})", shards=[k],
-                              steps=wrong[:, 0] + offset)
+                    found.add("mask", f"shard {k}: the mask differs from the plan's in {len(wrong)} slots (first: step "
+                              f"{offset + wrong[0][0]} slot {wrong[0][1]})", shards=[k], steps=wrong[:, 0] + offset)
             padding = got[~masks[k] & (got >= 0)]
             # resized: an empty run's padding repeats a sample real on another shard
             stray = np.setdiff1d(padding, stretch if resized and not values.size else values)
@@ -255,7 +251,6 @@ def _check_shards(delivered: list, masks, found, *, plan, steps: int, what: str,
 
 
 def _steps_of(got: np.ndarray, samples, where: np.ndarray | None = None) -> np.ndarray:
-    """The steps (ascending) at which ``got`` holds any of ``samples`` (where ``where``)."""
     hit = np.isin(got, samples)
     if where is not None:
         hit &= where
@@ -280,7 +275,6 @@ def _same_batches(delivered: list, found, offset: int, reals: list | None) -> No
 
 
 def _overlap(reals: list, found, offset: int) -> None:
-    """Samples in the real slots of two shards, with the steps where they sit."""
     owner, shared = {}, defaultdict(list)
     for k, real in enumerate(reals):
         for sample in np.unique(real[real >= 0]).tolist():
@@ -344,10 +338,9 @@ def _exactly_once(table: np.ndarray, num_samples: int, last_batch: str, end: int
                   shards={(int(i), int(k)) if resized else int(k) for i, k in out[:, [1, 3]]})
     missing = np.setdiff1d(np.arange(num_samples), table[:, 0])
     if last_batch == "fill" and missing.size:
-        found.add("missing from the epoch" if resized else "missing", f"{missing.size} of the {num_samples} "
-                  f"samples are never delivered in a real slot of any {'segment' if resized else 'shard'}, in "
-                  f"any of steps {_span(0, end)} (e.g. {missing[:5].tolist()})", shards=everyone,
-                  steps=range(end), samples=missing)
+        found.add("missing from the epoch" if resized else "missing", f"{missing.size} of the {num_samples} samples "
+                  f"are never delivered in a real slot of any {'segment' if resized else 'shard'}, in any of steps "
+                  f"{_span(0, end)} (e.g. {missing[:5].tolist()})", shards=everyone, steps=range(end), samples=missing)
 
 
 def real_first(delivered: list, masks: list) -> tuple[list, list]:
@@ -415,8 +408,7 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
     for i, ((start, n, B), stop) in enumerate(zip(segments, stops)):
         got, mask = _blocks(delivered[i], None if masks is None else masks[i], B, where, f"delivered[{i}]")
         if len(got) != n:
-            raise ValueError(f"{where}: delivered[{i}] has {len(got)} shards; segments[{i}]={tuple(segments[i])} "
-                             f"has {n}")
+            raise ValueError(f"{where}: delivered[{i}] has {len(got)} shards; segments[{i}]={segments[i]} has {n}")
         end = max(end, start + max(len(x) for x in got))
         runs = owed = None
         if plans is not None:
@@ -435,9 +427,8 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
                                    what=what, runs=runs, owed=owed, shuffle=shuffle, last_batch=last_batch,
                                    offset=start, resized=True))
         for kind, items in own.kinds.items():
-            for text, shards, at, samples in items:
-                found.add(kind, f"segment {i}: {text}", shards=[(i, k) for k in shards], steps=at,
-                          samples=list(samples))
+            for text, shards, at, xs in items:
+                found.add(kind, f"segment {i}: {text}", shards=[(i, k) for k in shards], steps=at, samples=list(xs))
     everyone = [(i, k) for i, s in enumerate(segments) for k in range(s[1])]
     want = total if plans is not None else end
     if length is not None and length != want:
@@ -639,9 +630,8 @@ def _same_values(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     if not M:
         return np.zeros(0, bool)
     if got.dtype == want.dtype:
-        a = np.ascontiguousarray(got).reshape(M, -1).view(np.uint8)
-        b = np.ascontiguousarray(want).reshape(M, -1).view(np.uint8)
-        return np.all(a == b, axis=1)
+        bits = lambda x: np.ascontiguousarray(x).reshape(M, -1).view(np.uint8)
+        return np.all(bits(got) == bits(want), axis=1)
     return np.all(np.equal(got, want).reshape(M, -1), axis=1)
 
 

@@ -73,10 +73,9 @@ TERM_BLOCKS = 2  # row blocks per device whose gradients make the term scale (_s
 
 
 class Verdict(NamedTuple):
-    """``stepwise_verdict``'s answer: ``case`` "identical", "within", "OUTSIDE" or "outside
-    the domain" (nothing judged); ``ulps`` and ``bound`` those of the judged step and leaf
-    nearest its bound (identical: 0 and the bound the pair is held to; outside the domain: NaN
-    and None); ``text`` the sentence refimpl prints."""
+    """``stepwise_verdict``'s answer: ``case`` one of its Cases; ``ulps`` and ``bound`` those of the
+    judged step and leaf nearest its bound (identical: 0 and the bound the pair is held to; outside
+    the domain: NaN and None); ``text`` the sentence refimpl prints."""
     case: str
     ulps: float
     bound: float | None
@@ -93,11 +92,10 @@ def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, 
     """Whether strategies ``a`` and ``b`` compute the same gradient, step by step, as rounding allows.
 
     For each batch (a host dict in layout "sharded", reshaped to (n, B, ...) for layout
-    "pmap"), ``a`` and ``b`` each make one step from the same state, a's; the gradient
-    each handed its optimizer is recorded; a's new state is the next step's. No
-    difference carries from step to step, so nothing grows, whatever the model,
-    optimizer or rate. ``a``, ``b``: names in ``strategies.STRATEGIES``, or functions
-    with a strategy's signature taking layout "sharded" (then pass ``count``). One process.
+    "pmap"), ``a`` and ``b`` each make one step from the same state, a's; the gradient each
+    handed its optimizer is recorded; a's new state is the next step's, so no difference
+    carries over. ``a``, ``b``: names in ``strategies.STRATEGIES``, or functions with a
+    strategy's signature taking layout "sharded" (then pass ``count``). One process.
 
     Measure: per step t and leaf l, max |g_a - g_b| in units of the gradient's term
     scale: the ulp (``np.spacing``) of the largest entry of sum_k |g_k|, g_k the gradient
@@ -149,9 +147,8 @@ def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, 
                f"rounding: a kink, a saturated softmax)" if unjudged else "")
     why = (f"0 roundings per step ({count_name}): the same program, the same bits expected" if count == 0 else
            f"{count:g} rounding{'' if count == 1 else 's'} per step ({count_name}) x {STEP_UNITS} units per rounding")
-    return Verdict(case, float(each[t, l]), float(bound),
-                   f"{pair}: the gradients {each[t, l]:.1f} units of their term scale apart at step {t} "
-                   f"(leaf {l}), {case} the bound of {bound:g}: {why}{skipped}{stop}")
+    return Verdict(case, float(each[t, l]), float(bound), f"{pair}: the gradients {each[t, l]:.1f} units of their "
+                   f"term scale apart at step {t} (leaf {l}), {case} the bound of {bound:g}: {why}{skipped}{stop}")
 
 
 def stepwise_distances(fn_a: Callable, layout_a: str, fn_b: Callable, layout_b: str, params: Params,
@@ -212,7 +209,6 @@ def _moved(params: Params, signs: list, ulps: float) -> Params:
 
 
 def _strategy(s) -> tuple[str, Callable, str]:
-    """(name, function, layout) of a strategy name or function (layout "sharded" for a function)."""
     if isinstance(s, str):
         if s not in strategies.STRATEGIES:
             raise ValueError(f"equivalence.stepwise_verdict: unknown strategy {s!r}; one of "

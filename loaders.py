@@ -23,10 +23,8 @@ state=saved)``: each sample not yet delivered in a real slot is delivered exactl
 
 Placements: "host" gathers uint8 rows on the host, one ``jax.make_array_from_process_local_data``
 a name, and normalises on the devices; "device" keeps each shard resident on its device and
-gathers there (faster: docs/performance.md). Both give the same bits.
-
-Devices: every array goes to the mesh it was given, never to JAX's default device; shard k
-is mesh position k, never ``device.id``.
+gathers there (faster: docs/performance.md). Both give the same bits, on the mesh given (never
+JAX's default device); shard k is mesh position k, never ``device.id``.
 
 Imports: plan.py, arithmetic.py, cifar_mnist.py, NumPy and JAX.
 """
@@ -60,16 +58,14 @@ MASK, INDEX, SHARDS = "mask", "index", "logical_shards"
 ADDED = (MASK, INDEX, SHARDS)  # what every batch adds; refused as names in the data
 
 
-def device_normalize(images_u8: jax.Array, how: dict, window: tuple[int, int, int, int],
-                     mirror: bool) -> jax.Array:
+def device_normalize(images_u8: jax.Array, how: dict, window: tuple[int, int, int, int], mirror: bool) -> jax.Array:
     """arithmetic.crop_mirror_normalize in JAX, for traced uint8 (..., C, H, W): crop, flip,
     then the table's values, by one of two routes that give its bits (``how``, a dict of
     arrays on the devices, from ``normalizer``):
 
     * {"table": (C, 256) or (1, 256)}: a lookup, one row when every channel's is alike;
     * the table's own operands per channel, {"inv", "offset"} for "rocal" and "dali_gpu",
-      {"mean", "inv"} for "dali_cpu": the arithmetic that defines it (``exact_fma_u8``),
-      for platforms where a lookup is a slow gather (ARITHMETIC_PLATFORMS)."""
+      {"mean", "inv"} for "dali_cpu": its defining arithmetic (``exact_fma_u8``), on ARITHMETIC_PLATFORMS."""
     y0, x0, ch, cw = window
     x = images_u8[..., y0:y0 + ch, x0:x0 + cw]
     if mirror:
@@ -160,8 +156,7 @@ def global_batch(blocks: dict[int, dict], mesh: Mesh, layout: str = "sharded") -
     out = {}
     for name, rows in blocks[local[0]].items():
         if isinstance(rows, np.ndarray) and rows.ndim == 1:  # mask, index, labels, logical shards: one
-            # placement for all local shards (a device_put per shard cost more); images keep one per shard
-            # (no host copy of a whole batch to concatenate them)
+            # placement for all local shards (a device_put each cost more); images one each (no host concatenation)
             out[name] = _from_local_rows(np.concatenate([blocks[k][name] for k in local]), mesh, layout)
             continue
         expand = (lambda x: x) if layout == "sharded" else (lambda x: x[None])
@@ -172,8 +167,7 @@ def global_batch(blocks: dict[int, dict], mesh: Mesh, layout: str = "sharded") -
 
 
 def _from_local_rows(x: np.ndarray, mesh: Mesh, layout: str) -> jax.Array:
-    """This process's shards' rows, local shard after local shard (equal blocks), as one global
-    array in ``layout``, placed by one ``jax.make_array_from_process_local_data``."""
+    """This process's rows, local shard after local shard (equal blocks), as one global array in ``layout``."""
     n, n_local = mesh.devices.size, len(local_positions(mesh))
     sharding, b = NamedSharding(mesh, P(DATA_AXIS)), x.shape[0] // n_local
     if layout == "sharded":
@@ -229,7 +223,6 @@ class Loader:
 
     @property
     def normalizers(self) -> dict:
-        """name -> Normalize, for the names that are normalised."""
         if isinstance(self.normalize, dict):
             return {name: f for name, f in self.normalize.items() if f is not None}
         return {} if self.normalize is None else {"images": self.normalize}
@@ -240,7 +233,6 @@ class Loader:
 
     @property
     def num_shards(self) -> int:
-        """The plan's shards: ``logical_shards``, or the device count."""
         return self.logical_shards or self.mesh.devices.size
 
     @property
@@ -249,7 +241,6 @@ class Loader:
 
     @property
     def device_rows(self) -> int:
-        """Rows a device holds per step: (L/n) x batch_size."""
         return self.num_shards // self.num_devices * self.batch_size
 
     @functools.cached_property
@@ -265,7 +256,6 @@ class Loader:
 
     @property
     def num_steps(self) -> int:
-        """A fresh epoch's steps, equal on every shard; ``len(loader)`` too."""
         return self.schedule.num_steps
 
     def __len__(self) -> int:
@@ -289,24 +279,21 @@ class Loader:
         return _steps(self, len(start.segments) == 1, plan, row + step - start.step, row + step - start.step + 1)[0]()
 
     def epoch(self, epoch: int, *, state: LoaderState | None = None) -> EpochIterator:
-        """The batches of ``epoch``, or its rest from ``state`` (a ``get_state()`` of this run:
-        the same data, seed, shuffle and last_batch, any devices and batch size).
+        """The batches of ``epoch``, or its rest from ``state`` (a ``get_state()``; the module's Resuming).
 
-        Placement "host" prepares ``prefetch`` steps ahead on a background thread, started
-        at the first ``next()``; its errors are raised in the caller. The iterator ends what
-        it started however it ends (exhausted, closed, collected, or unfinished at exit).
+        Placement "host" prepares ``prefetch`` steps ahead on a background thread, started at the
+        first ``next()``; its errors are raised in the caller (``EpochIterator``: how it ends).
         ValueError for a state that is not a LoaderState or of another run or epoch."""
         start = self._start("Loader.epoch", epoch, state)
         plan, row = start.plan()
         makers = _steps(self, len(start.segments) == 1, plan, row, len(plan.indices))
-        batches = (make() for make in makers) if self.placement == "device" else \
-            _prefetched(lambda make: make(), makers, self.prefetch)
+        batches = (make() for make in makers) if self.placement == "device" or not self.prefetch else \
+            _Prefetched(lambda make: make(), makers, self.prefetch)
         return EpochIterator(batches, start if state is not None else lambda: self.schedule.start(epoch))
 
     def _start(self, where: str, epoch: int, state) -> LoaderState:
-        """The state ``epoch`` starts from on this loader: ``state`` checked and resized, once;
-        or a fresh epoch's step 0, naming no data (a state to save is made by get_state, which
-        computes the digest the first time one is asked for)."""
+        """The state ``epoch`` starts from: ``state`` checked and resized, once; or a fresh step 0
+        naming no data (get_state names it: the digest is computed only when a state is asked for)."""
         if state is None:
             check_seed("epoch", epoch, where)
             return LoaderState.start(self.num_samples, self.num_shards, self.batch_size, epoch=epoch, seed=self.seed,
@@ -318,24 +305,20 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
     """One function per row ``first .. stop - 1`` of ``plan``, each making that step's batch.
 
     Per epoch, placed once: the plan's mask, sample indices and logical shards; in placement
-    "device" also each device's local indices into its resident shard (on
-    GATHER_ONCE_PLATFORMS, the epoch's rows gathered by them at once, ``_epoch_rows``), or
-    for a resized segment (not ``fresh``: its samples may lie in any shard) the epoch's rows
-    from the host. Per step, one program (``_step_program``) takes step s's rows (the host's,
-    just placed; gathered on the device; or a slice of the epoch's), normalises them and
-    adds the plan's fields: one dispatch and, in "host", one transfer per name; no host sync."""
+    "device" also each device's local indices into its resident shard (on GATHER_ONCE_PLATFORMS,
+    the epoch's rows gathered by them at once, ``_epoch_rows``), or for a resized segment (not
+    ``fresh``: its samples may lie in any shard) the epoch's rows from the host. Per step, one
+    ``_step_program``: one dispatch and, in "host", one transfer per name; no host sync."""
     if first >= stop:
         return []
     n, names = loader.num_devices, tuple(loader.arrays)
     on = on_devices(Plan(plan.indices[first:stop], plan.mask[first:stop]), n)
-    per = loader.num_shards // n
     placed = {MASK: _by_position(on.mask.swapaxes(0, 1), loader.mesh),
               INDEX: _by_position(on.indices.astype(np.int32).swapaxes(0, 1), loader.mesh),
-              SHARDS: _by_position(np.arange(n * per, dtype=np.int32).reshape(n, per), loader.mesh)}
+              SHARDS: _by_position(np.arange(loader.num_shards, dtype=np.int32).reshape(n, -1), loader.mesh)}
     hows = {name: normalizer(table_key(f.mean, f.std, f.arithmetic, "Loader"), loader.mesh)
             for name, f in loader.normalizers.items()}
-    shapes = {name: a.shape[1:] for name, a in loader.arrays.items()}
-    windows = tuple((name, tuple(int(v) for v in f.window(shapes[name][1:])), f.mirror)
+    windows = tuple((name, tuple(int(v) for v in f.window(loader.arrays[name].shape[2:])), f.mirror)
                     for name, f in loader.normalizers.items())
     source = "host" if loader.placement == "host" else "resident" if fresh else "epoch"
     if source == "host":
@@ -343,8 +326,7 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
         return [functools.partial(_host_step, loader, program, on, placed, hows, s) for s in range(len(on.indices))]
     if fresh:
         starts = np.array([shard_bounds(loader.num_samples, k, n)[0] for k in range(n)])
-        placed["local"] = _by_position((on.indices - starts[None, :, None]).astype(np.int32).swapaxes(0, 1),
-                                       loader.mesh)
+        placed["local"] = _by_position((on.indices - starts[:, None]).astype(np.int32).swapaxes(0, 1), loader.mesh)
         rows = loader.resident
         if loader.mesh.devices.flat[0].platform in GATHER_ONCE_PLATFORMS:
             rows, source = _epoch_rows(loader.mesh, names)(rows, placed["local"]), "epoch"
@@ -359,9 +341,6 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
 
 
 def _host_step(loader: Loader, program, on: Plan, placed: dict, hows: dict, step: int) -> dict[str, jax.Array]:
-    """Step ``step`` of ``on`` (``on_devices`` form): this process's rows of each name gathered
-    into one aligned buffer and placed by one ``make_array_from_process_local_data``, then the
-    step program."""
     idx = on.indices[step, local_positions(loader.mesh)].reshape(-1)
     rows = {name: _from_local_rows(_gather(source, idx), loader.mesh, "sharded")
             for name, source in loader.arrays.items()}
@@ -391,10 +370,9 @@ GATHER_ONCE_PLATFORMS = ("tpu",)
 
 @functools.lru_cache(maxsize=64)
 def normalizer(key: tuple[bytes, bytes, str], mesh: Mesh) -> dict:
-    """``device_normalize``'s ``how`` for table ``key`` on ``mesh``, replicated: the table's
-    operands on ARITHMETIC_PLATFORMS when the devices compute all 256 values of every
-    channel to the table's bits (else, as everywhere else, the table, one row when every
-    channel's is alike). Arrays are arguments of the jitted programs, never constants."""
+    """``device_normalize``'s ``how`` for table ``key`` on ``mesh``, replicated: the table's operands
+    on ARITHMETIC_PLATFORMS when the devices compute all 256 values of every channel to the table's
+    bits, else the table. Arrays are arguments of the jitted programs, never constants."""
     table = keyed_table(key)
     put = lambda a: jax.make_array_from_callback(a.shape, NamedSharding(mesh, P()), lambda index: a[index])
     if mesh.devices.flat[0].platform in ARITHMETIC_PLATFORMS:
@@ -440,8 +418,7 @@ def _step_program(mesh: Mesh, layout: str, names: tuple[str, ...], windows: tupl
 
 def _by_position(per_shard: np.ndarray, mesh: Mesh) -> jax.Array:
     """(n, ...) host array -> global array sharded on axis 0: row k on mesh position k."""
-    sharding = NamedSharding(mesh, P(DATA_AXIS))
-    return jax.make_array_from_callback(per_shard.shape, sharding, lambda index: per_shard[index])
+    return jax.make_array_from_callback(per_shard.shape, NamedSharding(mesh, P(DATA_AXIS)), lambda i: per_shard[i])
 
 
 @functools.lru_cache(maxsize=None)
@@ -449,8 +426,7 @@ def _epoch_rows(mesh: Mesh, names: tuple[str, ...]):
     """jit(shard_map): (resident shards, local indices (n, steps, rows)) -> each name's rows of
     those steps on each device, in step order, (n, steps * rows, ...) sharded: one gather."""
     def gather(resident, local):
-        return {name: resident[name].at[local.reshape(-1)].get(mode="promise_in_bounds")[None]
-                for name in names}
+        return {name: resident[name].at[local.reshape(-1)].get(mode="promise_in_bounds")[None] for name in names}
     return jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=(P(DATA_AXIS), P(DATA_AXIS)), out_specs=P(DATA_AXIS)))
 
 
@@ -495,7 +471,6 @@ def _place_dataset(arrays: dict[str, np.ndarray], mesh: Mesh, budget: int | None
         raise ValueError(too_big)
     n = mesh.devices.size
     size = -(-N // n)
-    sharding = NamedSharding(mesh, P(DATA_AXIS))
 
     def rows(source: np.ndarray):
         def block(index):
@@ -504,7 +479,7 @@ def _place_dataset(arrays: dict[str, np.ndarray], mesh: Mesh, budget: int | None
             out = np.zeros((size,) + source.shape[1:], source.dtype)
             out[:stop - start] = source[start:stop]
             return out
-        return jax.make_array_from_callback((n * size,) + source.shape[1:], sharding, block)
+        return jax.make_array_from_callback((n * size,) + source.shape[1:], NamedSharding(mesh, P(DATA_AXIS)), block)
     return {name: rows(source) for name, source in arrays.items()}
 
 
@@ -599,9 +574,8 @@ def _dataset(data, filename_prefix: str, normalize):
         return _named_arrays(data, normalize)
     if not isinstance(data, (tuple, list)) or len(data) != 2:
         # Not "samples, labels = data": a (2, N) array would unpack into two rows.
-        raise ValueError(f"make_loader: data must be a CIFAR-10 folder, a tuple (samples, labels) or a "
-                         f"dict of named arrays, got {type(data).__name__}"
-                         f"{f' {data.shape}' if hasattr(data, 'shape') else ''}")
+        raise ValueError(f"make_loader: data must be a CIFAR-10 folder, a tuple (samples, labels) or a dict of "
+                         f"named arrays, got {type(data).__name__}{f' {data.shape}' if hasattr(data, 'shape') else ''}")
     samples, labels = data
     if isinstance(normalize, str) and normalize == "default":
         normalize = Normalize()
@@ -619,9 +593,8 @@ def _dataset(data, filename_prefix: str, normalize):
                          f"{samples.dtype} {samples.shape}, labels {labels.shape}")
     _check_dtype("samples", samples)
     if labels.dtype.kind not in "biu":
-        raise ValueError(f"make_loader: labels must be integers (N,), got dtype {labels.dtype} "
-                         f"(for float or other targets, pass a dict dataset: {{'images': samples, "
-                         f"'targets': targets}})")
+        raise ValueError(f"make_loader: labels must be integers (N,), got dtype {labels.dtype} (for float or "
+                         f"other targets, pass a dict dataset: {{'images': samples, 'targets': targets}})")
     _check_dtype("labels", labels)  # int64 refused as in a dict dataset: one rule
     if labels.size and (labels.min() < np.iinfo(np.int32).min or labels.max() > np.iinfo(np.int32).max):
         raise ValueError(f"make_loader: labels must fit int32, got range [{labels.min()}, {labels.max()}]")
@@ -635,8 +608,7 @@ def _named_arrays(data: Mapping, normalize):
     arrays = {}
     for name, value in data.items():
         if not isinstance(name, str):
-            raise ValueError(f"make_loader: data's names must be strings (they name the batch's arrays), "
-                             f"got {name!r}")
+            raise ValueError(f"make_loader: data's names must be strings (they name the batch's arrays), got {name!r}")
         if name in ADDED:
             raise ValueError(f"make_loader: data has an array named {name!r}; every batch adds its own "
                              f"{', '.join(map(repr, ADDED))}, so rename yours")
@@ -667,7 +639,6 @@ def _named_arrays(data: Mapping, normalize):
 
 
 def _check_dtype(what: str, array: np.ndarray) -> None:
-    """Refuses a dtype JAX would not hold as it is, advising the dtype that keeps its kind."""
     if not (jnp.issubdtype(array.dtype, jnp.number) or array.dtype == np.bool_):
         raise ValueError(f"make_loader: {what} of dtype {array.dtype} is not numbers JAX can hold; "
                          f"convert it to a numeric array first (token ids: np.int32)")
@@ -688,15 +659,11 @@ def _check_dtype(what: str, array: np.ndarray) -> None:
 
 
 def _check_normalizer(what: str, array: np.ndarray, normalize, fix: str) -> None:
-    """A Normalize's images: uint8 (N, C, H, W) that its mean/std and crop fit."""
     if not isinstance(normalize, Normalize):
         return
     if array.dtype != np.uint8 or array.ndim != 4:
-        hint = ""
-        if array.dtype == np.uint8 and array.ndim == 3:
-            hint = " (one-channel (N, H, W) images: pass images[:, None], (N, 1, H, W))"
-        elif array.dtype == np.uint8 and array.ndim == 2:
-            hint = " (flat rows: reshape them to (N, C, H, W))"
+        hint = {3: " (one-channel (N, H, W) images: pass images[:, None], (N, 1, H, W))",
+                2: " (flat rows: reshape them to (N, C, H, W))"}.get(array.ndim, "") if array.dtype == np.uint8 else ""
         raise ValueError(f"make_loader: normalize={normalize} needs uint8 images (N, C, H, W), got "
                          f"{what} {array.dtype} {array.shape}{hint}; {fix}")
     try:
@@ -709,14 +676,11 @@ def _check_normalizer(what: str, array: np.ndarray, normalize, fix: str) -> None
 
 
 class EpochIterator:
-    """An epoch's batches, with ``get_state()`` and ``close()``.
-
-    ``get_state()`` is the ``LoaderState`` after the batches yielded so far: the state to save
-    for a resume that delivers each remaining sample exactly once. What the iterator holds (a prefetch thread, a
-    vendor's pipelines and files) is released exactly once, at the first of: the epoch's end,
-    ``close()``, garbage collection, or the interpreter's exit (a ``weakref.finalize``, which
-    runs before modules are torn down, so nothing is printed and nothing is left running).
-    The batches never reference this object."""
+    """An epoch's batches. ``get_state()``: the ``LoaderState`` after the batches yielded so far, to
+    resume from. ``close()``: what the iterator holds (a prefetch thread, a vendor's pipelines and
+    files) is released exactly once, at the first of: the epoch's end, ``close()``, garbage
+    collection, or the interpreter's exit (a ``weakref.finalize``, which runs before modules are
+    torn down, so nothing is printed and nothing is left running). No batch references the iterator."""
 
     def __init__(self, batches: Iterator, state: LoaderState | Callable[[], LoaderState]):
         self._batches = batches  # state: of the first batch, or a function making it when asked
@@ -744,12 +708,6 @@ class EpochIterator:
 
     def close(self) -> None:
         self._end()
-
-
-def _prefetched(make, steps, depth: int):
-    if depth == 0:
-        return (make(s) for s in steps)
-    return _Prefetched(make, steps, depth)
 
 
 class _Prefetched:

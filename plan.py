@@ -208,9 +208,8 @@ def on_devices(plan: Plan, num_devices: int) -> Plan:
     """
     if not (isinstance(plan, Plan) and all(isinstance(a, np.ndarray) for a in plan)
             and plan.indices.ndim == 3 and plan.mask.shape == plan.indices.shape):
-        got = type(plan).__name__
-        if isinstance(plan, Plan):
-            got = [(type(a).__name__, getattr(a, "shape", None)) for a in plan]
+        got = ([(type(a).__name__, getattr(a, "shape", None)) for a in plan] if isinstance(plan, Plan)
+               else type(plan).__name__)
         raise ValueError(f"on_devices: plan must be a Plan of two arrays of one (steps, L, b) shape, got {got}")
     steps, L, b = plan.indices.shape
     if not _is_int(num_devices) or not 1 <= num_devices <= L or L % num_devices:
@@ -238,16 +237,14 @@ def dataset_digest(arrays: Mapping) -> str:
 
     dtype.str gives byte order and size; dtype.name tells ml_dtypes apart (float8_e4m3fn and
     int4 are both "<V1"). So the digest covers every name, dtype, shape and byte, and not the
-    mapping's order or the memory layout. It reads blocks of rows of at most
-    DIGEST_BLOCK_BYTES, so a memory-mapped dataset is never copied whole.
+    mapping's order or the memory layout.
 
     Raises ValueError unless ``arrays`` maps str names to arrays of dtype kind b, i, u, f or c
     (bools, integers, floats, complex) or of ml_dtypes': an object dtype's bytes are pointers,
     a structured one's name hides its fields, and datetime and timedelta are refused too.
     """
     if not isinstance(arrays, Mapping):
-        raise ValueError(f"dataset_digest: arrays must be a mapping of names to arrays, got "
-                         f"{type(arrays).__name__}")
+        raise ValueError(f"dataset_digest: arrays must be a mapping of names to arrays, got {type(arrays).__name__}")
     for name in arrays:
         if not isinstance(name, str):
             raise ValueError(f"dataset_digest: the names of arrays must be strings, got {name!r}")
@@ -345,22 +342,19 @@ class LoaderState:
         n = _check_int("LoaderState.resized", "num_shards", num_shards, 1)
         B = _check_int("LoaderState.resized", "batch_size", batch_size, 1)
         kept = self.segments[:-1] if self.step == self.segments[-1].start else self.segments
-        if kept and kept[-1][1:] == (n, B):
-            return dataclasses.replace(self, segments=kept)
-        return dataclasses.replace(self, segments=kept + ((self.step, n, B),))
+        return dataclasses.replace(self, segments=kept if kept and kept[-1][1:] == (n, B) else
+                                   kept + ((self.step, n, B),))
 
     def plan(self) -> tuple[Plan, int]:
         """(the last segment's Plan, the row of ``step`` in it): the shards run rows ``row ..``."""
-        plans = elastic_plan(self.num_samples, self.segments, epoch=self.epoch, seed=self.seed,
-                             shuffle=self.shuffle, last_batch=self.last_batch)
-        return plans[-1], self.step - self.segments[-1].start
+        return elastic_plan(self.num_samples, self.segments, epoch=self.epoch, seed=self.seed, shuffle=self.shuffle,
+                            last_batch=self.last_batch)[-1], self.step - self.segments[-1].start
 
     def next_epoch(self) -> "LoaderState":
         """Step 0 of the next epoch on the last segment's shards, of the same run and data."""
         last = self.segments[-1]
-        return LoaderState.start(self.num_samples, last.num_shards, last.batch_size,
-                                 epoch=self.epoch + 1, seed=self.seed, shuffle=self.shuffle,
-                                 last_batch=self.last_batch, dataset=self.dataset)
+        return LoaderState.start(self.num_samples, last.num_shards, last.batch_size, epoch=self.epoch + 1,
+                                 seed=self.seed, shuffle=self.shuffle, last_batch=self.last_batch, dataset=self.dataset)
 
     def to_json(self) -> str:
         """The class docstring's JSON form."""
@@ -508,7 +502,6 @@ def _check_bool(where: str, name: str, value) -> bool:
 
 
 def _check_digest(where: str, value) -> str | None:
-    """None, or ``dataset_digest``'s form (32 lowercase hex digits) as a plain str."""
     if value is None:
         return None
     if not (isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)):
@@ -518,7 +511,6 @@ def _check_digest(where: str, value) -> str | None:
 
 
 def _shards(where: str, num_samples, num_shards) -> tuple[int, int]:
-    """(num_samples, num_shards) as Python ints, with 1 <= num_shards <= num_samples."""
     num_samples = _check_int(where, "num_samples", num_samples)
     num_shards = _check_int(where, "num_shards", num_shards, 1)
     if num_shards > num_samples:
@@ -553,9 +545,8 @@ def _segments(where: str, num_samples, segments, last_batch) -> tuple[int, list[
         if i:
             prev, S = checked[-1], steps[-1][0]
             if t <= prev.start:
-                raise ValueError(f"{where}: segments[{i}].start={t} is not after segments[{i - 1}].start="
-                                 f"{prev.start}; starts must increase (a resize before a segment's first "
-                                 f"step replaces it)")
+                raise ValueError(f"{where}: segments[{i}].start={t} is not after segments[{i - 1}].start={prev.start}; "
+                                 f"starts must increase (a resize before a segment's first step replaces it)")
             if t > prev.start + S:
                 raise ValueError(f"{where}: segments[{i}].start={t} is after the epoch's end at step "
                                  f"{prev.start + S} (segments[{i - 1}]={tuple(prev)} has {S} steps)")

@@ -1,10 +1,9 @@
 """Several processes of one program on this machine: launched together, watched, stopped together.
 
-refimpl.py's ``--local-processes N`` runs itself N times on 127.0.0.1 as one
-jax.distributed job, through ``run_local``. In a child, ``hide_native_stdout`` sends what
-native code writes to file descriptor 1 (gloo's "[Gloo] Rank N is connected to M peer ranks"
-notes, from several threads at once, mid-line) to /dev/null; Python's prints still show.
-``without_gloo_chatter`` takes those notes out of a line that caught one.
+refimpl.py's ``--local-processes N`` runs itself N times on 127.0.0.1 as one jax.distributed
+job, through ``run_local``. Native code writes gloo's "[Gloo] Rank N is connected to M peer
+ranks" notes to file descriptor 1, from several threads at once, mid-line: ``hide_native_stdout``
+sends a child's native output to /dev/null, ``without_gloo_chatter`` takes the notes out of a line.
 
 Imports: the standard library only. Imported by refimpl.py.
 """
