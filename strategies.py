@@ -186,13 +186,15 @@ def _run(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_stat
     state = start_state(name, optimizer, params, opt_state, mesh)
     batches = iter(batches)
     first = next(batches, None)
-    batches = checked(itertools.chain([] if first is None else [first], batches), name, mesh, reduction,
-                      logical_shards)
+    batches = checked(itertools.chain([] if first is None else [first], batches), name, mesh)
     run_mesh = Mesh(np.array([mesh.devices.flat[0]]), (AXIS,)) if name == "single" else mesh
     if name == "single":
         batches = (jax.device_put(b, mesh.devices.flat[0]) for b in batches)
     if reduction == "canonical":
         L = logical_shards or (_batch_shards(first) if first is not None else None)
+        if L is None and first is not None:
+            raise ValueError(f"strategy {name!r}: the first batch does not say its logical shards (a "
+                             f"loader's batches carry {SHARDS_KEY!r}): pass logical_shards=L for the canonical reduction")
         step = canonical_step(loss_terms, optimizer.update, run_mesh, L) if L else None
     elif name == "pmap":
         step = pmap_step(loss_terms, optimizer.update, tuple(mesh.devices.flat))
@@ -236,20 +238,16 @@ def _batch_shards(batch) -> int | None:
     return None
 
 
-def checked(batches: Iterable[dict], strategy: str, mesh: Mesh, reduction: str = "plain",
-            logical_shards: int | None = None) -> Iterator[dict]:
+def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict]:
     """``batches``, each checked to be in ``strategy``'s layout and on the mesh.
 
     The layout is told from "mask": (n*B,) in layout "sharded", (n, B) in "pmap".
     jax.Array leaves must be sharded on 'data' over exactly the mesh's devices; NumPy
     leaves are placed so in one process and refused across processes (a host array
-    could be the whole batch or this process's rows). Under the canonical reduction
-    the batch's L (its ``SHARDS_KEY`` entry) must equal ``logical_shards`` when both
-    are known, one of them must be, and the rows must split into L blocks.
-    ValueError naming the strategy, the step and what is wrong."""
+    could be the whole batch or this process's rows). ValueError naming the strategy, the
+    step and what is wrong; the step's ``door`` checks the rest."""
     layout, n = LAYOUT[strategy], mesh.devices.size
     want = NamedSharding(mesh, P(AXIS))
-    L = logical_shards
     for step, batch in enumerate(batches):
         where = f"strategy {strategy!r}, batch at step {step}"
         if not isinstance(batch, dict) or "mask" not in batch:
@@ -258,21 +256,6 @@ def checked(batches: Iterable[dict], strategy: str, mesh: Mesh, reduction: str =
                              f"loaders.make_loader yields); got {type(batch).__name__}{got}")
         shape = tuple(np.shape(batch["mask"]))
         _check_layout(where, shape, layout, n)
-        if reduction == "canonical":
-            carried = _batch_shards(batch)
-            if carried is not None and L is not None and carried != L:
-                raise ValueError(f"{where}: it carries logical_shards={carried} (its loader's plan), but the "
-                                 f"canonical reduction was given logical_shards={L}: the same bits on "
-                                 f"every topology hold only for the plan's own L")
-            L = L if L is not None else carried
-            if L is None:
-                raise ValueError(f"{where}: it does not say its logical shards (a loader's batches carry "
-                                 f"{SHARDS_KEY!r}): pass logical_shards=L for the canonical reduction")
-            _check_multiple(where, L, n)
-            rows = shape[0] * (shape[1] if layout == "pmap" else 1)
-            if rows % L:
-                raise ValueError(f"{where}: its {rows} rows do not split into logical_shards={L} "
-                                 f"blocks of one size")
         check_dtypes({k: v for k, v in batch.items() if not isinstance(v, jax.Array)}, f"{where}: batch")
         placed = {}
         for key, leaf in batch.items():

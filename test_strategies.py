@@ -717,13 +717,13 @@ def test_every_placement_helper_refuses_a_64_bit_leaf_by_its_own_name(mesh):
 def test_a_batch_whose_rows_do_not_split_into_the_logical_shards_is_refused_by_every_strategy(mesh):
     """The canonical reduction adds one gradient sum per logical block: a global batch of
     n*B rows with L = 3n logical shards (n*B = 4n rows do not split into 3n blocks) is
-    refused at its step by each strategy, naming it, the rows and L; the control: L = n
+    refused at its step by each strategy, naming the rows and L; the control: L = n
     splits them and trains."""
     n = mesh.devices.size
     rows = host_batches(seed=5, steps=1, n=n, real_per_device=[B] * n, kind="linear")[0]
     for name, train in strategies.STRATEGIES.items():
         batch = place(rows, mesh, strategies.LAYOUT[name])
-        with pytest.raises(ValueError, match=rf"strategy '{name}', batch at step 0: its {n * B} rows do "
+        with pytest.raises(ValueError, match=rf"canonical_step: the batch's {n * B} rows do "
                                              rf"not split into logical_shards={3 * n} blocks of one size"):
             train(linear_init(), [batch], mesh, loss_terms=linear_loss_terms, optimizer=strategies.sgd(0.1),
                   reduction="canonical", logical_shards=3 * n)
@@ -1112,7 +1112,7 @@ def test_a_canonical_strategy_takes_the_batches_logical_shards_and_refuses_anoth
                                                           reduction="canonical", **options)
     assert_same_bits(train([batch]).params["w1"], train([batch], logical_shards=8).params["w1"])
     for other in (4, 16):
-        with pytest.raises(ValueError, match=f"carries logical_shards=8 .* was given logical_shards={other}"):
+        with pytest.raises(ValueError, match=f"carries logical_shards=8 .* made for logical_shards={other}"):
             train([batch], logical_shards=other)
     host = {k: np.asarray(v) for k, v in batch.items() if k != "logical_shards"}
     with pytest.raises(ValueError, match="does not say its logical shards"):
