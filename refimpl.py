@@ -3,37 +3,20 @@
     python refimpl.py           # synthetic CIFAR-10, sharded then pmap, 5 epochs
     python refimpl.py --help    # every option (docs/running.md: how to use them)
 
-It builds one sharded training loader over the devices and a one-device validation loader,
-trains the notebooks' MLP with each chosen strategy from the same initial params, and after
-every epoch prints the mean training loss, the accuracy over every test sample exactly once,
-the epoch's time and images per second. Epochs and steps are numbered from 0; run step r is
-the r-th step of the whole run.
-
-The verdicts, after the training (process 0 prints them; the failures last):
-
-* ``--reduction canonical``: every strategy's final params and optimizer state against the
-  first's, and against ``--compare-to``'s file, must be the same bits.
-* the plain reduction: ``equivalence.stepwise_verdict`` of each strategy against the first,
-  over the run's first STEPWISE_STEPS steps from its start (one process only); the final
-  params' distance is printed, not judged.
-* a run that stops or resumes: every sample of the epoch across the checkpoint delivered
-  exactly once (drop: at most once, ``plan.elastic_plan``'s count skipped), counted from the
-  "index" of every real row delivered in both runs.
-
-Exit status: 0; 1 when a verdict fails (OUTSIDE, not the same bits, not exactly once); 2 for
-bad input (one line on stderr naming the option or file, before any training).
-
-Checkpoints (orbax-checkpoint): ``--stop-after-step S --checkpoint-dir DIR`` trains run steps
-0..S-1 and writes one checkpoint, items "run" (the run's identity and position, JSON),
-"loader" (the ``LoaderState`` of run step S, JSON) and "state" (each strategy's params and
-optimizer state; the interrupted epoch's delivered counts). ``--resume-from DIR`` alone
-continues it on any devices and processes: IDENTITY options come from the checkpoint (a
-contradicting flag is refused by name), CARRIED ones unless given, OWN ones are this run's.
+Each chosen strategy trains the notebooks' MLP from the same initial params on one sharded loader, printing per epoch
+the mean loss, the accuracy over every test sample exactly once, the time and images/s. The verdicts: canonical, the
+final params and optimizer state the same bits for every strategy and --compare-to; plain, the stepwise verdict over
+STEPWISE_STEPS steps; across a checkpoint (IDENTITY, CARRIED, OWN below), every sample of its epoch exactly once (drop:
+at most once). Exit status: 0; 1 when a verdict fails; 2 for bad input (one line on stderr, before any training).
+A checkpoint (orbax) holds three items: "run" (the identity and the next run step, JSON), "loader" (the LoaderState
+of that step, JSON) and "state" (each strategy's params, optimizer state and, mid-epoch, its delivery counts).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import itertools
@@ -63,16 +46,13 @@ NOTEBOOK = {"cifar10": ((127.5,) * 3, (127.5,) * 3, "rocal"), "mnist": ((0.0,), 
 STEPWISE_STEPS = 4  # the plain reduction's verdict: each strategy's first steps, from the same state
 FAILED = 1  # exit status of a failed verdict (2: bad input)
 
-# refimpl's options by what a resume does with them (every option is in exactly one).
-# IDENTITY: what the run trains, from the checkpoint; --batch-size joins them with logical shards.
+# What a resume does with each option: IDENTITY from the checkpoint, CARRIED from it unless given, OWN never.
 IDENTITY = ("dataset", "hidden", "strategies", "seed", "optimizer", "lr", "last_batch", "normalize",
             "matmul_precision", "reduction", "logical_shards")
-# CARRIED: the run's length, where its data is, its loader and (without logical shards) batch size.
 CARRIED = ("epochs", "data_dir", "cache_dir", "backend", "eval_batch_size", "batch_size")
-# OWN: this run's devices and processes, where its loader works, what it writes, when it stops.
-OWN = ("platform", "devices", "placement", "metrics_out", "params_out", "compare_to", "coordinator",
-       "num_processes", "process_id", "auto_distributed", "local_processes", "peer_timeout",
-       "stop_after_step", "checkpoint_dir", "resume_from")
+OWN = ("platform", "devices", "placement", "metrics_out", "params_out", "compare_to", "coordinator", "num_processes",
+       "process_id", "auto_distributed", "local_processes", "peer_timeout", "stop_after_step", "checkpoint_dir",
+       "resume_from")
 
 
 def main(argv=None) -> int:
@@ -110,81 +90,53 @@ def given_options(argv: list[str]) -> set[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="refimpl.py",
-        description="Data-parallel training of the rocAL/DALI notebooks' MLP, one sharded loader "
-                    "per device, with several parallel strategies.",
-        epilog=f"With no --data-dir a synthetic dataset ({SYNTHETIC['num_train']} training and "
-               f"{SYNTHETIC['num_test']} test images) is generated once into --cache-dir. Without an "
-               f"accelerator (or with --platform cpu) JAX gets {DEFAULT_CPU_DEVICES} virtual CPU devices; "
-               f"they share this machine's cores, so timings there show overhead, not speed-up.")
+        prog="refimpl.py", description="Data-parallel training of the rocAL/DALI notebooks' MLP (docs/running.md).",
+        epilog=f"With no --data-dir a synthetic dataset is generated once into --cache-dir. With no accelerator JAX "
+               f"gets {DEFAULT_CPU_DEVICES} virtual CPU devices sharing the cores: timings show overhead, not speedup.")
     add = parser.add_argument
-    add("--dataset", choices=("cifar10", "mnist"), default="cifar10",
-        help="cifar10 (the rocAL notebook, 3072 inputs) or mnist (the DALI notebook, 784) (default: %(default)s)")
-    add("--hidden", default="1024,1024", metavar="W[,W...]",
-        help="the MLP's hidden layer widths (default: %(default)s, the notebooks')")
-    add("--data-dir", metavar="DIR", help="cifar10: a cifar-10-batches-bin folder; mnist: a folder with "
-                                          "the IDX files (train-images-idx3-ubyte[.gz], ...)")
+    add("--dataset", choices=("cifar10", "mnist"), default="cifar10", help="rocAL's or DALI's (default: %(default)s)")
+    add("--hidden", default="1024,1024", metavar="W[,W...]", help="the MLP's hidden widths (default: %(default)s)")
+    add("--data-dir", metavar="DIR", help="a cifar-10-batches-bin folder, or for mnist the IDX files' folder")
     add("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "refimpl"), metavar="DIR",
         help="where synthetic data and DALI's per-sample files go (default: %(default)s)")
     add("--epochs", type=int, default=5, metavar="N", help="train epochs 0..N-1 (default: %(default)s)")
-    add("--batch-size", type=int, default=16, metavar="B",
-        help="per device; with --logical-shards, per logical shard (default: %(default)s)")
-    add("--eval-batch-size", type=int, default=256, metavar="B",
-        help="validation batch on one device (default: %(default)s)")
+    add("--batch-size", type=int, default=16, metavar="B", help="per device or logical shard (default: %(default)s)")
+    add("--eval-batch-size", type=int, default=256, metavar="B", help="the validation batch (default: %(default)s)")
     add("--lr", type=float, default=0.001, metavar="RATE", help="the learning rate (default: %(default)s)")
-    add("--optimizer", choices=("sgd", "adam"), default="sgd",
-        help="sgd: the notebooks' SGD; adam: optax.adam(--lr), which needs optax (default: %(default)s)")
+    add("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd or optax.adam (default: %(default)s)")
     add("--seed", type=int, default=0, metavar="N", help="shuffle and synthetic-data seed, 0 <= N < 2**32")
     add("--logical-shards", type=int, metavar="L",
-        help="plan each step as L logical shards of --batch-size rows: the same global batch on every "
-             "device count dividing L (default: one per device)")
+        help="L logical shards of --batch-size rows a step: one global batch on any device count dividing L")
     add("--reduction", choices=("plain", "canonical"), default="plain",  # strategies.REDUCTIONS
-        help="plain: each strategy's own sums, judged step by step; canonical: the L logical shards' "
-             "sums added in one fixed order, the same bits on every device count dividing L, every "
-             "pair held to the same bits (default: %(default)s)")
+        help="canonical: the same bits on any device count dividing --logical-shards (default: %(default)s)")
     add("--strategies", metavar="LIST",
-        help=f"comma-separated, any of {', '.join(STRATEGY_NAMES)}, or 'all' (default: sharded,pmap; "
-             f"sharded,shard_map across processes)")
+        help=f"any of {', '.join(STRATEGY_NAMES)}, or all (default: sharded,pmap; sharded,shard_map across processes)")
     add("--platform", choices=("cpu", "gpu", "cuda", "rocm", "tpu"), help="the JAX platform (default: JAX's)")
-    add("--devices", type=int, metavar="N",
-        help=f"use the first N devices; on CPU, N virtual devices, at most {MAX_CPU_DEVICES}; across "
-             f"processes, each process's count")
+    add("--devices", type=int, metavar="N", help=f"the first N devices (CPU: N virtual, at most {MAX_CPU_DEVICES})")
     add("--last-batch", choices=("fill", "drop"), default="fill",
         help="fill: pad the last batch and mask the padding; drop: skip the remainder (default: %(default)s)")
     add("--backend", choices=("reference", "rocal", "dali", "auto"), default="reference",
-        help="training loader: the reference, AMD rocAL (cifar10), NVIDIA DALI, or auto: rocal on AMD "
-             "GPUs, dali on NVIDIA GPUs, else reference (default: %(default)s)")
+        help="the training loader; auto: rocal on AMD GPUs, dali on NVIDIA GPUs (default: %(default)s)")
     add("--placement", choices=("auto", "host", "device"), default="auto",
-        help="reference backend: device (each device holds its shard) or host (rows from the host); "
-             "auto: device when the shard fits (default: %(default)s)")
-    add("--normalize", choices=ARITHMETICS,
-        help="whose crop_mirror_normalize arithmetic to use (default: the backend's, else the notebook's)")
+        help="the reference loader's rows from the host or the devices; auto: device if it fits (default: %(default)s)")
+    add("--normalize", choices=ARITHMETICS, help="whose arithmetic (default: the backend's, else the notebook's)")
     add("--matmul-precision", choices=("default", "high", "highest"), default="highest",
         help="JAX's float32 matmul precision; 'default' is TF32 on recent NVIDIA GPUs (default: %(default)s)")
     add("--metrics-out", metavar="FILE", help="every per-epoch figure as JSON lines")
-    add("--params-out", metavar="FILE",
-        help="each strategy's final params and optimizer state as .npz (process 0): '<strategy>/<i>' and "
-             "'<strategy>/opt_state/<i>', leaf i in jax.tree.leaves order")
-    add("--compare-to", metavar="FILE",
-        help="each strategy's final params and optimizer state against FILE (another run's --params-out), "
-             "bit for bit; under --reduction canonical a difference is a failure")
+    add("--params-out", metavar="FILE", help="each strategy's final params and optimizer state as .npz")
+    add("--compare-to", metavar="FILE", help="another run's --params-out, bit for bit (a failure if canonical)")
     add = parser.add_argument_group("more than one process (jax.distributed)",
                                     "Only process 0 prints. Strategies: sharded, shard_map.").add_argument
     add("--coordinator", metavar="HOST:PORT", help="process 0's address, reachable by all")
     add("--num-processes", type=int, metavar="N", help="how many processes take part")
     add("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
-    add("--auto-distributed", action="store_true",
-        help="let jax.distributed.initialize() detect the cluster (Slurm, Open MPI, ...)")
-    add("--local-processes", type=int, metavar="N",
-        help=f"launch N processes on this machine, on CPU devices, splitting --devices (default {DEFAULT_CPU_DEVICES})")
-    add("--peer-timeout", type=int, default=60, metavar="SECONDS",
-        help="seconds to wait for a missing or silent peer (default: %(default)s)")
+    add("--auto-distributed", action="store_true", help="let jax.distributed.initialize() detect the cluster")
+    add("--local-processes", type=int, metavar="N", help="launch N processes here on CPU devices, splitting --devices")
+    add("--peer-timeout", type=int, default=60, metavar="SECONDS", help="for a silent peer (default: %(default)s)")
     add = parser.add_argument_group("checkpoint and resume", "Resume on any device or process count.").add_argument
-    add("--stop-after-step", type=int, metavar="S",
-        help="train run steps 0..S-1, write the checkpoint to --checkpoint-dir and stop")
+    add("--stop-after-step", type=int, metavar="S", help="train run steps 0..S-1, checkpoint and stop")
     add("--checkpoint-dir", metavar="DIR", help="where --stop-after-step writes the checkpoint")
-    add("--resume-from", metavar="DIR",
-        help="continue the run checkpointed in DIR; what it trains comes from the checkpoint")
+    add("--resume-from", metavar="DIR", help="continue the run checkpointed in DIR")
     return parser
 
 
@@ -210,8 +162,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      f"by commas, e.g. 1024,1024")
     for flag in ("epochs", "batch_size", "eval_batch_size", "devices", "peer_timeout", "logical_shards",
                  "stop_after_step", "local_processes"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
+        if (value := getattr(args, flag)) is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if not 0 <= args.seed < 2**32:
         parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
@@ -222,13 +173,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--devices {args.devices}: at most {MAX_CPU_DEVICES} virtual CPU devices"
                      + (f" per process, not {each}" if args.local_processes else ""))
     for flag in ("metrics_out", "params_out"):
-        path = getattr(args, flag)
-        if path and unwritable(path):
-            parser.error(f"--{flag.replace('_', '-')} {path}: {unwritable(path)}")
+        if (path := getattr(args, flag)) and (problem := unwritable(path)):
+            parser.error(f"--{flag.replace('_', '-')} {path}: {problem}")
     if args.compare_to and not os.path.isfile(args.compare_to):
         parser.error(f"--compare-to {args.compare_to}: no such file (give another run's --params-out)")
-    problem = not_npz(args.compare_to) if args.compare_to else None
-    if problem:
+    if args.compare_to and (problem := not_npz(args.compare_to)):
         parser.error(f"--compare-to {args.compare_to}: not a .npz written by --params-out ({problem})")
     if args.reduction == "canonical" and args.logical_shards is None and not args.resume_from:
         parser.error("--reduction canonical needs --logical-shards L: its bits are the same on every device "
@@ -258,14 +207,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error("--local-processes N goes with no other multi-process option")
         if args.platform not in (None, "cpu"):
             parser.error(f"--local-processes runs on CPU devices; --platform {args.platform} cannot go with it")
-        total = args.devices or DEFAULT_CPU_DEVICES
-        if total % args.local_processes:
+        if (total := args.devices or DEFAULT_CPU_DEVICES) % args.local_processes:
             parser.error(f"--local-processes {args.local_processes} does not divide --devices {total}")
 
 
 def check_run(args: argparse.Namespace, several, devices: int | None = None) -> None:
-    """The checks made again once a checkpoint has completed the options and the devices are
-    known: ValueError naming the option (the checkpoint, for a value taken from it)."""
+    """Checks made again once the checkpoint and the devices are known: ValueError naming the option (or checkpoint)."""
     source = (lambda name: f"--resume-from {args.resume_from}: the checkpoint's run has --{name} "
               if name.replace("-", "_") in getattr(args, "from_checkpoint", ()) else f"--{name} ")
     if args.dataset == "mnist" and args.backend == "rocal":
@@ -348,12 +295,9 @@ def start_jax(args: argparse.Namespace) -> None:
     jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     distributed = bool(args.coordinator or args.auto_distributed)
     cpu_devices = args.devices if args.devices and args.devices <= MAX_CPU_DEVICES else DEFAULT_CPU_DEVICES
-    # Virtual CPU devices exist only if asked for before JAX first touches a device; called
-    # from Python after that (refimpl.main in a running job), the devices stand as they are.
-    try:
+    # Only before JAX first touches a device; after that (refimpl.main in a running job) the devices stand as they are.
+    with contextlib.suppress(RuntimeError):
         jax.config.update("jax_num_cpu_devices", cpu_devices if distributed else max(cpu_devices, DEFAULT_CPU_DEVICES))
-    except RuntimeError:
-        pass
     if distributed:
         connect(args)
     try:
@@ -365,23 +309,18 @@ def start_jax(args: argparse.Namespace) -> None:
 
 
 def connect(args: argparse.Namespace) -> None:
-    """jax.distributed.initialize with bounded waits: a missing peer fails the start after
-    --peer-timeout seconds, a peer that dies later is found by heartbeat. JAX ends the
-    process itself then (SIGABRT), so the line printed first names the process and the wait.
-    --devices N makes GPUs 0..N-1 this process's (``local_device_ids``; CPU devices are set
-    by their count in start_jax)."""
+    """jax.distributed.initialize, each wait bounded by --peer-timeout; JAX ends the process on a lost peer (SIGABRT),
+    so the line printed first names the process and the wait. --devices N: GPUs 0..N-1 (``local_device_ids``)."""
     import jax
 
     who = f"process {args.process_id} of {args.num_processes}" if args.num_processes else "this process"
     where = "(auto-detected)" if args.auto_distributed else args.coordinator
-    print(f"refimpl.py: {who}: joining coordinator {where}; if a peer has not joined within "
-          f"{args.peer_timeout} s, or stops answering for that long, JAX ends this process",
-          file=sys.stderr, flush=True)
+    print(f"refimpl.py: {who}: joining coordinator {where}; if a peer has not joined within {args.peer_timeout} s, "
+          f"or stops answering for that long, JAX ends this process", file=sys.stderr, flush=True)
     if os.environ.get(processes.LOCAL_CHILD) == "1":
         processes.hide_native_stdout()
     if args.auto_distributed:
-        # Without a socket there is no cluster to join: give up before JAX asks a metadata
-        # server (a TPU host's detection waits 60 s for one).
+        # No socket, no cluster: give up before JAX asks a metadata server (a TPU host's detection waits 60 s).
         loopback_port("--auto-distributed")
     host = (args.coordinator or "").rsplit(":", 1)[0]
     bind = args.coordinator if host in ("127.0.0.1", "localhost", "[::1]") else None
@@ -393,17 +332,15 @@ def connect(args: argparse.Namespace) -> None:
     except Exception as error:  # JAX raises several types here; one clear line is the point
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if args.auto_distributed and "coordinator_address" in first:
-            raise ConnectionError("--auto-distributed: no cluster was detected (jax.distributed looks for "
-                                  "Slurm, Open MPI, Kubernetes and cloud TPU environments); give "
-                                  "--coordinator, --num-processes and --process-id, or --local-processes N "
-                                  "on one machine") from error
+            raise ConnectionError("--auto-distributed: no cluster was detected (jax.distributed looks for Slurm, "
+                                  "Open MPI, Kubernetes and cloud TPU environments); give --coordinator, "
+                                  "--num-processes and --process-id, or --local-processes N on one machine") from error
         raise ConnectionError(f"{who}: could not join the other processes at coordinator {where} within "
                               f"{args.peer_timeout} s: {first}") from error
 
 
 def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
-    """Runs this program in ``--local-processes`` processes on 127.0.0.1 (processes.run_local), the synthetic
-    data generated once first (a resume's processes read the checkpoint's data unless --data-dir is given)."""
+    """Runs this program in ``--local-processes`` processes on 127.0.0.1, the synthetic data generated once first."""
     count = args.local_processes
     per_process = (args.devices or DEFAULT_CPU_DEVICES) // count
     data_dir = args.data_dir or (None if args.resume_from else
@@ -448,11 +385,7 @@ def run(args: argparse.Namespace, given: set) -> list[str]:
     job = set_up(args)
     params0 = model.init_model(((model.LAYERS if args.dataset == "cifar10" else model.MNIST_LAYERS)[0],
                                 *args.hidden, model.LAYERS[-1]))
-    if args.optimizer == "adam":
-        import optax
-        optimizer = optax.adam(args.lr)
-    else:
-        optimizer = strategies.sgd(args.lr)
+    optimizer = importlib.import_module("optax").adam(args.lr) if args.optimizer == "adam" else strategies.sgd(args.lr)
     span = Span(args, job, saved)
     metrics = open(args.metrics_out, "w") if args.metrics_out and jax.process_index() == 0 else None
     final, states, failures = {}, {}, []
@@ -489,8 +422,7 @@ def set_up(args: argparse.Namespace) -> Job:
     if args.backend == "auto":
         job.say(f"--backend auto chose {job.backend}")
     job.arithmetic = choose_arithmetic(job.backend, args.normalize, args.dataset, job.devices)
-    mean, std, _ = NOTEBOOK[args.dataset]
-    job.normalize = Normalize(mean=mean, std=std, arithmetic=job.arithmetic)
+    job.normalize = Normalize(*NOTEBOOK[args.dataset][:2], arithmetic=job.arithmetic)
     if job.backend == "rocal":
         import rocal_loader
         rocal_loader.import_rocal()  # how to install it, before any data is generated
@@ -502,8 +434,7 @@ def set_up(args: argparse.Namespace) -> Job:
         if args.dataset == "mnist":
             job.train_data, test_data = read_mnist(job.data_dir, "train"), read_mnist(job.data_dir, "test")
         else:
-            job.train_data = read_cifar10(job.data_dir, TRAIN_PREFIX)
-            test_data = read_cifar10(job.data_dir, TEST_PREFIX)
+            job.train_data, test_data = (read_cifar10(job.data_dir, prefix) for prefix in (TRAIN_PREFIX, TEST_PREFIX))
     except (ValueError, OSError) as error:
         if not args.data_dir:
             raise
@@ -548,8 +479,7 @@ def choose_backend(requested: str, dataset: str, devices: list) -> str:
 
 
 def choose_arithmetic(backend: str, normalize: str | None, dataset: str, devices: list) -> str:
-    """--normalize when given, else the bits the backend computes on ``devices`` (DALI by device
-    kind, rocAL "rocal"), else the notebook's."""
+    """--normalize when given, else what the backend computes on ``devices``, else the notebook's."""
     if normalize:
         return normalize
     if backend == "dali":
@@ -598,14 +528,12 @@ def training_loaders(args: argparse.Namespace, job: Job) -> tuple[dict, str]:
     made = {layout: make(data, job.mesh, args.batch_size, layout=layout, shuffle=True, seed=args.seed,
                          last_batch=args.last_batch, normalize=job.normalize, logical_shards=args.logical_shards,
                          **extra) for layout in {strategies.LAYOUT[name] for name in args.strategies}}
-    if job.backend == "reference":
-        return made, f"reference loader, placement {placement}"
-    return made, next(iter(made.values())).describe()
+    return made, (f"reference loader, placement {placement}" if job.backend == "reference" else
+                  next(iter(made.values())).describe())
 
 
 def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optimizer, span, metrics) -> tuple:
-    """Strategy ``name`` over the run's epochs, a line (and a metrics row) per epoch; returns its
-    final (params, optimizer state) on the host and the exactly-once failures."""
+    """Strategy ``name`` over the run's epochs, a line (and metrics row) each: (host params, opt state, failures)."""
     import jax
     import model
     import strategies
@@ -613,41 +541,36 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
     loader = job.loaders[strategies.LAYOUT[name]]
     params, opt_state = span.start(name, params0, optimizer)
     reduction = {} if args.reduction == "plain" else {"reduction": "canonical", "logical_shards": args.logical_shards}
+    train = functools.partial(strategies.STRATEGIES[name], mesh=job.mesh, loss_terms=model.loss_terms,
+                              optimizer=optimizer, **reduction)
     failures, fed = [], None
     job.say(f"--- {name} ---")
     for epoch, (lo, hi) in span.spans.items():
         before = (params, opt_state)
         start = time.perf_counter()
-        batches = span.batches(name, loader, epoch)
-        params, losses, opt_state = strategies.STRATEGIES[name](
-            params, batches, job.mesh, loss_terms=model.loss_terms, optimizer=optimizer, opt_state=opt_state,
-            **reduction)
+        params, losses, opt_state = train(params, span.batches(name, loader, epoch), opt_state=opt_state)
         seconds = time.perf_counter() - start
         real, losses, note, lines = span.epoch_done(name, epoch, loader, losses)
         accuracy = model.accuracy(params, job.test_loader.epoch(0))
         row = {"strategy": name, "epoch": epoch, "first_step": lo, "last_step": hi - 1,
                "loss": float(np.mean(losses)) if len(losses) else float("nan"), "test_accuracy": accuracy,
-               "test_samples": job.test_loader.real_samples(0), "seconds": seconds,
-               "images_per_second": real / seconds, "steps": hi - lo,
-               "devices": 1 if name == "single" else len(job.devices), "platform": job.devices[0].platform,
-               "backend": job.backend, "dataset": args.dataset}
+               "test_samples": job.test_loader.real_samples(0), "seconds": seconds, "images_per_second": real / seconds,
+               "steps": hi - lo, "devices": 1 if name == "single" else len(job.devices),
+               "platform": job.devices[0].platform, "backend": job.backend, "dataset": args.dataset}
         job.say(f"{name:>9} epoch {epoch} of {args.epochs}  loss {row['loss']:.4f}  test accuracy {accuracy:.4f}  "
                 f"{seconds:6.2f} s  {row['images_per_second']:8.0f} images/s"
                 + ("  (includes compilation)" if epoch == span.first_epoch else "") + note)
         for ok, line in lines:
             job.say(line)
-            if not ok:
-                failures.append(line)
+        failures += [line for ok, line in lines if not ok]
         if metrics:
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
+            print(json.dumps(row), file=metrics, flush=True)
         fed = (epoch, before, seconds) if (lo, hi) == (0, job.steps) and epoch != span.first_epoch else None
     if fed and name == args.strategies[0]:  # what the data costs: the last epoch again, its batches prebuilt
         epoch, (p, state), seconds = fed
         prebuilt = jax.block_until_ready(list(loader.epoch(epoch)))
         start = time.perf_counter()
-        strategies.STRATEGIES[name](p, prebuilt, job.mesh, loss_terms=model.loss_terms, optimizer=optimizer,
-                                    opt_state=state, **reduction)
+        train(p, prebuilt, opt_state=state)
         again = time.perf_counter() - start
         job.say(f"{name} epoch {epoch} again over its batches prebuilt on the devices: {again:.2f} s; fed by the "
                 f"loader it took {seconds / again:.2f}x that")
@@ -658,9 +581,8 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
 
 
 def run_identity(args: argparse.Namespace, train_data, arithmetic: str) -> dict:
-    """What a checkpoint shares with every run that resumes it: each IDENTITY option (and
-    batch_size with logical shards), normalize as the arithmetic used, the training data's
-    size and BLAKE2b-128 digest (image bytes, then int32 label bytes)."""
+    """What a checkpoint shares with every run that resumes it: the IDENTITY options (batch_size too with logical
+    shards), normalize as the arithmetic used, the training data's size and BLAKE2b-128 digest (images, labels)."""
     images, labels = train_data
     digest = hashlib.blake2b(digest_size=16)
     for lo in range(0, len(images), 4096):  # read_cifar10's images are a strided view
@@ -682,50 +604,41 @@ def _same(name: str, saved, mine) -> bool:
 
 
 def resume_options(args: argparse.Namespace, given: set) -> dict:
-    """Reads ``--resume-from``'s checkpoint (every process) and completes ``args`` from it:
-    each IDENTITY option (and batch_size with logical shards) and each CARRIED one not ``given``.
-    ValueError naming the flag for a given identity option that contradicts the checkpoint.
-    Returns the run item's fields with "loader", "state" (the other items) and "folder"."""
+    """Reads ``--resume-from``'s checkpoint (every process) and completes ``args``: IDENTITY, and CARRIED unless
+    ``given`` (ValueError: a given identity flag contradicts it). Returns the run item + loader, state, folder."""
     import orbax.checkpoint as ocp
 
     folder = os.path.abspath(args.resume_from)
     previous = sys.unraisablehook
-    # A failed read leaves tensorstore's other reads to finish into orbax's closed event loop;
-    # each would print "Event loop is closed" at exit. The error itself is raised below.
+    # A failed read leaves tensorstore's other reads to print "Event loop is closed" at exit; the error is raised below.
     sys.unraisablehook = lambda hook: None if "Event loop is closed" in str(hook.exc_value) else previous(hook)
     try:
-        items = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-            folder, args=ocp.args.Composite(run=ocp.args.JsonRestore(), loader=ocp.args.JsonRestore(),
-                                            state=ocp.args.StandardRestore()))
+        items = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(folder, args=ocp.args.Composite(
+            run=ocp.args.JsonRestore(), loader=ocp.args.JsonRestore(), state=ocp.args.StandardRestore()))
     except Exception as error:  # tensorstore's, orbax's: one line naming the checkpoint
         said = str(error).strip().splitlines()[0].split(" [tensorstore_spec=")[0] if str(error).strip() else ""
         raise ValueError(f"--resume-from {args.resume_from}: the checkpoint cannot be read "
                          f"({type(error).__name__}: {said[:300]})") from None
     saved, args.from_checkpoint = dict(items["run"]), set()
-    for name in [n for n in IDENTITY + ("batch_size",) if n in saved["identity"]]:
-        value = saved["identity"][name]
-        flag = f"--{name.replace('_', '-')}"
+    identity = [(n, saved["identity"][n]) for n in IDENTITY + ("batch_size",) if n in saved["identity"]]
+    for name, value in identity + list(saved["carried"].items()):  # CARRIED: never a list, never in identity
         if name not in given:
             setattr(args, name, tuple(value) if isinstance(value, list) else value)
             args.from_checkpoint.add(name)
-        elif not _same(name, value, getattr(args, name)):
+        elif (name, value) in identity and not _same(name, value, getattr(args, name)):
+            flag = f"--{name.replace('_', '-')}"
             raise ValueError(f"--resume-from {args.resume_from}: {flag} {_flag(getattr(args, name))} contradicts "
                              f"the checkpoint's run, which has {flag} {_flag(value)}; leave {flag} out (a resumed "
                              f"run takes what it trains from its checkpoint)")
-    for name, value in saved["carried"].items():
-        if name not in given:
-            setattr(args, name, value)
-            args.from_checkpoint.add(name)
     saved.update(loader=items["loader"], state=items["state"], folder=folder)
     return saved
 
 
 def run_spans(epochs: int, stop_after_step: int | None, done: int, first_epoch: int,
               first_span: tuple[int, int] | None, steps: int) -> tuple[dict, tuple | None]:
-    """({epoch: (first step, stop step)} this run trains, (epoch, next step) of the stop or None).
-    The run starts at run step ``done`` in ``first_epoch`` (its span ``first_span``, else whole);
-    every later epoch up to ``epochs`` - 1 is whole. ValueError for a ``stop_after_step`` at or
-    below ``done`` or past the run's last step."""
+    """({epoch: (first step, stop step)} this run trains, (epoch, next step) of the stop or None). The run starts
+    at run step ``done`` in ``first_epoch`` (its span ``first_span``, else whole); every later epoch, to ``epochs`` - 1,
+    is whole. ValueError for a ``stop_after_step`` at or below ``done`` or past the run's last step."""
     spans = {e: first_span if e == first_epoch and first_span else (0, steps) for e in range(first_epoch, epochs)}
     if stop_after_step is None:
         return spans, None
@@ -743,15 +656,13 @@ def run_spans(epochs: int, stop_after_step: int | None, done: int, first_epoch: 
 
 
 class Span:
-    """Where this run starts and stops. ``spans``: {epoch: (first step, stop step)} this run
-    trains; ``stop``: (epoch, the step that comes next) or None. With ``--resume-from`` the
-    checkpoint's epoch goes on from its ``state`` (plan.elastic_plan's order on other shards);
-    later epochs are fresh. An epoch across a checkpoint counts its deliveries by sample index."""
+    """Where this run starts and stops: ``spans`` {epoch: (first step, stop step)} it trains, ``stop`` (epoch, next
+    step) or None; ``resumed`` {epoch: the checkpoint's loader state} (plan.elastic_plan's order on other shards)."""
 
     def __init__(self, args, job: Job, saved: dict | None):
         self.args, self.saved, self.where = args, saved, job.where
         self.identity = run_identity(args, job.train_data, job.arithmetic)
-        self.first_epoch, done, first, self.state = 0, 0, None, None
+        self.first_epoch, done, first, self.resumed = 0, 0, None, {}
         if saved is not None:
             theirs = saved["identity"]
             for name in sorted(set(theirs) | set(self.identity)):
@@ -759,7 +670,7 @@ class Span:
                     raise ValueError(f"--resume-from {args.resume_from}: the checkpoint was taken with {name}="
                                      f"{theirs.get(name)!r}, this run has {name}={self.identity.get(name)!r}; a "
                                      f"checkpoint resumes only its own run (the same data and arithmetic)")
-            state = self.state = LoaderState.from_json(json.dumps(saved["loader"]))
+            state = LoaderState.from_json(json.dumps(saved["loader"]))
             resumed = state.resized(job.num_shards, args.batch_size)
             if args.epochs < state.epoch + (1 if state.step else 0):
                 raise ValueError(f"--epochs {args.epochs}: the checkpoint is at epoch {state.epoch}, step "
@@ -770,24 +681,18 @@ class Span:
                 except ValueError as error:
                     raise ValueError(f"--backend {args.backend}: {error}") from None
             self.first_epoch, done, first = state.epoch, saved["run_step"], (resumed.step, resumed.num_steps)
-            job.say(f"resuming {args.resume_from} at run step {done} = epoch {state.epoch}, step {state.step} "
-                    f"(written on {saved['where']}); this run: {job.where}: steps {state.step}-"
-                    f"{resumed.num_steps - 1} of epoch {state.epoch}"
-                    + (f" (plan.elastic_plan, segments {[tuple(x) for x in resumed.segments]})"
-                       if len(resumed.segments) > 1 else ""))
+            self.resumed = {state.epoch: state}
+            job.say(f"resuming {args.resume_from} at run step {done} = epoch {state.epoch}, step {state.step} (written "
+                    f"on {saved['where']}); this run: {job.where}: steps {state.step}-{resumed.num_steps - 1} of epoch "
+                    f"{state.epoch}" + (f" (plan.elastic_plan, segments {[tuple(x) for x in resumed.segments]})"
+                                        if len(resumed.segments) > 1 else ""))
         self.spans, self.stop = run_spans(args.epochs, args.stop_after_step, done, self.first_epoch, first, job.steps)
-        self.counted = {e for e in (self.first_epoch if self.state and self.state.step else None,
-                                    self.stop[0] if self.stop else None) if e is not None}
+        self.counted = {e for e, state in self.resumed.items() if state.step} | ({self.stop[0]} if self.stop else set())
         self.losses, self.delivered, self.states = {}, {}, {}
 
-    def resumes(self, epoch: int):
-        """The checkpoint's loader state if this run resumes ``epoch`` from it, else None."""
-        return self.state if epoch == self.first_epoch else None
-
     def start(self, name: str, params0, optimizer) -> tuple:
-        """(params, optimizer state) strategy ``name`` starts from: the checkpoint's, in params0's
-        and optimizer.init(params0)'s structure; else (params0, None). ValueError naming the
-        leaf that does not fit."""
+        """(params, optimizer state) strategy ``name`` starts from: the checkpoint's, in params0's and
+        optimizer.init(params0)'s structure; else (params0, None). ValueError naming the leaf that does not fit."""
         import jax
 
         if self.saved is None:
@@ -810,20 +715,22 @@ class Span:
         return tuple(out)
 
     def batches(self, name: str, loader, epoch: int):
-        """The batches this run trains of ``epoch``, cut at the stop; an epoch across a
-        checkpoint counts its real rows' sample indices into ``delivered``."""
+        """The batches this run trains of ``epoch``, cut at the stop; across a checkpoint, counted in ``delivered``."""
         lo, hi = self.spans[epoch]
-        iterator = loader.epoch(epoch, state=self.resumes(epoch))
+        iterator = loader.epoch(epoch, state=self.resumed.get(epoch))
         kept = []  # each batch's index and mask, counted once the epoch is trained: no sync a step
         try:
             for batch in itertools.islice(iterator, hi - lo):
                 if epoch in self.counted:
                     kept.append({key: batch[key] for key in ("index", "mask")})
                 yield batch
-            if epoch in self.counted:
+            if epoch in self.counted:  # one for each real row of this process's blocks, by its "index"
                 counts = self.delivered[name, epoch] = np.zeros(self.identity["num_train"], np.int32)
                 for fields in kept:
-                    count_delivered(fields, counts)
+                    index = {shard.device: shard.data for shard in fields["index"].addressable_shards}
+                    for shard in fields["mask"].addressable_shards:
+                        real = np.asarray(shard.data).reshape(-1)
+                        np.add.at(counts, np.asarray(index[shard.device]).reshape(-1)[real], 1)
             self.states[name, epoch] = iterator.get_state()
         finally:
             iterator.close()
@@ -831,8 +738,10 @@ class Span:
     def epoch_done(self, name: str, epoch: int, loader, losses) -> tuple:
         """(real samples delivered, the epoch's losses with the checkpoint's, a note for the epoch
         line, [(ok, line)] verdicts). Every process calls it: the counts are summed across them."""
+        import jax
+
         lo, hi = self.spans[epoch]
-        state, resumed = self.states.get((name, epoch)), self.resumes(epoch)
+        state, resumed = self.states.get((name, epoch)), self.resumed.get(epoch)
         real, note, lines = loader.real_samples(epoch, state=resumed), "", []
         if resumed is not None:
             losses = np.concatenate([np.asarray(self.saved["losses"].get(name, []), np.float32), losses])
@@ -842,7 +751,10 @@ class Span:
             self.losses[name] = [float(x) for x in losses]
         if epoch not in self.counted:
             return real, losses, note, lines
-        here = combined(self.delivered[name, epoch])
+        here = self.delivered[name, epoch]
+        if jax.process_count() > 1:  # a collective: every process calls epoch_done
+            from jax.experimental import multihost_utils
+            here = np.asarray(multihost_utils.process_allgather(here), np.int32).sum(axis=0)
         total = here + (np.asarray(self.saved["state"][name]["delivered"], np.int32) if resumed is not None else 0)
         self.delivered[name, epoch] = total
         if hi == state.num_steps:  # the epoch is complete: the promise can be checked
@@ -861,52 +773,28 @@ class Span:
         epoch, _ = self.stop
         state = self.states[next(iter(final)), epoch]
         finishing = state.step < state.num_steps  # an epoch to finish: its losses and deliveries go too
-        if not finishing:
-            state = state.next_epoch()
+        state = state if finishing else state.next_epoch()
         args, step = self.args, self.args.stop_after_step  # the run step that comes next
-        # CARRIED, folders absolute; batch_size is identity with logical shards
         carried = {k: getattr(args, k) for k in CARRIED if not (k == "batch_size" and args.logical_shards)}
         carried.update({k: os.path.abspath(carried[k]) for k in ("data_dir", "cache_dir") if carried[k]})
         run = {"identity": self.identity, "carried": carried, "run_step": step, "where": self.where,
                "losses": self.losses if finishing else {}}
-        tree = {name: {"params": final[name], "opt_state": states[name]} for name in final}
-        if finishing:
-            for name in tree:
-                tree[name]["delivered"] = self.delivered[name, epoch]
+        tree = {name: {"params": final[name], "opt_state": states[name],
+                       **({"delivered": self.delivered[name, epoch]} if finishing else {})} for name in final}
         folder = os.path.abspath(args.checkpoint_dir)
-        ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(
-            folder, args=ocp.args.Composite(run=ocp.args.JsonSave(run),
-                                            loader=ocp.args.JsonSave(json.loads(state.to_json())),
-                                            state=ocp.args.StandardSave(jax.tree.map(np.asarray, tree))), force=True)
+        ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(folder, force=True, args=ocp.args.Composite(
+            run=ocp.args.JsonSave(run), loader=ocp.args.JsonSave(json.loads(state.to_json())),
+            state=ocp.args.StandardSave(jax.tree.map(np.asarray, tree))))
         job.say(f"stopped after run steps 0-{step - 1}: the next, run step {step}, is epoch "
                 f"{state.epoch}, step {state.step}; checkpoint {folder} (params, optimizer state, loader state "
                 f"{state.to_json()}); resume on any device or process count with --resume-from {args.checkpoint_dir}")
-
-
-def count_delivered(batch: dict, counts) -> None:
-    """Adds one to ``counts`` (N,) for each real row of this process's blocks, by its "index"."""
-    index = {shard.device: shard.data for shard in batch["index"].addressable_shards}
-    for shard in batch["mask"].addressable_shards:
-        real = np.asarray(shard.data).reshape(-1)
-        np.add.at(counts, np.asarray(index[shard.device]).reshape(-1)[real], 1)
-
-
-def combined(counts):
-    """``counts`` summed over every process (a collective: every process calls it)."""
-    import jax
-
-    if jax.process_count() == 1:
-        return counts
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(counts), np.int32).sum(axis=0)
 
 
 def exactly_once(name: str, epoch: int, counts, state, last_batch: str, seed: int) -> tuple[bool, str]:
     """(kept, the line) for a complete epoch's delivery counts: fill, every sample once; drop,
     none twice and exactly plan.elastic_plan's stated count never."""
     skipped = 0 if last_batch == "fill" else len(remaining_samples(
-        len(counts), state.segments, state.num_steps, epoch=epoch,
-        seed=seed, shuffle=True, last_batch="drop"))
+        len(counts), state.segments, state.num_steps, epoch=epoch, seed=seed, shuffle=True, last_batch="drop"))
     twice, never = int(np.count_nonzero(counts > 1)), int(np.count_nonzero(counts == 0))
     where = f"{name} epoch {epoch}, counted by sample index over the runs that delivered it"
     if twice or never != skipped:
@@ -921,25 +809,27 @@ def exactly_once(name: str, epoch: int, counts, state, last_batch: str, seed: in
 
 
 def verdicts(args, job: Job, final: dict, states: dict, span: Span, params0, optimizer) -> list[str]:
-    """Writes --params-out, prints each verdict (process 0; the failed ones last) and returns the
-    failed lines. Every process calls it (the stepwise verdict trains). Bit for bit: the
-    canonical reduction's pairs, and each strategy against --compare-to's arrays of its names."""
+    """Every process calls it: writes --params-out, prints the verdicts (process 0, failed last), returns the failed."""
     import jax
+    import equivalence
 
     names, same, failed = list(final), [], []
-    if args.reduction == "canonical":
-        for other in names[1:]:
-            found = first_difference((final[names[0]], states[names[0]]), (final[other], states[other]))
-            what = f"final params and optimizer state, {names[0]} vs {other}"
-            if found is None:
-                same.append(f"{what}: bit-identical (the canonical reduction over {args.logical_shards} logical "
-                            f"shards)")
-            else:
-                failed.append(f"{what}: NOT bit-identical, which the canonical reduction promises: {found}")
-    else:
-        if len(names) > 1:
-            same, failed = stepwise_verdicts(args, job, span, params0, optimizer)
-        same += distances(final)
+    if args.reduction == "plain" and len(names) > 1:
+        same, failed = stepwise_verdicts(args, job, span, params0, optimizer)
+    for other in names[1:]:
+        if args.reduction == "plain":  # the final params' distance, not judged
+            diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                       for a, b in zip(jax.tree.leaves(final[names[0]]), jax.tree.leaves(final[other])))
+            same.append(f"final params, {names[0]} vs {other}: max |difference| {diff:.3g} "
+                        f"({equivalence.ulps_apart(final[names[0]], final[other]):.1f} ulps; the plain reduction "
+                        f"promises no bits across strategies)")
+            continue
+        found = first_difference((final[names[0]], states[names[0]]), (final[other], states[other]))
+        what = f"final params and optimizer state, {names[0]} vs {other}"
+        if found is None:
+            same.append(f"{what}: bit-identical (the canonical reduction over {args.logical_shards} logical shards)")
+        else:
+            failed.append(f"{what}: NOT bit-identical, which the canonical reduction promises: {found}")
     if jax.process_index() != 0:
         return []
     # --params-out: '<strategy>/<i>' is leaf i of its params, '<strategy>/opt_state/<i>' of its optimizer state
@@ -980,13 +870,9 @@ def stepwise_verdicts(args, job: Job, span: Span, params0, optimizer) -> tuple[l
                 "gives the same bits as one process instead)"], []
     names = list(args.strategies)
     params, opt_state = span.start(names[0], params0, optimizer)
-    loader = job.loaders["sharded"] if "sharded" in job.loaders else next(iter(job.loaders.values()))
-    iterator, hosts = loader.epoch(span.first_epoch, state=span.state), []
-    for batch in itertools.islice(iterator, STEPWISE_STEPS):
-        host = {k: np.asarray(v) for k, v in batch.items()}
-        if host["mask"].ndim == 2:  # a pmap-layout loader: the same rows, (n*B, ...)
-            host = {k: v.reshape((-1,) + v.shape[2:]) for k, v in host.items()}
-        hosts.append(host)
+    # Of two strategies or more, one trains from the sharded layout: its loader's host rows, as stepwise_verdict takes.
+    iterator = job.loaders["sharded"].epoch(span.first_epoch, state=span.resumed.get(span.first_epoch))
+    hosts = [{k: np.asarray(v) for k, v in batch.items()} for batch in itertools.islice(iterator, STEPWISE_STEPS)]
     iterator.close()
     within, outside = [], []
     for other in names[1:]:
@@ -994,21 +880,6 @@ def stepwise_verdicts(args, job: Job, span: Span, params0, optimizer) -> tuple[l
                                              optimizer=optimizer, opt_state=opt_state)
         (outside if found.case == "OUTSIDE" else within).append(f"stepwise verdict, {found.text}")
     return within, outside
-
-
-def distances(final: dict) -> list[str]:
-    """Each strategy's final params against the first's: the distance, not judged."""
-    import jax
-    import equivalence
-
-    names, out = list(final), []
-    for other in names[1:]:
-        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                   for a, b in zip(jax.tree.leaves(final[names[0]]), jax.tree.leaves(final[other])))
-        out.append(f"final params, {names[0]} vs {other}: max |difference| {diff:.3g} "
-                   f"({equivalence.ulps_apart(final[names[0]], final[other]):.1f} ulps; the plain reduction "
-                   f"promises no bits across strategies)")
-    return out
 
 
 def first_difference(a, b) -> str | None:
