@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import logging
 import os
 import shutil
 import socket
@@ -616,6 +617,10 @@ def resume_options(args: argparse.Namespace, given: set) -> dict:
         items = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(folder, args=ocp.args.Composite(
             run=ocp.args.JsonRestore(), loader=ocp.args.JsonRestore(), state=ocp.args.StandardRestore()))
     except Exception as error:  # tensorstore's, orbax's: one line naming the checkpoint
+        # Its other reads failed too, in futures nobody awaits: asyncio would log each when collected.
+        logging.getLogger("asyncio").addFilter(
+            lambda record: not (record.getMessage().startswith("Future exception was never retrieved")
+                                and folder in record.getMessage()))
         said = str(error).strip().splitlines()[0].split(" [tensorstore_spec=")[0] if str(error).strip() else ""
         raise ValueError(f"--resume-from {args.resume_from}: the checkpoint cannot be read "
                          f"({type(error).__name__}: {said[:300]})") from None
