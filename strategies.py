@@ -5,29 +5,27 @@ Every strategy has one signature::
     strategy(params, batches, mesh, *, loss_terms, optimizer=sgd(0.001), opt_state=None,
              reduction="plain", logical_shards=None) -> Trained(params, losses, opt_state)
 
-* ``params``, ``opt_state``: any pytrees of arrays, host-side (NumPy) in and out, so
-  epochs chain by passing both back in. ``opt_state`` None means ``optimizer.init``.
-* ``loss_terms(params, batch) -> (total, count)``: your model, on the rows one program sees
-  (the batch's fields but "logical_shards"). ``total``: the sum of the real (mask-True)
-  rows' losses, a float scalar; ``count``: how many terms it sums (the real rows, or their
-  tokens), a scalar. Every strategy minimises the global sum(total) / max(sum(count), 1).
+* ``params``, ``opt_state``: any pytrees of arrays, host-side (NumPy) in and out, so epochs chain by passing both back
+  in. ``opt_state`` None means ``optimizer.init``.
+* ``loss_terms(params, batch) -> (total, count)``: your model, on the rows one program sees (the batch's fields but
+  "logical_shards"). ``total``: the sum of the real (mask-True) rows' losses, a float scalar; ``count``: how many terms
+  it sums (the real rows, or their tokens), a scalar. Every strategy minimises the global
+  sum(total) / max(sum(count), 1).
 * ``optimizer``: optax's ``GradientTransformation`` (any optax optimizer) or ``sgd``.
-* ``batches``: dicts with a bool "mask", one entry per row: (n*B,) in layout "sharded",
-  (n, B) in layout "pmap" (``LAYOUT[strategy]``), as ``loaders.make_loader`` yields them.
-* ``losses`` (steps,): each step's sum(total) / max(sum(count), 1) before its update, in
-  total's dtype (float32 for float32 params); 0 for a step of padding only.
+* ``batches``: dicts with a bool "mask", one entry per row: (n*B,) in layout "sharded", (n, B) in layout "pmap"
+  (``LAYOUT[strategy]``), as ``loaders.make_loader`` yields them.
+* ``losses`` (steps,): each step's sum(total) / max(sum(count), 1) before its update, in total's dtype (float32 for
+  float32 params); 0 for a step of padding only.
 
-The strategies: ``sharded`` (the notebooks' jit on sharded arrays), ``pmap`` (in
-maintenance mode in JAX), ``shard_map`` (pmap's modern replacement) and ``single`` (the
-whole global batch on the mesh's first device). Each runs on exactly the mesh's
-devices, in mesh order, never on JAX's default device. Each, and each step a user's own
-loop takes (``sharded_step``, ``pmap_step``, ``shard_map_step``, ``canonical_step``),
-checks the first batch of each shape (``door``).
+The strategies: ``sharded`` (the notebooks' jit on sharded arrays), ``pmap`` (in maintenance mode in JAX), ``shard_map``
+(pmap's modern replacement) and ``single`` (the whole global batch on the mesh's first device). Each runs on exactly the
+mesh's devices, in mesh order, never on JAX's default device. Each checks the first batch of each shape (``door``), and
+so does each step a user's own loop takes (``sharded_step``, ``pmap_step``, ``shard_map_step``, ``canonical_step``).
 
 The reductions, how a step's gradient is summed:
 
-* "plain": each strategy's own sums, in the order its collective picks. The strategies
-  end apart by rounding; ``equivalence.stepwise_verdict`` judges them.
+* "plain": each strategy's own sums, in the order its collective picks. The strategies end apart by rounding;
+  ``equivalence.stepwise_verdict`` judges them.
 * "canonical": the global batch is L = ``logical_shards`` blocks of b rows. Then:
 
       for each block l = 0..L-1, on the device that holds it:
@@ -35,20 +33,17 @@ The reductions, how a step's gradient is summed:
       g = ((g_0 + g_1) + g_2) + ... + g_{L-1}      (the same for t and c)
       params, state = update_program(state, g, t, c)   # g / max(c, 1), then optax
 
-  Each block runs the same single-device code on every device, whatever the mesh (one
-  program per block, ``block_program``; on LOOP_PLATFORMS one loop program per device,
-  ``loop_program``), and so does the update. The fold moves values between devices and
-  adds them in block order, nothing else. So params, optimizer state and losses are the
-  same bits on every mesh whose device count n divides L, in one process or several,
-  through every strategy, on one device adding the L blocks as microbatches
-  (``single``), across a stop and a resume on another of these, at any learning rate.
-  Not across L, jaxlib versions, platforms or device kinds. The XLA options the programs
-  need are set here (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a loader's
-  carry a "logical_shards" entry) or from ``logical_shards``; given both, they must
-  agree; given neither, the step is refused.
+  Each block runs the same single-device code on every device, whatever the mesh (one program per block,
+  ``block_program``; on LOOP_PLATFORMS one loop program per device, ``loop_program``), and so does the update. The fold
+  moves values between devices and adds them in block order, nothing else. So params, optimizer state and losses are
+  the same bits on every mesh whose device count n divides L, in one process or several, through every strategy, on
+  one device adding the L blocks as microbatches (``single``), across a stop and a resume on another of these, at any
+  learning rate. Not across L, jaxlib versions, platforms or device kinds. The XLA options the programs need are set
+  here (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a loader's carry a "logical_shards" entry) or from
+  ``logical_shards``; given both, they must agree; given neither, the step is refused.
 
-Imports: NumPy and JAX only (JAX 0.10 or newer). optax optimizers are accepted, not
-imported. Imported by equivalence.py, refimpl.py and bench.py.
+Imports: NumPy and JAX only (JAX 0.10 or newer). optax optimizers are accepted, not imported. Imported by
+equivalence.py, refimpl.py and bench.py.
 """
 
 from __future__ import annotations
@@ -69,9 +64,8 @@ LAYOUT = {"sharded": "sharded", "pmap": "pmap", "shard_map": "sharded", "single"
 REDUCTIONS = ("plain", "canonical")
 NOTEBOOK_LEARNING_RATE = 0.001
 SHARDS_KEY = "logical_shards"  # a loader batch's entry: int32 (L,), 0..L-1, sharded like its rows
-# The canonical programs' XLA options, set here, not by the user: each device compiles its own
-# copy of a program, so on GPUs the kernels must not be chosen by timing (autotuning) nor add
-# with atomics. On CPU they change nothing.
+# The canonical programs' XLA options, set here, not by the user: each device compiles its own copy of a program, so
+# on GPUs the kernels must not be chosen by timing (autotuning) nor add with atomics. On CPU they change nothing.
 CANONICAL_XLA_OPTIONS = {"xla_gpu_deterministic_ops": True, "xla_gpu_autotune_level": 0}
 
 Params = Any  # any pytree of float arrays
@@ -91,17 +85,15 @@ OPTIMIZER_CONTRACT = ("optimizer.update(grads, state, params) must return (updat
 
 
 class Optimizer(NamedTuple):
-    """optax's ``GradientTransformation`` contract: ``init(params) -> state`` and
-    ``update(grads, state, params) -> (updates, new state)``. Compiled steps are cached
-    on ``update``: build an optimizer once, not once per step."""
+    """optax's ``GradientTransformation`` contract: ``init(params) -> state`` and ``update(grads, state, params) ->
+    (updates, new state)``. Compiled steps are cached on ``update``: build an optimizer once, not once per step."""
     init: Callable[[Params], Any]
     update: Callable[[Params, Any, Params], tuple]
 
 
 def sgd(learning_rate: float = NOTEBOOK_LEARNING_RATE) -> Optimizer:
-    """The notebooks' plain SGD: updates ``-(lr * g)`` in each leaf's dtype, the rate kept
-    in the state ({"learning_rate": float32}) so that a new rate compiles nothing new.
-    ``optax.sgd(lr)`` computes the same updates."""
+    """The notebooks' plain SGD: updates ``-(lr * g)`` in each leaf's dtype, the rate kept in the state
+    ({"learning_rate": float32}) so a new rate compiles nothing new. ``optax.sgd(lr)`` computes the same updates."""
     rate = np.float32(learning_rate)
     return Optimizer(lambda params: {"learning_rate": rate}, sgd_update)
 
@@ -137,8 +129,7 @@ def sharded(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: 
 def pmap(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
          optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
          logical_shards: int | None = None) -> Trained:
-    """Params stacked on a device axis, batches (n, B, ...), ``jax.pmap`` over the mesh's
-    devices; one process only."""
+    """Params stacked on a device axis, batches (n, B, ...), ``jax.pmap`` over the mesh's devices; one process only."""
     return _train("pmap", params, batches, mesh, loss_terms, optimizer, opt_state, reduction, logical_shards)
 
 
@@ -146,8 +137,7 @@ def shard_map(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms
               optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
               logical_shards: int | None = None) -> Trained:
     """``jax.shard_map`` with explicit collectives."""
-    return _train("shard_map", params, batches, mesh, loss_terms, optimizer, opt_state, reduction,
-                  logical_shards)
+    return _train("shard_map", params, batches, mesh, loss_terms, optimizer, opt_state, reduction, logical_shards)
 
 
 def single(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
@@ -160,13 +150,6 @@ def single(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: L
 STRATEGIES = {"sharded": sharded, "pmap": pmap, "shard_map": shard_map, "single": single}
 
 
-def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_state, reduction: str,
-           logical_shards) -> Trained:
-    trained = _run(name, params, batches, mesh, loss_terms, optimizer, opt_state, reduction, logical_shards)
-    release_freed_memory()  # the run's device buffers are garbage now
-    return trained
-
-
 def release_freed_memory() -> None:
     """Gives the memory freed so far back to the OS (glibc's ``malloc_trim``; a no-op without
     glibc). XLA:CPU's device threads free a run's buffers into glibc's per-thread heaps, which
@@ -177,8 +160,8 @@ def release_freed_memory() -> None:
         pass
 
 
-def _run(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_state, reduction: str,
-         logical_shards) -> Trained:
+def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_state, reduction: str,
+           logical_shards) -> Trained:
     if name in ("pmap", "single") and jax.process_count() > 1:
         raise ValueError(f"strategy {name!r} runs in one process only; with {jax.process_count()} "
                          f"processes use 'sharded' or 'shard_map'")
@@ -190,22 +173,24 @@ def _run(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_stat
     run_mesh = Mesh(np.array([mesh.devices.flat[0]]), (AXIS,)) if name == "single" else mesh
     if name == "single":
         batches = (jax.device_put(b, mesh.devices.flat[0]) for b in batches)
+    stacked = name == "pmap" and reduction == "plain"  # pmap's layout: state (n, ...), values (n,)
     if reduction == "canonical":
         L = logical_shards or (_batch_shards(first) if first is not None else None)
         if L is None and first is not None:
-            raise ValueError(f"strategy {name!r}: the first batch does not say its logical shards (a "
-                             f"loader's batches carry {SHARDS_KEY!r}): pass logical_shards=L for the canonical reduction")
+            raise ValueError(f"strategy {name!r}: the first batch does not say its logical shards (a loader's batches "
+                             f"carry {SHARDS_KEY!r}): pass logical_shards=L for the canonical reduction")
         step = canonical_step(loss_terms, optimizer.update, run_mesh, L) if L else None
-    elif name == "pmap":
+    elif stacked:
         step = pmap_step(loss_terms, optimizer.update, tuple(mesh.devices.flat))
-        state, values = train_loop(step, stack_replicas(state, mesh), batches)
-        return Trained(first_replica(state[0]), stack_losses([v[0] for v in values]), first_replica(state[1]))
     elif name == "shard_map":
         step = shard_map_step(loss_terms, optimizer.update, mesh)
     else:
         step = sharded_step(loss_terms, optimizer.update)
-    state, values = train_loop(step, replicate(state, run_mesh), batches)
-    return Trained(to_host(state[0]), stack_losses(values), to_host(state[1]))
+    state, values = train_loop(step, stack_replicas(state, mesh) if stacked else replicate(state, run_mesh), batches)
+    host = first_replica if stacked else to_host
+    trained = Trained(host(state[0]), stack_losses([v[0] for v in values] if stacked else values), host(state[1]))
+    release_freed_memory()  # the run's device buffers are garbage now
+    return trained
 
 
 def _check_reduction(name: str, reduction: str, logical_shards, mesh: Mesh) -> None:
@@ -233,19 +218,16 @@ def _check_multiple(where: str, logical_shards: int, n: int) -> None:
 
 def _batch_shards(batch) -> int | None:
     """L of a batch that carries its plan's logical shards (``SHARDS_KEY``), else None."""
-    if isinstance(batch, dict) and SHARDS_KEY in batch:
-        return int(np.size(batch[SHARDS_KEY]))
-    return None
+    return int(np.size(batch[SHARDS_KEY])) if isinstance(batch, dict) and SHARDS_KEY in batch else None
 
 
 def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict]:
     """``batches``, each checked to be in ``strategy``'s layout and on the mesh.
 
-    The layout is told from "mask": (n*B,) in layout "sharded", (n, B) in "pmap".
-    jax.Array leaves must be sharded on 'data' over exactly the mesh's devices; NumPy
-    leaves are placed so in one process and refused across processes (a host array
-    could be the whole batch or this process's rows). ValueError naming the strategy, the
-    step and what is wrong; the step's ``door`` checks the rest."""
+    The layout is told from "mask": (n*B,) in layout "sharded", (n, B) in "pmap". jax.Array leaves must be sharded on
+    'data' over exactly the mesh's devices; NumPy leaves are placed so in one process and refused across processes (a
+    host array could be the whole batch or this process's rows). ValueError naming the strategy, the step and what is
+    wrong; the step's ``door`` checks the rest."""
     layout, n = LAYOUT[strategy], mesh.devices.size
     want = NamedSharding(mesh, P(AXIS))
     for step, batch in enumerate(batches):
@@ -254,27 +236,23 @@ def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict
             got = f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""
             raise ValueError(f"{where}: no 'mask' (a dict with a bool 'mask', (n*B,) or (n, B), as "
                              f"loaders.make_loader yields); got {type(batch).__name__}{got}")
-        shape = tuple(np.shape(batch["mask"]))
-        _check_layout(where, shape, layout, n)
+        _check_layout(where, tuple(np.shape(batch["mask"])), layout, n)
         check_dtypes({k: v for k, v in batch.items() if not isinstance(v, jax.Array)}, f"{where}: batch")
         placed = {}
         for key, leaf in batch.items():
             if not isinstance(leaf, jax.Array):
                 if jax.process_count() > 1:
-                    raise ValueError(
-                        f"{where}: batch[{key!r}] is a host array ({type(leaf).__name__}); across "
-                        f"{jax.process_count()} processes it could be the whole batch or this process's "
-                        f"rows: build global arrays (jax.make_array_from_process_local_data)")
+                    raise ValueError(f"{where}: batch[{key!r}] is a host array ({type(leaf).__name__}); across "
+                                     f"{jax.process_count()} processes it could be the whole batch or this "
+                                     f"process's rows: build global arrays (jax.make_array_from_process_local_data)")
                 placed[key] = leaf if strategy == "single" else jax.device_put(leaf, want)
                 continue
             if leaf.sharding.device_set != set(mesh.devices.flat):
-                raise ValueError(f"{where}: batch[{key!r}] lives on "
-                                 f"{sorted(str(d) for d in leaf.sharding.device_set)}, not on the mesh's "
-                                 f"devices {[str(d) for d in mesh.devices.flat]}")
+                raise ValueError(f"{where}: batch[{key!r}] lives on {sorted(str(d) for d in leaf.sharding.device_set)}"
+                                 f", not on the mesh's devices {[str(d) for d in mesh.devices.flat]}")
             if n > 1 and not leaf.sharding.is_equivalent_to(want, leaf.ndim):
-                raise ValueError(f"{where}: batch[{key!r}] has sharding {leaf.sharding}, not "
-                                 f"NamedSharding(mesh, P('data')): every device would compute on rows it "
-                                 f"does not own")
+                raise ValueError(f"{where}: batch[{key!r}] has sharding {leaf.sharding}, not NamedSharding(mesh, "
+                                 f"P('data')): every device would compute on rows it does not own")
             placed[key] = leaf
         yield placed
 
@@ -293,25 +271,22 @@ def _check_layout(where: str, shape: tuple, layout: str, n: int) -> None:
 
 def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | None = None,
          stacked: bool = False) -> Callable:
-    """The check a step makes of each batch of a shape it has not seen (in a loop of one shape,
-    the first): ``check(params, batch)`` raises ValueError, naming ``where``, the value and
-    the rule, for
+    """The check a step makes of each batch of a shape it has not seen (in a loop of one shape, the first):
+    ``check(params, batch)`` raises ValueError, naming ``where``, the value and the rule, for
 
-    * a batch that is not a dict with a "mask" of dtype bool (a 0/255 uint8 mask would count
-      255 per row), one entry per row in ``layout``, or with a 64-bit host leaf JAX would
-      narrow in silence;
-    * ``logical_shards`` L given and the batch carrying another (its SHARDS_KEY entry), or
-      rows that do not split into L blocks;
-    * a ``loss_terms`` that breaks its contract on the first local device's rows: its total
-      and count must be 0 when every row is padding (a total that ignores the mask trains on
-      the padding, a mean over the real rows is NaN there), must not change when padding
-      rows are added (a mean over all rows, ``(mean, count)``, trains b times too slowly),
-      and the count must be a whole number, at least the real rows (a count of tokens, for
-      a loss weighted by token, is one).
+    * a batch that is not a dict with a "mask" of dtype bool (a 0/255 uint8 mask would count 255 per row), one entry
+      per row in ``layout``, or with a 64-bit host leaf JAX would narrow in silence;
+    * ``logical_shards`` L given and the batch carrying another (its SHARDS_KEY entry), or rows that do not split into
+      L blocks;
+    * a ``loss_terms`` that breaks its contract on the first local device's rows: its total and count must be 0 when
+      every row is padding (a total that ignores the mask trains on the padding, a mean over the real rows is NaN
+      there), must not change when padding rows are added (a mean over all rows, ``(mean, count)``, trains b times too
+      slowly), and the count must be a whole number, at least the real rows (a count of tokens, for a loss weighted by
+      token, is one).
 
-    ``params`` are the step's, replicated (or ``stacked``, pmap's: the first copy is checked).
-    Where the state or the batch's total is not finite (a training that diverged, NaN data),
-    nothing can be judged, and the contract is not checked."""
+    ``params`` are the step's, replicated (or ``stacked``, pmap's: the first copy is checked). Where the state or the
+    batch's total is not finite (a training that diverged, NaN data), nothing can be judged, and the contract is not
+    checked."""
     seen = set()
 
     def check(params, batch):
@@ -351,8 +326,7 @@ def _dtype(x) -> np.dtype:
 def _check_contract(where: str, loss_terms: LossTerms, params, batch: dict, layout: str, stacked: bool) -> None:
     """``door``'s loss_terms check, on the first local device's rows and params."""
     def first(x):
-        x = x.addressable_shards[0].data if isinstance(x, jax.Array) else np.asarray(x)
-        return x
+        return x.addressable_shards[0].data if isinstance(x, jax.Array) else np.asarray(x)
     rows = {k: first(v) for k, v in batch.items() if k != SHARDS_KEY}
     if layout == "pmap":
         rows = {k: v[0] for k, v in rows.items()}
@@ -361,10 +335,8 @@ def _check_contract(where: str, loss_terms: LossTerms, params, batch: dict, layo
         own = jax.tree.map(lambda x: x[0], own)
     if not all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(own)):
         return
-    device = next(iter(jax.tree.leaves(rows)[0].devices())) if isinstance(jax.tree.leaves(rows)[0], jax.Array) \
-        else None
-    if device is not None:
-        own, rows = jax.device_put((own, rows), device)
+    if isinstance(leaf := jax.tree.leaves(rows)[0], jax.Array):
+        own, rows = jax.device_put((own, rows), next(iter(leaf.devices())))
     found = jax.tree.map(float, _contract_program(loss_terms)(own, rows))
     (total, count), (total0, count0), (total2, count2), real = found
     if not np.isfinite(total):  # the data or the model is not finite: nothing can be judged
@@ -401,12 +373,10 @@ def _contract_program(loss_terms: LossTerms) -> Callable:
 
 
 def start_state(name: str, optimizer: Optimizer, params: Params, opt_state, mesh: Mesh) -> tuple:
-    """(params, opt_state) checked; ``optimizer.init(params)`` on the mesh's first local
-    device for a state of None."""
+    """(params, opt_state) checked; ``optimizer.init(params)`` on the mesh's first local device for a state of None."""
     if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
-        raise TypeError(f"strategy {name!r}: optimizer must have init(params) and update(grads, state, "
-                        f"params) (optax's GradientTransformation, or strategies.sgd(...)); got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(f"strategy {name!r}: optimizer must have init(params) and update(grads, state, params) "
+                        f"(optax's GradientTransformation, or strategies.sgd(...)); got {type(optimizer).__name__}")
     check_dtypes(params, f"strategy {name!r}: params")
     if opt_state is None:
         local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -420,10 +390,9 @@ def start_state(name: str, optimizer: Optimizer, params: Params, opt_state, mesh
 
 
 def replicate(params: Params, mesh: Mesh) -> Params:
-    """Every leaf copied to every device of ``mesh`` (``NamedSharding(mesh, P())``); each
-    process fills its own devices, so every process must pass the same values. The
-    arrays passed in are copied, never consumed; a 64-bit leaf JAX would narrow is
-    refused (``check_dtypes``)."""
+    """Every leaf copied to every device of ``mesh`` (``NamedSharding(mesh, P())``); each process fills its own devices,
+    so every process must pass the same values. The arrays passed in are copied, never consumed; a 64-bit leaf JAX
+    would narrow is refused (``check_dtypes``)."""
     check_dtypes(params, "strategies.replicate")
     sharding = NamedSharding(mesh, P())
 
@@ -463,20 +432,18 @@ def to_host(params: Params) -> Params:
 
 
 def check_dtypes(tree, where: str) -> None:
-    """ValueError naming the leaf where JAX would silently narrow a 64-bit leaf (float64,
-    int64, complex128, NumPy's scalars too) because ``jax_enable_x64`` is off. Python's
-    own bool, int, float and complex are weakly typed and pass."""
+    """ValueError naming the leaf where JAX would silently narrow a 64-bit leaf (float64, int64, complex128, NumPy's
+    scalars too) because ``jax_enable_x64`` is off. Python's own bool, int, float and complex (weakly typed) pass."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         dtype = getattr(leaf, "dtype", None)
         if dtype is None or type(leaf) in (bool, int, float, complex):
             continue
         narrowed = jax.dtypes.canonicalize_dtype(dtype)
         if narrowed != dtype:
-            raise ValueError(
-                f"{where}: leaf {jax.tree_util.keystr(path) or '(root)'} is {np.dtype(dtype).name}, which "
-                f"JAX would silently train as {np.dtype(narrowed).name} because jax_enable_x64 is off; "
-                f"cast it (np.asarray(leaf, np.{np.dtype(narrowed).name})) or turn 64-bit on first "
-                f"(jax.config.update('jax_enable_x64', True)) to train in {np.dtype(dtype).name}")
+            raise ValueError(f"{where}: leaf {jax.tree_util.keystr(path) or '(root)'} is {np.dtype(dtype).name}, which "
+                             f"JAX would silently train as {np.dtype(narrowed).name} because jax_enable_x64 is off; "
+                             f"cast it (np.asarray(leaf, np.{np.dtype(narrowed).name})) or turn 64-bit on first "
+                             f"(jax.config.update('jax_enable_x64', True)) to train in {np.dtype(dtype).name}")
 
 
 # The training loop --------------------------------------------------------------------------------
@@ -486,13 +453,11 @@ def train_loop(step: Callable, state, batches: Iterable,
                callback: Callable[[int, Any], None] | None = None) -> tuple[Any, list]:
     """Runs ``state, value = step(state, batch)`` over ``batches``; returns (state, values).
 
-    At most two steps are in flight: step s is dispatched, then step s - 1 is waited
-    for. Unbounded asynchronous dispatch while a loader's thread transfers batches
-    deadlocked XLA's CPU all-reduce (8 virtual devices, per-device batch 128).
-    ``callback(t, value)`` gets each step's value once, in step order, after the step
-    has finished. ``step`` is any function of (state, batch), e.g. ``sharded_step``'s or
-    ``canonical_step``'s with state = ``replicate((params, opt_state), mesh)``; on
-    accelerators the plain steps consume (donate) the state passed in."""
+    At most two steps are in flight: step s is dispatched, then step s - 1 is waited for. Unbounded asynchronous
+    dispatch while a loader's thread transfers batches deadlocked XLA's CPU all-reduce (8 virtual devices, per-device
+    batch 128). ``callback(t, value)`` gets each step's value once, in step order, after the step has finished.
+    ``step`` is any function of (state, batch), e.g. ``sharded_step``'s or ``canonical_step``'s with state =
+    ``replicate((params, opt_state), mesh)``; on accelerators the plain steps consume (donate) the state passed in."""
     values = []
     for batch in batches:
         state, value = step(state, batch)
@@ -508,9 +473,8 @@ def train_loop(step: Callable, state, batches: Iterable,
 
 
 def stack_losses(values: list):
-    """Step values (each a pytree of replicated or host arrays) stacked on the host, leaf
-    by leaf, (steps, ...); no values: (0,) float32. A sharded leaf (pmap's (n,) values)
-    is refused: pass one replica."""
+    """Step values (each a pytree of replicated or host arrays) stacked on the host, leaf by leaf, (steps, ...); no
+    values: (0,) float32. A sharded leaf (pmap's (n,) values) is refused: pass one replica."""
     if not values:
         return np.zeros((0,), np.float32)
 
@@ -550,28 +514,35 @@ def checked_terms(loss_terms: LossTerms, params: Params, batch: dict) -> tuple:
 def _total_gradient(loss_terms: LossTerms) -> Callable:
     """(params, batch) -> (gradient of total, total, count)."""
     def gradient(params, batch):
-        (total, count), grads = jax.value_and_grad(lambda p: checked_terms(loss_terms, p, batch),
-                                                   has_aux=True)(params)
+        (total, count), grads = jax.value_and_grad(lambda p: checked_terms(loss_terms, p, batch), has_aux=True)(params)
         return grads, total, count
     return gradient
 
 
 @functools.lru_cache(maxsize=64)
 def update_program(update: Callable, donate: bool = False) -> Callable:
-    """The update, one program every strategy and reduction shares: jit of ((params,
-    opt_state), gradient sums, loss sum, count float32) -> ((params + updates, new state),
-    loss). grads = sums / max(count, 1), one IEEE division per entry (NumPy's float32
-    division's bits): for float32 and wider leaves the count, a whole number, is converted
-    exactly to the leaf's dtype; for narrower ones (bfloat16 holds integers only up to 256)
-    the sum is divided in float32 and the quotient cast. loss = total / max(count, 1)
-    likewise. A program of its own, so that the optimizer's arithmetic is compiled alike
-    whatever computed the gradient: XLA:CPU contracts a multiply and an add that share a
-    fusion into one FMA, in an order that follows the fusion's layouts."""
+    """The update, one program every strategy and reduction shares: jit of ((params, opt_state), gradient sums, loss
+    sum, count float32) -> ((params + updates, new state), loss), ``update``'s contract checked at trace time. grads =
+    sums / max(count, 1), one IEEE division per entry (NumPy's float32 division's bits): for float32 and wider leaves
+    the count, a whole number, is converted exactly to the leaf's dtype; for narrower ones (bfloat16 holds integers only
+    up to 256) the sum is divided in float32 and the quotient cast. loss = total / max(count, 1) likewise. A program of
+    its own, so that the optimizer's arithmetic is compiled alike whatever computed the gradient: XLA:CPU contracts a
+    multiply and an add that share a fusion into one FMA, in an order that follows the fusion's layouts."""
     def apply(state, sums, total, count):
         params, opt_state = state
         count = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: _divided(g, count), sums)
-        return _updated(update, grads, opt_state, params), _divided(total, count)
+        out = update(jax.tree.map(lambda g: _divided(g, count), sums), opt_state, params)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"{OPTIMIZER_CONTRACT}; got {type(out).__name__}")
+        updates, new_state = out
+        if jax.tree.structure(updates) != jax.tree.structure(params) or any(
+                jnp.shape(u) != jnp.shape(p) for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params))):
+            raise TypeError(f"{OPTIMIZER_CONTRACT}; got updates {jax.tree.structure(updates)} for params "
+                            f"{jax.tree.structure(params)}")
+        if jax.tree.structure(new_state) != jax.tree.structure(opt_state):
+            raise TypeError(f"{OPTIMIZER_CONTRACT}; got new_state {jax.tree.structure(new_state)} for "
+                            f"state {jax.tree.structure(opt_state)}")
+        return (apply_updates(params, updates), new_state), _divided(total, count)
     return jax.jit(apply, donate_argnums=(0,) if donate else (), compiler_options=CANONICAL_XLA_OPTIONS)
 
 
@@ -581,42 +552,25 @@ def _divided(x, count):
     return (x.astype(jnp.float32) / count).astype(x.dtype)
 
 
-def _updated(update: Callable, grads, opt_state, params) -> tuple:
-    """(params + updates, new state) from ``update``, its contract checked at trace time."""
-    out = update(grads, opt_state, params)
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(f"{OPTIMIZER_CONTRACT}; got {type(out).__name__}")
-    updates, new_state = out
-    if jax.tree.structure(updates) != jax.tree.structure(params) or any(
-            jnp.shape(u) != jnp.shape(p) for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params))):
-        raise TypeError(f"{OPTIMIZER_CONTRACT}; got updates {jax.tree.structure(updates)} for params "
-                        f"{jax.tree.structure(params)}")
-    if jax.tree.structure(new_state) != jax.tree.structure(opt_state):
-        raise TypeError(f"{OPTIMIZER_CONTRACT}; got new_state {jax.tree.structure(new_state)} for "
-                        f"state {jax.tree.structure(opt_state)}")
-    return apply_updates(params, updates), new_state
-
-
 def donates(devices) -> bool:
-    """Whether the plain steps donate their state: on accelerators, not on CPU devices, where
-    XLA keeps a copy of a donated state anyway (a step held as much, and took as long)."""
+    """Whether the plain steps donate their state: on accelerators, not on CPU devices, where XLA keeps a copy of a
+    donated state anyway (a step held as much, and took as long)."""
     return all(d.platform != "cpu" for d in devices)
 
 
 @functools.lru_cache(maxsize=64)
 def sharded_gradient(loss_terms: LossTerms) -> Callable:
-    """``sharded_step``'s gradient program: jit of (params, batch) -> (gradient sums, loss sum,
-    count), one for each ``loss_terms`` whatever the optimizer (each step program below
-    likewise keeps its gradient apart from ``update``, compiled once)."""
+    """``sharded_step``'s gradient program: jit of (params, batch) -> (gradient sums, loss sum, count), one per
+    ``loss_terms`` whatever the optimizer (each step program below likewise compiles its gradient once, apart from
+    ``update``)."""
     return jax.jit(_total_gradient(loss_terms))
 
 
 @functools.lru_cache(maxsize=64)
 def sharded_step(loss_terms: LossTerms, update: Callable) -> Callable:
-    """The plain step for your own loop: (state, batch) -> (state, loss), state =
-    (params, opt_state) replicated (``replicate``), the batch sharded on 'data'. The
-    gradient by a jit of its own (XLA adds the cross-device sums), then ``update_program``;
-    the state is donated on accelerators."""
+    """The plain step for your own loop: (state, batch) -> (state, loss), state = (params, opt_state) replicated
+    (``replicate``), the batch sharded on 'data'. The gradient by a jit of its own (XLA adds the cross-device sums),
+    then ``update_program``; the state is donated on accelerators."""
     gradient, check = sharded_gradient(loss_terms), door("sharded_step", loss_terms, "sharded")
 
     def step(state, batch):
@@ -629,11 +583,10 @@ def sharded_step(loss_terms: LossTerms, update: Callable) -> Callable:
 
 @functools.lru_cache(maxsize=64)
 def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callable:
-    """The pmap step over exactly ``devices``: state stacked (n, ...), batch (n, B, ...) ->
-    (state (n, ...), loss (n,)). Each device's gradient of its total, psummed, then
-    ``update_program`` on one replica and stacked again. (The notebooks' ``pmean`` of
-    per-device mean gradients is this gradient only when every device holds as many
-    real rows.) A pmap without ``devices=`` maps over the default backend's devices."""
+    """The pmap step over exactly ``devices``: state stacked (n, ...), batch (n, B, ...) -> (state (n, ...), loss
+    (n,)). Each device's gradient of its total, psummed, then ``update_program`` on one replica and stacked again. (The
+    notebooks' ``pmean`` of per-device mean gradients is this gradient only when every device holds as many real rows.)
+    A pmap without ``devices=`` maps over the default backend's devices."""
     mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
     donate = donates(devices)
     gradient = _pmap_gradient(loss_terms, devices)
@@ -642,7 +595,6 @@ def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callab
                                   out_specs=P(), check_vma=False), donate_argnums=(0,) if donate else ())
     stacked = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[None], x), mesh=mesh, in_specs=P(),
                                     out_specs=P(AXIS), check_vma=False))
-
     check = door("pmap_step", loss_terms, "pmap", stacked=True)
 
     def step(state, batch):
@@ -662,13 +614,11 @@ def _pmap_gradient(loss_terms: LossTerms, devices: tuple) -> Callable:
 
 @functools.lru_cache(maxsize=64)
 def shard_map_step(loss_terms: LossTerms, update: Callable, mesh: Mesh) -> Callable:
-    """The shard_map step for ``mesh``: the gradient of psum(total) by a jit(shard_map),
-    then ``update_program``.
+    """The shard_map step for ``mesh``: the gradient of psum(total) by a jit(shard_map), then ``update_program``.
 
-    The trap this form avoids: with ``check_vma=True`` (the default) and params entering
-    replicated (``P()``), JAX already sums the gradient over devices (the transpose of
-    the implicit broadcast is a psum). Porting pmap's ``grad`` then ``pmean(grads)``
-    trains with n times the gradient."""
+    The trap this form avoids: with ``check_vma=True`` (the default) and params entering replicated (``P()``), JAX
+    already sums the gradient over devices (the transpose of the implicit broadcast is a psum). Porting pmap's ``grad``
+    then ``pmean(grads)`` trains with n times the gradient."""
     gradient = _shard_map_gradient(loss_terms, mesh)
     apply, check = update_program(update, donates(mesh.devices.flat)), door("shard_map_step", loss_terms, "sharded")
 
@@ -694,35 +644,31 @@ def _shard_map_gradient(loss_terms: LossTerms, mesh: Mesh) -> Callable:
 
 @functools.lru_cache(maxsize=64)
 def block_program(loss_terms: LossTerms) -> Callable:
-    """One logical block's sums, a single-device jit: (params, rows of one block) ->
-    (gradient of total, total, count), each leaf with a leading axis of 1. Every device
-    runs this same program on its own blocks, whatever the mesh: no program's arithmetic
-    depends on the number of devices. (Inside one multi-device program it would: a loop
-    of one block is inlined and fused with its neighbours, and XLA compiles partitioned
-    programs through other passes.) XLA binds an executable to its device, so the first
-    step compiles it once per local device."""
+    """One logical block's sums, a single-device jit: (params, rows of one block) -> (gradient of total, total, count),
+    each leaf with a leading axis of 1. Every device runs this same program on its own blocks, whatever the mesh: no
+    program's arithmetic depends on the number of devices. (Inside one multi-device program it would: a loop of one
+    block is inlined and fused with its neighbours, and XLA compiles partitioned programs through other passes.) XLA
+    binds an executable to its device, so the first step compiles it once per local device."""
     gradient = _total_gradient(loss_terms)
     return jax.jit(lambda params, rows: jax.tree.map(lambda x: x[None], gradient(params, rows)),
                    compiler_options=CANONICAL_XLA_OPTIONS)
 
 
-# Where a device runs all its blocks in one program (``loop_program``), not a program a block:
-# where a program's dispatch costs more than a small block. On a TPU one costs about 0.5 ms (5x
-# the plain step at L = 8, global batch 128); on CPUs a conv net's gradient inside a loop
-# compiles 20-40x slower (XLA:CPU leaves its convolutions off their fast path), and on GPUs a
-# dispatch is tens of microseconds. Either way the blocks' sums and their order are the same.
+# Where a device runs all its blocks in one program (``loop_program``), not a program per block: where a program's
+# dispatch costs more than a small block. On a TPU one costs about 0.5 ms (5x the plain step at L = 8, global batch
+# 128); on CPUs a conv net's gradient inside a loop compiles 20-40x slower (XLA:CPU leaves its convolutions off their
+# fast path), and on GPUs a dispatch is tens of microseconds. Either way the blocks' sums and their order are the same.
 LOOP_PLATFORMS = ("tpu",)
 
 
 @functools.lru_cache(maxsize=64)
 def loop_program(loss_terms: LossTerms, blocks: int, fold: bool) -> Callable:
-    """A device's k = ``blocks`` blocks in one single-device jit: (params, its k*b rows in
-    either layout, an int32 array holding k) -> the k blocks' sums stacked (k, ...) in block
-    order, or with ``fold`` their left fold. Block i is iteration i of a ``while`` loop whose
-    trip count is that array, a value XLA cannot see: it can neither remove the loop (at k =
-    1) nor unroll it, so every block runs the loop body's one compiled code, and the body is
-    the same for every k, k's own dimension aside (the HLO test compares them). The sums go
-    into a buffer that the fold reads after the loop: no add can join a block's arithmetic."""
+    """A device's k = ``blocks`` blocks in one single-device jit: (params, its k*b rows in either layout, an int32 array
+    holding k) -> the k blocks' sums stacked (k, ...) in block order, or with ``fold`` their left fold. Block i is
+    iteration i of a ``while`` loop whose trip count is that array, a value XLA cannot see: it can neither remove the
+    loop (at k = 1) nor unroll it, so every block runs the loop body's one compiled code, and the body is the same for
+    every k, k's own dimension aside (the HLO test compares them). The sums go into a buffer that the fold reads after
+    the loop: no add can join a block's arithmetic."""
     gradient = _total_gradient(loss_terms)
 
     def run(params, rows, trips):
@@ -757,18 +703,15 @@ SMALL_LEAF = 1 << 14  # entries: a leaf this small is gathered whole and folded 
 
 @functools.lru_cache(maxsize=64)
 def fold_program(mesh: Mesh, per_device: int) -> Callable:
-    """jit(shard_map) on ``mesh``: ``rounds``, pytrees whose leaves are sharded on 'data' ->
-    each leaf's left fold over the L = n*k blocks, k = ``per_device``, in block order,
-    replicated. Device d's entries of the rounds, in order, are its blocks d*k .. d*k + k - 1
-    (k rounds of one block each, or one round of k).
+    """jit(shard_map) on ``mesh``: ``rounds``, pytrees whose leaves are sharded on 'data' -> each leaf's left fold over
+    the L = n*k blocks, k = ``per_device``, in block order, replicated. Device d's entries of the rounds, in order, are
+    its blocks d*k .. d*k + k - 1 (k rounds of one block each, or one round of k).
 
-    A leaf of SMALL_LEAF entries or more goes by ``all_to_all``: device c receives chunk c
-    (raveled, zero-padded to n chunks) of every block, folds it, and an ``all_gather``
-    joins the chunks. A smaller leaf, and every leaf on one device, is gathered whole and
-    folded on every device. Either
-    way each entry is the same sequence of IEEE additions, g_0 + g_1, then + g_2, ...:
-    moving values and padding with zeros are exact. A device sends (L/n + 1) x (n-1)/n
-    of a gradient: an all-reduce's 2 x (n-1)/n when L = n."""
+    A leaf of SMALL_LEAF entries or more goes by ``all_to_all``: device c receives chunk c (raveled, zero-padded to n
+    chunks) of every block, folds it, and an ``all_gather`` joins the chunks. A smaller leaf, and every leaf on one
+    device, is gathered whole and folded on every device. Either way each entry is the same sequence of IEEE additions,
+    g_0 + g_1, then + g_2, ...: moving values and padding with zeros are exact. A device sends (L/n + 1) x (n-1)/n of a
+    gradient: an all-reduce's 2 x (n-1)/n when L = n."""
     n = mesh.devices.size
 
     def fold(rounds):
@@ -789,8 +732,8 @@ def fold_program(mesh: Mesh, per_device: int) -> Callable:
 
 
 def _left_fold(blocks):
-    """blocks[0] + blocks[1], then + blocks[2], ...: explicit adds in that order (a jnp.sum
-    lets XLA pick one), from blocks[0] itself (0 + x is not x for x = -0.0)."""
+    """blocks[0] + blocks[1], then + blocks[2], ...: explicit adds in that order (a jnp.sum lets XLA pick one), from
+    blocks[0] itself (0 + x is not x for x = -0.0)."""
     total = blocks[0]
     for l in range(1, blocks.shape[0]):
         total = total + blocks[l]
@@ -798,20 +741,22 @@ def _left_fold(blocks):
 
 
 def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_shards: int) -> Callable:
-    """One canonical step: (state, batch) -> (state, loss), state = (params, opt_state)
-    replicated on ``mesh`` (``replicate``), the batch L*b rows sharded on 'data' in either
-    layout, L = ``logical_shards``, a multiple of the mesh's n devices: device k holds
-    blocks k*L/n .. (k+1)*L/n - 1. The module's docstring gives the construction; the
-    state is not donated. On LOOP_PLATFORMS each device runs ``loop_program`` (on one
-    device, folding too), else ``block_program`` once per block; then ``fold_program``
-    (n > 1) and ``update_program``."""
+    """One canonical step: (state, batch) -> (state, loss), state = (params, opt_state) replicated on ``mesh``
+    (``replicate``), the batch L*b rows sharded on 'data' in either layout, L = ``logical_shards``, a multiple of the
+    mesh's n devices: device k holds blocks k*L/n .. (k+1)*L/n - 1. The module's docstring gives the construction; the
+    state is not donated. On LOOP_PLATFORMS each device runs ``loop_program`` (on one device, folding too), else
+    ``block_program`` once per block; then ``fold_program`` (n > 1) and ``update_program``."""
     n = mesh.devices.size
     _check_multiple("canonical_step", logical_shards, n)
     k = logical_shards // n
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     fold, apply = fold_program(mesh, k), update_program(update)
     checks = {layout: door("canonical_step", loss_terms, layout, logical_shards) for layout in ("sharded", "pmap")}
-    check = lambda params, batch: checks["pmap" if _is_pmap_layout(batch) else "sharded"](params, batch)
+
+    def check(params, batch):
+        pmap_layout = isinstance(batch, dict) and "mask" in batch and np.ndim(batch["mask"]) == 2
+        checks["pmap" if pmap_layout else "sharded"](params, batch)
+
     if mesh.devices.flat[0].platform in LOOP_PLATFORMS:
         loop = loop_program(loss_terms, k, n == 1)
         trips = {d: jax.device_put(np.int32(k), d) for d in local}
@@ -827,8 +772,8 @@ def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_
         block = block_program(loss_terms)
 
         def sums_of(params, rows):
-            split = (_split_program(k, jnp.ndim(rows[local[0]]["mask"]) == 2)
-                     if k > 1 or jnp.ndim(rows[local[0]]["mask"]) == 2 else (lambda r: [r]))
+            pmap_layout = jnp.ndim(rows[local[0]]["mask"]) == 2
+            split = _split_program(k, pmap_layout) if k > 1 or pmap_layout else (lambda r: [r])
             sums = {d: [block(params[d], blk) for blk in split(rows[d])] for d in local}
             return [_assembled({d: sums[d][i] for d in local}, mesh, P(AXIS)) for i in range(k)]
 
@@ -844,11 +789,6 @@ def _rows(batch: dict) -> dict:
     return {key: x for key, x in batch.items() if key != SHARDS_KEY}
 
 
-def _is_pmap_layout(batch) -> bool:
-    """Whether a batch a canonical step was given (either layout) is pmap's: mask (n, B)."""
-    return isinstance(batch, dict) and "mask" in batch and np.ndim(batch["mask"]) == 2
-
-
 def _by_device(tree, devices: list) -> dict:
     """{device: ``tree`` with each leaf replaced by its shard on that device}."""
     leaves, structure = jax.tree.flatten(tree)
@@ -857,8 +797,8 @@ def _by_device(tree, devices: list) -> dict:
 
 
 def _assembled(by_device: dict, mesh: Mesh, spec: P):
-    """This process's per-device trees as one global tree: replicated (``P()``) or
-    concatenated on the device axis (``P(AXIS)``, every device's leaves of one shape)."""
+    """This process's per-device trees as one global tree: replicated (``P()``) or concatenated on the device axis
+    (``P(AXIS)``, every device's leaves of one shape)."""
     devices = [d for d in mesh.devices.flat if d in by_device]
     leaves = [jax.tree.leaves(by_device[d]) for d in devices]
     structure = jax.tree.structure(by_device[devices[0]])
