@@ -2,22 +2,21 @@
 
     python bench.py [--quick | --smoke] [--sections loader,...] [--num-train N] [--json FILE]
 
-Compared cases run in interleaved rounds (a, b, a, b, ...) in one process, and each figure is
-a median over the rounds. Load from other processes slows them alike: read the ratios, not the
-absolute times. The devices are the default backend's (8 virtual CPU devices without an
-accelerator), in this one process; the data is a synthetic CIFAR-10; float32 matmuls at
-precision "highest", as the suite's. Sections:
+Compared cases run in interleaved rounds (a, b, a, b, ...) in one process, each figure a median over the rounds.
+Load from other processes slows them alike: read the ratios, not the absolute times. The devices are the default
+backend's (8 virtual CPU devices without an accelerator), in this one process; the data is a synthetic CIFAR-10;
+float32 matmuls at precision "highest", as the suite's. Sections:
 
-1. loader: one shuffled epoch into sharded global arrays, per loader, against a host memory
-   copy; the host-to-device rate of a uint8 batch.
-2. feeding: the data cost, an epoch in the loop users run (a strategy over the loader's own
-   epoch, prefetch included) over the same epoch from batches already on the devices.
+1. loader: one shuffled epoch into sharded global arrays, per loader, against a host memory copy; the
+   host-to-device rate of a uint8 batch.
+2. feeding: the data cost, an epoch in the loop users run (a strategy over the loader's own epoch, prefetch
+   included) over the same epoch from batches already on the devices.
 3. training: each strategy's step time and compile time.
-4. reduction: ``canonical_step`` against ``sharded_step`` on an MLP, a conv net and attention,
-   at L = n, 4n and 8n: step time, memory, compile time.
+4. reduction: ``canonical_step`` against ``sharded_step`` on an MLP, a conv net and attention, at L = n, 4n and 8n:
+   step time, memory, compile time.
 
-The report ends with the goals and the figures no sane run gives ("implausible": the machine
-was too busy to measure them); ``--json`` also writes the figures.
+The report ends with the goals and the figures no sane run gives ("implausible": the machine was too busy to
+measure them); ``--json`` also writes the figures.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ import sys
 import tempfile
 import time
 
-# GPU memory on demand, not 75% up front.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # GPU memory on demand, not 75% up front
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +60,6 @@ VOCAB, SEQUENCE, WIDTH = 256, 32, 64  # the attention model's
 CONV_CHANNELS, SMOKE_CHANNELS = (32, 64), (4, 8)
 
 
-# Measuring -----------------------------------------------------------------
 def rounds(cases: dict, repeats: int) -> dict[str, list[float]]:
     """Seconds of each zero-argument case per round, the cases interleaved in every round."""
     times = {name: [] for name in cases}
@@ -89,20 +86,23 @@ def drain(batches) -> tuple[int, int]:
     return samples, nbytes
 
 
-# 1. The loaders ------------------------------------------------------------
 def loader_section(images, labels, mesh, args) -> dict:
-    """Per per-device batch: the host copy limit and the host-to-device rate (GB/s), and per
-    loader one epoch drained: images/s, GB/s, share of the copy limit, and "reference,
-    host"'s speed over it. Medians of rounds."""
+    """Per per-device batch: the host copy limit and the host-to-device rate (GB/s), and per loader one epoch
+    drained: images/s, GB/s, share of the copy limit, and "reference, host"'s speed over it. Medians of rounds."""
     out = {}
     sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
+    try:  # DALI's CPU pipelines (own arithmetic) over the same records, unless no DALI, --no-dali or accelerators
+        dali = not args.no_dali and mesh.devices.flat[0].platform == "cpu" and dali_loader.import_dali()
+    except ImportError:
+        dali = False
     for batch_size in (16, 128):
         by_placement = {p: loaders.make_loader((images, labels), mesh, batch_size, shuffle=True,
                                                placement=p) for p in loaders.PLACEMENTS}
         cases = {f"reference, {p}": lambda l=l: l.epoch(0) for p, l in by_placement.items()}
-        dali = dali_loader_or_none(images, labels, mesh, batch_size, args)
-        if dali is not None:
-            cases["dali (CPU pipelines)"] = lambda: dali.epoch(0)
+        if dali:
+            loader = dali_loader.make_dali_loader((images, labels), mesh, batch_size, shuffle=True, num_threads=1,
+                                                  normalize=Normalize(arithmetic="dali_cpu"), cache_dir=args.cache_dir)
+            cases["dali (CPU pipelines)"] = lambda: loader.epoch(0)
         cases["naive loop"] = lambda b=batch_size: naive_batches(images, labels, mesh, b)
         if installed("grain") and not args.no_grain:
             cases.update(grain_cases(images, labels, mesh, batch_size))
@@ -144,9 +144,8 @@ def naive_batches(images, labels, mesh, batch_size: int, seed: int = 0):
 
 
 def grain_cases(images, labels, mesh, batch_size: int) -> dict:
-    """Grain pipelines over the same records, global batch n*B, as arrays sharded on 'data', the
-    process's shard by ShardByJaxProcess: "grain docs", Grain's JAX recipe; "grain batch-first",
-    batch before map (one NumPy call per batch), 2 reader threads."""
+    """Grain on the same records, global batch n*B sharded on 'data', the process's shard by ShardByJaxProcess:
+    "grain docs", Grain's JAX recipe; "grain batch-first", batch before map (one NumPy call per batch), 2 readers."""
     import grain
 
     class Records(grain.sources.RandomAccessDataSource):
@@ -175,20 +174,6 @@ def grain_cases(images, labels, mesh, batch_size: int) -> dict:
             "grain batch-first": lambda: dataset(True, grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))}
 
 
-def dali_loader_or_none(images, labels, mesh, batch_size: int, args):
-    """DALI's CPU pipelines (its own arithmetic) over the same records; None without DALI,
-    with --no-dali or on accelerators."""
-    if args.no_dali or mesh.devices.flat[0].platform != "cpu":
-        return None
-    try:
-        dali_loader.import_dali()
-    except ImportError:
-        return None
-    return dali_loader.make_dali_loader((images, labels), mesh, batch_size, shuffle=True,
-                                        normalize=Normalize(arithmetic="dali_cpu"),
-                                        cache_dir=args.cache_dir, num_threads=1)
-
-
 def installed(package: str) -> str | None:
     """The installed version of ``package``, or None."""
     try:
@@ -197,7 +182,6 @@ def installed(package: str) -> str | None:
         return None
 
 
-# 2. Feeding: the epoch users run against the same epoch prebuilt ------------
 def feeding_section(images, labels, mesh, args) -> dict:
     """Per global batch, placement and strategy: the data cost, the median over rounds of the
     fed epoch's time (``strategy(params, loader.epoch(0), ...)``, the loader's own prefetch)
@@ -208,9 +192,8 @@ def feeding_section(images, labels, mesh, args) -> dict:
     out = {}
     for global_batch in args.fed_batches:
         count = min(len(labels), args.fed_steps * global_batch)
-        names = args.fed_strategies if global_batch in GLOBAL_BATCHES else ("sharded",)
         row = {"images": count}
-        for name in names:
+        for name in args.fed_strategies if global_batch in GLOBAL_BATCHES else ("sharded",):
             cases = {}
             for p in loaders.PLACEMENTS:
                 loader = loaders.make_loader((images[:count], labels[:count]), mesh, global_batch // n, shuffle=True,
@@ -228,16 +211,14 @@ def feeding_section(images, labels, mesh, args) -> dict:
     return out
 
 
-# 3. Training step times ----------------------------------------------------
 def train(strategy, params, batches, mesh):
     """``strategy`` on ``batches`` with the notebooks' MLP and SGD(LEARNING_RATE)."""
     return strategy(params, batches, mesh, loss_terms=model.loss_terms, optimizer=strategies.sgd(LEARNING_RATE))
 
 
 def training_section(images, labels, mesh, args) -> dict:
-    """Per global batch and strategy: the step time (a run of ``train_steps`` + 1 steps minus
-    a run of one, per step), its ratio to ``single``'s, and the compile time (the first call
-    minus a warm one-step run)."""
+    """Per global batch and strategy: the step time (a run of ``train_steps`` + 1 steps minus a run of one, per step),
+    its ratio to ``single``'s, and the compile time (the first call minus a warm one-step run)."""
     params = model.init_model(args.layers)
     compile_s, cases = {}, {}
     for global_batch in args.training_batches:
@@ -245,9 +226,7 @@ def training_section(images, labels, mesh, args) -> dict:
             loader = loaders.make_loader((images, labels), mesh, global_batch // mesh.devices.size,
                                          layout=strategies.LAYOUT[name])
             batches = [loader.batch(0, s % len(loader)) for s in range(args.train_steps + 1)]
-            start = time.perf_counter()
-            train(strategy, params, batches[:1], mesh)
-            compile_s[name, global_batch] = time.perf_counter() - start
+            compile_s[name, global_batch] = rounds({0: lambda: train(strategy, params, batches[:1], mesh)}, 1)[0][0]
             cases[name, global_batch, 1] = lambda s=strategy, b=batches[:1]: train(s, params, b, mesh)
             cases[name, global_batch, 0] = lambda s=strategy, b=batches: train(s, params, b, mesh)
     times = rounds(cases, args.repeats)
@@ -263,13 +242,11 @@ def training_section(images, labels, mesh, args) -> dict:
     return out
 
 
-# 4. The canonical reduction on the models users bring ----------------------
 def reduction_section(args) -> dict:
-    """Per case of ``args.reduction_cases`` (model, global batch, L/n) on all n devices: each
-    step's median time over interleaved rounds (after two warm-up calls each), and each step's
-    device memory (``step_memory``). Then the compile time of the canonical and the plain
-    steps on 1, 2, 4 and 8 devices (those there are): the MLP at the largest global batch,
-    L = 8, the first call less a warm one."""
+    """Per case of ``args.reduction_cases`` (model, global batch, L/n) on all n devices: each step's median time over
+    interleaved rounds (after two warm-up calls each), and each step's device memory (``step_memory``). Then the
+    compile time of the canonical and the plain steps on 1, 2, 4 and 8 devices (those there are): the MLP at the
+    largest global batch, L = 8, the first call less a warm one."""
     n = args.reduction_devices
     mesh = loaders.data_mesh(jax.devices()[:n])
     rows = []
@@ -299,32 +276,27 @@ def reduction_section(args) -> dict:
         on = loaders.data_mesh(jax.devices()[:devices])
         start, batch, steps = reduction_case("mlp", max(GLOBAL_BATCHES), 8, on, args.smoke, fresh=True)
         row = {"devices": devices}
-        for s, step in steps.items():
+        for s, step in steps.items():  # the warm call's time includes replicating the state
             state = strategies.replicate(start, on)
-            began = time.perf_counter()
-            jax.block_until_ready(step(state, batch))
-            first = time.perf_counter() - began
-            began = time.perf_counter()
-            jax.block_until_ready(step(strategies.replicate(start, on), batch))
-            row[s] = first - (time.perf_counter() - began)
+            t = rounds({"first": lambda: jax.block_until_ready(step(state, batch)),
+                        "warm": lambda: jax.block_until_ready(step(strategies.replicate(start, on), batch))}, 1)
+            row[s] = t["first"][0] - t["warm"][0]
         compiles.append(row)
     return {"cases": rows, "compile_s": compiles, "precision": str(jax.config.jax_default_matmul_precision)}
 
 
 def step_memory(step: str, start, batch, mesh, name: str, shards: int) -> float:
-    """MiB one device holds at the step's peak, from XLA's memory_analysis of each of the step's
-    programs (arguments + outputs - aliased + temporaries) plus what the step keeps alive beside
-    that program: the state, the batch (and its blocks, split), and the block sums that wait
-    for the fold (k - 1 beside the last block program; a loop's k are its output)."""
+    """MiB one device holds at the step's peak, from XLA's memory_analysis of each of the step's programs (arguments +
+    outputs - aliased + temporaries) plus what the step keeps alive beside it: the state, the batch (and its blocks,
+    split), and the block sums waiting for the fold (k - 1 beside the last block program; a loop's k are its output)."""
     _, loss_terms, _ = MODELS[name]
     n, d, k = mesh.devices.size, mesh.devices.flat[0], shards // mesh.devices.size
     local = lambda tree: jax.tree.map(lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else
                                       jax.device_put(x, d), tree)
     params, opt, rows = local(start[0]), local(start[1]), local(batch)
     size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-    held = lambda program, *args: (lambda m: m.argument_size_in_bytes + m.output_size_in_bytes
-                                   - m.alias_size_in_bytes + m.temp_size_in_bytes)(
-        program.lower(*args).compile().memory_analysis())
+    held = lambda program, *args: (lambda m: m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                                   + m.temp_size_in_bytes)(program.lower(*args).compile().memory_analysis())
     update = strategies.update_program(strategies.sgd_update)
     block = jax.tree.map(lambda x: x[:rows["mask"].shape[0] // k], rows)
     sums = jax.eval_shape(strategies.block_program(loss_terms), params, block)  # one block's, (1, ...)
@@ -350,12 +322,10 @@ def step_memory(step: str, start, batch, mesh, name: str, shards: int) -> float:
 
 
 def reduction_case(name: str, global_batch: int, shards: int, mesh, smoke: bool = False, fresh: bool = False) -> tuple:
-    """Model ``name``'s host (params, SGD state), a batch of L*round(G/L) rows sharded on 'data',
-    and {"plain": sharded_step, "canonical": canonical_step at L}; ``fresh``: a new loss_terms
-    object, so that its programs compile anew."""
+    """Model ``name``'s host (params, SGD state), a batch of L*round(G/L) rows sharded on 'data', {"plain":
+    sharded_step, "canonical": canonical_step at L}; ``fresh``: a new loss_terms object, so programs compile anew."""
     init, loss_terms, rows = MODELS[name]
-    if fresh:
-        loss_terms = (lambda f: lambda p, b: f(p, b))(loss_terms)
+    loss_terms = (lambda f: lambda p, b: f(p, b))(loss_terms) if fresh else loss_terms
     rng = np.random.default_rng(0)
     params = init(rng, smoke)
     count = shards * max(1, round(global_batch / shards))
@@ -373,8 +343,7 @@ def layer_norm(x, p):
 
 def masked_nll(logits, labels, mask) -> tuple:
     """(sum over real rows of the NLL, averaged over any further axes, number of real rows)."""
-    logp = jax.nn.log_softmax(logits)
-    nll = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
     real = mask.astype(nll.dtype)
     return jnp.sum(real * nll.reshape(nll.shape[0], -1).mean(1)), jnp.sum(real)
 
@@ -396,8 +365,7 @@ def conv_init(rng, channels: tuple) -> dict:
 
 
 def conv_loss_terms(params, batch) -> tuple:
-    """Two 3x3 convs over NHWC images, each LayerNorm over channels and GELU; mean pool,
-    LayerNorm, a dense head of 10 classes."""
+    """Two 3x3 NHWC convs, each then LayerNorm over channels and GELU; mean pool, LayerNorm, dense head, 10 classes."""
     x = batch["images"]
     for layer in params["convs"]:
         x = jax.lax.conv_general_dilated(x, layer["w"], (1, 1), "SAME",
@@ -407,19 +375,13 @@ def conv_loss_terms(params, batch) -> tuple:
     return masked_nll(logits, batch["labels"], batch["mask"])
 
 
-def attention_init(rng) -> dict:
-    return {"embed": normal(rng, VOCAB, WIDTH), "norm": norm_params(WIDTH), "qkv": normal(rng, WIDTH, 3 * WIDTH),
-            "out": normal(rng, WIDTH, WIDTH), "final": norm_params(WIDTH)}
-
-
 def attention_loss_terms(params, batch) -> tuple:
-    """Next-token NLL: an embedding tied to the output projection, LayerNorm, one causal
-    single-head softmax attention layer (residual), LayerNorm."""
+    """Next-token NLL: an embedding tied to the output projection, LayerNorm, one causal single-head softmax attention
+    layer (residual), LayerNorm."""
     x = params["embed"][batch["tokens"]]
     q, k, v = jnp.split(layer_norm(x, params["norm"]) @ params["qkv"], 3, axis=-1)
     scores = q @ k.swapaxes(1, 2) / np.float32(np.sqrt(WIDTH))
-    causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-    x = x + jax.nn.softmax(jnp.where(causal, scores, -jnp.inf)) @ v @ params["out"]
+    x = x + jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((x.shape[1],) * 2, bool)), scores, -jnp.inf)) @ v @ params["out"]
     logits = layer_norm(x, params["final"]) @ params["embed"].T
     return masked_nll(logits, batch["targets"], batch["mask"])
 
@@ -440,36 +402,31 @@ MODELS = {
             lambda rng, rows: image_rows(rng, rows, (3, 32, 32))),
     "conv": (lambda rng, smoke: conv_init(rng, SMOKE_CHANNELS if smoke else CONV_CHANNELS), conv_loss_terms,
              lambda rng, rows: image_rows(rng, rows, (32, 32, 3))),
-    "attention": (lambda rng, smoke: attention_init(rng), attention_loss_terms, token_rows),
+    "attention": (lambda rng, smoke: {"embed": normal(rng, VOCAB, WIDTH), "norm": norm_params(WIDTH),
+                                      "qkv": normal(rng, WIDTH, 3 * WIDTH), "out": normal(rng, WIDTH, WIDTH),
+                                      "final": norm_params(WIDTH)}, attention_loss_terms, token_rows),
 }
 
 
-# Report --------------------------------------------------------------------
 def goals(results: dict) -> list[dict]:
     """The goals of the sections in ``results``: {goal, measured, target, met}."""
     rows = []
-    if "loader" in results:
-        for key, section in results["loader"].items():
-            naive = section["loaders"]["naive loop"]["images_per_s"]
-            for p in loaders.PLACEMENTS:
-                rows.append((f"reference, {p} / naive loop, images/s, {key.replace('_', ' ')}",
-                             section["loaders"][f"reference, {p}"]["images_per_s"] / naive, ">=", 1.0))
-    if "feeding" in results:
-        for key, row in results["feeding"].items():
-            if int(key.split("_")[1]) in GLOBAL_BATCHES:
-                for name in (s for s in strategies.STRATEGIES if s in row):
-                    for p in loaders.PLACEMENTS:
-                        rows.append((f"fed / prebuilt epoch, {name}, placement {p}, global batch {key.split('_')[1]}",
-                                     row[name][p]["fed_over_prebuilt"], "<=", 1.05))
+    for key, section in results.get("loader", {}).items():
+        naive = section["loaders"]["naive loop"]["images_per_s"]
+        rows += [(f"reference, {p} / naive loop, images/s, {key.replace('_', ' ')}",
+                  section["loaders"][f"reference, {p}"]["images_per_s"] / naive, ">=", 1.0) for p in loaders.PLACEMENTS]
+    for key, row in results.get("feeding", {}).items():
+        if int(key.split("_")[1]) in GLOBAL_BATCHES:
+            rows += [(f"fed / prebuilt epoch, {name}, placement {p}, global batch {key.split('_')[1]}",
+                      row[name][p]["fed_over_prebuilt"], "<=", 1.05)
+                     for name in strategies.STRATEGIES if name in row for p in loaders.PLACEMENTS]
     if "loader" in results and "training" in results:
+        rate = results["loader"]["per_device_128"]["to_devices_gb_per_s"]
         for key, row in results["training"].items():
-            global_batch, step_ms = int(key.split("_")[1]), row["sharded"]["step_ms"]
-            rate = results["loader"]["per_device_128"]["to_devices_gb_per_s"]
-            transfer_ms = 1e3 * global_batch * RECORD_BYTES / rate / 1e9
+            global_batch = int(key.split("_")[1])
             rows.append((f"a global batch's uint8 images to the devices / sharded step, global batch {global_batch}",
-                         transfer_ms / step_ms, "<", 1.0))
-    reduction = results.get("reduction", {}).get("cases", [])
-    for r in reduction:
+                         1e3 * global_batch * RECORD_BYTES / rate / 1e9 / row["sharded"]["step_ms"], "<", 1.0))
+    for r in results.get("reduction", {}).get("cases", []):
         target = 1.2 if r["global_batch"] >= max(GLOBAL_BATCHES) else 1.5
         rows.append((f"canonical / plain step, {r['model']}, global {r['global_batch']}, L = "
                      f"{r['logical_shards'] // r['devices']}n", r["ratio"]["step_time"], "<=", target))
@@ -481,15 +438,12 @@ def goals(results: dict) -> list[dict]:
 
 
 def implausible(results: dict) -> list[str]:
-    """Figures no sane run gives, as "where = value": a time (*_ms, *_s), rate (*_per_s) or
-    ratio (fed_over_prebuilt) not positive and finite, in the loader, feeding, training and
-    reduction sections. They mean the machine was too busy to measure them."""
+    """Figures no sane run gives ("where = value"; the machine was too busy to measure them): a time (*_ms, *_s), rate
+    (*_per_s) or ratio (fed_over_prebuilt) not positive and finite in sections loader, feeding, training, reduction."""
     found = []
 
     def walk(where: str, figures) -> None:
-        if isinstance(figures, list):
-            figures = dict(enumerate(figures))
-        for key, value in figures.items():
+        for key, value in (dict(enumerate(figures)) if isinstance(figures, list) else figures).items():
             if isinstance(value, (dict, list)):
                 walk(f"{where} {key}", value)
             elif str(key).endswith(("_ms", "_per_s", "fed_over_prebuilt")):
@@ -574,7 +528,7 @@ def main(argv=None) -> dict:
     args.fed_strategies = (tuple(strategies.STRATEGIES), ("sharded",), ("sharded",))[size]
     args.fed_steps = (32, 16, 4)[size]
     args.training_batches = GLOBAL_BATCHES if size < 2 else GLOBAL_BATCHES[:1]
-    # (model, G, L / n): L = n, 4n, 8n; --quick: one model a global batch; --smoke: each model once
+    # (model, G, L / n): L = n, 4n, 8n; --quick: one model per global batch; --smoke: each model once
     args.reduction_cases = [list(itertools.product(MODELS, GLOBAL_BATCHES, (1, 4, 8))),
                             [("mlp", 128, 1), ("attention", 128, 8)],
                             [("mlp", 16, 4), ("conv", 16, 1), ("attention", 16, 1)]][size]
@@ -592,24 +546,20 @@ def main(argv=None) -> dict:
                        platform.machine())
         start = time.perf_counter()
         images, labels = read_cifar10(data)
-        kind = jax.devices()[0].device_kind
         results = {"machine": f"{cpu}, {os.cpu_count()} CPUs, {mesh.devices.size} {jax.devices()[0].platform} "
-                              f"devices ({kind})",
+                              f"devices ({jax.devices()[0].device_kind})",
                    "config": f"{args.num_train:,} images, {args.repeats} rounds, JAX {jax.__version__}, "
                              f"NumPy {np.__version__}, Grain {installed('grain') or 'not installed'}, "
                              f"DALI {dali_loader.dali_version()}",
                    "read_cifar10_s": time.perf_counter() - start, "training_batches": list(args.training_batches),
                    "section_s": {}}
-        sections = {"loader": lambda: loader_section(images, labels, mesh, args),
-                    "feeding": lambda: feeding_section(images, labels, mesh, args),
-                    "training": lambda: training_section(images, labels, mesh, args),
-                    "reduction": lambda: reduction_section(args)}
-        unknown = sorted(set(chosen) - set(sections))
-        if unknown:
+        sections = {"loader": loader_section, "feeding": feeding_section, "training": training_section,
+                    "reduction": lambda images, labels, mesh, args: reduction_section(args)}
+        if unknown := sorted(set(chosen) - set(sections)):
             parser.error(f"--sections: unknown {unknown}; choose from {list(sections)}")
         for name in chosen:  # in the order given; the figures so far written after each
             start = time.perf_counter()
-            results[name] = sections[name]()
+            results[name] = sections[name](images, labels, mesh, args)
             results["section_s"][name] = time.perf_counter() - start
             print(f"bench: {name} section {results['section_s'][name]:.1f} s", file=sys.stderr, flush=True)
             results["goals"], results["implausible"] = goals(results), implausible(results)
