@@ -233,7 +233,8 @@ def delivery_child(out: str) -> None:
                 want = {"images": norm(images[idx]), "labels": labels[idx], "mask": on.mask[row + s, 0],
                         "index": idx.astype(np.int32), "logical_shards": np.arange(2, dtype=np.int32)}
                 for name, value in want.items():
-                    got = np.asarray(batch[name]).reshape(value.shape)
+                    # contiguous copies: a TPU's arrays come back in strided layouts, which .view refuses
+                    got, value = (np.ascontiguousarray(x) for x in (np.asarray(batch[name]).reshape(value.shape), value))
                     checked += 1
                     if got.dtype != value.dtype or not np.array_equal(got.view(np.uint8), value.view(np.uint8)):
                         differ.append(f"{norm.arithmetic} {placement} {layout} epoch {epoch} step {s}: {name}")
