@@ -218,7 +218,7 @@ def train(strategy, params, batches, mesh):
 
 def training_section(images, labels, mesh, args) -> dict:
     """Per global batch and strategy: the step time (a run of ``train_steps`` + 1 steps minus a run of one, per step),
-    its ratio to ``single``'s, and the compile time (the first call minus a warm one-step run)."""
+    its ratio to ``single``'s, and the compile time (a first call with a new loss_terms minus a warm one-step run)."""
     params = model.init_model(args.layers)
     compile_s, cases = {}, {}
     for global_batch in args.training_batches:
@@ -226,7 +226,9 @@ def training_section(images, labels, mesh, args) -> dict:
             loader = loaders.make_loader((images, labels), mesh, global_batch // mesh.devices.size,
                                          layout=strategies.LAYOUT[name])
             batches = [loader.batch(0, s % len(loader)) for s in range(args.train_steps + 1)]
-            compile_s[name, global_batch] = rounds({0: lambda: train(strategy, params, batches[:1], mesh)}, 1)[0][0]
+            fresh = lambda p, b: model.loss_terms(p, b)  # a new object: its programs compile anew, not from the cache
+            compile_s[name, global_batch] = rounds({0: lambda: strategy(
+                params, batches[:1], mesh, loss_terms=fresh, optimizer=strategies.sgd(LEARNING_RATE))}, 1)[0][0]
             cases[name, global_batch, 1] = lambda s=strategy, b=batches[:1]: train(s, params, b, mesh)
             cases[name, global_batch, 0] = lambda s=strategy, b=batches: train(s, params, b, mesh)
     times = rounds(cases, args.repeats)
@@ -439,14 +441,14 @@ def goals(results: dict) -> list[dict]:
 
 def implausible(results: dict) -> list[str]:
     """Figures no sane run gives ("where = value"; the machine was too busy to measure them): a time (*_ms, *_s), rate
-    (*_per_s) or ratio (fed_over_prebuilt) not positive and finite in sections loader, feeding, training, reduction."""
+    (*_per_s, so *_s) or ratio (fed_over_prebuilt) not positive and finite in sections loader, feeding, training, reduction."""
     found = []
 
     def walk(where: str, figures) -> None:
         for key, value in (dict(enumerate(figures)) if isinstance(figures, list) else figures).items():
             if isinstance(value, (dict, list)):
                 walk(f"{where} {key}", value)
-            elif str(key).endswith(("_ms", "_per_s", "fed_over_prebuilt")):
+            elif str(key).endswith(("_ms", "_s", "fed_over_prebuilt")):
                 if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
                     found.append(f"{where} {key} = {value!r}")
     for section in ("loader", "feeding", "training", "reduction"):
