@@ -1114,6 +1114,7 @@ def test_n_times_gradient_shard_map_port_is_caught(mesh):
                                rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.slow  # the default tier: every strategy against float64 above, and refimpl's runs
 def test_one_epoch_end_to_end(synthetic_dir, mesh, devices, small_params):
     """One epoch of the real loader (resident on the devices) through every strategy: the
     strategies end within rounding of each other and classify alike (a rounding-sized
