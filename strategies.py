@@ -270,7 +270,7 @@ def _check_layout(where: str, shape: tuple, layout: str, n: int) -> None:
 
 
 def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | None = None,
-         stacked: bool = False) -> Callable:
+         stacked: bool = False, n: int | None = None) -> Callable:
     """The check a step makes of each batch of a shape it has not seen (in a loop of one shape, the first):
     ``check(params, batch)`` raises ValueError, naming ``where``, the value and the rule, for
 
@@ -284,7 +284,8 @@ def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | N
       slowly), and the count must be a whole number, at least the real rows (a count of tokens, for a loss weighted by
       token, is one).
 
-    ``params`` are the step's, replicated (or ``stacked``, pmap's: the first copy is checked). Where the state or the
+    ``params`` are the step's, replicated (or ``stacked``, pmap's: the first copy is checked); ``n``, the step's device
+    count (None: the mask's, 1 for a host array), which layout "pmap" needs first. Where the state or the
     batch's total is not finite (a training that diverged, NaN data), nothing can be judged, and the contract is not
     checked."""
     seen = set()
@@ -302,8 +303,8 @@ def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | N
             raise ValueError(f"{where}: batch['mask'] is {_dtype(mask)}, not bool: a mask must be True on "
                              f"the real rows and False on padding (a 0/255 mask counts 255 per row)")
         check_dtypes({k: v for k, v in batch.items() if not isinstance(v, jax.Array)}, f"{where}: batch")
-        n = len(mask.sharding.device_set) if isinstance(mask, jax.Array) else 1
-        _check_layout(where, tuple(np.shape(mask)), layout, n)
+        devices = n or (len(mask.sharding.device_set) if isinstance(mask, jax.Array) else 1)
+        _check_layout(where, tuple(np.shape(mask)), layout, devices)
         rows = np.shape(mask)[0] * (np.shape(mask)[1] if layout == "pmap" else 1)
         if logical_shards is not None:
             carried = _batch_shards(batch)
@@ -595,7 +596,7 @@ def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callab
                                   out_specs=P(), check_vma=False), donate_argnums=(0,) if donate else ())
     stacked = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[None], x), mesh=mesh, in_specs=P(),
                                     out_specs=P(AXIS), check_vma=False))
-    check = door("pmap_step", loss_terms, "pmap", stacked=True)
+    check = door("pmap_step", loss_terms, "pmap", stacked=True, n=len(devices))
 
     def step(state, batch):
         check(state[0], batch)
@@ -751,7 +752,7 @@ def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_
     k = logical_shards // n
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     fold, apply = fold_program(mesh, k), update_program(update)
-    checks = {layout: door("canonical_step", loss_terms, layout, logical_shards) for layout in ("sharded", "pmap")}
+    checks = {layout: door("canonical_step", loss_terms, layout, logical_shards, n=n) for layout in ("sharded", "pmap")}
 
     def check(params, batch):
         pmap_layout = isinstance(batch, dict) and "mask" in batch and np.ndim(batch["mask"]) == 2

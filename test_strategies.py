@@ -1227,6 +1227,15 @@ def test_every_way_to_train_has_the_door(devices):
     for name, (step, start, given) in steps.items():
         with pytest.raises(ValueError, match=f"^{name}: .*{said}"):
             step(start, given)
+    # The door knows pmap_step's device count: a host (NumPy) batch of pmap's (n, B) layout trains as placed.
+    host = {f: v.reshape((2, 4) + v.shape[1:]) for f, v in hosts[0].items()}
+    pmapped = strategies.pmap_step(linear_terms, strategies.sgd_update, tuple(mesh.devices.flat))
+    start = lambda: strategies.stack_replicas((tiny_params(), strategies.sgd(0.5).init(tiny_params())), mesh)
+    (got, _), losses = pmapped(start(), host)
+    (want, _), _ = pmapped(start(), loaders.global_batch({k: {f: v[k] for f, v in host.items()} for k in range(2)},
+                                                         mesh, "pmap"))
+    assert np.isfinite(np.asarray(losses)).all()
+    assert_same_bits(np.asarray(got["w"]), np.asarray(want["w"]), "pmap_step: a host batch against the placed one")
 
 
 def test_a_canonical_step_refuses_batches_of_another_plans_logical_shards(devices):
