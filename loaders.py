@@ -331,7 +331,7 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
         if loader.mesh.devices.flat[0].platform in GATHER_ONCE_PLATFORMS:
             rows, source = _epoch_rows(loader.mesh, names)(rows, placed["local"]), "epoch"
     else:
-        rows = {name: _by_position(source_[on.indices.swapaxes(0, 1).reshape(n, -1)], loader.mesh)
+        rows = {name: _by_position(on.indices.swapaxes(0, 1).reshape(n, -1), loader.mesh, source_)
                 for name, source_ in loader.arrays.items()}
     program = _step_program(loader.mesh, loader.layout, names, windows, source)
     return [functools.partial(program, rows, placed, np.int32(s), hows) for s in range(len(on.indices))]
@@ -416,9 +416,14 @@ def _step_program(mesh: Mesh, layout: str, names: tuple[str, ...], windows: tupl
 # Placement "device": each shard resident on its device, gathered there once per epoch --------------
 
 
-def _by_position(per_shard: np.ndarray, mesh: Mesh) -> jax.Array:
-    """(n, ...) host array -> global array sharded on axis 0: row k on mesh position k."""
-    return jax.make_array_from_callback(per_shard.shape, NamedSharding(mesh, P(DATA_AXIS)), lambda i: per_shard[i])
+def _by_position(per_shard: np.ndarray, mesh: Mesh, source: np.ndarray | None = None) -> jax.Array:
+    """(n, ...) host array -> global array sharded on axis 0: row k on mesh position k. With ``source``, ``per_shard``
+    holds indices into it, and only this process's positions' rows are gathered."""
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
+    if source is None:
+        return jax.make_array_from_callback(per_shard.shape, sharding, lambda i: per_shard[i])
+    return jax.make_array_from_callback(per_shard.shape + source.shape[1:], sharding,
+                                        lambda i: source[per_shard[i[:per_shard.ndim]]])
 
 
 @functools.lru_cache(maxsize=None)
