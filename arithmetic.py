@@ -4,8 +4,9 @@ Over uint8 input a vendor's normalisation is one float32 value per (channel, pix
 ``normalize_table`` computes that table for each of ``ARITHMETICS`` (rocAL's, DALI's GPU and
 CPU kernels), ``crop_anchor`` is each vendor's rounding of a crop's position, and
 ``crop_mirror_normalize`` the whole operator on the host: crop, flip, then a lookup.
-``Normalize`` is the value a loader is given. Every path that normalises looks the same table
-up, so every device gives the same bits.
+``Normalize`` is the value a loader is given. Every path that normalises gives the table's bits
+(a lookup, or on a TPU the table's own arithmetic, checked first on all 256 values), so every
+device gives the same bits.
 
 Deliberate difference from rocAL: a crop larger than the image is an error here;
 rocAL silently clamps it.
@@ -103,9 +104,8 @@ def _keyed_table(key: tuple[bytes, bytes, str]) -> np.ndarray:
     mean32, std32 = np.frombuffer(key[0], np.float32), np.frombuffer(key[1], np.float32)
     channels, arithmetic = len(mean32), key[2]
     where = f"normalize_table: mean={mean32.tolist()}, std={std32.tolist()}"
+    inv, offset = _operands(mean32, std32, arithmetic)
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, quietly
-        inv = np.float32(1) / std32
-        offset = -(mean32 / std32) if arithmetic == "rocal" and channels == 1 else -(mean32 * inv)
         table = ((np.arange(256, dtype=np.float32) - mean32[:, None]) * inv[:, None]).astype(np.float32)
     if not (np.isfinite(inv).all() and (arithmetic == "dali_cpu" or np.isfinite(offset).all())):
         raise ValueError(f"{where}: 1/std or the offset overflows float32 ({arithmetic!r})")
@@ -130,11 +130,15 @@ def table_operands(key: tuple[bytes, bytes, str]) -> dict[str, np.ndarray]:
     {"mean", "inv"} ("dali_cpu": (x - mean[c]) * inv[c])."""
     keyed_table(key)  # checks the key, and that every operand is finite
     mean32, std32 = np.frombuffer(key[0], np.float32), np.frombuffer(key[1], np.float32)
-    inv = np.float32(1) / std32
-    if key[2] == "dali_cpu":
-        return {"mean": mean32.copy(), "inv": inv}
-    offset = -(mean32 / std32) if key[2] == "rocal" and len(mean32) == 1 else -(mean32 * inv)
-    return {"inv": inv, "offset": offset}
+    inv, offset = _operands(mean32, std32, key[2])
+    return {"mean": mean32.copy(), "inv": inv} if key[2] == "dali_cpu" else {"inv": inv, "offset": offset}
+
+
+def _operands(mean32: np.ndarray, std32: np.ndarray, arithmetic: str) -> tuple[np.ndarray, np.ndarray]:
+    """(inv, offset), float32 (C,): 1/std, and -mean/std for rocAL's one channel, else -(mean * inv)."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # an overflow is refused by the caller
+        inv = np.float32(1) / std32
+        return inv, (-(mean32 / std32) if arithmetic == "rocal" and len(mean32) == 1 else -(mean32 * inv))
 
 
 def _nearest_float32(exact: Fraction) -> np.float32:
