@@ -269,9 +269,11 @@ def _check_layout(where: str, shape: tuple, layout: str, n: int) -> None:
                          f"make_loader(..., layout='sharded')), got a mask of shape {shape}{token}")
 
 
+@functools.lru_cache(maxsize=64)
 def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | None = None,
          stacked: bool = False, n: int | None = None) -> Callable:
-    """The check a step makes of each batch of a shape it has not seen (in a loop of one shape, the first):
+    """The check a step makes of each batch of a shape it has not seen (in a loop of one shape, the first; one door per
+    set of arguments, so a step built again, as canonical_step is per epoch, checks nothing twice):
     ``check(params, batch)`` raises ValueError, naming ``where``, the value and the rule, for
 
     * a batch that is not a dict with a "mask" of dtype bool (a 0/255 uint8 mask would count 255 per row), one entry
@@ -285,9 +287,8 @@ def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | N
       token, is one).
 
     ``params`` are the step's, replicated (or ``stacked``, pmap's: the first copy is checked); ``n``, the step's device
-    count (None: the mask's, 1 for a host array), which layout "pmap" needs first. Where the state or the
-    batch's total is not finite (a training that diverged, NaN data), nothing can be judged, and the contract is not
-    checked."""
+    count (None: the mask's, 1 for a host array), which layout "pmap" needs. Where the state or the batch's total is
+    not finite (a training that diverged, NaN data), nothing can be judged, and the contract is not checked."""
     seen = set()
 
     def check(params, batch):

@@ -1203,6 +1203,25 @@ def test_a_step_refuses_at_the_door_what_it_would_train_wrong(devices, what, ter
             strategies.sharded(tiny_params(), hosts, mesh, loss_terms=good, optimizer=strategies.sgd(0.5))
 
 
+def test_the_door_checks_a_shape_once_however_often_the_step_is_built(devices, monkeypatch):
+    """canonical_step is built anew for every strategy call (an epoch, in refimpl): the door it
+    gets is the same for the same arguments, so three epochs check loss_terms' contract once.
+    The control: a door made anew (its cache cleared) checks again."""
+    mesh = loaders.data_mesh(devices[:2])
+    real, calls = strategies._check_contract, []
+    monkeypatch.setattr(strategies, "_check_contract", lambda *a, **k: calls.append(1) or real(*a, **k))
+    terms = lambda params, batch: linear_terms(params, batch)  # a loss_terms no other test has checked
+    params = tiny_params()
+    for _ in range(3):
+        params = strategies.sharded(params, tiny_batches(2, steps=2), mesh, loss_terms=terms,
+                                    reduction="canonical", logical_shards=2).params
+    assert len(calls) == 1, calls
+    strategies.door.cache_clear()
+    strategies.sharded(params, tiny_batches(2, steps=1), mesh, loss_terms=terms, reduction="canonical",
+                       logical_shards=2)
+    assert len(calls) == 2, calls
+
+
 def test_every_way_to_train_has_the_door(devices):
     """One refusal of the test above (a count that counts padding) from every way to train:
     the four strategies in both reductions, and the steps of a user's own loop (sharded_step,
