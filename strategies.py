@@ -701,6 +701,7 @@ def _split_program(blocks: int, pmap_layout: bool) -> Callable:
 
 
 SMALL_LEAF = 1 << 14  # entries: a leaf this small is gathered whole and folded on every device
+CHAIN_CHUNKS = 4  # a chained leaf's chunks per device: more, fewer idle stages, but more stages
 
 
 @functools.lru_cache(maxsize=64)
@@ -709,36 +710,83 @@ def fold_program(mesh: Mesh, per_device: int) -> Callable:
     the L = n*k blocks, k = ``per_device``, in block order, replicated. Device d's entries of the rounds, in order, are
     its blocks d*k .. d*k + k - 1 (k rounds of one block each, or one round of k).
 
-    A leaf of SMALL_LEAF entries or more goes by ``all_to_all``: device c receives chunk c (raveled, zero-padded to n
-    chunks) of every block, folds it, and an ``all_gather`` joins the chunks. A smaller leaf, and every leaf on one
-    device, is gathered whole and folded on every device. Either way each entry is the same sequence of IEEE additions,
-    g_0 + g_1, then + g_2, ...: moving values and padding with zeros are exact. A device sends (L/n + 1) x (n-1)/n of a
-    gradient: an all-reduce's 2 x (n-1)/n when L = n."""
+    On n > 1 devices a leaf of SMALL_LEAF entries or more goes, at k = 1, by ``all_to_all`` (``_scattered``): an
+    all-reduce's volume, 2 (n - 1) / n of a gradient a device. At k > 1 it goes by a chain, which sends about 3 for any
+    k (the all_to_all's k + 1). Its entries, raveled, are cut into C = CHAIN_CHUNKS * n chunks of ceil(width / C)
+    (the last starts at width - size: it overlaps its neighbour, which it writes again with the same bits). Chunk c's
+    running sum starts on device 0 as its block 0, then + its blocks 1..k-1 in order, passes to device 1, which adds
+    its k blocks in order, and so on: device n - 1 ends with chunk c's fold and sends it on around the ring (n - 1 ->
+    0 -> ... -> n - 2), each device keeping a copy. Pipelined in C + 2n - 2 stages: at stage s device d adds to chunk
+    s - d and keeps the finished chunk s - n - d, and one ``ppermute`` a stage moves both on.
+
+    A smaller leaf, and every leaf on one device, is gathered whole (``all_gather``) and folded on every device. Every
+    way, each entry is the same sequence of IEEE additions, g_0 + g_1, then + g_2, ...: moving values is exact."""
     n = mesh.devices.size
 
     def fold(rounds):
-        leaves = [jnp.concatenate(xs, axis=0) for xs in zip(*(jax.tree.leaves(r) for r in rounds))]
-        folded = []
-        for x in leaves:  # x: (k, ...), this device's blocks in order
-            shape, width = x.shape[1:], int(np.prod(x.shape[1:], dtype=np.int64))
-            if width < SMALL_LEAF or n == 1:
-                folded.append(_left_fold(lax.all_gather(x, AXIS, tiled=True)))
-                continue
-            chunk = -(-width // n)
-            vector = jnp.pad(x.reshape(per_device, width), ((0, 0), (0, n * chunk - width)))
-            blocks = lax.all_to_all(vector, AXIS, 1, 0, tiled=True)  # (L, chunk), block order
-            folded.append(lax.all_gather(_left_fold(blocks), AXIS, tiled=True)[:width].reshape(shape))
+        leaves = list(zip(*(jax.tree.leaves(r) for r in rounds)))  # per leaf: this device's rounds, (m, ...) each
+        chained = [i for i, xs in enumerate(leaves) if n > 1 and np.prod(xs[0].shape[1:]) >= SMALL_LEAF]
+        folded = [None if i in chained else _left_fold(_in_block_order([lax.all_gather(x, AXIS, tiled=True)
+                                                                        for x in xs], n)) for i, xs in enumerate(leaves)]
+        big = [leaves[i][0] for i in chained]  # at k = 1, one round of (1, ...) each
+        for i, x in zip(chained, _chain([leaves[i] for i in chained], n, CHAIN_CHUNKS * n) if per_device > 1
+                        else [_scattered(x.reshape(-1), n) for x in big]):
+            folded[i] = x.reshape(leaves[i][0].shape[1:])
         return jax.tree.unflatten(jax.tree.structure(rounds[0]), folded)
     return jax.jit(jax.shard_map(fold, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False),
                    compiler_options=CANONICAL_XLA_OPTIONS)
+
+
+def _scattered(x, n: int):
+    """``fold_program`` at k = 1, inside its shard_map: this device's block, raveled -> the fold of all n. Padded with
+    zeros to n chunks (which reach no entry), device c receives chunk c of every block (``all_to_all``), folds it, and
+    an ``all_gather`` joins the chunks."""
+    chunk = -(-x.size // n)
+    blocks = lax.all_to_all(jnp.pad(x, (0, n * chunk - x.size)).reshape(1, -1), AXIS, 1, 0, tiled=True)
+    return lax.all_gather(_left_fold(blocks), AXIS, tiled=True)[:x.size]
+
+
+def _in_block_order(gathered: list, n: int) -> list:
+    """Rounds gathered from n devices, (n * m, ...) each -> the L blocks in block order (device-major)."""
+    per = [x.shape[0] // n for x in gathered]
+    return [x[d * m + j] for d in range(n) for x, m in zip(gathered, per) for j in range(m)]
+
+
+def _chain(leaves: list, n: int, chunks: int) -> list:
+    """``fold_program``'s chain, inside its shard_map: per leaf, this device's rounds -> the raveled fold. A device
+    adds and keeps only in the stages that have a chunk for it (``cond``)."""
+    d = lax.axis_index(AXIS)
+    blocks = [[x.reshape(x.shape[0], -1) for x in xs] for xs in leaves]
+    widths = [xs[0].shape[1] for xs in blocks]
+    sizes = [-(-w // chunks) for w in widths]
+    at = lambda chunk, w, size: jnp.minimum(jnp.clip(chunk, 0, chunks - 1) * size, w - size)
+
+    def add(s, partial):
+        def one(xs, w, size, into):
+            parts = [lax.dynamic_slice(x, (j, at(s - d, w, size)), (1, size))[0] for x in xs for j in range(x.shape[0])]
+            return _left_fold([jnp.where(d == 0, parts[0], into + parts[0]), *parts[1:]])
+        return [one(*leaf) for leaf in zip(blocks, widths, sizes, partial)]
+
+    def keep(chunk, done, kept):
+        return [lax.dynamic_update_slice(k, x, (at(chunk, w, size),)) for k, x, w, size in zip(kept, done, widths, sizes)]
+
+    def stage(s, carry):
+        partial, passed = lax.ppermute(carry[:2], AXIS, [(i, (i + 1) % n) for i in range(n)])
+        partial = lax.cond((s - d >= 0) & (s - d < chunks), add, lambda s, partial: partial, s, partial)
+        done = jax.tree.map(lambda a, b: jnp.where(d == n - 1, a, b), partial, passed)  # chunk s - d's fold, last
+        chunk = jnp.where(d == n - 1, s - d, s - n - d)
+        kept = lax.cond((chunk >= 0) & (chunk < chunks), keep, lambda chunk, done, kept: kept, chunk, done, carry[2])
+        return partial, done, kept
+    zeros = lambda sizes: [jnp.zeros((size,), xs[0].dtype) for xs, size in zip(blocks, sizes)]
+    return lax.fori_loop(0, chunks + 2 * n - 2, stage, (zeros(sizes), zeros(sizes), zeros(widths)))[2]
 
 
 def _left_fold(blocks):
     """blocks[0] + blocks[1], then + blocks[2], ...: explicit adds in that order (a jnp.sum lets XLA pick one), from
     blocks[0] itself (0 + x is not x for x = -0.0)."""
     total = blocks[0]
-    for l in range(1, blocks.shape[0]):
-        total = total + blocks[l]
+    for block in blocks[1:]:
+        total = total + block
     return total
 
 

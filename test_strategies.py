@@ -908,8 +908,9 @@ def first_instruction_apart(a: str, b: str) -> str | None:
 def test_the_canonical_programs_compile_alike_on_every_topology(devices, canonical_rules):
     """Statically: on two devices (the programs are single-device and take no n), the block
     program (one block of b rows) and the update program compile to the same optimized HLO;
-    on meshes of 1, 2 and 4 devices the fold program's only arithmetic is add (no multiply to
-    contract into an FMA, no reduce whose order XLA picks). The control: the block program of a block of 2b rows (two
+    on meshes of 1, 2 and 4 devices the fold program's only float arithmetic is add (no
+    multiply to contract into an FMA, no reduce whose order XLA picks), a leaf the chain folds
+    included. The control: the block program of a block of 2b rows (two
     blocks as one) differs, and the first differing instruction is named."""
     loss_terms, params, data = canonical_model("conv")
     L, b = 8, 2
@@ -926,10 +927,11 @@ def test_the_canonical_programs_compile_alike_on_every_topology(devices, canonic
         texts[d.id, "update"] = compiled_text(update, state, *folded)
     for n in [n for n in (1, 2, 4) if n <= len(devices)]:
         mesh = loaders.data_mesh(devices[:n])
+        big = {"big": jax.ShapeDtypeStruct((1, strategies.SMALL_LEAF), np.float32)}  # a leaf the chain folds
         rounds = [jax.tree.map(lambda s: jax.ShapeDtypeStruct((n,) + s.shape[1:], s.dtype,
-                                                              sharding=NamedSharding(mesh, P("data"))), sums)] * (L // n)
-        fold = compiled_text(strategies.fold_program(mesh, L // n), rounds)
-        arithmetic = set(re.findall(r"= \S+ (add|subtract|multiply|divide|fma|reduce|exponential)\(", fold))
+                                                              sharding=NamedSharding(mesh, P("data"))), (sums, big))]
+        fold = compiled_text(strategies.fold_program(mesh, L // n), rounds * (L // n))
+        arithmetic = set(re.findall(r"= f\d+\[\S* (add|subtract|multiply|divide|fma|reduce|exponential)\(", fold))
         assert arithmetic == {"add"}, (n, arithmetic)
     for kind in ("block", "update"):
         programs = {key: text for key, text in texts.items() if key[1] == kind}
@@ -998,37 +1000,42 @@ def test_the_loop_schedule_is_the_same_bits_on_every_topology(devices, canonical
 
 
 def test_each_leaf_takes_the_collective_its_size_says(devices):
-    """fold_program: a leaf of SMALL_LEAF entries or more goes by all_to_all and all_gather;
-    a smaller one by all_gather alone (the traffic the docstring states)."""
+    """fold_program: a leaf of SMALL_LEAF entries or more goes by all_to_all and all_gather
+    at one block a device, by the chain (a loop of ppermutes) at two; a smaller one by
+    all_gather alone (the traffic the docstring states). Never an all-reduce."""
     mesh = loaders.data_mesh(devices[:2])
     for width, big in ((strategies.SMALL_LEAF, True), (strategies.SMALL_LEAF - 1, False)):
         leaf = jax.ShapeDtypeStruct((2, width), np.float32, sharding=NamedSharding(mesh, P("data")))
-        text = compiled_text(strategies.fold_program(mesh, 2), [leaf, leaf])
-        assert ("all-to-all" in text) == big and "all-gather" in text, (width, big)
+        one, two = (compiled_text(strategies.fold_program(mesh, k), [leaf] * k) for k in (1, 2))
+        assert ("all-to-all" in one) == big and "all-gather" in one and "collective-permute" not in one, width
+        assert ("collective-permute" in two) == big and ("all-gather" in two) != big, width
+        assert "all-reduce" not in one + two and "all-to-all" not in two, width
 
 
-def test_the_fold_keeps_the_sign_of_a_zero_sum_and_pads_any_width(devices):
-    """The fold starts from block 0 itself (a sum of -0.0 stays -0.0; 0 + -0.0 is +0.0) and
-    pads a leaf to n chunks with zeros that reach no entry: a leaf of 16,512 entries (5
-    devices pad it by 3) whose entries past the fifth are -0.0 in every block folds to the
-    same bits on 1, 2 and 5 devices, -0.0 included."""
-    width, L = 129 * 128, 10
-    blocks = np.full((L, width), -0.0, np.float32)
-    blocks[:, :5] = np.random.default_rng(4).standard_normal((L, 5))
-    got = {}
-    for n in [n for n in (1, 2, 5) if n <= len(devices)]:
-        mesh = loaders.data_mesh(devices[:n])
-        per = L // n
-        rounds = [jax.device_put(blocks.reshape(n, per, width)[:, i], NamedSharding(mesh, P("data")))
-                  for i in range(per)]
-        got[n] = np.asarray(strategies.fold_program(mesh, per)(rounds).addressable_data(0))
-    want = blocks[0].copy()
-    for l in range(1, L):
-        want = want + blocks[l]
-    assert width >= strategies.SMALL_LEAF and width % 5 and len(got) == 3
-    for n, folded in got.items():
-        assert_same_bits(folded, want, f"{n} devices")
-    assert np.signbit(want[5:]).all() and not np.signbit(np.float32(0) + want[5:]).any()
+def test_the_fold_keeps_the_sign_of_a_zero_sum_at_any_width(devices):
+    """The fold starts from block 0 itself (a sum of -0.0 stays -0.0; 0 + -0.0 is +0.0), the
+    chain's last chunk, which overlaps its neighbour, writes it again with the same bits, and
+    the all_to_all's padding reaches no entry: a leaf of 16,512 entries (on 5 devices 20
+    chunks of 826, or padded by 3) whose entries past the fifth are -0.0 in every block folds
+    to the same bits on 1, 2 and 5 devices (L = 10), and on 1 and 5 (L = 5), -0.0 included."""
+    width = 129 * 128
+    for L in (10, 5):
+        blocks = np.full((L, width), -0.0, np.float32)
+        blocks[:, :5] = np.random.default_rng(4).standard_normal((L, 5))
+        got = {}
+        for n in [n for n in (1, 2, 5) if n <= len(devices) and L % n == 0]:
+            mesh = loaders.data_mesh(devices[:n])
+            per = L // n
+            rounds = [jax.device_put(blocks.reshape(n, per, width)[:, i], NamedSharding(mesh, P("data")))
+                      for i in range(per)]
+            got[n] = np.asarray(strategies.fold_program(mesh, per)(rounds).addressable_data(0))
+        want = blocks[0].copy()
+        for l in range(1, L):
+            want = want + blocks[l]
+        assert width >= strategies.SMALL_LEAF and width % 5 and len(got) == (3 if L == 10 else 2)
+        for n, folded in got.items():
+            assert_same_bits(folded, want, f"{n} devices, L = {L}")
+        assert np.signbit(want[5:]).all() and not np.signbit(np.float32(0) + want[5:]).any()
 
 
 def linear_sgd64(params: dict, batch: dict, rate: float) -> dict:
