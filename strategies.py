@@ -35,7 +35,7 @@ The reductions, how a step's gradient is summed:
 
   Each block runs the same single-device code on every device, whatever the mesh (one program per block,
   ``block_program``; on LOOP_PLATFORMS one loop program per device, ``loop_program``), and so does the update. The fold
-  moves values between devices and adds them in block order, nothing else. So params, optimizer state and losses are
+  (``fold_program``; at L > n a chain from device to device) moves values and adds them in block order, nothing else. So params, optimizer state and losses are
   the same bits on every mesh whose device count n divides L, in one process or several, through every strategy, on
   one device adding the L blocks as microbatches (``single``), across a stop and a resume on another of these, at any
   learning rate. Not across L, jaxlib versions, platforms or device kinds. The XLA options the programs need are set
@@ -656,10 +656,9 @@ def block_program(loss_terms: LossTerms) -> Callable:
                    compiler_options=CANONICAL_XLA_OPTIONS)
 
 
-# Where a device runs all its blocks in one program (``loop_program``), not a program per block: where a program's
-# dispatch costs more than a small block. On a TPU one costs about 0.5 ms (5x the plain step at L = 8, global batch
-# 128); on CPUs a conv net's gradient inside a loop compiles 20-40x slower (XLA:CPU leaves its convolutions off their
-# fast path), and on GPUs a dispatch is tens of microseconds. Either way the blocks' sums and their order are the same.
+# Where a device runs all its blocks in one program (``loop_program``), not a program per block: where a dispatch
+# costs more than a small block (a TPU's, about 0.5 ms). Not on CPUs, where a conv net's gradient inside a loop compiles
+# 20-40x slower (XLA:CPU leaves its convolutions off their fast path). The blocks' sums and their order are the same.
 LOOP_PLATFORMS = ("tpu",)
 
 
@@ -708,29 +707,25 @@ CHAIN_CHUNKS = 4  # a chained leaf's chunks per device: more, fewer idle stages,
 def fold_program(mesh: Mesh, per_device: int) -> Callable:
     """jit(shard_map) on ``mesh``: ``rounds``, pytrees whose leaves are sharded on 'data' -> each leaf's left fold over
     the L = n*k blocks, k = ``per_device``, in block order, replicated. Device d's entries of the rounds, in order, are
-    its blocks d*k .. d*k + k - 1 (k rounds of one block each, or one round of k).
+    its blocks d*k .. d*k + k - 1 (k rounds of one block each, or one round of k). Each entry is the same sequence of
+    IEEE additions, g_0 + g_1, then + g_2, ..., however the values travel:
 
-    On n > 1 devices a leaf of SMALL_LEAF entries or more goes, at k = 1, by ``all_to_all`` (``_scattered``): an
-    all-reduce's volume, 2 (n - 1) / n of a gradient a device. At k > 1 it goes by a chain, which sends about 3 for any
-    k (the all_to_all's k + 1). Its entries, raveled, are cut into C = CHAIN_CHUNKS * n chunks of ceil(width / C)
-    (the last starts at width - size: it overlaps its neighbour, which it writes again with the same bits). Chunk c's
-    running sum starts on device 0 as its block 0, then + its blocks 1..k-1 in order, passes to device 1, which adds
-    its k blocks in order, and so on: device n - 1 ends with chunk c's fold and sends it on around the ring (n - 1 ->
-    0 -> ... -> n - 2), each device keeping a copy. Pipelined in C + 2n - 2 stages: at stage s device d adds to chunk
-    s - d and keeps the finished chunk s - n - d, and one ``ppermute`` a stage moves both on.
-
-    A smaller leaf, and every leaf on one device, is gathered whole (``all_gather``) and folded on every device. Every
-    way, each entry is the same sequence of IEEE additions, g_0 + g_1, then + g_2, ...: moving values is exact."""
+    * a leaf under SMALL_LEAF entries, or any on one device: gathered whole, folded on every device;
+    * k = 1: ``all_to_all``, each device folds 1/n of the entries, ``all_gather`` (an all-reduce's traffic);
+    * k > 1: a chain. C = CHAIN_CHUNKS * n chunks of ceil(width / C) entries (the last starts at width - size).
+      Chunk c starts on device 0 as its block 0, + its blocks 1..k-1; device 1 adds its k blocks; and so on. Device
+      n - 1 then sends the fold around the ring (n - 1 -> 0 -> ... -> n - 2), each device keeping it. At stage s
+      (C + 2n - 2 of them, one ``ppermute`` each) device d adds to chunk s - d and keeps chunk s - n - d. A device
+      sends about 3 gradients for any k (``all_to_all`` would send k + 1)."""
     n = mesh.devices.size
 
     def fold(rounds):
         leaves = list(zip(*(jax.tree.leaves(r) for r in rounds)))  # per leaf: this device's rounds, (m, ...) each
         chained = [i for i, xs in enumerate(leaves) if n > 1 and np.prod(xs[0].shape[1:]) >= SMALL_LEAF]
-        folded = [None if i in chained else _left_fold(_in_block_order([lax.all_gather(x, AXIS, tiled=True)
-                                                                        for x in xs], n)) for i, xs in enumerate(leaves)]
-        big = [leaves[i][0] for i in chained]  # at k = 1, one round of (1, ...) each
-        for i, x in zip(chained, _chain([leaves[i] for i in chained], n, CHAIN_CHUNKS * n) if per_device > 1
-                        else [_scattered(x.reshape(-1), n) for x in big]):
+        folded = [None if i in chained else _left_fold(lax.all_gather(jnp.concatenate(xs), AXIS, tiled=True))
+                  for i, xs in enumerate(leaves)]
+        for i, x in zip(chained, _chain([leaves[i] for i in chained], n, CHAIN_CHUNKS * n) if per_device > 1 else
+                        [_scattered(leaves[i][0].reshape(-1), n) for i in chained]):  # k = 1: one round of (1, ...)
             folded[i] = x.reshape(leaves[i][0].shape[1:])
         return jax.tree.unflatten(jax.tree.structure(rounds[0]), folded)
     return jax.jit(jax.shard_map(fold, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False),
@@ -738,23 +733,15 @@ def fold_program(mesh: Mesh, per_device: int) -> Callable:
 
 
 def _scattered(x, n: int):
-    """``fold_program`` at k = 1, inside its shard_map: this device's block, raveled -> the fold of all n. Padded with
-    zeros to n chunks (which reach no entry), device c receives chunk c of every block (``all_to_all``), folds it, and
-    an ``all_gather`` joins the chunks."""
+    """``fold_program`` at k = 1: this device's block, raveled and zero-padded to n chunks -> the fold of all n."""
     chunk = -(-x.size // n)
     blocks = lax.all_to_all(jnp.pad(x, (0, n * chunk - x.size)).reshape(1, -1), AXIS, 1, 0, tiled=True)
     return lax.all_gather(_left_fold(blocks), AXIS, tiled=True)[:x.size]
 
 
-def _in_block_order(gathered: list, n: int) -> list:
-    """Rounds gathered from n devices, (n * m, ...) each -> the L blocks in block order (device-major)."""
-    per = [x.shape[0] // n for x in gathered]
-    return [x[d * m + j] for d in range(n) for x, m in zip(gathered, per) for j in range(m)]
-
-
 def _chain(leaves: list, n: int, chunks: int) -> list:
-    """``fold_program``'s chain, inside its shard_map: per leaf, this device's rounds -> the raveled fold. A device
-    adds and keeps only in the stages that have a chunk for it (``cond``)."""
+    """``fold_program``'s chain: per leaf, this device's rounds -> the raveled fold. A device adds and keeps only in
+    the stages that have a chunk for it (``cond``)."""
     d = lax.axis_index(AXIS)
     blocks = [[x.reshape(x.shape[0], -1) for x in xs] for xs in leaves]
     widths = [xs[0].shape[1] for xs in blocks]
