@@ -700,6 +700,7 @@ def _split_program(blocks: int, pmap_layout: bool) -> Callable:
 
 
 SMALL_LEAF = 1 << 14  # entries: a leaf this small is gathered whole and folded on every device
+CHAIN_LEAF = 1 << 20  # entries: at k > 1 a leaf this large goes by the chain (below, its stages cost more than moving)
 CHAIN_CHUNKS = 4  # a chained leaf's chunks per device: more, fewer idle stages, but more stages
 
 
@@ -711,32 +712,35 @@ def fold_program(mesh: Mesh, per_device: int) -> Callable:
     IEEE additions, g_0 + g_1, then + g_2, ..., however the values travel:
 
     * a leaf under SMALL_LEAF entries, or any on one device: gathered whole, folded on every device;
-    * k = 1: ``all_to_all``, each device folds 1/n of the entries, ``all_gather`` (an all-reduce's traffic);
-    * k > 1: a chain. C = CHAIN_CHUNKS * n chunks of ceil(width / C) entries (the last starts at width - size).
+    * at k = 1, or under CHAIN_LEAF entries: ``all_to_all``, each device folds 1/n of the entries of every block,
+      ``all_gather`` (k + 1 gradients a device; at k = 1 an all-reduce's traffic);
+    * otherwise a chain. C = CHAIN_CHUNKS * n chunks of ceil(width / C) entries (the last starts at width - size).
       Chunk c starts on device 0 as its block 0, + its blocks 1..k-1; device 1 adds its k blocks; and so on. Device
       n - 1 then sends the fold around the ring (n - 1 -> 0 -> ... -> n - 2), each device keeping it. At stage s
       (C + 2n - 2 of them, one ``ppermute`` each) device d adds to chunk s - d and keeps chunk s - n - d. A device
-      sends about 3 gradients for any k (``all_to_all`` would send k + 1)."""
+      sends about 3 gradients for any k."""
     n = mesh.devices.size
 
     def fold(rounds):
         leaves = list(zip(*(jax.tree.leaves(r) for r in rounds)))  # per leaf: this device's rounds, (m, ...) each
-        chained = [i for i, xs in enumerate(leaves) if n > 1 and np.prod(xs[0].shape[1:]) >= SMALL_LEAF]
-        folded = [None if i in chained else _left_fold(lax.all_gather(jnp.concatenate(xs), AXIS, tiled=True))
-                  for i, xs in enumerate(leaves)]
-        for i, x in zip(chained, _chain([leaves[i] for i in chained], n, CHAIN_CHUNKS * n) if per_device > 1 else
-                        [_scattered(leaves[i][0].reshape(-1), n) for i in chained]):  # k = 1: one round of (1, ...)
-            folded[i] = x.reshape(leaves[i][0].shape[1:])
+        width = [int(np.prod(xs[0].shape[1:])) if n > 1 else 0 for xs in leaves]
+        chained = [i for i, w in enumerate(width) if w >= CHAIN_LEAF and per_device > 1]
+        folded = [_left_fold(lax.all_gather(jnp.concatenate(xs), AXIS, tiled=True)) if w < SMALL_LEAF else
+                  None if i in chained else _scattered(jnp.concatenate(xs).reshape(per_device, w), n)
+                  for i, (xs, w) in enumerate(zip(leaves, width))]
+        for i, x in zip(chained, _chain([leaves[i] for i in chained], n, CHAIN_CHUNKS * n)):
+            folded[i] = x
+        folded = [x.reshape(xs[0].shape[1:]) for x, xs in zip(folded, leaves)]
         return jax.tree.unflatten(jax.tree.structure(rounds[0]), folded)
     return jax.jit(jax.shard_map(fold, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False),
                    compiler_options=CANONICAL_XLA_OPTIONS)
 
 
 def _scattered(x, n: int):
-    """``fold_program`` at k = 1: this device's block, raveled and zero-padded to n chunks -> the fold of all n."""
-    chunk = -(-x.size // n)
-    blocks = lax.all_to_all(jnp.pad(x, (0, n * chunk - x.size)).reshape(1, -1), AXIS, 1, 0, tiled=True)
-    return lax.all_gather(_left_fold(blocks), AXIS, tiled=True)[:x.size]
+    """``fold_program``'s all_to_all: this device's k blocks, raveled (k, width) -> the fold of all n*k."""
+    chunk = -(-x.shape[1] // n)
+    blocks = lax.all_to_all(jnp.pad(x, ((0, 0), (0, n * chunk - x.shape[1]))), AXIS, 1, 0, tiled=True)  # (L, chunk)
+    return lax.all_gather(_left_fold(blocks), AXIS, tiled=True)[:x.shape[1]]
 
 
 def _chain(leaves: list, n: int, chunks: int) -> list:
