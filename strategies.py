@@ -35,12 +35,12 @@ The reductions, how a step's gradient is summed:
 
   Each block runs the same single-device code on every device, whatever the mesh (one program per block,
   ``block_program``; on LOOP_PLATFORMS one loop program per device, ``loop_program``), and so does the update. The fold
-  (``fold_program``; at L > n a chain from device to device) moves values and adds them in block order, nothing else. So params, optimizer state and losses are
-  the same bits on every mesh whose device count n divides L, in one process or several, through every strategy, on
-  one device adding the L blocks as microbatches (``single``), across a stop and a resume on another of these, at any
-  learning rate. Not across L, jaxlib versions, platforms or device kinds. The XLA options the programs need are set
-  here (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a loader's carry a "logical_shards" entry) or from
-  ``logical_shards``; given both, they must agree; given neither, the step is refused.
+  (``fold_program``; at L > n a chain from device to device) moves values and adds them in block order, nothing else. So
+  params, optimizer state and losses are the same bits on every mesh whose device count n divides L, in one process or
+  several, through every strategy, on one device adding the L blocks as microbatches (``single``), across a stop and a
+  resume on another of these, at any learning rate. Not across L, jaxlib versions, platforms or device kinds. The XLA
+  options the programs need are set here (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a loader's carry a
+  "logical_shards" entry) or from ``logical_shards``; given both, they must agree; given neither, the step is refused.
 
 Imports: NumPy and JAX only (JAX 0.10 or newer). optax optimizers are accepted, not imported. Imported by
 equivalence.py, refimpl.py and bench.py.
@@ -759,7 +759,8 @@ def _chain(leaves: list, n: int, chunks: int) -> list:
         return [one(*leaf) for leaf in zip(blocks, widths, sizes, partial)]
 
     def keep(chunk, done, kept):
-        return [lax.dynamic_update_slice(k, x, (at(chunk, w, size),)) for k, x, w, size in zip(kept, done, widths, sizes)]
+        return [lax.dynamic_update_slice(k, x, (at(chunk, w, size),)) for k, x, w, size in
+                zip(kept, done, widths, sizes)]
 
     def stage(s, carry):
         partial, passed = lax.ppermute(carry[:2], AXIS, [(i, (i + 1) % n) for i in range(n)])
