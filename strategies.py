@@ -723,9 +723,9 @@ def fold_program(mesh: Mesh, per_device: int) -> Callable:
 
     def fold(rounds):
         leaves = list(zip(*(jax.tree.leaves(r) for r in rounds)))  # per leaf: this device's rounds, (m, ...) each
-        width = [int(np.prod(xs[0].shape[1:])) if n > 1 else 0 for xs in leaves]
-        chained = [i for i, w in enumerate(width) if w >= CHAIN_LEAF and per_device > 1]
-        folded = [_left_fold(lax.all_gather(jnp.concatenate(xs), AXIS, tiled=True)) if w < SMALL_LEAF else
+        width = [int(np.prod(xs[0].shape[1:])) for xs in leaves]
+        chained = [i for i, w in enumerate(width) if n > 1 and per_device > 1 and w >= CHAIN_LEAF]
+        folded = [_left_fold(lax.all_gather(jnp.concatenate(xs), AXIS, tiled=True)) if n == 1 or w < SMALL_LEAF else
                   None if i in chained else _scattered(jnp.concatenate(xs).reshape(per_device, w), n)
                   for i, (xs, w) in enumerate(zip(leaves, width))]
         for i, x in zip(chained, _chain([leaves[i] for i in chained], n, CHAIN_CHUNKS * n)):

@@ -1005,14 +1005,14 @@ def test_each_leaf_takes_the_collective_its_size_says(devices):
     at one block a device and by the chain (a loop of ppermutes) at two (the traffic the
     docstring states). Never an all-reduce."""
     mesh = loaders.data_mesh(devices[:2])
-    for width, k, way in ((strategies.SMALL_LEAF - 1, 2, "all-gather"), (strategies.SMALL_LEAF, 1, "all-to-all"),
-                          (strategies.SMALL_LEAF, 2, "all-to-all"), (strategies.CHAIN_LEAF, 1, "all-to-all"),
-                          (strategies.CHAIN_LEAF, 2, "collective-permute")):
+    scattered, chain = {"all-to-all", "all-gather"}, {"collective-permute"}
+    for width, k, want in ((strategies.SMALL_LEAF - 1, 2, {"all-gather"}), (strategies.SMALL_LEAF, 1, scattered),
+                           (strategies.SMALL_LEAF, 2, scattered), (strategies.CHAIN_LEAF, 1, scattered),
+                           (strategies.CHAIN_LEAF, 2, chain)):
         leaf = jax.ShapeDtypeStruct((2, width), np.float32, sharding=NamedSharding(mesh, P("data")))
         text = compiled_text(strategies.fold_program(mesh, k), [leaf] * k)
         found = {c for c in ("all-gather", "all-to-all", "collective-permute", "all-reduce") if c + "(" in text}
-        assert found == ({way} if way == "all-gather" else {way, "all-gather"} if way == "all-to-all" else {way}), \
-            (width, k, found)
+        assert found == want, (width, k, found)
 
 
 def test_the_fold_keeps_the_sign_of_a_zero_sum_at_any_width(devices):
