@@ -669,7 +669,8 @@ def loop_program(loss_terms: LossTerms, blocks: int, fold: bool) -> Callable:
     iteration i of a ``while`` loop whose trip count is that array, a value XLA cannot see: it can neither remove the
     loop (at k = 1) nor unroll it, so every block runs the loop body's one compiled code, and the body is the same for
     every k, k's own dimension aside (the HLO test compares them). The sums go into a buffer that the fold reads after
-    the loop: no add can join a block's arithmetic."""
+    the loop: no add can join a block's arithmetic. The buffer starts uninitialised (``lax.empty``; zeros on CPUs):
+    the k iterations write every entry, so zeroing it would be a pass over k gradients for nothing."""
     gradient = _total_gradient(loss_terms)
 
     def run(params, rows, trips):
@@ -682,7 +683,7 @@ def loop_program(loss_terms: LossTerms, blocks: int, fold: bool) -> Callable:
             block = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, 0, keepdims=False), stacked)
             return jax.tree.map(lambda buffer, x: lax.dynamic_update_index_in_dim(buffer, x, i, 0), sums,
                                 gradient(params, block))
-        empty = jax.tree.map(lambda s: jnp.zeros((blocks,) + s.shape, s.dtype), shapes)
+        empty = jax.tree.map(lambda s: lax.empty((blocks,) + s.shape, s.dtype), shapes)
         sums = lax.fori_loop(0, trips, body, empty)
         return jax.tree.map(_left_fold, sums) if fold else sums
     return jax.jit(run, compiler_options=CANONICAL_XLA_OPTIONS)
