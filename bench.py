@@ -22,6 +22,7 @@ measure them); ``--json`` also writes the figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import itertools
 import json
@@ -245,10 +246,10 @@ def training_section(images, labels, mesh, args) -> dict:
 
 
 def reduction_section(args) -> dict:
-    """Per case of ``args.reduction_cases`` (model, global batch, L/n) on all n devices: each step's median time over
-    interleaved rounds (after two warm-up calls each), and each step's device memory (``step_memory``). Then the
-    compile time of the canonical and the plain steps on 1, 2, 4 and 8 devices (those there are): the MLP at the
-    largest global batch, L = 8, the first call less a warm one."""
+    """Per case of ``args.reduction_cases`` (model, global batch, L/n) on all n devices: the median time of each step
+    and of the canonical step's floor (``block_work``) over interleaved rounds (after two warm-up calls each), and each
+    step's device memory (``step_memory``). Then the compile time of the canonical and the plain steps on 1, 2, 4 and
+    8 devices (those there are): the MLP at the largest global batch, L = 8, the first call less a warm one."""
     n = args.reduction_devices
     mesh = loaders.data_mesh(jax.devices()[:n])
     rows = []
@@ -260,16 +261,20 @@ def reduction_section(args) -> dict:
         def call(s):
             states[s], loss = steps[s](states[s], batch)
             jax.block_until_ready((states[s], loss))
+        floor = block_work(name, start, batch, mesh, shards)
         for s in [*steps] * 2:  # compile
             call(s)
-        times = rounds({s: lambda s=s: call(s) for s in steps}, args.step_rounds)
+            floor()
+        times = rounds({**{s: lambda s=s: call(s) for s in steps}, "floor": floor}, args.step_rounds)
         row = {"model": name, "devices": n, "global_batch": global_batch, "logical_shards": shards,
                "rows": int(batch["mask"].shape[0]), "gradient_mb": sum(np.asarray(x).nbytes for x in
                                                                        jax.tree.leaves(start[0])) / 2**20}
         for s in steps:
             row[s] = {"step_ms": 1e3 * statistics.median(times[s]), "memory_mb": step_memory(s, start, batch, mesh,
                                                                                              name, shards)}
+        row["floor_ms"] = 1e3 * statistics.median(times["floor"])
         row["ratio"] = {"step_time": row["canonical"]["step_ms"] / row["plain"]["step_ms"],
+                        "floor": row["floor_ms"] / row["plain"]["step_ms"],
                         "memory": row["canonical"]["memory_mb"] / row["plain"]["memory_mb"]}
         row["extra_gradients"] = (row["canonical"]["memory_mb"] - row["plain"]["memory_mb"]) / row["gradient_mb"]
         rows.append(row)
@@ -285,6 +290,27 @@ def reduction_section(args) -> dict:
             row[s] = t["first"][0] - t["warm"][0]
         compiles.append(row)
     return {"cases": rows, "compile_s": compiles, "precision": str(jax.config.jax_default_matmul_precision)}
+
+
+def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
+    """A call that runs the canonical step's arithmetic with nothing moved between devices, no update: on each device
+    its k = L/n block gradients, one program each (on LOOP_PLATFORMS its loop program), then with ``fold`` their left
+    fold, a program each device; it returns the devices' results in device order. Any construction that gives each
+    block a gradient of its own and adds them in block order does at least this on some device: the floor under the
+    canonical step's time."""
+    _, loss_terms, _ = MODELS[name]
+    k, devices = shards // mesh.devices.size, list(mesh.devices.flat)
+    params = {d: jax.device_put(start[0], d) for d in devices}
+    rows = {d: {key: next(s.data for s in x.addressable_shards if s.device == d) for key, x in batch.items()}
+            for d in devices}
+    if devices[0].platform in strategies.LOOP_PLATFORMS:
+        loop, trips = strategies.loop_program(loss_terms, k, fold), {d: jax.device_put(np.int32(k), d) for d in devices}
+        return lambda: jax.block_until_ready([loop(params[d], rows[d], trips[d]) for d in devices])
+    b, block = batch["mask"].shape[0] // shards, strategies.block_program(loss_terms)
+    split = {d: [jax.tree.map(lambda x: x[i * b:(i + 1) * b], rows[d]) for i in range(k)] for d in devices}
+    folded = jax.jit(lambda sums: jax.tree.map(lambda *x: functools.reduce(jnp.add, x), *sums))  # ((x0 + x1) + x2) ...
+    sums = lambda: {d: [block(params[d], r) for r in split[d]] for d in devices}
+    return lambda: jax.block_until_ready([folded(s) if fold else s for s in sums().values()])
 
 
 def step_memory(step: str, start, batch, mesh, name: str, shards: int) -> float:
@@ -490,11 +516,13 @@ def markdown(results: dict) -> str:
         lines += table(f"**The canonical reduction** (canonical_step against sharded_step on the same batch of L*b "
                        f"rows, SGD, matmul precision {red['precision']}; step median over interleaved rounds; memory "
                        f"per device at the step's peak, from XLA's memory_analysis; extra = the difference in "
-                       f"gradients)", "model | devices | global batch | L | plain ms | canonical ms | canonical / "
-                       "plain | plain MiB | canonical MiB | canonical / plain | extra", "lrrrrrrrrrr",
+                       f"gradients; floor = the block gradients and their fold, nothing moved)", "model | devices | "
+                       "global batch | L | plain ms | canonical ms | canonical / plain | floor / plain | plain MiB | "
+                       "canonical MiB | canonical / plain | extra", "lrrrrrrrrrrr",
                        "{model} | {devices} | {rows} | {logical_shards} | {plain[step_ms]:.2f} | "
-                       "{canonical[step_ms]:.2f} | {ratio[step_time]:.2f} | {plain[memory_mb]:.0f} | "
-                       "{canonical[memory_mb]:.0f} | {ratio[memory]:.2f} | {extra_gradients:.1f}", red["cases"])
+                       "{canonical[step_ms]:.2f} | {ratio[step_time]:.2f} | {ratio[floor]:.2f} | "
+                       "{plain[memory_mb]:.0f} | {canonical[memory_mb]:.0f} | {ratio[memory]:.2f} | "
+                       "{extra_gradients:.1f}", red["cases"])
         lines += table("**Compile time** (s; the MLP, global batch 1024, L = 8; first call - warm call)",
                        "devices | plain | canonical", "rrr", "{devices} | {plain:.2f} | {canonical:.2f}",
                        red["compile_s"])

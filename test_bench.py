@@ -7,14 +7,19 @@ report: every section and row, every figure a finite number, the goals and the
 list of implausible figures bench flags itself (which may be non-empty).
 """
 
+import functools
 import json
 import math
 import os
 import sys
 
+import jax
+import numpy as np
 import pytest
 
+import bench
 import loaders
+import strategies
 from conftest import run_children
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,6 +69,7 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
         for step in ("plain", "canonical"):
             assert number(r[step]["step_ms"]) and number(r[step]["memory_mb"]), r
         assert number(r["ratio"]["step_time"]) and number(r["ratio"]["memory"]), r
+        assert number(r["floor_ms"]) and number(r["ratio"]["floor"]), r
     assert [c["devices"] for c in reduction["compile_s"]] == [1, 8]
     assert reduction["precision"] == "highest" and "| mlp |" in stdout and "L = 4n" in stdout
 
@@ -71,3 +77,26 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
     assert "**Feeding**" in stdout and "| sharded | host |" in stdout
     assert isinstance(results["implausible"], list) and all(isinstance(t, str) for t in results["implausible"])
     assert list(results["section_s"]) == ["loader", "feeding", "training", "reduction"]
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_the_floor_runs_the_canonical_steps_own_arithmetic(devices, monkeypatch, loop):
+    """bench.block_work runs what the canonical step computes on each device: its block sums,
+    folded in block order and updated, are the canonical step's state, bit for bit, and with
+    ``fold`` each device returns the left fold of its own blocks (the smoke MLP, L = 6 on 2
+    devices; also with a TPU's loop schedule). The control: two blocks swapped give other bits."""
+    monkeypatch.setattr(strategies, "LOOP_PLATFORMS", ("cpu",) if loop else ())
+    mesh = loaders.data_mesh(devices[:2])
+    start, batch, steps = bench.reduction_case("mlp", 18, 6, mesh, smoke=True)
+    want = jax.tree.leaves(steps["canonical"](strategies.replicate(start, mesh), batch))
+    outs = bench.block_work("mlp", start, batch, mesh, 6, fold=False)()  # per device: its 3 blocks, stacked or not
+    per_device = [[jax.tree.map(lambda x: np.asarray(x)[i], out) for i in range(3)] if loop else
+                  [jax.tree.map(lambda x: np.asarray(x)[0], s) for s in out] for out in outs]
+    left_fold = lambda blocks: jax.tree.map(lambda *x: functools.reduce(np.add, x), *blocks)
+    update = strategies.update_program(strategies.sgd_update)
+    for order, same in ((range(6), True), ([0, 2, 1, 3, 4, 5], False)):
+        got = jax.tree.leaves(update(start, *left_fold([sum(per_device, [])[i] for i in order])))
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)) == same, order
+    for out, blocks in zip(bench.block_work("mlp", start, batch, mesh, 6)(), per_device):
+        assert all(np.array_equal(np.asarray(a).reshape(np.shape(b)), b)
+                   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(left_fold(blocks))))
