@@ -700,7 +700,7 @@ def _split_program(blocks: int, pmap_layout: bool) -> Callable:
     return jax.jit(split)
 
 
-SMALL_LEAF = 1 << 14  # entries: a leaf this small is gathered whole and folded on every device
+SMALL_LEAF = 1 << 12  # entries: under this a leaf is gathered whole, folded on every device (above, n folds cost more)
 CHAIN_LEAF = 1 << 20  # entries: at k > 1 a leaf this large goes by the chain (below, its stages cost more than moving)
 CHAIN_CHUNKS = 4  # a chained leaf's chunks per device: more, fewer idle stages, but more stages
 
