@@ -93,10 +93,10 @@ def test_the_floor_runs_the_canonical_steps_own_arithmetic(devices, monkeypatch,
     per_device = [[jax.tree.map(lambda x: np.asarray(x)[i], out) for i in range(3)] if loop else
                   [jax.tree.map(lambda x: np.asarray(x)[0], s) for s in out] for out in outs]
     left_fold = lambda blocks: jax.tree.map(lambda *x: functools.reduce(np.add, x), *blocks)
-    update = strategies.update_program(strategies.sgd_update)
+    update, blocks = strategies.update_program(strategies.sgd_update), sum(per_device, [])
     for order, same in ((range(6), True), ([0, 2, 1, 3, 4, 5], False)):
-        got = jax.tree.leaves(update(start, *left_fold([sum(per_device, [])[i] for i in order])))
+        got = jax.tree.leaves(update(start, *left_fold([blocks[i] for i in order])))
         assert all(np.array_equal(a, b) for a, b in zip(got, want)) == same, order
-    for out, blocks in zip(bench.block_work("mlp", start, batch, mesh, 6)(), per_device):
+    for out, own in zip(bench.block_work("mlp", start, batch, mesh, 6)(), per_device):
         assert all(np.array_equal(np.asarray(a).reshape(np.shape(b)), b)
-                   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(left_fold(blocks))))
+                   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(left_fold(own))))
