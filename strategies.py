@@ -746,7 +746,8 @@ def _scattered(x, n: int):
 
 def _chain(leaves: list, n: int, chunks: int) -> list:
     """``fold_program``'s chain: per leaf, this device's rounds -> the raveled fold. A device adds and keeps only in
-    the stages that have a chunk for it (``cond``)."""
+    the stages that have a chunk for it (``cond``). The kept fold starts uninitialised, as ``loop_program``'s buffer:
+    every chunk is kept, so every entry is written."""
     d = lax.axis_index(AXIS)
     blocks = [[x.reshape(x.shape[0], -1) for x in xs] for xs in leaves]
     widths = [xs[0].shape[1] for xs in blocks]
@@ -770,8 +771,9 @@ def _chain(leaves: list, n: int, chunks: int) -> list:
         chunk = jnp.where(d == n - 1, s - d, s - n - d)
         kept = lax.cond((chunk >= 0) & (chunk < chunks), keep, lambda chunk, done, kept: kept, chunk, done, carry[2])
         return partial, done, kept
-    zeros = lambda sizes: [jnp.zeros((size,), xs[0].dtype) for xs, size in zip(blocks, sizes)]
-    return lax.fori_loop(0, chunks + 2 * n - 2, stage, (zeros(sizes), zeros(sizes), zeros(widths)))[2]
+    start = lambda sizes, make: [make((size,), xs[0].dtype) for xs, size in zip(blocks, sizes)]
+    carry = (start(sizes, jnp.zeros), start(sizes, jnp.zeros), start(widths, lax.empty))
+    return lax.fori_loop(0, chunks + 2 * n - 2, stage, carry)[2]
 
 
 def _left_fold(blocks):
