@@ -660,6 +660,7 @@ def block_program(loss_terms: LossTerms) -> Callable:
 # costs more than a small block (a TPU's, about 0.5 ms). Not on CPUs, where a conv net's gradient inside a loop compiles
 # 20-40x slower (XLA:CPU leaves its convolutions off their fast path). The blocks' sums and their order are the same.
 LOOP_PLATFORMS = ("tpu",)
+LOOP_SLOTS = 2  # the fewest slots loop_program's loop indexes (its docstring says why)
 
 
 @functools.lru_cache(maxsize=64)
@@ -670,21 +671,27 @@ def loop_program(loss_terms: LossTerms, blocks: int, fold: bool) -> Callable:
     loop (at k = 1) nor unroll it, so every block runs the loop body's one compiled code, and the body is the same for
     every k, k's own dimension aside (the HLO test compares them). The sums go into a buffer that the fold reads after
     the loop: no add can join a block's arithmetic. The buffer starts uninitialised (``lax.empty``; zeros on CPUs):
-    the k iterations write every entry, so zeroing it would be a pass over k gradients for nothing."""
+    the k iterations write every entry, so zeroing it would be a pass over k gradients for nothing.
+
+    The rows and the buffer have ``max(k, LOOP_SLOTS)`` slots; a slot past k is zeros, never visited. At one slot,
+    every iteration would read slot 0, a fact XLA sees: it hoists the block's arithmetic out of the loop and fuses it
+    with its neighbours, and on AVX2 CPUs a LayerNorm bias's gradient came out one rounding apart from k = 8's."""
     gradient = _total_gradient(loss_terms)
+    slots = max(blocks, LOOP_SLOTS)
 
     def run(params, rows, trips):
         if jnp.ndim(rows["mask"]) == 2:  # layout "pmap": (1, k*b, ...)
             rows = jax.tree.map(lambda x: x[0], rows)
         stacked = jax.tree.map(lambda x: x.reshape((blocks, x.shape[0] // blocks) + x.shape[1:]), rows)
+        stacked = jax.tree.map(lambda x: jnp.pad(x, [(0, slots - blocks)] + [(0, 0)] * (x.ndim - 1)), stacked)
         shapes = jax.eval_shape(gradient, params, jax.tree.map(lambda x: x[0], stacked))
 
         def body(i, sums):
             block = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, 0, keepdims=False), stacked)
             return jax.tree.map(lambda buffer, x: lax.dynamic_update_index_in_dim(buffer, x, i, 0), sums,
                                 gradient(params, block))
-        empty = jax.tree.map(lambda s: lax.empty((blocks,) + s.shape, s.dtype), shapes)
-        sums = lax.fori_loop(0, trips, body, empty)
+        empty = jax.tree.map(lambda s: lax.empty((slots,) + s.shape, s.dtype), shapes)
+        sums = jax.tree.map(lambda x: x[:blocks], lax.fori_loop(0, trips, body, empty))
         return jax.tree.map(_left_fold, sums) if fold else sums
     return jax.jit(run, compiler_options=CANONICAL_XLA_OPTIONS)
 

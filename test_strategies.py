@@ -967,22 +967,59 @@ def while_body(text: str) -> str:
     return numbered
 
 
+def loop_body(loss_terms, params, data, k: int, b: int) -> str:
+    """The while body of loop_program at k blocks of b rows (``while_body``), its slot count
+    written K: one device's iteration, k's own dimension aside."""
+    slots = max(k, strategies.LOOP_SLOTS)
+    rows = {key: np.concatenate([x] * -(-k * b // len(x)))[:k * b] for key, x in data.items()}
+    text = compiled_text(strategies.loop_program(loss_terms, k, False), params, dict(rows, mask=np.ones(k * b, bool)),
+                         np.int32(k))
+    assert text.count(" while(") == 1, "XLA removed or unrolled the loop"
+    body = re.sub(r"param_(\d+)\.\d+", r"param_\1", while_body(text))  # parameter names carry a module count
+    # the slots' own dimension, and the slot count as the index arithmetic's bound (jax's negative-index wrap)
+    return re.sub(rf"\[{slots}([,\]])", r"[K\1", body).replace(f"constant({slots})", "constant(K)")
+
+
 def test_every_block_of_the_loop_runs_code_that_does_not_depend_on_how_many_blocks():
-    """loop_program (LOOP_PLATFORMS' schedule): with k = 7 and k = 11 blocks of 2 rows on a
+    """loop_program (LOOP_PLATFORMS' schedule): with k = 1, 7 and 11 blocks of 3 rows on a
     device (L = k * n for any device count n), the while loop's body, with every computation
-    it calls, compiles to the same instructions, k's own dimension aside: each
-    block runs the same arithmetic whatever the device count. The control: blocks of 3 rows
-    compile to another body, and the difference is found."""
+    it calls, compiles to the same instructions, the slots' own dimension aside: each block
+    runs the same arithmetic whatever the device count. The control: blocks of 2 rows compile
+    to another body, and the difference is found."""
     loss_terms, params, data = canonical_model("relu")
-    bodies = {}
-    for k, b in ((7, 2), (11, 2), (7, 3)):
-        rows = {"x": data["x"][:k * b], "y": data["y"][:k * b], "mask": np.ones(k * b, bool)}
-        text = compiled_text(strategies.loop_program(loss_terms, k, False), params, rows, np.int32(k))
-        assert text.count(" while(") == 1, "XLA removed or unrolled the loop"
-        # k's own dimension, and k as the index arithmetic's bound (jax's negative-index wrap)
-        bodies[k, b] = re.sub(rf"\[{k}([,\]])", r"[K\1", while_body(text)).replace(f"constant({k})", "constant(K)")
-    assert bodies[7, 2] == bodies[11, 2], first_instruction_apart(bodies[7, 2], bodies[11, 2])
-    assert first_instruction_apart(bodies[7, 2], bodies[7, 3]) is not None
+    bodies = {(k, b): loop_body(loss_terms, params, data, k, b) for k, b in ((7, 3), (11, 3), (1, 3), (7, 2))}
+    for k in (11, 1):
+        assert bodies[7, 3] == bodies[k, 3], (k, first_instruction_apart(bodies[7, 3], bodies[k, 3]))
+    assert first_instruction_apart(bodies[7, 3], bodies[7, 2]) is not None
+
+
+def test_a_loop_of_one_block_keeps_the_block_inside_it(monkeypatch):
+    """What broke the loop schedule's bits on AVX2 CPUs (the token model at L = 8: one device
+    against eight, a LayerNorm bias's gradient one rounding apart): at k = 1, rows of one slot
+    let XLA see that every iteration reads slot 0, so it hoisted the block's arithmetic out of
+    the loop and fused it with its neighbours; k = 8 computed it inside. With LOOP_SLOTS = 2 the
+    block's matmuls stay in the body at k = 1 (the HLO, on any CPU); the control, one slot,
+    leaves the body none of them. The bits, on the token model: each block's sums at k = 1
+    equal its row of k = 8's (a difference there shows only where the CPU's kernels round the
+    hoisted and the looped forms apart: CI plays AVX2)."""
+    loss_terms, params, data = canonical_model("relu")
+    assert loop_body(loss_terms, params, data, 1, 3).count(" dot(") == 5  # 2 forward, 3 backward
+    monkeypatch.setattr(strategies, "LOOP_SLOTS", 1)
+    strategies.loop_program.cache_clear()
+    try:
+        assert loop_body(loss_terms, params, data, 1, 3).count(" dot(") == 0
+    finally:
+        monkeypatch.undo()
+        strategies.loop_program.cache_clear()
+    loss_terms, params, data = canonical_model("token")
+    k, b = 8, 2
+    rows = {"x": data["x"][:k * b], "mask": np.ones(k * b, bool)}
+    stacked = strategies.loop_program(loss_terms, k, False)(params, rows, np.int32(k))
+    for i in range(k):
+        one = strategies.loop_program(loss_terms, 1, False)(params, {key: x[i * b:(i + 1) * b] for key, x in
+                                                                     rows.items()}, np.int32(1))
+        for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(stacked), jax.tree.leaves(one)):
+            assert_same_bits(np.asarray(y)[0], np.asarray(x)[i], f"block {i}, {jax.tree_util.keystr(path)}")
 
 
 @pytest.mark.parametrize("kind, L", [("relu", 4), pytest.param("conv", 4, marks=pytest.mark.slow),
