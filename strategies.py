@@ -288,7 +288,10 @@ def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | N
 
     ``params`` are the step's, replicated (or ``stacked``, pmap's: the first copy is checked); ``n``, the step's device
     count (None: the mask's, 1 for a host array), which layout "pmap" needs. Where the state or the batch's total is
-    not finite (a training that diverged, NaN data), nothing can be judged, and the contract is not checked."""
+    not finite (a training that diverged, NaN data), nothing can be judged, and the contract is not checked.
+
+    Across processes the verdict is agreed (``_agreed``) before any step runs: a break that shows on one process's
+    rows stops every process, each naming the process where it showed, so none waits in the step's collective."""
     seen = set()
 
     def check(params, batch):
@@ -299,6 +302,15 @@ def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | N
         signature = (jax.tree.structure(batch), tuple((np.shape(x), _dtype(x)) for x in jax.tree.leaves(batch)))
         if signature in seen:
             return
+        try:
+            judge(params, batch)
+            verdict = None
+        except ValueError as error:
+            verdict = error
+        _agreed(verdict, batch["mask"])
+        seen.add(signature)
+
+    def judge(params, batch):
         mask = batch["mask"]
         if _dtype(mask) != np.bool_:
             raise ValueError(f"{where}: batch['mask'] is {_dtype(mask)}, not bool: a mask must be True on "
@@ -317,8 +329,37 @@ def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | N
                 raise ValueError(f"{where}: the batch's {rows} rows do not split into logical_shards="
                                  f"{logical_shards} blocks of one size")
         _check_contract(where, loss_terms, params, batch, layout, stacked)
-        seen.add(signature)
     return check
+
+
+VERDICT_BYTES = 2048  # a refusal's message as it crosses between processes (longer is cut)
+
+
+def _agreed(verdict: ValueError | None, mask) -> None:
+    """Raises ``verdict``; across processes (``mask`` a global jax.Array), every process's, gathered over the mask's
+    mesh: a ValueError on every process if any refused, naming each process that did and its message."""
+    if jax.process_count() == 1 or not isinstance(mask, jax.Array) or not hasattr(mask.sharding, "mesh"):
+        if verdict is not None:
+            raise verdict
+        return
+    mesh = mask.sharding.mesh
+    text = np.frombuffer(("" if verdict is None else str(verdict)).encode()[:VERDICT_BYTES].ljust(VERDICT_BYTES, b"\0"),
+                         np.uint8)
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    words = jax.make_array_from_single_device_arrays((mesh.devices.size, VERDICT_BYTES), NamedSharding(
+        mesh, P(mesh.axis_names)), [jax.device_put(text[None], d) for d in local])
+    every = np.asarray(_replicated(mesh)(words).addressable_data(0))
+    said = {}
+    for device, row in zip(mesh.devices.flat, every):
+        if row.any():
+            said.setdefault(device.process_index, bytes(row).rstrip(b"\0").decode(errors="replace"))
+    if said:
+        raise ValueError("; ".join(f"process {p} of {jax.process_count()}: {m}" for p, m in sorted(said.items())))
+
+
+@functools.lru_cache(maxsize=16)
+def _replicated(mesh: Mesh) -> Callable:
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
 
 
 def _dtype(x) -> np.dtype:

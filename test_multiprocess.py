@@ -16,7 +16,9 @@ With --run-slow (child processes, bounded by conftest.run_children):
 * refimpl.py --local-processes 2 prints one report and trains the bits of one process
   (canonical, --compare-to); a canonical run stopped on 8 devices and resumed in 2
   processes ends on the uninterrupted run's bits; a process whose peer never comes fails
-  within --peer-timeout, naming itself.
+  within --peer-timeout, naming itself;
+* a loss_terms that breaks its contract on one process's rows stops both processes at the
+  door, each naming that process.
 
 This file is also the worker program of the first slow test.
 """
@@ -89,6 +91,19 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
         for shard in batch["index"].addressable_shards:
             read.append(np.asarray(shard.data).reshape(-1)[real[shard.device]])
     np.save(os.path.join(out_dir, f"read-{process_id}.npy"), np.concatenate(read))
+
+    def unmasked_on_1(params, batch):  # breaks the contract on process 1's rows only
+        return model.loss_terms(params, dict(batch, mask=batch["mask"] | (jax.process_index() == 1)))
+    steps = []
+    door = loaders.make_loader(data_dir, meshes["sharded"], B, placement="device")
+    try:
+        strategies.sharded(model.init_model(LAYERS), (steps.append(s) or door.batch(0, s) for s in range(STEPS)),
+                           meshes["sharded"], loss_terms=unmasked_on_1, optimizer=strategies.sgd(LR))
+        said = "trained"
+    except ValueError as error:
+        said = str(error)
+    with open(os.path.join(out_dir, f"door-{process_id}.txt"), "w") as f:
+        f.write(f"{len(steps)} batches drawn\n{said}")
     jax.distributed.shutdown()
 
 
@@ -380,6 +395,22 @@ def test_two_processes_train_like_one(two_workers, dataset):
     assert len(np.intersect1d(read[0], read[1])) == 0, "the processes read common samples"
     everything = np.sort(np.concatenate(read))
     assert_same_bits(everything, np.arange(1000, dtype=everything.dtype), "the samples both processes read")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_contract_broken_on_one_processs_rows_stops_every_process_before_any_step(two_workers):
+    """The door's verdict is agreed: a loss_terms that ignores the mask on process 1's rows
+    only (process 0's rows pass alone) stops both processes at the first batch, before its
+    step, each naming process 1 and the break; neither waits in the step's collective."""
+    ended, tmp_path = two_workers
+    for i in range(2):
+        code, out, err = ended[i]
+        assert code == 0, f"process {i} exited {code}:\n{err[-3000:]}"
+        drawn, said = (tmp_path / f"door-{i}.txt").read_text().split("\n", 1)
+        assert drawn == "1 batches drawn", (i, drawn)
+        assert said.startswith("process 1 of 2: sharded_step: loss_terms on the first device's rows"), (i, said)
+        assert "when every row is padding" in said and "process 0 of 2" not in said, (i, said)
 
 
 # 1000 samples over 8 logical shards of 64: 2 steps an epoch; the canonical reduction, so that
