@@ -336,6 +336,7 @@ def one_step_tolerance(params0, params1, batch, n: int, lr: float) -> list:
     return out
 
 
+@pytest.mark.bits
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_train_like_one(two_workers, dataset):
@@ -444,6 +445,7 @@ def refimpl_runs(dataset, tmp_path_factory):
     return dict(zip(commands, results)), out / "one.npz"
 
 
+@pytest.mark.bits
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_refimpl_in_2_local_processes_prints_one_report_and_trains_one_processs_bits(refimpl_runs):
@@ -457,6 +459,7 @@ def test_refimpl_in_2_local_processes_prints_one_report_and_trains_one_processs_
     assert "[Gloo]" not in out + err and "peer ranks" not in out + err, err
 
 
+@pytest.mark.bits
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_canonical_run_stopped_on_8_devices_and_resumed_in_2_processes_ends_on_its_bits(refimpl_runs):

@@ -350,6 +350,7 @@ def test_the_doc_holds_a_snippet_for_every_job():
     assert set(snippets()) == set(MODULES), sorted(snippets())
 
 
+@pytest.mark.bits
 @pytest.mark.slow
 def test_each_module_alone_runs_a_users_job(tmp_path):
     run_jobs(tmp_path, [name for name in MODULES if name not in PEERS])

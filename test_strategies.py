@@ -114,6 +114,7 @@ def cpu_mesh(ids) -> jax.sharding.Mesh:
     return loaders.data_mesh([cpus[i] for i in ids])
 
 
+@pytest.mark.bits
 def test_strategies_on_other_devices_give_the_same_params():
     # CPU devices 4, 6 and 7, permuted: neither the default devices nor their order. The
     # linear model (quick to compile): where a strategy runs does not depend on the model.
@@ -863,6 +864,7 @@ CANONICAL_CASES = [
 ]
 
 
+@pytest.mark.bits
 @pytest.mark.parametrize("kind, rule, L, b, every", CANONICAL_CASES)
 def test_canonical_reduction_is_the_same_bits_on_every_topology(devices, canonical_rules, kind, rule, L, b, every):
     """Params, optimizer state and losses, as bytes (NaN payloads included), through every
@@ -875,6 +877,7 @@ def test_canonical_reduction_is_the_same_bits_on_every_topology(devices, canonic
     assert rule.startswith("chaotic") or (np.isfinite(losses).all() and losses[-1] != losses[0]), losses
 
 
+@pytest.mark.bits
 def test_the_canonical_reduction_is_not_the_plain_one_on_another_topology(devices, canonical_rules):
     """The control of the test above: the plain reduction, the same runs on 4 and 2 devices
     and single: not the same bits (its sums follow the device count)."""
@@ -905,6 +908,7 @@ def first_instruction_apart(a: str, b: str) -> str | None:
     return None if len(la) == len(lb) else f"{len(la)} vs {len(lb)} instructions"
 
 
+@pytest.mark.bits
 def test_the_canonical_programs_compile_alike_on_every_topology(devices, canonical_rules):
     """Statically: on two devices (the programs are single-device and take no n), the block
     program (one block of b rows) and the update program compile to the same optimized HLO;
@@ -980,6 +984,7 @@ def loop_body(loss_terms, params, data, k: int, b: int) -> str:
     return re.sub(rf"\[{slots}([,\]])", r"[K\1", body).replace(f"constant({slots})", "constant(K)")
 
 
+@pytest.mark.bits
 def test_every_block_of_the_loop_runs_code_that_does_not_depend_on_how_many_blocks():
     """loop_program (LOOP_PLATFORMS' schedule): with k = 1, 7 and 11 blocks of 3 rows on a
     device (L = k * n for any device count n), the while loop's body, with every computation
@@ -993,6 +998,7 @@ def test_every_block_of_the_loop_runs_code_that_does_not_depend_on_how_many_bloc
     assert first_instruction_apart(bodies[7, 3], bodies[7, 2]) is not None
 
 
+@pytest.mark.bits
 def test_a_loop_of_one_block_keeps_the_block_inside_it(monkeypatch):
     """What broke the loop schedule's bits on AVX2 CPUs (the token model at L = 8: one device
     against eight, a LayerNorm bias's gradient one rounding apart): at k = 1, rows of one slot
@@ -1022,6 +1028,7 @@ def test_a_loop_of_one_block_keeps_the_block_inside_it(monkeypatch):
             assert_same_bits(np.asarray(y)[0], np.asarray(x)[i], f"block {i}, {jax.tree_util.keystr(path)}")
 
 
+@pytest.mark.bits
 @pytest.mark.parametrize("kind, L", [("relu", 4), pytest.param("conv", 4, marks=pytest.mark.slow),
                                      pytest.param("token", 8, marks=pytest.mark.slow)])
 def test_the_loop_schedule_is_the_same_bits_on_every_topology(devices, canonical_rules, monkeypatch, kind, L):
@@ -1052,6 +1059,7 @@ def test_each_leaf_takes_the_collective_its_size_says(devices):
         assert found == want, (width, k, found)
 
 
+@pytest.mark.bits
 def test_the_fold_keeps_the_sign_of_a_zero_sum_at_any_width(devices):
     """The fold starts from block 0 itself (a sum of -0.0 stays -0.0; 0 + -0.0 is +0.0), the
     all_to_all's padding reaches no entry, and the chain's last chunk, which overlaps its
@@ -1337,6 +1345,7 @@ def test_apply_updates_adds_in_the_wider_dtype_then_casts_as_optax_does(devices)
     assert bits_differ(np.asarray(mine["w"]), cast_first) is not None
 
 
+@pytest.mark.bits
 def test_gradient_accumulation_with_multisteps_is_a_mean_of_means_and_logical_shards_are_exact(devices):
     """optax.MultiSteps(k=2) over two padded steps (128 and 72 real rows) applies the mean of
     the two steps' mean gradients, not the mean over the 200 real rows: held against a float64
