@@ -11,12 +11,15 @@ float32 matmuls at precision "highest", as the suite's. Sections:
    host-to-device rate of a uint8 batch.
 2. feeding: the data cost, an epoch in the loop users run (a strategy over the loader's own epoch, prefetch
    included) over the same epoch from batches already on the devices.
-3. training: each strategy's step time and compile time.
+3. training: each strategy's step program, steps queued back to back; its compile time, by phase.
 4. reduction: ``canonical_step`` against ``sharded_step`` on an MLP, a conv net and attention, at L = n, 4n and 8n:
    step time, memory, compile time.
 
-The report ends with the goals and the figures no sane run gives ("implausible": the machine was too busy to
-measure them); ``--json`` also writes the figures.
+Each case prints one line (stderr) as it finishes, and ``--json`` rewrites the figures so far after each, so a run
+that is stopped keeps what it measured. No program compiles twice for the same shapes, but in the compile table of
+section 4, which compiles anew on purpose; a compile time is what JAX reports spending (``Compiles``), not a
+difference of two runs. The report ends with the goals and the figures no sane run gives ("implausible": the machine
+was too busy to measure them).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import dali_loader
 import loaders
@@ -87,10 +90,31 @@ def drain(batches) -> tuple[int, int]:
     return samples, nbytes
 
 
-def loader_section(images, labels, mesh, args) -> dict:
+class Compiles:
+    """What JAX compiles in this process, heard as it happens (``jax.monitoring``): per program, seconds in each
+    phase: "trace" (Python to a jaxpr), "lower" (to StableHLO) and "xla" (XLA's compile, or a read of JAX's
+    persistent cache where one is set)."""
+    PHASES = {"jaxpr_trace_duration": "trace", "jaxpr_to_mlir_module_duration": "lower",
+              "backend_compile_duration": "xla"}
+
+    def __init__(self):
+        self.heard = []
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+
+    def _duration(self, event, seconds, **kwargs):
+        phase = self.PHASES.get(event.rsplit("/", 1)[-1])
+        if phase:
+            self.heard.append((phase, kwargs.get("fun_name", "?"), seconds))
+
+    def since(self, mark: int) -> dict:
+        """{phase: seconds} of what was heard after ``mark`` (``len(self.heard)`` then), and "s", their sum."""
+        phases = {p: sum(t for q, _, t in self.heard[mark:] if q == p) for p in self.PHASES.values()}
+        return dict(phases, s=sum(phases.values()))
+
+
+def loader_section(images, labels, mesh, args, out: dict) -> None:
     """Per per-device batch: the host copy limit and the host-to-device rate (GB/s), and per loader one epoch
     drained: images/s, GB/s, share of the copy limit, and "reference, host"'s speed over it. Medians of rounds."""
-    out = {}
     sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
     try:  # DALI's CPU pipelines (own arithmetic) over the same records, unless no DALI, --no-dali or accelerators
         dali = not args.no_dali and mesh.devices.flat[0].platform == "cpu" and dali_loader.import_dali()
@@ -127,7 +151,8 @@ def loader_section(images, labels, mesh, args) -> dict:
             r["reference_speedup"] = results[REFERENCE]["images_per_s"] / r["images_per_s"]
         out[f"per_device_{batch_size}"] = {"copy_limit_gb_per_s": limit, "loaders": results,
                                            "to_devices_gb_per_s": batch.nbytes / seconds["to devices"] / 1e9}
-    return out
+        args.note("; ".join(f"{name} {r['images_per_s']:,.0f} images/s" for name, r in results.items()),
+                  f"loader, {batch_size} per device")
 
 
 def naive_batches(images, labels, mesh, batch_size: int, seed: int = 0):
@@ -183,17 +208,16 @@ def installed(package: str) -> str | None:
         return None
 
 
-def feeding_section(images, labels, mesh, args) -> dict:
+def feeding_section(images, labels, mesh, args, out: dict) -> None:
     """Per global batch, placement and strategy: the data cost, the median over rounds of the
     fed epoch's time (``strategy(params, loader.epoch(0), ...)``, the loader's own prefetch)
     over the prebuilt one's (the same strategy over ``list(loader.epoch(0))``, made before).
     Epochs of ``args.fed_steps`` steps (32; fewer where the data runs out); 8192, sharded only."""
     n = mesh.devices.size
     params = model.init_model(args.layers)
-    out = {}
     for global_batch in args.fed_batches:
         count = min(len(labels), args.fed_steps * global_batch)
-        row = {"images": count}
+        row = out[f"global_{global_batch}"] = {"images": count}
         for name in args.fed_strategies if global_batch in GLOBAL_BATCHES else ("sharded",):
             cases = {}
             for p in loaders.PLACEMENTS:
@@ -208,8 +232,9 @@ def feeding_section(images, labels, mesh, args) -> dict:
             row[name] = {p: {"fed_over_prebuilt": paired(times, f"fed {p}", f"prebuilt {p}", lambda a, b: a / b),
                              "prebuilt_step_ms": 1e3 * statistics.median(times[f"prebuilt {p}"]) / len(prebuilt)}
                          for p in loaders.PLACEMENTS}
-        out[f"global_{global_batch}"] = row
-    return out
+            args.note("; ".join(f"{p}: fed / prebuilt {r['fed_over_prebuilt']:.2f}x, prebuilt "
+                                f"{r['prebuilt_step_ms']:.2f} ms per step" for p, r in row[name].items()),
+                      f"feeding, global {global_batch}, {name}")
 
 
 def train(strategy, params, batches, mesh):
@@ -217,42 +242,72 @@ def train(strategy, params, batches, mesh):
     return strategy(params, batches, mesh, loss_terms=model.loss_terms, optimizer=strategies.sgd(LEARNING_RATE))
 
 
-def training_section(images, labels, mesh, args) -> dict:
-    """Per global batch and strategy: the step time (a run of ``train_steps`` + 1 steps minus a run of one, per step),
-    its ratio to ``single``'s, and the compile time (a first call with a new loss_terms minus a warm one-step run)."""
+def training_section(images, labels, mesh, args, out: dict) -> None:
+    """Per global batch and strategy, its plain step program (``strategy_step``) on the notebooks' MLP: the step time,
+    ``args.train_steps`` (at least 20) steps queued back to back and waited for once, per step, the median over
+    interleaved rounds; its ratio to single's; and what JAX spent compiling during the first step, by phase."""
     params = model.init_model(args.layers)
-    compile_s, cases = {}, {}
     for global_batch in args.training_batches:
-        for name, strategy in strategies.STRATEGIES.items():
+        runs, row = {}, out.setdefault(f"global_{global_batch}", {})
+        for name in strategies.STRATEGIES:
             loader = loaders.make_loader((images, labels), mesh, global_batch // mesh.devices.size,
                                          layout=strategies.LAYOUT[name])
-            batches = [loader.batch(0, s % len(loader)) for s in range(args.train_steps + 1)]
-            fresh = lambda p, b: model.loss_terms(p, b)  # a new object: its programs compile anew, not from the cache
-            compile_s[name, global_batch] = rounds({0: lambda: strategy(
-                params, batches[:1], mesh, loss_terms=fresh, optimizer=strategies.sgd(LEARNING_RATE))}, 1)[0][0]
-            cases[name, global_batch, 1] = lambda s=strategy, b=batches[:1]: train(s, params, b, mesh)
-            cases[name, global_batch, 0] = lambda s=strategy, b=batches: train(s, params, b, mesh)
-    times = rounds(cases, args.repeats)
-    out = {}
-    for name, global_batch in compile_s:
-        many, one = (name, global_batch, 0), (name, global_batch, 1)
-        out.setdefault(f"global_{global_batch}", {})[name] = {
-            "step_ms": 1e3 * paired(times, many, one, lambda t, t1: (t - t1) / args.train_steps),
-            "compile_s": compile_s[name, global_batch] - statistics.median(times[one])}
-    for row in out.values():
-        for r in row.values():
+            step, state, batches = strategy_step(name, params, [loader.batch(0, s) for s in range(min(4, len(loader)))],
+                                                 mesh)
+            mark = len(args.compiles.heard)
+            runs[name] = [queued(step, state, batches, 1), step, batches]
+            row[name] = {"compile": args.compiles.since(mark)}
+            row[name]["compile_s"] = row[name]["compile"]["s"]
+
+        def run(name):
+            runs[name][0] = queued(runs[name][1], runs[name][0], runs[name][2], args.train_steps)
+        times = rounds({name: functools.partial(run, name) for name in runs}, args.repeats)
+        for name in runs:
+            row[name]["step_ms"] = 1e3 * statistics.median(times[name]) / args.train_steps
+        for name, r in row.items():
             r["ratio_to_single"] = r["step_ms"] / row["single"]["step_ms"]
-    return out
+            args.note(f"step {r['step_ms']:.2f} ms ({r['ratio_to_single']:.2f}x single), compile {r['compile_s']:.2f} s "
+                      f"(" + ", ".join(f"{p} {r['compile'][p]:.2f}" for p in Compiles.PHASES.values()) + ")",
+                      f"training, global {global_batch}, {name}")
 
 
-def reduction_section(args) -> dict:
+def strategy_step(name: str, params, batches: list, mesh) -> tuple:
+    """(step, state, batches) as strategy ``name`` runs them with the MLP and SGD(LEARNING_RATE): its plain step, the
+    (params, SGD state) in its layout, the batches where it takes them (single: on the mesh's first device)."""
+    update, state = strategies.sgd_update, (params, strategies.sgd(LEARNING_RATE).init(params))
+    if name == "pmap":
+        return (strategies.pmap_step(model.loss_terms, update, tuple(mesh.devices.flat)),
+                strategies.stack_replicas(state, mesh), batches)
+    if name == "shard_map":
+        return strategies.shard_map_step(model.loss_terms, update, mesh), strategies.replicate(state, mesh), batches
+    if name == "single":
+        first = mesh.devices.flat[0]
+        return (strategies.sharded_step(model.loss_terms, update), strategies.replicate(state, loaders.data_mesh(
+            [first])), [jax.device_put(b, first) for b in batches])
+    return strategies.sharded_step(model.loss_terms, update), strategies.replicate(state, mesh), batches
+
+
+def queued(step, state, batches: list, steps: int):
+    """``steps`` steps from ``state`` over ``batches`` in turn, dispatched back to back, waited for once at the end;
+    returns the last state."""
+    values = []
+    for s in range(steps):
+        state, value = step(state, batches[s % len(batches)])
+        values.append(value)
+    jax.block_until_ready((state, values))
+    return state
+
+
+def reduction_section(args, out: dict) -> None:
     """Per case of ``args.reduction_cases`` (model, global batch, L/n) on all n devices: the median time of each step
     and of the canonical step's floor (``block_work``) over interleaved rounds (after two warm-up calls each), and each
     step's device memory (``step_memory``). Then the compile time of the canonical and the plain steps on 1, 2, 4 and
-    8 devices (those there are): the MLP at the largest global batch, L = 8, the first call less a warm one."""
+    8 devices (those there are): the MLP at the largest global batch, L = 8, with a new loss_terms, so that its
+    programs compile anew: what JAX spent compiling in the first call."""
     n = args.reduction_devices
     mesh = loaders.data_mesh(jax.devices()[:n])
-    rows = []
+    rows, compiles = out.setdefault("cases", []), out.setdefault("compile_s", [])
+    out["precision"] = str(jax.config.jax_default_matmul_precision)
     for name, global_batch, per_device in args.reduction_cases:
         shards = per_device * n
         start, batch, steps = reduction_case(name, global_batch, shards, mesh, args.smoke)
@@ -270,7 +325,7 @@ def reduction_section(args) -> dict:
                "rows": int(batch["mask"].shape[0]), "gradient_mb": sum(np.asarray(x).nbytes for x in
                                                                        jax.tree.leaves(start[0])) / 2**20}
         for s in steps:
-            row[s] = {"step_ms": 1e3 * statistics.median(times[s]), "memory_mb": step_memory(s, start, batch, mesh,
+            row[s] = {"step_ms": 1e3 * statistics.median(times[s]), "memory_mb": step_memory(s, states[s], batch, mesh,
                                                                                              name, shards)}
         row["floor_ms"] = 1e3 * statistics.median(times["floor"])
         row["ratio"] = {"step_time": row["canonical"]["step_ms"] / row["plain"]["step_ms"],
@@ -278,18 +333,19 @@ def reduction_section(args) -> dict:
                         "memory": row["canonical"]["memory_mb"] / row["plain"]["memory_mb"]}
         row["extra_gradients"] = (row["canonical"]["memory_mb"] - row["plain"]["memory_mb"]) / row["gradient_mb"]
         rows.append(row)
-    compiles = []
+        args.note(f"plain {row['plain']['step_ms']:.2f} ms, canonical {row['canonical']['step_ms']:.2f} ms "
+                  f"({row['ratio']['step_time']:.2f}x; floor {row['ratio']['floor']:.2f}x), memory "
+                  f"{row['ratio']['memory']:.2f}x", f"reduction, {name}, global {global_batch}, L = {shards}")
     for devices in (d for d in args.compile_devices if d <= len(jax.devices())):
         on = loaders.data_mesh(jax.devices()[:devices])
         start, batch, steps = reduction_case("mlp", max(GLOBAL_BATCHES), 8, on, args.smoke, fresh=True)
         row = {"devices": devices}
-        for s, step in steps.items():  # the warm call's time includes replicating the state
-            state = strategies.replicate(start, on)
-            t = rounds({"first": lambda: jax.block_until_ready(step(state, batch)),
-                        "warm": lambda: jax.block_until_ready(step(strategies.replicate(start, on), batch))}, 1)
-            row[s] = t["first"][0] - t["warm"][0]
+        for s, step in steps.items():
+            mark = len(args.compiles.heard)
+            jax.block_until_ready(step(strategies.replicate(start, on), batch))
+            row[s] = args.compiles.since(mark)["s"]
         compiles.append(row)
-    return {"cases": rows, "compile_s": compiles, "precision": str(jax.config.jax_default_matmul_precision)}
+        args.note(f"plain {row['plain']:.2f} s, canonical {row['canonical']:.2f} s", f"compile, {devices} devices")
 
 
 def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
@@ -313,29 +369,34 @@ def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
     return lambda: jax.block_until_ready([folded(s) if fold else s for s in sums().values()])
 
 
-def step_memory(step: str, start, batch, mesh, name: str, shards: int) -> float:
+def step_memory(step: str, state, batch, mesh, name: str, shards: int) -> float:
     """MiB one device holds at the step's peak, from XLA's memory_analysis of each of the step's programs (arguments +
     outputs - aliased + temporaries) plus what the step keeps alive beside it: the state, the batch (and its blocks,
-    split), and the block sums waiting for the fold (k - 1 beside the last block program; a loop's k are its output)."""
+    split), and the block sums waiting for the fold (k - 1 beside the last block program; a loop's k are its output).
+    ``state`` is the step's own (replicated on the mesh): each program is analysed with the arguments it runs on, so
+    that it is the program already compiled, not another."""
     _, loss_terms, _ = MODELS[name]
     n, d, k = mesh.devices.size, mesh.devices.flat[0], shards // mesh.devices.size
-    local = lambda tree: jax.tree.map(lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else
-                                      jax.device_put(x, d), tree)
-    params, opt, rows = local(start[0]), local(start[1]), local(batch)
+    local = lambda tree: jax.tree.map(lambda x: x.addressable_data(0), tree)
+    params, opt, rows = local(state[0]), local(state[1]), local(batch)
     size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     held = lambda program, *args: (lambda m: m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                                    + m.temp_size_in_bytes)(program.lower(*args).compile().memory_analysis())
+    if step == "plain":  # its programs run on the global arrays
+        gradient = strategies.sharded_gradient(loss_terms)
+        update = strategies.update_program(strategies.sgd_update, strategies.donates(mesh.devices.flat))
+        return max(held(update, state, *gradient(state[0], batch)) + size(rows),
+                   held(gradient, state[0], batch) + size(opt)) / 2**20
     update = strategies.update_program(strategies.sgd_update)
-    block = jax.tree.map(lambda x: x[:rows["mask"].shape[0] // k], rows)
+    on_d = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(d))
+    block = jax.tree.map(lambda x: on_d((x.shape[0] // k,) + x.shape[1:], x.dtype), rows)
     sums = jax.eval_shape(strategies.block_program(loss_terms), params, block)  # one block's, (1, ...)
-    folded = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), sums)
+    folded = jax.tree.map(lambda s: on_d(s.shape[1:], s.dtype), sums)
     peaks = [held(update, (params, opt), *folded) + size(rows)]
-    if step == "plain":
-        peaks.append(held(strategies.sharded_gradient(loss_terms), params, rows) + size(opt))
-        return max(peaks) / 2**20
     split = 2 if k > 1 else 1  # the batch, and its blocks once split
     if d.platform in strategies.LOOP_PLATFORMS:
-        peaks.append(held(strategies.loop_program(loss_terms, k, n == 1), params, rows, np.int32(k)) + size(opt))
+        peaks.append(held(strategies.loop_program(loss_terms, k, n == 1), params, rows, jax.device_put(np.int32(k), d))
+                     + size(opt))
         rounds = [jax.tree.map(lambda s: jax.ShapeDtypeStruct((n * k,) + s.shape[1:], s.dtype), sums)]
         split = 1
     else:
@@ -451,6 +512,8 @@ def goals(results: dict) -> list[dict]:
     if "loader" in results and "training" in results:
         rate = results["loader"]["per_device_128"]["to_devices_gb_per_s"]
         for key, row in results["training"].items():
+            if "step_ms" not in row.get("sharded", {}):  # not measured yet
+                continue
             global_batch = int(key.split("_")[1])
             rows.append((f"a global batch's uint8 images to the devices / sharded step, global batch {global_batch}",
                          1e3 * global_batch * RECORD_BYTES / rate / 1e9 / row["sharded"]["step_ms"], "<", 1.0))
@@ -506,9 +569,11 @@ def markdown(results: dict) -> str:
                         for key, row in results["feeding"].items()
                         for name in strategies.STRATEGIES if name in row for p in loaders.PLACEMENTS])
     if "training" in results:
-        lines += table("**Training** (per step, median; compile = first call - warm call)",
-                       "global batch | strategy | step ms | / single | compile s", "rlrrr",
-                       "{batch} | {name} | {step_ms:.1f} | {ratio_to_single:.2f} | {compile_s:.2f}",
+        lines += table("**Training** (the step program, steps queued back to back, per step, median of rounds; "
+                       "compile: what JAX spent compiling in the first step, s, by phase)",
+                       "global batch | strategy | step ms | / single | compile s | trace | lower | XLA", "rlrrrrrr",
+                       "{batch} | {name} | {step_ms:.2f} | {ratio_to_single:.2f} | {compile_s:.2f} | "
+                       "{compile[trace]:.2f} | {compile[lower]:.2f} | {compile[xla]:.2f}",
                        [dict(r, batch=key.split("_")[1], name=name)
                         for key, row in results["training"].items() for name, r in row.items()])
     if "reduction" in results:
@@ -553,7 +618,7 @@ def main(argv=None) -> dict:
     args.num_train = args.num_train or (50_000, 4_096, 1_024)[size]  # 1024: 8 devices x B 128
     args.repeats = args.repeats or (3, 2, 1)[size]
     args.step_rounds = 3 * args.repeats
-    args.train_steps = (4, 2, 1)[size]
+    args.train_steps = 20
     args.fed_batches = [(*GLOBAL_BATCHES, 8192), GLOBAL_BATCHES[:1], (64,)][size]
     args.fed_strategies = (tuple(strategies.STRATEGIES), ("sharded",), ("sharded",))[size]
     args.fed_steps = (32, 16, 4)[size]
@@ -566,6 +631,7 @@ def main(argv=None) -> dict:
     args.compile_devices = (1, 2, 4, 8) if size == 0 else (1, 8)
     args.layers = model.LAYERS if size < 2 else SMOKE_LAYERS
     chosen = args.sections.split(",")
+    args.compiles = Compiles()
     mesh = loaders.data_mesh(jax.devices())
     with tempfile.TemporaryDirectory() as root:
         args.cache_dir = os.path.join(root, "cache")
@@ -584,18 +650,22 @@ def main(argv=None) -> dict:
                    "read_cifar10_s": time.perf_counter() - start, "training_batches": list(args.training_batches),
                    "section_s": {}}
         sections = {"loader": loader_section, "feeding": feeding_section, "training": training_section,
-                    "reduction": lambda images, labels, mesh, args: reduction_section(args)}
+                    "reduction": lambda images, labels, mesh, args, out: reduction_section(args, out)}
         if unknown := sorted(set(chosen) - set(sections)):
             parser.error(f"--sections: unknown {unknown}; choose from {list(sections)}")
-        for name in chosen:  # in the order given; the figures so far written after each
-            start = time.perf_counter()
-            results[name] = sections[name](images, labels, mesh, args)
-            results["section_s"][name] = time.perf_counter() - start
-            print(f"bench: {name} section {results['section_s'][name]:.1f} s", file=sys.stderr, flush=True)
+
+        def note(line: str, case: str) -> None:  # one line per case; the figures so far to --json
+            print(f"bench: {case}: {line}", file=sys.stderr, flush=True)
             results["goals"], results["implausible"] = goals(results), implausible(results)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(results, f, indent=2)
+        args.note = note
+        for name in chosen:  # in the order given
+            start = time.perf_counter()
+            sections[name](images, labels, mesh, args, results.setdefault(name, {}))
+            results["section_s"][name] = time.perf_counter() - start
+            note(f"{results['section_s'][name]:.1f} s", f"{name} section")
     print(markdown(results))
     return results
 

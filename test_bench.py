@@ -59,6 +59,7 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
         assert set(row) == {"sharded", "pmap", "shard_map", "single"}
         for r in row.values():
             assert number(r["step_ms"]) and number(r["compile_s"]) and number(r["ratio_to_single"]), r
+            assert set(r["compile"]) == {"trace", "lower", "xla", "s"} and r["compile"]["xla"] > 0, r
         assert row["single"]["ratio_to_single"] == 1.0
 
     reduction = results["reduction"]
@@ -100,3 +101,23 @@ def test_the_floor_runs_the_canonical_steps_own_arithmetic(devices, monkeypatch,
     for out, own in zip(bench.block_work("mlp", start, batch, mesh, 6)(), per_device):
         assert all(np.array_equal(np.asarray(a).reshape(np.shape(b)), b)
                    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(left_fold(own))))
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_the_memory_figures_analyse_the_programs_the_steps_ran(devices, monkeypatch, loop):
+    """bench.step_memory reads XLA's analysis of the programs each step has already compiled:
+    after one plain and one canonical step (the smoke MLP, L = 4 on 2 devices; also with a
+    TPU's loop schedule), it compiles nothing. The control: Compiles hears a new program."""
+    monkeypatch.setattr(strategies, "LOOP_PLATFORMS", ("cpu",) if loop else ())
+    mesh = loaders.data_mesh(devices[:2])
+    start, batch, steps = bench.reduction_case("mlp", 16, 4, mesh, smoke=True)
+    compiles = bench.Compiles()
+    for name, step in steps.items():
+        state = strategies.replicate(start, mesh)
+        jax.block_until_ready(step(state, batch))
+        mark = len(compiles.heard)
+        assert bench.step_memory(name, state, batch, mesh, "mlp", 4) > 0
+        assert compiles.heard[mark:] == [], (name, compiles.heard[mark:])
+    mark = len(compiles.heard)
+    jax.jit(lambda x: x * 3 + 1)(np.ones(5, np.float32))
+    assert compiles.since(mark)["xla"] > 0 and {p for p, _, _ in compiles.heard[mark:]} == {"trace", "lower", "xla"}
