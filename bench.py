@@ -244,8 +244,8 @@ def train(strategy, params, batches, mesh):
 
 def training_section(images, labels, mesh, args, out: dict) -> None:
     """Per global batch and strategy, its plain step program (``strategy_step``) on the notebooks' MLP: the step time,
-    ``args.train_steps`` (at least 20) steps queued back to back and waited for once, per step, the median over
-    interleaved rounds; its ratio to single's; and what JAX spent compiling during the first step, by phase."""
+    ``args.train_steps`` (at least 20) steps queued back to back (``queued``), per step, the median over interleaved
+    rounds; its ratio to single's; and what JAX spent compiling during the first step, by phase."""
     params = model.init_model(args.layers)
     for global_batch in args.training_batches:
         runs, row = {}, out.setdefault(f"global_{global_batch}", {})
@@ -288,12 +288,10 @@ def strategy_step(name: str, params, batches: list, mesh) -> tuple:
 
 
 def queued(step, state, batches: list, steps: int):
-    """``steps`` steps from ``state`` over ``batches`` in turn, dispatched back to back, waited for once at the end;
-    returns the last state."""
-    values = []
-    for s in range(steps):
-        state, value = step(state, batches[s % len(batches)])
-        values.append(value)
+    """``steps`` steps from ``state`` over ``batches`` in turn through ``strategies.train_loop`` (each step dispatched
+    before the one before it is waited for: the devices never wait for Python), the last waited for; returns the last
+    state. Unbounded queues deadlock XLA's CPU all-reduce (8 virtual devices, 20 steps of the MLP queued)."""
+    state, values = strategies.train_loop(step, state, (batches[s % len(batches)] for s in range(steps)))
     jax.block_until_ready((state, values))
     return state
 
@@ -317,16 +315,20 @@ def reduction_section(args, out: dict) -> None:
             states[s], loss = steps[s](states[s], batch)
             jax.block_until_ready((states[s], loss))
         floor = block_work(name, start, batch, mesh, shards)
-        for s in [*steps] * 2:  # compile
+        compiled = {}
+        for s in [*steps, *steps]:  # warm-up: what the first call of each compiles
+            mark = len(args.compiles.heard)
             call(s)
             floor()
+            compiled.setdefault(s, args.compiles.since(mark))
         times = rounds({**{s: lambda s=s: call(s) for s in steps}, "floor": floor}, args.step_rounds)
         row = {"model": name, "devices": n, "global_batch": global_batch, "logical_shards": shards,
                "rows": int(batch["mask"].shape[0]), "gradient_mb": sum(np.asarray(x).nbytes for x in
                                                                        jax.tree.leaves(start[0])) / 2**20}
         for s in steps:
             row[s] = {"step_ms": 1e3 * statistics.median(times[s]), "memory_mb": step_memory(s, states[s], batch, mesh,
-                                                                                             name, shards)}
+                                                                                             name, shards),
+                      "compile": compiled[s]}
         row["floor_ms"] = 1e3 * statistics.median(times["floor"])
         row["ratio"] = {"step_time": row["canonical"]["step_ms"] / row["plain"]["step_ms"],
                         "floor": row["floor_ms"] / row["plain"]["step_ms"],
@@ -335,7 +337,8 @@ def reduction_section(args, out: dict) -> None:
         rows.append(row)
         args.note(f"plain {row['plain']['step_ms']:.2f} ms, canonical {row['canonical']['step_ms']:.2f} ms "
                   f"({row['ratio']['step_time']:.2f}x; floor {row['ratio']['floor']:.2f}x), memory "
-                  f"{row['ratio']['memory']:.2f}x", f"reduction, {name}, global {global_batch}, L = {shards}")
+                  f"{row['ratio']['memory']:.2f}x; compiled: plain {compiled['plain']['s']:.1f} s, canonical "
+                  f"{compiled['canonical']['s']:.1f} s", f"reduction, {name}, global {global_batch}, L = {shards}")
     for devices in (d for d in args.compile_devices if d <= len(jax.devices())):
         on = loaders.data_mesh(jax.devices()[:devices])
         start, batch, steps = reduction_case("mlp", max(GLOBAL_BATCHES), 8, on, args.smoke, fresh=True)
