@@ -319,8 +319,8 @@ def reduction_section(args, out: dict) -> None:
         for s in [*steps, *steps]:  # warm-up: what the first call of each compiles
             mark = len(args.compiles.heard)
             call(s)
-            floor()
             compiled.setdefault(s, args.compiles.since(mark))
+            floor()
         times = rounds({**{s: lambda s=s: call(s) for s in steps}, "floor": floor}, args.step_rounds)
         row = {"model": name, "devices": n, "global_batch": global_batch, "logical_shards": shards,
                "rows": int(batch["mask"].shape[0]), "gradient_mb": sum(np.asarray(x).nbytes for x in
