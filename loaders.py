@@ -435,14 +435,22 @@ def _epoch_rows(mesh: Mesh, names: tuple[str, ...]):
     return jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=(P(DATA_AXIS), P(DATA_AXIS)), out_specs=P(DATA_AXIS)))
 
 
-def device_fit(num_samples: int, sample_shape: tuple[int, ...], mesh: Mesh,
-               device_budget: int | None = None, itemsize: int = 1) -> str | None:
-    """Why a dataset would not fit placement "device" on ``mesh`` (the largest shard, samples
-    of ``sample_shape`` with ``itemsize`` bytes per element plus an int32 label, twice: the
-    resident shard and an epoch's rows, over ``device_budget`` bytes per device: by default
-    half of what the device reports free, or for CPU devices half the host's available
-    memory over this process's devices), or None."""
-    return _fits(num_samples, int(np.prod(sample_shape)) * itemsize + 4, mesh, device_budget)
+def device_fit(data, mesh: Mesh, device_budget: int | None = None) -> str | None:
+    """Why ``data`` would not fit placement "device" on ``mesh``, or None: make_loader's own check. ``data`` as
+    make_loader takes it, a dict {name: array} or the tuple (samples, labels), labels delivered as int32 (anything
+    with a shape and a dtype: memory maps are not read). Every field counts: the largest shard's samples, each
+    field's bytes per sample added, held twice (the resident shard and an epoch's rows), over ``device_budget``
+    bytes per device: by default half of what the device reports free, or for CPU devices half the host's available
+    memory over this process's devices. ValueError for another kind of ``data`` (a folder: read it first)."""
+    if isinstance(data, tuple) and len(data) == 2:
+        fields = [(np.shape(data[0]), np.dtype(data[0].dtype)), (np.shape(data[1]), np.dtype(np.int32))]
+    elif isinstance(data, Mapping) and data:
+        fields = [(np.shape(a), np.dtype(a.dtype)) for a in data.values()]
+    else:
+        raise ValueError(f"device_fit: data must be a dict of arrays or a (samples, labels) tuple, as make_loader "
+                         f"takes them, got {type(data).__name__}")
+    return _fits(fields[0][0][0], sum(int(np.prod(shape[1:])) * dtype.itemsize for shape, dtype in fields), mesh,
+                 device_budget)
 
 
 def _fits(num_samples: int, sample_bytes: int, mesh: Mesh, device_budget: int | None) -> str | None:
@@ -471,7 +479,7 @@ def _default_budget(devices: list) -> tuple[int, str]:
 def _place_dataset(arrays: dict[str, np.ndarray], mesh: Mesh, budget: int | None) -> dict:
     """Shard k's samples of every array on mesh position k, padded to the largest shard."""
     N = len(next(iter(arrays.values())))
-    too_big = _fits(N, sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize for a in arrays.values()), mesh, budget)
+    too_big = device_fit(arrays, mesh, budget)
     if too_big:
         raise ValueError(too_big)
     n = mesh.devices.size

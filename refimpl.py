@@ -517,7 +517,7 @@ def training_loaders(args: argparse.Namespace, job: Job) -> tuple[dict, str]:
     if job.backend == "reference":
         placement = args.placement
         if placement == "auto":
-            too_big = loaders.device_fit(len(job.train_data[1]), job.train_data[0].shape[1:], job.mesh)
+            too_big = loaders.device_fit(job.train_data, job.mesh)
             placement = "host" if too_big else "device"
         make, data, extra = loaders.make_loader, job.train_data, {"placement": placement}
     elif job.backend == "rocal":

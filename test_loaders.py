@@ -308,8 +308,27 @@ def test_device_budget_counts_every_arrays_bytes_of_the_largest_shard(devices):
             data, devices, B, normalize=None, placement="device", device_budget=fits - 1),
             "placement='device'", "over the budget", "placement='host'")
     mesh = loaders.data_mesh(devices[:2])  # 7 samples: shards of 3 and 4, (1 + 4) bytes each, twice
-    assert loaders.device_fit(7, (1, 1, 1), mesh, device_budget=40) is None
-    assert "4 samples twice" in loaders.device_fit(7, (1, 1, 1), mesh, device_budget=39)
+    pair = (np.zeros((7, 1, 1, 1), np.uint8), np.zeros(7, np.int64))  # labels delivered as int32
+    assert loaders.device_fit(pair, mesh, device_budget=40) is None
+    assert "4 samples twice" in loaders.device_fit(pair, mesh, device_budget=39)
+
+
+def test_device_fit_counts_every_field_as_make_loader_does(devices):
+    """device_fit is make_loader's own check: a float32 "weights" field beside images and labels
+    counts its 4 bytes a sample (the control: without it the same budget fits), and make_loader
+    refuses with device_fit's words. A folder or a list is refused naming data."""
+    mesh = loaders.data_mesh(devices[:2])
+    data = {"images": np.zeros((7, 1, 1, 1), np.uint8), "labels": np.zeros(7, np.int32),
+            "weights": np.ones(7, np.float32)}
+    why = loaders.device_fit(data, mesh, device_budget=71)  # 4 samples x (1 + 4 + 4) bytes x 2 = 72
+    assert why is not None and "4 samples twice" in why and "= 0.0 MiB" in why
+    assert loaders.device_fit(data, mesh, device_budget=72) is None
+    assert loaders.device_fit({k: v for k, v in data.items() if k != "weights"}, mesh, device_budget=40) is None
+    with pytest.raises(ValueError) as refused:
+        loaders.make_loader(data, mesh, 1, normalize=None, placement="device", device_budget=71)
+    assert str(refused.value) == why
+    for bad in ("a-folder", [data["images"]], {}):
+        assert_raises_naming(ValueError, lambda: loaders.device_fit(bad, mesh), "device_fit: data must be")
 
 
 def test_mnist_with_the_dali_notebooks_normalisation(devices):

@@ -589,8 +589,8 @@ def test_each_backend_is_handed_the_runs_loader_for_each_layout(monkeypatch, tmp
                                           ("reference", "host", None, dict(placement="host")),
                                           ("rocal", "auto", None, dict(cache_dir=str(tmp_path))),
                                           ("dali", "auto", None, dict(cache_dir=str(tmp_path)))):
-        monkeypatch.setattr(loaders, "device_fit", lambda n, shape, mesh, fit=fit: fit if (n, shape, mesh) == (
-            10, (3, 4, 5), job.mesh) else pytest.fail("device_fit asked about other data"))
+        monkeypatch.setattr(loaders, "device_fit", lambda data, mesh, fit=fit: fit if (
+            data is job.train_data and mesh is job.mesh) else pytest.fail("device_fit asked about other data"))
         calls.clear()
         args.placement, job.backend = placement, backend
         made, how = refimpl.training_loaders(args, job)
