@@ -330,8 +330,10 @@ class Normalize:
                              f"of shape {image_chw!r}")
         c, h, w = _ints("Normalize", "image_chw", image_chw, 3, 1)
         if len(self.mean) != c:
-            hint = "; these look channels-last (NHWC): NCHW expected, pass images.transpose(0, 3, 1, 2)" \
-                if image_chw[-1] == len(self.mean) else ""
+            last = image_chw[-1]  # a last axis of at most 4, below the first: channels, whatever mean says
+            hint = (f"; these look channels-last (NHWC, {last} channel{'s' * (last > 1)}): NCHW expected, pass "
+                    f"images.transpose(0, 3, 1, 2)" + (f" and a mean and std of {last} entries" if last != len(
+                        self.mean) else "")) if last <= 4 and last < c else ""
             raise ValueError(f"Normalize: mean and std need {c} entries (one per channel of images "
                              f"{tuple(image_chw)}, channels first), got mean={list(self.mean)}{hint}")
         return (c,) + self.window((h, w))[2:]

@@ -450,7 +450,11 @@ def test_normalize_output_shape_refuses_what_does_not_fit_naming_why():
     assert_raises_naming(ValueError, lambda: norm.output_shape((12, 10)), "(N, C, H, W)", "(12, 10)")
     assert_raises_naming(ValueError, lambda: norm.output_shape((1, 3, 12, 10)), "(N, C, H, W)")
     assert_raises_naming(ValueError, lambda: norm.output_shape((12, 10, 3)), "mean and std need 12 entries",
-                         "channels-last (NHWC)", "transpose(0, 3, 1, 2)")
+                         "channels-last (NHWC, 3 channels)", "transpose(0, 3, 1, 2)")
+    one = Normalize(mean=(127.5,), std=(127.5,))  # a one-channel mean on three-channel NHWC images: both hints
+    assert_raises_naming(ValueError, lambda: one.output_shape((12, 10, 3)), "need 12 entries", "channels-last (NHWC, "
+                         "3 channels)", "transpose(0, 3, 1, 2) and a mean and std of 3 entries")
+    assert_raises_naming(ValueError, lambda: one.output_shape((28, 28, 1)), "channels-last (NHWC, 1 channel)")
     with pytest.raises(ValueError) as info:
         norm.output_shape((2, 12, 10))
     assert "need 2 entries" in str(info.value) and "NHWC" not in str(info.value)
