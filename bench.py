@@ -266,8 +266,9 @@ def training_section(images, labels, mesh, args, out: dict) -> None:
             row[name]["step_ms"] = 1e3 * statistics.median(times[name]) / args.train_steps
         for name, r in row.items():
             r["ratio_to_single"] = r["step_ms"] / row["single"]["step_ms"]
-            args.note(f"step {r['step_ms']:.2f} ms ({r['ratio_to_single']:.2f}x single), compile {r['compile_s']:.2f} s "
-                      f"(" + ", ".join(f"{p} {r['compile'][p]:.2f}" for p in Compiles.PHASES.values()) + ")",
+            phases = ", ".join(f"{p} {r['compile'][p]:.2f}" for p in Compiles.PHASES.values())
+            args.note(f"step {r['step_ms']:.2f} ms ({r['ratio_to_single']:.2f}x single), compile "
+                      f"{r['compile_s']:.2f} s ({phases})",
                       f"training, global {global_batch}, {name}")
 
 
