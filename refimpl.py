@@ -535,7 +535,6 @@ def training_loaders(args: argparse.Namespace, job: Job) -> tuple[dict, str]:
 
 def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optimizer, span, metrics) -> tuple:
     """Strategy ``name`` over the run's epochs, a line (and metrics row) each: (host params, opt state, failures)."""
-    import jax
     import model
     import strategies
 
@@ -544,10 +543,9 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
     reduction = {} if args.reduction == "plain" else {"reduction": "canonical", "logical_shards": args.logical_shards}
     train = functools.partial(strategies.STRATEGIES[name], mesh=job.mesh, loss_terms=model.loss_terms,
                               optimizer=optimizer, **reduction)
-    failures, fed = [], None
+    failures = []
     job.say(f"--- {name} ---")
     for epoch, (lo, hi) in span.spans.items():
-        before = (params, opt_state)
         start = time.perf_counter()
         params, losses, opt_state = train(params, span.batches(name, loader, epoch), opt_state=opt_state)
         seconds = time.perf_counter() - start
@@ -566,15 +564,6 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
         failures += [line for ok, line in lines if not ok]
         if metrics:
             print(json.dumps(row), file=metrics, flush=True)
-        fed = (epoch, before, seconds) if (lo, hi) == (0, job.steps) and epoch != span.first_epoch else None
-    if fed and name == args.strategies[0]:  # what the data costs: the last epoch again, its batches prebuilt
-        epoch, (p, state), seconds = fed
-        prebuilt = jax.block_until_ready(list(loader.epoch(epoch)))
-        start = time.perf_counter()
-        train(p, prebuilt, opt_state=state)
-        again = time.perf_counter() - start
-        job.say(f"{name} epoch {epoch} again over its batches prebuilt on the devices: {again:.2f} s; fed by the "
-                f"loader it took {seconds / again:.2f}x that")
     return params, opt_state, failures
 
 
