@@ -1055,12 +1055,15 @@ def test_a_schedule_reads_its_dataset_only_for_a_state():
 
 
 def spec_digest(arrays) -> str:
-    """dataset_digest's docstring read literally: the whole of each array at once."""
+    """dataset_digest's docstring read literally: of each array its header, then the rows it
+    names (all of at most 64, else 64 spread evenly) as one C-order copy."""
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(arrays):
         a = np.asarray(arrays[name])
         header = json.dumps([name, a.dtype.str, a.dtype.name, list(a.shape)], separators=(",", ":"))
         digest.update(header.encode("utf-8") + b"\n")
+        if a.ndim:
+            a = a[np.arange(len(a)) if len(a) <= 64 else np.arange(64) * (len(a) - 1) // 63]
         digest.update(a.tobytes(order="C"))
     return digest.hexdigest()
 
@@ -1090,29 +1093,41 @@ def test_dataset_digest_is_the_same_on_every_machine():
     assert dataset_digest(data) == "27b5fa12ff3788d1e7d6aa87ff7272bc"
 
 
-def test_dataset_digest_reads_blocks_of_rows_and_a_view_as_its_copy(monkeypatch, tmp_path):
-    records = np.random.default_rng(3).integers(0, 256, (40, 3073)).astype(np.uint8)
+def test_dataset_digest_reads_64_rows_of_a_long_array_and_a_view_as_its_copy(tmp_path):
+    """Of a memory map of 1,000 rows, a strided view, it reads the 64 rows digest_rows names,
+    the first and the last among them, one at a time, and gives its copy's digest; a change in
+    a row it reads is told apart, one in a row it skips is not (the stated limit)."""
+    records = np.random.default_rng(3).integers(0, 256, (1000, 3073)).astype(np.uint8)
     path = tmp_path / "records.bin"
     records.tofile(path)
-    mapped = np.memmap(path, np.uint8, mode="r").reshape(40, 3073)
-    view = {"images": mapped[:, 1:].reshape(40, 3, 32, 32), "labels": mapped[:, 0].astype(np.int32)}
+    mapped = np.memmap(path, np.uint8, mode="r").reshape(1000, 3073)
+    view = {"images": mapped[:, 1:].reshape(1000, 3, 32, 32), "labels": mapped[:, 0].astype(np.int32)}
     assert not view["images"].flags.c_contiguous  # the control: the view is strided
     copy = {name: np.ascontiguousarray(a) for name, a in view.items()}
-    for block in (plan_module.DIGEST_BLOCK_BYTES, 5000, 100):  # 100: a row (3072 bytes) at a time
-        monkeypatch.setattr(plan_module, "DIGEST_BLOCK_BYTES", block)
-        assert dataset_digest(view) == dataset_digest(copy) == spec_digest(copy), block
+    assert dataset_digest(view) == dataset_digest(copy) == spec_digest(copy)
+
+    class Counted(np.ndarray):
+        def __getitem__(self, key):
+            read.append(key)
+            return np.asarray(self)[key]
+    read = []
+    dataset_digest({"images": copy["images"].view(Counted)})
+    assert read == plan_module.digest_rows(1000) and len(read) == 64 and read[0] == 0 and read[-1] == 999
+    for row, told in ((read[5], True), (read[5] + 1, False)):
+        changed = copy["images"].copy()
+        changed[row, 0, 0, 0] ^= 1
+        assert (dataset_digest({**copy, "images": changed}) != dataset_digest(copy)) is told, row
 
 
-@pytest.mark.parametrize("block", [None, 1], ids=["16 MiB blocks", "a row at a time"])
-def test_dataset_digest_is_its_docstring_at_the_array_edges(monkeypatch, block):
+def test_dataset_digest_is_its_docstring_at_the_array_edges():
     # A 0-d array, an empty one (before and after the others in name order), a single row,
-    # a column: read in blocks or a row at a time, the same digest as the whole arrays at once.
-    if block is not None:
-        monkeypatch.setattr(plan_module, "DIGEST_BLOCK_BYTES", block)
+    # a column, 64 and 65 rows: the docstring read literally.
     data = {"a scalar": np.array(2.5, np.float32), "b empty": np.zeros((0, 3), np.int16),
             "c one row": np.arange(5, dtype=np.uint8).reshape(1, 5), "d column": np.arange(4, dtype=np.int64),
-            "e empty last": np.zeros(0, bool), "f after": np.arange(6, dtype=np.int32).reshape(3, 2)}
+            "e empty last": np.zeros(0, bool), "f after": np.arange(6, dtype=np.int32).reshape(3, 2),
+            "g 64": np.arange(128, dtype=np.int16).reshape(64, 2), "h 65": np.arange(130, dtype=np.int16).reshape(65, 2)}
     assert dataset_digest(data) == spec_digest(data)
+    assert plan_module.digest_rows(64) == list(range(64)) and len(plan_module.digest_rows(65)) == 64
     # the controls: the 0-d value, an empty array's shape, and the arrays after an empty one count
     for name, other in [("a scalar", np.array(3.5, np.float32)), ("b empty", np.zeros((0, 4), np.int16)),
                         ("f after", np.arange(1, 7, dtype=np.int32).reshape(3, 2))]:
