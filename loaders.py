@@ -435,8 +435,9 @@ def _epoch_rows(mesh: Mesh, names: tuple[str, ...]):
     return jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=(P(DATA_AXIS), P(DATA_AXIS)), out_specs=P(DATA_AXIS)))
 
 
-def device_fit(data, mesh: Mesh, device_budget: int | None = None) -> str | None:
-    """Why ``data`` would not fit placement "device" on ``mesh``, or None: make_loader's own check. ``data`` as
+def device_fit(data, devices: Sequence[jax.Device] | Mesh, device_budget: int | None = None) -> str | None:
+    """Why ``data`` would not fit placement "device" on ``devices`` (a list or a mesh, as make_loader takes them), or
+    None: make_loader's own check. ``data`` as
     make_loader takes it, a dict {name: array} or the tuple (samples, labels), labels delivered as int32 (anything
     with a shape and a dtype: memory maps are not read). Every field counts: the largest shard's samples, each
     field's bytes per sample added, held twice (the resident shard and an epoch's rows), over ``device_budget``
@@ -449,8 +450,8 @@ def device_fit(data, mesh: Mesh, device_budget: int | None = None) -> str | None
     else:
         raise ValueError(f"device_fit: data must be a dict of arrays or a (samples, labels) tuple, as make_loader "
                          f"takes them, got {type(data).__name__}")
-    return _fits(fields[0][0][0], sum(int(np.prod(shape[1:])) * dtype.itemsize for shape, dtype in fields), mesh,
-                 device_budget)
+    return _fits(fields[0][0][0], sum(int(np.prod(shape[1:])) * dtype.itemsize for shape, dtype in fields),
+                 data_mesh(devices), device_budget)
 
 
 def _fits(num_samples: int, sample_bytes: int, mesh: Mesh, device_budget: int | None) -> str | None:

@@ -104,6 +104,11 @@ try:
     raise SystemExit("int64 labels were accepted")
 except ValueError as error:
     assert "astype(np.int32)" in str(error), error
+assert all(isinstance(a, np.memmap) for a in on_disk.values()) and placement == "device"
+for s in (0, len(loader) - 1):  # the same plan and bits from the files, in either placement
+    for files in (disk_loader, loaders.make_loader(on_disk, devices, batch_size=32, shuffle=True, seed=0)):
+        np.testing.assert_array_equal(np.asarray(files.batch(0, s)["x"]), np.asarray(batches[s]["x"]))
+assert "over the budget" in loaders.device_fit(on_disk, devices, device_budget=1000)
 first = np.asarray(image_loader.batch(0, 0)["images"])
 assert first.shape == (n * 32, 1, 16, 16) and first.dtype == np.float32
 idx = image_loader.plan(0).indices[0].ravel()
