@@ -657,6 +657,33 @@ def test_resume_random_access_and_real_samples(devices, placement):
     assert three.real_samples(EPOCH, state=saved) == NR - 64 == sum(int(b["mask"].sum()) for b in rest)
 
 
+@pytest.mark.parametrize("placement", loaders.PLACEMENTS)
+def test_a_state_saved_inside_a_resized_segment_resumes_there(devices, placement):
+    """A state saved one step into a segment that began at a resize (8 devices, then 3), resumed
+    on a loader of that segment's shape (no new resize): the rest of the uninterrupted iterator,
+    bit for bit; batch(e, s, state=) is its step s; every sample once over the three parts."""
+    spec = dataset("dict", NR)
+    eight, three = (chain_loader(devices, stage, spec, placement=placement) for stage in (0, 1))
+    it = eight.epoch(EPOCH)
+    done = [real_ids(next(it), spec) for _ in range(2)]
+    it.close()
+    it = three.epoch(EPOCH, state=it.get_state())
+    done.append(real_ids(next(it), spec))
+    saved = it.get_state()
+    rest = [host(b) for b in it]
+    assert len(saved.segments) == 2 and saved.step == saved.segments[-1][0] + 1 and rest, saved
+    again = chain_loader(devices, 1, spec, placement=placement)  # another loader of the segment's shape
+    resumed = [host(b) for b in again.epoch(EPOCH, state=saved)]
+    assert_same_batches(resumed, rest, "resumed inside the segment")
+    for s in (saved.step, saved.step + len(rest) - 1):
+        assert_same_batches([host(again.batch(EPOCH, s, state=saved))], [resumed[s - saved.step]], f"batch({s})")
+    ids = np.concatenate(done + [np.asarray(b[spec.ids]).reshape(-1)[b["mask"].reshape(-1)] for b in resumed])
+    assert_same_bits(np.sort(ids), np.arange(NR, dtype=ids.dtype), "every sample once")
+    assert again.epoch(EPOCH, state=saved).get_state() == saved
+    start = host(next(iter(again.epoch(EPOCH, state=saved.at_step(saved.step - 1)))))  # the control: the
+    assert bits_differ(start[spec.ids], rest[0][spec.ids]) is not None  # segment's first row is another batch
+
+
 def test_logical_shards_resume_on_other_devices_without_a_resize(devices):
     """A state of L = 8 resumes on 2 devices with L = 8 as the same plan (one segment): the same
     batches; without logical shards the 2-device loader resizes (a second segment)."""
