@@ -726,14 +726,17 @@ class EpochIterator:
 
 class _Prefetched:
     """``make(s)`` for each s of ``steps``, made ``depth`` ahead by a worker thread started at
-    the first ``next()``; a worker error is raised in the consumer. The worker is stopped and
-    joined once, at the first of: the end, an error, ``close()``, collection, or exit. It
-    references the queue, the stop event, ``make`` and ``steps``, never this object."""
+    the first ``next()``: at most ``depth`` made and not yet taken (the worker waits for a free
+    slot before it makes the next); a worker error is raised in the consumer. The worker is
+    stopped and joined once, at the first of: the end, an error, ``close()``, collection, or
+    exit. It references the queue, the slots, the stop event, ``make`` and ``steps``, never
+    this object."""
 
     def __init__(self, make: Callable, steps, depth: int):
-        self._out: queue.Queue = queue.Queue(maxsize=depth)
+        self._out: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(depth)
         stop = threading.Event()
-        self._worker = threading.Thread(target=_prefetch_work, args=(make, steps, self._out, stop),
+        self._worker = threading.Thread(target=_prefetch_work, args=(make, steps, self._out, self._slots, stop),
                                         name="loader-prefetch", daemon=True)
         self._end = weakref.finalize(self, _stop_worker, stop, self._worker)
 
@@ -747,6 +750,7 @@ class _Prefetched:
             self._worker.start()
         kind, value = self._out.get()
         if kind == "batch":
+            self._slots.release()
             return value
         self._end()
         if kind == "error":
@@ -757,23 +761,18 @@ class _Prefetched:
         self._end()
 
 
-def _prefetch_work(make: Callable, steps, out: queue.Queue, stop: threading.Event) -> None:
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                pass
-        return False
-
+def _prefetch_work(make: Callable, steps, out: queue.Queue, slots: threading.Semaphore, stop: threading.Event) -> None:
     try:
         for s in steps:
-            if not put(("batch", make(s))):
+            while not slots.acquire(timeout=0.05):  # a free slot, or the stop
+                if stop.is_set():
+                    return
+            if stop.is_set():
                 return
-        put(("end", None))
+            out.put(("batch", make(s)))
+        out.put(("end", None))
     except BaseException as error:  # handed to the consumer, raised there
-        put(("error", error))
+        out.put(("error", error))
 
 
 def _stop_worker(stop: threading.Event, worker: threading.Thread) -> None:

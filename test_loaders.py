@@ -23,6 +23,7 @@
 import dataclasses
 import gc
 import threading
+import time
 import weakref
 from typing import NamedTuple
 
@@ -968,6 +969,30 @@ def test_prefetch_does_not_change_the_batches(devices):
     assert_same_batches([host(b) for b in loader.epoch(2)],
                         [host(b) for b in dataclasses.replace(loader, prefetch=0).epoch(2)], "prefetch 2 vs 0")
     assert not prefetch_threads(before)
+
+
+@pytest.mark.parametrize("placement, prefetch", [("host", 1), ("host", 3), ("host", 0), ("device", 2)])
+def test_the_loader_holds_no_more_batches_ahead_than_its_depth(devices, monkeypatch, placement, prefetch):
+    """Device batches made and not yet taken, seen after each next() of a slow consumer: at most
+    ``prefetch`` in placement host, and the worker fills them (the control: it reaches
+    ``prefetch``); none in placement device or with prefetch 0 (made when asked). A host batch
+    lives only inside its step's making, which ends with its device batch."""
+    made, real = [], loaders._step_program
+
+    def counting(*key):
+        program = real(*key)
+        return lambda *args: made.append(1) or program(*args)
+    monkeypatch.setattr(loaders, "_step_program", counting)
+    spec = dataset("dict")
+    loader = loaders.make_loader(spec.data, devices, B, prefetch=prefetch, placement=placement,
+                                 normalize=spec.normalize)
+    ahead = []
+    for taken, _ in enumerate(loader.epoch(0), 1):
+        time.sleep(0.05)  # the worker fills what it may
+        ahead.append(len(made) - taken)
+    assert len(ahead) == len(loader) > prefetch + 1
+    most = prefetch if placement == "host" else 0
+    assert max(ahead) == most and min(ahead) >= 0, ahead
 
 
 def test_an_epoch_left_early_ends_its_worker(devices):
