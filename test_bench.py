@@ -54,8 +54,9 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
         for p in loaders.PLACEMENTS:
             assert number(row["sharded"][p]["fed_over_prebuilt"]) and number(row["sharded"][p]["prebuilt_step_ms"])
 
-    assert set(results["training"]) == {f"global_{b}" for b in results["training_batches"]}
-    for row in results["training"].values():
+    assert set(results["training"]) == {f"global_{b}" for b in results["training_batches"]} | {"transfer_ms"}
+    assert all(number(ms) for ms in results["training"]["transfer_ms"].values())
+    for row in (v for k, v in results["training"].items() if k.startswith("global_")):
         assert set(row) == {"sharded", "pmap", "shard_map", "single"}
         for r in row.values():
             assert number(r["step_ms"]) and number(r["compile_s"]) and number(r["ratio_to_single"]), r
