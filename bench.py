@@ -280,19 +280,13 @@ def training_section(images, labels, mesh, args, out: dict) -> None:
 
 
 def strategy_step(name: str, params, batches: list, mesh) -> tuple:
-    """(step, state, batches) as strategy ``name`` runs them with the MLP and SGD(LEARNING_RATE): its plain step, the
-    (params, SGD state) in its layout, the batches where it takes them (single: on the mesh's first device)."""
-    update, state = strategies.sgd_update, (params, strategies.sgd(LEARNING_RATE).init(params))
-    if name == "pmap":
-        return (strategies.pmap_step(model.loss_terms, update, tuple(mesh.devices.flat)),
-                strategies.stack_replicas(state, mesh), batches)
-    if name == "shard_map":
-        return strategies.shard_map_step(model.loss_terms, update, mesh), strategies.replicate(state, mesh), batches
+    """(step, state, batches) as strategy ``name`` runs them with the MLP and SGD(LEARNING_RATE)
+    (``strategies.plain_step``): the batches where it takes them (single: on the mesh's first device)."""
+    step, place = strategies.plain_step(name, model.loss_terms, strategies.sgd_update, mesh)
+    state, first = (params, strategies.sgd(LEARNING_RATE).init(params)), mesh.devices.flat[0]
     if name == "single":
-        first = mesh.devices.flat[0]
-        return (strategies.sharded_step(model.loss_terms, update), strategies.replicate(state, loaders.data_mesh(
-            [first])), [jax.device_put(b, first) for b in batches])
-    return strategies.sharded_step(model.loss_terms, update), strategies.replicate(state, mesh), batches
+        return step, place(state, loaders.data_mesh([first])), [jax.device_put(b, first) for b in batches]
+    return step, place(state, mesh), batches
 
 
 def queued(step, state, batches: list, steps: int):

@@ -437,9 +437,8 @@ def _epoch_rows(mesh: Mesh, names: tuple[str, ...]):
 
 def device_fit(data, devices: Sequence[jax.Device] | Mesh, device_budget: int | None = None) -> str | None:
     """Why ``data`` would not fit placement "device" on ``devices`` (a list or a mesh, as make_loader takes them), or
-    None: make_loader's own check. ``data`` as
-    make_loader takes it, a dict {name: array} or the tuple (samples, labels), labels delivered as int32 (anything
-    with a shape and a dtype: memory maps are not read). Every field counts: the largest shard's samples, each
+    None: make_loader's own check. ``data`` as make_loader takes it, a dict {name: array} or the tuple (samples,
+    labels), labels delivered as int32 (anything with a shape and a dtype: memory maps are not read). Every field counts: the largest shard's samples, each
     field's bytes per sample added, held twice (the resident shard and an epoch's rows), over ``device_budget``
     bytes per device: by default half of what the device reports free, or for CPU devices half the host's available
     memory over this process's devices. ValueError for another kind of ``data`` (a folder: read it first)."""

@@ -179,14 +179,10 @@ def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_st
         if L is None and first is not None:
             raise ValueError(f"strategy {name!r}: the first batch does not say its logical shards (a loader's batches "
                              f"carry {SHARDS_KEY!r}): pass logical_shards=L for the canonical reduction")
-        step = canonical_step(loss_terms, optimizer.update, run_mesh, L) if L else None
-    elif stacked:
-        step = pmap_step(loss_terms, optimizer.update, tuple(mesh.devices.flat))
-    elif name == "shard_map":
-        step = shard_map_step(loss_terms, optimizer.update, mesh)
+        step, place = canonical_step(loss_terms, optimizer.update, run_mesh, L) if L else None, replicate
     else:
-        step = sharded_step(loss_terms, optimizer.update)
-    state, values = train_loop(step, stack_replicas(state, mesh) if stacked else replicate(state, run_mesh), batches)
+        step, place = plain_step(name, loss_terms, optimizer.update, mesh)
+    state, values = train_loop(step, place(state, run_mesh), batches)
     host = first_replica if stacked else to_host
     trained = Trained(host(state[0]), stack_losses([v[0] for v in values] if stacked else values), host(state[1]))
     release_freed_memory()  # the run's device buffers are garbage now
@@ -599,6 +595,17 @@ def donates(devices) -> bool:
     """Whether the plain steps donate their state: on accelerators, not on CPU devices, where XLA keeps a copy of a
     donated state anyway (a step held as much, and took as long)."""
     return all(d.platform != "cpu" for d in devices)
+
+
+def plain_step(name: str, loss_terms: LossTerms, update: Callable, mesh: Mesh) -> tuple[Callable, Callable]:
+    """Strategy ``name``'s plain step as the strategy runs it, and ``place(state, run_mesh)``, which puts (params,
+    opt_state) in the step's layout: ``pmap_step`` (stacked on ``mesh``), ``shard_map_step`` or ``sharded_step``
+    (replicated on ``run_mesh``: the mesh, or for ``single`` its first device, where the batches go too)."""
+    if name == "pmap":
+        return pmap_step(loss_terms, update, tuple(mesh.devices.flat)), lambda state, _: stack_replicas(state, mesh)
+    if name == "shard_map":
+        return shard_map_step(loss_terms, update, mesh), replicate
+    return sharded_step(loss_terms, update), replicate
 
 
 @functools.lru_cache(maxsize=64)

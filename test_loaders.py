@@ -601,16 +601,23 @@ def test_a_job_resumed_twice_with_drop_skips_the_stated_count(devices, placement
     assert_same_bits(np.sort(np.concatenate([ids, skipped.astype(np.int32)])), np.arange(NR, dtype=np.int32))
 
 
+def resized_once(devices, spec: Data, **kwargs) -> tuple[list, object]:
+    """CHAIN's first two stages: 2 steps on 8 devices, then resumed on 3 for 1 step: (the real
+    ids delivered, the resumed iterator, open)."""
+    it = chain_loader(devices, 0, spec, **kwargs).epoch(EPOCH)
+    done = [real_ids(next(it), spec) for _ in range(2)]
+    it.close()
+    it = chain_loader(devices, 1, spec, **kwargs).epoch(EPOCH, state=it.get_state())
+    done.append(real_ids(next(it), spec))
+    return done, it
+
+
 def test_the_fresh_plans_state_at_the_same_step_repeats_samples(devices):
     """The control: after a resumed epoch's k steps, the fresh plan's state at the same step (not
     the iterator's) resumed on the next stage delivers some samples twice and some never."""
     spec = dataset("dict", NR)
-    first, second, third = (chain_loader(devices, stage, spec) for stage in range(3))
-    it = first.epoch(EPOCH)
-    done = [real_ids(next(it), spec) for _ in range(2)]
-    it.close()
-    it = second.epoch(EPOCH, state=it.get_state())
-    done.append(real_ids(next(it), spec))
+    second, third = (chain_loader(devices, stage, spec) for stage in (1, 2))
+    done, it = resized_once(devices, spec)
     right = it.get_state()
     wrong = second.epoch(EPOCH).get_state().at_step(right.step)
     assert len(right.segments) == 2 and len(wrong.segments) == 1
@@ -664,12 +671,7 @@ def test_a_state_saved_inside_a_resized_segment_resumes_there(devices, placement
     on a loader of that segment's shape (no new resize): the rest of the uninterrupted iterator,
     bit for bit; batch(e, s, state=) is its step s; every sample once over the three parts."""
     spec = dataset("dict", NR)
-    eight, three = (chain_loader(devices, stage, spec, placement=placement) for stage in (0, 1))
-    it = eight.epoch(EPOCH)
-    done = [real_ids(next(it), spec) for _ in range(2)]
-    it.close()
-    it = three.epoch(EPOCH, state=it.get_state())
-    done.append(real_ids(next(it), spec))
+    done, it = resized_once(devices, spec, placement=placement)
     saved = it.get_state()
     rest = [host(b) for b in it]
     assert len(saved.segments) == 2 and saved.step == saved.segments[-1][0] + 1 and rest, saved
