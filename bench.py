@@ -34,7 +34,9 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # GPU memory on demand, not 75% up front
 
@@ -104,11 +106,13 @@ class Compiles:
     def _duration(self, event, seconds, **kwargs):
         phase = self.PHASES.get(event.rsplit("/", 1)[-1])
         if phase:
-            self.heard.append((phase, kwargs.get("fun_name", "?"), seconds))
+            self.heard.append((phase, kwargs.get("fun_name", "?"), seconds, threading.get_ident()))
 
     def since(self, mark: int) -> dict:
-        """{phase: seconds} of what was heard after ``mark`` (``len(self.heard)`` then), and "s", their sum."""
-        phases = {p: sum(t for q, _, t in self.heard[mark:] if q == p) for p in self.PHASES.values()}
+        """{phase: seconds} of what this thread compiled after ``mark`` (``len(self.heard)`` then), and "s", their
+        sum."""
+        mine = [(p, t) for p, _, t, thread in self.heard[mark:] if thread == threading.get_ident()]
+        phases = {p: sum(t for q, t in mine if q == p) for p in self.PHASES.values()}
         return dict(phases, s=sum(phases.values()))
 
 
@@ -301,46 +305,61 @@ def queued(step, state, batches: list, steps: int):
 def reduction_section(args, out: dict) -> None:
     """Per case of ``args.reduction_cases`` (model, global batch, L/n) on all n devices: the median time of each step
     and of the canonical step's floor (``block_work``) over interleaved rounds (after two warm-up calls each), and each
-    step's device memory (``step_memory``). Then the compile time of the canonical and the plain steps on 1, 2, 4 and
-    8 devices (those there are): the MLP at the largest global batch, L = 8, with a new loss_terms, so that its
-    programs compile anew: what JAX spent compiling in the first call."""
+    step's device memory (``step_memory``). On a one-device mesh (no collective whose order threads could cross) the
+    warm-ups of the (model, global batch) pairs run side by side, one thread each: a chip's conv programs take XLA
+    half a minute each, so one after another they would not fit in ten minutes; a pair's compile seconds are then
+    its thread's, slowed by the others'. Then the compile time of the canonical and the plain steps on 1, 2, 4 and 8
+    devices (those there are), one after another: the MLP at the largest global batch, L = 8, with a new loss_terms,
+    so that its programs compile anew: what JAX spent compiling in the first call."""
     n = args.reduction_devices
     mesh = loaders.data_mesh(jax.devices()[:n])
     rows, compiles = out.setdefault("cases", []), out.setdefault("compile_s", [])
     out["precision"] = str(jax.config.jax_default_matmul_precision)
+    pairs = {}  # (model, global batch): its cases, in order; the plain step's programs compile in the first
     for name, global_batch, per_device in args.reduction_cases:
-        shards = per_device * n
-        start, batch, steps = reduction_case(name, global_batch, shards, mesh, args.smoke)
-        states = {s: strategies.replicate(start, mesh) for s in steps}  # plain donates on accelerators
+        pairs.setdefault((name, global_batch), []).append(per_device * n)
 
-        def call(s):
-            states[s], loss = steps[s](states[s], batch)
-            jax.block_until_ready((states[s], loss))
-        floor = block_work(name, start, batch, mesh, shards)
-        compiled = {}
-        for s in [*steps, *steps]:  # warm-up: what the first call of each compiles
-            mark = len(args.compiles.heard)
-            call(s)
-            compiled.setdefault(s, args.compiles.since(mark))
-            floor()
-        times = rounds({**{s: lambda s=s: call(s) for s in steps}, "floor": floor}, args.step_rounds)
-        row = {"model": name, "devices": n, "global_batch": global_batch, "logical_shards": shards,
-               "rows": int(batch["mask"].shape[0]), "gradient_mb": sum(np.asarray(x).nbytes for x in
-                                                                       jax.tree.leaves(start[0])) / 2**20}
-        for s in steps:
-            row[s] = {"step_ms": 1e3 * statistics.median(times[s]), "memory_mb": step_memory(s, states[s], batch, mesh,
-                                                                                             name, shards),
-                      "compile": compiled[s]}
-        row["floor_ms"] = 1e3 * statistics.median(times["floor"])
-        row["ratio"] = {"step_time": row["canonical"]["step_ms"] / row["plain"]["step_ms"],
-                        "floor": row["floor_ms"] / row["plain"]["step_ms"],
-                        "memory": row["canonical"]["memory_mb"] / row["plain"]["memory_mb"]}
-        row["extra_gradients"] = (row["canonical"]["memory_mb"] - row["plain"]["memory_mb"]) / row["gradient_mb"]
-        rows.append(row)
-        args.note(f"plain {row['plain']['step_ms']:.2f} ms, canonical {row['canonical']['step_ms']:.2f} ms "
-                  f"({row['ratio']['step_time']:.2f}x; floor {row['ratio']['floor']:.2f}x), memory "
-                  f"{row['ratio']['memory']:.2f}x; compiled: plain {compiled['plain']['s']:.1f} s, canonical "
-                  f"{compiled['canonical']['s']:.1f} s", f"reduction, {name}, global {global_batch}, L = {shards}")
+    def warm(pair):  # each case's steps and floor, called twice: what their first calls compile
+        cases = []
+        for shards in pairs[pair]:
+            start, batch, steps = reduction_case(pair[0], pair[1], shards, mesh, args.smoke)
+            states = {s: strategies.replicate(start, mesh) for s in steps}  # plain donates on accelerators
+
+            def call(s, steps=steps, states=states, batch=batch):
+                states[s], loss = steps[s](states[s], batch)
+                jax.block_until_ready((states[s], loss))
+            floor, compiled = block_work(pair[0], start, batch, mesh, shards), {}
+            for s in [*steps, *steps]:
+                mark = len(args.compiles.heard)
+                call(s)
+                compiled.setdefault(s, args.compiles.since(mark))
+                floor()
+            cases.append((shards, start, batch, states, call, floor, compiled))
+        return cases
+    warmed = {}
+    with ThreadPoolExecutor(len(pairs) if n == 1 else 1) as threads:
+        for pair, cases in zip(pairs, threads.map(warm, pairs)):  # in order, each as its thread ends
+            warmed[pair] = cases
+            args.note(f"{len(cases)} case(s) warmed up", f"reduction, {pair[0]}, global {pair[1]}")
+    for (name, global_batch), cases in warmed.items():
+        for shards, start, batch, states, call, floor, compiled in cases:
+            times = rounds({**{s: functools.partial(call, s) for s in states}, "floor": floor}, args.step_rounds)
+            row = {"model": name, "devices": n, "global_batch": global_batch, "logical_shards": shards,
+                   "rows": int(batch["mask"].shape[0]),
+                   "gradient_mb": sum(np.asarray(x).nbytes for x in jax.tree.leaves(start[0])) / 2**20}
+            for s in states:
+                row[s] = {"step_ms": 1e3 * statistics.median(times[s]),
+                          "memory_mb": step_memory(s, states[s], batch, mesh, name, shards), "compile": compiled[s]}
+            row["floor_ms"] = 1e3 * statistics.median(times["floor"])
+            row["ratio"] = {"step_time": row["canonical"]["step_ms"] / row["plain"]["step_ms"],
+                            "floor": row["floor_ms"] / row["plain"]["step_ms"],
+                            "memory": row["canonical"]["memory_mb"] / row["plain"]["memory_mb"]}
+            row["extra_gradients"] = (row["canonical"]["memory_mb"] - row["plain"]["memory_mb"]) / row["gradient_mb"]
+            rows.append(row)
+            args.note(f"plain {row['plain']['step_ms']:.2f} ms, canonical {row['canonical']['step_ms']:.2f} ms "
+                      f"({row['ratio']['step_time']:.2f}x; floor {row['ratio']['floor']:.2f}x), memory "
+                      f"{row['ratio']['memory']:.2f}x; compiled: plain {compiled['plain']['s']:.1f} s, canonical "
+                      f"{compiled['canonical']['s']:.1f} s", f"reduction, {name}, global {global_batch}, L = {shards}")
     for devices in (d for d in args.compile_devices if d <= len(jax.devices())):
         on = loaders.data_mesh(jax.devices()[:devices])
         start, batch, steps = reduction_case("mlp", max(GLOBAL_BATCHES), 8, on, args.smoke, fresh=True)

@@ -121,4 +121,32 @@ def test_the_memory_figures_analyse_the_programs_the_steps_ran(devices, monkeypa
         assert compiles.heard[mark:] == [], (name, compiles.heard[mark:])
     mark = len(compiles.heard)
     jax.jit(lambda x: x * 3 + 1)(np.ones(5, np.float32))
-    assert compiles.since(mark)["xla"] > 0 and {p for p, _, _ in compiles.heard[mark:]} == {"trace", "lower", "xla"}
+    assert compiles.since(mark)["xla"] > 0 and {p for p, *_ in compiles.heard[mark:]} == {"trace", "lower", "xla"}
+
+
+@pytest.mark.slow
+def test_on_one_device_the_warm_ups_run_side_by_side_and_each_compile_is_its_threads(devices):
+    """bench.reduction_section on a one-device mesh warms each (model, global batch) pair up in a
+    thread of its own, then times the cases in their order. Each case's compile seconds are its own
+    thread's: the plain step compiles in the first case of its pair and never again (L = 4 after
+    L = 1), while every canonical step compiles its own. The control: what another thread compiles
+    is not this thread's."""
+    import argparse
+    import threading
+    notes = []
+    cases = [("mlp", 16, 1), ("mlp", 16, 4), ("attention", 16, 1)]
+    args = argparse.Namespace(reduction_devices=1, reduction_cases=cases, smoke=True, step_rounds=1,
+                              compile_devices=(), compiles=bench.Compiles(), note=lambda line, case: notes.append(case))
+    out = {}
+    bench.reduction_section(args, out)
+    assert [(r["model"], r["logical_shards"]) for r in out["cases"]] == [("mlp", 1), ("mlp", 4), ("attention", 1)]
+    first, again, other = out["cases"]
+    assert first["plain"]["compile"]["xla"] > 0 and again["plain"]["compile"]["s"] == 0, (first, again)
+    assert other["plain"]["compile"]["xla"] > 0 and all(r["canonical"]["compile"]["xla"] > 0 for r in out["cases"])
+    assert {"reduction, mlp, global 16", "reduction, attention, global 16"} <= set(notes)
+    assert len({thread for *_, thread in args.compiles.heard} - {threading.get_ident()}) == 2  # one per pair
+    mark = len(args.compiles.heard)
+    thread = threading.Thread(target=lambda: jax.jit(lambda x: x * 5 - 2)(np.ones(3, np.float32)))
+    thread.start()
+    thread.join()
+    assert len(args.compiles.heard) > mark and args.compiles.since(mark)["s"] == 0
