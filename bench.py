@@ -413,20 +413,22 @@ def step_memory(step: str, state, batch, mesh, name: str, shards: int) -> float:
                    held(gradient, state[0], batch) + size(opt)) / 2**20
     update = strategies.update_program(strategies.sgd_update)
     on_d = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(d))
-    block = jax.tree.map(lambda x: on_d((x.shape[0] // k,) + x.shape[1:], x.dtype), rows)
-    sums = jax.eval_shape(strategies.block_program(loss_terms), params, block)  # one block's, (1, ...)
-    folded = jax.tree.map(lambda s: on_d(s.shape[1:], s.dtype), sums)
-    peaks = [held(update, (params, opt), *folded) + size(rows)]
-    split = 2 if k > 1 else 1  # the batch, and its blocks once split
-    if d.platform in strategies.LOOP_PLATFORMS:
-        peaks.append(held(strategies.loop_program(loss_terms, k, n == 1), params, rows, jax.device_put(np.int32(k), d))
-                     + size(opt))
-        rounds = [jax.tree.map(lambda s: jax.ShapeDtypeStruct((n * k,) + s.shape[1:], s.dtype), sums)]
-        split = 1
+    shape = lambda tree, drop=0: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[drop:], s.dtype), tree)
+    if d.platform in strategies.LOOP_PLATFORMS:  # the loop's own trace gives the sums' shapes
+        loop, trips = strategies.loop_program(loss_terms, k, n == 1), jax.device_put(np.int32(k), d)
+        sums = jax.eval_shape(loop, params, rows, trips)  # (k, ...) each, or at n = 1 folded
+        sums = shape(sums, 0 if n == 1 else 1)
+        peaks = [held(loop, params, rows, trips) + size(opt)]
+        rounds, split = [jax.tree.map(lambda s: jax.ShapeDtypeStruct((n * k,) + s.shape, s.dtype), sums)], 1
     else:
-        peaks.append(held(strategies.block_program(loss_terms), params, block) + size(opt) + split * size(rows)
-                     + (k - 1) * size(folded))
-        rounds = [jax.tree.map(lambda s: jax.ShapeDtypeStruct((n,) + s.shape[1:], s.dtype), sums)] * k
+        block = jax.tree.map(lambda x: on_d((x.shape[0] // k,) + x.shape[1:], x.dtype), rows)
+        sums = shape(jax.eval_shape(strategies.block_program(loss_terms), params, block), 1)  # one block's
+        split = 2 if k > 1 else 1  # the batch, and its blocks once split
+        peaks = [held(strategies.block_program(loss_terms), params, block) + size(opt) + split * size(rows)
+                 + (k - 1) * size(sums)]
+        rounds = [jax.tree.map(lambda s: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype), sums)] * k
+    folded = jax.tree.map(lambda s: on_d(s.shape, s.dtype), sums)
+    peaks.append(held(update, (params, opt), *folded) + size(rows))
     if n > 1 or d.platform not in strategies.LOOP_PLATFORMS:
         sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
         rounds = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), rounds)

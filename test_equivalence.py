@@ -510,7 +510,10 @@ def test_stepwise_verdict_names_itself_in_its_refusals(devices):
                                      loss_terms=linear_loss_terms, optimizer=object())
 
 
+@pytest.mark.slow
 def test_strategies_are_named_in_the_verdict(devices):
+    """The extended tier's; the default tier holds its guarantee with
+    test_stepwise_verdict_catches_the_planted_bugs_on_a_relu_model."""
     # A strategy without a __name__ is named by its repr; names on a one-device mesh take
     # ulp_bound's count there.
     mesh = loaders.data_mesh(devices[:1])
@@ -581,7 +584,10 @@ def shifted(units_of_scale: float):
     return strategy
 
 
+@pytest.mark.slow
 def test_stepwise_distances_are_in_units_of_the_term_scale_at_each_steps_state(mesh):
+    """The extended tier's; the default tier holds its guarantee with
+    test_stepwise_distances_are_what_the_docstring_computes_on_an_exact_model."""
     n = mesh.devices.size
     hosts = square_hosts(n, steps=3)
     kw = dict(params=square_init(), batches=hosts, mesh=mesh, loss_terms=square_terms,

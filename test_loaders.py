@@ -232,10 +232,13 @@ def test_a_cifar_folder_is_the_tuple_form_over_its_files(devices, synthetic_dir)
         check_batch(loader.batch(1, 2), loader, loader.plan(1), 2, spec, placement)
 
 
+@pytest.mark.slow
 def test_logical_shards_give_the_same_global_batch_on_every_device_count(devices):
     """With L logical shards, every step's global arrays are the plan's for every n dividing L, in
     both placements and layouts: its rows, mask and index, and logical shards 0..L-1;
-    added_fields gives vendor loaders the same blocks."""
+    added_fields gives vendor loaders the same blocks.
+    The extended tier's; the default tier holds its guarantee with
+    test_blocks_follow_the_plan_in_both_placements (L = per * n)."""
     L, b = 8, 3
     data = {"x": np.arange(N, dtype=np.int32), "y": np.arange(2 * N, dtype=np.float32).reshape(N, 2)}
     plan = epoch_plan(N, L, b, epoch=1, seed=5, shuffle=True)
@@ -411,12 +414,15 @@ def test_the_tables_arithmetic_gives_every_value_of_the_table(means, std, negati
     assert bits_differ(naive, keyed_table(table_key([127.5], [127.5], "rocal", "test"))[0])
 
 
+@pytest.mark.slow
 def test_where_the_devices_normalise_by_arithmetic_they_deliver_the_tables_bits(devices, monkeypatch):
     """On ARITHMETIC_PLATFORMS (a TPU's; played here by CPU devices) the loader normalises by
     the table's operands after checking all 256 values on the devices: both placements and
     layouts give the table's bits, the notebooks' tables and a zero's sign included. A table
     the devices miss (a subnormal mean: XLA flushes it to zero) falls back to the lookup,
-    still the table's bits; the control: the operands alone do miss it."""
+    still the table's bits; the control: the operands alone do miss it.
+    The extended tier's; the default tier holds its guarantee with
+    test_device_normalize_gives_the_tables_bits."""
     monkeypatch.setattr(loaders, "ARITHMETIC_PLATFORMS", ("cpu",))
     loaders.normalizer.cache_clear()
     try:

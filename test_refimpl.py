@@ -445,10 +445,13 @@ def test_a_run_trains_every_strategy_and_reports_each_epoch_and_verdict(plain):
     assert "FAILED" not in plain.out
 
 
+@pytest.mark.slow
 def test_a_run_trains_each_epoch_once_and_says_its_images_per_second(data, plain):
     """Every epoch line gives the epoch's images/s, and no epoch is trained twice: the data's
     cost against prebuilt batches is bench.py's feeding section, not an extra epoch of the
-    main job (each strategy's epochs are its lines, the losses and metrics rows)."""
+    main job (each strategy's epochs are its lines, the losses and metrics rows).
+    The extended tier's; the default tier holds its guarantee with
+    test_a_run_trains_every_strategy_and_reports_each_epoch_and_verdict."""
     import re
     done = run_refimpl(["--data-dir", data, *RUN, "--epochs", "2", "--batch-size", "4", "--devices", "2",
                         "--strategies", "sharded,single"])

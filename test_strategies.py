@@ -115,7 +115,10 @@ def cpu_mesh(ids) -> jax.sharding.Mesh:
 
 
 @pytest.mark.bits
+@pytest.mark.slow
 def test_strategies_on_other_devices_give_the_same_params():
+    """The extended tier's; the default tier holds its guarantee with
+    test_pmap_results_stay_on_the_mesh[permuted]."""
     # CPU devices 4, 6 and 7, permuted: neither the default devices nor their order. The
     # linear model (quick to compile): where a strategy runs does not depend on the model.
     ids = (6, 4, 7)
@@ -141,8 +144,11 @@ def pmap_outputs_on_the_mesh(step_fn, mesh, params) -> None:
         assert devices == list(mesh.devices.flat), f"pmap's results are on {devices}"
 
 
-@pytest.mark.parametrize("ids", [(4, 5, 6, 7), (6, 4, 7, 5)], ids=["cpu4-7", "permuted"])
+@pytest.mark.parametrize("ids", [pytest.param((4, 5, 6, 7), marks=pytest.mark.slow), (6, 4, 7, 5)],
+                         ids=["cpu4-7", "permuted"])
 def test_pmap_results_stay_on_the_mesh(ids):
+    """The default tier holds this guarantee with [permuted] (here [cpu4-7] is the extended
+    tier's)."""
     mesh = cpu_mesh(ids)
     step = strategies.pmap_step(linear_loss_terms, strategies.sgd_update, tuple(mesh.devices.flat))
     pmap_outputs_on_the_mesh(step, mesh, linear_init())
@@ -197,7 +203,10 @@ def test_single_keeps_its_state_on_the_meshs_first_device():
     assert seen[1:] == [{mesh.devices.flat[0]}] * 2, seen
 
 
+@pytest.mark.slow
 def test_host_batches_are_placed_on_the_mesh(mesh):
+    """The extended tier's; the default tier holds its guarantee with
+    test_single_takes_host_leaves_as_they_are_and_the_others_place_them."""
     # NumPy batches given to sharded run sharded (the loader's bits), not on one device:
     # not single's bits, which the issue found they gave.
     n = mesh.devices.size
@@ -301,11 +310,12 @@ def test_bfloat16_params_train_in_bfloat16_in_every_strategy(devices, reduction)
         np.testing.assert_allclose(w, got["single"], rtol=2 ** -6, atol=2 ** -8, err_msg=name)
 
 
-@pytest.mark.parametrize("reduction", ["plain", "canonical"])
+@pytest.mark.parametrize("reduction", [pytest.param("plain", marks=pytest.mark.slow), "canonical"])
 def test_every_strategy_trains_on_a_one_device_mesh(devices, reduction):
     """The edge n = 1: each strategy trains on a mesh of one device (not JAX's default
     one), one loss a step, to single's params: the same bits under the canonical
-    reduction, float32 rounding apart under the plain one."""
+    reduction, float32 rounding apart under the plain one.
+    The default tier holds this guarantee with [canonical] (here [plain] is the extended tier's)."""
     mesh = loaders.data_mesh(devices[3:4])
     got = {}
     for name, fn in strategies.STRATEGIES.items():
@@ -909,13 +919,16 @@ def first_instruction_apart(a: str, b: str) -> str | None:
 
 
 @pytest.mark.bits
+@pytest.mark.slow
 def test_the_canonical_programs_compile_alike_on_every_topology(devices, canonical_rules):
     """Statically: on two devices (the programs are single-device and take no n), the block
     program (one block of b rows) and the update program compile to the same optimized HLO;
     on meshes of 1, 2 and 4 devices the fold program's only float arithmetic is add (no
     multiply to contract into an FMA, no reduce whose order XLA picks), a leaf the chain folds
     included. The control: the block program of a block of 2b rows (two
-    blocks as one) differs, and the first differing instruction is named."""
+    blocks as one) differs, and the first differing instruction is named.
+    The extended tier's; the default tier holds its guarantee with
+    test_canonical_reduction_is_the_same_bits_on_every_topology[relu-adamw-L2]."""
     loss_terms, params, data = canonical_model("conv")
     L, b = 8, 2
     rule = canonical_rules["adamw"]
@@ -985,12 +998,15 @@ def loop_body(loss_terms, params, data, k: int, b: int) -> str:
 
 
 @pytest.mark.bits
+@pytest.mark.slow
 def test_every_block_of_the_loop_runs_code_that_does_not_depend_on_how_many_blocks():
     """loop_program (LOOP_PLATFORMS' schedule): with k = 1, 7 and 11 blocks of 3 rows on a
     device (L = k * n for any device count n), the while loop's body, with every computation
     it calls, compiles to the same instructions, the slots' own dimension aside: each block
     runs the same arithmetic whatever the device count. The control: blocks of 2 rows compile
-    to another body, and the difference is found."""
+    to another body, and the difference is found.
+    The extended tier's; the default tier holds its guarantee with
+    test_a_loop_of_one_block_keeps_the_block_inside_it (k = 1 against k = 8)."""
     loss_terms, params, data = canonical_model("relu")
     bodies = {(k, b): loop_body(loss_terms, params, data, k, b) for k, b in ((7, 3), (11, 3), (1, 3), (7, 2))}
     for k in (11, 1):
@@ -1029,13 +1045,15 @@ def test_a_loop_of_one_block_keeps_the_block_inside_it(monkeypatch):
 
 
 @pytest.mark.bits
-@pytest.mark.parametrize("kind, L", [("relu", 4), pytest.param("conv", 4, marks=pytest.mark.slow),
-                                     pytest.param("token", 8, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, L", [("relu", 4), ("conv", 4), ("token", 8)])
 def test_the_loop_schedule_is_the_same_bits_on_every_topology(devices, canonical_rules, monkeypatch, kind, L):
     """A TPU's schedule (LOOP_PLATFORMS: each device's blocks in one loop program), played on
     these CPU devices: params, optimizer state and losses the same bits through sharded on one
     device and on L, and single. (Not promised, and not so for the conv net on
-    CPU: the loop's bits against a program a block's; the schedule is fixed by the platform.)"""
+    CPU: the loop's bits against a program a block's; the schedule is fixed by the platform.)
+    The extended tier's; the default tier holds its guarantee with
+    test_a_loop_of_one_block_keeps_the_block_inside_it (k = 1 against k = 8)."""
     monkeypatch.setattr(strategies, "LOOP_PLATFORMS", ("cpu",))
     runs = {("sharded", n): canonical_run(devices, "sharded", n, kind=kind, rule=canonical_rules["adamw"], L=L, b=2)
             for n in (1, L) if n <= len(devices)}
@@ -1155,11 +1173,14 @@ def test_the_canonical_step_is_the_float64_mean_gradient_over_the_real_rows(devi
         strategies.update_program.cache_clear()
 
 
+@pytest.mark.slow
 def test_a_canonical_strategy_takes_the_batches_logical_shards_and_refuses_another(devices):
     """Fail closed: a loader's batches carry its plan's L ("logical_shards"). Given no L the
     strategy takes it; given another L (4 or 16 for batches of 8) it refuses, naming both;
     host batches that carry none and no L given: refused. make_loader refuses L below 1 in
-    those words."""
+    those words.
+    The extended tier's; the default tier holds its guarantee with
+    test_a_canonical_step_refuses_batches_of_another_plans_logical_shards."""
     loss_terms, params, data = canonical_model("relu")
     mesh = loaders.data_mesh(devices[:2])
     loader = loaders.make_loader(data, mesh, 1, logical_shards=8, shuffle=True, seed=3, prefetch=0)
@@ -1178,11 +1199,12 @@ def test_a_canonical_strategy_takes_the_batches_logical_shards_and_refuses_anoth
             loaders.make_loader(data, mesh, 1, logical_shards=bad)
 
 
-@pytest.mark.parametrize("reduction", ["plain", "canonical"])
+@pytest.mark.parametrize("reduction", [pytest.param("plain", marks=pytest.mark.slow), "canonical"])
 def test_the_count_reaches_the_division_exactly_with_bfloat16_params(devices, reduction):
     """A count is an integer: with bfloat16 params and 257..320 real rows (bfloat16 holds
     integers only up to 256), every strategy's gradient is bfloat16(1/count) for a loss whose
-    gradient sum is 1 (the first row's), and so is the loss."""
+    gradient sum is 1 (the first row's), and so is the loss.
+    The default tier holds this guarantee with [canonical] (here [plain] is the extended tier's)."""
     mesh = loaders.data_mesh(devices[:2])
     terms = lambda p, batch: (jnp.sum(batch["mask"] * batch["x"] * p["v"]), jnp.sum(batch["mask"].astype(jnp.float32)))
     record = strategies.Optimizer(lambda p: {"g": jax.tree.map(jnp.zeros_like, p)},
@@ -1346,12 +1368,15 @@ def test_apply_updates_adds_in_the_wider_dtype_then_casts_as_optax_does(devices)
 
 
 @pytest.mark.bits
+@pytest.mark.slow
 def test_gradient_accumulation_with_multisteps_is_a_mean_of_means_and_logical_shards_are_exact(devices):
     """optax.MultiSteps(k=2) over two padded steps (128 and 72 real rows) applies the mean of
     the two steps' mean gradients, not the mean over the 200 real rows: held against a float64
     step, it is far outside float32 rounding. What the project offers instead: the two steps as
     one global batch of 16 logical shards on 2 devices, the canonical reduction: the float64
-    step within rounding."""
+    step within rounding.
+    The extended tier's; the default tier holds its guarantee with
+    test_the_canonical_step_is_the_float64_mean_gradient_over_the_real_rows."""
     optax = pytest.importorskip("optax")
     mesh = loaders.data_mesh(devices[:2])
     rng = np.random.default_rng(11)
