@@ -502,7 +502,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: launches several JAX processes (jax.distributed), or their "
                                        "launcher; skipped where no TCP socket opens")
     config.addinivalue_line("markers", "bits: claims the same bits across device, process or microbatch counts; CI "
-                                       "runs these again on the CPU most users have (XLA_FLAGS=--xla_cpu_max_isa=AVX2)")
+                                       "runs the default tier's again at XLA_FLAGS=--xla_cpu_max_isa=AVX")
     config.addinivalue_line("markers", "rocal: needs amd.rocal (rocAL's CPU or GPU backend)")
     config.addinivalue_line("markers", "dali: needs nvidia.dali (runs its CPU pipelines)")
 
