@@ -1198,11 +1198,11 @@ RESIZES_2048 = getattr(sys.modules.get("conftest"), "RESIZES_2048", [])
                          [pytest.param(*r, id=r[0].replace(" ", "")) for r in RESIZES_2048])
 def test_refimpl_resizes_through_dali(tmp_path, name, stop, resume, before, after):
     """--backend dali and --backend reference (same seed, --normalize dali_cpu, synthetic CIFAR-10
-    of 2048, batch 16, 2 epochs, the sharded strategy: the loader's claim) stop at run step 7 and
-    resume on other devices or processes: each reports exactly once across the change, with the
-    same params."""
+    of 2048, batch 16, 2 epochs, the sharded strategy, hidden layers of 64: the loader's claim)
+    stop at run step 7 and resume on other devices or processes: each reports exactly once across
+    the change, with the same params."""
     common = ["--cache-dir", str(tmp_path / "cache"), "--epochs", "2", "--strategies", "sharded",
-              "--normalize", "dali_cpu"]
+              "--normalize", "dali_cpu", "--hidden", "64,64"]
     backends = ("dali", "reference")
     outputs = refimpl_resized(tmp_path, backends, common, stop + ["--stop-after-step", "7"], resume, timeout=600)
     for out in outputs.values():
@@ -1216,13 +1216,14 @@ def test_refimpl_resizes_through_dali(tmp_path, name, stop, resume, before, afte
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_refimpl_two_processes_dali_and_reference_identical_params(tmp_path):
-    """--local-processes 2 --epochs 2: DALI's params are the reference's, bit for bit."""
+    """--local-processes 2 --epochs 2 (hidden layers of 64): DALI's params are the reference's, bit for bit."""
     here = os.path.dirname(os.path.abspath(__file__))
     data = synthetic_cifar10(tmp_path / "data", num_train=512, num_test=64, seed=2)
     for backend in ("dali", "reference"):  # one after the other: 2 processes each
         [(code, out, err)] = run_children([[
             sys.executable, os.path.join(here, "refimpl.py"), "--backend", backend, "--normalize", "dali_cpu",
-            "--local-processes", "2", "--epochs", "2", "--data-dir", data, "--cache-dir", str(tmp_path),
+            "--local-processes", "2", "--epochs", "2", "--hidden", "64,64", "--data-dir", data,
+            "--cache-dir", str(tmp_path),
             "--params-out", str(tmp_path / f"{backend}.npz")]], timeout=300, cwd=here)
         assert code == 0, f"{backend}:\n{err[-3000:]}"
         assert "OUTSIDE" not in out, out

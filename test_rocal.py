@@ -2089,11 +2089,12 @@ RESIZES_2048 = getattr(sys.modules.get("conftest"), "RESIZES_2048", [])
                          [pytest.param(*r, id=r[0].replace(" ", "")) for r in RESIZES_2048])
 def test_refimpl_resizes_through_rocal(rocal_mesh, cifar_2048, tmp_path, name, stop, resume, before, after):
     """Two resizes with --backend rocal and --backend reference (rocAL's arithmetic,
-    synthetic CIFAR-10 of 2048, batch 16, 2 epochs, the sharded strategy: the loader's claim):
+    synthetic CIFAR-10 of 2048, batch 16, 2 epochs, the sharded strategy, hidden layers of 64:
+    the loader's claim):
     2 processes of 4 devices stop at run step 7 and 1 process of 8 resumes; 8 devices stop at
     step 7 and 3 resume. Each reports exactly once across the change; the params are the
     reference's bit for bit."""
-    common = ["--epochs", "2", "--strategies", "sharded"]
+    common = ["--epochs", "2", "--strategies", "sharded", "--hidden", "64,64"]
     outputs = rocal_resized(cifar_2048, tmp_path, common, stop + ["--stop-after-step", "7"], resume,
                               timeout=600)
     for backend, out in outputs.items():
