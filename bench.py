@@ -228,7 +228,7 @@ def feeding_section(images, labels, mesh, args, out: dict) -> None:
                 loader = loaders.make_loader((images[:count], labels[:count]), mesh, global_batch // n, shuffle=True,
                                              placement=p, layout=strategies.LAYOUT[name])
                 prebuilt = list(loader.epoch(0))
-                train(strategies.STRATEGIES[name], params, loader.epoch(0), mesh)  # compile
+                train(strategies.STRATEGIES[name], params, [loader.batch(0, 0)], mesh)  # compile: one step
                 cases[f"prebuilt {p}"] = lambda b=prebuilt, s=name: train(strategies.STRATEGIES[s], params, b, mesh)
                 cases[f"fed {p}"] = lambda l=loader, s=name: train(strategies.STRATEGIES[s], params, l.epoch(0), mesh)
             times = rounds(cases, args.repeats)
@@ -374,10 +374,10 @@ def reduction_section(args, out: dict) -> None:
 
 def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
     """A call that runs the canonical step's arithmetic with nothing moved between devices, no update: on each device
-    its k = L/n block gradients, one program each (on LOOP_PLATFORMS its loop program), then with ``fold`` their left
-    fold, a program each device; it returns the devices' results in device order. Any construction that gives each
-    block a gradient of its own and adds them in block order does at least this on some device: the floor under the
-    canonical step's time."""
+    its rows split and its k = L/n block gradients, one program each (on LOOP_PLATFORMS its loop program), then with
+    ``fold`` their left fold, a program each device (strategies' own split, block and fold); it returns the devices'
+    results in device order. Any construction that gives each block a gradient of its own and adds them in block
+    order does at least this on some device: the floor under the canonical step's time."""
     _, loss_terms, _ = MODELS[name]
     k, devices = shards // mesh.devices.size, list(mesh.devices.flat)
     params = {d: jax.device_put(start[0], d) for d in devices}
@@ -386,10 +386,11 @@ def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
     if devices[0].platform in strategies.LOOP_PLATFORMS:
         loop, trips = strategies.loop_program(loss_terms, k, fold), {d: jax.device_put(np.int32(k), d) for d in devices}
         return lambda: jax.block_until_ready([loop(params[d], rows[d], trips[d]) for d in devices])
-    b, block = batch["mask"].shape[0] // shards, strategies.block_program(loss_terms)
-    split = {d: [jax.tree.map(lambda x: x[i * b:(i + 1) * b], rows[d]) for i in range(k)] for d in devices}
-    folded = jax.jit(lambda sums: jax.tree.map(lambda *x: functools.reduce(jnp.add, x), *sums))  # ((x0 + x1) + x2) ...
-    sums = lambda: {d: [block(params[d], r) for r in split[d]] for d in devices}
+    block = strategies.block_program(loss_terms)
+    split = strategies._split_program(k, False) if k > 1 else (lambda r: [r])
+    folded = jax.jit(lambda sums: jax.tree.map(lambda *x: strategies._left_fold(x), *sums))  # canonical_step's own
+    folded = folded if k > 1 else (lambda sums: sums[0])  # one block is its own fold: nothing to compile
+    sums = lambda: {d: [block(params[d], r) for r in split(rows[d])] for d in devices}
     return lambda: jax.block_until_ready([folded(s) if fold else s for s in sums().values()])
 
 
@@ -653,14 +654,14 @@ def main(argv=None) -> dict:
     args.train_steps = 20
     args.fed_batches = [(*GLOBAL_BATCHES, 8192), GLOBAL_BATCHES[:1], (64,)][size]
     args.fed_strategies = (tuple(strategies.STRATEGIES), ("sharded",), ("sharded",))[size]
-    args.fed_steps = (32, 16, 4)[size]
-    args.training_batches = GLOBAL_BATCHES if size < 2 else GLOBAL_BATCHES[:1]
+    args.fed_steps = (32, 8, 4)[size]
+    args.training_batches = GLOBAL_BATCHES if size == 0 else GLOBAL_BATCHES[:1]
     # (model, G, L / n): L = n, 4n, 8n; --quick: one model per global batch; --smoke: each model once
     args.reduction_cases = [list(itertools.product(MODELS, GLOBAL_BATCHES, (1, 4, 8))),
                             [("mlp", 128, 1), ("attention", 128, 8)],
                             [("mlp", 16, 4), ("conv", 16, 1), ("attention", 16, 1)]][size]
     args.reduction_devices = len(jax.devices()) if size < 2 else min(2, len(jax.devices()))
-    args.compile_devices = (1, 2, 4, 8) if size == 0 else (1, 8)
+    args.compile_devices = ((1, 2, 4, 8), (8,), (1, 8))[size]
     args.layers = model.LAYERS if size < 2 else SMOKE_LAYERS
     chosen = args.sections.split(",")
     args.compiles = Compiles()
