@@ -304,15 +304,17 @@ class Loader:
 def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> list[Callable]:
     """One function per row ``first .. stop - 1`` of ``plan``, each making that step's batch.
 
-    Per epoch, placed once: the plan's mask, sample indices and logical shards; in placement
-    "device" also each device's local indices into its resident shard (on GATHER_ONCE_PLATFORMS,
-    the epoch's rows gathered by them at once, ``_epoch_rows``), or for a resized segment (not
-    ``fresh``: its samples may lie in any shard) the epoch's rows from the host. Per step, one
-    ``_step_program``: one dispatch and, in "host", one transfer per name; no host sync."""
+    Per epoch, placed once: the plan's mask, sample indices and logical shards, every row of the plan, so that a
+    resume at any row runs the programs its epoch compiled; in placement "device" also each device's local indices
+    into its resident shard (on GATHER_ONCE_PLATFORMS, the epoch's rows gathered by them at once, ``_epoch_rows``), or
+    for a resized segment (not ``fresh``: its samples may lie in any shard) rows ``first .. stop - 1`` from the host.
+    Per step, one ``_step_program``: one dispatch and, in "host", one transfer per name; no host sync."""
     if first >= stop:
         return []
     n, names = loader.num_devices, tuple(loader.arrays)
-    on = on_devices(Plan(plan.indices[first:stop], plan.mask[first:stop]), n)
+    if loader.placement == "device" and not fresh:  # the segment's rows only: they cross from the host
+        plan, first, stop = Plan(plan.indices[first:stop], plan.mask[first:stop]), 0, stop - first
+    on = on_devices(plan, n)
     placed = {MASK: _by_position(on.mask.swapaxes(0, 1), loader.mesh),
               INDEX: _by_position(on.indices.astype(np.int32).swapaxes(0, 1), loader.mesh),
               SHARDS: _by_position(np.arange(loader.num_shards, dtype=np.int32).reshape(n, -1), loader.mesh)}
@@ -323,7 +325,7 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
     source = "host" if loader.placement == "host" else "resident" if fresh else "epoch"
     if source == "host":
         program = _step_program(loader.mesh, loader.layout, names, windows, source)
-        return [functools.partial(_host_step, loader, program, on, placed, hows, s) for s in range(len(on.indices))]
+        return [functools.partial(_host_step, loader, program, on, placed, hows, s) for s in range(first, stop)]
     if fresh:
         starts = np.array([shard_bounds(loader.num_samples, k, n)[0] for k in range(n)])
         placed["local"] = _by_position((on.indices - starts[:, None]).astype(np.int32).swapaxes(0, 1), loader.mesh)
@@ -334,7 +336,7 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
         rows = {name: _by_position(on.indices.swapaxes(0, 1).reshape(n, -1), loader.mesh, source_)
                 for name, source_ in loader.arrays.items()}
     program = _step_program(loader.mesh, loader.layout, names, windows, source)
-    return [functools.partial(program, rows, placed, np.int32(s), hows) for s in range(len(on.indices))]
+    return [functools.partial(program, rows, placed, np.int32(s), hows) for s in range(first, stop)]
 
 
 # Placement "host": rows gathered on the host, normalised on the devices ---------------------------

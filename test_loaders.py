@@ -1126,3 +1126,31 @@ def test_epochs_left_unfinished_at_exit_print_nothing_and_end(tmp_path):
         assert repr(case) in said["cases"], (case, out)
     exited = started + child.seconds - float(out.split("main done at ")[1])
     assert exited < 15, f"the child took {exited:.1f} s to exit after its last line"
+
+
+@pytest.mark.parametrize("placement", loaders.PLACEMENTS)
+def test_a_resume_at_any_step_runs_the_programs_its_epoch_compiled(devices, placement):
+    """Resumed at steps 1, 2 and 3 of a 5-step epoch (not at a resize), and read by random access
+    with ``batch(..., state=)``, an epoch compiles nothing its fresh run did not: the plan is placed
+    whole, whatever the steps left. The same batches as the fresh epoch's. The control: another
+    batch size is another program, and the listener hears it compile."""
+    compiled = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiled.append(kw.get("fun_name")) if event.endswith("backend_compile_duration")
+        else None)
+    data = {"x": np.arange(40, dtype=np.float32).reshape(20, 2), "y": np.arange(20, dtype=np.int32)}
+    loader = loaders.make_loader(data, devices[:2], 2, shuffle=True, seed=4, placement=placement, prefetch=0)
+    it = loader.epoch(0)
+    fresh, states = [], []
+    for batch in it:
+        fresh.append(host(batch))
+        states.append(it.get_state())
+    assert len(fresh) == 5
+    mark = len(compiled)
+    for step in (1, 2, 3):
+        assert_same_batches([host(b) for b in loader.epoch(0, state=states[step - 1])], fresh[step:], placement)
+        assert_same_batches([host(loader.batch(0, step, state=states[step - 1]))], fresh[step:step + 1], placement)
+    assert compiled[mark:] == [], compiled[mark:]
+    other = loaders.make_loader(data, devices[:2], 1, shuffle=True, seed=4, placement=placement, prefetch=0)
+    jax.block_until_ready(other.batch(0, 0))
+    assert len(compiled) > mark
