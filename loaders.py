@@ -440,10 +440,12 @@ def _epoch_rows(mesh: Mesh, names: tuple[str, ...]):
 def device_fit(data, devices: Sequence[jax.Device] | Mesh, device_budget: int | None = None) -> str | None:
     """Why ``data`` would not fit placement "device" on ``devices`` (a list or a mesh, as make_loader takes them), or
     None: make_loader's own check. ``data`` as make_loader takes it, a dict {name: array} or the tuple (samples,
-    labels), labels delivered as int32 (anything with a shape and a dtype: memory maps are not read). Every field counts: the largest shard's samples, each
-    field's bytes per sample added, held twice (the resident shard and an epoch's rows), over ``device_budget``
-    bytes per device: by default half of what the device reports free, or for CPU devices half the host's available
-    memory over this process's devices. ValueError for another kind of ``data`` (a folder: read it first)."""
+    labels), labels delivered as int32 (anything with a shape and a dtype: memory maps are not read). Every field
+    counts: the largest shard's samples, each field's bytes per sample added, held once (the resident shard), or twice
+    on GATHER_ONCE_PLATFORMS (and an epoch's rows), over ``device_budget`` bytes per device: by default half of what
+    the device reports free, or for CPU devices half the host's available memory over this process's devices; the
+    other half leaves room for a resized segment's rows, which cross from the host. ValueError for another kind of
+    ``data`` (a folder: read it first)."""
     if isinstance(data, tuple) and len(data) == 2:
         fields = [(np.shape(data[0]), np.dtype(data[0].dtype)), (np.shape(data[1]), np.dtype(np.int32))]
     elif isinstance(data, Mapping) and data:
@@ -458,12 +460,14 @@ def device_fit(data, devices: Sequence[jax.Device] | Mesh, device_budget: int | 
 def _fits(num_samples: int, sample_bytes: int, mesh: Mesh, device_budget: int | None) -> str | None:
     n = mesh.devices.size
     size = -(-num_samples // n)
-    per_device = 2 * size * sample_bytes
+    twice = mesh.devices.flat[0].platform in GATHER_ONCE_PLATFORMS
+    per_device = (2 if twice else 1) * size * sample_bytes
     local = [mesh.devices.flat[k] for k in local_positions(mesh)]
     limit, where = (device_budget, "device_budget") if device_budget is not None else _default_budget(local)
     if per_device <= limit:
         return None
-    return (f"placement='device': each device would hold {size} samples twice (its shard and an epoch's rows) "
+    held = "twice (its shard and an epoch's rows)" if twice else "once (its shard)"
+    return (f"placement='device': each device would hold {size} samples {held} "
             f"= {per_device / 2**20:.1f} MiB ({num_samples} samples / {n} devices), over the budget of "
             f"{limit / 2**20:.1f} MiB per device ({where}); use placement='host' or more devices")
 

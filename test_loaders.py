@@ -299,22 +299,28 @@ def test_device_placement_holds_shard_k_on_device_k(devices):
             assert_same_bits(got, want, f"{name}, device {k}")
 
 
-def test_device_budget_counts_every_arrays_bytes_of_the_largest_shard(devices):
-    """Placement "device" refuses a dataset whose largest shard (every array's row bytes),
-    held twice (resident, and an epoch's rows), does not fit device_budget, and takes one
-    that fits exactly; device_fit likewise."""
+@pytest.mark.parametrize("gather_once", [False, True])
+def test_device_budget_counts_every_arrays_bytes_of_the_largest_shard(devices, monkeypatch, gather_once):
+    """Placement "device" refuses a dataset whose largest shard (every array's row bytes), held
+    once (resident), or twice on GATHER_ONCE_PLATFORMS (and an epoch's rows, played here by CPU
+    devices), does not fit device_budget, and takes one that fits exactly; device_fit likewise.
+    A CPU is charged once: the budget that fits there is refused where the rows are gathered
+    once an epoch."""
+    monkeypatch.setattr(loaders, "GATHER_ONCE_PLATFORMS", ("cpu",) if gather_once else ())
+    copies = 2 if gather_once else 1
     tokens = dataset("dict").arrays  # 12 + 8 + 60 + 4 bytes per sample
     features, labels = dataset("float32").data  # 160 + 4 (int32 labels) bytes per sample
     for data, sample_bytes in ((tokens, 84), ((features, labels), 164)):
-        fits = 2 * -(-N // len(devices)) * sample_bytes
+        fits = copies * -(-N // len(devices)) * sample_bytes
         loaders.make_loader(data, devices, B, normalize=None, placement="device", device_budget=fits)
         assert_raises_naming(ValueError, lambda: loaders.make_loader(
             data, devices, B, normalize=None, placement="device", device_budget=fits - 1),
             "placement='device'", "over the budget", "placement='host'")
-    mesh = loaders.data_mesh(devices[:2])  # 7 samples: shards of 3 and 4, (1 + 4) bytes each, twice
+    mesh = loaders.data_mesh(devices[:2])  # 7 samples: shards of 3 and 4, (1 + 4) bytes each
     pair = (np.zeros((7, 1, 1, 1), np.uint8), np.zeros(7, np.int64))  # labels delivered as int32
-    assert loaders.device_fit(pair, mesh, device_budget=40) is None
-    assert "4 samples twice" in loaders.device_fit(pair, mesh, device_budget=39)
+    assert loaders.device_fit(pair, mesh, device_budget=20 * copies) is None
+    assert f"4 samples {('once', 'twice')[gather_once]}" in loaders.device_fit(pair, mesh,
+                                                                              device_budget=20 * copies - 1)
 
 
 def test_device_fit_counts_every_field_as_make_loader_does(devices):
@@ -324,12 +330,12 @@ def test_device_fit_counts_every_field_as_make_loader_does(devices):
     mesh = loaders.data_mesh(devices[:2])
     data = {"images": np.zeros((7, 1, 1, 1), np.uint8), "labels": np.zeros(7, np.int32),
             "weights": np.ones(7, np.float32)}
-    why = loaders.device_fit(data, mesh, device_budget=71)  # 4 samples x (1 + 4 + 4) bytes x 2 = 72
-    assert why is not None and "4 samples twice" in why and "= 0.0 MiB" in why
-    assert loaders.device_fit(data, mesh, device_budget=72) is None
-    assert loaders.device_fit({k: v for k, v in data.items() if k != "weights"}, mesh, device_budget=40) is None
+    why = loaders.device_fit(data, mesh, device_budget=35)  # 4 samples x (1 + 4 + 4) bytes = 36
+    assert why is not None and "4 samples once" in why and "= 0.0 MiB" in why
+    assert loaders.device_fit(data, mesh, device_budget=36) is None
+    assert loaders.device_fit({k: v for k, v in data.items() if k != "weights"}, mesh, device_budget=20) is None
     with pytest.raises(ValueError) as refused:
-        loaders.make_loader(data, mesh, 1, normalize=None, placement="device", device_budget=71)
+        loaders.make_loader(data, mesh, 1, normalize=None, placement="device", device_budget=35)
     assert str(refused.value) == why
     for bad in ("a-folder", [data["images"]], {}):
         assert_raises_naming(ValueError, lambda: loaders.device_fit(bad, mesh), "device_fit: data must be")
