@@ -88,8 +88,10 @@ STEP_TWIN_ULPS = 1  # the gradient twins' perturbation, in leaf_ulps' unit (step
 
 def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
                      optimizer: Optimizer = strategies.sgd(), opt_state=None, count: float | None = None,
-                     count_name: str = "equivalence.ulp_bound", seed: int = 0) -> Verdict:
+                     count_name: str = "equivalence.ulp_bound", seed: int = 0,
+                     after_run: Callable[[], None] | None = None) -> Verdict:
     """Whether strategies ``a`` and ``b`` compute the same gradient, step by step, as rounding allows.
+    ``after_run``, if given, is called after each strategy's one-step run (refimpl.py gives memory back there).
 
     For each batch (a host dict in layout "sharded", reshaped to (n, B, ...) for layout
     "pmap"), ``a`` and ``b`` each make one step from the same state, a's; the gradient each
@@ -124,7 +126,7 @@ def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, 
         count = ulp_bound(a, b, mesh.devices.flat[0].platform, mesh.devices.size)
     each, twin, same, diverged = stepwise_distances(fn_a, layout_a, fn_b, layout_b, params, batches, mesh,
                                                     loss_terms=loss_terms, optimizer=optimizer,
-                                                    opt_state=opt_state, seed=seed)
+                                                    opt_state=opt_state, seed=seed, after_run=after_run)
     steps = len(each)
     stop = ("" if diverged is None else f"; the training diverged at step {diverged} (a NaN or an infinity "
             f"in the state or in both gradients), where the comparison stops")
@@ -153,7 +155,7 @@ def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, 
 
 def stepwise_distances(fn_a: Callable, layout_a: str, fn_b: Callable, layout_b: str, params: Params,
                        batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms, optimizer: Optimizer,
-                       opt_state=None, seed: int = 0) -> tuple:
+                       opt_state=None, seed: int = 0, after_run: Callable[[], None] | None = None) -> tuple:
     """``stepwise_verdict``'s measurements: (distances (steps, leaves) float64, the gradients'
     distance in units of their term scale; twins (steps, leaves), the larger distance the
     +-STEP_TWIN_ULPS twins moved the gradient, same unit; whether every step's gradients
@@ -174,6 +176,8 @@ def stepwise_distances(fn_a: Callable, layout_a: str, fn_b: Callable, layout_b: 
         for fn, layout in ((fn_a, layout_a), (fn_b, layout_b)):
             batch = host if layout == "sharded" else {k: v.reshape((n, -1) + v.shape[1:]) for k, v in host.items()}
             out.append(fn(params, [batch], mesh, loss_terms=loss_terms, optimizer=recording, opt_state=start))
+            if after_run is not None:
+                after_run()
         ga, gb = out[0].opt_state[1], out[1].opt_state[1]
         if not (_finite(params) and (_finite(ga) or _finite(gb))):
             diverged = t  # the training itself diverged: nothing left to compare
@@ -188,7 +192,6 @@ def stepwise_distances(fn_a: Callable, layout_a: str, fn_b: Callable, layout_b: 
         same = same and _same_bits(ga, gb)
         params, opt_state = out[0].params, out[0].opt_state[0]
         del out, ga, gb
-        strategies.release_freed_memory()  # what the step's runs and its units freed
     leaves = len(jax.tree.leaves(params))
     return (np.array(distances, np.float64).reshape(-1, leaves), np.array(twins, np.float64).reshape(-1, leaves),
             same, diverged)

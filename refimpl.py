@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import functools
 import hashlib
 import importlib.util
@@ -549,6 +550,7 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
         start = time.perf_counter()
         params, losses, opt_state = train(params, span.batches(name, loader, epoch), opt_state=opt_state)
         seconds = time.perf_counter() - start
+        release_freed_memory()  # the epoch's device buffers are garbage now
         real, losses, note, lines = span.epoch_done(name, epoch, loader, losses)
         accuracy = model.accuracy(params, job.test_loader.epoch(0))
         row = {"strategy": name, "epoch": epoch, "first_step": lo, "last_step": hi - 1,
@@ -871,9 +873,20 @@ def stepwise_verdicts(args, job: Job, span: Span, params0, optimizer) -> tuple[l
     within, outside = [], []
     for other in names[1:]:
         found = equivalence.stepwise_verdict(names[0], other, params, hosts, job.mesh, loss_terms=model.loss_terms,
-                                             optimizer=optimizer, opt_state=opt_state)
+                                             optimizer=optimizer, opt_state=opt_state, after_run=release_freed_memory)
         (outside if found.case == "OUTSIDE" else within).append(f"stepwise verdict, {found.text}")
     return within, outside
+
+
+def release_freed_memory() -> None:
+    """Gives the memory freed so far back to the OS (glibc's ``malloc_trim``; a no-op without glibc). XLA:CPU's device
+    threads free a run's buffers into glibc's per-thread heaps, which keep them: on 8 CPU devices the main job's peak
+    RSS was a fifth higher without it. The job calls it after each epoch and each run of the verdict (its
+    ``after_run``); the modules it trains through never do (a user's job decides)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def first_difference(a, b) -> str | None:

@@ -48,7 +48,6 @@ equivalence.py, refimpl.py and bench.py.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
@@ -150,16 +149,6 @@ def single(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: L
 STRATEGIES = {"sharded": sharded, "pmap": pmap, "shard_map": shard_map, "single": single}
 
 
-def release_freed_memory() -> None:
-    """Gives the memory freed so far back to the OS (glibc's ``malloc_trim``; a no-op without
-    glibc). XLA:CPU's device threads free a run's buffers into glibc's per-thread heaps, which
-    keep them: on 8 CPU devices the main job's peak RSS was a fifth higher without it."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_state, reduction: str,
            logical_shards) -> Trained:
     if name in ("pmap", "single") and jax.process_count() > 1:
@@ -184,9 +173,7 @@ def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_st
         step, place = plain_step(name, loss_terms, optimizer.update, mesh)
     state, values = train_loop(step, place(state, run_mesh), batches)
     host = first_replica if stacked else to_host
-    trained = Trained(host(state[0]), stack_losses([v[0] for v in values] if stacked else values), host(state[1]))
-    release_freed_memory()  # the run's device buffers are garbage now
-    return trained
+    return Trained(host(state[0]), stack_losses([v[0] for v in values] if stacked else values), host(state[1]))
 
 
 def _check_reduction(name: str, reduction: str, logical_shards, mesh: Mesh) -> None:

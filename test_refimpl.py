@@ -864,3 +864,40 @@ def test_a_long_epoch_fed_by_the_prefetching_loader_does_not_deadlock(tmp_path):
                                       timeout=100, cwd=HERE)
     assert code == 0, err[-2000:]
     assert "49 steps of 8 x 128" in out and "  sharded epoch 0 of 1  loss " in out, out
+
+
+def test_only_the_main_job_gives_freed_memory_back(data, monkeypatch, devices):
+    """glibc's malloc_trim is the job's choice: a strategy's run and the stepwise verdict never
+    call it, while refimpl.py calls it after each epoch and each run of its verdict. The
+    calls are counted through ctypes; the same count shows the main job making them. The
+    verdict's ``after_run`` hook runs after each strategy's run of each step."""
+    import ctypes
+    import equivalence
+    import loaders
+    import model
+    import strategies
+    trims = []
+    real = ctypes.CDLL
+
+    class Counting:
+        def __init__(self, name, *args, **kwargs):
+            self.lib = real(name, *args, **kwargs)
+
+        def __getattr__(self, attr):
+            if attr == "malloc_trim":
+                return lambda *a: trims.append(a) or 1
+            return getattr(self.lib, attr)
+    monkeypatch.setattr(ctypes, "CDLL", Counting)
+    mesh = loaders.data_mesh(devices[:2])
+    params = model.init_model((3072, 4, 10))
+    batches = list(loaders.make_loader(read_cifar10(data), mesh, 4, prefetch=0).epoch(0))[:2]
+    hosts = [{k: np.asarray(v) for k, v in b.items()} for b in batches]
+    strategies.sharded(params, batches, mesh, loss_terms=model.loss_terms)
+    runs = []
+    equivalence.stepwise_verdict("sharded", "pmap", params, hosts, mesh, loss_terms=model.loss_terms,
+                                 after_run=lambda: runs.append(1))
+    assert trims == [] and len(runs) == 2 * len(hosts)  # its hook: after each strategy's run of each step
+    done = run_refimpl(["--data-dir", data, *RUN, "--batch-size", "4", "--devices", "2", "--strategies",
+                        "sharded,single"])
+    assert done.status == 0, done.out + done.err
+    assert len(trims) >= 2, trims  # an epoch each, then the verdict's steps
