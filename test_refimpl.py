@@ -866,6 +866,7 @@ def test_a_long_epoch_fed_by_the_prefetching_loader_does_not_deadlock(tmp_path):
     assert "49 steps of 8 x 128" in out and "  sharded epoch 0 of 1  loss " in out, out
 
 
+@pytest.mark.slow  # a main job and a verdict of their own
 def test_only_the_main_job_gives_freed_memory_back(data, monkeypatch, devices):
     """glibc's malloc_trim is the job's choice: a strategy's run and the stepwise verdict never
     call it, while refimpl.py calls it after each epoch and each run of its verdict. The
