@@ -388,8 +388,8 @@ def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
         return lambda: jax.block_until_ready([loop(params[d], rows[d], trips[d]) for d in devices])
     block = strategies.block_program(loss_terms)
     split = strategies._split_program(k, False) if k > 1 else (lambda r: [r])
-    folded = jax.jit(lambda sums: jax.tree.map(lambda *x: strategies._left_fold(x), *sums))  # canonical_step's own
-    folded = folded if k > 1 else (lambda sums: sums[0])  # one block is its own fold: nothing to compile
+    folded = (jax.jit(lambda sums: jax.tree.map(lambda *x: strategies._left_fold(x), *sums)) if k > 1
+              else lambda sums: sums[0])  # canonical_step's own fold; one block is its own fold
     sums = lambda: {d: [block(params[d], r) for r in split(rows[d])] for d in devices}
     return lambda: jax.block_until_ready([folded(s) if fold else s for s in sums().values()])
 
@@ -656,7 +656,7 @@ def main(argv=None) -> dict:
     args.fed_strategies = (tuple(strategies.STRATEGIES), ("sharded",), ("sharded",))[size]
     args.fed_steps = (32, 8, 4)[size]
     args.training_batches = GLOBAL_BATCHES if size == 0 else GLOBAL_BATCHES[:1]
-    # (model, G, L / n): L = n, 4n, 8n; --quick: one model per global batch; --smoke: each model once
+    # (model, G, L / n): L = n, 4n, 8n; --quick: two models at global 128; --smoke: each model once
     args.reduction_cases = [list(itertools.product(MODELS, GLOBAL_BATCHES, (1, 4, 8))),
                             [("mlp", 128, 1), ("attention", 128, 8)],
                             [("mlp", 16, 4), ("conv", 16, 1), ("attention", 16, 1)]][size]

@@ -306,7 +306,8 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
 
     Per epoch, placed once: the plan's mask, sample indices and logical shards, every row of the plan, so that a
     resume at any row runs the programs its epoch compiled; in placement "device" also each device's local indices
-    into its resident shard (on GATHER_ONCE_PLATFORMS, the epoch's rows gathered by them at once, ``_epoch_rows``), or
+    into its resident shard (on GATHER_ONCE_PLATFORMS, for more than one step, the epoch's rows gathered by them at
+    once, ``_epoch_rows``; a single step, as ``Loader.batch`` makes, gathers its own rows), or
     for a resized segment (not ``fresh``: its samples may lie in any shard) rows ``first .. stop - 1`` from the host.
     Per step, one ``_step_program``: one dispatch and, in "host", one transfer per name; no host sync."""
     if first >= stop:
@@ -330,7 +331,7 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
         starts = np.array([shard_bounds(loader.num_samples, k, n)[0] for k in range(n)])
         placed["local"] = _by_position((on.indices - starts[:, None]).astype(np.int32).swapaxes(0, 1), loader.mesh)
         rows = loader.resident
-        if loader.mesh.devices.flat[0].platform in GATHER_ONCE_PLATFORMS:
+        if loader.mesh.devices.flat[0].platform in GATHER_ONCE_PLATFORMS and stop - first > 1:
             rows, source = _epoch_rows(loader.mesh, names)(rows, placed["local"]), "epoch"
     else:
         rows = {name: _by_position(on.indices.swapaxes(0, 1).reshape(n, -1), loader.mesh, source_)
