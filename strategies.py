@@ -207,11 +207,12 @@ def _batch_shards(batch) -> int | None:
 def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict]:
     """``batches``, each checked to be in ``strategy``'s layout and on the mesh.
 
-    The layout is told from "mask": (n*B,) in layout "sharded", (n, B) in "pmap". jax.Array leaves must be sharded on
-    'data' over exactly the mesh's devices; NumPy leaves are placed so in one process and refused across processes (a
-    host array could be the whole batch or this process's rows). ValueError naming the strategy, the step and what is
-    wrong; the step's ``door`` checks the rest."""
-    layout, n = LAYOUT[strategy], mesh.devices.size
+    Every step: a dict with a "mask"; jax.Array leaves sharded on 'data' over exactly the mesh's devices; NumPy leaves
+    placed so in one process, refused across processes (a host array could be the whole batch or this process's rows).
+    Once per signature (the keys and each leaf's shape, dtype and whether a jax.Array; in a loop of one shape, the first
+    batch): the layout, told from "mask", (n*B,) in "sharded", (n, B) in "pmap", and the host leaves' dtypes. ValueError
+    naming the strategy, the step and what is wrong; the step's ``door`` checks the rest."""
+    layout, n, seen = LAYOUT[strategy], mesh.devices.size, set()
     want = NamedSharding(mesh, P(AXIS))
     for step, batch in enumerate(batches):
         where = f"strategy {strategy!r}, batch at step {step}"
@@ -219,8 +220,12 @@ def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict
             got = f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""
             raise ValueError(f"{where}: no 'mask' (a dict with a bool 'mask', (n*B,) or (n, B), as "
                              f"loaders.make_loader yields); got {type(batch).__name__}{got}")
-        _check_layout(where, tuple(np.shape(batch["mask"])), layout, n)
-        check_dtypes({k: v for k, v in batch.items() if not isinstance(v, jax.Array)}, f"{where}: batch")
+        signature = (jax.tree.structure(batch),
+                     tuple((np.shape(x), _dtype(x), isinstance(x, jax.Array)) for x in jax.tree.leaves(batch)))
+        if signature not in seen:
+            _check_layout(where, tuple(np.shape(batch["mask"])), layout, n)
+            check_dtypes({k: v for k, v in batch.items() if not isinstance(v, jax.Array)}, f"{where}: batch")
+            seen.add(signature)
         placed = {}
         for key, leaf in batch.items():
             if not isinstance(leaf, jax.Array):

@@ -104,6 +104,29 @@ def test_checked_refuses_host_arrays_across_processes(devices, monkeypatch):
         list(strategies.checked([batch((4,))], "sharded", mesh))
 
 
+def test_checked_judges_each_signature_once_and_the_placement_every_step(devices, monkeypatch):
+    """The mask's layout and the host leaves' dtypes (the door's too, per shape) are checked on the first batch of each
+    signature only, a batch of a new one at its own step; the mask's presence, devices and sharding on every step."""
+    mesh = loaders.data_mesh(devices[:2])
+    steps = {"_check_layout": [], "check_dtypes": []}
+    for name, called in steps.items():
+        def spy(*args, real=getattr(strategies, name), called=called):
+            called.append(int(re.search(r"batch at step (\d+)", str(args))[1]))
+            return real(*args)
+        monkeypatch.setattr(strategies, name, spy)
+    on_mesh = jax.device_put(batch((4,)), NamedSharding(mesh, P("data")))
+    epoch = [batch((4,)), batch((4,)), batch((4,)), batch((6,)), batch((4,)), on_mesh, on_mesh]
+    assert len(list(strategies.checked(epoch, "sharded", mesh))) == len(epoch)
+    assert steps == {"_check_layout": [0, 3, 5], "check_dtypes": [0, 3, 5]}
+    elsewhere = jax.device_put(batch((4,)), NamedSharding(loaders.data_mesh(devices[2:4]), P("data")))
+    replicated = jax.device_put(batch((4,)), NamedSharding(mesh, P()))
+    for bad, said in ((batch((4, 2)), "needs layout 'sharded'"), ({"images": on_mesh["images"]}, "no 'mask'"),
+                      (dict(on_mesh, images=np.zeros((4, 3, 4, 4))), r"batch: leaf \['images'\] is float64"),
+                      (elsewhere, r"batch\['images'\] lives on"), (replicated, r"batch\['images'\] has sharding")):
+        with pytest.raises(ValueError, match=f"strategy 'sharded', batch at step 3: {said}"):
+            list(strategies.checked([on_mesh, on_mesh, on_mesh, bad], "sharded", mesh))
+
+
 # --------------------------------------------------------------------------
 # The strategies follow the mesh, not JAX's default devices
 # --------------------------------------------------------------------------
