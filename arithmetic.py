@@ -1,15 +1,12 @@
 """The vendors' crop_mirror_normalize as exact float32 tables.
 
-Over uint8 input a vendor's normalisation is one float32 value per (channel, pixel value).
-``normalize_table`` computes that table for each of ``ARITHMETICS`` (rocAL's, DALI's GPU and
-CPU kernels), ``crop_anchor`` is each vendor's rounding of a crop's position, and
-``crop_mirror_normalize`` the whole operator on the host: crop, flip, then a lookup.
-``Normalize`` is the value a loader is given. Every path that normalises gives the table's bits
-(a lookup, or on a TPU the table's own arithmetic, checked first on all 256 values), so every
-device gives the same bits.
+Over uint8 input a vendor's normalisation is one float32 value per (channel, pixel value). ``normalize_table`` computes
+that table for each of ``ARITHMETICS`` (rocAL's, DALI's GPU and CPU kernels), ``crop_anchor`` is each vendor's rounding
+of a crop's position, and ``crop_mirror_normalize`` the whole operator on the host: crop, flip, then a lookup.
+``Normalize`` is the value a loader is given. Every path that normalises gives the table's bits (a lookup, or on a TPU
+the table's own arithmetic, checked first on all 256 values), so every device gives the same bits.
 
-Deliberate difference from rocAL: a crop larger than the image is an error here;
-rocAL silently clamps it.
+Deliberate difference from rocAL: a crop larger than the image is an error here; rocAL silently clamps it.
 
 Inputs: an int parameter (a size, a crop, a shape) takes a Python or NumPy integer, never a
 bool nor a float, even a whole one. A real number (a mean, a std, a crop position) takes what
@@ -44,16 +41,14 @@ ARITHMETICS = ("rocal", "dali_cpu", "dali_gpu")
 def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str = "rocal") -> np.ndarray:
     """(C, 256) float32: the vendor's normalised value of each uint8 pixel value, per channel.
 
-    ``mean`` and ``std`` are sequences of C real numbers: a list, a tuple or a 1-d NumPy
-    or JAX array, not a set or a generator. An entry is a ``numbers.Real`` (a NumPy
-    scalar or a ``Fraction`` too) or a 0-d integer or float array, ml_dtypes' included
-    (bfloat16, the float8s, int4: every value a double); never a bool. ``float()``
-    rounds each entry to a double and f32 rounds that, as the vendors' Python bindings
-    do: 1 + 2**-24 + 2**-60 becomes 1 + 2**-24, a float32 tie, so m = 1.0 (rounding once
-    would give 1 + 2**-23).
+    ``mean`` and ``std`` are sequences of C real numbers: a list, a tuple or a 1-d NumPy or JAX array, not a set or a
+    generator. An entry is a ``numbers.Real`` (a NumPy scalar or a ``Fraction`` too) or a 0-d integer or float array,
+    ml_dtypes' included (bfloat16, the float8s, int4: every value a double); never a bool. ``float()`` rounds each entry
+    to a double and f32 rounds that, as the vendors' Python bindings do: 1 + 2**-24 + 2**-60 becomes 1 + 2**-24, a
+    float32 tie, so m = 1.0 (rounding once would give 1 + 2**-23).
 
-    IEEE 754 binary32 throughout: each operation's exact result rounded once to
-    nearest, ties to even. Per channel c, with x = 0..255 exact in float32:
+    IEEE 754 binary32 throughout: each operation's exact result rounded once to nearest, ties to even. Per channel c,
+    with x = 0..255 exact in float32:
 
         m   = f32(float(mean[c]))
         s   = f32(float(std[c]))
@@ -64,11 +59,10 @@ def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str
                     table[c, x] = fma(x, inv, off)
         "dali_cpu": table[c, x] = (x - m) * inv       # a subtract, then a multiply
 
-    Zeros take IEEE 754's signs. A non-zero result that rounds to zero keeps its sign.
-    An exact zero product or quotient is -0.0 iff exactly one operand is negative; an
-    exact zero sum (x * inv + off, x - m) iff both terms are -0.0. ``-(v)`` flips the
-    sign. So "dali_cpu" with mean 1e-45, std 255 gives table[0, 0] = -0.0; "rocal" with
-    mean -0.0, std -2.0 gives off = -0.0 and table[0, 0] = fma(0, -0.5, -0.0) = -0.0.
+    Zeros take IEEE 754's signs. A non-zero result that rounds to zero keeps its sign. An exact zero product or quotient
+    is -0.0 iff exactly one operand is negative; an exact zero sum (x * inv + off, x - m) iff both terms are -0.0.
+    ``-(v)`` flips the sign. So "dali_cpu" with mean 1e-45, std 255 gives table[0, 0] = -0.0; "rocal" with mean -0.0,
+    std -2.0 gives off = -0.0 and table[0, 0] = fma(0, -0.5, -0.0) = -0.0.
 
     Raises:
       ValueError: an unknown arithmetic; mean or std not as above, empty or of different
@@ -80,8 +74,8 @@ def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str
 
 
 def table_key(mean, std, arithmetic: str, where: str) -> tuple[bytes, bytes, str]:
-    """What determines a table's bits: mean's and std's float32 bytes (so -0.0 is not 0.0),
-    and the arithmetic. Every table cache is keyed by this; errors name ``where``."""
+    """What determines a table's bits: mean's and std's float32 bytes (so -0.0 is not 0.0), and the arithmetic. Every
+    table cache is keyed by this; errors name ``where``."""
     mean32, std32 = _mean_std(mean, std, where)
     return mean32.tobytes(), std32.tobytes(), _check_arithmetic(arithmetic)
 
@@ -125,9 +119,9 @@ def _keyed_table(key: tuple[bytes, bytes, str]) -> np.ndarray:
 
 
 def table_operands(key: tuple[bytes, bytes, str]) -> dict[str, np.ndarray]:
-    """The float32 operands (C,) of a ``table_key``'s table, as ``normalize_table`` computes
-    them: {"inv", "offset"} ("rocal", "dali_gpu": table[c, x] = fma(x, inv[c], offset[c])) or
-    {"mean", "inv"} ("dali_cpu": (x - mean[c]) * inv[c])."""
+    """The float32 operands (C,) of a ``table_key``'s table, as ``normalize_table`` computes them: {"inv", "offset"}
+    ("rocal", "dali_gpu": table[c, x] = fma(x, inv[c], offset[c])) or {"mean", "inv"} ("dali_cpu":
+    (x - mean[c]) * inv[c])."""
     keyed_table(key)  # checks the key, and that every operand is finite
     mean32, std32 = np.frombuffer(key[0], np.float32), np.frombuffer(key[1], np.float32)
     inv, offset = _operands(mean32, std32, key[2])
@@ -161,8 +155,8 @@ def crop_anchor(pos: float, size: int, crop: int, arithmetic: str = "rocal") -> 
         "dali_cpu", "dali_gpu":  t = p * d        # double(p) times the span: exact
                                  anchor = floor(t + 1/2)  (std::round: half away from zero)
 
-    So pos=0.7 with d=5 gives DALI t = 3.4999999 and anchor 3, but rocAL t = 3.5 and
-    anchor 4. The anchor lies in [0, size - crop].
+    So pos=0.7 with d=5 gives DALI t = 3.4999999 and anchor 3, but rocAL t = 3.5 and anchor 4. The anchor lies in
+    [0, size - crop].
 
     Raises:
       ValueError: an unknown arithmetic; size or crop not an int; size < 1; crop outside
@@ -188,19 +182,17 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
                           out: np.ndarray | None = None) -> np.ndarray:
     """A vendor's crop_mirror_normalize of uint8 NCHW images, as float32 NCHW.
 
-    With ``table = normalize_table(mean, std, arithmetic)`` (in pixel units, C entries),
-    ``(ch, cw) = crop`` (default: the whole image),
-    ``y0 = crop_anchor(crop_pos[0], H, ch, arithmetic)`` and
+    With ``table = normalize_table(mean, std, arithmetic)`` (in pixel units, C entries), ``(ch, cw) = crop``
+    (default: the whole image), ``y0 = crop_anchor(crop_pos[0], H, ch, arithmetic)`` and
     ``x0 = crop_anchor(crop_pos[1], W, cw, arithmetic)``:
 
         out[n, c, y, x] = table[c, images[n, c, y0 + y, x0 + x']]
         x' = cw - 1 - x if mirror[n] else x     # a horizontal flip inside the window
 
-    Crop, then flip, then a lookup: no other rounding happens. ``crop`` is None or two ints,
-    ``crop_pos`` two real numbers in [0, 1]. ``mirror`` is one bool for every image, or N bools
-    (a list or a NumPy bool array; not ints). ``out`` is a float32 (N, C, ch, cw) array to write
-    into; by default a new 64-byte-aligned one (``aligned_empty``). ValueError for anything else,
-    or a crop larger than the image.
+    Crop, then flip, then a lookup: no other rounding happens. ``crop`` is None or two ints, ``crop_pos`` two real
+    numbers in [0, 1]. ``mirror`` is one bool for every image, or N bools (a list or a NumPy bool array; not ints).
+    ``out`` is a float32 (N, C, ch, cw) array to write into; by default a new 64-byte-aligned one (``aligned_empty``).
+    ValueError for anything else, or a crop larger than the image.
     """
     images_NCHW = np.asarray(images_NCHW)
     if images_NCHW.ndim != 4 or images_NCHW.dtype != np.uint8:
@@ -234,8 +226,8 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
 
 def crop_window(image_hw: tuple[int, int], crop: tuple[int, int] | None,
                 crop_pos: tuple[float, float], arithmetic: str = "rocal") -> tuple[int, int, int, int]:
-    """``(y0, x0, ch, cw)``, Python ints: the crop window in an image of ``image_hw``, two
-    ints >= 1. ``crop`` and ``crop_pos`` are crop_mirror_normalize's; ValueError as there."""
+    """``(y0, x0, ch, cw)``, Python ints: the crop window in an image of ``image_hw``, two ints >= 1. ``crop`` and
+    ``crop_pos`` are crop_mirror_normalize's; ValueError as there."""
     return _window("crop_window", image_hw, crop, crop_pos, arithmetic)
 
 
@@ -252,9 +244,9 @@ def _window(where: str, image_hw, crop, crop_pos, arithmetic: str) -> tuple[int,
 def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
     """``np.empty`` whose data (if it has an element) starts on an ``align``-byte boundary.
 
-    JAX's CPU client wraps a 64-byte-aligned host buffer without copying it; NumPy's
-    allocator only promises 16 bytes. ``shape`` is an int or ints >= 0, ``align`` an int
-    >= 1, ``dtype`` what ``np.dtype`` takes: ValueError, naming the parameter, otherwise.
+    JAX's CPU client wraps a 64-byte-aligned host buffer without copying it; NumPy's allocator only promises 16 bytes.
+    ``shape`` is an int or ints >= 0, ``align`` an int >= 1, ``dtype`` what ``np.dtype`` takes: ValueError, naming the
+    parameter, otherwise.
     """
     shape = _ints("aligned_empty", "shape", (shape,) if _is_int(shape) else shape, None, 0)
     align = _check_int("aligned_empty", "align", align, 1)
@@ -272,15 +264,15 @@ def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
 class Normalize:
     """What a loader applies to each image: a vendor's crop_mirror_normalize, as a value.
 
-    The default is the rocAL notebook's: no crop, no flip, mean = std = 127.5 per channel, rocAL's
-    arithmetic; the DALI notebook's MNIST is ``Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu")``.
-    ``arithmetic`` also picks the crop anchor's rounding; ``table`` is the (C, 256) specification.
-    The images it takes are uint8 NCHW with C = len(mean).
+    The default is the rocAL notebook's: no crop, no flip, mean = std = 127.5 per channel, rocAL's arithmetic; the DALI
+    notebook's MNIST is ``Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu")``. ``arithmetic`` also picks the
+    crop anchor's rounding; ``table`` is the (C, 256) specification. The images it takes are uint8 NCHW with
+    C = len(mean).
 
-    The fields take what crop_mirror_normalize takes, but ``mirror`` is one bool. They are checked
-    on construction and stored as plain Python values, mean, std and crop_pos as tuples of
-    ``float()``. Two Normalize are equal, and hash alike, exactly when every field is the same,
-    floats bit for bit: mean 0.0 and -0.0, whose tables differ, are different values.
+    The fields take what crop_mirror_normalize takes, but ``mirror`` is one bool. They are checked on construction and
+    stored as plain Python values, mean, std and crop_pos as tuples of ``float()``. Two Normalize are equal, and hash
+    alike, exactly when every field is the same, floats bit for bit: mean 0.0 and -0.0, whose tables differ, are
+    different values.
     """
     mean: tuple[float, ...] = (127.5, 127.5, 127.5)
     std: tuple[float, ...] = (127.5, 127.5, 127.5)
@@ -323,8 +315,8 @@ class Normalize:
         return _window("Normalize", image_hw, self.crop, self.crop_pos, self.arithmetic)
 
     def output_shape(self, image_chw: tuple[int, ...]) -> tuple[int, int, int]:
-        """(C, ch, cw) of a normalised image of ``image_chw`` = (C, H, W), three ints >= 1;
-        ValueError if it is not that, or mean/std or the crop do not fit it."""
+        """(C, ch, cw) of a normalised image of ``image_chw`` = (C, H, W), three ints >= 1; ValueError if it is not
+        that, or mean/std or the crop do not fit it."""
         if not isinstance(image_chw, (tuple, list)) or len(image_chw) != 3:
             raise ValueError(f"Normalize: images must be (N, C, H, W), one image (C, H, W), got an image "
                              f"of shape {image_chw!r}")
@@ -344,8 +336,8 @@ class Normalize:
 
 
 def one_row(table: np.ndarray) -> bool:
-    """Whether every row of ``table``, a float32 (C >= 1, 256) NumPy array (ValueError
-    otherwise), is row 0 bit for bit (-0.0 is not 0.0): then one lookup serves every channel."""
+    """Whether every row of ``table``, a float32 (C >= 1, 256) NumPy array (ValueError otherwise), is row 0 bit for bit
+    (-0.0 is not 0.0): then one lookup serves every channel."""
     if not isinstance(table, np.ndarray) or table.dtype != np.float32 or table.ndim != 2 \
             or table.shape[1] != 256 or not len(table):
         raise ValueError(f"one_row: table must be a float32 (C, 256) array, got "

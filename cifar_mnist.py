@@ -1,22 +1,19 @@
 """The notebooks' datasets on disk: CIFAR-10's binary files and MNIST's IDX files.
 
-``read_cifar10`` reads the CIFAR-10 "binary version": 3073-byte records, each one
-label byte 0..9, then the R, G, B planes of 32x32, row-major. ``read_mnist`` reads
-MNIST's IDX files, gzipped or not. Both give ``(images_NCHW uint8, labels_N int32)``.
-``write_cifar10`` and ``write_mnist`` write the same formats, atomically, and the
-``synthetic_*`` functions write small deterministic datasets in them, so that every
-test and job runs without a download. A reader reads back what a writer wrote, bit
-for bit, and refuses a malformed file naming it.
+``read_cifar10`` reads the CIFAR-10 "binary version": 3073-byte records, each one label byte 0..9, then the R, G, B
+planes of 32x32, row-major. ``read_mnist`` reads MNIST's IDX files, gzipped or not. Both give
+``(images_NCHW uint8, labels_N int32)``. ``write_cifar10`` and ``write_mnist`` write the same formats, atomically, and
+the ``synthetic_*`` functions write small deterministic datasets in them, so that every test and job runs without a
+download. A reader reads back what a writer wrote, bit for bit, and refuses a malformed file naming it.
 
-Deliberate difference from rocAL: files are read in sorted name order, not in raw
-``readdir`` order, which depends on the filesystem.
+Deliberate difference from rocAL: files are read in sorted name order, not in raw ``readdir`` order, which depends on
+the filesystem.
 
-Inputs: a count or seed is a Python or NumPy integer, never a bool nor a float (even
-5.0); a path a str or an ``os.PathLike``; labels of an integer dtype. Anything else
-raises ValueError at the call, naming the function, the parameter and the value.
+Inputs: a count or seed is a Python or NumPy integer, never a bool nor a float (even 5.0); a path a str or an
+``os.PathLike``; labels of an integer dtype. Anything else raises ValueError at the call, naming the function, the
+parameter and the value.
 
-Imports: NumPy only, so the module can be copied alone (its name shadows no
-``datasets`` package).
+Imports: NumPy only, so the module can be copied alone (its name shadows no ``datasets`` package).
 """
 
 from __future__ import annotations
@@ -38,9 +35,8 @@ TEST_PREFIX = "test_batch"
 def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREFIX):
     """``(images_NCHW, labels_N)`` of every file in ``file_root`` whose name starts with ``filename_prefix``.
 
-    Files are read in sorted name order. The images are uint8 (N, 3, 32, 32), the labels int32
-    (N,). With one matching file the images are a read-only view of a memory map (no copy); with
-    several, one in-memory copy.
+    Files are read in sorted name order. The images are uint8 (N, 3, 32, 32), the labels int32 (N,). With one matching
+    file the images are a read-only view of a memory map (no copy); with several, one in-memory copy.
 
     Raises:
       ValueError: ``filename_prefix`` not a str; a file that is not whole 3073-byte records, a
@@ -103,11 +99,10 @@ def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000, num_t
                       seed: int = 0) -> str:
     """Writes a CIFAR-10-format folder, data_batch_1..5.bin and test_batch.bin; returns ``root``.
 
-    An image is its class's fixed random low-frequency colour pattern at a random contrast,
-    shifted by a random brightness, plus strong per-pixel noise: learnable, but not at a glance,
-    as with real data. The bytes are a function of (num_train, num_test, seed) alone, on every
-    machine whose NumPy Generator draws the same values. ``num_train`` and ``num_test`` are ints
-    >= 0, ``seed`` an int in [0, 2**32): ValueError before anything is written otherwise.
+    An image is its class's fixed random low-frequency colour pattern at a random contrast, shifted by a random
+    brightness, plus strong per-pixel noise: learnable, but not at a glance, as with real data. The bytes are a function
+    of (num_train, num_test, seed) alone, on every machine whose NumPy Generator draws the same values. ``num_train``
+    and ``num_test`` are ints >= 0, ``seed`` an int in [0, 2**32): ValueError before anything is written otherwise.
     """
     draw = _synthetic_images("synthetic_cifar10", IMAGE_SHAPE, num_train, num_test, seed, salt=0xC1FA)
     root = _path("synthetic_cifar10", "root", root)
@@ -128,9 +123,8 @@ _IDX_MAGIC = {"images": 0x00000803, "labels": 0x00000801}  # uint8 data, 3 or 1 
 def read_mnist(folder: str | os.PathLike, split: str = "train"):
     """``(images_NCHW uint8 (N, 1, 28, 28), labels_N int32)`` of MNIST's ``split``, "train" or "test".
 
-    Reads ``train-images-idx3-ubyte`` and ``train-labels-idx1-ubyte`` (``t10k-*`` for "test"),
-    plain or ``.gz``, also spelled ``train-images.idx3-ubyte`` as some mirrors do. Uncompressed
-    images are a read-only memory map.
+    Reads ``train-images-idx3-ubyte`` and ``train-labels-idx1-ubyte`` (``t10k-*`` for "test"), plain or ``.gz``, also
+    spelled ``train-images.idx3-ubyte`` as some mirrors do. Uncompressed images are a read-only memory map.
 
     Raises:
       ValueError: an unknown split; a bad magic number, images not 28x28, a file shorter or
@@ -157,8 +151,8 @@ def read_mnist(folder: str | os.PathLike, split: str = "train"):
 def write_mnist(folder: str | os.PathLike, split: str, images_NCHW: np.ndarray, labels_N: np.ndarray) -> None:
     """Writes ``split``'s two IDX files, uncompressed, into ``folder``, each atomically.
 
-    ``split`` is "train" or "test", ``images_NCHW`` uint8 (N, 1, 28, 28), ``labels_N`` N integers
-    0..9: ValueError otherwise.
+    ``split`` is "train" or "test", ``images_NCHW`` uint8 (N, 1, 28, 28), ``labels_N`` N integers 0..9: ValueError
+    otherwise.
     """
     _check_split("write_mnist", split)
     folder = _path("write_mnist", "folder", folder)
@@ -171,8 +165,8 @@ def write_mnist(folder: str | os.PathLike, split: str, images_NCHW: np.ndarray, 
 
 
 def synthetic_mnist(root: str | os.PathLike, *, num_train: int = 60_000, num_test: int = 10_000, seed: int = 0) -> str:
-    """Writes MNIST-format IDX files (train and t10k) of synthetic 28x28 grey images, made
-    and validated as ``synthetic_cifar10``'s; returns ``root``."""
+    """Writes MNIST-format IDX files (train and t10k) of synthetic 28x28 grey images, made and validated as
+    ``synthetic_cifar10``'s; returns ``root``."""
     draw = _synthetic_images("synthetic_mnist", MNIST_SHAPE, num_train, num_test, seed, salt=0x3A15)
     root = _path("synthetic_mnist", "root", root)
     os.makedirs(root, exist_ok=True)
@@ -231,10 +225,9 @@ def _check_images_and_labels(where: str, images_NCHW, labels_N, shape: tuple[int
 
 
 def _write_atomically(path: str, data: bytes) -> None:
-    """Writes ``data`` to ``path`` so that a reader sees the old file or the whole new one:
-    into a hidden file (".tmp-...") beside ``path``, then renamed onto it, which is atomic on
-    any filesystem and needs no system temporary folder. A write that fails removes that
-    file, leaves ``path`` unchanged and raises its own error."""
+    """Writes ``data`` to ``path`` so that a reader sees the old file or the whole new one: into a hidden file
+    (".tmp-...") beside ``path``, then renamed onto it, which is atomic on any filesystem and needs no system temporary
+    folder. A write that fails removes that file, leaves ``path`` unchanged and raises its own error."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
     try:

@@ -1,17 +1,15 @@
 """How a loader's epochs depart from plan.py's plan, or from "every sample exactly once", in words.
 
-Feed a loader samples that encode their index (``encoding.encoded_images``), cut each global
-batch into per-shard blocks (``shard_blocks``), decode them (``encoding.decode_indices``) and
-pass the indices to a describer: ``describe_epoch`` (one epoch against ``plan.epoch_plan``, or
-exactly once), ``describe_resized_epoch`` (over ``plan.elastic_plan``'s segments),
-``describe_epochs`` (several reads), ``describe_values`` (a key's values, bit for bit) or
-``describe_content`` (normalised images and labels). Each returns ``Findings`` (or adds to
-``findings``): a summary line per kind of deviation, then up to ``EXAMPLES`` examples naming
-shard(s) and step(s); "" if none.
+Feed a loader samples that encode their index (``encoding.encoded_images``), cut each global batch into per-shard blocks
+(``shard_blocks``), decode them (``encoding.decode_indices``) and pass the indices to a describer: ``describe_epoch``
+(one epoch against ``plan.epoch_plan``, or exactly once), ``describe_resized_epoch`` (over ``plan.elastic_plan``'s
+segments), ``describe_epochs`` (several reads), ``describe_values`` (a key's values, bit for bit) or
+``describe_content`` (normalised images and labels). Each returns ``Findings`` (or adds to ``findings``): a summary line
+per kind of deviation, then up to ``EXAMPLES`` examples naming shard(s) and step(s); "" if none.
 
-Not seen: content that still decodes (unless describe_values or describe_content holds it);
-padding, without masks; the order, with shuffle; epochs or processes not given; which device
-holds a block (decode each of ``addressable_shards``); speed.
+Not seen: content that still decodes (unless describe_values or describe_content holds it); padding, without masks; the
+order, with shuffle; epochs or processes not given; which device holds a block (decode each of ``addressable_shards``);
+speed.
 
 Imports plan.py, arithmetic.py and NumPy, no JAX. Copy it with those two, and encoding.py.
 """
@@ -37,9 +35,9 @@ SHIFTS = 4  # describe_values names a shift of up to this many samples or slots
 def shard_blocks(array, num_shards: int, layout: str = "sharded") -> np.ndarray:
     """A global batch as per-shard blocks (n, B, ...): block k is mesh position k's.
 
-    ``array``: NumPy or a fully addressable jax.Array, (n*B, ...) for layout "sharded" (what
-    ``make_loader`` and jit take) or (n, B, ...) for "pmap". Raises ValueError for a bad
-    ``num_shards`` or ``layout``, or a leading axis that does not fit them.
+    ``array``: NumPy or a fully addressable jax.Array, (n*B, ...) for layout "sharded" (what ``make_loader`` and jit
+    take) or (n, B, ...) for "pmap". Raises ValueError for a bad ``num_shards`` or ``layout``, or a leading axis that
+    does not fit them.
     """
     _check_args("shard_blocks", num_shards=(num_shards, 1))
     if layout not in LAYOUTS:
@@ -58,8 +56,8 @@ def shard_blocks(array, num_shards: int, layout: str = "sharded") -> np.ndarray:
 
 @dataclasses.dataclass
 class Findings:
-    """Deviations by kind: ``kinds[kind]`` lists (text, shards, steps, samples), each a set;
-    describe_resized_epoch's shards are (segment, shard) pairs, its steps the epoch's."""
+    """Deviations by kind: ``kinds[kind]`` lists (text, shards, steps, samples), each a set; describe_resized_epoch's
+    shards are (segment, shard) pairs, its steps the epoch's."""
     kinds: dict = dataclasses.field(default_factory=lambda: defaultdict(list))
 
     def add(self, kind: str, text: str, *, shards=(), steps=(), samples=()) -> None:
@@ -89,19 +87,18 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
                    masks=None, findings: Findings | None = None, partition: str = "contiguous") -> Findings:
     """How one epoch departs from ``epoch_plan(num_samples, n, batch_size)`` or from exactly once.
 
-    ``delivered``: decoded indices (-1: decodes to nothing), an int array (steps, n, B) like
-    ``Plan.indices`` or a list of n per-shard (steps, B) arrays as they arrived. ``masks``: the
-    loader's, same layout, or None (every slot real). ``length``: the loader's step count.
+    ``delivered``: decoded indices (-1: decodes to nothing), an int array (steps, n, B) like ``Plan.indices`` or a list
+    of n per-shard (steps, B) arrays as they arrived. ``masks``: the loader's, same layout, or None (every slot real).
+    ``length``: the loader's step count.
 
-    Both partitions check the step counts (reported, arrived); undecodable slots; one batch on
-    several shards; a sample in real slots of two shards; padding (with masks) holding a sample
-    no real slot of its shard delivers. "contiguous" (the plan) adds the masks, the order
-    without shuffle (a shift of up to 4 batches is one finding) and the shard's own samples;
-    "any" adds range(N). Fill: every owed sample once in real slots; drop: at most once.
-    Without masks, with fill, a repeat within a shard may be padding and is not flagged.
+    Both partitions check the step counts (reported, arrived); undecodable slots; one batch on several shards; a sample
+    in real slots of two shards; padding (with masks) holding a sample no real slot of its shard delivers. "contiguous"
+    (the plan) adds the masks, the order without shuffle (a shift of up to 4 batches is one finding) and the shard's own
+    samples; "any" adds range(N). Fill: every owed sample once in real slots; drop: at most once. Without masks, with
+    fill, a repeat within a shard may be padding and is not flagged.
 
-    Raises ValueError for input in neither layout, masks that do not match it, a bad
-    num_samples, batch_size or length, or an unknown partition or last_batch.
+    Raises ValueError for input in neither layout, masks that do not match it, a bad num_samples, batch_size or length,
+    or an unknown partition or last_batch.
     """
     _check_args("describe_epoch", partition, last_batch, num_samples=(num_samples, 0),
                 batch_size=(batch_size, 1), length=(length, 0))
@@ -153,8 +150,8 @@ def _blocks(delivered, masks, batch_size: int, where: str, name: str = "delivere
 
 
 def _per_shard(value, batch_size: int | None, name: str, kind, where: str, sample_dims: bool = False) -> list:
-    """``value`` (an array (steps, n, B) or a list of (steps, B) arrays; with ``sample_dims``, per-sample
-    axes after those) as per-shard arrays of dtype family ``kind`` (None: any). ``batch_size`` None: any B."""
+    """``value`` (an array (steps, n, B) or a list of (steps, B) arrays; with ``sample_dims``, per-sample axes after
+    those) as per-shard arrays of dtype family ``kind`` (None: any). ``batch_size`` None: any B."""
     more = ", ..." if sample_dims else ""
     if batch_size is None:  # B read from the value
         first = value[0] if isinstance(value, (list, tuple)) and value else None
@@ -188,8 +185,8 @@ def _per_shard(value, batch_size: int | None, name: str, kind, where: str, sampl
 
 def _check_shards(delivered: list, masks, found, *, plan, steps: int, what: str, runs, owed,
                   shuffle: bool, last_batch: str, offset: int = 0, resized: bool = False) -> list:
-    """describe_epoch's per-shard checks; returns the real slots (-1 elsewhere). Row r is step
-    ``offset + r``; ``plan`` None is "any"; ``what`` says why ``steps``; ``resized`` allows empty runs."""
+    """describe_epoch's per-shard checks; returns the real slots (-1 elsewhere). Row r is step ``offset + r``; ``plan``
+    None is "any"; ``what`` says why ``steps``; ``resized`` allows empty runs."""
     reals = [got if masks is None else np.where(masks[k], got, -1) for k, got in enumerate(delivered)]
     head = what.split(" (")[0]
     for k, got in enumerate(delivered):
@@ -326,8 +323,8 @@ def _table(reals: list, starts: list) -> np.ndarray:
 
 def _exactly_once(table: np.ndarray, num_samples: int, last_batch: str, end: int, everyone, found,
                   resized: bool = False, outside: bool = True) -> None:
-    """Over a ``_table``: no sample outside range(N) (if ``outside``); fill, every sample in a real
-    slot. ``resized``: describe_resized_epoch's words and (segment, shard) pairs, else describe_epoch's."""
+    """Over a ``_table``: no sample outside range(N) (if ``outside``); fill, every sample in a real slot. ``resized``:
+    describe_resized_epoch's words and (segment, shard) pairs, else describe_epoch's."""
     out = table[table[:, 0] >= num_samples]
     if outside and len(out):
         x, i, s, k = out[np.lexsort((out[:, 3], out[:, 2]))][0]
@@ -346,10 +343,9 @@ def _exactly_once(table: np.ndarray, num_samples: int, last_batch: str, end: int
 def real_first(delivered: list, masks: list) -> tuple[list, list]:
     """Each shard's slots reordered real first (stable), each shard (steps, B) as it came.
 
-    For ``describe_epoch`` on a shuffled epoch whose padding may sit anywhere (rocAL's): the
-    spec fixes only how many slots are real, so the mask check compares counts, and findings
-    name reordered steps. ``masks`` (bool or 0/1) may cover more batches than arrived. Raises
-    ValueError for masks of another shard count, or covering fewer batches.
+    For ``describe_epoch`` on a shuffled epoch whose padding may sit anywhere (rocAL's): the spec fixes only how many
+    slots are real, so the mask check compares counts, and findings name reordered steps. ``masks`` (bool or 0/1) may
+    cover more batches than arrived. Raises ValueError for masks of another shard count, or covering fewer batches.
     """
     if len(masks) != len(delivered):
         raise ValueError(f"real_first: masks has {len(masks)} shards, delivered {len(delivered)}")
@@ -371,21 +367,20 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
                            findings: Findings | None = None, partition: str = "contiguous") -> Findings:
     """How one epoch run across resizes departs from ``plan.elastic_plan`` and from exactly once.
 
-    ``segments``: elastic_plan's [(t_0, n_0, B_0), ...]; ``delivered`` and ``masks`` (or None)
-    hold one entry per segment, in a layout of ``describe_epoch`` (n_i shards of B_i; row r is
-    step t_i + r). ``length``: the loader's step count (None: not checked).
+    ``segments``: elastic_plan's [(t_0, n_0, B_0), ...]; ``delivered`` and ``masks`` (or None) hold one entry per
+    segment, in a layout of ``describe_epoch`` (n_i shards of B_i; row r is step t_i + r). ``length``: the loader's step
+    count (None: not checked).
 
-    Per segment: describe_epoch's per-shard checks, texts prefixed "segment i: ", shards as
-    (segment, shard). "contiguous" holds segment i to plans[i]; "any" holds each shard to
-    t_{i+1} - t_i steps (the last segment: equal steps). An empty run (fewer samples left than
-    shards) pads with a sample real elsewhere: with masks its batch is no "same batch" and its
-    padding may repeat any sample; without, it reads as another shard's. Over the epoch:
-    "repeated across segments"; fill, "missing from the epoch"; drop, "drop count" (distinct
-    samples against the sum of n_i * B_i * d_i); "step count"; "any", "outside the dataset".
+    Per segment: describe_epoch's per-shard checks, texts prefixed "segment i: ", shards as (segment, shard).
+    "contiguous" holds segment i to plans[i]; "any" holds each shard to t_{i+1} - t_i steps (the last segment: equal
+    steps). An empty run (fewer samples left than shards) pads with a sample real elsewhere: with masks its batch is no
+    "same batch" and its padding may repeat any sample; without, it reads as another shard's. Over the epoch: "repeated
+    across segments"; fill, "missing from the epoch"; drop, "drop count" (distinct samples against the sum of
+    n_i * B_i * d_i); "step count"; "any", "outside the dataset".
 
-    Raises ValueError for segments elastic_plan refuses (its reason quoted), ``delivered`` or
-    ``masks`` without one entry per segment, blocks in neither layout or of another shard count
-    or batch, a bad num_samples or length, or an unknown partition or last_batch.
+    Raises ValueError for segments elastic_plan refuses (its reason quoted), ``delivered`` or ``masks`` without one
+    entry per segment, blocks in neither layout or of another shard count or batch, a bad num_samples or length, or an
+    unknown partition or last_batch.
     """
     where = "describe_resized_epoch"
     _check_args(where, partition, last_batch, num_samples=(num_samples, 0),
@@ -444,8 +439,8 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
 
 
 def _runs(plans: list, i: int, num_samples: int, owes: bool) -> tuple[list, list | None]:
-    """Per shard of segment i: (its run of the samples left, words), and, when ``owes``,
-    (the samples of its real slots in plans[i], words)."""
+    """Per shard of segment i: (its run of the samples left, words), and, when ``owes``, (the samples of its real slots
+    in plans[i], words)."""
     taken = np.zeros(num_samples, bool)
     for plan in plans[:i]:
         taken[plan.indices[plan.mask]] = True
@@ -502,16 +497,14 @@ def _across_segments(table: np.ndarray, segments: list, num_samples: int, last_b
 def describe_epochs(epochs, batch_size: int, *, shuffle: bool, findings: Findings | None = None) -> Findings:
     """How several reads of one loader relate: whether its order follows the epoch.
 
-    ``epochs``: ``{epoch: delivered}`` or (epoch, delivered) pairs, an epoch maybe twice, each in
-    a layout of ``describe_epoch``. Reads are compared slot by slot, padding included; a slot
-    one read lacks differs (-1 in the text). "epoch read twice": two reads of one epoch differ.
-    Shuffle off, "order changes with the epoch": an epoch differs from the lowest one. Shuffle
-    on, "same order in two epochs": shards identical in two epochs, if a uniform shuffle
-    repeats them all with chance below ``CHANCE``: the product of 1/L_k!, L_k the distinct
-    samples of shard k. One shard of 10 is flagged (1/10!); one of 9 is not.
+    ``epochs``: ``{epoch: delivered}`` or (epoch, delivered) pairs, an epoch maybe twice, each in a layout of
+    ``describe_epoch``. Reads are compared slot by slot, padding included; a slot one read lacks differs
+    (-1 in the text). "epoch read twice": two reads of one epoch differ. Shuffle off, "order changes with the epoch": an
+    epoch differs from the lowest one. Shuffle on, "same order in two epochs": shards identical in two epochs, if a
+    uniform shuffle repeats them all with chance below ``CHANCE``: the product of 1/L_k!, L_k the distinct samples of
+    shard k. One shard of 10 is flagged (1/10!); one of 9 is not.
 
-    Raises ValueError for fewer than two reads, reads of other shard counts, or a read in
-    neither layout.
+    Raises ValueError for fewer than two reads, reads of other shard counts, or a read in neither layout.
     """
     pairs = list(epochs.items()) if isinstance(epochs, dict) else list(epochs)
     if len(pairs) < 2:
@@ -558,8 +551,8 @@ def describe_epochs(epochs, batch_size: int, *, shuffle: bool, findings: Finding
 
 
 def _slot_difference(x: np.ndarray, y: np.ndarray):
-    """None when two reads (steps, B) of one shard agree in every slot; else ("N of M slots
-    (first: step s slot j, sample x", the other read's sample there (-1: none), the steps)."""
+    """None when two reads (steps, B) of one shard agree in every slot; else ("N of M slots (first: step s slot j,
+    sample x", the other read's sample there (-1: none), the steps)."""
     a, b = x.ravel(), y.ravel()
     total, common = max(len(a), len(b)), min(len(a), len(b))
     wrong = np.concatenate([np.flatnonzero(a[:common] != b[:common]), np.arange(common, total)])
@@ -577,18 +570,17 @@ def describe_values(delivered, values, reference, *, name: str = "labels",
                     findings: Findings | None = None) -> Findings:
     """Whether every delivered slot holds its own sample's value of one key.
 
-    ``delivered``: decoded indices, in a layout of ``describe_epoch``; ``values``: the key
-    ``name`` as delivered, same layout, per-sample axes last; ``reference``: the dataset's
-    (N, ...) array of that key, any per-sample shape and dtype.
+    ``delivered``: decoded indices, in a layout of ``describe_epoch``; ``values``: the key ``name`` as delivered, same
+    layout, per-sample axes last; ``reference``: the dataset's (N, ...) array of that key, any per-sample shape and
+    dtype.
 
-    Every slot whose index i is in range(N), padding included, must hold reference[i]: the
-    same bits when the dtypes agree (-0.0 is not 0.0; a NaN matches itself), else the same
-    number. One finding per shard: "{name} shape", or "{name}" naming the wrong slots and a
-    shift if every wrong one holds the value of the sample d indices (mod N) or d slots away
-    in the shard's stream, 0 < |d| <= ``SHIFTS``.
+    Every slot whose index i is in range(N), padding included, must hold reference[i]: the same bits when the dtypes
+    agree (-0.0 is not 0.0; a NaN matches itself), else the same number. One finding per shard: "{name} shape", or
+    "{name}" naming the wrong slots and a shift if every wrong one holds the value of the sample d indices (mod N) or d
+    slots away in the shard's stream, 0 < |d| <= ``SHIFTS``.
 
-    Raises ValueError for ``values`` that do not match ``delivered`` in shards, steps or B, or
-    a ``reference`` with no leading N axis.
+    Raises ValueError for ``values`` that do not match ``delivered`` in shards, steps or B, or a ``reference`` with no
+    leading N axis.
     """
     reference = np.asarray(reference)
     if reference.ndim < 1 or not len(reference):
@@ -656,11 +648,10 @@ def _shift(flat_i: np.ndarray, flat_v: np.ndarray, bad: np.ndarray, reference: n
 def describe_content(images_BCHW, labels_B, indices_B, ref_images, ref_labels, normalize: Normalize) -> list[str]:
     """Labels and pixels of one shard's batch against the file and the table, in words.
 
-    ``images_BCHW``: normalised float32 (B, C, H, W); ``labels_B``: integer labels, one per
-    slot; ``indices_B``: decoded indices (-1 skipped). Pixels must be ``normalize(ref_images[i])``
-    bit for bit (mirrored images, or up to 8 ulps away, are named so); labels must be
-    ``ref_labels[i]``. Other keys or shapes: ``describe_values``. Raises ValueError for images,
-    labels or indices that are not one per slot.
+    ``images_BCHW``: normalised float32 (B, C, H, W); ``labels_B``: integer labels, one per slot; ``indices_B``: decoded
+    indices (-1 skipped). Pixels must be ``normalize(ref_images[i])`` bit for bit (mirrored images, or up to 8 ulps
+    away, are named so); labels must be ``ref_labels[i]``. Other keys or shapes: ``describe_values``. Raises ValueError
+    for images, labels or indices that are not one per slot.
     """
     images_BCHW, labels_B, indices_B = np.asarray(images_BCHW), np.asarray(labels_B), np.asarray(indices_B)
     if indices_B.ndim != 1 or images_BCHW.ndim != 4 or len(images_BCHW) != len(indices_B) \

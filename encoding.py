@@ -1,15 +1,14 @@
 """Samples that encode their own index: the probe data of a loader's conformance test.
 
-Build a dataset with ``encoded_images`` (sample i encodes i), run it through any loader,
-and ``decode_indices`` turns each delivered block back into its indices, -1 where a slot
-encodes none; conformance.py compares those with the plan. Both work for uint8 images of
-any shape, as stored or through a ``Normalize`` (a vendor's float32, an ulp off or not),
-and for float and integer features of any shape and dtype, up to ``index_limit`` samples.
-A change that still decodes (a crop of the flat planes, noise under a quarter of the
-table's step) is conformance.describe_content's and describe_values' to see.
+Build a dataset with ``encoded_images`` (sample i encodes i), run it through any loader, and ``decode_indices`` turns
+each delivered block back into its indices, -1 where a slot encodes none; conformance.py compares those with the plan.
+Both work for uint8 images of any shape, as stored or through a ``Normalize`` (a vendor's float32, an ulp off or not),
+and for float and integer features of any shape and dtype, up to ``index_limit`` samples. A change that still decodes (a
+crop of the flat planes, noise under a quarter of the table's step) is conformance.describe_content's and
+describe_values' to see.
 
-Imports arithmetic.py, cifar_mnist.py (the default shape), NumPy, and ml_dtypes (with JAX)
-for its float types. Copy it with those two.
+Imports arithmetic.py, cifar_mnist.py (the default shape), NumPy, and ml_dtypes (with JAX) for its float types. Copy it
+with those two.
 """
 
 from __future__ import annotations
@@ -71,8 +70,8 @@ def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = IMAGE_SHAPE, dt
       rest index // 256.
     * any other dtype: every element equals the index, exactly.
 
-    ``indices``: integers of any shape, flattened. Raises ValueError for indices that are not
-    integers or lie outside [0, index_limit(shape, dtype)), or a bad shape or dtype.
+    ``indices``: integers of any shape, flattened. Raises ValueError for indices that are not integers or lie outside
+    [0, index_limit(shape, dtype)), or a bad shape or dtype.
     """
     raw, dtype = np.asarray(indices).reshape(-1), np.dtype(dtype)
     limit, shape = _limit(shape, dtype, "encoded_images"), tuple(int(d) for d in shape)
@@ -100,18 +99,17 @@ def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = IMAGE_SHAPE, dt
 def decode_indices(images: np.ndarray, normalize: Normalize | None = None) -> np.ndarray:
     """The index each delivered sample encodes, int64 (B,); -1 where it encodes none.
 
-    ``images``: one shard's block (B, ...) as delivered. With a ``normalize``, (B, C, H, W)
-    float32 of uint8 samples: each value maps to the nearest entry of its channel's table,
-    and encodes nothing a quarter of the table's step or more from every entry. Without
-    one, samples are read as stored:
+    ``images``: one shard's block (B, ...) as delivered. With a ``normalize``, (B, C, H, W) float32 of uint8 samples:
+    each value maps to the nearest entry of its channel's table, and encodes nothing a quarter of the table's step or
+    more from every entry. Without one, samples are read as stored:
 
     * uint8 by the byte scheme of ``encoded_images``; each part must be flat (all equal).
     * any other dtype by value: all elements must equal one integer in [0, 2**63) (2.5,
       -1, inf and NaN encode nothing), read exactly (floats through float64, longdouble
       as it is). A sample of no elements encodes nothing.
 
-    Raises ValueError for images without a batch axis, uint8 samples of fewer than 2
-    elements, or normalised images that are not (B, C, H, W) with normalize's channels.
+    Raises ValueError for images without a batch axis, uint8 samples of fewer than 2 elements, or normalised images that
+    are not (B, C, H, W) with normalize's channels.
     """
     images = np.asarray(images)
     if images.ndim < 1:

@@ -1,12 +1,11 @@
 """How far apart the plain reduction's strategies may end, judged step by step.
 
-strategies.py's plain reduction lets each strategy add its gradient's terms in its own
-order, so two strategies compute gradients that differ by rounding. A difference then
-grows with the training (chaos, a ReLU's kinks, Adam's sign-like first steps), so no
-bound on the final params is claimed. ``stepwise_verdict`` judges each step instead: both
-strategies step from the same state, and their gradients must agree within ``ulp_bound``'s
-count of roundings, in units of the gradient's term scale. Bit-identical params on every
-topology are the canonical reduction's (``reduction="canonical"``), judged by equality.
+strategies.py's plain reduction lets each strategy add its gradient's terms in its own order, so two strategies compute
+gradients that differ by rounding. A difference then grows with the training (chaos, a ReLU's kinks, Adam's sign-like
+first steps), so no bound on the final params is claimed. ``stepwise_verdict`` judges each step instead: both strategies
+step from the same state, and their gradients must agree within ``ulp_bound``'s count of roundings, in units of the
+gradient's term scale. Bit-identical params on every topology are the canonical reduction's (``reduction="canonical"``),
+judged by equality.
 
 Imports: strategies.py, NumPy and JAX. Imported by refimpl.py and the tests.
 """
@@ -29,15 +28,13 @@ from strategies import AXIS, LossTerms, Optimizer, Params
 def ulp_bound(a: str, b: str, platform: str, num_devices: int) -> int:
     """Roundings per step by which the gradients of strategies ``a`` and ``b`` may differ.
 
-    From the same state two strategies differ only in the gradient (every one hands it
-    to ``strategies.update_program``): in the order some stage adds its terms, or in how
-    XLA compiled the program that adds them. Each such stage counts 1; an all-reduce
-    whose order the collective library picks (NCCL, RCCL) counts n - 1. On CPU: the same
-    strategy 0; pmap vs shard_map 1 (a leaf used twice, a tied embedding, is psummed per
-    use by one and once by the other); sharded vs pmap or shard_map 1 (XLA partitions the
-    step itself); any vs single 2 (one pass over n*B rows against B per device, then n
-    partial sums). Every other platform is counted as a GPU: n, n and n + 1. A model of
-    where summation orders differ, checked by ``stepwise_verdict``'s tests; not a proof."""
+    From the same state two strategies differ only in the gradient (every one hands it to
+    ``strategies.update_program``): in the order some stage adds its terms, or in how XLA compiled the program that adds
+    them. Each such stage counts 1; an all-reduce whose order the collective library picks (NCCL, RCCL) counts n - 1. On
+    CPU: the same strategy 0; pmap vs shard_map 1 (a leaf used twice, a tied embedding, is psummed per use by one and
+    once by the other); sharded vs pmap or shard_map 1 (XLA partitions the step itself); any vs single 2 (one pass over
+    n*B rows against B per device, then n partial sums). Every other platform is counted as a GPU: n, n and n + 1. A
+    model of where summation orders differ, checked by ``stepwise_verdict``'s tests; not a proof."""
     n, pair = num_devices, frozenset((a, b))
     if len(pair) == 1:
         return 0
@@ -53,10 +50,9 @@ def ulps_apart(a: Params, b: Params) -> float:
 
 
 def leaf_ulps(a: Params, b: Params, scale=None) -> np.ndarray:
-    """(leaves,) float64: per leaf, max |a - b| in ulps (``np.spacing``) of the leaf's
-    largest magnitude over a and b, or of ``scale[l]`` where that is larger; float64
-    leaves in float64, every other dtype in float32. 0 for an empty leaf, NaN where a
-    NaN is met."""
+    """(leaves,) float64: per leaf, max |a - b| in ulps (``np.spacing``) of the leaf's largest magnitude over a and b,
+    or of ``scale[l]`` where that is larger; float64 leaves in float64, every other dtype in float32. 0 for an empty
+    leaf, NaN where a NaN is met."""
     out = []
     for l, (x, y) in enumerate(zip(jax.tree.leaves(a), jax.tree.leaves(b))):
         dtype = np.float64 if np.asarray(x).dtype == np.float64 else np.float32
@@ -73,9 +69,9 @@ TERM_BLOCKS = 2  # row blocks per device whose gradients make the term scale (_s
 
 
 class Verdict(NamedTuple):
-    """``stepwise_verdict``'s answer: ``case`` one of its Cases; ``ulps`` and ``bound`` those of the
-    judged step and leaf nearest its bound (identical: 0 and the bound the pair is held to; outside
-    the domain: NaN and None); ``text`` the sentence refimpl prints."""
+    """``stepwise_verdict``'s answer: ``case`` one of its Cases; ``ulps`` and ``bound`` those of the judged step and
+    leaf nearest its bound (identical: 0 and the bound the pair is held to; outside the domain: NaN and None); ``text``
+    the sentence refimpl prints."""
     case: str
     ulps: float
     bound: float | None
@@ -90,34 +86,30 @@ def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, 
                      optimizer: Optimizer = strategies.sgd(), opt_state=None, count: float | None = None,
                      count_name: str = "equivalence.ulp_bound", seed: int = 0,
                      after_run: Callable[[], None] | None = None) -> Verdict:
-    """Whether strategies ``a`` and ``b`` compute the same gradient, step by step, as rounding allows.
-    ``after_run``, if given, is called after each strategy's one-step run (refimpl.py gives memory back there).
+    """Whether strategies ``a`` and ``b`` compute the same gradient, step by step, as rounding allows. ``after_run``, if
+    given, is called after each strategy's one-step run (refimpl.py gives memory back there).
 
-    For each batch (a host dict in layout "sharded", reshaped to (n, B, ...) for layout
-    "pmap"), ``a`` and ``b`` each make one step from the same state, a's; the gradient each
-    handed its optimizer is recorded; a's new state is the next step's, so no difference
-    carries over. ``a``, ``b``: names in ``strategies.STRATEGIES``, or functions with a
+    For each batch (a host dict in layout "sharded", reshaped to (n, B, ...) for layout "pmap"), ``a`` and ``b`` each
+    make one step from the same state, a's; the gradient each handed its optimizer is recorded; a's new state is the
+    next step's, so no difference carries over. ``a``, ``b``: names in ``strategies.STRATEGIES``, or functions with a
     strategy's signature taking layout "sharded" (then pass ``count``). One process.
 
-    Measure: per step t and leaf l, max |g_a - g_b| in units of the gradient's term
-    scale: the ulp (``np.spacing``) of the largest entry of sum_k |g_k|, g_k the gradient
-    of row block k alone, TERM_BLOCKS blocks per device. Bound: ``count`` (default
-    ``ulp_bound(a, b, platform, n)``) x STEP_UNITS units. A rounding is counted at 32
-    units, not 1: a stage adds rows, tokens and tied uses whose partial sums exceed a
-    block's, and a sharp loss amplifies a forward rounding in the gradient; planted bugs
-    (a device's gradient x 1.001, a dropped device, a local count) land at thousands.
+    Measure: per step t and leaf l, max |g_a - g_b| in units of the gradient's term scale: the ulp (``np.spacing``) of
+    the largest entry of sum_k |g_k|, g_k the gradient of row block k alone, TERM_BLOCKS blocks per device. Bound:
+    ``count`` (default ``ulp_bound(a, b, platform, n)``) x STEP_UNITS units. A rounding is counted at 32 units, not 1: a
+    stage adds rows, tokens and tied uses whose partial sums exceed a block's, and a sharp loss amplifies a forward
+    rounding in the gradient; planted bugs (a device's gradient x 1.001, a dropped device, a local count) land at
+    thousands.
 
-    Domain: step t and leaf l are judged only where the gradient is smooth at the scale
-    of rounding: moving every param STEP_TWIN_ULPS ulp of its leaf's largest magnitude
-    (signs from ``np.random.default_rng(seed)``), +delta and -delta, moves the gradient
-    by at most STEP_UNITS units. Elsewhere (a ReLU switching, a saturated softmax) a
-    rounding and a bug look alike. Where the training diverges (a NaN or an infinity in
-    the state or in both gradients) the comparison stops.
+    Domain: step t and leaf l are judged only where the gradient is smooth at the scale of rounding: moving every param
+    STEP_TWIN_ULPS ulp of its leaf's largest magnitude (signs from ``np.random.default_rng(seed)``), +delta and -delta,
+    moves the gradient by at most STEP_UNITS units. Elsewhere (a ReLU switching, a saturated softmax) a rounding and a
+    bug look alike. Where the training diverges (a NaN or an infinity in the state or in both gradients) the comparison
+    stops.
 
-    Cases: "identical", every gradient the same bits; "OUTSIDE", a judged step and leaf
-    beyond the bound (with ``count`` 0, any difference); "within", every judged one
-    within it; "outside the domain", none judged. It cannot see an update applied
-    wrongly to a right gradient (every strategy shares ``strategies.update_program``)."""
+    Cases: "identical", every gradient the same bits; "OUTSIDE", a judged step and leaf beyond the bound (with
+    ``count`` 0, any difference); "within", every judged one within it; "outside the domain", none judged. It cannot see
+    an update applied wrongly to a right gradient (every strategy shares ``strategies.update_program``)."""
     (name_a, fn_a, layout_a), (name_b, fn_b, layout_b) = _strategy(a), _strategy(b)
     if count is None:
         if not (isinstance(a, str) and isinstance(b, str)):
@@ -156,11 +148,10 @@ def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, 
 def stepwise_distances(fn_a: Callable, layout_a: str, fn_b: Callable, layout_b: str, params: Params,
                        batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms, optimizer: Optimizer,
                        opt_state=None, seed: int = 0, after_run: Callable[[], None] | None = None) -> tuple:
-    """``stepwise_verdict``'s measurements: (distances (steps, leaves) float64, the gradients'
-    distance in units of their term scale; twins (steps, leaves), the larger distance the
-    +-STEP_TWIN_ULPS twins moved the gradient, same unit; whether every step's gradients
-    were the same bits; the step at which the training diverged, or None). Strategies as
-    functions with their layouts ("sharded" or "pmap")."""
+    """``stepwise_verdict``'s measurements: (distances (steps, leaves) float64, the gradients' distance in units of
+    their term scale; twins (steps, leaves), the larger distance the +-STEP_TWIN_ULPS twins moved the gradient, same
+    unit; whether every step's gradients were the same bits; the step at which the training diverged, or None).
+    Strategies as functions with their layouts ("sharded" or "pmap")."""
     params, opt_state = strategies.start_state("stepwise_verdict", optimizer, params, opt_state, mesh)
     recording = strategies.Optimizer(optimizer.init, _recording(optimizer.update))
     units_of = _step_units(loss_terms, mesh)
@@ -222,8 +213,8 @@ def _strategy(s) -> tuple[str, Callable, str]:
 
 @functools.lru_cache(maxsize=64)
 def _recording(update: Callable) -> Callable:
-    """``update`` with its state (inner state, gradient): the new state keeps the gradient it
-    was given (one function per ``update``, so the strategies' compiled steps are reused)."""
+    """``update`` with its state (inner state, gradient): the new state keeps the gradient it was given (one function
+    per ``update``, so the strategies' compiled steps are reused)."""
     def recorded(grads, state, params):
         updates, new = update(grads, state[0], params)
         return updates, (new, grads)
@@ -232,14 +223,13 @@ def _recording(update: Callable) -> Callable:
 
 @functools.lru_cache(maxsize=64)
 def _step_units(loss_terms: LossTerms, mesh: Mesh) -> Callable:
-    """(params stacked (3, ...) = (p, p + delta, p - delta), host; the batch, host, in layout
-    "sharded") -> per leaf, float64: (the term scale at p, max |g(p + delta) - g(p)|, max
-    |g(p - delta) - g(p)|), g the batch's masked mean gradient (one sharded program, called on
-    each of the three). The term scale, at which a reordered sum of the gradient's terms
-    rounds: max over entries of sum_k |G_k| / count, G_k the gradient of row block k's total
-    alone (one program, on the mesh's first device, block after block; the sum in float64),
-    TERM_BLOCKS blocks per device (the largest count up to it that divides a device's rows),
-    count the batch's. One gradient at a time, so the verdict holds little more than a step."""
+    """(params stacked (3, ...) = (p, p + delta, p - delta), host; the batch, host, in layout "sharded") -> per leaf,
+    float64: (the term scale at p, max |g(p + delta) - g(p)|, max |g(p - delta) - g(p)|), g the batch's masked mean
+    gradient (one sharded program, called on each of the three). The term scale, at which a reordered sum of the
+    gradient's terms rounds: max over entries of sum_k |G_k| / count, G_k the gradient of row block k's total alone (one
+    program, on the mesh's first device, block after block; the sum in float64), TERM_BLOCKS blocks per device (the
+    largest count up to it that divides a device's rows), count the batch's. One gradient at a time, so the verdict
+    holds little more than a step."""
     first = mesh.devices.flat[0]
     n = mesh.devices.size
 

@@ -1,11 +1,10 @@
 """The plan: which sample sits in which slot of which shard's batch at each step of an epoch.
 
-The spec every loader follows (loaders.py, DALI and rocAL with ``order="plan"``, and
-conformance.py's checks). Pure NumPy, with no other import of the project: copy it alone.
+The spec every loader follows (loaders.py, DALI and rocAL with ``order="plan"``, and conformance.py's checks). Pure
+NumPy, with no other import of the project: copy it alone.
 
-A fresh epoch (``epoch_plan``). Shard k of n over range(N) is [N*k//n, N*(k+1)//n), rocAL's
-and DALI's partition. With per-shard batch B, shard k holds at step s, in slot j = s*B + b
-(0 <= j < S*B):
+A fresh epoch (``epoch_plan``). Shard k of n over range(N) is [N*k//n, N*(k+1)//n), rocAL's and DALI's partition. With
+per-shard batch B, shard k holds at step s, in slot j = s*B + b (0 <= j < S*B):
 
     S     = ceil(ceil(N/n) / B) for fill, floor(floor(N/n) / B) for drop     (``num_steps``)
     run   = range(N)[N*k//n : N*(k+1)//n]
@@ -20,22 +19,20 @@ Worked (N=7, n=2, B=2, no shuffle; ``*`` padding):
     fill   | ceil(ceil(7/2)/2) = 2 | [0, 1]  [3, 4]      | [2, 2*]  [5, 6]
     drop   | (7//2)//2 = 1         | [0, 1]  [3, 4]      | (none: 2, 5, 6 skipped)
 
-So every shard runs the same steps (SPMD collectives need it). Fill puts each sample in
-exactly one real slot of the epoch; drop at most once, n*B*S in all. Shards exchange no
-samples. Unlike rocAL's and DALI's, the shuffle honours the seed and changes every epoch.
+So every shard runs the same steps (SPMD collectives need it). Fill puts each sample in exactly one real slot of the
+epoch; drop at most once, n*B*S in all. Shards exchange no samples. Unlike rocAL's and DALI's, the shuffle honours the
+seed and changes every epoch.
 
-A resized epoch (``elastic_plan``, ``LoaderState``): a resume on other shards runs the epoch
-as a chain of segments (t_i, n_i, B_i), from global step t_i on n_i shards of batch B_i; a
-fresh epoch is the one segment (0, n, B). Segment i plans as above over its pool R_i, the
-samples in no real slot before step t_i, ascending (R_0 = range(N)): with m = len(R_i), run =
-R_i[m*k//n : m*(k+1)//n], the shuffle's ``segment=i``, S_i from m (0 once the epoch has
-ended: t_i == t_{i-1} + S_{i-1}), and padding R_i[m*k//n] for an empty run. It delivers d_i
-= t_{i+1} - t_i of its steps (S_i for the last). Fill still puts each sample in exactly one
-real slot; drop in at most one, sum_i n_i*B_i*d_i in all.
+A resized epoch (``elastic_plan``, ``LoaderState``): a resume on other shards runs the epoch as a chain of segments
+(t_i, n_i, B_i), from global step t_i on n_i shards of batch B_i; a fresh epoch is the one segment (0, n, B). Segment i
+plans as above over its pool R_i, the samples in no real slot before step t_i, ascending (R_0 = range(N)): with
+m = len(R_i), run = R_i[m*k//n : m*(k+1)//n], the shuffle's ``segment=i``, S_i from m (0 once the epoch has ended:
+t_i == t_{i-1} + S_{i-1}), and padding R_i[m*k//n] for an empty run. It delivers d_i = t_{i+1} - t_i of its steps
+(S_i for the last). Fill still puts each sample in exactly one real slot; drop in at most one, sum_i n_i*B_i*d_i in all.
 
-Inputs: an int parameter takes a Python or NumPy integer (never a bool or a float) and is
-used as a Python int; a bool parameter takes Python's or NumPy's bool. Anything else raises
-ValueError naming the function, the parameter and the value.
+Inputs: an int parameter takes a Python or NumPy integer (never a bool or a float) and is used as a Python int; a bool
+parameter takes Python's or NumPy's bool. Anything else raises ValueError naming the function, the parameter and the
+value.
 """
 
 from __future__ import annotations
@@ -61,8 +58,8 @@ class Plan(NamedTuple):
 
 
 class _Segment(NamedTuple):
-    """(t_i, n_i, B_i) of the module docstring, as ``LoaderState.segments`` holds them; a plain
-    tuple or list [start, n, B] is accepted wherever one is."""
+    """(t_i, n_i, B_i) of the module docstring, as ``LoaderState.segments`` holds them; a plain tuple or list
+    [start, n, B] is accepted wherever one is."""
     start: int
     num_shards: int
     batch_size: int
@@ -74,9 +71,8 @@ class _Segment(NamedTuple):
 def shard_bounds(num_samples: int, shard_id: int, num_shards: int) -> tuple[int, int]:
     """Shard ``shard_id`` of ``num_shards`` over range(num_samples): ``(N*k//n, N*(k+1)//n)``.
 
-    The shards tile range(N) in order; their sizes differ by at most one (N=7, n=3 gives
-    [0, 2), [2, 4), [4, 7)). Raises ValueError unless 1 <= num_shards <= num_samples and
-    0 <= shard_id < num_shards.
+    The shards tile range(N) in order; their sizes differ by at most one (N=7, n=3 gives [0, 2), [2, 4), [4, 7)). Raises
+    ValueError unless 1 <= num_shards <= num_samples and 0 <= shard_id < num_shards.
     """
     num_samples, num_shards = _shards("shard_bounds", num_samples, num_shards)
     k = _check_int("shard_bounds", "shard_id", shard_id)
@@ -102,10 +98,10 @@ def shard_permutation(size: int, *, seed: int, epoch: int, shard: int, segment: 
         keys = numpy.random.PCG64(numpy.random.SeedSequence(E)).random_raw(size)
         perm = numpy.argsort(keys, kind="stable")   # the sorting permutation, not the ranks
 
-    NumPy specifies SeedSequence and PCG64's raw stream bit for bit; ``Generator.permutation``
-    may change between versions. SeedSequence mixes its words, never adds them: (seed 1,
-    epoch 0) and (seed 0, epoch 1) are unrelated. It pads E with zero words, so segment 0
-    leaves the fourth word out rather than repeat a stream. Every number is in [0, 2**32).
+    NumPy specifies SeedSequence and PCG64's raw stream bit for bit; ``Generator.permutation`` may change between
+    versions. SeedSequence mixes its words, never adds them: (seed 1, epoch 0) and (seed 0, epoch 1) are unrelated. It
+    pads E with zero words, so segment 0 leaves the fourth word out rather than repeat a stream. Every number is in
+    [0, 2**32).
     """
     size = _check_int("shard_permutation", "size", size, 0)
     entropy = [check_seed(name, value, "shard_permutation")
@@ -135,13 +131,12 @@ def elastic_plan(num_samples: int, segments: Sequence, *, epoch: int = 0, seed: 
                  shuffle: bool = False, last_batch: str = "fill") -> list[Plan]:
     """The Plans of an epoch run by a chain of segments: ``plans[i]`` is what segment i delivers.
 
-    ``segments`` is a list or tuple of (t_i, n_i, B_i), built as the module docstring says.
-    ``plans[i]`` has shape (d_i, n_i, B_i); its row r is global step t_i + r. One segment
-    (0, n, B) gives [epoch_plan(N, n, B, ...)]. t_0 = 0, and t_i lies in (t_{i-1}, t_{i-1} +
-    S_{i-1}]: a segment that starts at the previous one's end has 0 steps and must be last.
-    With fewer samples left than shards, fill gives one step and drop none. Samples move
-    between shards at a change, so a change back to an earlier (n, B) need not restore
-    its plan. Worked (N=7, no shuffle; shards left to right, ``*`` padding; global steps):
+    ``segments`` is a list or tuple of (t_i, n_i, B_i), built as the module docstring says. ``plans[i]`` has shape
+    (d_i, n_i, B_i); its row r is global step t_i + r. One segment (0, n, B) gives [epoch_plan(N, n, B, ...)]. t_0 = 0,
+    and t_i lies in (t_{i-1}, t_{i-1} + S_{i-1}]: a segment that starts at the previous one's end has 0 steps and must
+    be last. With fewer samples left than shards, fill gives one step and drop none. Samples move between shards at a
+    change, so a change back to an earlier (n, B) need not restore its plan. Worked (N=7, no shuffle; shards left to
+    right, ``*`` padding; global steps):
 
         segments (start, n, B)   | policy | step 0       | step 1            | step 2     | steps
         -------------------------+--------+--------------+-------------------+------------+------
@@ -155,10 +150,9 @@ def elastic_plan(num_samples: int, segments: Sequence, *, epoch: int = 0, seed: 
         (0,3,1) (1,2,1)          | drop   | [0] [2] [4]  | [1] [5]           | [3] [6]    | 3
         (0,2,1) (1,3,1) (2,2,1)  | fill   | [0] [3]      | [1] [2] [5]       | [4] [6]    | 3
 
-    Row 3: drop's epoch ends at step 1, so 2, 5 and 6 stay skipped. Row 5: shard 0's run
-    is empty and pads with 2. Row 9: not epoch_plan(7, 2, 1)'s step 2, [2] [5].
-    Raises ValueError, naming the parameter and the value, for a segment that is not three
-    ints with start >= 0 and 1 <= num_shards <= num_samples, or a start outside that range.
+    Row 3: drop's epoch ends at step 1, so 2, 5 and 6 stay skipped. Row 5: shard 0's run is empty and pads with 2.
+    Row 9: not epoch_plan(7, 2, 1)'s step 2, [2] [5]. Raises ValueError, naming the parameter and the value, for a
+    segment that is not three ints with start >= 0 and 1 <= num_shards <= num_samples, or a start outside that range.
     """
     where = "elastic_plan"
     epoch, seed = check_seed("epoch", epoch, where), check_seed("seed", seed, where)
@@ -171,8 +165,8 @@ def remaining_samples(num_samples: int, segments: Sequence, step: int, *, epoch:
                       seed: int = 0, shuffle: bool = False, last_batch: str = "fill") -> np.ndarray:
     """The samples in no real slot of elastic_plan's epoch before global ``step``, ascending int64.
 
-    At a segment's start they are its pool R_i. At the epoch's end they are none (fill) or
-    the skipped samples (drop). Raises ValueError unless 0 <= step <= the epoch's steps.
+    At a segment's start they are its pool R_i. At the epoch's end they are none (fill) or the skipped samples (drop).
+    Raises ValueError unless 0 <= step <= the epoch's steps.
     """
     where = "remaining_samples"
     num_samples, segments, steps = _segments(where, num_samples, segments, last_batch)
@@ -193,10 +187,10 @@ def on_devices(plan: Plan, num_devices: int) -> Plan:
     """``plan`` over L logical shards of b rows, as n = ``num_devices`` devices read it.
 
     Device k reads logical shards k*L/n .. (k+1)*L/n - 1, their rows one after the other:
-    ``out.indices[s, k, j*b + i] = plan.indices[s, k*L/n + j, i]``, and ``mask`` likewise (a
-    reshape, no copy). So the global batch of step s, ``plan.indices[s].reshape(-1)``, is the
-    same for every n, and device k holds shard k of n's samples whatever L. Worked (N=7, L=4,
-    b=1, fill; a cell is the device's rows at step 0, then at step 1; ``*`` padding):
+    ``out.indices[s, k, j*b + i] = plan.indices[s, k*L/n + j, i]``, and ``mask`` likewise (a reshape, no copy). So the
+    global batch of step s, ``plan.indices[s].reshape(-1)``, is the same for every n, and device k holds shard k of n's
+    samples whatever L. Worked (N=7, L=4, b=1, fill; a cell is the device's rows at step 0, then at step 1; ``*``
+    padding):
 
         devices | device 0             | device 1     | device 2 | device 3
         --------+----------------------+--------------+----------+---------
@@ -225,8 +219,8 @@ DIGEST_ROWS = 64  # rows of each array that dataset_digest reads: a cost that do
 
 
 def digest_rows(n: int) -> list[int]:
-    """The rows ``dataset_digest`` reads of an array of n rows: every row when n <= DIGEST_ROWS, else DIGEST_ROWS
-    spread evenly, i * (n - 1) // (DIGEST_ROWS - 1) for i = 0 .. DIGEST_ROWS - 1 (the first and the last among them)."""
+    """The rows ``dataset_digest`` reads of an array of n rows: every row when n <= DIGEST_ROWS, else DIGEST_ROWS spread
+    evenly, i * (n - 1) // (DIGEST_ROWS - 1) for i = 0 .. DIGEST_ROWS - 1 (the first and the last among them)."""
     if n <= DIGEST_ROWS:
         return list(range(n))
     return [i * (n - 1) // (DIGEST_ROWS - 1) for i in range(DIGEST_ROWS)]
@@ -245,16 +239,15 @@ def dataset_digest(arrays: Mapping) -> str:
             if a.ndim == 0: hash a's bytes
             else: for r in digest_rows(len(a)): hash the bytes of a[r] in C (row-major) order
 
-    dtype.str gives byte order and size; dtype.name tells ml_dtypes apart (float8_e4m3fn and
-    int4 are both "<V1"). So it compares every name, dtype and shape, and the bytes of every
-    row of an array of at most DIGEST_ROWS rows (then it is the digest of the whole arrays),
-    of DIGEST_ROWS rows spread over a longer one: another dataset, or this one reordered, is
-    told apart; a change only in rows it does not read is not. Not the mapping's order or the
-    memory layout.
+    dtype.str gives byte order and size; dtype.name tells ml_dtypes apart (float8_e4m3fn and int4 are both "<V1"). So it
+    compares every name, dtype and shape, and the bytes of every row of an array of at most DIGEST_ROWS rows (then it is
+    the digest of the whole arrays), of DIGEST_ROWS rows spread over a longer one: another dataset, or this one
+    reordered, is told apart; a change only in rows it does not read is not. Not the mapping's order or the memory
+    layout.
 
-    Raises ValueError unless ``arrays`` maps str names to arrays of dtype kind b, i, u, f or c
-    (bools, integers, floats, complex) or of ml_dtypes': an object dtype's bytes are pointers,
-    a structured one's name hides its fields, and datetime and timedelta are refused too.
+    Raises ValueError unless ``arrays`` maps str names to arrays of dtype kind b, i, u, f or c (bools, integers, floats,
+    complex) or of ml_dtypes': an object dtype's bytes are pointers, a structured one's name hides its fields, and
+    datetime and timedelta are refused too.
     """
     if not isinstance(arrays, Mapping):
         raise ValueError(f"dataset_digest: arrays must be a mapping of names to arrays, got {type(arrays).__name__}")
@@ -284,18 +277,16 @@ _JSON_KEYS = ("format", "num_samples", "dataset", "seed", "epoch", "step", "shuf
 class LoaderState:
     """Where a loader stands in an epoch: a small plain value to save, resumable on any shards.
 
-    ``step`` is the global step of the next batch. ``segments`` is elastic_plan's argument, a
-    tuple of (start, num_shards, batch_size); its last segment is the shards that wrote the
-    state. ``dataset`` is the data's ``dataset_digest``, or None for a state made by hand
-    (taken on trust). ``num_steps`` is the epoch's global steps.
+    ``step`` is the global step of the next batch. ``segments`` is elastic_plan's argument, a tuple of (start,
+    num_shards, batch_size); its last segment is the shards that wrote the state. ``dataset`` is the data's
+    ``dataset_digest``, or None for a state made by hand (taken on trust). ``num_steps`` is the epoch's global steps.
 
-    ``to_json`` writes one object with exactly the keys format ("plan.LoaderState/2"),
-    num_samples, dataset (or null), seed, epoch, step, shuffle, last_batch and segments (a
-    list of [start, num_shards, batch_size]), in this order, with separators "," and ":" and
-    no spaces; ``from_json`` reads it back.
+    ``to_json`` writes one object with exactly the keys format ("plan.LoaderState/2"), num_samples, dataset (or null),
+    seed, epoch, step, shuffle, last_batch and segments (a list of [start, num_shards, batch_size]), in this order, with
+    separators "," and ":" and no spaces; ``from_json`` reads it back.
 
-    Raises ValueError, naming the field and the value, for what elastic_plan refuses, a step
-    outside [the last segment's start, the epoch's end], or a dataset not None or a digest.
+    Raises ValueError, naming the field and the value, for what elastic_plan refuses, a step outside [the last segment's
+    start, the epoch's end], or a dataset not None or a digest.
     """
     num_samples: int
     seed: int
@@ -347,9 +338,8 @@ class LoaderState:
     def resized(self, num_shards: int, batch_size: int) -> "LoaderState":
         """The state a loader of ``num_shards`` shards of ``batch_size`` resumes from, at this step.
 
-        A last segment that ran no step (step == its start) is dropped first: a resize at step
-        0 is a fresh epoch. The segments are kept if the last one has this (n, B); otherwise
-        (step, n, B) is appended.
+        A last segment that ran no step (step == its start) is dropped first: a resize at step 0 is a fresh epoch. The
+        segments are kept if the last one has this (n, B); otherwise (step, n, B) is appended.
         """
         n = _check_int("LoaderState.resized", "num_shards", num_shards, 1)
         B = _check_int("LoaderState.resized", "batch_size", batch_size, 1)
@@ -393,9 +383,9 @@ class LoaderState:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """One run's epochs on one set of shards, validated once: the part of every loader
-    (loaders.Loader, dali_loader.DaliLoader, rocal_loader.RocalLoader) that says which sample
-    goes where, and the one place a saved state is checked and resized to resume.
+    """One run's epochs on one set of shards, validated once: the part of every loader (loaders.Loader,
+    dali_loader.DaliLoader, rocal_loader.RocalLoader) that says which sample goes where, and the one place a saved state
+    is checked and resized to resume.
 
     * ``num_steps``: a fresh epoch's steps, ``num_steps(N, n, B, last_batch)``;
     * ``plan(e)``: ``epoch_plan(N, n, B, epoch=e, ...)``;
@@ -407,9 +397,9 @@ class Schedule:
     * ``real_samples(e, resumed=None)``: the real slots of a fresh epoch e, or from a
       ``resume``'s state on.
 
-    ``dataset`` is a ``dataset_digest``, a function of no arguments returning one (called only
-    when a state is made or checked), or None (states name no data). It is not compared.
-    Raises ValueError, naming the field and the value, for what ``epoch_plan`` refuses.
+    ``dataset`` is a ``dataset_digest``, a function of no arguments returning one (called only when a state is made or
+    checked), or None (states name no data). It is not compared. Raises ValueError, naming the field and the value, for
+    what ``epoch_plan`` refuses.
     """
     num_samples: int
     num_shards: int
@@ -478,8 +468,7 @@ class Schedule:
 def check_seed(name: str, value: int, where: str) -> int:
     """``value`` as a Python int in [0, 2**32); else ValueError naming ``where``, ``name`` and it.
 
-    SeedSequence splits a larger int into 32-bit words: (seed 2**32, epoch 0) would read as
-    (0, 1, 0).
+    SeedSequence splits a larger int into 32-bit words: (seed 2**32, epoch 0) would read as (0, 1, 0).
     """
     if not _is_int(value):
         raise ValueError(f"{where}: {name} must be an int in [0, 2**32), got {value!r}")
