@@ -66,8 +66,6 @@ class _Segment(NamedTuple):
 
 
 # Shards and the epoch plan ------------------------------------------------------------------------
-
-
 def shard_bounds(num_samples: int, shard_id: int, num_shards: int) -> tuple[int, int]:
     """Shard ``shard_id`` of ``num_shards`` over range(num_samples): ``(N*k//n, N*(k+1)//n)``.
 
@@ -214,7 +212,6 @@ def on_devices(plan: Plan, num_devices: int) -> Plan:
 
 
 # The state a job saves, the data it was taken on, and a loader's schedule -------------------------
-
 DIGEST_ROWS = 64  # rows of each array that dataset_digest reads: a cost that does not grow with the data
 
 
@@ -463,8 +460,6 @@ class Schedule:
 
 
 # Checks, and the construction ---------------------------------------------------------------------
-
-
 def check_seed(name: str, value: int, where: str) -> int:
     """``value`` as a Python int in [0, 2**32); else ValueError naming ``where``, ``name`` and it.
 

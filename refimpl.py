@@ -73,8 +73,6 @@ def main(argv=None) -> int:
 
 
 # Options ------------------------------------------------------------------------------------------
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     """The options, checked before JAX starts (argparse's exit status 2, naming the option)."""
     parser = build_parser()
@@ -286,8 +284,6 @@ def unwritable(path: str) -> str | None:
 
 
 # Starting JAX, one process or several -------------------------------------------------------------
-
-
 def start_jax(args: argparse.Namespace) -> None:
     """JAX configured for this run, its processes joined; ValueError naming --platform when JAX cannot start it."""
     import jax
@@ -367,8 +363,6 @@ def loopback_port(flag: str) -> int:
 
 
 # The run ------------------------------------------------------------------------------------------
-
-
 class Job(types.SimpleNamespace):
     """What ``set_up`` resolved: devices, num_shards, mesh, say (process 0's print), backend,
     arithmetic, normalize, data_dir, train_data, test_loader, loaders (by layout), steps, where."""
@@ -570,8 +564,6 @@ def train_strategy(args: argparse.Namespace, job: Job, name: str, params0, optim
 
 
 # Where a run starts and stops; the checkpoint (orbax-checkpoint) ----------------------------------
-
-
 def run_identity(args: argparse.Namespace, train_data, arithmetic: str) -> dict:
     """What a checkpoint shares with every run that resumes it: the IDENTITY options (batch_size too with logical
     shards), normalize as the arithmetic used, the training data's size and BLAKE2b-128 digest (images, labels)."""
@@ -802,8 +794,6 @@ def exactly_once(name: str, epoch: int, counts, state, last_batch: str, seed: in
 
 
 # The verdicts -------------------------------------------------------------------------------------
-
-
 def verdicts(args, job: Job, final: dict, states: dict, span: Span, params0, optimizer) -> list[str]:
     """Every process calls it: writes --params-out, prints the verdicts (process 0, failed last), returns the failed."""
     import jax
