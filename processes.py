@@ -10,6 +10,7 @@ Imports: the standard library only. Imported by refimpl.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -57,10 +58,8 @@ def run_local(base: list[str], count: int, *, passthrough: int, name: str = "ref
             time.sleep(0.1)
     finally:
         for child in children:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             child.wait()
         for log in errors:
             log.close()

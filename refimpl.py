@@ -511,9 +511,8 @@ def training_loaders(args: argparse.Namespace, job: Job) -> tuple[dict, str]:
     extra = {"cache_dir": args.cache_dir}
     if job.backend == "reference":
         placement = args.placement
-        if placement == "auto":
-            too_big = loaders.device_fit(job.train_data, job.mesh)
-            placement = "host" if too_big else "device"
+        if placement == "auto":  # device_fit says why the rows would not fit, or None
+            placement = "host" if loaders.device_fit(job.train_data, job.mesh) else "device"
         make, data, extra = loaders.make_loader, job.train_data, {"placement": placement}
     elif job.backend == "rocal":
         import rocal_loader
@@ -873,10 +872,8 @@ def release_freed_memory() -> None:
     threads free a run's buffers into glibc's per-thread heaps, which keep them: on 8 CPU devices the main job's peak
     RSS was a fifth higher without it. The job calls it after each epoch and each run of the verdict (its
     ``after_run``); the modules it trains through never do (a user's job decides)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def first_difference(a, b) -> str | None:
