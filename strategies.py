@@ -452,14 +452,15 @@ def first_replica(stacked: Params) -> Params:
 
 
 def to_host(params: Params) -> Params:
-    """Host (NumPy) copy of replicated or single-device params; ValueError for a sharded leaf."""
-    def get(x):
+    """Host (NumPy) copy of replicated or single-device params, every leaf's copy started before any is waited for
+    (``jax.device_get``); ValueError for a sharded leaf."""
+    def one(x):
         if isinstance(x, jax.Array):
             if not x.sharding.is_fully_replicated:
                 raise ValueError(f"to_host: expected replicated params, got sharding {x.sharding}")
-            return np.asarray(x.addressable_data(0))
-        return np.asarray(x)
-    return jax.tree.map(get, params)
+            return x.addressable_data(0)
+        return x
+    return jax.tree.map(np.asarray, jax.device_get(jax.tree.map(one, params)))
 
 
 def check_dtypes(tree, where: str) -> None:
