@@ -249,9 +249,9 @@ def train(strategy, params, batches, mesh):
 def training_section(images, labels, mesh, args, out: dict) -> None:
     """Per global batch and strategy, its plain step program (``strategy_step``) on the notebooks' MLP: the step time,
     ``args.train_steps`` (at least 20) steps queued back to back (``queued``), per step, the median over interleaved
-    rounds; its ratio to single's; and what JAX spent compiling during the first step, by phase. In the same rounds,
-    ``transfer_ms``: the global batch's uint8 images put on the devices, sharded as a step takes them, and waited for:
-    what feeding from host memory moves per step."""
+    rounds; its ratio to single's; and what JAX spent compiling during the first step, by phase (its caches cleared
+    first). In the same rounds, ``transfer_ms``: the global batch's uint8 images put on the devices, sharded as a step
+    takes them, and waited for: what feeding from host memory moves per step."""
     params = model.init_model(args.layers)
     sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
     for global_batch in args.training_batches:
@@ -262,6 +262,7 @@ def training_section(images, labels, mesh, args, out: dict) -> None:
                                          layout=strategies.LAYOUT[name])
             step, state, batches = strategy_step(name, params, [loader.batch(0, s) for s in range(min(4, len(loader)))],
                                                  mesh)
+            jax.clear_caches()  # the first step compiles its programs, whatever ran them before (feeding does)
             mark = len(args.compiles.heard)
             runs[name] = [queued(step, state, batches, 1), step, batches]
             row[name] = {"compile": args.compiles.since(mark)}
