@@ -213,10 +213,10 @@ def installed(package: str) -> str | None:
 
 
 def feeding_section(images, labels, mesh, args, out: dict) -> None:
-    """Per global batch, placement and strategy: the data cost, the median over rounds of the
-    fed epoch's time (``strategy(params, loader.epoch(0), ...)``, the loader's own prefetch)
-    over the prebuilt one's (the same strategy over ``list(loader.epoch(0))``, made before).
-    Epochs of ``args.fed_steps`` steps (32; fewer where the data runs out); 8192, sharded only."""
+    """Per global batch, placement and strategy: the data cost, the median over rounds of the fed epoch's time
+    (``strategy(params, loader.epoch(0), ...)``, the loader's own prefetch) over the prebuilt one's (the same strategy
+    over ``list(loader.epoch(0))``, made before). Epochs of ``args.fed_steps`` steps (32; fewer where the data runs
+    out); 8192, sharded only."""
     n = mesh.devices.size
     params = model.init_model(args.layers)
     for global_batch in args.fed_batches:

@@ -77,8 +77,8 @@ def _device_list(devices) -> list:
 
 
 def arithmetic_for(devices: Sequence[jax.Device] | Mesh) -> str:
-    """The Normalize arithmetic DALI computes on ``devices``: "dali_cpu" on CPU devices,
-    "dali_gpu" on NVIDIA GPUs. ValueError for anything else or a mix, naming the platforms."""
+    """The Normalize arithmetic DALI computes on ``devices``: "dali_cpu" on CPU devices, "dali_gpu" on NVIDIA GPUs.
+    ValueError for anything else or a mix, naming the platforms."""
     devices = _device_list(devices)
     if devices and all(d.platform == "cpu" for d in devices):
         return "dali_cpu"
@@ -101,8 +101,8 @@ def usable(devices: Sequence[jax.Device] | Mesh) -> bool:
 
 
 def to_jax(tensor_list, device: jax.Device, *, buffers_reused: bool) -> jax.Array:
-    """One DALI output (equal-shape samples) as a jax.Array on ``device``, through DLPack: DALI's
-    buffer wrapped, or, ``buffers_reused`` (``not pipeline.exec_dynamic``), copied and finished."""
+    """One DALI output (equal-shape samples) as a jax.Array on ``device``, through DLPack: DALI's buffer wrapped, or,
+    ``buffers_reused`` (``not pipeline.exec_dynamic``), copied and finished."""
     array = jax.dlpack.from_dlpack(tensor_list.as_tensor(), device=device, copy=None)
     if buffers_reused:
         # Not from_dlpack(copy=True): JAX 0.10.2 wraps a CPU buffer even then (test_dali.py).
@@ -179,8 +179,8 @@ def shard_list(folder: str, shard_id: int, num_shards: int) -> str:
 
 @dataclasses.dataclass(eq=False)
 class DaliLoader:
-    """Epochs read by DALI (the module docstring). ``len()``, ``plan``, ``real_samples`` and
-    ``dataset`` are its spec's (``loaders.Loader``)."""
+    """Epochs read by DALI (the module docstring). ``len()``, ``plan``, ``real_samples`` and ``dataset`` are its spec's
+    (``loaders.Loader``)."""
     spec: loaders.Loader  # the reference loader built alike: the plan, the mesh, the checks
     order: str
     folder: str  # the sample_files folder
@@ -385,9 +385,9 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
 
 def dali_pipeline(folder: str, reader: dict, device: jax.Device, image_shape: tuple[int, int, int],
                   normalize: Normalize, batch_size: int, *, seed: int, num_threads: int = 1):
-    """A built Pipeline with outputs (images float32 CHW, labels): ``fn.readers.file(file_root=folder,
-    **reader)`` with stick_to_shard and pad_last_batch, reshaped to ``image_shape``, then
-    crop_mirror_normalize, on the GPU of a GPU ``device``. DALI's default executor."""
+    """A built Pipeline with outputs (images float32 CHW, labels): ``fn.readers.file(file_root=folder, **reader)`` with
+    stick_to_shard and pad_last_batch, reshaped to ``image_shape``, then crop_mirror_normalize, on the GPU of a GPU
+    ``device``. DALI's default executor."""
     Pipeline, fn, types = import_dali()
     on_gpu = device.platform != "cpu"
     pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, seed=seed,

@@ -1,30 +1,27 @@
 """Delivery onto devices: the reference loader, one shard per device, by plan.py's plan.
 
-``make_loader(data, devices, batch_size, ...)`` builds a ``Loader`` over a dataset of named
-arrays (N first) or the notebooks' ``(images, labels)``; ``loader.epoch(e)`` yields one
-dict of global ``jax.Array``s per step, every vendor loader (dali_loader.py, rocal_loader.py)
-is held to it. With P = ``plan.on_devices(loader.plan(e), n)`` (device k's logical shards
-in order), for every name, step s and device k at mesh position k:
+``make_loader(data, devices, batch_size, ...)`` builds a ``Loader`` over a dataset of named arrays (N first) or the
+notebooks' ``(images, labels)``; ``loader.epoch(e)`` yields one dict of global ``jax.Array``s per step, every vendor
+loader (dali_loader.py, rocal_loader.py) is held to it. With P = ``plan.on_devices(loader.plan(e), n)`` (device k's
+logical shards in order), for every name, step s and device k at mesh position k:
 
     block k of name              = f(data[name][P.indices[s, k]])   f: its Normalize, if any
     block k of "mask"            = P.mask[s, k]                      (bool: False on padding)
     block k of "index"           = P.indices[s, k]                   (int32: the sample a row holds)
     block k of "logical_shards"  = k*L/n .. (k+1)*L/n - 1            (int32: the plan's L shards)
 
-in layout "sharded" ((L*b, ...) rows, block k rows k*L/n*b ..) or "pmap" ((n, L/n*b, ...),
-block k row k), all ``NamedSharding(mesh, P('data'))``. So batches are a function of (seed,
-epoch, step) alone, and the global batch of a step is the same on every n dividing L.
+in layout "sharded" ((L*b, ...) rows, block k rows k*L/n*b ..) or "pmap" ((n, L/n*b, ...), block k row k), all
+``NamedSharding(mesh, P('data'))``. So batches are a function of (seed, epoch, step) alone, and the global batch of a
+step is the same on every n dividing L.
 
-Resuming: ``it = loader.epoch(e)``; after k steps ``saved = it.get_state()`` (a
-``plan.LoaderState``: JSON with ``to_json``). A loader on any devices and batch size, built
-from the same data, seed, shuffle and last_batch, resumes with ``loader.epoch(e,
-state=saved)``: each sample not yet delivered in a real slot is delivered exactly once
-(fill; drop skips ``plan.elastic_plan``'s stated count). A state of other data is refused.
+Resuming: ``it = loader.epoch(e)``; after k steps ``saved = it.get_state()`` (a ``plan.LoaderState``: JSON with
+``to_json``). A loader on any devices and batch size, built from the same data, seed, shuffle and last_batch, resumes
+with ``loader.epoch(e, state=saved)``: each sample not yet delivered in a real slot is delivered exactly once (fill;
+drop skips ``plan.elastic_plan``'s stated count). A state of other data is refused.
 
-Placements: "host" gathers uint8 rows on the host, one ``jax.make_array_from_process_local_data``
-a name, and normalises on the devices; "device" keeps each shard resident on its device and
-gathers there (faster: docs/performance.md). Both give the same bits, on the mesh given (never
-JAX's default device); shard k is mesh position k, never ``device.id``.
+Placements: "host" gathers uint8 rows on the host, one ``jax.make_array_from_process_local_data`` a name, and normalises
+on the devices; "device" keeps each shard resident on its device and gathers there (faster: docs/performance.md). Both
+give the same bits, on the mesh given (never JAX's default device); shard k is mesh position k, never ``device.id``.
 
 Imports: plan.py, arithmetic.py, cifar_mnist.py, NumPy and JAX.
 """
@@ -59,9 +56,8 @@ ADDED = (MASK, INDEX, SHARDS)  # what every batch adds; refused as names in the 
 
 
 def device_normalize(images_u8: jax.Array, how: dict, window: tuple[int, int, int, int], mirror: bool) -> jax.Array:
-    """arithmetic.crop_mirror_normalize in JAX, for traced uint8 (..., C, H, W): crop, flip,
-    then the table's values, by one of two routes that give its bits (``how``, a dict of
-    arrays on the devices, from ``normalizer``):
+    """arithmetic.crop_mirror_normalize in JAX, for traced uint8 (..., C, H, W): crop, flip, then the table's values, by
+    one of two routes that give its bits (``how``, a dict of arrays on the devices, from ``normalizer``):
 
     * {"table": (C, 256) or (1, 256)}: a lookup, one row when every channel's is alike;
     * the table's own operands per channel, {"inv", "offset"} for "rocal" and "dali_gpu",
@@ -92,9 +88,9 @@ def exact_fma_u8(x_u8: jax.Array, inv: jax.Array, offset: jax.Array) -> jax.Arra
               z = th + round_to_odd(tl + ul)
         x = 0: 0 * inv + offset, IEEE's signed zeros as the FMA's
 
-    Every step is a correctly rounded add or an exact product, so no compiler choice (an
-    FMA contracted or not) moves a bit; subnormals, which XLA flushes to zero, could, which
-    is why ``normalizer`` checks all 256 values on the devices before using it."""
+    Every step is a correctly rounded add or an exact product, so no compiler choice (an FMA contracted or not) moves a
+    bit; subnormals, which XLA flushes to zero, could, which is why ``normalizer`` checks all 256 values on the devices
+    before using it."""
     x = x_u8.astype(jnp.float32)
     hi = lax.bitcast_convert_type(lax.bitcast_convert_type(inv, jnp.uint32) & np.uint32(0xFFFFFF00), jnp.float32)
     lo = inv - hi
@@ -120,9 +116,9 @@ def _two_sum(a, b):
 def data_mesh(devices: Sequence[jax.Device] | Mesh) -> Mesh:
     """A one-axis mesh named 'data' over ``devices``, in their order: shard k is ``devices[k]``.
 
-    Built with ``jax.sharding.Mesh`` (``jax.make_mesh`` may reorder devices). A Mesh is
-    returned as it is if its 'data' axis holds all its devices. ValueError for no device,
-    a repeated device, or a mesh whose 'data' axis does not span its devices."""
+    Built with ``jax.sharding.Mesh`` (``jax.make_mesh`` may reorder devices). A Mesh is returned as it is if its 'data'
+    axis holds all its devices. ValueError for no device, a repeated device, or a mesh whose 'data' axis does not span
+    its devices."""
     if isinstance(devices, Mesh):
         if DATA_AXIS not in devices.axis_names or devices.shape[DATA_AXIS] != devices.devices.size:
             raise ValueError(f"mesh: axis {DATA_AXIS!r} must hold every device, got axes {dict(devices.shape)}")
@@ -144,9 +140,9 @@ def local_positions(mesh: Mesh) -> list[int]:
 
 
 def global_batch(blocks: dict[int, dict], mesh: Mesh, layout: str = "sharded") -> dict[str, jax.Array]:
-    """Global arrays from per-shard blocks: ``blocks[k]`` ({name: (B, ...)}: NumPy arrays or a
-    vendor's jax.Arrays) goes to mesh position k, in layout "sharded" ((n*B, ...)) or "pmap"
-    ((n, B, ...)). Only this process's shards need to be present."""
+    """Global arrays from per-shard blocks: ``blocks[k]`` ({name: (B, ...)}: NumPy arrays or a vendor's jax.Arrays) goes
+    to mesh position k, in layout "sharded" ((n*B, ...)) or "pmap" ((n, B, ...)). Only this process's shards need to be
+    present."""
     _check_layout(layout)
     devices, local = list(mesh.devices.flat), local_positions(mesh)
     missing = [k for k in local if k not in blocks]
@@ -176,8 +172,8 @@ def _from_local_rows(x: np.ndarray, mesh: Mesh, layout: str) -> jax.Array:
 
 
 def added_fields(mask, indices, k: int, num_shards: int, num_devices: int) -> dict:
-    """What a batch adds to device k's block: its mask, its rows' sample indices (int32) and
-    its logical shards (int32, (L/n,)); for vendor loaders' blocks."""
+    """What a batch adds to device k's block: its mask, its rows' sample indices (int32) and its logical shards (int32,
+    (L/n,)); for vendor loaders' blocks."""
     per = num_shards // num_devices
     return {MASK: np.asarray(mask, bool), INDEX: np.asarray(indices, np.int32),
             SHARDS: np.arange(k * per, (k + 1) * per, dtype=np.int32)}
@@ -193,13 +189,13 @@ def _check_layout(layout: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Loader:
-    """A sharded loader over an in-memory (or memory-mapped) dataset of named arrays; build it
-    with ``make_loader``. ``len(loader)`` is a fresh epoch's steps, equal on every shard.
+    """A sharded loader over an in-memory (or memory-mapped) dataset of named arrays; build it with ``make_loader``.
+    ``len(loader)`` is a fresh epoch's steps, equal on every shard.
 
-    ``arrays``: name -> host array (N, ...). ``logical_shards`` L (None: one per device, L = n):
-    the plan's shards of ``batch_size`` b rows; device k of the n reads logical shards
-    k*L/n .. (k+1)*L/n - 1, (L/n)*b rows per step (``device_rows``). ``normalize``: a dict
-    name -> Normalize (a dict dataset), or what applies to "images" (the tuple form)."""
+    ``arrays``: name -> host array (N, ...). ``logical_shards`` L (None: one per device, L = n): the plan's shards of
+    ``batch_size`` b rows; device k of the n reads logical shards k*L/n .. (k+1)*L/n - 1, (L/n)*b rows per step
+    (``device_rows``). ``normalize``: a dict name -> Normalize (a dict dataset), or what applies to "images" (the tuple
+    form)."""
     arrays: dict[str, np.ndarray]
     mesh: Mesh
     batch_size: int
@@ -245,8 +241,8 @@ class Loader:
 
     @functools.cached_property
     def dataset(self) -> str:
-        """``plan.dataset_digest(arrays)``: what every state names; computed when a state is
-        first made or checked (one pass over the data), then kept."""
+        """``plan.dataset_digest(arrays)``: what every state names; computed when a state is first made or checked (one
+        pass over the data), then kept."""
         return dataset_digest(self.arrays)
 
     @functools.cached_property
@@ -270,8 +266,8 @@ class Loader:
         return self.schedule.real_samples(epoch, resumed)
 
     def batch(self, epoch: int, step: int, *, state: LoaderState | None = None) -> dict[str, jax.Array]:
-        """Step ``step`` of ``epoch`` alone (random access), of a fresh epoch or the one resumed
-        from ``state``. IndexError for a step outside [0, num_steps) or [state.step, its end)."""
+        """Step ``step`` of ``epoch`` alone (random access), of a fresh epoch or the one resumed from ``state``.
+        IndexError for a step outside [0, num_steps) or [state.step, its end)."""
         start = self._start("Loader.batch", epoch, state)
         plan, row = start.plan()
         if not start.step <= step < start.num_steps:
@@ -281,9 +277,9 @@ class Loader:
     def epoch(self, epoch: int, *, state: LoaderState | None = None) -> EpochIterator:
         """The batches of ``epoch``, or its rest from ``state`` (a ``get_state()``; the module's Resuming).
 
-        Placement "host" prepares ``prefetch`` steps ahead on a background thread, started at the
-        first ``next()``; its errors are raised in the caller (``EpochIterator``: how it ends).
-        ValueError for a state that is not a LoaderState or of another run or epoch."""
+        Placement "host" prepares ``prefetch`` steps ahead on a background thread, started at the first ``next()``; its
+        errors are raised in the caller (``EpochIterator``: how it ends). ValueError for a state that is not a
+        LoaderState or of another run or epoch."""
         start = self._start("Loader.epoch", epoch, state)
         plan, row = start.plan()
         makers = _steps(self, len(start.segments) == 1, plan, row, len(plan.indices))
@@ -292,8 +288,8 @@ class Loader:
         return EpochIterator(batches, start if state is not None else lambda: self.schedule.start(epoch))
 
     def _start(self, where: str, epoch: int, state) -> LoaderState:
-        """The state ``epoch`` starts from: ``state`` checked and resized, once; or a fresh step 0
-        naming no data (get_state names it: the digest is computed only when a state is asked for)."""
+        """The state ``epoch`` starts from: ``state`` checked and resized, once; or a fresh step 0 naming no data
+        (get_state names it: the digest is computed only when a state is asked for)."""
         if state is None:
             check_seed("epoch", epoch, where)
             return LoaderState.start(self.num_samples, self.num_shards, self.batch_size, epoch=epoch, seed=self.seed,
@@ -386,9 +382,9 @@ GATHER_ONCE_PLATFORMS = ("tpu",)
 
 @functools.lru_cache(maxsize=64)
 def normalizer(key: tuple[bytes, bytes, str], mesh: Mesh) -> dict:
-    """``device_normalize``'s ``how`` for table ``key`` on ``mesh``, replicated: the table's operands
-    on ARITHMETIC_PLATFORMS when the devices compute all 256 values of every channel to the table's
-    bits, else the table. Arrays are arguments of the jitted programs, never constants."""
+    """``device_normalize``'s ``how`` for table ``key`` on ``mesh``, replicated: the table's operands on
+    ARITHMETIC_PLATFORMS when the devices compute all 256 values of every channel to the table's bits, else the table.
+    Arrays are arguments of the jitted programs, never constants."""
     table = keyed_table(key)
     put = lambda a: jax.make_array_from_callback(a.shape, NamedSharding(mesh, P()), lambda index: a[index])
     if mesh.devices.flat[0].platform in ARITHMETIC_PLATFORMS:
@@ -402,11 +398,11 @@ def normalizer(key: tuple[bytes, bytes, str], mesh: Mesh) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _step_program(mesh: Mesh, layout: str, names: tuple[str, ...], windows: tuple, source: str):
-    """One step's batch on the devices, jit(shard_map): (rows by name, the placed plan, the
-    step s (int32, replicated), the normalisers) -> ({name: normalised rows, "mask", "index",
-    "logical_shards"} in ``layout``, s + 1 replicated: the next step's s). Step s's rows of a name are, by ``source``: "host", the rows given (just
-    placed); "epoch", rows s*b .. (s+1)*b - 1 of the epoch's; "resident", the resident shard's
-    rows at the plan's local indices (placed "local"), gathered."""
+    """One step's batch on the devices, jit(shard_map): (rows by name, the placed plan, the step s (int32, replicated),
+    the normalisers) -> ({name: normalised rows, "mask", "index", "logical_shards"} in ``layout``, s + 1 replicated: the
+    next step's s). Step s's rows of a name are, by ``source``: "host", the rows given (just placed); "epoch",
+    rows s*b .. (s+1)*b - 1 of the epoch's; "resident", the resident shard's rows at the plan's local indices (placed
+    "local"), gathered."""
     how = {name: (window, mirror) for name, window, mirror in windows}
 
     def step(rows, placed, s, hows):
@@ -444,8 +440,8 @@ def _by_position(per_shard: np.ndarray, mesh: Mesh, source: np.ndarray | None = 
 
 @functools.lru_cache(maxsize=None)
 def _epoch_rows(mesh: Mesh, names: tuple[str, ...]):
-    """jit(shard_map): (resident shards, local indices (n, steps, rows)) -> each name's rows of
-    those steps on each device, in step order, (n, steps * rows, ...) sharded: one gather."""
+    """jit(shard_map): (resident shards, local indices (n, steps, rows)) -> each name's rows of those steps on each
+    device, in step order, (n, steps * rows, ...) sharded: one gather."""
     def gather(resident, local):
         return {name: resident[name].at[local.reshape(-1)].get(mode="promise_in_bounds")[None] for name in names}
     return jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=(P(DATA_AXIS), P(DATA_AXIS)), out_specs=P(DATA_AXIS)))
@@ -595,8 +591,8 @@ def _is_int(value) -> bool:
 
 
 def _dataset(data, filename_prefix: str, normalize):
-    """make_loader's checks of the data and of ``normalize``: (arrays by name, normalize
-    resolved: a dict for a dict dataset, else the Normalize of "images" or None)."""
+    """make_loader's checks of the data and of ``normalize``: (arrays by name, normalize resolved: a dict for a dict
+    dataset, else the Normalize of "images" or None)."""
     if isinstance(data, (str, os.PathLike)):
         data = read_cifar10(data, filename_prefix)
     elif filename_prefix != TRAIN_PREFIX:
@@ -709,11 +705,11 @@ def _check_normalizer(what: str, array: np.ndarray, normalize, fix: str) -> None
 
 
 class EpochIterator:
-    """An epoch's batches. ``get_state()``: the ``LoaderState`` after the batches yielded so far, to
-    resume from. ``close()``: what the iterator holds (a prefetch thread, a vendor's pipelines and
-    files) is released exactly once, at the first of: the epoch's end, ``close()``, garbage
-    collection, or the interpreter's exit (a ``weakref.finalize``, which runs before modules are
-    torn down, so nothing is printed and nothing is left running). No batch references the iterator."""
+    """An epoch's batches. ``get_state()``: the ``LoaderState`` after the batches yielded so far, to resume from.
+    ``close()``: what the iterator holds (a prefetch thread, a vendor's pipelines and files) is released exactly once,
+    at the first of: the epoch's end, ``close()``, garbage collection, or the interpreter's exit (a
+    ``weakref.finalize``, which runs before modules are torn down, so nothing is printed and nothing is left running).
+    No batch references the iterator."""
 
     def __init__(self, batches: Iterator, state: LoaderState | Callable[[], LoaderState]):
         self._batches = batches  # state: of the first batch, or a function making it when asked
@@ -744,12 +740,11 @@ class EpochIterator:
 
 
 class _Prefetched:
-    """``make(s)`` for each s of ``steps``, made ``depth`` ahead by a worker thread started at
-    the first ``next()``: at most ``depth`` made and not yet taken (the worker waits for a free
-    slot before it makes the next); a worker error is raised in the consumer. The worker is
-    stopped and joined once, at the first of: the end, an error, ``close()``, collection, or
-    exit. It references the queue, the slots, the stop event, ``make`` and ``steps``, never
-    this object."""
+    """``make(s)`` for each s of ``steps``, made ``depth`` ahead by a worker thread started at the first ``next()``:
+    at most ``depth`` made and not yet taken (the worker waits for a free slot before it makes the next); a worker
+    error is raised in the consumer. The worker is stopped and joined once, at the first of: the end, an error,
+    ``close()``, collection, or exit. It references the queue, the slots, the stop event, ``make`` and ``steps``,
+    never this object."""
 
     def __init__(self, make: Callable, steps, depth: int):
         self._out: queue.Queue = queue.Queue()

@@ -45,8 +45,8 @@ def import_rocal():
 
 
 def rocal_version() -> str:
-    """rocAL's version from its library's file name (rocAL has no version call): "X.Y.Z",
-    "?" when its library's name holds none, "not installed" when rocAL does not import."""
+    """rocAL's version from its library's file name (rocAL has no version call): "X.Y.Z", "?" when its library's name
+    holds none, "not installed" when rocAL does not import."""
     try:
         import rocal_pybind
     except ImportError:
@@ -102,8 +102,8 @@ def release_pipelines(pipelines, where: str = "rocAL") -> None:
 
 
 def _release_call(pipe):
-    """A function that releases ``pipe``: rocAL's C ``rocalRelease`` on its ``_handle`` capsule
-    (ctypes drops the GIL, so the bound holds), or the ``rocal_release`` of an object without one."""
+    """A function that releases ``pipe``: rocAL's C ``rocalRelease`` on its ``_handle`` capsule (ctypes drops the GIL,
+    so the bound holds), or the ``rocal_release`` of an object without one."""
     handle = getattr(pipe, "_handle", None)
     if type(handle).__name__ != "PyCapsule":
         return pipe.rocal_release
@@ -115,8 +115,8 @@ def _release_call(pipe):
 
 @functools.lru_cache(maxsize=1)
 def _rocal_c_api():
-    """(PyCapsule_GetName, PyCapsule_GetPointer, rocalRelease) as ctypes functions; rocalRelease
-    is looked up through the pybind module, so it is the librocal the binding calls."""
+    """(PyCapsule_GetName, PyCapsule_GetPointer, rocalRelease) as ctypes functions; rocalRelease is looked up through
+    the pybind module, so it is the librocal the binding calls."""
     import rocal_pybind
     api = ctypes.PyDLL(None)  # Python's C API: called with the GIL held
     name, pointer = api.PyCapsule_GetName, api.PyCapsule_GetPointer
@@ -138,8 +138,8 @@ def _hardware_id(device: jax.Device) -> int:
 
 
 def check_dlpack() -> None:
-    """RuntimeError (``DLPACK_MISSING``) unless rocAL's tensor type has ``dlpack_device``: rocAL
-    defines it only when built with DLPack (rocAL_pybind/rocal_pybind.cpp)."""
+    """RuntimeError (``DLPACK_MISSING``) unless rocAL's tensor type has ``dlpack_device``: rocAL defines it only when
+    built with DLPack (rocAL_pybind/rocal_pybind.cpp)."""
     import rocal_pybind
     tensor_type = getattr(rocal_pybind, "rocalTensor", None)
     if tensor_type is None or not hasattr(tensor_type, "dlpack_device"):
@@ -156,11 +156,10 @@ DLPACK_MISSING = ("this rocAL was built without DLPack (ENABLE_DLPACK off: CMake
 def rocal_pipeline(file_root: str, *, batch_size: int, normalize: Normalize, on_gpu: bool, device_id: int = 0,
                    shard_id: int = 0, num_shards: int = 1, filename_prefix: str = TRAIN_PREFIX, shuffle: bool = False,
                    seed: int = 0, num_threads: int = 1, last_batch_policy: str = "FILL", pad_last_batch: bool = True):
-    """A built Pipeline: ``fn.readers.cifar10``, then ``fn.crop_mirror_normalize`` to float32 NCHW; rocAL's CPU
-    backend or, ``on_gpu``, its GPU backend on GPU ``device_id``. The loader reads with FILL + pad_last_batch; the
-    other policies show what rocAL does. Raises RuntimeError when the graph does not verify (rocAL's build() calls
-    exit), or the build raised RuntimeError ``BUILD_ATTEMPTS`` times, or anything else once; a failed pipeline is
-    released."""
+    """A built Pipeline: ``fn.readers.cifar10``, then ``fn.crop_mirror_normalize`` to float32 NCHW; rocAL's CPU backend
+    or, ``on_gpu``, its GPU backend on GPU ``device_id``. The loader reads with FILL + pad_last_batch; the other
+    policies show what rocAL does. Raises RuntimeError when the graph does not verify (rocAL's build() calls exit), or
+    the build raised RuntimeError ``BUILD_ATTEMPTS`` times, or anything else once; a failed pipeline is released."""
     Pipeline, fn, types = import_rocal()
     crop = normalize.crop or IMAGE_SHAPE[1:]
     failures = []
@@ -255,8 +254,8 @@ def device_images(tensor, device: jax.Device, image_shape: tuple, batch_size: in
 
 @contextlib.contextmanager
 def _rocal_chatter_hidden(said: list):
-    """Runs the block with stdout (Python's and fd 1) caught into ``said``; every line but
-    ``ROCAL_CHATTER`` is printed once the block has ended, so rocAL's errors are never lost."""
+    """Runs the block with stdout (Python's and fd 1) caught into ``said``; every line but ``ROCAL_CHATTER`` is printed
+    once the block has ended, so rocAL's errors are never lost."""
     sys.stdout.flush()
     saved = os.dup(1)
     text = ""

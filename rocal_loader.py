@@ -131,9 +131,9 @@ def shard_folders(images_NCHW: np.ndarray, labels_N: np.ndarray, num_shards: int
 
 
 def rocal_padded_size(num_samples: int, num_shards: int, shard_id: int, batch_size: int) -> int:
-    """Shard k's ``get_remaining_images()`` at its epoch's start under FILL + pad_last_batch, were
-    rocAL's sharding to work: whole batches of the largest shard, or no padding when that one is
-    whole batches (``CIFAR10DataReader::subfolder_reading``)."""
+    """Shard k's ``get_remaining_images()`` at its epoch's start under FILL + pad_last_batch, were rocAL's sharding to
+    work: whole batches of the largest shard, or no padding when that one is whole batches
+    (``CIFAR10DataReader::subfolder_reading``)."""
     start, stop = shard_bounds(num_samples, shard_id, num_shards)
     largest = -(-num_samples // num_shards)
     return -(-largest // batch_size) * batch_size if largest % batch_size else stop - start
@@ -152,8 +152,8 @@ class ShardInfo:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RocalLoader:
-    """Epochs read by rocAL (the module docstring). It holds no pipeline: each epoch's iterator has
-    its own, so epochs are independent and may overlap."""
+    """Epochs read by rocAL (the module docstring). It holds no pipeline: each epoch's iterator has its own, so epochs
+    are independent and may overlap."""
     images: np.ndarray = dataclasses.field(repr=False)  # uint8 (N, 3, 32, 32), read_cifar10's order
     labels: np.ndarray = dataclasses.field(repr=False)  # int32 (N,)
     mesh: Mesh
@@ -245,8 +245,8 @@ class RocalLoader:
         return sum(self.known_real["steps"][first:])
 
     def epoch(self, epoch: int, *, state: LoaderState | None = None) -> loaders.EpochIterator:
-        """The batches of ``epoch``, or its rest from ``state``, as ``loaders.Loader.epoch``'s. ValueError
-        as there, and with order="vendor" for a state whose plan is not this loader's."""
+        """The batches of ``epoch``, or its rest from ``state``, as ``loaders.Loader.epoch``'s. ValueError as there, and
+        with order="vendor" for a state whose plan is not this loader's."""
         where = "RocalLoader.epoch"
         check_seed("epoch", epoch, where)
         if state is None:
@@ -425,8 +425,8 @@ def _run(loader: RocalLoader, pipe, device, left: int, where: str, transfers):
 
 
 class _Transfers:
-    """The DLPack copies, safe from rocAL's ring: a step's runs first wait for the copies of
-    ``RING_SLOTS`` steps earlier; ``drain()`` waits for the rest before the release."""
+    """The DLPack copies, safe from rocAL's ring: a step's runs first wait for the copies of ``RING_SLOTS`` steps
+    earlier; ``drain()`` waits for the rest before the release."""
 
     def __init__(self, active: bool):
         self.active, self.steps, self.current = active, collections.deque(), []
@@ -544,8 +544,8 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
 
 def _shard_info(images: np.ndarray, labels: np.ndarray, start: int, stop: int, batch_size: int,
                 batches: int, normalize: Normalize) -> ShardInfo:
-    """Shard [start, stop)'s ShardInfo. Its records alike to its last are found on the uint8
-    window: two pixel values are alike where the table maps them to the same float."""
+    """Shard [start, stop)'s ShardInfo. Its records alike to its last are found on the uint8 window: two pixel values
+    are alike where the table maps them to the same float."""
     last = stop - 1
     y0, x0, ch, cw = normalize.window(images.shape[2:])
     # ids[c, x]: pixel values x that channel c's table maps to the same float share an id
@@ -567,9 +567,9 @@ def _shard_info(images: np.ndarray, labels: np.ndarray, start: int, stop: int, b
 
 
 def _check_native_folder(root: str, prefix: str) -> None:
-    """sharding="rocal": ValueError unless rocAL reads ``root`` as ``read_cifar10`` does. rocAL
-    matches ``prefix`` anywhere in a name (read_cifar10: at its start), lists files in readdir
-    order (read_cifar10: sorted), and reads subfolders when the first name sorted is one."""
+    """sharding="rocal": ValueError unless rocAL reads ``root`` as ``read_cifar10`` does. rocAL matches ``prefix``
+    anywhere in a name (read_cifar10: at its start), lists files in readdir order (read_cifar10: sorted), and reads
+    subfolders when the first name sorted is one."""
     names = os.listdir(root)  # readdir order, what rocAL sees
     if names and os.path.isdir(os.path.join(root, sorted(names)[0])):
         raise ValueError(f"{root}: rocAL reads only the subfolders of a folder whose first entry "

@@ -390,8 +390,8 @@ def _check_contract(where: str, loss_terms: LossTerms, params, batch: dict, layo
 
 @functools.lru_cache(maxsize=64)
 def _contract_program(loss_terms: LossTerms) -> Callable:
-    """jit: (params, one device's rows) -> ((total, count) as given, with every row padding,
-    with as many padding rows added; the real rows)."""
+    """jit: (params, one device's rows) -> ((total, count) as given, with every row padding, with as many padding rows
+    added; the real rows)."""
     def terms(params, rows):
         mask = rows["mask"]
         padding = dict(rows, mask=jnp.zeros_like(mask))
@@ -524,8 +524,8 @@ def stack_losses(values: list):
 
 
 def checked_terms(loss_terms: LossTerms, params: Params, batch: dict) -> tuple:
-    """``loss_terms(params, batch)`` with its contract checked at trace time: (total, count),
-    count as float32 (exact for counts below 2**24)."""
+    """``loss_terms(params, batch)`` with its contract checked at trace time: (total, count), count as float32 (exact
+    for counts below 2**24)."""
     out = loss_terms(params, batch)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         if hasattr(out, "shape"):
