@@ -280,8 +280,7 @@ def training_section(images, labels, mesh, args, out: dict) -> None:
             r["ratio_to_single"] = r["step_ms"] / row["single"]["step_ms"]
             phases = ", ".join(f"{p} {r['compile'][p]:.2f}" for p in Compiles.PHASES.values())
             args.note(f"step {r['step_ms']:.2f} ms ({r['ratio_to_single']:.2f}x single), compile "
-                      f"{r['compile_s']:.2f} s ({phases})",
-                      f"training, global {global_batch}, {name}")
+                      f"{r['compile_s']:.2f} s ({phases})", f"training, global {global_batch}, {name}")
 
 
 def strategy_step(name: str, params, batches: list, mesh) -> tuple:

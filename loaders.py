@@ -515,11 +515,10 @@ def _place_dataset(arrays: dict[str, np.ndarray], mesh: Mesh, budget: int | None
 # make_loader: the checks --------------------------------------------------------------------------
 
 
-def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *,
-                layout: str = "sharded", filename_prefix: str = TRAIN_PREFIX, shuffle: bool = False,
-                seed: int = 0, last_batch: str = "fill", normalize: Normalize | dict | str | None = "default",
-                prefetch: int = 2, placement: str = "host", device_budget: int | None = None,
-                logical_shards: int | None = None) -> Loader:
+def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *, layout: str = "sharded",
+                filename_prefix: str = TRAIN_PREFIX, shuffle: bool = False, seed: int = 0, last_batch: str = "fill",
+                normalize: Normalize | dict | str | None = "default", prefetch: int = 2, placement: str = "host",
+                device_budget: int | None = None, logical_shards: int | None = None) -> Loader:
     """A ``Loader`` over ``data`` on ``devices`` (shard k on ``devices[k]``, or mesh position k).
 
     Args:
@@ -653,9 +652,8 @@ def _named_arrays(data: Mapping, normalize):
     if normalize is None or (isinstance(normalize, str) and normalize == "default"):
         return arrays, {}
     if not isinstance(normalize, Mapping):
-        raise ValueError(f"make_loader: normalize={normalize!r} for a dict dataset: name the arrays to "
-                         f"normalise, e.g. normalize={{{next(iter(arrays))!r}: Normalize(...)}} "
-                         f"(the data's names: {list(arrays)})")
+        raise ValueError(f"make_loader: normalize={normalize!r} for a dict dataset: name the arrays to normalise, e.g. "
+                         f"normalize={{{next(iter(arrays))!r}: Normalize(...)}} (the data's names: {list(arrays)})")
     unknown = [name for name in normalize if name not in arrays]
     if unknown:
         raise ValueError(f"make_loader: normalize names {unknown}, which the data lacks (its names: {list(arrays)})")

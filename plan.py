@@ -316,9 +316,8 @@ class LoaderState:
         return step
 
     @classmethod
-    def start(cls, num_samples: int, num_shards: int, batch_size: int, *, epoch: int = 0,
-              seed: int = 0, shuffle: bool = False, last_batch: str = "fill",
-              dataset: str | None = None) -> "LoaderState":
+    def start(cls, num_samples: int, num_shards: int, batch_size: int, *, epoch: int = 0, seed: int = 0,
+              shuffle: bool = False, last_batch: str = "fill", dataset: str | None = None) -> "LoaderState":
         """Step 0 of ``epoch``, one segment (0, num_shards, batch_size)."""
         where = "LoaderState.start"
         _shards(where, num_samples, num_shards)

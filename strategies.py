@@ -70,11 +70,10 @@ CANONICAL_XLA_OPTIONS = {"xla_gpu_deterministic_ops": True, "xla_gpu_autotune_le
 Params = Any  # any pytree of float arrays
 LossTerms = Callable[[Any, dict], tuple]  # (params, batch) -> (total over real rows, count)
 
-LOSS_TERMS_CONTRACT = ("loss_terms(params, batch) must return (total, count): total the sum of the "
-                       "per-sample losses over the batch's real (mask-True) rows, a float scalar (not "
-                       "their mean), and count how many terms total sums, a scalar (the real rows, or "
-                       "their tokens: at least one per real row); the strategies divide the global sum "
-                       "of totals by the global sum of counts")
+LOSS_TERMS_CONTRACT = ("loss_terms(params, batch) must return (total, count): total the sum of the per-sample losses "
+                       "over the batch's real (mask-True) rows, a float scalar (not their mean), and count how many "
+                       "terms total sums, a scalar (the real rows, or their tokens: at least one per real row); the "
+                       "strategies divide the global sum of totals by the global sum of counts")
 OPTIMIZER_CONTRACT = ("optimizer.update(grads, state, params) must return (updates, new_state) as optax "
                       "does: updates with the params' tree structure and shapes (the strategies apply "
                       "params + updates), new_state with the state's structure")
@@ -118,16 +117,14 @@ class Trained(NamedTuple):
 # The strategies -----------------------------------------------------------------------------------
 
 
-def sharded(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-            optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
-            logical_shards: int | None = None) -> Trained:
+def sharded(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms, optimizer: Optimizer = sgd(),
+            opt_state=None, reduction: str = "plain", logical_shards: int | None = None) -> Trained:
     """Params replicated, the batch sharded on 'data', a jit step: XLA adds the sums."""
     return _train("sharded", params, batches, mesh, loss_terms, optimizer, opt_state, reduction, logical_shards)
 
 
-def pmap(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-         optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
-         logical_shards: int | None = None) -> Trained:
+def pmap(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms, optimizer: Optimizer = sgd(),
+         opt_state=None, reduction: str = "plain", logical_shards: int | None = None) -> Trained:
     """Params stacked on a device axis, batches (n, B, ...), ``jax.pmap`` over the mesh's devices; one process only."""
     return _train("pmap", params, batches, mesh, loss_terms, optimizer, opt_state, reduction, logical_shards)
 
@@ -139,9 +136,8 @@ def shard_map(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms
     return _train("shard_map", params, batches, mesh, loss_terms, optimizer, opt_state, reduction, logical_shards)
 
 
-def single(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-           optimizer: Optimizer = sgd(), opt_state=None, reduction: str = "plain",
-           logical_shards: int | None = None) -> Trained:
+def single(params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms, optimizer: Optimizer = sgd(),
+           opt_state=None, reduction: str = "plain", logical_shards: int | None = None) -> Trained:
     """The whole global batch on the mesh's first device each step; one process only."""
     return _train("single", params, batches, mesh, loss_terms, optimizer, opt_state, reduction, logical_shards)
 
