@@ -355,8 +355,8 @@ def _counted(program, mesh: Mesh, placed: dict, hows: dict, rows: Callable, firs
 
 
 def _host_rows(loader: Loader, on: Plan, step: int) -> dict[str, jax.Array]:
-    idx = on.indices[step, local_positions(loader.mesh)].reshape(-1)
-    return {name: _from_local_rows(_gather(source, idx), loader.mesh, "sharded") for name, source in loader.arrays.items()}
+    idx, mesh = on.indices[step, local_positions(loader.mesh)].reshape(-1), loader.mesh
+    return {name: _from_local_rows(_gather(source, idx), mesh, "sharded") for name, source in loader.arrays.items()}
 
 
 def _gather(source: np.ndarray, indices: np.ndarray) -> np.ndarray:
