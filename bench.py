@@ -249,8 +249,8 @@ def train(strategy, params, batches, mesh):
 def training_section(images, labels, mesh, args, out: dict) -> None:
     """Per global batch and strategy, its plain step program (``strategy_step``) on the notebooks' MLP: the step time,
     ``args.train_steps`` (at least 20) steps queued back to back (``queued``), per step, the median over interleaved
-    rounds; its ratio to single's; and what JAX spent compiling during the first step, by phase (its caches cleared
-    first). In the same rounds, ``transfer_ms``: the global batch's uint8 images put on the devices, sharded as a step
+    rounds; its ratio to single's; and what JAX spent compiling during the first step, by phase (its gradient
+    program new). In the same rounds, ``transfer_ms``: the global batch's uint8 images put on the devices, sharded as a step
     takes them, and waited for: what feeding from host memory moves per step."""
     params = model.init_model(args.layers)
     sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
@@ -262,7 +262,6 @@ def training_section(images, labels, mesh, args, out: dict) -> None:
                                          layout=strategies.LAYOUT[name])
             step, state, batches = strategy_step(name, params, [loader.batch(0, s) for s in range(min(4, len(loader)))],
                                                  mesh)
-            jax.clear_caches()  # the first step compiles its programs, whatever ran them before (feeding does)
             mark = len(args.compiles.heard)
             runs[name] = [queued(step, state, batches, 1), step, batches]
             row[name] = {"compile": args.compiles.since(mark)}
@@ -285,8 +284,11 @@ def training_section(images, labels, mesh, args, out: dict) -> None:
 
 def strategy_step(name: str, params, batches: list, mesh) -> tuple:
     """(step, state, batches) as strategy ``name`` runs them with the MLP and SGD(LEARNING_RATE)
-    (``strategies.plain_step``): the batches where it takes them (single: on the mesh's first device)."""
-    step, place = strategies.plain_step(name, model.loss_terms, strategies.sgd_update, mesh)
+    (``strategies.plain_step``): the batches where it takes them (single: on the mesh's first device). Its gradient
+    program is its own (a new loss_terms object): it compiles at the first call whatever ran before (feeding's steps
+    run the same programs); the update program, the same for every strategy, compiles once per process."""
+    fresh = (lambda f: lambda p, b: f(p, b))(model.loss_terms)
+    step, place = strategies.plain_step(name, fresh, strategies.sgd_update, mesh)
     state, first = (params, strategies.sgd(LEARNING_RATE).init(params)), mesh.devices.flat[0]
     if name == "single":
         return step, place(state, loaders.data_mesh([first])), [jax.device_put(b, first) for b in batches]

@@ -158,7 +158,7 @@ def test_on_one_device_the_warm_ups_run_side_by_side_and_each_compile_is_its_thr
 def test_the_training_compile_is_the_first_steps_own_whatever_ran_before(devices):
     """(slow; the default tier's smoke run holds the figure's form) Run twice, as a full bench runs the feeding
     section's programs before it, the training section still reports what each strategy's first step compiles: XLA's
-    share is positive in the second run too (before JAX's caches were cleared there, it was 0 for every strategy)."""
+    share is positive in the second run too (before each run made its gradient program anew, it was 0 for every strategy)."""
     args = argparse.Namespace(compiles=bench.Compiles(), training_batches=(16,), layers=bench.SMOKE_LAYERS,
                               train_steps=2, repeats=1, note=lambda *_: None)
     rng = np.random.default_rng(0)
