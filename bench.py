@@ -250,8 +250,8 @@ def training_section(images, labels, mesh, args, out: dict) -> None:
     """Per global batch and strategy, its plain step program (``strategy_step``) on the notebooks' MLP: the step time,
     ``args.train_steps`` (at least 20) steps queued back to back (``queued``), per step, the median over interleaved
     rounds; its ratio to single's; and what JAX spent compiling during the first step, by phase (its gradient
-    program new). In the same rounds, ``transfer_ms``: the global batch's uint8 images put on the devices, sharded as a step
-    takes them, and waited for: what feeding from host memory moves per step."""
+    program new). In the same rounds, ``transfer_ms``: the global batch's uint8 images put on the devices, sharded as
+    a step takes them, and waited for: what feeding from host memory moves per step."""
     params = model.init_model(args.layers)
     sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
     for global_batch in args.training_batches:
@@ -285,10 +285,9 @@ def training_section(images, labels, mesh, args, out: dict) -> None:
 def strategy_step(name: str, params, batches: list, mesh) -> tuple:
     """(step, state, batches) as strategy ``name`` runs them with the MLP and SGD(LEARNING_RATE)
     (``strategies.plain_step``): the batches where it takes them (single: on the mesh's first device). Its gradient
-    program is its own (a new loss_terms object): it compiles at the first call whatever ran before (feeding's steps
+    program is its own (``anew``): it compiles at the first call whatever ran before (feeding's steps
     run the same programs); the update program, the same for every strategy, compiles once per process."""
-    fresh = (lambda f: lambda p, b: f(p, b))(model.loss_terms)
-    step, place = strategies.plain_step(name, fresh, strategies.sgd_update, mesh)
+    step, place = strategies.plain_step(name, anew(model.loss_terms), strategies.sgd_update, mesh)
     state, first = (params, strategies.sgd(LEARNING_RATE).init(params)), mesh.devices.flat[0]
     if name == "single":
         return step, place(state, loaders.data_mesh([first])), [jax.device_put(b, first) for b in batches]
@@ -439,11 +438,16 @@ def step_memory(step: str, state, batch, mesh, name: str, shards: int) -> float:
     return max(peaks) / 2**20
 
 
+def anew(loss_terms):
+    """The same loss_terms as a new object: the strategies' programs, cached per loss_terms, compile anew for it."""
+    return lambda params, batch: loss_terms(params, batch)
+
+
 def reduction_case(name: str, global_batch: int, shards: int, mesh, smoke: bool = False, fresh: bool = False) -> tuple:
     """Model ``name``'s host (params, SGD state), a batch of L*round(G/L) rows sharded on 'data', {"plain":
     sharded_step, "canonical": canonical_step at L}; ``fresh``: a new loss_terms object, so programs compile anew."""
     init, loss_terms, rows = MODELS[name]
-    loss_terms = (lambda f: lambda p, b: f(p, b))(loss_terms) if fresh else loss_terms
+    loss_terms = anew(loss_terms) if fresh else loss_terms
     rng = np.random.default_rng(0)
     params = init(rng, smoke)
     count = shards * max(1, round(global_batch / shards))

@@ -216,8 +216,7 @@ def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict
             got = f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""
             raise ValueError(f"{where}: no 'mask' (a dict with a bool 'mask', (n*B,) or (n, B), as "
                              f"loaders.make_loader yields); got {type(batch).__name__}{got}")
-        signature = (jax.tree.structure(batch),
-                     tuple((np.shape(x), _dtype(x), isinstance(x, jax.Array)) for x in jax.tree.leaves(batch)))
+        signature = _signature(batch)
         if signature not in seen:
             _check_layout(where, tuple(np.shape(batch["mask"])), layout, n)
             check_dtypes({k: v for k, v in batch.items() if not isinstance(v, jax.Array)}, f"{where}: batch")
@@ -283,7 +282,7 @@ def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | N
             got = f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""
             raise ValueError(f"{where}: no 'mask' (a dict with a bool 'mask', (n*B,) or (n, B), as "
                              f"loaders.make_loader yields); got {type(batch).__name__}{got}")
-        signature = (jax.tree.structure(batch), tuple((np.shape(x), _dtype(x)) for x in jax.tree.leaves(batch)))
+        signature = _signature(batch)
         if signature in seen:
             return
         try:
@@ -348,6 +347,13 @@ def _replicated(mesh: Mesh) -> Callable:
 
 def _dtype(x) -> np.dtype:
     return np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
+
+
+def _signature(batch) -> tuple:
+    """What ``door`` and ``checked`` judge a batch by, once each: its tree, and per leaf its shape, dtype and whether it
+    is a jax.Array."""
+    return jax.tree.structure(batch), tuple((np.shape(x), _dtype(x), isinstance(x, jax.Array))
+                                            for x in jax.tree.leaves(batch))
 
 
 def _check_contract(where: str, loss_terms: LossTerms, params, batch: dict, layout: str, stacked: bool) -> None:
