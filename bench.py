@@ -376,9 +376,9 @@ def reduction_section(args, out: dict) -> None:
 def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
     """A call that runs the canonical step's arithmetic with nothing moved between devices, no update: on each device
     its rows split and its k = L/n block gradients, one program each (on LOOP_PLATFORMS its loop program), then with
-    ``fold`` their left fold, a program each device (strategies' own split, block and fold); it returns the devices'
-    results in device order. Any construction that gives each block a gradient of its own and adds them in block
-    order does at least this on some device: the floor under the canonical step's time."""
+    ``fold`` their ``strategies.exact_sum``, a program each device (strategies' own split, block and sum); it returns the
+    devices' results in device order. Any construction that gives each block a gradient of its own and adds them
+    exactly does at least this on some device: the floor under the canonical step's time."""
     _, loss_terms, _ = MODELS[name]
     k, devices = shards // mesh.devices.size, list(mesh.devices.flat)
     params = {d: jax.device_put(start[0], d) for d in devices}
@@ -389,8 +389,7 @@ def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
         return lambda: jax.block_until_ready([loop(params[d], rows[d], trips[d]) for d in devices])
     block = strategies.block_program(loss_terms)
     split = strategies._split_program(k, False) if k > 1 else (lambda r: [r])
-    folded = (jax.jit(lambda sums: jax.tree.map(lambda *x: strategies._left_fold(x), *sums)) if k > 1
-              else lambda sums: sums[0])  # canonical_step's own fold; one block is its own fold
+    folded = jax.jit(lambda sums: strategies.exact_sum(jax.tree.map(lambda *x: jnp.concatenate(x), *sums)))
     sums = lambda: {d: [block(params[d], r) for r in split(rows[d])] for d in devices}
     return lambda: jax.block_until_ready([folded(s) if fold else s for s in sums().values()])
 
@@ -398,7 +397,7 @@ def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
 def step_memory(step: str, state, batch, mesh, name: str, shards: int) -> float:
     """MiB one device holds at the step's peak, from XLA's memory_analysis of each of the step's programs (arguments +
     outputs - aliased + temporaries) plus what the step keeps alive beside it: the state, the batch (and its blocks,
-    split), and the block sums waiting for the fold (k - 1 beside the last block program; a loop's k are its output).
+    split), and the block sums waiting for the sum (k - 1 beside the last block program; a loop's k are its output).
     ``state`` is the step's own (replicated on the mesh): each program is analysed with the arguments it runs on, so
     that it is the program already compiled, not another."""
     _, loss_terms, _ = MODELS[name]
@@ -434,7 +433,7 @@ def step_memory(step: str, state, batch, mesh, name: str, shards: int) -> float:
     if n > 1 or d.platform not in strategies.LOOP_PLATFORMS:
         sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
         rounds = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), rounds)
-        peaks.append(held(strategies.fold_program(mesh, k), rounds) + size((params, opt)) + split * size(rows))
+        peaks.append(held(strategies.sum_program(mesh, k), rounds) + size((params, opt)) + split * size(rows))
     return max(peaks) / 2**20
 
 

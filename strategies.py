@@ -30,17 +30,20 @@ The reductions, how a step's gradient is summed:
 
       for each block l = 0..L-1, on the device that holds it:
           g_l, t_l, c_l = the gradient of block l's total, its total, its count
-      g = ((g_0 + g_1) + g_2) + ... + g_{L-1}      (the same for t and c)
+      g = exact_sum(g_0, ..., g_{L-1})             (the same for t and c)
       params, state = update_program(state, g, t, c)   # g / max(c, 1), then optax
 
-  Each block runs the same single-device code on every device, whatever the mesh (one program per block,
-  ``block_program``; on LOOP_PLATFORMS one loop program per device, ``loop_program``), and so does the update. The fold
-  (``fold_program``; at L > n a chain from device to device) moves values and adds them in block order, nothing else. So
-  params, optimizer state and losses are the same bits on every mesh whose device count n divides L, in one process or
-  several, through every strategy, on one device adding the L blocks as microbatches (``single``), across a stop and a
-  resume on another of these, at any learning rate. Not across L, jaxlib versions, platforms or device kinds. The XLA
-  options the programs need are set here (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a loader's carry a
-  "logical_shards" entry) or from ``logical_shards``; given both, they must agree; given neither, the step is refused.
+  ``exact_sum``: per leaf, every block's entries on one grid (a power of two below the leaf's largest entry), added as
+  integers, rounded once: the same bits in any order and grouping. Each block runs the same single-device code on every
+  device, whatever the mesh (one program per block, ``block_program``; on LOOP_PLATFORMS one loop program per device,
+  ``loop_program``), and so does the update. The sum (``sum_program``) adds int32 limbs; its float operations are
+  exact ones (scalings by powers of two, roundings to integers). So params, optimizer state and losses are the same
+  bits on every mesh whose device count n divides L, in one process or several, through every strategy, on one device
+  adding the L blocks as microbatches (``single``), across a stop and a resume on another of these, at any learning
+  rate. Not across L, jaxlib versions, platforms or
+  device kinds. The XLA options the programs need are set here (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a
+  loader's carry a "logical_shards" entry) or from ``logical_shards``; given both, they must agree; given neither, the
+  step is refused.
 
 Imports: NumPy and JAX only (JAX 0.10 or newer). optax optimizers are accepted, not imported. Imported by
 equivalence.py, refimpl.py and bench.py.
@@ -707,12 +710,12 @@ LOOP_SLOTS = 2  # the fewest slots loop_program's loop indexes (its docstring sa
 
 
 @functools.lru_cache(maxsize=64)
-def loop_program(loss_terms: LossTerms, blocks: int, fold: bool) -> Callable:
+def loop_program(loss_terms: LossTerms, blocks: int, summed: bool) -> Callable:
     """A device's k = ``blocks`` blocks in one single-device jit: (params, its k*b rows in either layout, an int32 array
-    holding k) -> the k blocks' sums stacked (k, ...) in block order, or with ``fold`` their left fold. Block i is
+    holding k) -> the k blocks' sums stacked (k, ...) in block order, or with ``summed`` their ``exact_sum``. Block i is
     iteration i of a ``while`` loop whose trip count is that array, a value XLA cannot see: it can neither remove the
     loop (at k = 1) nor unroll it, so every block runs the loop body's one compiled code, and the body is the same for
-    every k, k's own dimension aside (the HLO test compares them). The sums go into a buffer that the fold reads after
+    every k, k's own dimension aside (the HLO test compares them). The sums go into a buffer that the sum reads after
     the loop: no add can join a block's arithmetic. The buffer starts uninitialised (``lax.empty``; zeros on CPUs):
     the k iterations write every entry, so zeroing it would be a pass over k gradients for nothing.
 
@@ -735,7 +738,7 @@ def loop_program(loss_terms: LossTerms, blocks: int, fold: bool) -> Callable:
                                 gradient(params, block))
         empty = jax.tree.map(lambda s: lax.empty((slots,) + s.shape, s.dtype), shapes)
         sums = jax.tree.map(lambda x: x[:blocks], lax.fori_loop(0, trips, body, empty))
-        return jax.tree.map(_left_fold, sums) if fold else sums
+        return exact_sum(sums) if summed else sums
     return jax.jit(run, compiler_options=CANONICAL_XLA_OPTIONS)
 
 
@@ -750,102 +753,186 @@ def _split_program(blocks: int, pmap_layout: bool) -> Callable:
     return jax.jit(split)
 
 
-SMALL_LEAF = 1 << 12  # entries: under this a leaf is gathered whole, folded on every device (above, n folds cost more)
-CHAIN_LEAF = 1 << 20  # entries: at k > 1 a leaf this large goes by the chain (below, its stages cost more than moving)
-CHAIN_CHUNKS = 4  # a chained leaf's chunks per device: more, fewer idle stages, but more stages
+# The exact sum: one grid per leaf, int32 limbs, one rounding (``exact_sum``'s docstring) -----------------------------
+LIMB_BITS = 20  # w: bits per limb below the top one
+LIMBS = 3  # K: int32 limbs per entry, value bits 0..59
+GRID_BITS = 59  # p: the grid's step is 2**(E - p), 2**E the least power of two above the leaf's largest |entry|
+MAX_BLOCKS = 2047  # the largest L: each limb's sum over L blocks, and its carry, stay inside int32
+# Leaf dtypes the sum rounds to: (significand bits stored, exponent bias, exponent bits)
+FORMATS = {np.dtype(np.float32): (23, 127, 8), np.dtype(jnp.bfloat16): (7, 127, 8), np.dtype(np.float16): (10, 15, 5)}
+_MASK = (1 << LIMB_BITS) - 1
+
+
+def exact_sum(blocks, axis: str | None = None):
+    """Each leaf's blocks (k, ...) summed over k, and over ``axis``'s devices inside a shard_map: the sum of the grid
+    values, exact, rounded once to the leaf's dtype. In any order, on any number of devices, the same bits:
+
+        x = each entry as float32, 0 where |x| < 2**-126 (float32's subnormals)
+        M = max |x| over every block's finite entries of the leaf (an exact max; 0 if none)
+        E = the least integer with M < 2**E, at least -125
+        q = 2**(E - 59)                                      # the leaf's grid
+        for each entry: v = sum over blocks l of round(x_l / q), half to even (exact integers, |v| < L * 2**59)
+        the result: v * q rounded once to the dtype, to nearest even (+-Inf past its range; +0.0 for v = 0)
+
+    So where every block's entry is 0 or at least 2**-35 * M in magnitude (its 24 bits then sit on the grid: p = 35),
+    the result is the correctly rounded sum of the blocks; otherwise it is off that by at most L * q / 2. Integer zero
+    has no sign: blocks all -0.0 give +0.0. An entry with a NaN in some block, or +Inf in one and -Inf in another,
+    is NaN (float32 0x7fc00000, bfloat16 0x7fc0, float16 0x7e00); +Inf or -Inf alone, that infinity.
+
+    How: each integer as K = 3 int32 limbs, v = top * 2**40 + mid * 2**20 + low, each sign(v) times 20 bits of |v|, so
+    L blocks' limbs, and their carries, stay inside int32 for L <= 2047 (MAX_BLOCKS). Onto the grid by float operations
+    that are exact: x times two powers of two (|x| / q < 2**59), rounded to an integer, then split by truncation and
+    subtraction; an entry that would land below 2**-126 there rounds to 0 whether or not the backend flushes it. That
+    is why subnormal entries count as 0: XLA's CPU and TPU arithmetic flushes them, a GPU's need not, and the grid's
+    multiplies must read the same numbers everywhere. The limbs are added locally, then one ``psum_scatter`` a leaf:
+    each device carries (arithmetic shifts) and rounds 1/n of the entries, by integer operations alone (no float sum
+    of limbs, which would round more than once), and one ``all_gather`` returns the results. One scale per leaf, not
+    per entry: an entry-wise max would be an all-reduce of a whole gradient, a per-leaf one is a scalar. K = 3 limbs
+    move 3x a float32 all-reduce's bytes; a fourth would give p = 55 at 4x. The non-finite entries go by a side
+    channel, reduced only in a step that has one. Leaves: float32, bfloat16, float16 (FORMATS); ValueError for another
+    dtype."""
+    leaves, tree = jax.tree.flatten(blocks)
+    for x in leaves:
+        if np.dtype(x.dtype) not in FORMATS:
+            raise ValueError(f"exact_sum: a gradient leaf of dtype {x.dtype}; the canonical reduction sums "
+                             f"{sorted(str(d) for d in FORMATS)} leaves (a float64 significand needs more limbs)")
+    n = 1 if axis is None else lax.axis_size(axis)
+    up = [x.astype(jnp.float32).reshape(x.shape[0], -1) for x in leaves]
+    kept = lambda x: jnp.isfinite(x) & (jnp.abs(x) >= np.float32(2.0 ** -126))  # finite, not subnormal
+    largest = jnp.stack([jnp.max(jnp.where(kept(x), jnp.abs(x), 0), initial=0) for x in up])
+    specials = sum(jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in up)
+    if axis is not None:
+        largest, specials = lax.pmax(largest, axis), lax.psum(specials, axis)
+    E = _grid_exponent(largest)
+    padded = lambda x: x if x.shape[-1] % n == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -x.shape[-1] % n)])
+    moved = axis is not None and up and up[0].shape[0] <= LIMBS  # move the floats, not the limbs (same sums)
+    scatter = (lambda x: x) if axis is None or moved else (
+        lambda x: lax.psum_scatter(padded(x), axis, scatter_dimension=x.ndim - 1, tiled=True))
+
+    def side(x):  # per entry: NaN count, and +Inf + 2**16 * -Inf counts, over every block and device
+        inf = jnp.sum(x == np.inf, 0, dtype=jnp.int32) + (jnp.sum(x == -np.inf, 0, dtype=jnp.int32) << 16)
+        return scatter(jnp.stack([jnp.sum(jnp.isnan(x), 0, dtype=jnp.int32), inf]))
+    out = []
+    for i, (leaf, x) in enumerate(zip(leaves, up)):
+        width = x.shape[1]
+        if moved:  # each device gets every block's own 1/n of the entries: (n*k, width/n)
+            x = lax.all_to_all(padded(x), axis, 1, 0, tiled=True)
+        limbs = jnp.stack([scatter(jnp.sum(limb, 0, dtype=jnp.int32)) for limb in _to_limbs(jnp.where(kept(x), x, 0),
+                                                                                          E[i])])
+        nan, inf = side(x) if axis is None or moved else lax.cond(
+            specials > 0, side, lambda x: jnp.zeros((2, limbs.shape[1]), jnp.int32), x)
+        man, bias, ebits = FORMATS[np.dtype(leaf.dtype)]
+        bits, top = _from_limbs(limbs, E[i], man, bias, ebits), ((1 << ebits) - 1) << man
+        pos, neg = (inf & 0xFFFF) > 0, (inf >> 16) > 0
+        bits = jnp.where(pos, top, jnp.where(neg, top | _bit(ebits + man), bits))
+        bits = jnp.where((nan > 0) | (pos & neg), top | (1 << (man - 1)), bits)
+        bits = bits if ebits + man == 31 else bits.astype(jnp.uint16)  # 16-bit formats: bits in [0, 2**16)
+        value = lax.bitcast_convert_type(bits, leaf.dtype)
+        value = value if axis is None else lax.all_gather(value, axis, tiled=True)
+        out.append(value[:width].reshape(leaf.shape[1:]))
+    return jax.tree.unflatten(tree, out)
+
+
+def _bit(n: int):
+    """int32 with bit n alone set (bit 31: the sign)."""
+    return np.array(1 << n, np.uint32).view(np.int32)[()]
+
+
+def _shift(x, t):
+    """x * 2**t for t >= 0, floor(x / 2**-t) for t < 0 (int32 x >= 0, low 32 bits); 0 past 31 either way."""
+    left = lax.shift_left(x, jnp.clip(t, 0, 31))
+    right = lax.shift_right_logical(x, jnp.clip(-t, 0, 31))
+    return jnp.where(t >= 32, 0, jnp.where(t >= 0, left, jnp.where(t <= -32, 0, right)))
+
+
+def _grid_exponent(m):
+    """E with m < 2**E from float32 m's bits: 2**(e-127) <= m < 2**(e-126) for exponent field e; -125 for e = 0."""
+    e = lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), 23) & 0xFF
+    return jnp.maximum(e, 1) - 126
+
+
+def _to_limbs(x, E):
+    """float32 x (finite, normal or 0, |x| < 2**E) -> [low, mid, top] int32: v = round(x / 2**(E - GRID_BITS)), half to
+    even, = top * 2**40 + mid * 2**20 + low, each limb sign(v) times 20 bits of |v| (so |limb| < 2**20, the top's
+    < 2**19). Every float operation here is exact: the scaling (two powers of two, each within float32's range), the
+    round, the truncations, and subtractions that leave v's own low bits (never a complement, as floor would)."""
+    d = GRID_BITS - E
+    v = lax.round(x * _power_of_two(d // 2) * _power_of_two(d - d // 2), lax.RoundingMethod.TO_NEAREST_EVEN)
+    top = jnp.trunc(v * np.float32(2.0 ** -(2 * LIMB_BITS)))
+    rest = v - top * np.float32(2.0 ** (2 * LIMB_BITS))
+    mid = jnp.trunc(rest * np.float32(2.0 ** -LIMB_BITS))
+    return [(rest - mid * np.float32(2.0 ** LIMB_BITS)).astype(jnp.int32), mid.astype(jnp.int32), top.astype(jnp.int32)]
+
+
+def _power_of_two(e):
+    """float32 2**e for int32 e in [-126, 127], from its bits."""
+    return lax.bitcast_convert_type(lax.shift_left(e + 127, 23), jnp.float32)
+
+
+def _carried(S):
+    """Limbs of any sign -> the same value with every limb but the top in [0, 2**20) (arithmetic shifts)."""
+    out, carry = [], jnp.zeros_like(S[0])
+    for i in range(LIMBS - 1):
+        v = S[i] + carry
+        carry = lax.shift_right_arithmetic(v, LIMB_BITS)
+        out.append(v & _MASK)
+    return out + [S[LIMBS - 1] + carry]
+
+
+def _from_limbs(S, E, man: int, bias: int, ebits: int):
+    """Summed limbs (LIMBS, m) -> the bits (int32) of v * 2**(E - GRID_BITS), v = sum_i S[i] * 2**(20 i), rounded
+    once to nearest even in the format of ``man`` stored significand bits, ``bias`` and ``ebits`` exponent bits."""
+    D = _carried(S)
+    negative = D[-1] < 0
+    D = _carried(jnp.stack([jnp.where(negative, -d, d) for d in D]))  # |v|
+    length = [32 - lax.clz(d) for d in D]
+    h = jnp.where(D[2] > 0, 2 * LIMB_BITS + length[2], jnp.where(D[1] > 0, LIMB_BITS + length[1], length[0])) - 1
+    s = jnp.maximum(h - man, 1 - bias - man - (E - GRID_BITS))  # the significand's lowest bit (subnormals: fixed)
+    sig = sum(_shift(D[i], LIMB_BITS * i - s) for i in range(LIMBS))
+    rb = jnp.where(s >= 1, sum(_shift(D[i], LIMB_BITS * i - s + 1) & 1 for i in range(LIMBS)), 0)
+    sticky = jnp.zeros(sig.shape, bool)
+    for i in range(LIMBS):  # a bit of |v| below s - 1
+        keep = s - 1 - LIMB_BITS * i
+        low = D[i] & (lax.shift_left(jnp.int32(1), jnp.clip(keep, 0, 31)) - 1)
+        sticky |= jnp.where(keep >= 32, D[i] != 0, low != 0)
+    sig = sig + (rb & (sticky.astype(jnp.int32) | (sig & 1)))
+    carried = sig >= (1 << (man + 1))
+    sig, s = jnp.where(carried, lax.shift_right_logical(sig, 1), sig), s + carried.astype(jnp.int32)
+    exponent = man + s + E - GRID_BITS + bias
+    top = (1 << ebits) - 1
+    bits = jnp.where(sig >= (1 << man), lax.shift_left(jnp.clip(exponent, 0, top), man) | (sig & ((1 << man) - 1)), sig)
+    bits = jnp.where(exponent >= top, top << man, bits)
+    return jnp.where(h < 0, 0, bits | jnp.where(negative, _bit(ebits + man), 0))
 
 
 @functools.lru_cache(maxsize=64)
-def fold_program(mesh: Mesh, per_device: int) -> Callable:
-    """jit(shard_map) on ``mesh``: ``rounds``, pytrees whose leaves are sharded on 'data' -> each leaf's left fold over
-    the L = n*k blocks, k = ``per_device``, in block order, replicated. Device d's entries of the rounds, in order, are
-    its blocks d*k .. d*k + k - 1 (k rounds of one block each, or one round of k). Each entry is the same sequence of
-    IEEE additions, g_0 + g_1, then + g_2, ..., however the values travel:
-
-    * a leaf under SMALL_LEAF entries, or any on one device: gathered whole, folded on every device;
-    * at k = 1, or under CHAIN_LEAF entries: ``all_to_all``, each device folds 1/n of the entries of every block,
-      ``all_gather`` (k + 1 gradients a device; at k = 1 an all-reduce's traffic);
-    * otherwise a chain. C = CHAIN_CHUNKS * n chunks of ceil(width / C) entries (the last starts at width - size).
-      Chunk c starts on device 0 as its block 0, + its blocks 1..k-1; device 1 adds its k blocks; and so on. Device
-      n - 1 then sends the fold around the ring (n - 1 -> 0 -> ... -> n - 2), each device keeping it. At stage s
-      (C + 2n - 2 of them, one ``ppermute`` each) device d adds to chunk s - d and keeps chunk s - n - d. A device
-      sends about 3 gradients for any k."""
-    n = mesh.devices.size
-
-    def fold(rounds):
-        leaves = list(zip(*(jax.tree.leaves(r) for r in rounds)))  # per leaf: this device's rounds, (m, ...) each
-        width = [int(np.prod(xs[0].shape[1:])) for xs in leaves]
-        chained = [i for i, w in enumerate(width) if n > 1 and per_device > 1 and w >= CHAIN_LEAF]
-        folded = [_left_fold(lax.all_gather(jnp.concatenate(xs), AXIS, tiled=True)) if n == 1 or w < SMALL_LEAF else
-                  None if i in chained else _scattered(jnp.concatenate(xs).reshape(per_device, w), n)
-                  for i, (xs, w) in enumerate(zip(leaves, width))]
-        for i, x in zip(chained, _chain([leaves[i] for i in chained], n, CHAIN_CHUNKS * n)):
-            folded[i] = x
-        folded = [x.reshape(xs[0].shape[1:]) for x, xs in zip(folded, leaves)]
-        return jax.tree.unflatten(jax.tree.structure(rounds[0]), folded)
-    return jax.jit(jax.shard_map(fold, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False),
+def sum_program(mesh: Mesh, per_device: int) -> Callable:
+    """jit(shard_map) on ``mesh``: ``rounds``, pytrees whose leaves are sharded on 'data' -> ``exact_sum`` over the
+    L = n*k blocks, k = ``per_device``, replicated. Device d's entries of the rounds are its k blocks (k rounds of one
+    block each, or one round of k). What moves: one pmax and one psum of per-leaf scalars; at k <= LIMBS the blocks'
+    float32 entries by one all_to_all (each device then converts and adds every block's 1/n of the entries), else K
+    int32 limbs per entry by one reduce-scatter (two more in a step with a NaN or an infinity); then one all_gather
+    of the results. At k = 1 that is a float32 all-reduce's bytes."""
+    def run(rounds):
+        return exact_sum(jax.tree.map(lambda *xs: jnp.concatenate(xs), *rounds), AXIS)
+    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False),
                    compiler_options=CANONICAL_XLA_OPTIONS)
-
-
-def _scattered(x, n: int):
-    """``fold_program``'s all_to_all: this device's k blocks, raveled (k, width) -> the fold of all n*k."""
-    chunk = -(-x.shape[1] // n)
-    blocks = lax.all_to_all(jnp.pad(x, ((0, 0), (0, n * chunk - x.shape[1]))), AXIS, 1, 0, tiled=True)  # (L, chunk)
-    return lax.all_gather(_left_fold(blocks), AXIS, tiled=True)[:x.shape[1]]
-
-
-def _chain(leaves: list, n: int, chunks: int) -> list:
-    """``fold_program``'s chain: per leaf, this device's rounds -> the raveled fold. A device adds and keeps only in
-    the stages that have a chunk for it (``cond``). The kept fold starts uninitialised, as ``loop_program``'s buffer:
-    every chunk is kept, so every entry is written."""
-    d = lax.axis_index(AXIS)
-    blocks = [[x.reshape(x.shape[0], -1) for x in xs] for xs in leaves]
-    widths = [xs[0].shape[1] for xs in blocks]
-    sizes = [-(-w // chunks) for w in widths]
-    at = lambda chunk, w, size: jnp.minimum(jnp.clip(chunk, 0, chunks - 1) * size, w - size)
-
-    def add(s, partial):
-        def one(xs, w, size, into):
-            parts = [lax.dynamic_slice(x, (j, at(s - d, w, size)), (1, size))[0] for x in xs for j in range(x.shape[0])]
-            return _left_fold([jnp.where(d == 0, parts[0], into + parts[0]), *parts[1:]])
-        return [one(*leaf) for leaf in zip(blocks, widths, sizes, partial)]
-
-    def keep(chunk, done, kept):
-        return [lax.dynamic_update_slice(k, x, (at(chunk, w, size),)) for k, x, w, size in
-                zip(kept, done, widths, sizes)]
-
-    def stage(s, carry):
-        partial, passed = lax.ppermute(carry[:2], AXIS, [(i, (i + 1) % n) for i in range(n)])
-        partial = lax.cond((s - d >= 0) & (s - d < chunks), add, lambda s, partial: partial, s, partial)
-        done = jax.tree.map(lambda a, b: jnp.where(d == n - 1, a, b), partial, passed)  # chunk s - d's fold, last
-        chunk = jnp.where(d == n - 1, s - d, s - n - d)
-        kept = lax.cond((chunk >= 0) & (chunk < chunks), keep, lambda chunk, done, kept: kept, chunk, done, carry[2])
-        return partial, done, kept
-    start = lambda sizes, make: [make((size,), xs[0].dtype) for xs, size in zip(blocks, sizes)]
-    carry = (start(sizes, jnp.zeros), start(sizes, jnp.zeros), start(widths, lax.empty))
-    return lax.fori_loop(0, chunks + 2 * n - 2, stage, carry)[2]
-
-
-def _left_fold(blocks):
-    """blocks[0] + blocks[1], then + blocks[2], ...: explicit adds in that order (a jnp.sum lets XLA pick one), from
-    blocks[0] itself (0 + x is not x for x = -0.0)."""
-    total = blocks[0]
-    for block in blocks[1:]:
-        total = total + block
-    return total
 
 
 def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_shards: int) -> Callable:
     """One canonical step: (state, batch) -> (state, loss), state = (params, opt_state) replicated on ``mesh``
     (``replicate``), the batch L*b rows sharded on 'data' in either layout, L = ``logical_shards``, a multiple of the
-    mesh's n devices: device k holds blocks k*L/n .. (k+1)*L/n - 1. The module's docstring gives the construction; the
-    state is not donated. On LOOP_PLATFORMS each device runs ``loop_program`` (on one device, folding too), else
-    ``block_program`` once per block; then ``fold_program`` (n > 1) and ``update_program``."""
+    mesh's n devices, at most MAX_BLOCKS: device k holds blocks k*L/n .. (k+1)*L/n - 1. The module's docstring gives
+    the construction; the state is not donated. On LOOP_PLATFORMS each device runs ``loop_program`` (on one device,
+    summing too), else ``block_program`` once per block; then ``sum_program`` and ``update_program``."""
     n = mesh.devices.size
     _check_multiple("canonical_step", logical_shards, n)
+    if logical_shards > MAX_BLOCKS:
+        raise ValueError(f"canonical_step: logical_shards={logical_shards} is over {MAX_BLOCKS} (MAX_BLOCKS): the "
+                         f"exact sum's int32 limbs hold that many blocks")
     k = logical_shards // n
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    fold, apply = fold_program(mesh, k), update_program(update)
+    total, apply = sum_program(mesh, k), update_program(update)
     checks = {layout: door("canonical_step", loss_terms, layout, logical_shards, n=n) for layout in ("sharded", "pmap")}
 
     def check(params, batch):
@@ -875,7 +962,7 @@ def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_
     def step(state, batch):
         check(state[0], batch)
         params, rows = _by_device(state[0], local), _by_device(_rows(batch), local)
-        held = _by_device((state, *fold(sums_of(params, rows))), local)
+        held = _by_device((state, *total(sums_of(params, rows))), local)
         return _assembled({d: apply(*held[d]) for d in local}, mesh, P())
     return step
 

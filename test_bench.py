@@ -85,9 +85,10 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
 @pytest.mark.parametrize("loop", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_floor_runs_the_canonical_steps_own_arithmetic(devices, monkeypatch, loop):
     """bench.block_work runs what the canonical step computes on each device: its block sums,
-    folded in block order and updated, are the canonical step's state, bit for bit, and with
-    ``fold`` each device returns the left fold of its own blocks (the smoke MLP, L = 6 on 2
-    devices; also with a TPU's loop schedule). The control: two blocks swapped give other bits.
+    summed exactly (strategies.exact_sum, on one device) and updated, are the canonical step's
+    state, bit for bit, and with ``fold`` each device returns the exact sum of its own blocks
+    (the smoke MLP, L = 6 on 2 devices; also with a TPU's loop schedule). The control: a
+    float32 left fold of the blocks gives other bits.
     The default tier holds this guarantee with [False] (here [True] is the extended tier's)."""
     monkeypatch.setattr(strategies, "LOOP_PLATFORMS", ("cpu",) if loop else ())
     mesh = loaders.data_mesh(devices[:2])
@@ -96,14 +97,16 @@ def test_the_floor_runs_the_canonical_steps_own_arithmetic(devices, monkeypatch,
     outs = bench.block_work("mlp", start, batch, mesh, 6, fold=False)()  # per device: its 3 blocks, stacked or not
     per_device = [[jax.tree.map(lambda x: np.asarray(x)[i], out) for i in range(3)] if loop else
                   [jax.tree.map(lambda x: np.asarray(x)[0], s) for s in out] for out in outs]
+    exact = jax.jit(strategies.exact_sum)
+    stacked = lambda blocks: jax.tree.map(lambda *x: np.stack(x), *blocks)
     left_fold = lambda blocks: jax.tree.map(lambda *x: functools.reduce(np.add, x), *blocks)
     update, blocks = strategies.update_program(strategies.sgd_update), sum(per_device, [])
-    for order, same in ((range(6), True), ([0, 2, 1, 3, 4, 5], False)):
-        got = jax.tree.leaves(update(start, *left_fold([blocks[i] for i in order])))
-        assert all(np.array_equal(a, b) for a, b in zip(got, want)) == same, order
+    for sums, same in ((exact(stacked(blocks)), True), (left_fold(blocks), False)):
+        got = jax.tree.leaves(update(start, *sums))
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)) == same, same
     for out, own in zip(bench.block_work("mlp", start, batch, mesh, 6)(), per_device):
         assert all(np.array_equal(np.asarray(a).reshape(np.shape(b)), b)
-                   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(left_fold(own))))
+                   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(exact(stacked(own)))))
 
 
 @pytest.mark.parametrize("loop", [pytest.param(False, marks=pytest.mark.slow), True])

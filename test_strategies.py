@@ -16,7 +16,8 @@ the canonical reduction.
   dividing L, n = L included, and single (a conv net with LayerNorm and GELU, a token model
   with a tied embedding, LayerNorm and attention, a ReLU MLP; adamw with clipping and a
   schedule, nesterov, lr 40); the compiled block and update programs the same on every
-  topology, the fold only adding; each leaf's collective; a float64 step with its controls
+  topology, the sum program without float arithmetic; the exact sum against Python integers
+  (grid values, one rounding; NaN and infinities; +0.0); a float64 step with its controls
   (a per-block mean, no max(count, 1)); batches carrying another L refused; MultiSteps' mean
   of means against logical shards' exact mean.
 
@@ -24,7 +25,10 @@ The plain reduction's equivalence (float64 training, the stepwise verdict):
 test_equivalence.py, which shares conftest's models and batches.
 """
 
+import functools
+import math
 import re
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -946,11 +950,13 @@ def first_instruction_apart(a: str, b: str) -> str | None:
 def test_the_canonical_programs_compile_alike_on_every_topology(devices, canonical_rules):
     """Statically: on two devices (the programs are single-device and take no n), the block
     program (one block of b rows) and the update program compile to the same optimized HLO;
-    on meshes of 1, 2 and 4 devices the fold program's only float arithmetic is add (no
-    multiply to contract into an FMA, no reduce whose order XLA picks), a leaf the chain folds
-    included. The control: the block program of a block of 2b rows (two
-    blocks as one) differs, and the first differing instruction is named.
-    The extended tier's; the default tier holds its guarantee with
+    on meshes of 1, 2 and 4 devices (k = 8, 4 and 2 blocks a device) the sum program adds no
+    floats: its float operations are exact ones (multiplies by powers of two, roundings to
+    integers, subtractions of an integer's own bits) beside moves, |x| and the max; its sums
+    are int32. Its collectives: the maxima's all-reduce, then at k <= 3 an all-to-all of the
+    blocks' floats, else a reduce-scatter of int32 limbs, and an all-gather. The control: the
+    block program of a block of 2b rows (two blocks as one) differs, and the first differing
+    instruction is named. The extended tier's; the default tier holds its guarantee with
     test_canonical_reduction_is_the_same_bits_on_every_topology[relu-adamw-L2]."""
     loss_terms, params, data = canonical_model("conv")
     L, b = 8, 2
@@ -967,12 +973,21 @@ def test_the_canonical_programs_compile_alike_on_every_topology(devices, canonic
         texts[d.id, "update"] = compiled_text(update, state, *folded)
     for n in [n for n in (1, 2, 4) if n <= len(devices)]:
         mesh = loaders.data_mesh(devices[:n])
-        big = {"big": jax.ShapeDtypeStruct((1, strategies.CHAIN_LEAF), np.float32)}  # a leaf the chain folds
+        half = {"half": jax.ShapeDtypeStruct((1, 300), jnp.bfloat16)}
         rounds = [jax.tree.map(lambda s: jax.ShapeDtypeStruct((n,) + s.shape[1:], s.dtype,
-                                                              sharding=NamedSharding(mesh, P("data"))), (sums, big))]
-        fold = compiled_text(strategies.fold_program(mesh, L // n), rounds * (L // n))
-        arithmetic = set(re.findall(r"= f\d+\[\S* (add|subtract|multiply|divide|fma|reduce|exponential)\(", fold))
-        assert arithmetic == {"add"}, (n, arithmetic)
+                                                              sharding=NamedSharding(mesh, P("data"))), (sums, half))]
+        text = compiled_text(strategies.sum_program(mesh, L // n), rounds * (L // n))
+        floats = set(re.findall(r"= (?:f32|bf16|f16)\[\S* ([a-z\-]+)\(", text))
+        assert {"multiply", "round-nearest-even"} <= floats and not floats - {
+            "abs", "maximum", "reduce", "reduce-window", "select", "convert", "bitcast", "bitcast-convert", "broadcast",
+            "concatenate", "constant", "parameter", "fusion", "get-tuple-element", "all-reduce", "all-gather", "copy",
+            "slice", "reshape", "pad", "transpose", "multiply", "round-nearest-even", "floor", "ceil", "subtract"}, floats
+        collectives = set(re.findall(r"= \(?(\w+)\[[^=]*? (all-reduce|all-gather|all-to-all|collective-permute|"
+                                     r"reduce-scatter)\(", text))  # a tuple's type: its first element's
+        moved = ("f32", "all-to-all") if L // n <= strategies.LIMBS else ("s32", "reduce-scatter")
+        assert collectives - {("s32", "all-reduce"), ("f32", "all-reduce"), ("f32", "all-gather"),
+                              ("bf16", "all-gather"), moved} == set(), (n, collectives)
+        assert n == 1 or {moved, ("f32", "all-gather")} <= collectives, (n, collectives)
     for kind in ("block", "update"):
         programs = {key: text for key, text in texts.items() if key[1] == kind}
         (first, text), *rest = programs.items()
@@ -1084,47 +1099,116 @@ def test_the_loop_schedule_is_the_same_bits_on_every_topology(devices, canonical
     assert len(runs) >= 3 and not differences(runs), differences(runs)[:3]
 
 
-def test_each_leaf_takes_the_collective_its_size_says(devices):
-    """fold_program: a leaf under SMALL_LEAF entries goes by all_gather alone; one of SMALL_LEAF
-    by all_to_all and all_gather at one and two blocks a device; one of CHAIN_LEAF by all_to_all
-    at one block a device and by the chain (a loop of ppermutes) at two (the traffic the
-    docstring states). Never an all-reduce."""
-    mesh = loaders.data_mesh(devices[:2])
-    scattered, chain = {"all-to-all", "all-gather"}, {"collective-permute"}
-    for width, k, want in ((strategies.SMALL_LEAF - 1, 2, {"all-gather"}), (strategies.SMALL_LEAF, 1, scattered),
-                           (strategies.SMALL_LEAF, 2, scattered), (strategies.CHAIN_LEAF, 1, scattered),
-                           (strategies.CHAIN_LEAF, 2, chain)):
-        leaf = jax.ShapeDtypeStruct((2, width), np.float32, sharding=NamedSharding(mesh, P("data")))
-        text = compiled_text(strategies.fold_program(mesh, k), [leaf] * k)
-        found = {c for c in ("all-gather", "all-to-all", "collective-permute", "all-reduce") if c + "(" in text}
-        assert found == want, (width, k, found)
+def rounded(value: Fraction, dtype) -> np.ndarray:
+    """``value`` rounded once to ``dtype`` (float32, bfloat16, float16), to nearest even, as
+    IEEE 754 says: subnormals on a fixed step, +-Inf past the largest finite value."""
+    man, bias, ebits = strategies.FORMATS[np.dtype(dtype)]
+    if value == 0:
+        return np.zeros((), dtype)
+    a = abs(value)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    e += (Fraction(2) ** (e + 1) <= a) - (Fraction(2) ** e > a)
+    step = Fraction(2) ** max(e - man, 1 - bias - man)
+    near = round(a / step) * step  # Fraction's round: half to even
+    if near >= Fraction(2) ** ((1 << ebits) - 1 - bias):
+        return np.asarray(np.copysign(np.inf, float(value)), np.float32).astype(dtype)
+    return np.asarray(float(near) if value > 0 else -float(near)).astype(dtype)  # exact: near has few bits
+
+
+def grid_sum(blocks: np.ndarray) -> np.ndarray:
+    """exact_sum's docstring read literally, with Python integers: per entry the sum of the
+    blocks' grid values round(x / q), rounded once (blocks (L, m), finite)."""
+    up = blocks.astype(np.float32)
+    up = np.where(np.abs(up) < 2.0**-126, np.float32(0), up)  # float32's subnormals count as 0
+    M = float(np.max(np.abs(up))) if up.size else 0.0
+    E = max(math.frexp(M)[1], -125)  # the least E with M < 2**E, at least -125
+    q = Fraction(2) ** (E - strategies.GRID_BITS)
+    return np.array([rounded(sum(round(Fraction(float(x)) / q) for x in column) * q, blocks.dtype)
+                     for column in up.T], blocks.dtype)
+
+
+def exact_cases() -> dict:
+    rng = np.random.default_rng(12)
+    wide = rng.standard_normal((6, 64)) * 10.0 ** rng.integers(-44, 37, (6, 64))
+    ties = np.array([[2.0**24, 1.0, 1.0, 1.0], [1.0, 2.0**24, 3.0, -1.0], [-0.0, 0.0, 0.0, 2.0**-30]], np.float32)
+    return {"normal": rng.standard_normal((5, 64)).astype(np.float32),
+            "wide range": wide.astype(np.float32),  # 1e-44 .. 1e37: subnormals, and entries below the grid
+            "subnormal": (rng.standard_normal((4, 16)) * 1e-40).astype(np.float32),  # all count as 0
+            "least normals": (rng.standard_normal((4, 16)) * 2.0**-124).astype(np.float32),  # the largest scaling
+            "odd width": (rng.standard_normal((4, 7)) * 10.0 ** rng.integers(-3, 3, (4, 7))).astype(np.float32),
+            "overflow": np.array([[3e38, -3e38, 3e38], [3e38, -3e38, -1.0], [1e38, 0.0, 0.0]], np.float32),
+            "ties": ties, "signed zeros": np.full((3, 5), -0.0, np.float32),
+            "bfloat16": rng.standard_normal((6, 32)).astype(jnp.bfloat16),
+            "float16": (rng.standard_normal((6, 32)) * 1000).astype(np.float16),
+            "float16 tiny": (rng.standard_normal((6, 32)) * 1e-6).astype(np.float16)}
 
 
 @pytest.mark.bits
-def test_the_fold_keeps_the_sign_of_a_zero_sum_at_any_width(devices):
-    """The fold starts from block 0 itself (a sum of -0.0 stays -0.0; 0 + -0.0 is +0.0), the
-    all_to_all's padding reaches no entry, and the chain's last chunk, which overlaps its
-    neighbour, writes it again with the same bits: leaves of 16,512 entries (padded by 3 on 5
-    devices) and of CHAIN_LEAF + 131 (20 chunks on 5), whose entries past the fifth are -0.0 in
-    every block, fold to the same bits on 1, 2 and 5 devices (L = 10), and on 1 and 5 (L = 5)."""
-    for width in (129 * 128, strategies.CHAIN_LEAF + 131):
-        for L in (10, 5):
-            blocks = np.full((L, width), -0.0, np.float32)
-            blocks[:, :5] = np.random.default_rng(4).standard_normal((L, 5))
-            got = {}
-            for n in [n for n in (1, 2, 5) if n <= len(devices) and L % n == 0]:
-                mesh = loaders.data_mesh(devices[:n])
-                per = L // n
-                rounds = [jax.device_put(blocks.reshape(n, per, width)[:, i], NamedSharding(mesh, P("data")))
-                          for i in range(per)]
-                got[n] = np.asarray(strategies.fold_program(mesh, per)(rounds).addressable_data(0))
-            want = blocks[0].copy()
-            for l in range(1, L):
-                want = want + blocks[l]
-            assert width >= strategies.SMALL_LEAF and width % 5 and width % 20 and len(got) == (3 if L == 10 else 2)
-            for n, folded in got.items():
-                assert_same_bits(folded, want, f"{n} devices, L = {L}, width {width}")
-            assert np.signbit(want[5:]).all() and not np.signbit(np.float32(0) + want[5:]).any()
+def test_the_exact_sum_is_the_rounding_of_the_sum_of_the_grid_values(devices):
+    """exact_sum entry for entry against its docstring in Python integers (grid_sum): float32,
+    bfloat16 and float16; values from 1e-44 to 3e38, subnormals (counted as 0), the least
+    normals (the grid's largest scaling), overflow to +-Inf, ties of the last rounding, blocks
+    all -0.0 (+0.0). The same bits through sum_program on 1, 2 and 4 devices (L/n blocks each;
+    a leaf's width not a multiple of n included). Where every entry is 0 or at least 2**-35 of the largest,
+    it is the correctly rounded sum of the blocks themselves. The controls: a float32 left
+    fold of the blocks, and a psum, give other bits."""
+    for name, blocks in exact_cases().items():
+        want = grid_sum(blocks)
+        got = np.asarray(jax.jit(strategies.exact_sum)(blocks))
+        assert_same_bits(got, want, name)
+        L = len(blocks)
+        for n in [n for n in (2, 4) if n <= len(devices) and L % n == 0] + [1]:
+            mesh = loaders.data_mesh(devices[:n])
+            rounds = [jax.device_put(blocks.reshape(n, L // n, -1)[:, i], NamedSharding(mesh, P("data")))
+                      for i in range(L // n)]
+            assert_same_bits(np.asarray(strategies.sum_program(mesh, L // n)(rounds).addressable_data(0)), want,
+                             f"{name}, {n} devices")
+    blocks = exact_cases()["normal"]
+    exact = [rounded(sum(Fraction(float(x)) for x in column), np.float32) for column in blocks.T]
+    assert_same_bits(grid_sum(blocks), np.array(exact, np.float32), "the correctly rounded sum")
+    wide = exact_cases()["wide range"]
+    folded = functools.reduce(np.add, wide)
+    assert bits_differ(folded, grid_sum(wide)) is not None, "control: a left fold"
+    mesh = loaders.data_mesh(devices[:2])
+    psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(jnp.sum(x, 0), "data"), mesh=mesh, in_specs=P("data"),
+                                 out_specs=P()))(jax.device_put(wide, NamedSharding(mesh, P("data"))))
+    assert bits_differ(np.asarray(psum), grid_sum(wide)) is not None, "control: a psum"
+
+
+@pytest.mark.bits
+def test_nan_and_infinities_take_their_side_channel_and_padding_sums_to_plus_zero(devices):
+    """Per entry: a NaN in any block, or +Inf in one block and -Inf in another, gives NaN
+    (float32 0x7fc00000, bfloat16 0x7fc0, float16 0x7e00); +Inf or -Inf alone, that infinity;
+    the other entries sum as without them. Blocks of padding (all zeros, or -0.0) give +0.0.
+    On 1 and 2 devices alike; the control: a float32 sum of the same blocks gives another NaN
+    only by chance, and the finite entries' sums are held against grid_sum."""
+    nan_bits = {np.float32: 0x7FC00000, jnp.bfloat16: 0x7FC0, np.float16: 0x7E00}
+    for dtype, pattern in nan_bits.items():
+        blocks = np.ones((4, 6), np.float32)
+        blocks[1, 0], blocks[2, 1], blocks[3, 1], blocks[0, 2], blocks[1, 3] = np.nan, np.inf, -np.inf, np.inf, -np.inf
+        blocks = blocks.astype(dtype)
+        for n in (1, 2):
+            mesh = loaders.data_mesh(devices[:n])
+            rounds = [jax.device_put(blocks.reshape(n, 4 // n, 6)[:, i], NamedSharding(mesh, P("data")))
+                      for i in range(4 // n)]
+            got = np.asarray(strategies.sum_program(mesh, 4 // n)(rounds).addressable_data(0))
+            unsigned = got.view(np.uint32 if got.itemsize == 4 else np.uint16)
+            assert list(unsigned[:2]) == [pattern] * 2, (dtype, n, [hex(x) for x in unsigned])
+            assert got[2] == np.inf and got[3] == -np.inf, (dtype, n, got)
+            assert_same_bits(got[4:], grid_sum(blocks[:, 4:]), f"{dtype}, the finite entries")
+    for padding in (np.zeros((3, 4), np.float32), np.full((3, 4), -0.0, np.float32)):
+        got = np.asarray(jax.jit(strategies.exact_sum)(padding))
+        assert not np.signbit(got).any() and not got.any(), got
+
+
+def test_a_leaf_the_exact_sum_cannot_round_to_is_refused():
+    """float64 (x64) and integer leaves are refused naming exact_sum and the dtype; L over
+    MAX_BLOCKS is refused by canonical_step naming it."""
+    with pytest.raises(ValueError, match=r"exact_sum: a gradient leaf of dtype int32"):
+        strategies.exact_sum({"w": jnp.zeros((2, 3), jnp.int32)})
+    mesh = loaders.data_mesh(jax.devices("cpu")[:1])
+    with pytest.raises(ValueError, match=r"logical_shards=2048 is over 2047 \(MAX_BLOCKS\)"):
+        strategies.canonical_step(linear_terms, strategies.sgd_update, mesh, 2048)
 
 
 def linear_sgd64(params: dict, batch: dict, rate: float) -> dict:
@@ -1416,7 +1500,7 @@ def test_gradient_accumulation_with_multisteps_is_a_mean_of_means_and_logical_sh
 
 
 def test_the_canonical_programs_carry_their_own_xla_options(monkeypatch):
-    """The options the canonical programs need are the code's, not the user's: the block, fold
+    """The options the canonical programs need are the code's, not the user's: the block, sum
     and update programs are each compiled with CANONICAL_XLA_OPTIONS (on GPUs: deterministic
     kernels, no autotuning; each device compiles its own copy)."""
     seen = []
@@ -1426,15 +1510,15 @@ def test_the_canonical_programs_carry_their_own_xla_options(monkeypatch):
         seen.append(options.get("compiler_options"))
         return real(fn, **options)
     monkeypatch.setattr(strategies.jax, "jit", recording)
-    for build in (strategies.block_program, strategies.fold_program, strategies.update_program):
+    for build in (strategies.block_program, strategies.sum_program, strategies.update_program):
         build.cache_clear()
     try:
         strategies.block_program(linear_terms)
-        strategies.fold_program(loaders.data_mesh(jax.devices("cpu")[:2]), 1)
+        strategies.sum_program(loaders.data_mesh(jax.devices("cpu")[:2]), 1)
         strategies.update_program(strategies.sgd_update)
     finally:
         monkeypatch.undo()
-        for build in (strategies.block_program, strategies.fold_program, strategies.update_program):
+        for build in (strategies.block_program, strategies.sum_program, strategies.update_program):
             build.cache_clear()
     assert seen == [strategies.CANONICAL_XLA_OPTIONS] * 3, seen
     assert strategies.CANONICAL_XLA_OPTIONS == {"xla_gpu_deterministic_ops": True, "xla_gpu_autotune_level": 0}

@@ -21,10 +21,15 @@ The report is written as it goes.
   rows as L = 1, 2, 4 and 8 logical blocks, 6 steps of a small MLP with adamw through
   sharded, pmap, shard_map and single. Per set of XLA flags, two fresh processes, each
   running every L: do the strategies agree bit for bit in a process, do the two processes
-  agree (run-to-run determinism), and do the bits of different L agree (not promised: the
-  order of summation follows L). Flag sets (all with --platform gpu, else "none"): none;
+  agree (run-to-run determinism), and do the bits of different L agree (not promised: each
+  block's gradient sums its own rows). Flag sets (all with --platform gpu, else "none"): none;
   ``--xla_gpu_deterministic_ops=true``; ``--xla_gpu_exclude_nondeterministic_ops=true``;
   ``--xla_gpu_autotune_level=0``. Every run sets ``JAX_DEFAULT_MATMUL_PRECISION=highest``.
+* exact_sum: ``strategies.exact_sum`` on the platform's first device against its docstring read
+  with Python fractions on the host (``exact_reference``), bit for bit: the grid conversion,
+  the limbs' carries (300 blocks near the largest entry, of either sign, so every limb
+  carries), ties of the final rounding, overflow, the least normals, subnormals (counted as
+  0), -0.0, NaN and the infinities, in float32, bfloat16 and float16.
 
 The report: JSON at --report (default accelerator-check.json): the platform and device kind
 the children ran on, each section's command, exit status, seconds and last lines, and the
@@ -42,7 +47,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("suite", "refimpl", "bench", "delivery", "canonical")
+SECTIONS = ("suite", "refimpl", "bench", "delivery", "canonical", "exact_sum")
 GPU_FLAG_SETS = {"none": "", "deterministic_ops": "--xla_gpu_deterministic_ops=true",
                  "exclude_nondeterministic_ops": "--xla_gpu_exclude_nondeterministic_ops=true",
                  "autotune_level_0": "--xla_gpu_autotune_level=0"}
@@ -78,7 +83,8 @@ def main(argv=None) -> int:
             found = run(commands[section], env if section != "suite" else dict(os.environ), args.timeout)
             failed |= found["exit status"] != 0
         else:
-            found = (delivery_section if section == "delivery" else canonical_section)(args, env)
+            found = {"delivery": delivery_section, "canonical": canonical_section,
+                     "exact_sum": exact_sum_section}[section](args, env)
             report["device"] = found.pop("device", report.get("device"))
             failed |= not found["ok"]
         report["sections"][section] = found
@@ -149,6 +155,88 @@ def canonical_section(args, env: dict) -> dict:
                       len({tuple(sorted((k, v.tobytes()) for k, v in by_strategy(runs[0][L])["single"].items()))
                            for L in map(str, blocks)}) == 1})
     return {"ok": ok, "device": device, "table": table}
+
+
+def exact_sum_section(args, env: dict) -> dict:
+    result, done = child("exact_sum", env, args.timeout)
+    if result is None:
+        return {"ok": False, "error": done}
+    return {"ok": not result["differ"], "seconds": done["seconds"], **result}
+
+
+def exact_reference(blocks):
+    """``strategies.exact_sum`` of blocks (L, m) read literally, on the host with Python fractions: subnormals as 0,
+    the grid q = 2**(E - GRID_BITS), each column's sum of round(x / q), rounded once to the dtype (nearest even);
+    a NaN, or +Inf beside -Inf, NaN; one infinity, itself."""
+    import math
+    from fractions import Fraction
+    import numpy as np
+    import strategies
+
+    dtype = blocks.dtype
+    man, bias, ebits = strategies.FORMATS[np.dtype(dtype)]
+    up = blocks.astype(np.float32)
+    up = np.where(np.abs(up) < 2.0**-126, np.float32(0), up)
+    finite = np.isfinite(up)
+    M = float(np.max(np.abs(up[finite]), initial=0))
+    E = max(math.frexp(M)[1], -125)
+    q = Fraction(2) ** (E - strategies.GRID_BITS)
+    out = []
+    for column in up.T:
+        if np.isnan(column).any() or (np.isinf(column) & (column > 0)).any() and (np.isinf(column) & (column < 0)).any():
+            out.append(np.nan)
+            continue
+        if np.isinf(column).any():
+            out.append(float(column[np.isinf(column)][0]))
+            continue
+        value = sum(round(Fraction(float(x)) / q) for x in column) * q
+        a = abs(value)
+        if a == 0:
+            out.append(0.0)
+            continue
+        e = math.floor(math.log2(a))
+        e += (Fraction(2) ** (e + 1) <= a) - (Fraction(2) ** e > a)
+        step = Fraction(2) ** max(e - man, 1 - bias - man)
+        near = round(a / step) * step  # half to even
+        big = near >= Fraction(2) ** ((1 << ebits) - 1 - bias)
+        out.append(math.copysign(math.inf if big else float(near), value))
+    return np.array(out, np.float32).astype(dtype)
+
+
+def exact_sum_child(out: str) -> None:
+    """One process: ``exact_sum_section``'s cases on the platform's first device; writes {"device", "checked",
+    "differ"}. NaN is compared by its bits too (float32 0x7fc00000, bfloat16 0x7fc0, float16 0x7e00)."""
+    import numpy as np
+    import jax
+    import jax.numpy as jnp
+    import strategies
+
+    device = jax.devices((os.environ.get("JAX_PLATFORMS") or "").split(",")[0] or None)[0]
+    rng = np.random.default_rng(7)
+    near = rng.uniform(0.5, 1.0, (300, 40)) * rng.choice([-1.0, 1.0], (300, 40))
+    near[:150, :20] = np.abs(near[:150, :20])  # some columns' sums large and positive, some of mixed sign
+    special = np.ones((4, 6), np.float32)
+    special[1, 0], special[2, 1], special[3, 1], special[0, 2], special[1, 3] = np.nan, np.inf, -np.inf, np.inf, -np.inf
+    cases = {"normal": rng.standard_normal((8, 256)).astype(np.float32),
+             "wide range": (rng.standard_normal((6, 256)) * 10.0 ** rng.integers(-44, 37, (6, 256))).astype(np.float32),
+             "carries": near.astype(np.float32),
+             "ties": np.array([[2.0**24, 1.0, 1.0, 1.0], [1.0, 2.0**24, 3.0, -1.0], [-0.0, 0.0, 0.0, 2.0**-30]],
+                              np.float32),
+             "overflow": np.array([[3e38, -3e38, 3e38], [3e38, -3e38, -1.0], [1e38, 0.0, 0.0]], np.float32),
+             "least normals": (rng.standard_normal((4, 64)) * 2.0**-124).astype(np.float32),
+             "subnormal": (rng.standard_normal((4, 64)) * 1e-40).astype(np.float32),
+             "signed zeros": np.full((3, 5), -0.0, np.float32), "specials": special,
+             "bfloat16": rng.standard_normal((6, 64)).astype(jnp.bfloat16),
+             "float16": (rng.standard_normal((6, 64)) * 1000).astype(np.float16)}
+    summed = jax.jit(strategies.exact_sum)
+    differ = []
+    for name, blocks in cases.items():
+        got = np.asarray(summed(jax.device_put(blocks, device)))
+        want = exact_reference(blocks)
+        if got.dtype != want.dtype or got.tobytes() != want.tobytes():
+            differ.append(f"{name}: {got.ravel()[:4]} against {want.ravel()[:4]}")
+    with open(out, "w") as f:
+        json.dump({"device": f"{device.platform} ({device.device_kind})", "checked": len(cases), "differ": differ}, f)
 
 
 def by_strategy(arrays: dict) -> dict:
@@ -248,6 +336,6 @@ def delivery_child(out: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         sys.path.insert(0, ROOT)
-        {"canonical": canonical_child, "delivery": delivery_child}[sys.argv[2]](*sys.argv[3:])
+        {"canonical": canonical_child, "delivery": delivery_child, "exact_sum": exact_sum_child}[sys.argv[2]](*sys.argv[3:])
         sys.exit(0)
     sys.exit(main())
