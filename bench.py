@@ -55,7 +55,7 @@ import model
 import strategies
 from arithmetic import Normalize
 from cifar_mnist import read_cifar10, synthetic_cifar10
-from plan import shard_bounds
+from plan import device_slots, shard_bounds
 
 GLOBAL_BATCHES = (128, 1024)  # feeding, training and reduction; feeding also reports 8192
 REFERENCE = "reference, host"  # the row the others are compared with
@@ -371,6 +371,21 @@ def reduction_section(args, out: dict) -> None:
             row[s] = args.compiles.since(mark)["s"]
         compiles.append(row)
         args.note(f"plain {row['plain']:.2f} s, canonical {row['canonical']:.2f} s", f"compile, {devices} devices")
+    for devices in (d for d in args.any_devices if d <= len(jax.devices())):  # n that do not divide L = 8
+        on = loaders.data_mesh(jax.devices()[:devices])
+        start, batch, steps = reduction_case("mlp", max(GLOBAL_BATCHES), 8, on, args.smoke)
+        states = {s: strategies.replicate(start, on) for s in steps}
+
+        def call(s, steps=steps, states=states, batch=batch):
+            states[s], loss = steps[s](states[s], batch)
+            jax.block_until_ready((states[s], loss))
+        for s in [*steps, *steps]:  # warm-up
+            call(s)
+        times = rounds({s: functools.partial(call, s) for s in steps}, args.step_rounds)
+        row = {"devices": devices, "rows": int(batch["mask"].shape[0]),
+               **{s: 1e3 * statistics.median(times[s]) for s in steps}}
+        out.setdefault("any_n", []).append(row)
+        args.note(f"plain {row['plain']:.2f} ms, canonical {row['canonical']:.2f} ms", f"any n, {devices} devices")
 
 
 def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
@@ -443,14 +458,16 @@ def anew(loss_terms):
 
 
 def reduction_case(name: str, global_batch: int, shards: int, mesh, smoke: bool = False, fresh: bool = False) -> tuple:
-    """Model ``name``'s host (params, SGD state), a batch of L*round(G/L) rows sharded on 'data', {"plain":
+    """Model ``name``'s host (params, SGD state), a batch of L blocks of round(G/L) rows laid out for the mesh's n
+    devices (``plan.device_slots``: a spare slot, masked, where n does not divide L) sharded on 'data', {"plain":
     sharded_step, "canonical": canonical_step at L}; ``fresh``: a new loss_terms object, so programs compile anew."""
     init, loss_terms, rows = MODELS[name]
     loss_terms = anew(loss_terms) if fresh else loss_terms
     rng = np.random.default_rng(0)
     params = init(rng, smoke)
-    count = shards * max(1, round(global_batch / shards))
-    batch = jax.device_put(dict(rows(rng, count), mask=np.ones(count, bool)), NamedSharding(mesh, P(loaders.DATA_AXIS)))
+    b, slots = max(1, round(global_batch / shards)), device_slots(shards, mesh.devices.size).reshape(-1)
+    mask = np.repeat(slots >= 0, b)
+    batch = jax.device_put(dict(rows(rng, mask.size), mask=mask), NamedSharding(mesh, P(loaders.DATA_AXIS)))
     steps = {"plain": strategies.sharded_step(loss_terms, strategies.sgd_update),
              "canonical": strategies.canonical_step(loss_terms, strategies.sgd_update, mesh, shards)}
     return (params, strategies.sgd(LEARNING_RATE).init(params)), batch, steps
@@ -629,6 +646,10 @@ def markdown(results: dict) -> str:
         lines += table("**Compile time** (s; the MLP, global batch 1024, L = 8; first call - warm call)",
                        "devices | plain | canonical", "rrr", "{devices} | {plain:.2f} | {canonical:.2f}",
                        red["compile_s"])
+        lines += table("**Any n** (the MLP, global batch 1024, L = 8 on n devices that do not divide it: ceil(8/n) "
+                       "slots of 128 rows a device, a spare one masked; step medians)", "devices | rows | plain ms | "
+                       "canonical ms", "rrrr", "{devices} | {rows} | {plain:.2f} | {canonical:.2f}",
+                       red.get("any_n", []))
     lines += table("**Goals**", "goal | measured | target | met", "lrll", "{goal} | {measured:.2f} | {target} | {met}",
                    [dict(g, met="yes" if g["met"] else "no") for g in results["goals"]])
     if results["implausible"]:
@@ -667,6 +688,7 @@ def main(argv=None) -> dict:
                             [("mlp", 16, 4), ("conv", 16, 1), ("attention", 16, 1)]][size]
     args.reduction_devices = len(jax.devices()) if size < 2 else min(2, len(jax.devices()))
     args.compile_devices = ((1, 2, 4, 8), (8,), (1, 8))[size]
+    args.any_devices = ((3, 5, 6, 7), (3,), (3,))[size]
     args.layers = model.LAYERS if size < 2 else SMOKE_LAYERS
     chosen = args.sections.split(",")
     args.compiles = Compiles()

@@ -3,16 +3,17 @@
 ``make_loader(data, devices, batch_size, ...)`` builds a ``Loader`` over a dataset of named arrays (N first) or the
 notebooks' ``(images, labels)``; ``loader.epoch(e)`` yields one dict of global ``jax.Array``s per step, every vendor
 loader (dali_loader.py, rocal_loader.py) is held to it. With P = ``plan.on_devices(loader.plan(e), n)`` (device k's
-logical shards in order), for every name, step s and device k at mesh position k:
+logical shards in order, then a spare slot where it holds one fewer) and k_ = ceil(L/n) slots a device, for every name,
+step s and device k at mesh position k:
 
     block k of name              = f(data[name][P.indices[s, k]])   f: its Normalize, if any
-    block k of "mask"            = P.mask[s, k]                      (bool: False on padding)
+    block k of "mask"            = P.mask[s, k]                      (bool: False on padding and spare slots)
     block k of "index"           = P.indices[s, k]                   (int32: the sample a row holds)
-    block k of "logical_shards"  = k*L/n .. (k+1)*L/n - 1            (int32: the plan's L shards)
+    block k of "logical_shards"  = plan.device_slots(L, n)[k]        (int32: its slots' shards, -1 for a spare)
 
-in layout "sharded" ((L*b, ...) rows, block k rows k*L/n*b ..) or "pmap" ((n, L/n*b, ...), block k row k), all
-``NamedSharding(mesh, P('data'))``. So batches are a function of (seed, epoch, step) alone, and the global batch of a
-step is the same on every n dividing L.
+in layout "sharded" ((n*k_*b, ...) rows, block k rows k*k_*b ..) or "pmap" ((n, k_*b, ...), block k row k), all
+``NamedSharding(mesh, P('data'))``, for any n from 1 to L. So batches are a function of (seed, epoch, step) alone, and
+the L shards of a step are the same on every n.
 
 Resuming: ``it = loader.epoch(e)``; after k steps ``saved = it.get_state()`` (a ``plan.LoaderState``: JSON with
 ``to_json``). A loader on any devices and batch size, built from the same data, seed, shuffle and last_batch, resumes
@@ -46,7 +47,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from arithmetic import Normalize, aligned_empty, keyed_table, one_row, table_key, table_operands
 from cifar_mnist import TRAIN_PREFIX, read_cifar10
-from plan import LoaderState, Plan, Schedule, check_policy, check_seed, dataset_digest, on_devices, shard_bounds
+from plan import (LoaderState, Plan, Schedule, check_policy, check_seed, dataset_digest, device_slots, on_devices,
+                  shard_bounds)
 
 DATA_AXIS = "data"
 LAYOUTS = ("sharded", "pmap")
@@ -172,11 +174,10 @@ def _from_local_rows(x: np.ndarray, mesh: Mesh, layout: str) -> jax.Array:
 
 
 def added_fields(mask, indices, k: int, num_shards: int, num_devices: int) -> dict:
-    """What a batch adds to device k's block: its mask, its rows' sample indices (int32) and its logical shards (int32,
-    (L/n,)); for vendor loaders' blocks."""
-    per = num_shards // num_devices
+    """What a batch adds to device k's block: its mask, its rows' sample indices (int32) and its slots' logical shards
+    (int32, ``device_slots(L, n)[k]``); for vendor loaders' blocks."""
     return {MASK: np.asarray(mask, bool), INDEX: np.asarray(indices, np.int32),
-            SHARDS: np.arange(k * per, (k + 1) * per, dtype=np.int32)}
+            SHARDS: device_slots(num_shards, num_devices)[k].astype(np.int32)}
 
 
 def _check_layout(layout: str) -> None:
@@ -193,7 +194,7 @@ class Loader:
     ``len(loader)`` is a fresh epoch's steps, equal on every shard.
 
     ``arrays``: name -> host array (N, ...). ``logical_shards`` L (None: one per device, L = n): the plan's shards of
-    ``batch_size`` b rows; device k of the n reads logical shards k*L/n .. (k+1)*L/n - 1, (L/n)*b rows per step
+    ``batch_size`` b rows; device k of the n reads its ``device_slots(L, n)[k]``, ceil(L/n)*b rows per step
     (``device_rows``). ``normalize``: a dict name -> Normalize (a dict dataset), or what applies to "images" (the tuple
     form)."""
     arrays: dict[str, np.ndarray]
@@ -237,7 +238,7 @@ class Loader:
 
     @property
     def device_rows(self) -> int:
-        return self.num_shards // self.num_devices * self.batch_size
+        return -(-self.num_shards // self.num_devices) * self.batch_size
 
     @functools.cached_property
     def dataset(self) -> str:
@@ -314,7 +315,7 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
     on = on_devices(plan, n)
     placed = {MASK: _by_position(on.mask.swapaxes(0, 1), loader.mesh),
               INDEX: _by_position(on.indices.astype(np.int32).swapaxes(0, 1), loader.mesh),
-              SHARDS: _by_position(np.arange(loader.num_shards, dtype=np.int32).reshape(n, -1), loader.mesh)}
+              SHARDS: _by_position(device_slots(loader.num_shards, n).astype(np.int32), loader.mesh)}
     hows = {name: normalizer(table_key(f.mean, f.std, f.arithmetic, "Loader"), loader.mesh)
             for name, f in loader.normalizers.items()}
     windows = tuple((name, tuple(int(v) for v in f.window(loader.arrays[name].shape[2:])), f.mirror)
@@ -324,7 +325,7 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
         return _counted(_step_program(loader.mesh, loader.layout, names, windows, source), loader.mesh, placed, hows,
                         lambda s: _host_rows(loader, on, s), first, stop)
     if fresh:
-        starts = np.array([shard_bounds(loader.num_samples, k, n)[0] for k in range(n)])
+        starts = np.array([start for start, _ in held_samples(loader.num_samples, loader.num_shards, n)])
         placed["local"] = _by_position((on.indices - starts[:, None]).astype(np.int32).swapaxes(0, 1), loader.mesh)
         rows = loader.resident
         if loader.mesh.devices.flat[0].platform in GATHER_ONCE_PLATFORMS and stop - first > 1:
@@ -447,11 +448,13 @@ def _epoch_rows(mesh: Mesh, names: tuple[str, ...]):
     return jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=(P(DATA_AXIS), P(DATA_AXIS)), out_specs=P(DATA_AXIS)))
 
 
-def device_fit(data, devices: Sequence[jax.Device] | Mesh, device_budget: int | None = None) -> str | None:
+def device_fit(data, devices: Sequence[jax.Device] | Mesh, device_budget: int | None = None, *,
+               logical_shards: int | None = None) -> str | None:
     """Why ``data`` would not fit placement "device" on ``devices`` (a list or a mesh, as make_loader takes them), or
     None: make_loader's own check. ``data`` as make_loader takes it, a dict {name: array} or the tuple (samples,
     labels), labels delivered as int32 (anything with a shape and a dtype: memory maps are not read). Every field
-    counts: the largest shard's samples, each field's bytes per sample added, held once (the resident shard), or twice
+    counts: the most samples a device holds (``held_samples``, with make_loader's ``logical_shards``), each field's bytes
+    per sample added, held once (the resident shard), or twice
     on GATHER_ONCE_PLATFORMS (and an epoch's rows), over ``device_budget`` bytes per device: by default half of what
     the device reports free, or for CPU devices half the host's available memory over this process's devices; the
     other half leaves room for a resized segment's rows, which cross from the host. ValueError for another kind of
@@ -464,12 +467,21 @@ def device_fit(data, devices: Sequence[jax.Device] | Mesh, device_budget: int | 
         raise ValueError(f"device_fit: data must be a dict of arrays or a (samples, labels) tuple, as make_loader "
                          f"takes them, got {type(data).__name__}")
     return _fits(fields[0][0][0], sum(int(np.prod(shape[1:])) * dtype.itemsize for shape, dtype in fields),
-                 data_mesh(devices), device_budget)
+                 data_mesh(devices), device_budget, logical_shards)
 
 
-def _fits(num_samples: int, sample_bytes: int, mesh: Mesh, device_budget: int | None) -> str | None:
+def held_samples(num_samples: int, num_shards: int, num_devices: int) -> list[tuple[int, int]]:
+    """Each device's samples of a fresh epoch, (start, stop): its logical shards' together, samples N*lo//L ..
+    N*hi//L - 1 for (lo, hi) = ``shard_bounds(L, d, n)``; where n divides L, ``shard_bounds(N, d, n)``. Placement
+    "device" keeps them resident."""
+    return [(num_samples * lo // num_shards, num_samples * hi // num_shards)
+            for lo, hi in (shard_bounds(num_shards, d, num_devices) for d in range(num_devices))]
+
+
+def _fits(num_samples: int, sample_bytes: int, mesh: Mesh, device_budget: int | None,
+          num_shards: int | None = None) -> str | None:
     n = mesh.devices.size
-    size = -(-num_samples // n)
+    size = max(stop - start for start, stop in held_samples(num_samples, num_shards or n, n))
     twice = mesh.devices.flat[0].platform in GATHER_ONCE_PLATFORMS
     per_device = (2 if twice else 1) * size * sample_bytes
     local = [mesh.devices.flat[k] for k in local_positions(mesh)]
@@ -492,19 +504,19 @@ def _default_budget(devices: list) -> tuple[int, str]:
         f"half the host's available memory over {len(devices)} {devices[0].platform} devices"
 
 
-def _place_dataset(arrays: dict[str, np.ndarray], mesh: Mesh, budget: int | None) -> dict:
-    """Shard k's samples of every array on mesh position k, padded to the largest shard."""
+def _place_dataset(arrays: dict[str, np.ndarray], mesh: Mesh, budget: int | None, num_shards: int) -> dict:
+    """Device k's ``held_samples`` of every array on mesh position k, padded to the largest."""
     N = len(next(iter(arrays.values())))
-    too_big = device_fit(arrays, mesh, budget)
+    too_big = device_fit(arrays, mesh, budget, logical_shards=num_shards)
     if too_big:
         raise ValueError(too_big)
-    n = mesh.devices.size
-    size = -(-N // n)
+    n, held = mesh.devices.size, held_samples(N, num_shards, mesh.devices.size)
+    size = max(stop - start for start, stop in held)
 
     def rows(source: np.ndarray):
         def block(index):
             k = index[0].start // size if index[0].start is not None else 0
-            start, stop = shard_bounds(N, k, n)
+            start, stop = held[k]
             out = np.zeros((size,) + source.shape[1:], source.dtype)
             out[:stop - start] = source[start:stop]
             return out
@@ -537,8 +549,8 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *, 
       prefetch: steps made ahead on a thread (placement "host"), an int >= 0.
       placement: "host" or "device" (the module docstring); "device" refuses a dataset whose
         shard does not fit ``device_budget`` bytes per device.
-      logical_shards: L, the plan's shards (a multiple of the device count), so that the
-        global batch (L*b rows) is the same on every n dividing L; None: L = n.
+      logical_shards: L, the plan's shards (at least the device count), so that the
+        L shards of b rows of a step are the same on every n from 1 to L; None: L = n.
 
     Raises:
       ValueError, naming the parameter and the value: for any argument outside the above, a
@@ -567,9 +579,9 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *, 
             raise ValueError(f"make_loader: logical_shards={logical_shards!r} must be an int")
         if logical_shards < 1:
             raise ValueError(f"make_loader: logical_shards={logical_shards!r} must be at least 1")
-        if logical_shards % n:
-            raise ValueError(f"make_loader: logical_shards={logical_shards!r} must be a multiple of the {n} "
-                             f"device(s) (each device reads L/n whole logical shards)")
+        if logical_shards < n:
+            raise ValueError(f"make_loader: logical_shards={logical_shards!r} is fewer than the {n} device(s) "
+                             f"(each device reads whole logical shards, at least one)")
     loader = Loader(arrays, mesh, int(batch_size), layout, bool(shuffle), int(seed), last_batch, normalize,
                     int(prefetch), placement, logical_shards=None if logical_shards is None else int(logical_shards))
     L, N = loader.num_shards, loader.num_samples
@@ -581,7 +593,7 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *, 
         raise ValueError(f"make_loader: batch_size={batch_size} {per} is larger than the smallest shard "
                          f"({N // L} samples = {N} samples / {shards})")
     if placement == "device":
-        loader = dataclasses.replace(loader, resident=_place_dataset(arrays, mesh, device_budget))
+        loader = dataclasses.replace(loader, resident=_place_dataset(arrays, mesh, device_budget, L))
     return loader
 
 

@@ -181,22 +181,44 @@ def remaining_samples(num_samples: int, segments: Sequence, step: int, *, epoch:
     return np.flatnonzero(~taken).astype(np.int64)
 
 
+def device_slots(num_shards: int, num_devices: int) -> np.ndarray:
+    """Which logical shard each device's slot holds: (n, k) int64, k = ceil(L/n), for L = ``num_shards`` over
+    n = ``num_devices``. Device d holds shards ``shard_bounds(L, d, n)``, L*d//n .. L*(d+1)//n - 1, in its first slots;
+    a device holding k - 1 of them has a spare last slot, -1. So every device holds at least one shard and at most one
+    spare, and where n divides L, device d holds shards d*L/n .. (d+1)*L/n - 1 and no spare. L=8: n=3 gives
+    [[0, 1, -1], [2, 3, 4], [5, 6, 7]]; n=5, [[0, -1], [1, 2], [3, -1], [4, 5], [6, 7]].
+    ValueError unless 1 <= n <= L."""
+    num_shards = _check_int("device_slots", "num_shards", num_shards, 1)
+    num_devices = _check_int("device_slots", "num_devices", num_devices, 1)
+    if num_devices > num_shards:
+        raise ValueError(f"device_slots: num_devices={num_devices} is more than num_shards={num_shards}: a device "
+                         f"holds whole logical shards, at least one")
+    k = -(-num_shards // num_devices)
+    out = np.full((num_devices, k), -1, np.int64)
+    for d in range(num_devices):
+        lo, hi = shard_bounds(num_shards, d, num_devices)
+        out[d, :hi - lo] = np.arange(lo, hi)
+    return out
+
+
 def on_devices(plan: Plan, num_devices: int) -> Plan:
-    """``plan`` over L logical shards of b rows, as n = ``num_devices`` devices read it.
+    """``plan`` over L logical shards of b rows, as n = ``num_devices`` devices read it, any n from 1 to L.
 
-    Device k reads logical shards k*L/n .. (k+1)*L/n - 1, their rows one after the other:
-    ``out.indices[s, k, j*b + i] = plan.indices[s, k*L/n + j, i]``, and ``mask`` likewise (a reshape, no copy). So the
-    global batch of step s, ``plan.indices[s].reshape(-1)``, is the same for every n, and device k holds shard k of n's
-    samples whatever L. Worked (N=7, L=4, b=1, fill; a cell is the device's rows at step 0, then at step 1; ``*``
-    padding):
+    Device d reads its ``device_slots(L, n)`` in order, each slot's b rows one after the other: slot j of device d
+    holding shard l gives ``out.indices[s, d, j*b + i] = plan.indices[s, l, i]``, and ``mask`` likewise; a spare slot
+    (-1) gives b rows of the device's own first row, ``out.indices[s, d, 0]``, with mask False (a sample of the device's
+    own shards, so a loader holding them finds it). Where n divides L that is a reshape, no copy, and no spare. So every
+    n sees the same L shards of every step, each whole on one device. Worked (N=7, L=4, b=1,
+    fill; a cell is the device's rows at step 0, then at step 1; ``*`` padding, ``-`` a spare slot):
 
-        devices | device 0             | device 1     | device 2 | device 3
-        --------+----------------------+--------------+----------+---------
-        4       | [0] [0*]             | [1] [2]      | [3] [4]  | [5] [6]
-        2       | [0,1] [0*,2]         | [3,5] [4,6]  |          |
-        1       | [0,1,3,5] [0*,2,4,6] |              |          |
+        devices | device 0             | device 1     | device 2     | device 3
+        --------+----------------------+--------------+--------------+---------
+        4       | [0] [0*]             | [1] [2]      | [3] [4]      | [5] [6]
+        3       | [0,-] [0*,-]         | [1,-] [2,-]  | [3,5] [4,6]  |
+        2       | [0,1] [0*,2]         | [3,5] [4,6]  |              |
+        1       | [0,1,3,5] [0*,2,4,6] |              |              |
 
-    Raises ValueError unless ``plan`` is a Plan of two arrays of one 3-d shape and n divides L.
+    Raises ValueError unless ``plan`` is a Plan of two arrays of one 3-d shape and 1 <= n <= L.
     """
     if not (isinstance(plan, Plan) and all(isinstance(a, np.ndarray) for a in plan)
             and plan.indices.ndim == 3 and plan.mask.shape == plan.indices.shape):
@@ -204,11 +226,19 @@ def on_devices(plan: Plan, num_devices: int) -> Plan:
                else type(plan).__name__)
         raise ValueError(f"on_devices: plan must be a Plan of two arrays of one (steps, L, b) shape, got {got}")
     steps, L, b = plan.indices.shape
-    if not _is_int(num_devices) or not 1 <= num_devices <= L or L % num_devices:
-        raise ValueError(f"on_devices: num_devices={num_devices!r} does not divide the plan's "
-                         f"{L} logical shards (a device reads L/n whole logical shards)")
-    shape = (steps, int(num_devices), L // int(num_devices) * b)
-    return Plan(plan.indices.reshape(shape), plan.mask.reshape(shape))
+    if not _is_int(num_devices) or not 1 <= num_devices <= L:
+        raise ValueError(f"on_devices: num_devices={num_devices!r} is outside [1, {L}], the plan's logical shards "
+                         f"(a device reads whole logical shards, at least one)")
+    n = int(num_devices)
+    if L % n == 0:
+        shape = (steps, n, L // n * b)
+        return Plan(plan.indices.reshape(shape), plan.mask.reshape(shape))
+    slots = device_slots(L, n)
+    spare = (slots < 0)[None, :, :, None]
+    indices = plan.indices[:, np.maximum(slots, 0)]  # (steps, n, k, b)
+    indices = np.where(spare, indices[:, :, :1, :1], indices)
+    mask = plan.mask[:, np.maximum(slots, 0)] & ~spare
+    return Plan(indices.reshape(steps, n, -1), mask.reshape(steps, n, -1))
 
 
 # The state a job saves, the data it was taken on, and a loader's schedule -------------------------

@@ -106,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd or optax.adam (default: %(default)s)")
     add("--seed", type=int, default=0, metavar="N", help="shuffle and synthetic-data seed, 0 <= N < 2**32")
     add("--logical-shards", type=int, metavar="L",
-        help="L logical shards of --batch-size rows a step: one global batch on any device count dividing L")
+        help="L logical shards of --batch-size rows a step: the same shards on any device count from 1 to L")
     add("--reduction", choices=("plain", "canonical"), default="plain",  # strategies.REDUCTIONS
-        help="canonical: the same bits on any device count dividing --logical-shards (default: %(default)s)")
+        help="canonical: the same bits on any device count from 1 to --logical-shards (default: %(default)s)")
     add("--strategies", metavar="LIST",
         help=f"any of {', '.join(STRATEGY_NAMES)}, or all (default: sharded,pmap; sharded,shard_map across processes)")
     add("--platform", choices=("cpu", "gpu", "cuda", "rocm", "tpu"), help="the JAX platform (default: JAX's)")
@@ -181,7 +181,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--compare-to {args.compare_to}: not a .npz written by --params-out ({problem})")
     if args.reduction == "canonical" and args.logical_shards is None and not args.resume_from:
         parser.error("--reduction canonical needs --logical-shards L: its bits are the same on every device "
-                     "count dividing L (one shard per device would make them follow the device count)")
+                     "count from 1 to L (one shard per device would make them follow the device count)")
     if (args.stop_after_step is None) != (args.checkpoint_dir is None):
         parser.error("--stop-after-step and --checkpoint-dir go together")
     if args.checkpoint_dir:
@@ -235,10 +235,10 @@ def check_run(args: argparse.Namespace, several, devices: int | None = None) -> 
         raise ValueError(f"{source('strategies')}{','.join(unsupported)}: across processes only sharded and "
                          f"shard_map run ({'; '.join(ONE_PROCESS[s] for s in unsupported)})")
     devices = devices or known_device_count(args)
-    if args.logical_shards is not None and devices is not None and args.logical_shards % devices:
-        fits = ", ".join(str(d) for d in range(1, args.logical_shards + 1) if args.logical_shards % d == 0)
-        raise ValueError(f"{source('logical-shards')}{args.logical_shards}, which {devices} device(s) do not "
-                         f"divide; use a device count that divides it ({fits}) or another L")
+    if args.logical_shards is not None and devices is not None and args.logical_shards < devices:
+        raise ValueError(f"{source('logical-shards')}{args.logical_shards}, fewer than {devices} device(s): a "
+                         f"device holds whole logical shards, at least one; use at most {args.logical_shards} "
+                         f"devices or another L")
 
 
 def _importable(module: str) -> bool:

@@ -183,8 +183,8 @@ class RocalLoader:
 
     @property
     def device_rows(self) -> int:
-        """Samples per pipeline per step: (L/n) x batch_size."""
-        return self.num_shards // self.mesh.devices.size * self.batch_size
+        """Samples per pipeline per step: ceil(L/n) x batch_size (a spare slot included)."""
+        return -(-self.num_shards // self.mesh.devices.size) * self.batch_size
 
     @property
     def num_samples(self) -> int:

@@ -26,7 +26,10 @@ The reductions, how a step's gradient is summed:
 
 * "plain": each strategy's own sums, in the order its collective picks. The strategies end apart by rounding;
   ``equivalence.stepwise_verdict`` judges them.
-* "canonical": the global batch is L = ``logical_shards`` blocks of b rows. Then:
+* "canonical": the global batch is L = ``logical_shards`` blocks of b rows, on any n devices from 1 to L. Each device
+  has k = ceil(L/n) slots of b rows: device d holds blocks L*d//n .. L*(d+1)//n - 1 in its first slots, and a spare
+  last slot where it holds k - 1 (``plan.device_slots``; the batch's "logical_shards" entry names each slot's block,
+  -1 for a spare). A spare slot adds exactly zero by its place, whatever its rows or mask. Then:
 
       for each block l = 0..L-1, on the device that holds it:
           g_l, t_l, c_l = the gradient of block l's total, its total, its count
@@ -38,10 +41,9 @@ The reductions, how a step's gradient is summed:
   device, whatever the mesh (one program per block, ``block_program``; on LOOP_PLATFORMS one loop program per device,
   ``loop_program``), and so does the update. The sum (``sum_program``) adds int32 limbs; its float operations are
   exact ones (scalings by powers of two, roundings to integers). So params, optimizer state and losses are the same
-  bits on every mesh whose device count n divides L, in one process or several, through every strategy, on one device
-  adding the L blocks as microbatches (``single``), across a stop and a resume on another of these, at any learning
-  rate. Not across L, jaxlib versions, platforms or
-  device kinds. The XLA options the programs need are set here (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a
+  bits on every device count n from 1 to L, in one process or several, through every strategy, on one device adding
+  the L blocks as microbatches (``single``), across a stop and a resume on another n, at any learning rate. Not across
+  L, jaxlib versions, platforms or device kinds. The XLA options the programs need are set here (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a
   loader's carry a "logical_shards" entry) or from ``logical_shards``; given both, they must agree; given neither, the
   step is refused.
 
@@ -167,6 +169,8 @@ def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_st
         if L is None and first is not None:
             raise ValueError(f"strategy {name!r}: the first batch does not say its logical shards (a loader's batches "
                              f"carry {SHARDS_KEY!r}): pass logical_shards=L for the canonical reduction")
+        if name == "single" and L and L % mesh.devices.size:  # the mesh's spare slots out, on the one device
+            batches = map(_real_slots(L, mesh.devices.size), batches)
         step, place = canonical_step(loss_terms, optimizer.update, run_mesh, L) if L else None, replicate
     else:
         step, place = plain_step(name, loss_terms, optimizer.update, mesh)
@@ -188,19 +192,49 @@ def _check_reduction(name: str, reduction: str, logical_shards, mesh: Mesh) -> N
         raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be an int")
     if logical_shards < 1:
         raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be at least 1")
-    _check_multiple(f"strategy {name!r}", logical_shards, n)
+    _check_devices(f"strategy {name!r}", logical_shards, n)
 
 
-def _check_multiple(where: str, logical_shards: int, n: int) -> None:
-    """ValueError unless L is a multiple of the mesh's n devices (each holds L/n whole blocks)."""
-    if logical_shards % n:
-        raise ValueError(f"{where}: logical_shards={logical_shards} must be a multiple of the mesh's {n} device(s) "
-                         f"(each device holds L/n whole blocks)")
+def _check_devices(where: str, logical_shards: int, n: int) -> None:
+    """ValueError unless the mesh's n devices are at most L (each holds at least one whole block)."""
+    if logical_shards < n:
+        raise ValueError(f"{where}: logical_shards={logical_shards} is fewer than the mesh's {n} device(s) (each "
+                         f"device holds whole blocks, at least one): use at most {logical_shards} devices or a larger L")
+
+
+def _slots(logical_shards: int, n: int) -> np.ndarray:
+    """(n, k) int: device d's slots' blocks, -1 for a spare; ``plan.device_slots``, stated in the module docstring."""
+    out = np.full((n, -(-logical_shards // n)), -1)
+    for d in range(n):
+        lo, hi = logical_shards * d // n, logical_shards * (d + 1) // n
+        out[d, :hi - lo] = np.arange(lo, hi)
+    return out
+
+
+_count_real = jax.jit(lambda entry: jnp.sum(entry >= 0, dtype=jnp.int32))
+
+
+@functools.lru_cache(maxsize=64)
+def _real_slots(logical_shards: int, n: int) -> Callable:
+    """A batch laid out for n devices (n*k slots of b rows, in layout "sharded") -> its L real slots' rows in block
+    order and "logical_shards" 0..L-1: the layout of one device, for ``single``."""
+    slots = _slots(logical_shards, n).reshape(-1)
+    order = np.flatnonzero(slots >= 0)  # the real slots, in block order
+
+    def real(batch):
+        out = {key: x.reshape((slots.size, -1) + x.shape[1:])[order].reshape((-1,) + x.shape[1:])
+               for key, x in batch.items() if key != SHARDS_KEY}
+        return out | {SHARDS_KEY: jnp.arange(logical_shards, dtype=jnp.int32)}
+    return jax.jit(real)
 
 
 def _batch_shards(batch) -> int | None:
-    """L of a batch that carries its plan's logical shards (``SHARDS_KEY``), else None."""
-    return int(np.size(batch[SHARDS_KEY])) if isinstance(batch, dict) and SHARDS_KEY in batch else None
+    """L of a batch that carries its plan's logical shards (``SHARDS_KEY``: each slot's block, -1 for a spare), else
+    None: the slots that are not spare (on a global array, a sum every process computes alike)."""
+    if not (isinstance(batch, dict) and SHARDS_KEY in batch):
+        return None
+    entry = batch[SHARDS_KEY]
+    return int(_count_real(entry)) if isinstance(entry, jax.Array) else int(np.sum(np.asarray(entry) >= 0))
 
 
 def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict]:
@@ -311,9 +345,11 @@ def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | N
                 raise ValueError(f"{where}: the batch carries logical_shards={carried} (its loader's plan), but "
                                  f"the step was made for logical_shards={logical_shards}: the same bits on every "
                                  f"topology hold only for the plan's own L")
-            if rows % logical_shards:
-                raise ValueError(f"{where}: the batch's {rows} rows do not split into logical_shards="
-                                 f"{logical_shards} blocks of one size")
+            held = devices * -(-logical_shards // devices)
+            if logical_shards < devices or rows % held:
+                raise ValueError(f"{where}: the batch's {rows} rows on {devices} device(s) do not split into "
+                                 f"{held} slots of one size (logical_shards={logical_shards}: ceil(L/n) slots a "
+                                 f"device)")
         _check_contract(where, loss_terms, params, batch, layout, stacked)
     return check
 
@@ -711,13 +747,14 @@ LOOP_SLOTS = 2  # the fewest slots loop_program's loop indexes (its docstring sa
 
 @functools.lru_cache(maxsize=64)
 def loop_program(loss_terms: LossTerms, blocks: int, summed: bool) -> Callable:
-    """A device's k = ``blocks`` blocks in one single-device jit: (params, its k*b rows in either layout, an int32 array
-    holding k) -> the k blocks' sums stacked (k, ...) in block order, or with ``summed`` their ``exact_sum``. Block i is
-    iteration i of a ``while`` loop whose trip count is that array, a value XLA cannot see: it can neither remove the
-    loop (at k = 1) nor unroll it, so every block runs the loop body's one compiled code, and the body is the same for
-    every k, k's own dimension aside (the HLO test compares them). The sums go into a buffer that the sum reads after
-    the loop: no add can join a block's arithmetic. The buffer starts uninitialised (``lax.empty``; zeros on CPUs):
-    the k iterations write every entry, so zeroing it would be a pass over k gradients for nothing.
+    """A device's k = ``blocks`` slots in one single-device jit: (params, its k*b rows in either layout, an int32 array
+    holding its blocks, k or k - 1) -> the k slots' sums stacked (k, ...) in slot order, or with ``summed`` their
+    ``exact_sum``. Block i is iteration i of a ``while`` loop whose trip count is that array, a value XLA cannot see: it
+    can neither remove the loop (at k = 1) nor unroll it, so every block runs the loop body's one compiled code, and the
+    body is the same for every k, k's own dimension aside (the HLO test compares them). The sums go into a buffer that
+    the sum reads after the loop: no add can join a block's arithmetic. The buffer starts uninitialised (``lax.empty``;
+    zeros on CPUs) but for its slot k - 1, zeros: the iterations write every other entry, so zeroing them would be a
+    pass over k gradients for nothing, and a device with a spare slot runs k - 1 trips and leaves that slot zero.
 
     The rows and the buffer have ``max(k, LOOP_SLOTS)`` slots; a slot past k is zeros, never visited. At one slot,
     every iteration would read slot 0, a fact XLA sees: it hoists the block's arithmetic out of the loop and fuses it
@@ -736,7 +773,9 @@ def loop_program(loss_terms: LossTerms, blocks: int, summed: bool) -> Callable:
             block = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, 0, keepdims=False), stacked)
             return jax.tree.map(lambda buffer, x: lax.dynamic_update_index_in_dim(buffer, x, i, 0), sums,
                                 gradient(params, block))
-        empty = jax.tree.map(lambda s: lax.empty((slots,) + s.shape, s.dtype), shapes)
+        empty = jax.tree.map(lambda s: lax.dynamic_update_index_in_dim(lax.empty((slots,) + s.shape, s.dtype),
+                                                                        jnp.zeros(s.shape, s.dtype), blocks - 1, 0),
+                             shapes)
         sums = jax.tree.map(lambda x: x[:blocks], lax.fori_loop(0, trips, body, empty))
         return exact_sum(sums) if summed else sums
     return jax.jit(run, compiler_options=CANONICAL_XLA_OPTIONS)
@@ -921,17 +960,18 @@ def sum_program(mesh: Mesh, per_device: int) -> Callable:
 
 def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_shards: int) -> Callable:
     """One canonical step: (state, batch) -> (state, loss), state = (params, opt_state) replicated on ``mesh``
-    (``replicate``), the batch L*b rows sharded on 'data' in either layout, L = ``logical_shards``, a multiple of the
-    mesh's n devices, at most MAX_BLOCKS: device k holds blocks k*L/n .. (k+1)*L/n - 1. The module's docstring gives
-    the construction; the state is not donated. On LOOP_PLATFORMS each device runs ``loop_program`` (on one device,
+    (``replicate``), the batch n*k*b rows sharded on 'data' in either layout, L = ``logical_shards`` from the mesh's n
+    devices to MAX_BLOCKS, k = ceil(L/n) slots a device, as the module's docstring lays them out (a spare slot: zeros,
+    no gradient run). The state is not donated. On LOOP_PLATFORMS each device runs ``loop_program`` (on one device,
     summing too), else ``block_program`` once per block; then ``sum_program`` and ``update_program``."""
     n = mesh.devices.size
-    _check_multiple("canonical_step", logical_shards, n)
+    _check_devices("canonical_step", logical_shards, n)
     if logical_shards > MAX_BLOCKS:
         raise ValueError(f"canonical_step: logical_shards={logical_shards} is over {MAX_BLOCKS} (MAX_BLOCKS): the "
                          f"exact sum's int32 limbs hold that many blocks")
-    k = logical_shards // n
+    k = -(-logical_shards // n)
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    held = dict(zip(mesh.devices.flat, (_slots(logical_shards, n) >= 0).sum(axis=1).tolist()))  # blocks a device
     total, apply = sum_program(mesh, k), update_program(update)
     checks = {layout: door("canonical_step", loss_terms, layout, logical_shards, n=n) for layout in ("sharded", "pmap")}
 
@@ -941,7 +981,7 @@ def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_
 
     if mesh.devices.flat[0].platform in LOOP_PLATFORMS:
         loop = loop_program(loss_terms, k, n == 1)
-        trips = {d: jax.device_put(np.int32(k), d) for d in local}
+        trips = {d: jax.device_put(np.int32(held[d]), d) for d in local}
         if n == 1:
             def step(state, batch):
                 check(state[0], batch)
@@ -951,12 +991,16 @@ def canonical_step(loss_terms: LossTerms, update: Callable, mesh: Mesh, logical_
         def sums_of(params, rows):
             return [_assembled({d: loop(params[d], rows[d], trips[d]) for d in local}, mesh, P(AXIS))]
     else:
-        block = block_program(loss_terms)
+        block, zeros = block_program(loss_terms), {}
 
         def sums_of(params, rows):
             pmap_layout = jnp.ndim(rows[local[0]]["mask"]) == 2
             split = _split_program(k, pmap_layout) if k > 1 or pmap_layout else (lambda r: [r])
-            sums = {d: [block(params[d], blk) for blk in split(rows[d])] for d in local}
+            sums = {d: [block(params[d], blk) for blk in split(rows[d])[:held[d]]] for d in local}
+            for d in (d for d in local if held[d] < k):  # the spare slot: zeros, made once
+                if d not in zeros:
+                    zeros[d] = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=d), sums[d][0])
+                sums[d].append(zeros[d])
             return [_assembled({d: sums[d][i] for d in local}, mesh, P(AXIS)) for i in range(k)]
 
     def step(state, batch):

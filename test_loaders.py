@@ -41,7 +41,7 @@ from arithmetic import ARITHMETICS, Normalize, keyed_table, normalize_table, tab
 from cifar_mnist import read_cifar10
 from conftest import (NOT_DOUBLES, POLICIES, SEEDS, assert_raises_naming, assert_same_bits, bits_differ, crop_cases, epoch_steps,
                       examples, expected_steps, meshes, random_mnist)
-from plan import (LoaderState, dataset_digest, elastic_plan, epoch_plan, on_devices,
+from plan import (LoaderState, dataset_digest, device_slots, elastic_plan, epoch_plan, on_devices,
                   remaining_samples, shard_bounds)
 
 N, B = 103, 3  # shards of 12 and 13 on 8 devices: uneven, so fill pads
@@ -116,7 +116,7 @@ def check_batch(batch: dict, loader, plan, row: int, spec: Data, what: str) -> N
             elif name == "index":
                 want = idx.astype(np.int32)
             elif name == "logical_shards":
-                want = np.arange(k * L // n, (k + 1) * L // n, dtype=np.int32)
+                want = device_slots(L, n)[k].astype(np.int32)
             else:
                 f = spec.norms.get(name)
                 want = spec.arrays[name][idx] if f is None else f(spec.arrays[name][idx])
@@ -234,28 +234,32 @@ def test_a_cifar_folder_is_the_tuple_form_over_its_files(devices, synthetic_dir)
 
 @pytest.mark.slow
 def test_logical_shards_give_the_same_global_batch_on_every_device_count(devices):
-    """With L logical shards, every step's global arrays are the plan's for every n dividing L, in
-    both placements and layouts: its rows, mask and index, and logical shards 0..L-1;
-    added_fields gives vendor loaders the same blocks.
+    """With L logical shards, every step's global arrays are on_devices' for every n from 1 to L
+    (a spare slot where n does not divide L: the device's first row, mask False, shard -1), in
+    both placements and layouts: its rows, mask, index and logical shards; so the real slots
+    are the plan's L shards on every n. added_fields gives vendor loaders the same blocks.
     The extended tier's; the default tier holds its guarantee with
     test_blocks_follow_the_plan_in_both_placements (L = per * n)."""
     L, b = 8, 3
     data = {"x": np.arange(N, dtype=np.int32), "y": np.arange(2 * N, dtype=np.float32).reshape(N, 2)}
     plan = epoch_plan(N, L, b, epoch=1, seed=5, shuffle=True)
-    idx = plan.indices.reshape(len(plan.indices), -1)
-    want = [{"x": i.astype(np.int32), "y": data["y"][i], "mask": m, "index": i.astype(np.int32),
-             "logical_shards": np.arange(L, dtype=np.int32)} for i, m in zip(idx, plan.mask.reshape(idx.shape))]
-    for n in (1, 2, 8):
+    for n in (1, 2, 3, 5, 8):
+        on, slots = on_devices(plan, n), device_slots(L, n)
+        idx = on.indices.reshape(len(on.indices), -1)
+        want = [{"x": i.astype(np.int32), "y": data["y"][i], "mask": m, "index": i.astype(np.int32),
+                 "logical_shards": slots.reshape(-1).astype(np.int32)} for i, m in zip(idx, on.mask.reshape(idx.shape))]
+        real = np.repeat(slots.reshape(-1) >= 0, b)
+        assert_same_bits(idx[:, real], plan.indices.reshape(len(idx), -1), f"n={n}: the real slots are the plan's")
         for placement in loaders.PLACEMENTS:
             for layout in loaders.LAYOUTS:
                 loader = loaders.make_loader(data, devices[:n], b, logical_shards=L, shuffle=True, seed=5,
                                              placement=placement, layout=layout)
-                assert loader.num_shards == L and loader.device_rows == L // n * b
+                assert loader.num_shards == L and loader.device_rows == slots.shape[1] * b
                 batches = list(loader.epoch(1))
                 got = [{k: v.reshape((-1,) + v.shape[2 if layout == "pmap" else 1:]) for k, v in host(batch).items()}
                        for batch in batches]
                 assert_same_batches(got, want, f"n={n} {placement} {layout}")
-                on, last = on_devices(plan, n), len(batches) - 1
+                last = len(batches) - 1
                 blocks = {name: device_blocks(a, loader.mesh, layout) for name, a in batches[last].items()}
                 for k in range(n):
                     for name, block in loaders.added_fields(on.mask[last, k], on.indices[last, k], k, L, n).items():
@@ -546,9 +550,10 @@ def test_equal_means_with_different_stds_keep_one_table_row_per_channel(devices)
 
 NR, SEED, EPOCH = 97, 11, 2
 # (conftest.meshes position, logical shards, batch size, steps; None: to the end). 8 devices x 4
-# for 2 steps (64 delivered); 3 devices, L = 6 (2 a device) x 2 for 1 step (12); then 4 devices
-# in a permuted order, L = 8 x 1, the rest: L > n resumed on other device counts, twice.
-CHAIN = ((0, None, 4, 2), (1, 6, 2, 1), (2, 8, 1, None))
+# for 2 steps (64 delivered); 3 devices, L = 7 (3 slots a device, two of them spare) x 2 for
+# 1 step (14); then 4 devices in a permuted order, L = 8 x 1, the rest: L > n resumed on other
+# device counts, twice, once on an n that does not divide L.
+CHAIN = ((0, None, 4, 2), (1, 7, 2, 1), (2, 8, 1, None))
 
 
 def chain_loader(devices, stage: int, spec: Data, **kwargs):
@@ -650,7 +655,7 @@ def test_get_state_at_an_epochs_start_and_end(devices):
     next(it), next(it)
     assert it.get_state() == start.at_step(2)
     resumed = three.epoch(EPOCH, state=it.get_state())
-    assert resumed.get_state() == start.at_step(2).resized(6, 2)
+    assert resumed.get_state() == start.at_step(2).resized(7, 2)
     list(it)
     end = it.get_state()
     assert end == start.at_step(len(eight))
@@ -760,7 +765,7 @@ def test_a_state_of_another_run_or_epoch_is_refused_naming_the_field(devices):
                          "Loader.epoch: epoch=3, but the state is of epoch 2")
     assert_raises_naming(ValueError, lambda: loader.epoch(EPOCH, state=saved.to_json()),
                          "state must be a plan.LoaderState", "got str")
-    last = epoch_steps(NR, [(0, 8, 4), (2, 6, 2)])
+    last = epoch_steps(NR, [(0, 8, 4), (2, 7, 2)])
     for step in (1, last):
         assert_raises_naming(IndexError, lambda: loader.batch(EPOCH, step, state=saved),
                              f"step={step} is outside [2, {last})")
@@ -785,7 +790,7 @@ def test_a_state_of_other_data_of_the_same_size_is_refused_naming_dataset(device
         assert_raises_naming(ValueError, call, f"Loader.{what}: the loader state was taken with "
                              f"dataset='{saved.dataset}', this run has dataset='{dataset_digest(other)}'")
     copy = chain_loader(devices, 1, spec._replace(data={k: v.copy() for k, v in spec.arrays.items()}))
-    assert next(iter(copy.epoch(EPOCH, state=saved)))["mask"].shape == (12,)
+    assert next(iter(copy.epoch(EPOCH, state=saved)))["mask"].shape == (18,)  # 3 devices x 3 slots x 2
     unnamed = loader.epoch(EPOCH, state=dataclasses.replace(saved, dataset=None))
     assert unnamed.get_state().dataset == dataset_digest(other)
 
@@ -821,7 +826,7 @@ def test_arguments_the_loader_cannot_honour_are_refused_naming_them(devices):
     cases = [("batch_size", [0, 3.0, True, N // 2 + 1]), ("prefetch", [1.5, -1]),
              ("shuffle", [1, 0, 1.0, np.int64(1), "yes"]), ("placement", ["host_float32"]),
              ("layout", ["rows"]), ("last_batch", ["pad"]), ("seed", [-1, 2**32, 1.0]),
-             ("device_budget", [1.5]), ("logical_shards", [7, 3.0, True, "8", 0])]
+             ("device_budget", [1.5]), ("logical_shards", [3.0, True, "8", 0])]
     for name, values in cases:
         for value in values:
             with pytest.raises(ValueError) as error:
@@ -829,8 +834,9 @@ def test_arguments_the_loader_cannot_honour_are_refused_naming_them(devices):
             assert name in str(error.value) and repr(value) in str(error.value), (name, value, str(error.value))
     assert_raises_naming(ValueError, lambda: loaders.make_loader(data, devices[:2], B, logical_shards=0),
                          "must be at least 1")
-    assert_raises_naming(ValueError, lambda: loaders.make_loader(data, devices[:3], 3, logical_shards=8),
-                         "logical_shards=8", "3 device(s)")
+    assert_raises_naming(ValueError, lambda: loaders.make_loader(data, devices[:3], 3, logical_shards=2),
+                         "logical_shards=2 is fewer than the 3 device(s)")
+    assert loaders.make_loader(data, devices[:3], 3, logical_shards=8).device_rows == 9  # the control: 3 slots of 3
     assert_raises_naming(ValueError, lambda: loaders.make_loader(data, devices[:2], 13, logical_shards=8),
                          "batch_size=13 per logical shard", "8 logical shards")
     assert_raises_naming(ValueError, lambda: loaders.make_loader(pair, devices, B, normalize=lambda b: b),

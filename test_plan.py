@@ -33,7 +33,7 @@ import plan as plan_module
 from conftest import (EPOCHS, POLICIES, SEEDS, assert_raises_naming, assert_refuses_naming_value,
                       assert_same_bits, epoch_steps, examples, expected_steps, not_ints)
 from plan import (LoaderState, Plan, Schedule, check_seed, dataset_digest, elastic_plan,
-                  epoch_plan, num_steps, on_devices, remaining_samples, shard_bounds,
+                  epoch_plan, num_steps, on_devices, remaining_samples, shard_bounds, device_slots,
                   shard_permutation)
 
 
@@ -837,42 +837,70 @@ def test_schedule_is_its_docstring(seed, shuffle, last_batch):
 
 
 def test_on_devices_worked_table():
-    # N=7, L=4 logical shards of b=1, fill, on 4, 2 and 1 devices: the docstring's rows, and
-    # the global batch the same on each.
+    # N=7, L=4 logical shards of b=1, fill, on 4, 3, 2 and 1 devices: the docstring's rows
+    # (``-`` a spare slot), and the same L shards of each step on each.
     table = {int(row[0]): [c for c in row[1:] if c] for row in docstring_table(on_devices.__doc__, "devices |")}
-    assert sorted(table) == [1, 2, 4]
+    assert sorted(table) == [1, 2, 3, 4]
     whole = epoch_plan(7, 4, 1)
     for n, cells in table.items():
-        view = on_devices(whole, n)
-        got = [" ".join(cell(view.indices[s, k], view.mask[s, k]) for s in range(len(view.indices)))
-               for k in range(n)]
+        view, spare = on_devices(whole, n), device_slots(4, n) < 0
+        got = [" ".join("[" + ",".join("-" if spare[k, j] else f"{i}{'' if m else '*'}" for j, (i, m) in
+                                       enumerate(zip(view.indices[s, k], view.mask[s, k]))) + "]"
+                        for s in range(len(view.indices))) for k in range(n)]
         assert got == cells, (n, got, cells)
-        assert_same_bits(view.indices.reshape(2, -1), whole.indices.reshape(2, -1))  # the global batches
+        real = view.indices.reshape(2, -1)[:, ~spare.reshape(-1)]  # b = 1: a row a slot
+        assert_same_bits(real, whole.indices.reshape(2, -1))  # the global batches' shards, in shard order
+
+
+def test_device_slots_is_its_docstrings_table_and_shard_bounds_of_the_shards():
+    assert device_slots(8, 3).tolist() == [[0, 1, -1], [2, 3, 4], [5, 6, 7]]
+    assert device_slots(8, 5).tolist() == [[0, -1], [1, 2], [3, -1], [4, 5], [6, 7]]
+    for L in range(1, 25):
+        for n in range(1, L + 1):
+            slots = device_slots(L, n)
+            assert slots.shape == (n, -(-L // n)), (L, n)
+            assert sorted(slots[slots >= 0].tolist()) == list(range(L)), (L, n)  # every shard once
+            for d in range(n):
+                lo, hi = shard_bounds(L, d, n)
+                assert slots[d].tolist() == list(range(lo, hi)) + [-1] * (slots.shape[1] - (hi - lo)), (L, n, d)
+                assert slots.shape[1] - (hi - lo) <= 1  # at most one spare a device
+            if L % n == 0:
+                assert (slots == np.arange(L).reshape(n, -1)).all()
+    for bad, name in ((9, "num_devices=9"), (0, "num_devices must be >= 1, got 0"), (2.0, "num_devices")):
+        assert_raises_naming(ValueError, lambda: device_slots(8, bad), f"device_slots: {name}")
 
 
 @settings(max_examples=examples(40))
-@given(N=st.integers(12, 200), L=st.sampled_from([4, 6, 8, 12]), b=st.integers(1, 4), seed=SEEDS,
+@given(N=st.integers(24, 200), L=st.sampled_from([4, 6, 8, 12]), b=st.integers(1, 4), seed=SEEDS,
        epoch=EPOCHS, shuffle=st.booleans(), last_batch=POLICIES)
 def test_on_devices_gives_each_device_its_logical_shards_in_order(N, L, b, seed, epoch, shuffle, last_batch):
     whole = epoch_plan(N, L, b, seed=seed, epoch=epoch, shuffle=shuffle, last_batch=last_batch)
     steps = len(whole.indices)
-    for n in [n for n in range(1, L + 1) if L % n == 0]:
-        view = on_devices(whole, n)
-        assert view.indices.shape == view.mask.shape == (steps, n, (L // n) * b)
-        for k in range(n):
-            mine = whole.indices[:, k * (L // n):(k + 1) * (L // n)].reshape(steps, (L // n) * b)  # in order
-            assert_same_bits(view.indices[:, k], mine, f"n={n}, device {k}")
-            lo, hi = shard_bounds(N, k, n)  # a device's logical shards together are shard k of n
-            assert set(view.indices[:, k][view.mask[:, k]].tolist()) <= set(range(lo, hi))
-        assert_same_bits(view.mask.reshape(steps, L * b), whole.mask.reshape(steps, L * b))
+    for n in range(1, L + 1):
+        view, slots = on_devices(whole, n), device_slots(L, n)
+        k = slots.shape[1]
+        assert view.indices.shape == view.mask.shape == (steps, n, k * b)
+        for d in range(n):
+            for j, l in enumerate(slots[d]):
+                rows = slice(j * b, (j + 1) * b)
+                if l < 0:  # a spare slot: the device's own first row, never real
+                    assert not view.mask[:, d, rows].any() and (view.indices[:, d, rows] == view.indices[:, d, :1]).all()
+                    continue
+                assert_same_bits(view.indices[:, d, rows], whole.indices[:, l], f"n={n}, device {d}, slot {j}")
+                assert_same_bits(view.mask[:, d, rows], whole.mask[:, l], f"n={n}, device {d}, slot {j}")
+            lo, hi = shard_bounds(L, d, n)  # a device's logical shards together: samples lo*N//L .. hi*N//L - 1
+            assert set(view.indices[:, d][view.mask[:, d]].tolist()) <= set(range(N * lo // L, N * hi // L))
+        if L % n == 0:
+            assert np.shares_memory(view.indices, whole.indices)  # a reshape
 
 
-def test_on_devices_refuses_what_does_not_divide_and_what_is_not_a_plan():
+def test_on_devices_refuses_more_devices_than_shards_and_what_is_not_a_plan():
     whole = epoch_plan(30, 6, 2)
-    for bad in (4, 5, 7, 0, -1, 2.0, True, "2", None):
+    for bad in (7, 0, -1, 2.0, True, "2", None):
         assert_raises_naming(ValueError, lambda: on_devices(whole, bad), f"on_devices: num_devices={bad!r}",
-                             "6 logical shards")
-    assert [on_devices(whole, n).indices.shape[1] for n in (1, 2, 3, 6)] == [1, 2, 3, 6]  # the control
+                             "outside [1, 6]")
+    assert [on_devices(whole, n).indices.shape[1:] for n in range(1, 7)] == [
+        (1, 12), (2, 6), (3, 4), (4, 4), (5, 4), (6, 2)]  # the control: every n up to L
     good = epoch_plan(8, 4, 1)
     for bad in (Plan(good.indices, good.mask[:, :2]), Plan(good.indices, good.mask[:-1]),
                 Plan(good.indices[:, :, 0], good.mask[:, :, 0]), tuple(good),

@@ -377,10 +377,10 @@ def test_sgd_updates_are_in_each_gradients_dtype():
 
 def test_every_strategy_checks_its_reduction_and_logical_shards(devices):
     """The reduction is "plain" or "canonical", exactly; the plain one takes no logical
-    shards; the canonical one takes an int L >= 1 (a bool is not one) that is a multiple of
-    the mesh's n devices, each rule refused in its own words, and without L on batches
-    that do not carry it, nothing: it is refused (fail closed). Both sides of each edge,
-    on one device (where every L >= 1 is a multiple) and on two."""
+    shards; the canonical one takes an int L >= 1 (a bool is not one), at least the mesh's n
+    devices, each rule refused in its own words, and without L on batches that do not carry
+    it, nothing: it is refused (fail closed). Both sides of each edge, on one device (where
+    every L >= 1 is enough) and on two."""
     one, two = loaders.data_mesh(devices[:1]), loaders.data_mesh(devices[:2])
     for name, fn in strategies.STRATEGIES.items():
         def train_on(mesh, **options):
@@ -396,11 +396,11 @@ def test_every_strategy_checks_its_reduction_and_logical_shards(devices):
                                 (one, True, "must be an int"), (one, np.bool_(True), "must be an int"),
                                 (one, 1.0, "must be an int"), (one, 0, "must be at least 1"),
                                 (two, 0, "must be at least 1"), (two, -2, "must be at least 1"),
-                                (two, 3, "must be a multiple of the mesh's 2"),
-                                (two, 1, "must be a multiple of the mesh's 2")):
+                                (two, 1, "is fewer than the mesh's 2 device")):
             with pytest.raises(ValueError, match=rf"strategy '{name}': logical_shards={re.escape(repr(bad))} {rule}"):
                 train_on(mesh, reduction="canonical", logical_shards=bad)
-        goods = ((one, 1), (one, 4), (two, 2), (two, 4), (two, np.int64(2))) if name == "sharded" else ((two, 2),)
+        goods = (((one, 1), (one, 4), (two, 2), (two, 3), (two, 4), (two, np.int64(2))) if name == "sharded" else
+                 ((two, 2),))
         for mesh, good in goods:  # every edge through one strategy: the checks are shared
             assert np.isfinite(train_on(mesh, reduction="canonical", logical_shards=good).losses).all(), (name, good)
         with pytest.raises(ValueError, match="does not say its logical shards.*pass logical_shards=L"):
@@ -754,15 +754,16 @@ def test_every_placement_helper_refuses_a_64_bit_leaf_by_its_own_name(mesh):
 
 def test_a_batch_whose_rows_do_not_split_into_the_logical_shards_is_refused_by_every_strategy(mesh):
     """The canonical reduction adds one gradient sum per logical block: a global batch of
-    n*B rows with L = 3n logical shards (n*B = 4n rows do not split into 3n blocks) is
-    refused at its step by each strategy, naming the rows and L; the control: L = n
+    n*B rows with L = 3n logical shards (n*B = 4n rows do not split into 3n slots) is
+    refused at its step by each strategy (single: on its one device), naming the rows and
+    the slots; the control: L = n
     splits them and trains."""
     n = mesh.devices.size
     rows = host_batches(seed=5, steps=1, n=n, real_per_device=[B] * n, kind="linear")[0]
     for name, train in strategies.STRATEGIES.items():
         batch = place(rows, mesh, strategies.LAYOUT[name])
-        with pytest.raises(ValueError, match=rf"canonical_step: the batch's {n * B} rows do "
-                                             rf"not split into logical_shards={3 * n} blocks of one size"):
+        with pytest.raises(ValueError, match=rf"canonical_step: the batch's {n * B} rows on (1|{n}) device\(s\) do "
+                                             rf"not split into {3 * n} slots of one size"):
             train(linear_init(), [batch], mesh, loss_terms=linear_loss_terms, optimizer=strategies.sgd(0.1),
                   reduction="canonical", logical_shards=3 * n)
     params, losses, _ = strategies.sharded(linear_init(), [place(rows, mesh, "sharded")], mesh,
@@ -824,24 +825,24 @@ def relu_terms(params, batch):
     return jnp.sum(mask_B * nll_B), jnp.sum(mask_B)
 
 
-def canonical_model(kind: str):
-    """(loss_terms, params, data) of ``kind``: fixed shapes, CANON_N samples."""
+def canonical_model(kind: str, N: int = CANON_N):
+    """(loss_terms, params, data) of ``kind``: fixed shapes, N samples (CANON_N by default)."""
     rng = np.random.default_rng(7)
     normal = lambda *shape, scale=0.3: (scale * rng.standard_normal(shape)).astype(np.float32)
     ones, zeros = (lambda n: np.ones(n, np.float32)), (lambda n: np.zeros(n, np.float32))
     if kind == "conv":
         params = {"c1": normal(3, 3, 3, 8), "g1": ones(8), "n1": zeros(8), "c2": normal(3, 3, 8, 16, scale=0.1),
                   "g2": ones(16), "n2": zeros(16), "w": normal(16, 10)}
-        return conv_terms, params, {"x": normal(CANON_N, 8, 8, 3, scale=1.0),
-                                    "y": rng.integers(0, 10, CANON_N).astype(np.int32)}
+        return conv_terms, params, {"x": normal(N, 8, 8, 3, scale=1.0),
+                                    "y": rng.integers(0, 10, N).astype(np.int32)}
     if kind == "token":
         params = {name: normal(*shape) for name, shape in (("embed", (VOCAB, WIDTH)), ("position", (SEQ, WIDTH)),
                                                            ("wq", (WIDTH, WIDTH)), ("wk", (WIDTH, WIDTH)),
                                                            ("wv", (WIDTH, WIDTH)), ("wo", (WIDTH, WIDTH)))}
         params.update(g1=ones(WIDTH), b1=zeros(WIDTH), g2=ones(WIDTH), b2=zeros(WIDTH))
-        start, stride = rng.integers(0, VOCAB, (CANON_N, 1)), rng.integers(1, 4, (CANON_N, 1))
+        start, stride = rng.integers(0, VOCAB, (N, 1)), rng.integers(1, 4, (N, 1))
         return token_terms, params, {"x": ((start + np.arange(SEQ) * stride) % VOCAB).astype(np.int32)}
-    x = normal(CANON_N, 12, scale=1.0)
+    x = normal(N, 12, scale=1.0)
     params = {"w1": normal(12, 24, scale=0.5), "b1": zeros(24), "w2": normal(24, 4, scale=0.5), "b2": zeros(4)}
     return relu_terms, params, {"x": x, "y": np.argmax(x[:, :4], axis=1).astype(np.int32)}
 
@@ -853,13 +854,14 @@ def canonical_rules():
     return {"adamw": optax.chain(optax.clip_by_global_norm(1.0),
                                  optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 0.03, 2, 20))),
             "nesterov": optax.sgd(0.03, momentum=0.9, nesterov=True),
-            "chaotic": optax.sgd(40.0), "chaotic-adam": optax.adam(3.0)}
+            "chaotic": optax.sgd(40.0), "chaotic-adam": optax.adam(3.0), "sgd": optax.sgd(0.1)}
 
 
 def canonical_run(devices, strategy: str, n: int, *, kind: str, rule, L: int, b: int, last_batch="fill"):
     """(params, opt_state, losses) of ``strategy`` on the first n devices over one epoch of
-    make_loader(logical_shards=L, batch_size=b); L comes from the batches."""
-    loss_terms, params, data = canonical_model(kind)
+    make_loader(logical_shards=L, batch_size=b); L comes from the batches. CANON_N samples, or
+    2L + 3 where that is more (every shard then holds 2, and the last step is padded)."""
+    loss_terms, params, data = canonical_model(kind, max(CANON_N, 2 * L + 3))
     mesh = loaders.data_mesh(devices[:n])
     loader = loaders.make_loader(data, mesh, b, logical_shards=L, shuffle=True, seed=3, last_batch=last_batch,
                                  layout=strategies.LAYOUT[strategy], prefetch=0)
@@ -869,8 +871,9 @@ def canonical_run(devices, strategy: str, n: int, *, kind: str, rule, L: int, b:
 
 def topologies(L: int, most: int, every: bool) -> list:
     """(strategy, n): single, and every strategy at n = L; with ``every``, every strategy on every
-    n dividing L up to ``most`` devices, else sharded at n = 2 (an n < L)."""
-    ns = [n for n in range(1, min(L, most) + 1) if L % n == 0] if every else [L]
+    n from 1 to L up to ``most`` devices (those that do not divide L hold a spare slot), else
+    sharded at n = 2 (an n < L)."""
+    ns = list(range(1, min(L, most) + 1)) if every else [L]
     runs = [(s, n) for n in ns for s in ("sharded", "pmap", "shard_map") if n <= most] + [("single", 1)]
     return runs if every or L <= 2 or most < 2 else runs + [("sharded", 2)]
 
@@ -890,6 +893,7 @@ def differences(runs: dict) -> list:
 # (kind, rule, L, b, every n): n = L in every case; "chaotic" is sgd at lr 40, "chaotic-adam" adam at 3
 CANONICAL_CASES = [
     pytest.param("relu", "adamw", 2, 4, False, id="relu-adamw-L2"),
+    pytest.param("relu", "sgd", 5, 1, False, id="relu-sgd-L5"),  # n = 2 does not divide 5: a spare slot
     pytest.param("conv", "adamw", 2, 4, False, id="conv-adamw-L2", marks=pytest.mark.slow),
     pytest.param("token", "nesterov", 4, 3, False, id="token-nesterov-L4", marks=pytest.mark.slow),
     pytest.param("conv", "adamw", 8, 1, True, id="conv-adamw-L8-every-n", marks=pytest.mark.slow),
@@ -898,6 +902,9 @@ CANONICAL_CASES = [
     pytest.param("conv", "chaotic", 4, 2, True, id="conv-chaotic-L4-every-n", marks=pytest.mark.slow),
     pytest.param("relu", "nesterov", 8, 1, True, id="relu-nesterov-L8-every-n", marks=pytest.mark.slow),
     pytest.param("token", "chaotic-adam", 4, 2, True, id="token-chaotic-adam-L4-every-n", marks=pytest.mark.slow),
+    pytest.param("relu", "sgd", 24, 1, True, id="relu-sgd-L24-every-n", marks=pytest.mark.slow),
+    pytest.param("conv", "sgd", 8, 2, True, id="conv-sgd-L8-every-n", marks=pytest.mark.slow),
+    pytest.param("token", "adamw", 24, 1, True, id="token-adamw-L24-every-n", marks=pytest.mark.slow),
 ]
 
 
@@ -905,8 +912,9 @@ CANONICAL_CASES = [
 @pytest.mark.parametrize("kind, rule, L, b, every", CANONICAL_CASES)
 def test_canonical_reduction_is_the_same_bits_on_every_topology(devices, canonical_rules, kind, rule, L, b, every):
     """Params, optimizer state and losses, as bytes (NaN payloads included), through every
-    strategy at n = L, at an n < L, and on one device adding the L blocks as microbatches
-    (single); the extended tier: every strategy on every n dividing L."""
+    strategy at n = L, at an n < L (dividing L or not), and on one device adding the L blocks
+    as microbatches (single); the extended tier: every strategy on every n from 1 to 8 (3, 5,
+    6 and 7 included), at L = 4, 6, 8 and 24."""
     runs = {key: canonical_run(devices, *key, kind=kind, rule=canonical_rules[rule], L=L, b=b)
             for key in topologies(L, len(devices), every)}
     assert not differences(runs), differences(runs)[:3]
@@ -916,8 +924,9 @@ def test_canonical_reduction_is_the_same_bits_on_every_topology(devices, canonic
 
 @pytest.mark.bits
 def test_the_canonical_reduction_is_not_the_plain_one_on_another_topology(devices, canonical_rules):
-    """The control of the test above: the plain reduction, the same runs on 4 and 2 devices
-    and single: not the same bits (its sums follow the device count)."""
+    """The controls of the test above: the plain reduction, the same runs on 4 and 2 devices
+    and single: not the same bits (its sums follow the device count); and the canonical one
+    at another L (L = 2 against 4 on 2 devices, the same rows a step): not the same bits."""
     loss_terms, params, data = canonical_model("relu")
     runs = {}
     for name, n in (("shard_map", 4), ("shard_map", 2), ("single", 1)):
@@ -926,6 +935,9 @@ def test_the_canonical_reduction_is_not_the_plain_one_on_another_topology(device
         runs[name, n] = tuple(strategies.STRATEGIES[name](params, loader.epoch(0), mesh, loss_terms=loss_terms,
                                                           optimizer=canonical_rules["nesterov"]))
     assert len(differences(runs)) >= 2, differences(runs)
+    other_L = {L: canonical_run(devices, "sharded", 2, kind="relu", rule=canonical_rules["nesterov"], L=L, b=8 // L)
+               for L in (2, 4)}
+    assert differences(other_L), "another L gave the same bits"
 
 
 def compiled_text(fn, *args) -> str:
