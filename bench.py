@@ -391,8 +391,8 @@ def reduction_section(args, out: dict) -> None:
 def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
     """A call that runs the canonical step's arithmetic with nothing moved between devices, no update: on each device
     its rows split and its k = L/n block gradients, one program each (on LOOP_PLATFORMS its loop program), then with
-    ``fold`` their ``strategies.exact_sum``, a program each device (strategies' own split, block and sum); it returns the
-    devices' results in device order. Any construction that gives each block a gradient of its own and adds them
+    ``fold`` their ``strategies.exact_sum``, a program each device (strategies' own split, block and sum); it returns
+    the devices' results in device order. Any construction that gives each block a gradient of its own and adds them
     exactly does at least this on some device: the floor under the canonical step's time."""
     _, loss_terms, _ = MODELS[name]
     k, devices = shards // mesh.devices.size, list(mesh.devices.flat)

@@ -453,8 +453,8 @@ def device_fit(data, devices: Sequence[jax.Device] | Mesh, device_budget: int | 
     """Why ``data`` would not fit placement "device" on ``devices`` (a list or a mesh, as make_loader takes them), or
     None: make_loader's own check. ``data`` as make_loader takes it, a dict {name: array} or the tuple (samples,
     labels), labels delivered as int32 (anything with a shape and a dtype: memory maps are not read). Every field
-    counts: the most samples a device holds (``held_samples``, with make_loader's ``logical_shards``), each field's bytes
-    per sample added, held once (the resident shard), or twice
+    counts: the most samples a device holds (``held_samples``, with make_loader's ``logical_shards``), each field's
+    bytes per sample added, held once (the resident shard), or twice
     on GATHER_ONCE_PLATFORMS (and an epoch's rows), over ``device_budget`` bytes per device: by default half of what
     the device reports free, or for CPU devices half the host's available memory over this process's devices; the
     other half leaves room for a resized segment's rows, which cross from the host. ValueError for another kind of

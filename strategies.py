@@ -43,9 +43,9 @@ The reductions, how a step's gradient is summed:
   exact ones (scalings by powers of two, roundings to integers). So params, optimizer state and losses are the same
   bits on every device count n from 1 to L, in one process or several, through every strategy, on one device adding
   the L blocks as microbatches (``single``), across a stop and a resume on another n, at any learning rate. Not across
-  L, jaxlib versions, platforms or device kinds. The XLA options the programs need are set here (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a
-  loader's carry a "logical_shards" entry) or from ``logical_shards``; given both, they must agree; given neither, the
-  step is refused.
+  L, jaxlib versions, platforms or device kinds. The XLA options the programs need are set here
+  (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a loader's carry a "logical_shards" entry) or from
+  ``logical_shards``; given both, they must agree; given neither, the step is refused.
 
 Imports: NumPy and JAX only (JAX 0.10 or newer). optax optimizers are accepted, not imported. Imported by
 equivalence.py, refimpl.py and bench.py.
@@ -199,7 +199,8 @@ def _check_devices(where: str, logical_shards: int, n: int) -> None:
     """ValueError unless the mesh's n devices are at most L (each holds at least one whole block)."""
     if logical_shards < n:
         raise ValueError(f"{where}: logical_shards={logical_shards} is fewer than the mesh's {n} device(s) (each "
-                         f"device holds whole blocks, at least one): use at most {logical_shards} devices or a larger L")
+                         f"device holds whole blocks, at least one): use at most {logical_shards} devices or a "
+                         f"larger L")
 
 
 def _slots(logical_shards: int, n: int) -> np.ndarray:

@@ -141,7 +141,8 @@ def test_on_one_device_the_warm_ups_run_side_by_side_and_each_compile_is_its_thr
     notes = []
     cases = [("mlp", 16, 1), ("mlp", 16, 4), ("attention", 16, 1)]
     args = argparse.Namespace(reduction_devices=1, reduction_cases=cases, smoke=True, step_rounds=1,
-                              compile_devices=(), compiles=bench.Compiles(), note=lambda line, case: notes.append(case))
+                              compile_devices=(), any_devices=(), compiles=bench.Compiles(),
+                              note=lambda line, case: notes.append(case))
     out = {}
     bench.reduction_section(args, out)
     assert [(r["model"], r["logical_shards"]) for r in out["cases"]] == [("mlp", 1), ("mlp", 4), ("attention", 1)]

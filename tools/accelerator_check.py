@@ -183,7 +183,7 @@ def exact_reference(blocks):
     q = Fraction(2) ** (E - strategies.GRID_BITS)
     out = []
     for column in up.T:
-        if np.isnan(column).any() or (np.isinf(column) & (column > 0)).any() and (np.isinf(column) & (column < 0)).any():
+        if np.isnan(column).any() or ((column == np.inf).any() and (column == -np.inf).any()):
             out.append(np.nan)
             continue
         if np.isinf(column).any():
@@ -336,6 +336,7 @@ def delivery_child(out: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         sys.path.insert(0, ROOT)
-        {"canonical": canonical_child, "delivery": delivery_child, "exact_sum": exact_sum_child}[sys.argv[2]](*sys.argv[3:])
+        children = {"canonical": canonical_child, "delivery": delivery_child, "exact_sum": exact_sum_child}
+        children[sys.argv[2]](*sys.argv[3:])
         sys.exit(0)
     sys.exit(main())
