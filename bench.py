@@ -636,9 +636,9 @@ def markdown(results: dict) -> str:
         lines += table(f"**The canonical reduction** (canonical_step against sharded_step on the same batch of L*b "
                        f"rows, SGD, matmul precision {red['precision']}; step median over interleaved rounds; memory "
                        f"per device at the step's peak, from XLA's memory_analysis; extra = the difference in "
-                       f"gradients; floor = the block gradients and their fold, nothing moved)", "model | devices | "
-                       "global batch | L | plain ms | canonical ms | canonical / plain | floor / plain | plain MiB | "
-                       "canonical MiB | canonical / plain | extra", "lrrrrrrrrrrr",
+                       f"gradients; floor = the block gradients and their exact sum, nothing moved)",
+                       "model | devices | global batch | L | plain ms | canonical ms | canonical / plain | "
+                       "floor / plain | plain MiB | canonical MiB | canonical / plain | extra", "lrrrrrrrrrrr",
                        "{model} | {devices} | {rows} | {logical_shards} | {plain[step_ms]:.2f} | "
                        "{canonical[step_ms]:.2f} | {ratio[step_time]:.2f} | {ratio[floor]:.2f} | "
                        "{plain[memory_mb]:.0f} | {canonical[memory_mb]:.0f} | {ratio[memory]:.2f} | "
