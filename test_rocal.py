@@ -2260,15 +2260,16 @@ def test_padding_is_found_on_the_crop_window_on_real_rocal(rocal_mesh, tmp_path)
 
 
 @pytest.mark.rocal
-def test_logical_shards_read_by_rocal_are_the_references_on_2_and_4_devices(real_rocal, tmp_path):
-    """make_rocal_loader(logical_shards=8): pipeline k reads its device's 8/n logical shards'
-    blocks, (8/n)*B records a step, bit for bit the reference loader's, fresh and resumed
-    from a state of 8 logical shards on other devices (the same plan: no new segment)."""
+def test_logical_shards_read_by_rocal_are_the_references_on_2_3_and_4_devices(real_rocal, tmp_path):
+    """make_rocal_loader(logical_shards=8): pipeline k reads its device's logical shards'
+    blocks, ceil(8/n)*B records a step (a spare slot on 3 devices), bit for bit the reference
+    loader's, fresh and resumed from a state of 8 logical shards on other devices (the same
+    plan: no new segment)."""
     run = dict(seed=6, shuffle=True, last_batch="fill", logical_shards=8, layout="pmap")
     saved = LoaderState.start(48, 8, 2, epoch=1, seed=6, shuffle=True).at_step(2)
-    for n in (2, 4):
+    for n in (2, 3, 4):
         loader, reference = resumed_pair(48, n, 2, str(tmp_path / f"cache{n}"), **run)
-        assert loader.device_rows == 16 // n and len(loader) == len(reference) == 3
+        assert loader.device_rows == -(-8 // n) * 2 and len(loader) == len(reference) == 3
         for step, (g, w) in enumerate(zip(loader.epoch(1), reference.epoch(1))):
             assert_same_arrays(g, w, f"{n} devices, step {step}")
         got = check_resumed(loader, reference, saved, f"{n} devices, resumed at step 2")

@@ -906,7 +906,7 @@ CANONICAL_CASES = [
     pytest.param("token", "chaotic-adam", 4, 2, False, id="token-chaotic-adam-L4", marks=pytest.mark.slow),
     pytest.param("relu", "sgd", 24, 1, True, id="relu-sgd-L24-every-n", marks=pytest.mark.slow),
     pytest.param("conv", "sgd", 8, 2, True, id="conv-sgd-L8-every-n", marks=pytest.mark.slow),
-    pytest.param("token", "adamw", 24, 1, True, id="token-adamw-L24-every-n", marks=pytest.mark.slow),
+    pytest.param("token", "adamw", 24, 1, False, id="token-adamw-L24", marks=pytest.mark.slow),
 ]
 
 
@@ -916,7 +916,7 @@ def test_canonical_reduction_is_the_same_bits_on_every_topology(devices, canonic
     """Params, optimizer state and losses, as bytes (NaN payloads included), through every
     strategy at n = L, at an n < L (dividing L or not), and on one device adding the L blocks
     as microbatches (single); the extended tier: every n from 1 to 8 (3, 5, 6 and 7
-    included; every strategy at 3), at L = 8 and 24."""
+    included; every strategy at 3), at L = 8 and 24; attention at L = 24 on 2 devices."""
     runs = {key: canonical_run(devices, *key, kind=kind, rule=canonical_rules[rule], L=L, b=b)
             for key in topologies(L, len(devices), every)}
     assert not differences(runs), differences(runs)[:3]
@@ -1164,16 +1164,17 @@ def test_the_exact_sum_is_the_rounding_of_the_sum_of_the_grid_values(devices):
     """exact_sum entry for entry against its docstring in Python integers (grid_sum): float32,
     bfloat16 and float16; values from 1e-44 to 3e38, subnormals (counted as 0), the least
     normals (the grid's largest scaling), overflow to +-Inf, ties of the last rounding, blocks
-    all -0.0 (+0.0). The same bits through sum_program on 1, 2 and 4 devices (L/n blocks each;
-    a leaf's width not a multiple of n included). Where every entry is 0 or at least 2**-35 of the largest,
-    it is the correctly rounded sum of the blocks themselves. The controls: a float32 left
-    fold of the blocks, and a psum, give other bits."""
+    all -0.0 (+0.0). The same bits through sum_program on 1 device, and for five of the cases on
+    2 and 4 (L/n blocks each; a leaf's width not a multiple of n included). Where every entry
+    is 0 or at least 2**-35 of the largest, it is the correctly rounded sum of the blocks
+    themselves. The controls: a float32 left fold of the blocks, and a psum, give other bits."""
     for name, blocks in exact_cases().items():
         want = grid_sum(blocks)
         got = np.asarray(jax.jit(strategies.exact_sum)(blocks))
         assert_same_bits(got, want, name)
         L = len(blocks)
-        for n in [n for n in (2, 4) if n <= len(devices) and L % n == 0] + [1]:
+        spread = name in ("normal", "odd width", "ties", "bfloat16", "wide range")  # compiles: a few cases suffice
+        for n in [n for n in (2, 4) if n <= len(devices) and L % n == 0 and spread] + [1]:
             mesh = loaders.data_mesh(devices[:n])
             rounds = [jax.device_put(blocks.reshape(n, L // n, -1)[:, i], NamedSharding(mesh, P("data")))
                       for i in range(L // n)]
