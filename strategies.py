@@ -824,13 +824,14 @@ def exact_sum(blocks, axis: str | None = None):
     that are exact: x times two powers of two (|x| / q < 2**59), rounded to an integer, then split by truncation and
     subtraction; an entry that would land below 2**-126 there rounds to 0 whether or not the backend flushes it. That
     is why subnormal entries count as 0: XLA's CPU and TPU arithmetic flushes them, a GPU's need not, and the grid's
-    multiplies must read the same numbers everywhere. The limbs are added locally, then one ``psum_scatter`` a leaf:
-    each device carries (arithmetic shifts) and rounds 1/n of the entries, by integer operations alone (no float sum
-    of limbs, which would round more than once), and one ``all_gather`` returns the results. One scale per leaf, not
-    per entry: an entry-wise max would be an all-reduce of a whole gradient, a per-leaf one is a scalar. K = 3 limbs
-    move 3x a float32 all-reduce's bytes; a fourth would give p = 55 at 4x. The non-finite entries go by a side
-    channel, reduced only in a step that has one. Leaves: float32, bfloat16, float16 (FORMATS); ValueError for another
-    dtype."""
+    multiplies must read the same numbers everywhere. The limbs are added locally, then one ``psum_scatter`` a leaf
+    (where a device holds at most LIMBS blocks, one ``all_to_all`` of the floats instead, each device converting every
+    block's 1/n of the entries): each device carries (arithmetic shifts) and rounds 1/n of the entries, by integer
+    operations alone (no float sum of limbs, which would round more than once), and one ``all_gather`` returns the
+    results. One scale per leaf, not per entry: an entry-wise max would be an all-reduce of a whole gradient, a
+    per-leaf one is a scalar. K = 3 limbs move 3x a float32 all-reduce's bytes; a fourth would give p = 55 at 4x. The
+    non-finite entries go by a side channel, counted beside the moved floats, or reduced only in a step that has one.
+    Leaves: float32, bfloat16, float16 (FORMATS); ValueError for another dtype."""
     leaves, tree = jax.tree.flatten(blocks)
     for x in leaves:
         if np.dtype(x.dtype) not in FORMATS:
