@@ -853,16 +853,17 @@ def test_on_devices_worked_table():
 
 
 def test_device_slots_is_its_docstrings_table_and_shard_bounds_of_the_shards():
-    assert device_slots(8, 3).tolist() == [[0, 1, -1], [2, 3, 4], [5, 6, 7]]
-    assert device_slots(8, 5).tolist() == [[0, -1], [1, 2], [3, -1], [4, 5], [6, 7]]
+    assert_same_bits(device_slots(8, 3), np.array([[0, 1, -1], [2, 3, 4], [5, 6, 7]]), "L=8, n=3")
+    assert_same_bits(device_slots(8, 5), np.array([[0, -1], [1, 2], [3, -1], [4, 5], [6, 7]]), "L=8, n=5")
     for L in range(1, 25):
         for n in range(1, L + 1):
             slots = device_slots(L, n)
             assert slots.shape == (n, -(-L // n)), (L, n)
-            assert sorted(slots[slots >= 0].tolist()) == list(range(L)), (L, n)  # every shard once
+            assert_same_bits(np.sort(slots[slots >= 0]), np.arange(L, dtype=slots.dtype), f"L={L}, n={n}")  # once
             for d in range(n):
                 lo, hi = shard_bounds(L, d, n)
-                assert slots[d].tolist() == list(range(lo, hi)) + [-1] * (slots.shape[1] - (hi - lo)), (L, n, d)
+                want = np.array(list(range(lo, hi)) + [-1] * (slots.shape[1] - (hi - lo)), slots.dtype)
+                assert_same_bits(slots[d], want, f"L={L}, n={n}, device {d}")
                 assert slots.shape[1] - (hi - lo) <= 1  # at most one spare a device
             if L % n == 0:
                 assert (slots == np.arange(L).reshape(n, -1)).all()
