@@ -507,6 +507,29 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "dali: needs nvidia.dali (runs its CPU pipelines)")
 
 
+# rocAL 2.3.0's CPU backend now and then segfaults inside rocalVerify (Pipeline.build): seen once
+# in seven CI runs, never in 12,000 builds of a loop, so a native race of rocAL's own. A segfault
+# ends the xdist worker. pytest.ini lets xdist replace it (--max-worker-restart), and xdist's
+# loadfile runs the crashed test again on the new worker. For a test of CRASH_RERUN_FILES, the
+# first crash's report is set aside (a passed set-up: not counted) and the summary names it, so
+# the test's outcome is that second run's; a second crash of it, or a crash anywhere else, fails.
+CRASH_RERUN_FILES = ("test_rocal.py",)
+CRASH_RERUNS: list[str] = []  # the tests whose first crash was set aside
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    if crashitem.split("::")[0] in CRASH_RERUN_FILES and crashitem not in CRASH_RERUNS:
+        CRASH_RERUNS.append(crashitem)
+        report.outcome, report.when = "passed", "setup"
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in CRASH_RERUNS:
+        terminalreporter.write_line(f"crash rerun: {line}: its worker crashed; its outcome is its run on a new "
+                                    f"worker", yellow=True)
+
+
 def pytest_unconfigure(config):
     if _OWN_XLA_CACHE and not os.environ.get("PYTEST_XDIST_WORKER"):  # the process that made it
         shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)

@@ -10,9 +10,13 @@
   is installed), names the function each hangs in, and kills them all; children that end
   by themselves come back as they ended.
 * The watchdog (pytest.ini): a test waiting in Python fails at ``timeout`` with its stack
-  and the run goes on; a test waiting in native code ends the run at
-  ``faulthandler_timeout`` with every thread's stack on stderr. Both limits are the ci
-  profile's, scaled like the examples under dev (x4) and thorough (x40).
+  and the run goes on; a test waiting in native code ends its process at
+  ``faulthandler_timeout`` with every thread's stack on stderr (an xdist worker is replaced
+  and the test fails). Both limits are the ci profile's, scaled like the examples under dev
+  (x4) and thorough (x40).
+* A crashed worker (conftest.pytest_handlecrashitem): xdist runs the test again on a new
+  worker; for a test of CRASH_RERUN_FILES, the first time, that run is its outcome; any
+  other crash fails its test.
 """
 
 import configparser
@@ -189,8 +193,7 @@ def test_the_watchdog_fails_a_hung_test_with_its_stack(tmp_path, request):
     (tmp_path / "test_hung.py").write_text(HUNG_TESTS)
     ini = os.path.join(HERE, "pytest.ini")
     # The native wait through xdist as the suite runs (pytest.ini's addopts), with one worker:
-    # a worker that faulthandler ends is not replaced (--max-worker-restart=0 there), so the
-    # run ends. The Python wait in this process (-n 0): pytest-timeout acts inside the
+    # faulthandler ends the worker, and the test fails as a crash. The Python wait in this process (-n 0): pytest-timeout acts inside the
     # process running the test, an xdist worker or not.
     common = [sys.executable, "-m", "pytest", "-c", ini, "--rootdir", str(tmp_path), "-p", "no:cacheprovider",
               "-q", str(tmp_path / "test_hung.py")]
@@ -205,6 +208,47 @@ def test_the_watchdog_fails_a_hung_test_with_its_stack(tmp_path, request):
     native = native_out + native_err
     assert "Timeout (0:00:01)!" in native and "in test_waits_in_native" in native, native
     assert "crashed while running 'test_hung.py::test_waits_in_native'" in native, native
+
+
+CRASHING_TESTS = '''
+import os, signal
+
+def test_crashes_once(tmp_path_factory):
+    mark = os.path.join(os.environ["CRASH_MARKS"], "once")
+    if not os.path.exists(mark):
+        open(mark, "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+def test_crashes_always():
+    os.kill(os.getpid(), signal.SIGSEGV)
+'''
+
+
+@pytest.mark.slow  # child processes: the extended tier
+def test_a_crashed_worker_reruns_a_rocal_test_once_and_fails_any_other(tmp_path, monkeypatch):
+    # The suite's pytest.ini and conftest's hook, on a file named as the rocAL tests' and on
+    # another: a crash once is rerun and passes, a crash twice fails, and the same crash in
+    # a file not in CRASH_RERUN_FILES fails at once (its marker file is never made).
+    assert conftest.CRASH_RERUN_FILES == ("test_rocal.py",)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    for name in ("test_rocal.py", "test_other.py"):
+        (tmp_path / name).write_text(CRASHING_TESTS)
+    common = [sys.executable, "-m", "pytest", "-c", os.path.join(HERE, "pytest.ini"), "-p", "conftest",
+              "--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-n", "1", "-rA"]
+    monkeypatch.setenv("CRASH_MARKS", str(marks))
+    monkeypatch.setenv("PYTHONPATH", HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    ((rocal_code, rocal_out, rocal_err),) = run_children([common + ["test_rocal.py"]], timeout=120, cwd=tmp_path)
+    assert rocal_code == 1, (rocal_out, rocal_err)
+    assert "1 failed, 1 passed" in rocal_out, rocal_out
+    assert "PASSED test_rocal.py::test_crashes_once" in rocal_out, rocal_out
+    assert "FAILED test_rocal.py::test_crashes_always" in rocal_out, rocal_out
+    assert "crash rerun: test_rocal.py::test_crashes_once: its worker crashed" in rocal_out, rocal_out
+    (marks / "once").unlink()
+    ((other_code, other_out, other_err),) = run_children([common + ["test_other.py", "-k", "once"]], timeout=120,
+                                                          cwd=tmp_path)
+    assert other_code == 1 and "1 failed" in other_out and "crash rerun" not in other_out, (other_out, other_err)
+    assert "crashed while running 'test_other.py::test_crashes_once'" in other_out + other_err
 
 
 def test_the_deeper_profiles_scale_the_watchdog(request):
