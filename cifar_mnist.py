@@ -9,7 +9,7 @@ download. A reader reads back what a writer wrote, bit for bit, and refuses a ma
 Deliberate difference from rocAL: files are read in sorted name order, not in ``readdir`` order (the filesystem's).
 
 Inputs: a count or seed is a Python or NumPy int, never a bool or a float (even 5.0); a path a str or ``os.PathLike``;
-labels of an integer dtype. Anything else raises ValueError naming the function, the parameter and the value.
+labels of an integer dtype. Anything else raises ValueError at the call, naming the function, parameter and value.
 
 Imports: NumPy only, so the module can be copied alone (its name shadows no ``datasets`` package).
 """
