@@ -8,10 +8,9 @@ the table's own arithmetic, checked first on all 256 values), so every device gi
 
 Deliberate difference from rocAL: a crop larger than the image is an error here; rocAL silently clamps it.
 
-Inputs: an int parameter (a size, a crop, a shape) takes a Python or NumPy integer, never a
-bool nor a float, even a whole one. A real number (a mean, a std, a crop position) takes what
-``normalize_table`` states, never a bool. ``mirror`` takes Python's or NumPy's bool, not 0 or
-1. Anything else raises ValueError at the call, naming the function, the parameter and the value.
+Inputs: an int parameter (a size, a crop, a shape) takes a Python or NumPy integer, never a bool or a float (even 5.0).
+A real number (a mean, a std, a crop position) takes what ``normalize_table`` states. ``mirror`` takes Python's or
+NumPy's bool, not 0 or 1. Anything else raises ValueError at the call, naming the function, the parameter and the value.
 
 Imports: NumPy (>= 1.25) only, so the module can be copied alone.
 """
@@ -28,14 +27,12 @@ import numpy as np
 
 ARITHMETICS = ("rocal", "dali_cpu", "dali_gpu")
 
-# Read in the vendors' source (ROCm/rocAL develop and rocm-6.4.1, ROCm/rpp, NVIDIA/DALI 2.4), as
-# normalize_table and crop_anchor state them: rocAL's node_crop_mirror_normalize.cpp computes inv and
-#   the offset; RPP applies the FMA (crop_mirror_normalize.hpp's _mm256_fmadd_ps; the HIP kernel's
-#   pix * inv + offset is contracted to an FMA); the anchor is nearbyintf. Default mirror=1.
-# DALI's CPU kernel is slice_flip_normalize_permute_pad_cpu.h, its GPU kernel slice_flip_normalize_gpu*.cu;
-#   both anchors are crop_attr.cc's std::round (rounding="round"). Default mirror=0.
-# Neither is (x - mean) / std: for mean = std = 127.5 that differs from rocAL's result on
-# 223 of the 256 uint8 values (by 1 ulp).
+# Read in the vendors' source (ROCm/rocAL develop and rocm-6.4.1, ROCm/rpp, NVIDIA/DALI 2.4), as normalize_table and
+# crop_anchor state them. rocAL: node_crop_mirror_normalize.cpp computes inv and the offset; RPP applies the FMA
+# (crop_mirror_normalize.hpp's _mm256_fmadd_ps; the HIP kernel's pix * inv + offset is contracted to an FMA); the anchor
+# is nearbyintf; default mirror=1. DALI: CPU kernel slice_flip_normalize_permute_pad_cpu.h, GPU kernel
+# slice_flip_normalize_gpu*.cu; both anchors are crop_attr.cc's std::round (rounding="round"); default mirror=0.
+# Neither is (x - mean) / std: for mean = std = 127.5 that differs from rocAL's on 223 of the 256 uint8 values (1 ulp).
 
 
 def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str = "rocal") -> np.ndarray:
@@ -65,10 +62,9 @@ def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str
     std -2.0 gives off = -0.0 and table[0, 0] = fma(0, -0.5, -0.0) = -0.0.
 
     Raises:
-      ValueError: an unknown arithmetic; mean or std not as above, empty or of different
-        lengths (no broadcasting); an entry not finite after f32; a std whose f32 is zero
-        or subnormal; an inv, offset or table entry beyond float32. Subnormal means and
-        negative stds are accepted.
+      ValueError: an unknown arithmetic; mean or std not as above, empty or of different lengths (no broadcasting); an
+        entry not finite after f32; a std whose f32 is zero or subnormal; an inv, offset or table entry beyond float32.
+        Subnormal means and negative stds are accepted.
     """
     return keyed_table(table_key(mean, std, arithmetic, "normalize_table")).copy()
 
@@ -81,9 +77,8 @@ def table_key(mean, std, arithmetic: str, where: str) -> tuple[bytes, bytes, str
 
 
 def keyed_table(key: tuple[bytes, bytes, str]) -> np.ndarray:
-    """The read-only table of a ``table_key``, computed once per key and shared. ValueError
-    unless ``key`` is what ``table_key`` returns: two byte strings of the same whole number
-    of float32 values, at least one, and an arithmetic."""
+    """The read-only table of a ``table_key``, computed once per key and shared. ValueError unless ``key`` is what
+    ``table_key`` returns: two byte strings of the same number (>= 1) of float32 values, and an arithmetic."""
     ok = isinstance(key, tuple) and len(key) == 3 and all(isinstance(k, bytes) for k in key[:2]) \
         and len(key[0]) == len(key[1]) and len(key[0]) and not len(key[0]) % 4
     if not ok:
@@ -159,8 +154,7 @@ def crop_anchor(pos: float, size: int, crop: int, arithmetic: str = "rocal") -> 
     [0, size - crop].
 
     Raises:
-      ValueError: an unknown arithmetic; size or crop not an int; size < 1; crop outside
-        [1, size]; pos not a real number (as normalize_table's entries) in [0, 1].
+      ValueError: an unknown arithmetic; size not an int >= 1; crop not an int in [1, size]; pos not a real in [0, 1].
     """
     _check_arithmetic(arithmetic)
     size, crop = _check_int("crop_anchor", "size", size, 1), _check_int("crop_anchor", "crop", crop, 1)
@@ -245,8 +239,7 @@ def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
     """``np.empty`` whose data (if it has an element) starts on an ``align``-byte boundary.
 
     JAX's CPU client wraps a 64-byte-aligned host buffer without copying it; NumPy's allocator only promises 16 bytes.
-    ``shape`` is an int or ints >= 0, ``align`` an int >= 1, ``dtype`` what ``np.dtype`` takes: ValueError, naming the
-    parameter, otherwise.
+    ``shape`` is an int or ints >= 0, ``align`` an int >= 1, ``dtype`` what ``np.dtype`` takes; ValueError otherwise.
     """
     shape = _ints("aligned_empty", "shape", (shape,) if _is_int(shape) else shape, None, 0)
     align = _check_int("aligned_empty", "align", align, 1)
@@ -266,13 +259,11 @@ class Normalize:
 
     The default is the rocAL notebook's: no crop, no flip, mean = std = 127.5 per channel, rocAL's arithmetic; the DALI
     notebook's MNIST is ``Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu")``. ``arithmetic`` also picks the
-    crop anchor's rounding; ``table`` is the (C, 256) specification. The images it takes are uint8 NCHW with
-    C = len(mean).
+    crop anchor's rounding; ``table`` is the (C, 256) specification. It takes uint8 NCHW images with C = len(mean).
 
-    The fields take what crop_mirror_normalize takes, but ``mirror`` is one bool. They are checked on construction and
+    The fields take what crop_mirror_normalize takes, but ``mirror`` is one bool; they are checked on construction and
     stored as plain Python values, mean, std and crop_pos as tuples of ``float()``. Two Normalize are equal, and hash
-    alike, exactly when every field is the same, floats bit for bit: mean 0.0 and -0.0, whose tables differ, are
-    different values.
+    alike, exactly when every field is the same, floats bit for bit (mean 0.0 and -0.0 differ, as their tables do).
     """
     mean: tuple[float, ...] = (127.5, 127.5, 127.5)
     std: tuple[float, ...] = (127.5, 127.5, 127.5)
