@@ -64,8 +64,7 @@ def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str
     Raises:
       ValueError: an unknown arithmetic; mean or std not as above, empty or of different lengths (no broadcasting); an
         entry not finite after f32; a std whose f32 is zero or subnormal; an inv, offset or table entry beyond float32.
-        Subnormal means and negative stds are accepted.
-    """
+        Subnormal means and negative stds are accepted."""
     return keyed_table(table_key(mean, std, arithmetic, "normalize_table")).copy()
 
 
@@ -186,8 +185,7 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
     Crop, then flip, then a lookup: no other rounding happens. ``crop`` is None or two ints, ``crop_pos`` two real
     numbers in [0, 1]. ``mirror`` is one bool for every image, or N bools (a list or a NumPy bool array; not ints).
     ``out`` is a float32 (N, C, ch, cw) array to write into; by default a new 64-byte-aligned one (``aligned_empty``).
-    ValueError for anything else, or a crop larger than the image.
-    """
+    ValueError for anything else, or a crop larger than the image."""
     images_NCHW = np.asarray(images_NCHW)
     if images_NCHW.ndim != 4 or images_NCHW.dtype != np.uint8:
         raise ValueError(f"crop_mirror_normalize: images must be uint8 NCHW, got "
@@ -239,8 +237,7 @@ def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
     """``np.empty`` whose data (if it has an element) starts on an ``align``-byte boundary.
 
     JAX's CPU client wraps a 64-byte-aligned host buffer without copying it; NumPy's allocator only promises 16 bytes.
-    ``shape`` is an int or ints >= 0, ``align`` an int >= 1, ``dtype`` what ``np.dtype`` takes; ValueError otherwise.
-    """
+    ``shape`` is an int or ints >= 0, ``align`` an int >= 1, ``dtype`` what ``np.dtype`` takes; ValueError otherwise."""
     shape = _ints("aligned_empty", "shape", (shape,) if _is_int(shape) else shape, None, 0)
     align = _check_int("aligned_empty", "align", align, 1)
     try:
@@ -263,8 +260,7 @@ class Normalize:
 
     The fields take what crop_mirror_normalize takes, but ``mirror`` is one bool; they are checked on construction and
     stored as plain Python values, mean, std and crop_pos as tuples of ``float()``. Two Normalize are equal, and hash
-    alike, exactly when every field is the same, floats bit for bit (mean 0.0 and -0.0 differ, as their tables do).
-    """
+    alike, exactly when every field is the same, floats bit for bit (mean 0.0 and -0.0 differ, as their tables do)."""
     mean: tuple[float, ...] = (127.5, 127.5, 127.5)
     std: tuple[float, ...] = (127.5, 127.5, 127.5)
     mirror: bool = False

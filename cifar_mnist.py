@@ -38,8 +38,7 @@ def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREF
 
     Raises:
       ValueError: ``filename_prefix`` not a str; a file not of whole 3073-byte records, a label > 9, no record at all.
-      FileNotFoundError: the folder is missing, or no file matches.
-    """
+      FileNotFoundError: the folder is missing, or no file matches."""
     root = _path("read_cifar10", "file_root", file_root)
     if not isinstance(filename_prefix, str):
         raise ValueError(f"read_cifar10: filename_prefix must be a str, got {filename_prefix!r}")
@@ -97,8 +96,7 @@ def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000, num_t
     An image is its class's fixed random low-frequency colour pattern at a random contrast, shifted by a random
     brightness, plus strong per-pixel noise: learnable, but not at a glance, as with real data. The bytes are a function
     of (num_train, num_test, seed) alone, on every machine whose NumPy Generator draws the same values. ``num_train``
-    and ``num_test`` are ints >= 0, ``seed`` an int in [0, 2**32): ValueError before anything is written otherwise.
-    """
+    and ``num_test`` are ints >= 0, ``seed`` an int in [0, 2**32): ValueError before anything is written otherwise."""
     draw = _synthetic_images("synthetic_cifar10", IMAGE_SHAPE, num_train, num_test, seed, salt=0xC1FA)
     root = _path("synthetic_cifar10", "root", root)
     os.makedirs(root, exist_ok=True)
@@ -124,8 +122,7 @@ def read_mnist(folder: str | os.PathLike, split: str = "train"):
     Raises:
       ValueError: an unknown split; a bad magic number, images not 28x28, a file shorter or longer than its header
         says, image and label counts that differ, a label > 9 (naming the file and the value).
-      FileNotFoundError: the folder or a file is missing.
-    """
+      FileNotFoundError: the folder or a file is missing."""
     _check_split("read_mnist", split)
     root = _path("read_mnist", "folder", folder)
     if not os.path.isdir(root):

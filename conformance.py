@@ -94,8 +94,7 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
     fill, a repeat within a shard may be padding and is not flagged.
 
     Raises ValueError for input in neither layout, masks that do not match it, a bad num_samples, batch_size or length,
-    or an unknown partition or last_batch.
-    """
+    or an unknown partition or last_batch."""
     _check_args("describe_epoch", partition, last_batch, num_samples=(num_samples, 0),
                 batch_size=(batch_size, 1), length=(length, 0))
     delivered, masks = _blocks(delivered, masks, batch_size, "describe_epoch")
@@ -374,8 +373,7 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
 
     Raises ValueError for segments elastic_plan refuses (its reason quoted), ``delivered`` or ``masks`` without one
     entry per segment, blocks in neither layout or of another shard count or batch, a bad num_samples or length, or an
-    unknown partition or last_batch.
-    """
+    unknown partition or last_batch."""
     where = "describe_resized_epoch"
     _check_args(where, partition, last_batch, num_samples=(num_samples, 0),
                 **({} if length is None else {"length": (length, 0)}))
@@ -498,8 +496,7 @@ def describe_epochs(epochs, batch_size: int, *, shuffle: bool, findings: Finding
     uniform shuffle repeats them all with chance below ``CHANCE``: the product of 1/L_k!, L_k the distinct samples of
     shard k. One shard of 10 is flagged (1/10!); one of 9 is not.
 
-    Raises ValueError for fewer than two reads, reads of other shard counts, or a read in neither layout.
-    """
+    Raises ValueError for fewer than two reads, reads of other shard counts, or a read in neither layout."""
     pairs = list(epochs.items()) if isinstance(epochs, dict) else list(epochs)
     if len(pairs) < 2:
         raise ValueError(f"describe_epochs: needs two or more reads (epoch, delivered), got {len(pairs)}")
@@ -572,8 +569,7 @@ def describe_values(delivered, values, reference, *, name: str = "labels",
     "{name}" naming the wrong slots and a shift if every wrong one holds the value of the sample d indices (mod N) or d
     slots away in the shard's stream, 0 < |d| <= ``SHIFTS``.
 
-    Raises ValueError for ``values`` unlike ``delivered`` in shards, steps or B, or a ``reference`` with no N axis.
-    """
+    Raises ValueError for ``values`` unlike ``delivered`` in shards, steps or B, or a ``reference`` with no N axis."""
     reference = np.asarray(reference)
     if reference.ndim < 1 or not len(reference):
         raise ValueError(f"describe_values: reference must be the dataset's {name!r} array (N, ...), "

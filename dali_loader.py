@@ -352,8 +352,7 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
 
     Raises:
       ImportError: nvidia.dali does not import (the message says how to install it).
-      ValueError: what ``make_loader`` refuses; an argument outside its line; devices not all CPU or all NVIDIA GPUs.
-    """
+      ValueError: what ``make_loader`` refuses; an argument outside its line; devices not all CPU or all NVIDIA GPUs."""
     arithmetic = arithmetic_for(devices)  # first: a ROCm GPU is refused by name
     mesh = loaders.data_mesh(devices)
     if normalize is None:

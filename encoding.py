@@ -28,8 +28,7 @@ def index_limit(shape: tuple[int, ...] = IMAGE_SHAPE, dtype=np.uint8) -> int:
     * another integer dtype: min(its largest value + 1, 2**63) (indices are int64): int8 128, int16 32,768, uint16
       65,536, int64 and uint64 2**63.
 
-    Raises ValueError for a shape that is not non-negative ints, or another dtype.
-    """
+    Raises ValueError for a shape that is not non-negative ints, or another dtype."""
     return _limit(shape, dtype, "index_limit")
 
 
@@ -66,8 +65,7 @@ def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = IMAGE_SHAPE, dt
     * any other dtype: every element equals the index, exactly.
 
     ``indices``: integers of any shape, flattened. Raises ValueError for indices that are not integers or lie outside
-    [0, index_limit(shape, dtype)), or a bad shape or dtype.
-    """
+    [0, index_limit(shape, dtype)), or a bad shape or dtype."""
     raw, dtype = np.asarray(indices).reshape(-1), np.dtype(dtype)
     limit, shape = _limit(shape, dtype, "encoded_images"), tuple(int(d) for d in shape)
     if raw.size and raw.dtype.kind not in "iu" and not (
@@ -103,8 +101,7 @@ def decode_indices(images: np.ndarray, normalize: Normalize | None = None) -> np
       nothing), read exactly (floats through float64, longdouble as it is). A sample of no elements encodes nothing.
 
     Raises ValueError for images without a batch axis, uint8 samples of fewer than 2 elements, or normalised images that
-    are not (B, C, H, W) with normalize's channels.
-    """
+    are not (B, C, H, W) with normalize's channels."""
     images = np.asarray(images)
     if images.ndim < 1:
         raise ValueError("decode_indices: samples must be (B, ...) with a batch axis, got a scalar")

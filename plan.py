@@ -92,8 +92,7 @@ def shard_permutation(size: int, *, seed: int, epoch: int, shard: int, segment: 
     NumPy specifies SeedSequence and PCG64's raw stream bit for bit; ``Generator.permutation`` may change between
     versions. SeedSequence mixes its words, never adds them: (seed 1, epoch 0) and (seed 0, epoch 1) are unrelated. It
     pads E with zero words, so segment 0 leaves the fourth word out rather than repeat a stream. Every number is in
-    [0, 2**32).
-    """
+    [0, 2**32)."""
     size = _check_int("shard_permutation", "size", size, 0)
     entropy = [check_seed(name, value, "shard_permutation")
                for name, value in (("seed", seed), ("epoch", epoch), ("shard", shard), ("segment", segment))]
@@ -141,8 +140,7 @@ def elastic_plan(num_samples: int, segments: Sequence, *, epoch: int = 0, seed: 
 
     Row 3: drop's epoch ends at step 1, so 2, 5 and 6 stay skipped. Row 5: shard 0's run is empty and pads with 2.
     Row 9: not epoch_plan(7, 2, 1)'s step 2, [2] [5]. Raises ValueError, naming the parameter and the value, for a
-    segment that is not three ints with start >= 0 and 1 <= num_shards <= num_samples, or a start outside that range.
-    """
+    segment that is not three ints with start >= 0 and 1 <= num_shards <= num_samples, or a start outside that range."""
     where = "elastic_plan"
     epoch, seed = check_seed("epoch", epoch, where), check_seed("seed", seed, where)
     shuffle = _check_bool(where, "shuffle", shuffle)
@@ -206,8 +204,7 @@ def on_devices(plan: Plan, num_devices: int) -> Plan:
         2       | [0,1] [0*,2]         | [3,5] [4,6]  |              |
         1       | [0,1,3,5] [0*,2,4,6] |              |              |
 
-    Raises ValueError unless ``plan`` is a Plan of two arrays of one 3-d shape and 1 <= n <= L.
-    """
+    Raises ValueError unless ``plan`` is a Plan of two arrays of one 3-d shape and 1 <= n <= L."""
     if not (isinstance(plan, Plan) and all(isinstance(a, np.ndarray) for a in plan)
             and plan.indices.ndim == 3 and plan.mask.shape == plan.indices.shape):
         got = ([(type(a).__name__, getattr(a, "shape", None)) for a in plan] if isinstance(plan, Plan)
@@ -261,8 +258,7 @@ def dataset_digest(arrays: Mapping) -> str:
 
     Raises ValueError unless ``arrays`` maps str names to arrays of dtype kind b, i, u, f or c (bools, integers, floats,
     complex) or of ml_dtypes': an object dtype's bytes are pointers, a structured one's name hides its fields, and
-    datetime and timedelta are refused too.
-    """
+    datetime and timedelta are refused too."""
     if not isinstance(arrays, Mapping):
         raise ValueError(f"dataset_digest: arrays must be a mapping of names to arrays, got {type(arrays).__name__}")
     for name in arrays:
@@ -300,8 +296,7 @@ class LoaderState:
     separators "," and ":" and no spaces; ``from_json`` reads it back.
 
     Raises ValueError, naming the field and the value, for what elastic_plan refuses, a step outside [the last segment's
-    start, the epoch's end], or a dataset not None or a digest.
-    """
+    start, the epoch's end], or a dataset not None or a digest."""
     num_samples: int
     seed: int
     epoch: int
@@ -352,8 +347,7 @@ class LoaderState:
         """The state a loader of ``num_shards`` shards of ``batch_size`` resumes from, at this step.
 
         A last segment that ran no step (step == its start) is dropped first: a resize at step 0 is a fresh epoch. The
-        segments are kept if the last one has this (n, B); otherwise (step, n, B) is appended.
-        """
+        segments are kept if the last one has this (n, B); otherwise (step, n, B) is appended."""
         n = _check_int("LoaderState.resized", "num_shards", num_shards, 1)
         B = _check_int("LoaderState.resized", "batch_size", batch_size, 1)
         kept = self.segments[:-1] if self.step == self.segments[-1].start else self.segments
@@ -410,8 +404,7 @@ class Schedule:
 
     ``dataset`` is a ``dataset_digest``, a function of no arguments returning one (called only when a state is made or
     checked), or None (states name no data). It is not compared. Raises ValueError, naming the field and the value, for
-    what ``epoch_plan`` refuses.
-    """
+    what ``epoch_plan`` refuses."""
     num_samples: int
     num_shards: int
     batch_size: int
