@@ -113,9 +113,8 @@ def _keyed_table(key: tuple[bytes, bytes, str]) -> np.ndarray:
 
 
 def table_operands(key: tuple[bytes, bytes, str]) -> dict[str, np.ndarray]:
-    """The float32 operands (C,) of a ``table_key``'s table, as ``normalize_table`` computes them: {"inv", "offset"}
-    ("rocal", "dali_gpu": table[c, x] = fma(x, inv[c], offset[c])) or {"mean", "inv"} ("dali_cpu":
-    (x - mean[c]) * inv[c])."""
+    """The float32 operands (C,) of a ``table_key``'s table, as ``normalize_table``'s: {"inv", "offset"} ("rocal",
+    "dali_gpu": table[c, x] = fma(x, inv[c], offset[c])) or {"mean", "inv"} ("dali_cpu": (x - mean[c]) * inv[c])."""
     keyed_table(key)  # checks the key, and that every operand is finite
     mean32, std32 = np.frombuffer(key[0], np.float32), np.frombuffer(key[1], np.float32)
     inv, offset = _operands(mean32, std32, key[2])
@@ -149,8 +148,7 @@ def crop_anchor(pos: float, size: int, crop: int, arithmetic: str = "rocal") -> 
         "dali_cpu", "dali_gpu":  t = p * d        # double(p) times the span: exact
                                  anchor = floor(t + 1/2)  (std::round: half away from zero)
 
-    So pos=0.7 with d=5 gives DALI t = 3.4999999 and anchor 3, but rocAL t = 3.5 and anchor 4. The anchor lies in
-    [0, size - crop].
+    So pos=0.7, d=5 gives DALI t = 3.4999999, anchor 3; rocAL t = 3.5, anchor 4. The anchor is in [0, size - crop].
 
     Raises:
       ValueError: an unknown arithmetic; size not an int >= 1; crop not an int in [1, size]; pos not a real in [0, 1].

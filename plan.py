@@ -91,8 +91,7 @@ def shard_permutation(size: int, *, seed: int, epoch: int, shard: int, segment: 
 
     NumPy specifies SeedSequence and PCG64's raw stream bit for bit; ``Generator.permutation`` may change between
     versions. SeedSequence mixes its words, never adds them: (seed 1, epoch 0) and (seed 0, epoch 1) are unrelated. It
-    pads E with zero words, so segment 0 leaves the fourth word out rather than repeat a stream. Every number is in
-    [0, 2**32)."""
+    pads E with zeros, so segment 0 omits the fourth word rather than repeat a stream. Each word is in [0, 2**32)."""
     size = _check_int("shard_permutation", "size", size, 0)
     entropy = [check_seed(name, value, "shard_permutation")
                for name, value in (("seed", seed), ("epoch", epoch), ("shard", shard), ("segment", segment))]
