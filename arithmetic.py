@@ -227,7 +227,6 @@ def _window(where: str, image_hw, crop, crop_pos, arithmetic: str) -> tuple[int,
     if not (ch <= h and cw <= w):
         raise ValueError(f"{where}: crop={crop} does not fit in images of {h}x{w}")
     pos_y, pos_x = _crop_pos(where, crop_pos)
-    _check_arithmetic(arithmetic)
     return (crop_anchor(pos_y, h, ch, arithmetic), crop_anchor(pos_x, w, cw, arithmetic), ch, cw)
 
 
