@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 import loaders
 from arithmetic import Normalize
-from cifar_mnist import TRAIN_PREFIX, read_cifar10
+from cifar_mnist import TRAIN_PREFIX, _write_atomically, read_cifar10
 from plan import LoaderState, Plan, check_seed, on_devices, shard_bounds
 
 INSTALL_HINT = ("the DALI backend needs NVIDIA DALI: pip install -r requirements-dali.txt "
@@ -166,14 +166,7 @@ def shard_list(folder: str, shard_id: int, num_shards: int) -> str:
     with open(os.path.join(folder, LIST_NAME)) as f:
         lines = f.readlines()
     start, stop = shard_bounds(len(lines), shard_id, num_shards)
-    fd, scratch = tempfile.mkstemp(dir=folder, prefix=".list-writing-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(lines[start:stop]))
-        os.replace(scratch, path)
-    except BaseException:
-        os.unlink(scratch)
-        raise
+    _write_atomically(path, "".join(lines[start:stop]).encode())
     return path
 
 
