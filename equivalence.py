@@ -17,7 +17,6 @@ from typing import Callable, Iterable, NamedTuple
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import strategies
