@@ -152,7 +152,7 @@ def stepwise_distances(fn_a: Callable, layout_a: str, fn_b: Callable, layout_b: 
     units_of = _step_units(loss_terms, mesh)
     rng = np.random.default_rng(seed)
     signs = [rng.choice(np.array([-1.0, 1.0]), size=np.shape(x)) for x in jax.tree.leaves(params)]
-    n, sharding = mesh.devices.size, NamedSharding(mesh, P(AXIS))
+    n = mesh.devices.size
     distances, twins, same, diverged = [], [], True, None
     for t, host in enumerate(batches):
         host = {k: np.asarray(v) for k, v in host.items() if k != strategies.SHARDS_KEY}  # rows only
