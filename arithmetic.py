@@ -8,10 +8,9 @@ the table's own arithmetic, checked first on all 256 values), so every device gi
 
 Deliberate difference from rocAL: a crop larger than the image is an error here; rocAL silently clamps it.
 
-Inputs: an int parameter (a size, a crop, a shape) takes a Python or NumPy integer, never a
-bool nor a float, even a whole one. A real number (a mean, a std, a crop position) takes what
-``normalize_table`` states, never a bool. ``mirror`` takes Python's or NumPy's bool, not 0 or
-1. Anything else raises ValueError at the call, naming the function, the parameter and the value.
+Inputs: an int parameter (a size, a crop, a shape) takes a Python or NumPy integer, never a bool or a float (even 5.0).
+A real number (a mean, a std, a crop position) takes what ``normalize_table`` states. ``mirror`` takes Python's or
+NumPy's bool, not 0 or 1. Anything else raises ValueError at the call, naming the function, the parameter and the value.
 
 Imports: NumPy (>= 1.25) only, so the module can be copied alone.
 """
@@ -28,14 +27,12 @@ import numpy as np
 
 ARITHMETICS = ("rocal", "dali_cpu", "dali_gpu")
 
-# Read in the vendors' source (ROCm/rocAL develop and rocm-6.4.1, ROCm/rpp, NVIDIA/DALI 2.4), as
-# normalize_table and crop_anchor state them: rocAL's node_crop_mirror_normalize.cpp computes inv and
-#   the offset; RPP applies the FMA (crop_mirror_normalize.hpp's _mm256_fmadd_ps; the HIP kernel's
-#   pix * inv + offset is contracted to an FMA); the anchor is nearbyintf. Default mirror=1.
-# DALI's CPU kernel is slice_flip_normalize_permute_pad_cpu.h, its GPU kernel slice_flip_normalize_gpu*.cu;
-#   both anchors are crop_attr.cc's std::round (rounding="round"). Default mirror=0.
-# Neither is (x - mean) / std: for mean = std = 127.5 that differs from rocAL's result on
-# 223 of the 256 uint8 values (by 1 ulp).
+# Read in the vendors' source (ROCm/rocAL develop and rocm-6.4.1, ROCm/rpp, NVIDIA/DALI 2.4), as normalize_table and
+# crop_anchor state them. rocAL: node_crop_mirror_normalize.cpp computes inv and the offset; RPP applies the FMA
+# (crop_mirror_normalize.hpp's _mm256_fmadd_ps; the HIP kernel's pix * inv + offset is contracted to an FMA); the anchor
+# is nearbyintf; default mirror=1. DALI: CPU kernel slice_flip_normalize_permute_pad_cpu.h, GPU kernel
+# slice_flip_normalize_gpu*.cu; both anchors are crop_attr.cc's std::round (rounding="round"); default mirror=0.
+# Neither is (x - mean) / std: for mean = std = 127.5 that differs from rocAL's on 223 of the 256 uint8 values (1 ulp).
 
 
 def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str = "rocal") -> np.ndarray:
@@ -65,11 +62,9 @@ def normalize_table(mean: Sequence[float], std: Sequence[float], arithmetic: str
     std -2.0 gives off = -0.0 and table[0, 0] = fma(0, -0.5, -0.0) = -0.0.
 
     Raises:
-      ValueError: an unknown arithmetic; mean or std not as above, empty or of different
-        lengths (no broadcasting); an entry not finite after f32; a std whose f32 is zero
-        or subnormal; an inv, offset or table entry beyond float32. Subnormal means and
-        negative stds are accepted.
-    """
+      ValueError: an unknown arithmetic; mean or std not as above, empty or of different lengths (no broadcasting); an
+        entry not finite after f32; a std whose f32 is zero or subnormal; an inv, offset or table entry beyond float32.
+        Subnormal means and negative stds are accepted."""
     return keyed_table(table_key(mean, std, arithmetic, "normalize_table")).copy()
 
 
@@ -81,9 +76,8 @@ def table_key(mean, std, arithmetic: str, where: str) -> tuple[bytes, bytes, str
 
 
 def keyed_table(key: tuple[bytes, bytes, str]) -> np.ndarray:
-    """The read-only table of a ``table_key``, computed once per key and shared. ValueError
-    unless ``key`` is what ``table_key`` returns: two byte strings of the same whole number
-    of float32 values, at least one, and an arithmetic."""
+    """The read-only table of a ``table_key``, computed once per key and shared. ValueError unless ``key`` is what
+    ``table_key`` returns: two byte strings of the same number (>= 1) of float32 values, and an arithmetic."""
     ok = isinstance(key, tuple) and len(key) == 3 and all(isinstance(k, bytes) for k in key[:2]) \
         and len(key[0]) == len(key[1]) and len(key[0]) and not len(key[0]) % 4
     if not ok:
@@ -119,9 +113,8 @@ def _keyed_table(key: tuple[bytes, bytes, str]) -> np.ndarray:
 
 
 def table_operands(key: tuple[bytes, bytes, str]) -> dict[str, np.ndarray]:
-    """The float32 operands (C,) of a ``table_key``'s table, as ``normalize_table`` computes them: {"inv", "offset"}
-    ("rocal", "dali_gpu": table[c, x] = fma(x, inv[c], offset[c])) or {"mean", "inv"} ("dali_cpu":
-    (x - mean[c]) * inv[c])."""
+    """The float32 operands (C,) of a ``table_key``'s table, as ``normalize_table``'s: {"inv", "offset"} ("rocal",
+    "dali_gpu": table[c, x] = fma(x, inv[c], offset[c])) or {"mean", "inv"} ("dali_cpu": (x - mean[c]) * inv[c])."""
     keyed_table(key)  # checks the key, and that every operand is finite
     mean32, std32 = np.frombuffer(key[0], np.float32), np.frombuffer(key[1], np.float32)
     inv, offset = _operands(mean32, std32, key[2])
@@ -155,12 +148,10 @@ def crop_anchor(pos: float, size: int, crop: int, arithmetic: str = "rocal") -> 
         "dali_cpu", "dali_gpu":  t = p * d        # double(p) times the span: exact
                                  anchor = floor(t + 1/2)  (std::round: half away from zero)
 
-    So pos=0.7 with d=5 gives DALI t = 3.4999999 and anchor 3, but rocAL t = 3.5 and anchor 4. The anchor lies in
-    [0, size - crop].
+    So pos=0.7, d=5 gives DALI t = 3.4999999, anchor 3; rocAL t = 3.5, anchor 4. The anchor is in [0, size - crop].
 
     Raises:
-      ValueError: an unknown arithmetic; size or crop not an int; size < 1; crop outside
-        [1, size]; pos not a real number (as normalize_table's entries) in [0, 1].
+      ValueError: an unknown arithmetic; size not an int >= 1; crop not an int in [1, size]; pos not a real in [0, 1].
     """
     _check_arithmetic(arithmetic)
     size, crop = _check_int("crop_anchor", "size", size, 1), _check_int("crop_anchor", "crop", crop, 1)
@@ -192,8 +183,7 @@ def crop_mirror_normalize(images_NCHW: np.ndarray, *, crop: tuple[int, int] | No
     Crop, then flip, then a lookup: no other rounding happens. ``crop`` is None or two ints, ``crop_pos`` two real
     numbers in [0, 1]. ``mirror`` is one bool for every image, or N bools (a list or a NumPy bool array; not ints).
     ``out`` is a float32 (N, C, ch, cw) array to write into; by default a new 64-byte-aligned one (``aligned_empty``).
-    ValueError for anything else, or a crop larger than the image.
-    """
+    ValueError for anything else, or a crop larger than the image."""
     images_NCHW = np.asarray(images_NCHW)
     if images_NCHW.ndim != 4 or images_NCHW.dtype != np.uint8:
         raise ValueError(f"crop_mirror_normalize: images must be uint8 NCHW, got "
@@ -237,7 +227,6 @@ def _window(where: str, image_hw, crop, crop_pos, arithmetic: str) -> tuple[int,
     if not (ch <= h and cw <= w):
         raise ValueError(f"{where}: crop={crop} does not fit in images of {h}x{w}")
     pos_y, pos_x = _crop_pos(where, crop_pos)
-    _check_arithmetic(arithmetic)
     return (crop_anchor(pos_y, h, ch, arithmetic), crop_anchor(pos_x, w, cw, arithmetic), ch, cw)
 
 
@@ -245,9 +234,7 @@ def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
     """``np.empty`` whose data (if it has an element) starts on an ``align``-byte boundary.
 
     JAX's CPU client wraps a 64-byte-aligned host buffer without copying it; NumPy's allocator only promises 16 bytes.
-    ``shape`` is an int or ints >= 0, ``align`` an int >= 1, ``dtype`` what ``np.dtype`` takes: ValueError, naming the
-    parameter, otherwise.
-    """
+    ``shape`` is an int or ints >= 0, ``align`` an int >= 1, ``dtype`` what ``np.dtype`` takes; ValueError otherwise."""
     shape = _ints("aligned_empty", "shape", (shape,) if _is_int(shape) else shape, None, 0)
     align = _check_int("aligned_empty", "align", align, 1)
     try:
@@ -266,14 +253,11 @@ class Normalize:
 
     The default is the rocAL notebook's: no crop, no flip, mean = std = 127.5 per channel, rocAL's arithmetic; the DALI
     notebook's MNIST is ``Normalize(mean=(0.0,), std=(255.0,), arithmetic="dali_cpu")``. ``arithmetic`` also picks the
-    crop anchor's rounding; ``table`` is the (C, 256) specification. The images it takes are uint8 NCHW with
-    C = len(mean).
+    crop anchor's rounding; ``table`` is the (C, 256) specification. It takes uint8 NCHW images with C = len(mean).
 
-    The fields take what crop_mirror_normalize takes, but ``mirror`` is one bool. They are checked on construction and
+    The fields take what crop_mirror_normalize takes, but ``mirror`` is one bool; they are checked on construction and
     stored as plain Python values, mean, std and crop_pos as tuples of ``float()``. Two Normalize are equal, and hash
-    alike, exactly when every field is the same, floats bit for bit: mean 0.0 and -0.0, whose tables differ, are
-    different values.
-    """
+    alike, exactly when every field is the same, floats bit for bit (mean 0.0 and -0.0 differ, as their tables do)."""
     mean: tuple[float, ...] = (127.5, 127.5, 127.5)
     std: tuple[float, ...] = (127.5, 127.5, 127.5)
     mirror: bool = False

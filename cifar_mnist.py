@@ -6,12 +6,10 @@ planes of 32x32, row-major. ``read_mnist`` reads MNIST's IDX files, gzipped or n
 the ``synthetic_*`` functions write small deterministic datasets in them, so that every test and job runs without a
 download. A reader reads back what a writer wrote, bit for bit, and refuses a malformed file naming it.
 
-Deliberate difference from rocAL: files are read in sorted name order, not in raw ``readdir`` order, which depends on
-the filesystem.
+Deliberate difference from rocAL: files are read in sorted name order, not in ``readdir`` order (the filesystem's).
 
-Inputs: a count or seed is a Python or NumPy integer, never a bool nor a float (even 5.0); a path a str or an
-``os.PathLike``; labels of an integer dtype. Anything else raises ValueError at the call, naming the function, the
-parameter and the value.
+Inputs: a count or seed is a Python or NumPy int, never a bool or a float (even 5.0); a path a str or ``os.PathLike``;
+labels of an integer dtype. Anything else raises ValueError at the call, naming the function, parameter and value.
 
 Imports: NumPy only, so the module can be copied alone (its name shadows no ``datasets`` package).
 """
@@ -39,10 +37,8 @@ def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREF
     file the images are a read-only view of a memory map (no copy); with several, one in-memory copy.
 
     Raises:
-      ValueError: ``filename_prefix`` not a str; a file that is not whole 3073-byte records, a
-        label > 9, no record at all.
-      FileNotFoundError: the folder is missing, or no file matches.
-    """
+      ValueError: ``filename_prefix`` not a str; a file not of whole 3073-byte records, a label > 9, no record at all.
+      FileNotFoundError: the folder is missing, or no file matches."""
     root = _path("read_cifar10", "file_root", file_root)
     if not isinstance(filename_prefix, str):
         raise ValueError(f"read_cifar10: filename_prefix must be a str, got {filename_prefix!r}")
@@ -83,10 +79,8 @@ def read_cifar10(file_root: str | os.PathLike, filename_prefix: str = TRAIN_PREF
 
 
 def write_cifar10(path: str | os.PathLike, images_NCHW: np.ndarray, labels_N: np.ndarray) -> None:
-    """Writes one CIFAR-10 binary file, atomically (a reader never sees half a file).
-
-    ``images_NCHW`` is uint8 (N, 3, 32, 32), ``labels_N`` N integers 0..9: ValueError otherwise.
-    """
+    """Writes one CIFAR-10 binary file, atomically (a reader never sees half a file); ``images_NCHW`` is uint8
+    (N, 3, 32, 32), ``labels_N`` N integers 0..9: ValueError otherwise."""
     path = _path("write_cifar10", "path", path)
     images_NCHW, labels_N = _check_images_and_labels(f"write_cifar10({path!r})", images_NCHW, labels_N, IMAGE_SHAPE)
     rows = np.empty((len(labels_N), RECORD_BYTES), np.uint8)
@@ -102,8 +96,7 @@ def synthetic_cifar10(root: str | os.PathLike, *, num_train: int = 50_000, num_t
     An image is its class's fixed random low-frequency colour pattern at a random contrast, shifted by a random
     brightness, plus strong per-pixel noise: learnable, but not at a glance, as with real data. The bytes are a function
     of (num_train, num_test, seed) alone, on every machine whose NumPy Generator draws the same values. ``num_train``
-    and ``num_test`` are ints >= 0, ``seed`` an int in [0, 2**32): ValueError before anything is written otherwise.
-    """
+    and ``num_test`` are ints >= 0, ``seed`` an int in [0, 2**32): ValueError before anything is written otherwise."""
     draw = _synthetic_images("synthetic_cifar10", IMAGE_SHAPE, num_train, num_test, seed, salt=0xC1FA)
     root = _path("synthetic_cifar10", "root", root)
     os.makedirs(root, exist_ok=True)
@@ -127,11 +120,9 @@ def read_mnist(folder: str | os.PathLike, split: str = "train"):
     spelled ``train-images.idx3-ubyte`` as some mirrors do. Uncompressed images are a read-only memory map.
 
     Raises:
-      ValueError: an unknown split; a bad magic number, images not 28x28, a file shorter or
-        longer than its header says, image and label counts that differ, a label > 9 (naming
-        the file and the value).
-      FileNotFoundError: the folder or a file is missing.
-    """
+      ValueError: an unknown split; a bad magic number, images not 28x28, a file shorter or longer than its header
+        says, image and label counts that differ, a label > 9 (naming the file and the value).
+      FileNotFoundError: the folder or a file is missing."""
     _check_split("read_mnist", split)
     root = _path("read_mnist", "folder", folder)
     if not os.path.isdir(root):
@@ -149,11 +140,8 @@ def read_mnist(folder: str | os.PathLike, split: str = "train"):
 
 
 def write_mnist(folder: str | os.PathLike, split: str, images_NCHW: np.ndarray, labels_N: np.ndarray) -> None:
-    """Writes ``split``'s two IDX files, uncompressed, into ``folder``, each atomically.
-
-    ``split`` is "train" or "test", ``images_NCHW`` uint8 (N, 1, 28, 28), ``labels_N`` N integers 0..9: ValueError
-    otherwise.
-    """
+    """Writes ``split``'s two IDX files, uncompressed, into ``folder``, each atomically; ``split`` is "train" or "test",
+    ``images_NCHW`` uint8 (N, 1, 28, 28), ``labels_N`` N integers 0..9: ValueError otherwise."""
     _check_split("write_mnist", split)
     folder = _path("write_mnist", "folder", folder)
     images_NCHW, labels_N = _check_images_and_labels(f"write_mnist({folder!r})", images_NCHW, labels_N, MNIST_SHAPE)
@@ -239,13 +227,9 @@ def _write_atomically(path: str, data: bytes) -> None:
         raise
 
 
-# _is_int and _check_int are copied, not imported: each module can be copied without the rest of the project.
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
+# Not imported from plan.py: each module can be copied without the rest of the project.
 def _check_int(where: str, name: str, value, minimum: int) -> int:
-    if not _is_int(value):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{where}: {name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")

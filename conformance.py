@@ -7,9 +7,8 @@ segments), ``describe_epochs`` (several reads), ``describe_values`` (a key's val
 ``describe_content`` (normalised images and labels). Each returns ``Findings`` (or adds to ``findings``): a summary line
 per kind of deviation, then up to ``EXAMPLES`` examples naming shard(s) and step(s); "" if none.
 
-Not seen: content that still decodes (unless describe_values or describe_content holds it); padding, without masks; the
-order, with shuffle; epochs or processes not given; which device holds a block (decode each of ``addressable_shards``);
-speed.
+Not seen: content that still decodes (but see describe_values, describe_content); padding, without masks; the order,
+with shuffle; epochs or processes not given; which device holds a block (decode each of ``addressable_shards``); speed.
 
 Imports plan.py, arithmetic.py and NumPy, no JAX. Copy it with those two, and encoding.py.
 """
@@ -33,12 +32,9 @@ SHIFTS = 4  # describe_values names a shift of up to this many samples or slots
 
 
 def shard_blocks(array, num_shards: int, layout: str = "sharded") -> np.ndarray:
-    """A global batch as per-shard blocks (n, B, ...): block k is mesh position k's.
-
-    ``array``: NumPy or a fully addressable jax.Array, (n*B, ...) for layout "sharded" (what ``make_loader`` and jit
-    take) or (n, B, ...) for "pmap". Raises ValueError for a bad ``num_shards`` or ``layout``, or a leading axis that
-    does not fit them.
-    """
+    """A global batch as per-shard blocks (n, B, ...): block k is mesh position k's. ``array``: NumPy or a fully
+    addressable jax.Array, (n*B, ...) for layout "sharded" (``make_loader``'s, jit's) or (n, B, ...) for "pmap".
+    ValueError for a bad ``num_shards`` or ``layout``, or a leading axis that does not fit them."""
     _check_args("shard_blocks", num_shards=(num_shards, 1))
     if layout not in LAYOUTS:
         raise ValueError(f"shard_blocks: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -98,8 +94,7 @@ def describe_epoch(delivered, num_samples: int, batch_size: int, *, shuffle: boo
     fill, a repeat within a shard may be padding and is not flagged.
 
     Raises ValueError for input in neither layout, masks that do not match it, a bad num_samples, batch_size or length,
-    or an unknown partition or last_batch.
-    """
+    or an unknown partition or last_batch."""
     _check_args("describe_epoch", partition, last_batch, num_samples=(num_samples, 0),
                 batch_size=(batch_size, 1), length=(length, 0))
     delivered, masks = _blocks(delivered, masks, batch_size, "describe_epoch")
@@ -341,12 +336,10 @@ def _exactly_once(table: np.ndarray, num_samples: int, last_batch: str, end: int
 
 
 def real_first(delivered: list, masks: list) -> tuple[list, list]:
-    """Each shard's slots reordered real first (stable), each shard (steps, B) as it came.
-
-    For ``describe_epoch`` on a shuffled epoch whose padding may sit anywhere (rocAL's): the spec fixes only how many
-    slots are real, so the mask check compares counts, and findings name reordered steps. ``masks`` (bool or 0/1) may
-    cover more batches than arrived. Raises ValueError for masks of another shard count, or covering fewer batches.
-    """
+    """Each shard's slots reordered real first (stable), each shard (steps, B) as it came. For ``describe_epoch`` on a
+    shuffled epoch whose padding may sit anywhere (rocAL's): the spec fixes only how many slots are real, so the mask
+    check compares counts, and findings name reordered steps. ``masks`` (bool or 0/1) may cover more batches than
+    arrived. Raises ValueError for masks of another shard count, or covering fewer batches."""
     if len(masks) != len(delivered):
         raise ValueError(f"real_first: masks has {len(masks)} shards, delivered {len(delivered)}")
     out_delivered, out_masks = [], []
@@ -380,8 +373,7 @@ def describe_resized_epoch(delivered, num_samples: int, segments, *, epoch: int,
 
     Raises ValueError for segments elastic_plan refuses (its reason quoted), ``delivered`` or ``masks`` without one
     entry per segment, blocks in neither layout or of another shard count or batch, a bad num_samples or length, or an
-    unknown partition or last_batch.
-    """
+    unknown partition or last_batch."""
     where = "describe_resized_epoch"
     _check_args(where, partition, last_batch, num_samples=(num_samples, 0),
                 **({} if length is None else {"length": (length, 0)}))
@@ -504,8 +496,7 @@ def describe_epochs(epochs, batch_size: int, *, shuffle: bool, findings: Finding
     uniform shuffle repeats them all with chance below ``CHANCE``: the product of 1/L_k!, L_k the distinct samples of
     shard k. One shard of 10 is flagged (1/10!); one of 9 is not.
 
-    Raises ValueError for fewer than two reads, reads of other shard counts, or a read in neither layout.
-    """
+    Raises ValueError for fewer than two reads, reads of other shard counts, or a read in neither layout."""
     pairs = list(epochs.items()) if isinstance(epochs, dict) else list(epochs)
     if len(pairs) < 2:
         raise ValueError(f"describe_epochs: needs two or more reads (epoch, delivered), got {len(pairs)}")
@@ -571,17 +562,14 @@ def describe_values(delivered, values, reference, *, name: str = "labels",
     """Whether every delivered slot holds its own sample's value of one key.
 
     ``delivered``: decoded indices, in a layout of ``describe_epoch``; ``values``: the key ``name`` as delivered, same
-    layout, per-sample axes last; ``reference``: the dataset's (N, ...) array of that key, any per-sample shape and
-    dtype.
+    layout, per-sample axes last; ``reference``: the dataset's (N, ...) array of it, any sample shape and dtype.
 
     Every slot whose index i is in range(N), padding included, must hold reference[i]: the same bits when the dtypes
     agree (-0.0 is not 0.0; a NaN matches itself), else the same number. One finding per shard: "{name} shape", or
     "{name}" naming the wrong slots and a shift if every wrong one holds the value of the sample d indices (mod N) or d
     slots away in the shard's stream, 0 < |d| <= ``SHIFTS``.
 
-    Raises ValueError for ``values`` that do not match ``delivered`` in shards, steps or B, or a ``reference`` with no
-    leading N axis.
-    """
+    Raises ValueError for ``values`` unlike ``delivered`` in shards, steps or B, or a ``reference`` with no N axis."""
     reference = np.asarray(reference)
     if reference.ndim < 1 or not len(reference):
         raise ValueError(f"describe_values: reference must be the dataset's {name!r} array (N, ...), "
@@ -646,13 +634,11 @@ def _shift(flat_i: np.ndarray, flat_v: np.ndarray, bad: np.ndarray, reference: n
 
 
 def describe_content(images_BCHW, labels_B, indices_B, ref_images, ref_labels, normalize: Normalize) -> list[str]:
-    """Labels and pixels of one shard's batch against the file and the table, in words.
-
-    ``images_BCHW``: normalised float32 (B, C, H, W); ``labels_B``: integer labels, one per slot; ``indices_B``: decoded
-    indices (-1 skipped). Pixels must be ``normalize(ref_images[i])`` bit for bit (mirrored images, or up to 8 ulps
-    away, are named so); labels must be ``ref_labels[i]``. Other keys or shapes: ``describe_values``. Raises ValueError
-    for images, labels or indices that are not one per slot.
-    """
+    """Labels and pixels of one shard's batch against the file and the table, in words. ``images_BCHW``: normalised
+    float32 (B, C, H, W); ``labels_B``: integer labels, one per slot; ``indices_B``: decoded indices (-1 skipped).
+    Pixels must be ``normalize(ref_images[i])`` bit for bit (mirrored images, or up to 8 ulps away, are named so);
+    labels must be ``ref_labels[i]``. Other keys or shapes: ``describe_values``. Raises ValueError for images, labels or
+    indices that are not one per slot."""
     images_BCHW, labels_B, indices_B = np.asarray(images_BCHW), np.asarray(labels_B), np.asarray(indices_B)
     if indices_B.ndim != 1 or images_BCHW.ndim != 4 or len(images_BCHW) != len(indices_B) \
             or labels_B.size != len(indices_B):

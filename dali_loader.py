@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 import loaders
 from arithmetic import Normalize
-from cifar_mnist import TRAIN_PREFIX, read_cifar10
+from cifar_mnist import TRAIN_PREFIX, _write_atomically, read_cifar10
 from plan import LoaderState, Plan, check_seed, on_devices, shard_bounds
 
 INSTALL_HINT = ("the DALI backend needs NVIDIA DALI: pip install -r requirements-dali.txt "
@@ -166,21 +166,13 @@ def shard_list(folder: str, shard_id: int, num_shards: int) -> str:
     with open(os.path.join(folder, LIST_NAME)) as f:
         lines = f.readlines()
     start, stop = shard_bounds(len(lines), shard_id, num_shards)
-    fd, scratch = tempfile.mkstemp(dir=folder, prefix=".list-writing-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(lines[start:stop]))
-        os.replace(scratch, path)
-    except BaseException:
-        os.unlink(scratch)
-        raise
+    _write_atomically(path, "".join(lines[start:stop]).encode())
     return path
 
 
 @dataclasses.dataclass(eq=False)
 class DaliLoader:
-    """Epochs read by DALI (the module docstring). ``len()``, ``plan``, ``real_samples`` and ``dataset`` are its spec's
-    (``loaders.Loader``)."""
+    """Epochs read by DALI (the module docstring); ``len()``, ``plan``, ``real_samples``, ``dataset``: ``spec``'s."""
     spec: loaders.Loader  # the reference loader built alike: the plan, the mesh, the checks
     order: str
     folder: str  # the sample_files folder
@@ -250,12 +242,11 @@ class DaliLoader:
         """``state`` checked and resized to this loader's shards; order="vendor" refuses a resize."""
         resumed = self.spec.schedule.resume(where, epoch, state)
         if self.order == "vendor" and len(resumed.segments) > 1:
-            raise ValueError(
-                f"{where}: order='vendor' resumes only on the shards and batch that wrote the state "
-                f"(segments {[tuple(x) for x in state.segments]}; this loader: {self.num_shards} shards "
-                f"x {self.spec.batch_size}): DALI's shuffle inside its readers decided which samples the "
-                f"old shards delivered, and DALI's checkpoints restore one reader state per pipeline onto "
-                f"as many pipelines. Use order='plan' (plan.elastic_plan's order, on any shard count)")
+            raise ValueError(f"{where}: order='vendor' resumes only on the shards and batch that wrote the state "
+                             f"(segments {[tuple(x) for x in state.segments]}; this loader: {self.num_shards} shards x "
+                             f"{self.spec.batch_size}): DALI's shuffle inside its readers decided which samples the "
+                             f"old shards delivered, and DALI's checkpoints restore one reader state per pipeline onto "
+                             f"as many pipelines. Use order='plan' (plan.elastic_plan's order, on any shard count)")
         return resumed
 
 
@@ -354,9 +345,7 @@ def make_dali_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int
 
     Raises:
       ImportError: nvidia.dali does not import (the message says how to install it).
-      ValueError: anything ``loaders.make_loader`` refuses; an argument outside its line above; devices not all CPU
-        or all NVIDIA GPUs.
-    """
+      ValueError: what ``make_loader`` refuses; an argument outside its line; devices not all CPU or all NVIDIA GPUs."""
     arithmetic = arithmetic_for(devices)  # first: a ROCm GPU is refused by name
     mesh = loaders.data_mesh(devices)
     if normalize is None:
@@ -397,11 +386,10 @@ def dali_pipeline(folder: str, reader: dict, device: jax.Device, image_shape: tu
         chw = fn.reshape(raw, shape=list(image_shape), layout="CHW")
         if on_gpu:
             chw = chw.gpu()
-        out = fn.crop_mirror_normalize(
-            chw, dtype=types.FLOAT, output_layout="CHW",
-            crop=list(normalize.crop or image_shape[1:]),  # (height, width)
-            crop_pos_x=normalize.crop_pos[1], crop_pos_y=normalize.crop_pos[0],
-            mirror=int(normalize.mirror), mean=list(normalize.mean), std=list(normalize.std))
+        out = fn.crop_mirror_normalize(chw, dtype=types.FLOAT, output_layout="CHW", mirror=int(normalize.mirror),
+                                       crop=list(normalize.crop or image_shape[1:]),  # (height, width)
+                                       crop_pos_x=normalize.crop_pos[1], crop_pos_y=normalize.crop_pos[0],
+                                       mean=list(normalize.mean), std=list(normalize.std))
         pipe.set_outputs(out, labels)
     pipe.build()
     return pipe

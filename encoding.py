@@ -1,14 +1,12 @@
 """Samples that encode their own index: the probe data of a loader's conformance test.
 
-Build a dataset with ``encoded_images`` (sample i encodes i), run it through any loader, and ``decode_indices`` turns
-each delivered block back into its indices, -1 where a slot encodes none; conformance.py compares those with the plan.
-Both work for uint8 images of any shape, as stored or through a ``Normalize`` (a vendor's float32, an ulp off or not),
-and for float and integer features of any shape and dtype, up to ``index_limit`` samples. A change that still decodes (a
-crop of the flat planes, noise under a quarter of the table's step) is conformance.describe_content's and
-describe_values' to see.
+Build a dataset with ``encoded_images`` (sample i encodes i), run it through a loader, and ``decode_indices`` turns each
+delivered block into its indices, -1 where a slot encodes none; conformance.py compares those with the plan. Both work
+for uint8 images of any shape, as stored or through a ``Normalize`` (a vendor's float32, an ulp off or not), and for
+float and integer features of any shape, up to ``index_limit`` samples. A change that still decodes (a crop of the flat
+planes, noise under a quarter of the table's step) is conformance.describe_content's and describe_values' to see.
 
-Imports arithmetic.py, cifar_mnist.py (the default shape), NumPy, and ml_dtypes (with JAX) for its float types. Copy it
-with those two.
+Imports arithmetic.py, cifar_mnist.py (the default shape), NumPy and ml_dtypes (JAX's float types): copy it with those.
 """
 
 from __future__ import annotations
@@ -25,14 +23,12 @@ def index_limit(shape: tuple[int, ...] = IMAGE_SHAPE, dtype=np.uint8) -> int:
     With S the sample's size (S = 0 gives 0):
 
     * uint8: 65536 (two bytes per sample) when S >= 2; 0 when S = 1.
-    * a float dtype (NumPy's, or ml_dtypes' such as bfloat16): min(2**(mantissa bits + 1),
-      2**63), below which every integer is exact (float64: 2**53; float32: 16,777,216;
-      float16: 2048; bfloat16: 256; x86's longdouble: 2**63).
-    * another integer dtype: min(its largest value + 1, 2**63) (indices are int64):
-      int8 128, int16 32,768, uint16 65,536, int64 and uint64 2**63.
+    * a float dtype (NumPy's, or ml_dtypes' such as bfloat16): min(2**(mantissa bits + 1), 2**63), below which every
+      integer is exact (float64: 2**53; float32: 16,777,216; float16: 2048; bfloat16: 256; x86's longdouble: 2**63).
+    * another integer dtype: min(its largest value + 1, 2**63) (indices are int64): int8 128, int16 32,768, uint16
+      65,536, int64 and uint64 2**63.
 
-    Raises ValueError for a shape that is not non-negative ints, or another dtype.
-    """
+    Raises ValueError for a shape that is not non-negative ints, or another dtype."""
     return _limit(shape, dtype, "index_limit")
 
 
@@ -61,18 +57,15 @@ def _limit(shape, dtype, where: str) -> int:
 def encoded_images(indices: np.ndarray, shape: tuple[int, ...] = IMAGE_SHAPE, dtype=np.uint8) -> np.ndarray:
     """Samples (N, *shape) of ``dtype``, sample n encoding ``indices[n]``, for ``decode_indices``.
 
-    * uint8, shape (C, H, W) with C >= 3 (the default, CIFAR-10's (3, 32, 32)): plane 0
-      is index % 256, plane 1 index // 256, and each plane from 2 on the same ramp in
-      every image, (4x + 2y) mod 256 at row y, column x. An even width makes every ramp
-      pixel differ from its mirror (an even height from its flip); an odd width keeps the
+    * uint8, shape (C, H, W) with C >= 3 (the default, CIFAR-10's (3, 32, 32)): plane 0 is index % 256, plane 1
+      index // 256, and each plane from 2 on the same ramp in every image, (4x + 2y) mod 256 at row y, column x. An
+      even width makes every ramp pixel differ from its mirror (an even height from its flip); an odd width keeps the
       middle column. Flat planes decode after any crop.
-    * uint8, any other shape: the first ceil(S/2) of the S elements hold index % 256, the
-      rest index // 256.
+    * uint8, any other shape: the first ceil(S/2) of the S elements hold index % 256, the rest index // 256.
     * any other dtype: every element equals the index, exactly.
 
     ``indices``: integers of any shape, flattened. Raises ValueError for indices that are not integers or lie outside
-    [0, index_limit(shape, dtype)), or a bad shape or dtype.
-    """
+    [0, index_limit(shape, dtype)), or a bad shape or dtype."""
     raw, dtype = np.asarray(indices).reshape(-1), np.dtype(dtype)
     limit, shape = _limit(shape, dtype, "encoded_images"), tuple(int(d) for d in shape)
     if raw.size and raw.dtype.kind not in "iu" and not (
@@ -104,13 +97,11 @@ def decode_indices(images: np.ndarray, normalize: Normalize | None = None) -> np
     more from every entry. Without one, samples are read as stored:
 
     * uint8 by the byte scheme of ``encoded_images``; each part must be flat (all equal).
-    * any other dtype by value: all elements must equal one integer in [0, 2**63) (2.5,
-      -1, inf and NaN encode nothing), read exactly (floats through float64, longdouble
-      as it is). A sample of no elements encodes nothing.
+    * any other dtype by value: all elements must equal one integer in [0, 2**63) (2.5, -1, inf and NaN encode
+      nothing), read exactly (floats through float64, longdouble as it is). A sample of no elements encodes nothing.
 
     Raises ValueError for images without a batch axis, uint8 samples of fewer than 2 elements, or normalised images that
-    are not (B, C, H, W) with normalize's channels.
-    """
+    are not (B, C, H, W) with normalize's channels."""
     images = np.asarray(images)
     if images.ndim < 1:
         raise ValueError("decode_indices: samples must be (B, ...) with a batch axis, got a scalar")

@@ -1,11 +1,10 @@
 """How far apart the plain reduction's strategies may end, judged step by step.
 
-strategies.py's plain reduction lets each strategy add its gradient's terms in its own order, so two strategies compute
-gradients that differ by rounding. A difference then grows with the training (chaos, a ReLU's kinks, Adam's sign-like
-first steps), so no bound on the final params is claimed. ``stepwise_verdict`` judges each step instead: both strategies
-step from the same state, and their gradients must agree within ``ulp_bound``'s count of roundings, in units of the
-gradient's term scale. Bit-identical params on every topology are the canonical reduction's (``reduction="canonical"``),
-judged by equality.
+strategies.py's plain reduction lets each strategy add its gradient's terms in its own order, so two strategies'
+gradients differ by rounding. A difference grows with the training (chaos, a ReLU's kinks, Adam's sign-like first
+steps), so no bound on the final params is claimed. ``stepwise_verdict`` judges each step instead: both strategies step
+from the same state, and their gradients must agree within ``ulp_bound``'s count of roundings, in units of the
+gradient's term scale. Bit-identical params on every topology are ``reduction="canonical"``'s, judged by equality.
 
 Imports: strategies.py, NumPy and JAX. Imported by refimpl.py and the tests.
 """
@@ -18,7 +17,6 @@ from typing import Callable, Iterable, NamedTuple
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import strategies
@@ -83,9 +81,8 @@ STEP_TWIN_ULPS = 1  # the gradient twins' perturbation, in leaf_ulps' unit (step
 
 
 def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, *, loss_terms: LossTerms,
-                     optimizer: Optimizer = strategies.sgd(), opt_state=None, count: float | None = None,
-                     count_name: str = "equivalence.ulp_bound", seed: int = 0,
-                     after_run: Callable[[], None] | None = None) -> Verdict:
+                     optimizer: Optimizer = strategies.sgd(), opt_state=None, count: float | None = None, seed: int = 0,
+                     count_name: str = "equivalence.ulp_bound", after_run: Callable[[], None] | None = None) -> Verdict:
     """Whether strategies ``a`` and ``b`` compute the same gradient, step by step, as rounding allows. ``after_run``, if
     given, is called after each strategy's one-step run (refimpl.py gives memory back there).
 
@@ -96,16 +93,14 @@ def stepwise_verdict(a, b, params: Params, batches: Iterable[dict], mesh: Mesh, 
 
     Measure: per step t and leaf l, max |g_a - g_b| in units of the gradient's term scale: the ulp (``np.spacing``) of
     the largest entry of sum_k |g_k|, g_k the gradient of row block k alone, TERM_BLOCKS blocks per device. Bound:
-    ``count`` (default ``ulp_bound(a, b, platform, n)``) x STEP_UNITS units. A rounding is counted at 32 units, not 1: a
-    stage adds rows, tokens and tied uses whose partial sums exceed a block's, and a sharp loss amplifies a forward
-    rounding in the gradient; planted bugs (a device's gradient x 1.001, a dropped device, a local count) land at
-    thousands.
+    ``count`` (default ``ulp_bound(a, b, platform, n)``) x STEP_UNITS units. A rounding counts 32 units, not 1: a stage
+    adds rows, tokens and tied uses whose partial sums exceed a block's, and a sharp loss amplifies a forward rounding
+    in the gradient; planted bugs (a device's gradient x 1.001, a dropped device, a local count) land at thousands.
 
     Domain: step t and leaf l are judged only where the gradient is smooth at the scale of rounding: moving every param
     STEP_TWIN_ULPS ulp of its leaf's largest magnitude (signs from ``np.random.default_rng(seed)``), +delta and -delta,
     moves the gradient by at most STEP_UNITS units. Elsewhere (a ReLU switching, a saturated softmax) a rounding and a
-    bug look alike. Where the training diverges (a NaN or an infinity in the state or in both gradients) the comparison
-    stops.
+    bug look alike. Where the training diverges (a NaN or inf in the state or in both gradients) the comparison stops.
 
     Cases: "identical", every gradient the same bits; "OUTSIDE", a judged step and leaf beyond the bound (with
     ``count`` 0, any difference); "within", every judged one within it; "outside the domain", none judged. It cannot see
@@ -157,7 +152,7 @@ def stepwise_distances(fn_a: Callable, layout_a: str, fn_b: Callable, layout_b: 
     units_of = _step_units(loss_terms, mesh)
     rng = np.random.default_rng(seed)
     signs = [rng.choice(np.array([-1.0, 1.0]), size=np.shape(x)) for x in jax.tree.leaves(params)]
-    n, sharding = mesh.devices.size, NamedSharding(mesh, P(AXIS))
+    n = mesh.devices.size
     distances, twins, same, diverged = [], [], True, None
     for t, host in enumerate(batches):
         host = {k: np.asarray(v) for k, v in host.items() if k != strategies.SHARDS_KEY}  # rows only
@@ -230,8 +225,7 @@ def _step_units(loss_terms: LossTerms, mesh: Mesh) -> Callable:
     program, on the mesh's first device, block after block; the sum in float64), TERM_BLOCKS blocks per device (the
     largest count up to it that divides a device's rows), count the batch's. One gradient at a time, so the verdict
     holds little more than a step."""
-    first = mesh.devices.flat[0]
-    n = mesh.devices.size
+    first, n = mesh.devices.flat[0], mesh.devices.size
 
     @jax.jit
     def block_gradient(params, block):

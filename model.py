@@ -4,10 +4,9 @@ Batches are dicts with "images" (B, C, H, W) or (B, C*H*W) float32 (CIFAR-10: (B
 "labels" (B,) int and "mask" (B,) bool; mask False marks a padding slot that must not count. With an all-True mask every
 function is the notebooks'.
 
-``loss_terms`` is the model as strategies.py takes it: (the sum of the real samples' negative log-likelihoods, their
-count); a strategy divides the global sums, so the gradient is that of the whole global batch's masked mean. The
-notebooks' ``lax.pmean`` of per-device means is that gradient only when every device holds as many real samples
-(docs/traps.md).
+``loss_terms`` is the model as strategies.py takes it: (the real samples' summed negative log-likelihood, their count);
+a strategy divides the global sums, so the gradient is the global batch's masked mean's. The notebooks' ``lax.pmean`` of
+per-device means is that gradient only when every device holds as many real samples (docs/traps.md).
 """
 
 from __future__ import annotations
@@ -24,11 +23,8 @@ MNIST_LAYERS = (784, 1024, 1024, 10)  # the DALI notebook's
 
 
 def init_model(layers: Sequence[int] = LAYERS, rng: np.random.RandomState | None = None) -> Params:
-    """w = 0.1 * randn(in, out), b = 0.1 * randn(out), float32, exactly as the notebooks.
-
-    ``rng`` defaults to a fresh ``RandomState(0)`` on every call (the notebooks' default argument is one shared
-    RandomState, so their second call returns different weights).
-    """
+    """w = 0.1 * randn(in, out), b = 0.1 * randn(out), float32, exactly as the notebooks. ``rng`` defaults to a fresh
+    ``RandomState(0)`` on every call (the notebooks' default is one shared RandomState: a second call differs)."""
     rng = np.random.RandomState(0) if rng is None else rng
     params = []
     for n_in, n_out in zip(layers[:-1], layers[1:]):
@@ -64,11 +60,8 @@ def _correct_and_count(params: Params, batch: dict) -> tuple[jax.Array, jax.Arra
 
 
 def accuracy(params: Params, batches: Iterable[dict]) -> float:
-    """Fraction of real (mask-True) samples classified correctly over ``batches``.
-
-    Over a fill-policy loader this counts every sample exactly once (the notebooks' drop-policy validation silently
-    skips the tail of the test set).
-    """
+    """Fraction of real (mask-True) samples classified correctly over ``batches`` (ValueError if none is real): over a
+    fill-policy loader, every sample exactly once (the notebooks' drop-policy validation skips the test set's tail)."""
     counts = [_correct_and_count(params, batch) for batch in batches]  # read once, at the end
     correct, total = (sum(int(c[i]) for c in counts) for i in (0, 1))
     if total == 0:

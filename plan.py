@@ -30,9 +30,8 @@ m = len(R_i), run = R_i[m*k//n : m*(k+1)//n], the shuffle's ``segment=i``, S_i f
 t_i == t_{i-1} + S_{i-1}), and padding R_i[m*k//n] for an empty run. It delivers d_i = t_{i+1} - t_i of its steps
 (S_i for the last). Fill still puts each sample in exactly one real slot; drop in at most one, sum_i n_i*B_i*d_i in all.
 
-Inputs: an int parameter takes a Python or NumPy integer (never a bool or a float) and is used as a Python int; a bool
-parameter takes Python's or NumPy's bool. Anything else raises ValueError naming the function, the parameter and the
-value.
+Inputs: an int parameter takes a Python or NumPy integer (never a bool or a float), used as a Python int; a bool
+parameter Python's or NumPy's bool. Anything else raises ValueError naming the function, the parameter and the value.
 """
 
 from __future__ import annotations
@@ -49,10 +48,8 @@ LAST_BATCH_POLICIES = ("fill", "drop")
 
 
 class Plan(NamedTuple):
-    """Steps of an epoch as data: ``indices`` int64 and ``mask`` bool, both (steps, shards, B).
-
-    ``indices[s, k]`` is shard k's batch at step s; ``mask`` is False exactly on padding.
-    """
+    """Steps of an epoch as data: ``indices`` int64 and ``mask`` bool, both (steps, shards, B). ``indices[s, k]`` is
+    shard k's batch at step s; ``mask`` is False exactly on padding."""
     indices: np.ndarray
     mask: np.ndarray
 
@@ -67,11 +64,9 @@ class _Segment(NamedTuple):
 
 # Shards and the epoch plan ------------------------------------------------------------------------
 def shard_bounds(num_samples: int, shard_id: int, num_shards: int) -> tuple[int, int]:
-    """Shard ``shard_id`` of ``num_shards`` over range(num_samples): ``(N*k//n, N*(k+1)//n)``.
-
-    The shards tile range(N) in order; their sizes differ by at most one (N=7, n=3 gives [0, 2), [2, 4), [4, 7)). Raises
-    ValueError unless 1 <= num_shards <= num_samples and 0 <= shard_id < num_shards.
-    """
+    """Shard ``shard_id`` of ``num_shards`` over range(num_samples): ``(N*k//n, N*(k+1)//n)``. The shards tile range(N)
+    in order; their sizes differ by at most one (N=7, n=3 gives [0, 2), [2, 4), [4, 7)). ValueError unless
+    1 <= num_shards <= num_samples and 0 <= shard_id < num_shards."""
     num_samples, num_shards = _shards("shard_bounds", num_samples, num_shards)
     k = _check_int("shard_bounds", "shard_id", shard_id)
     if not 0 <= k < num_shards:
@@ -80,10 +75,8 @@ def shard_bounds(num_samples: int, shard_id: int, num_shards: int) -> tuple[int,
 
 
 def num_steps(num_samples: int, num_shards: int, batch_size: int, last_batch: str) -> int:
-    """Steps of a fresh epoch: fill ceil(ceil(N/n) / B), drop floor(floor(N/n) / B).
-
-    A batch larger than the smallest shard is allowed here: fill pads, drop gives 0 steps.
-    """
+    """Steps of a fresh epoch: fill ceil(ceil(N/n) / B), drop floor(floor(N/n) / B). A batch larger than the smallest
+    shard is allowed here: fill pads, drop gives 0 steps."""
     check_policy(last_batch, "num_steps")
     num_samples, num_shards = _shards("num_steps", num_samples, num_shards)
     return _steps(num_samples, num_shards, _check_int("num_steps", "batch_size", batch_size, 1), last_batch)
@@ -98,9 +91,7 @@ def shard_permutation(size: int, *, seed: int, epoch: int, shard: int, segment: 
 
     NumPy specifies SeedSequence and PCG64's raw stream bit for bit; ``Generator.permutation`` may change between
     versions. SeedSequence mixes its words, never adds them: (seed 1, epoch 0) and (seed 0, epoch 1) are unrelated. It
-    pads E with zero words, so segment 0 leaves the fourth word out rather than repeat a stream. Every number is in
-    [0, 2**32).
-    """
+    pads E with zeros, so segment 0 omits the fourth word rather than repeat a stream. Each word is in [0, 2**32)."""
     size = _check_int("shard_permutation", "size", size, 0)
     entropy = [check_seed(name, value, "shard_permutation")
                for name, value in (("seed", seed), ("epoch", epoch), ("shard", shard), ("segment", segment))]
@@ -110,10 +101,8 @@ def shard_permutation(size: int, *, seed: int, epoch: int, shard: int, segment: 
 
 def epoch_plan(num_samples: int, num_shards: int, batch_size: int, *, epoch: int = 0,
                seed: int = 0, shuffle: bool = False, last_batch: str = "fill") -> Plan:
-    """A fresh epoch's Plan, (num_steps(...), num_shards, batch_size): the one segment (0, n, B).
-
-    Without shuffle, seed and epoch change nothing, but they are checked all the same.
-    """
+    """A fresh epoch's Plan, (num_steps(...), num_shards, batch_size): the one segment (0, n, B). Without shuffle, seed
+    and epoch change nothing, but they are checked all the same."""
     where = "epoch_plan"
     check_policy(last_batch, where)
     num_samples, num_shards = _shards(where, num_samples, num_shards)
@@ -150,8 +139,7 @@ def elastic_plan(num_samples: int, segments: Sequence, *, epoch: int = 0, seed: 
 
     Row 3: drop's epoch ends at step 1, so 2, 5 and 6 stay skipped. Row 5: shard 0's run is empty and pads with 2.
     Row 9: not epoch_plan(7, 2, 1)'s step 2, [2] [5]. Raises ValueError, naming the parameter and the value, for a
-    segment that is not three ints with start >= 0 and 1 <= num_shards <= num_samples, or a start outside that range.
-    """
+    segment that is not three ints with start >= 0 and 1 <= num_shards <= num_samples, or a start outside that range."""
     where = "elastic_plan"
     epoch, seed = check_seed("epoch", epoch, where), check_seed("seed", seed, where)
     shuffle = _check_bool(where, "shuffle", shuffle)
@@ -161,11 +149,9 @@ def elastic_plan(num_samples: int, segments: Sequence, *, epoch: int = 0, seed: 
 
 def remaining_samples(num_samples: int, segments: Sequence, step: int, *, epoch: int = 0,
                       seed: int = 0, shuffle: bool = False, last_batch: str = "fill") -> np.ndarray:
-    """The samples in no real slot of elastic_plan's epoch before global ``step``, ascending int64.
-
-    At a segment's start they are its pool R_i. At the epoch's end they are none (fill) or the skipped samples (drop).
-    Raises ValueError unless 0 <= step <= the epoch's steps.
-    """
+    """The samples in no real slot of elastic_plan's epoch before global ``step``, ascending int64. At a segment's start
+    they are its pool R_i. At the epoch's end they are none (fill) or the skipped samples (drop). ValueError unless
+    0 <= step <= the epoch's steps."""
     where = "remaining_samples"
     num_samples, segments, steps = _segments(where, num_samples, segments, last_batch)
     epoch, seed = check_seed("epoch", epoch, where), check_seed("seed", seed, where)
@@ -185,9 +171,8 @@ def device_slots(num_shards: int, num_devices: int) -> np.ndarray:
     """Which logical shard each device's slot holds: (n, k) int64, k = ceil(L/n), for L = ``num_shards`` over
     n = ``num_devices``. Device d holds shards ``shard_bounds(L, d, n)``, L*d//n .. L*(d+1)//n - 1, in its first slots;
     a device holding k - 1 of them has a spare last slot, -1. So every device holds at least one shard and at most one
-    spare, and where n divides L, device d holds shards d*L/n .. (d+1)*L/n - 1 and no spare. L=8: n=3 gives
-    [[0, 1, -1], [2, 3, 4], [5, 6, 7]]; n=5, [[0, -1], [1, 2], [3, -1], [4, 5], [6, 7]].
-    ValueError unless 1 <= n <= L."""
+    spare, and where n divides L, device d holds shards d*L/n .. (d+1)*L/n - 1 and no spare. L=8: n=3 gives [[0, 1, -1],
+    [2, 3, 4], [5, 6, 7]]; n=5, [[0, -1], [1, 2], [3, -1], [4, 5], [6, 7]]. ValueError unless 1 <= n <= L."""
     num_shards = _check_int("device_slots", "num_shards", num_shards, 1)
     num_devices = _check_int("device_slots", "num_devices", num_devices, 1)
     if num_devices > num_shards:
@@ -208,8 +193,8 @@ def on_devices(plan: Plan, num_devices: int) -> Plan:
     holding shard l gives ``out.indices[s, d, j*b + i] = plan.indices[s, l, i]``, and ``mask`` likewise; a spare slot
     (-1) gives b rows of the device's own first row, ``out.indices[s, d, 0]``, with mask False (a sample of the device's
     own shards, so a loader holding them finds it). Where n divides L that is a reshape, no copy, and no spare. So every
-    n sees the same L shards of every step, each whole on one device. Worked (N=7, L=4, b=1,
-    fill; a cell is the device's rows at step 0, then at step 1; ``*`` padding, ``-`` a spare slot):
+    n sees the same L shards of every step, each whole on one device. Worked (N=7, L=4, b=1, fill; a cell is the
+    device's rows at step 0, then at step 1; ``*`` padding, ``-`` a spare slot):
 
         devices | device 0             | device 1     | device 2     | device 3
         --------+----------------------+--------------+--------------+---------
@@ -218,8 +203,7 @@ def on_devices(plan: Plan, num_devices: int) -> Plan:
         2       | [0,1] [0*,2]         | [3,5] [4,6]  |              |
         1       | [0,1,3,5] [0*,2,4,6] |              |              |
 
-    Raises ValueError unless ``plan`` is a Plan of two arrays of one 3-d shape and 1 <= n <= L.
-    """
+    Raises ValueError unless ``plan`` is a Plan of two arrays of one 3-d shape and 1 <= n <= L."""
     if not (isinstance(plan, Plan) and all(isinstance(a, np.ndarray) for a in plan)
             and plan.indices.ndim == 3 and plan.mask.shape == plan.indices.shape):
         got = ([(type(a).__name__, getattr(a, "shape", None)) for a in plan] if isinstance(plan, Plan)
@@ -267,15 +251,13 @@ def dataset_digest(arrays: Mapping) -> str:
             else: for r in digest_rows(len(a)): hash the bytes of a[r] in C (row-major) order
 
     dtype.str gives byte order and size; dtype.name tells ml_dtypes apart (float8_e4m3fn and int4 are both "<V1"). So it
-    compares every name, dtype and shape, and the bytes of every row of an array of at most DIGEST_ROWS rows (then it is
-    the digest of the whole arrays), of DIGEST_ROWS rows spread over a longer one: another dataset, or this one
-    reordered, is told apart; a change only in rows it does not read is not. Not the mapping's order or the memory
-    layout.
+    compares every name, dtype and shape, the bytes of every row of an array of at most DIGEST_ROWS rows (the whole
+    array, then) and of DIGEST_ROWS rows spread over a longer one: another dataset, or this one reordered, is told
+    apart; a change only in rows it does not read is not, nor the mapping's order or the memory layout.
 
     Raises ValueError unless ``arrays`` maps str names to arrays of dtype kind b, i, u, f or c (bools, integers, floats,
     complex) or of ml_dtypes': an object dtype's bytes are pointers, a structured one's name hides its fields, and
-    datetime and timedelta are refused too.
-    """
+    datetime and timedelta are refused too."""
     if not isinstance(arrays, Mapping):
         raise ValueError(f"dataset_digest: arrays must be a mapping of names to arrays, got {type(arrays).__name__}")
     for name in arrays:
@@ -313,8 +295,7 @@ class LoaderState:
     separators "," and ":" and no spaces; ``from_json`` reads it back.
 
     Raises ValueError, naming the field and the value, for what elastic_plan refuses, a step outside [the last segment's
-    start, the epoch's end], or a dataset not None or a digest.
-    """
+    start, the epoch's end], or a dataset not None or a digest."""
     num_samples: int
     seed: int
     epoch: int
@@ -365,8 +346,7 @@ class LoaderState:
         """The state a loader of ``num_shards`` shards of ``batch_size`` resumes from, at this step.
 
         A last segment that ran no step (step == its start) is dropped first: a resize at step 0 is a fresh epoch. The
-        segments are kept if the last one has this (n, B); otherwise (step, n, B) is appended.
-        """
+        segments are kept if the last one has this (n, B); otherwise (step, n, B) is appended."""
         n = _check_int("LoaderState.resized", "num_shards", num_shards, 1)
         B = _check_int("LoaderState.resized", "batch_size", batch_size, 1)
         kept = self.segments[:-1] if self.step == self.segments[-1].start else self.segments
@@ -416,17 +396,14 @@ class Schedule:
     * ``num_steps``: a fresh epoch's steps, ``num_steps(N, n, B, last_batch)``;
     * ``plan(e)``: ``epoch_plan(N, n, B, epoch=e, ...)``;
     * ``start(e)``: the state at step 0 of a fresh epoch e;
-    * ``resume(where, e, state)``: ``state``, checked to be a LoaderState of this run (the same
-      num_samples, dataset where both name one, seed, shuffle and last_batch) and of epoch e,
-      resized to these shards (``LoaderState.resized``) and naming this run's data: the state
-      the resumed epoch starts from. Its errors name ``where`` (the loader's method);
-    * ``real_samples(e, resumed=None)``: the real slots of a fresh epoch e, or from a
-      ``resume``'s state on.
+    * ``resume(where, e, state)``: ``state``, checked to be a LoaderState of this run (the same num_samples, dataset
+      where both name one, seed, shuffle and last_batch) and of epoch e, then ``LoaderState.resized`` to these shards
+      and naming this run's data: the state the resumed epoch starts from (errors name ``where``, the loader's method);
+    * ``real_samples(e, resumed=None)``: the real slots of a fresh epoch e, or from a ``resume``'s state on.
 
     ``dataset`` is a ``dataset_digest``, a function of no arguments returning one (called only when a state is made or
     checked), or None (states name no data). It is not compared. Raises ValueError, naming the field and the value, for
-    what ``epoch_plan`` refuses.
-    """
+    what ``epoch_plan`` refuses."""
     num_samples: int
     num_shards: int
     batch_size: int
@@ -490,10 +467,8 @@ class Schedule:
 
 # Checks, and the construction ---------------------------------------------------------------------
 def check_seed(name: str, value: int, where: str) -> int:
-    """``value`` as a Python int in [0, 2**32); else ValueError naming ``where``, ``name`` and it.
-
-    SeedSequence splits a larger int into 32-bit words: (seed 2**32, epoch 0) would read as (0, 1, 0).
-    """
+    """``value`` as a Python int in [0, 2**32); else ValueError naming ``where``, ``name`` and it. SeedSequence splits a
+    larger int into 32-bit words: (seed 2**32, epoch 0) would read as (0, 1, 0)."""
     if not _is_int(value):
         raise ValueError(f"{where}: {name} must be an int in [0, 2**32), got {value!r}")
     if not 0 <= value < 2**32:

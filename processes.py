@@ -1,9 +1,8 @@
 """Several processes of one program on this machine: launched together, watched, stopped together.
 
-refimpl.py's ``--local-processes N`` runs itself N times on 127.0.0.1 as one jax.distributed job, through ``run_local``.
-Native code writes gloo's "[Gloo] Rank N is connected to M peer ranks" notes to file descriptor 1, from several threads
-at once, mid-line: ``hide_native_stdout`` sends a child's native output to /dev/null, ``without_gloo_chatter`` takes the
-notes out of a line.
+``run_local`` runs refimpl.py's ``--local-processes N``: N copies on 127.0.0.1, one jax.distributed job. Gloo writes
+"[Gloo] Rank N is connected to M peer ranks" to file descriptor 1 from several threads, mid-line: ``hide_native_stdout``
+sends a child's native output to /dev/null; ``without_gloo_chatter`` strips the notes from a line.
 
 Imports: the standard library only. Imported by refimpl.py.
 """
@@ -27,12 +26,11 @@ GLOO_CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
 
 def run_local(base: list[str], count: int, *, passthrough: int, name: str = "refimpl.py") -> int:
     """Runs ``base + ["--process-id", str(i)]`` for i = 0..count-1, each in its own process group on CPU devices
-    (JAX_PLATFORMS=cpu: several processes must not share one accelerator).
-
-    Shows process 0's output as it comes, the others' only when they fail. Returns 0 when all have exited 0, or as soon
-    as one fails: then prints its last lines, stops the rest and returns its exit status (1 for one killed by a signal).
-    When process 0 alone exits with ``passthrough`` it has said why itself, last: that status is returned after its
-    output, with nothing added. Every process group is killed whatever happens."""
+    (JAX_PLATFORMS=cpu: several processes must not share one accelerator). Shows process 0's output as it comes, the
+    others' only when they fail. Returns 0 when all have exited 0, or as soon as one fails: then prints its last lines,
+    stops the rest and returns its exit status (1 for one killed by a signal). When process 0 alone exits with
+    ``passthrough`` it has said why itself, last: that status is returned after its output, with nothing added. Every
+    process group is killed whatever happens."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **{LOCAL_CHILD: "1"})
     children, errors = [], []
     try:

@@ -868,10 +868,9 @@ def stepwise_verdicts(args, job: Job, span: Span, params0, optimizer) -> tuple[l
 
 
 def release_freed_memory() -> None:
-    """Gives the memory freed so far back to the OS (glibc's ``malloc_trim``; a no-op without glibc). XLA:CPU's device
-    threads free a run's buffers into glibc's per-thread heaps, which keep them: on 8 CPU devices the main job's peak
-    RSS was a fifth higher without it. The job calls it after each epoch and each run of the verdict (its
-    ``after_run``); the modules it trains through never do (a user's job decides)."""
+    """Gives the memory freed so far back to the OS (glibc's ``malloc_trim``; a no-op without glibc): XLA:CPU's device
+    threads free a run's buffers into glibc's per-thread heaps, which keep them. The job calls it after each epoch and
+    each run of the verdict (its ``after_run``); the modules it trains through never do (a user's job decides)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
