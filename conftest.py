@@ -507,9 +507,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "dali: needs nvidia.dali (runs its CPU pipelines)")
 
 
-# rocAL 2.3.0's CPU backend now and then segfaults inside rocalVerify (Pipeline.build): seen once
-# in seven CI runs, never in 12,000 builds of a loop, so a native race of rocAL's own. A segfault
-# ends the xdist worker. pytest.ini lets xdist replace it (--max-worker-restart), and xdist's
+# rocAL 2.3.0's CPU backend, rarely, segfaults inside rocalVerify (Pipeline.build): a native race
+# of its own, which a loop of thousands of builds does not reproduce. A segfault ends the worker. pytest.ini lets xdist replace it (--max-worker-restart), and xdist's
 # loadfile runs the crashed test again on the new worker. For a test of CRASH_RERUN_FILES, the
 # first crash's report is set aside (a passed set-up: not counted) and the summary names it, so
 # the test's outcome is that second run's; a second crash of it, or a crash anywhere else, fails.
