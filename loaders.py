@@ -186,13 +186,57 @@ def _check_layout(layout: str) -> None:
 # The loader ---------------------------------------------------------------------------------------
 
 
+class Scheduled:
+    """A loader's plan, from its ``arrays`` (name -> (N, ...)), ``mesh``, ``batch_size``, ``seed``, ``shuffle``,
+    ``last_batch`` and ``logical_shards``; ``Loader``'s and ``rocal_loader.RocalLoader``'s, so a state moves between
+    them. ``len()`` is a fresh epoch's steps, equal on every shard."""
+
+    @property
+    def num_samples(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    @property
+    def num_shards(self) -> int:
+        return self.logical_shards or self.mesh.devices.size
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.devices.size
+
+    @property
+    def device_rows(self) -> int:
+        """Rows per device per step: ceil(L/n) x batch_size (a spare slot included)."""
+        return -(-self.num_shards // self.num_devices) * self.batch_size
+
+    @functools.cached_property
+    def dataset(self) -> str:
+        """``plan.dataset_digest(arrays)``: what every state names; computed when a state is first made or checked (one
+        pass over the data), then kept."""
+        return dataset_digest(self.arrays)
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
+                        self.last_batch, dataset=lambda: self.dataset)
+
+    @property
+    def num_steps(self) -> int:
+        return self.schedule.num_steps
+
+    def __len__(self) -> int:
+        return self.num_steps
+
+    def plan(self, epoch: int) -> Plan:
+        return self.schedule.plan(epoch)
+
+
 @dataclasses.dataclass(frozen=True)
-class Loader:
+class Loader(Scheduled):
     """A sharded loader over an in-memory (or memory-mapped) dataset of named arrays; build it with ``make_loader``.
-    ``len(loader)`` is a fresh epoch's steps, equal on every shard. ``arrays``: name -> host array (N, ...).
-    ``logical_shards`` L (None: one per device, L = n): the plan's shards of ``batch_size`` b rows; device k of the n
-    reads its ``device_slots(L, n)[k]``, ceil(L/n)*b rows per step (``device_rows``). ``normalize``: a dict name ->
-    Normalize (a dict dataset), or what applies to "images" (the tuple form)."""
+    ``arrays``: name -> host array (N, ...). ``logical_shards`` L (None: one per device, L = n): the plan's shards of
+    ``batch_size`` b rows; device k of the n reads its ``device_slots(L, n)[k]``, ceil(L/n)*b rows per step
+    (``device_rows``). ``normalize``: a dict name -> Normalize (a dict dataset), or what applies to "images" (the tuple
+    form)."""
     arrays: dict[str, np.ndarray]
     mesh: Mesh
     batch_size: int
@@ -219,43 +263,6 @@ class Loader:
         if isinstance(self.normalize, dict):
             return {name: f for name, f in self.normalize.items() if f is not None}
         return {} if self.normalize is None else {"images": self.normalize}
-
-    @property
-    def num_samples(self) -> int:
-        return len(next(iter(self.arrays.values())))
-
-    @property
-    def num_shards(self) -> int:
-        return self.logical_shards or self.mesh.devices.size
-
-    @property
-    def num_devices(self) -> int:
-        return self.mesh.devices.size
-
-    @property
-    def device_rows(self) -> int:
-        return -(-self.num_shards // self.num_devices) * self.batch_size
-
-    @functools.cached_property
-    def dataset(self) -> str:
-        """``plan.dataset_digest(arrays)``: what every state names; computed when a state is first made or checked (one
-        pass over the data), then kept."""
-        return dataset_digest(self.arrays)
-
-    @functools.cached_property
-    def schedule(self) -> Schedule:
-        return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
-                        self.last_batch, dataset=lambda: self.dataset)
-
-    @property
-    def num_steps(self) -> int:
-        return self.schedule.num_steps
-
-    def __len__(self) -> int:
-        return self.num_steps
-
-    def plan(self, epoch: int) -> Plan:
-        return self.schedule.plan(epoch)
 
     def real_samples(self, epoch: int, *, state: LoaderState | None = None) -> int:
         """Real (mask-True) slots of ``epoch``, or of ``epoch(epoch, state=state)``'s steps."""
