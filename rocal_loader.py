@@ -441,8 +441,7 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
       ValueError: anything ``loaders.make_loader`` refuses; an argument outside its line above; devices not all CPU
         or all AMD GPUs; a folder rocAL would read otherwise.
       RuntimeError: a GPU rocAL built without DLPack; sharding "rocal" while rocAL ignores shard_id; a pipeline that
-        cannot be built.
-    """
+        cannot be built."""
     if not isinstance(normalize, Normalize) or normalize.arithmetic != "rocal":
         raise ValueError(f"make_rocal_loader: normalize={normalize!r}: rocAL computes rocAL's "
                          f"arithmetic; pass arithmetic.Normalize(..., arithmetic='rocal'), the spec of its bits")
