@@ -116,11 +116,9 @@ def _two_sum(a, b):
 
 
 def data_mesh(devices: Sequence[jax.Device] | Mesh) -> Mesh:
-    """A one-axis mesh named 'data' over ``devices``, in their order: shard k is ``devices[k]``.
-
-    Built with ``jax.sharding.Mesh`` (``jax.make_mesh`` may reorder devices). A Mesh is returned as it is if its 'data'
-    axis holds all its devices. ValueError for no device, a repeated device, or a mesh whose 'data' axis does not span
-    its devices."""
+    """A one-axis mesh named 'data' over ``devices``, in their order: shard k is ``devices[k]``. Built with
+    ``jax.sharding.Mesh`` (``jax.make_mesh`` may reorder devices). A Mesh is returned as it is if its 'data' axis holds
+    all its devices, else refused; so are no device and a repeated device (ValueError)."""
     if isinstance(devices, Mesh):
         if DATA_AXIS not in devices.axis_names or devices.shape[DATA_AXIS] != devices.devices.size:
             raise ValueError(f"mesh: axis {DATA_AXIS!r} must hold every device, got axes {dict(devices.shape)}")
@@ -188,11 +186,53 @@ def _check_layout(layout: str) -> None:
 # The loader ---------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Loader:
-    """A sharded loader over an in-memory (or memory-mapped) dataset of named arrays; build it with ``make_loader``.
-    ``len(loader)`` is a fresh epoch's steps, equal on every shard.
+class Scheduled:
+    """A loader's plan, from its ``arrays`` (name -> (N, ...)), ``mesh``, ``batch_size``, ``seed``, ``shuffle``,
+    ``last_batch`` and ``logical_shards``; ``Loader``'s and ``rocal_loader.RocalLoader``'s, so a state moves between
+    them. ``len()`` is a fresh epoch's steps, equal on every shard."""
 
+    @property
+    def num_samples(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    @property
+    def num_shards(self) -> int:
+        return self.logical_shards or self.mesh.devices.size
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.devices.size
+
+    @property
+    def device_rows(self) -> int:
+        """Rows per device per step: ceil(L/n) x batch_size (a spare slot included)."""
+        return -(-self.num_shards // self.num_devices) * self.batch_size
+
+    @functools.cached_property
+    def dataset(self) -> str:
+        """``plan.dataset_digest(arrays)``: what every state names; computed when a state is first made or checked (one
+        pass over the data), then kept."""
+        return dataset_digest(self.arrays)
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
+                        self.last_batch, dataset=lambda: self.dataset)
+
+    @property
+    def num_steps(self) -> int:
+        return self.schedule.num_steps
+
+    def __len__(self) -> int:
+        return self.num_steps
+
+    def plan(self, epoch: int) -> Plan:
+        return self.schedule.plan(epoch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loader(Scheduled):
+    """A sharded loader over an in-memory (or memory-mapped) dataset of named arrays; build it with ``make_loader``.
     ``arrays``: name -> host array (N, ...). ``logical_shards`` L (None: one per device, L = n): the plan's shards of
     ``batch_size`` b rows; device k of the n reads its ``device_slots(L, n)[k]``, ceil(L/n)*b rows per step
     (``device_rows``). ``normalize``: a dict name -> Normalize (a dict dataset), or what applies to "images" (the tuple
@@ -224,43 +264,6 @@ class Loader:
             return {name: f for name, f in self.normalize.items() if f is not None}
         return {} if self.normalize is None else {"images": self.normalize}
 
-    @property
-    def num_samples(self) -> int:
-        return len(next(iter(self.arrays.values())))
-
-    @property
-    def num_shards(self) -> int:
-        return self.logical_shards or self.mesh.devices.size
-
-    @property
-    def num_devices(self) -> int:
-        return self.mesh.devices.size
-
-    @property
-    def device_rows(self) -> int:
-        return -(-self.num_shards // self.num_devices) * self.batch_size
-
-    @functools.cached_property
-    def dataset(self) -> str:
-        """``plan.dataset_digest(arrays)``: what every state names; computed when a state is first made or checked (one
-        pass over the data), then kept."""
-        return dataset_digest(self.arrays)
-
-    @functools.cached_property
-    def schedule(self) -> Schedule:
-        return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
-                        self.last_batch, dataset=lambda: self.dataset)
-
-    @property
-    def num_steps(self) -> int:
-        return self.schedule.num_steps
-
-    def __len__(self) -> int:
-        return self.num_steps
-
-    def plan(self, epoch: int) -> Plan:
-        return self.schedule.plan(epoch)
-
     def real_samples(self, epoch: int, *, state: LoaderState | None = None) -> int:
         """Real (mask-True) slots of ``epoch``, or of ``epoch(epoch, state=state)``'s steps."""
         resumed = None if state is None else self.schedule.resume("Loader.real_samples", epoch, state)
@@ -276,11 +279,10 @@ class Loader:
         return _steps(self, len(start.segments) == 1, plan, row + step - start.step, row + step - start.step + 1)[0]()
 
     def epoch(self, epoch: int, *, state: LoaderState | None = None) -> EpochIterator:
-        """The batches of ``epoch``, or its rest from ``state`` (a ``get_state()``; the module's Resuming).
-
-        Placement "host" prepares ``prefetch`` steps ahead on a background thread, started at the first ``next()``; its
-        errors are raised in the caller (``EpochIterator``: how it ends). ValueError for a state that is not a
-        LoaderState or of another run or epoch."""
+        """The batches of ``epoch``, or its rest from ``state`` (a ``get_state()``; the module's Resuming). Placement
+        "host" prepares ``prefetch`` steps ahead on a background thread, started at the first ``next()``; its errors are
+        raised in the caller (``EpochIterator``: how it ends). ValueError for a state that is not a LoaderState or of
+        another run or epoch."""
         start = self._start("Loader.epoch", epoch, state)
         plan, row = start.plan()
         makers = _steps(self, len(start.segments) == 1, plan, row, len(plan.indices))
@@ -299,14 +301,13 @@ class Loader:
 
 
 def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> list[Callable]:
-    """One function per row ``first .. stop - 1`` of ``plan``, each making that step's batch.
-
-    Per epoch, placed once: the plan's mask, sample indices and logical shards, every row of the plan, so that a
-    resume at any row runs the programs its epoch compiled; in placement "device" also each device's local indices
-    into its resident shard (on GATHER_ONCE_PLATFORMS, for more than one step, the epoch's rows gathered by them at
-    once, ``_epoch_rows``; a single step, as ``Loader.batch`` makes, gathers its own rows), or
-    for a resized segment (not ``fresh``: its samples may lie in any shard) rows ``first .. stop - 1`` from the host.
-    Per step, one ``_step_program`` (``_counted``): one dispatch and, in "host", one transfer per name; no host sync."""
+    """One function per row ``first .. stop - 1`` of ``plan``, each making that step's batch. Per epoch, placed once:
+    the plan's mask, sample indices and logical shards, every row of the plan, so that a resume at any row runs the
+    programs its epoch compiled; in placement "device" also each device's local indices into its resident shard (on
+    GATHER_ONCE_PLATFORMS, for more than one step, the epoch's rows gathered by them at once, ``_epoch_rows``; a single
+    step, as ``Loader.batch`` makes, gathers its own rows), or for a resized segment (not ``fresh``: its samples may lie
+    in any shard) rows ``first .. stop - 1`` from the host. Per step, one ``_step_program`` (``_counted``): one dispatch
+    and, in "host", one transfer per name; no host sync."""
     if first >= stop:
         return []
     n, names = loader.num_devices, tuple(loader.arrays)
@@ -372,12 +373,10 @@ def _gather(source: np.ndarray, indices: np.ndarray) -> np.ndarray:
     return out
 
 
-# Where the devices normalise by the table's arithmetic, not a lookup: where a lookup is a slow
-# gather (a TPU v5e: 26 ms for a global batch of 1024 CIFAR images, 12x its training step).
+# Where the devices normalise by the table's arithmetic, not a lookup: where a lookup is a slow gather (a TPU v5e's).
 ARITHMETIC_PLATFORMS = ("tpu",)
-# Where placement "device" gathers an epoch's rows once, then slices each step's: where a gather
-# costs about the same whatever its rows (a TPU v5e: 1.3 ms for 128 rows, 2.2 ms for 8,192). On
-# CPUs a gather per step is a quarter faster (no second copy of the epoch).
+# Where placement "device" gathers an epoch's rows once, then slices each step's: where a gather costs about the same
+# whatever its rows (a TPU v5e's). On CPUs a gather per step is faster (no second copy of the epoch).
 GATHER_ONCE_PLATFORMS = ("tpu",)
 
 
@@ -454,11 +453,10 @@ def device_fit(data, devices: Sequence[jax.Device] | Mesh, device_budget: int | 
     None: make_loader's own check. ``data`` as make_loader takes it, a dict {name: array} or the tuple (samples,
     labels), labels delivered as int32 (anything with a shape and a dtype: memory maps are not read). Every field
     counts: the most samples a device holds (``held_samples``, with make_loader's ``logical_shards``), each field's
-    bytes per sample added, held once (the resident shard), or twice
-    on GATHER_ONCE_PLATFORMS (and an epoch's rows), over ``device_budget`` bytes per device: by default half of what
-    the device reports free, or for CPU devices half the host's available memory over this process's devices; the
-    other half leaves room for a resized segment's rows, which cross from the host. ValueError for another kind of
-    ``data`` (a folder: read it first)."""
+    bytes per sample added, held once (the resident shard), or twice on GATHER_ONCE_PLATFORMS (and an epoch's rows),
+    over ``device_budget`` bytes per device: by default half of what the device reports free, or for CPU devices half
+    the host's available memory over this process's devices; the other half leaves room for a resized segment's rows,
+    which cross from the host. ValueError for another kind of ``data`` (a folder: read it first)."""
     if isinstance(data, tuple) and len(data) == 2:
         fields = [(np.shape(data[0]), np.dtype(data[0].dtype)), (np.shape(data[1]), np.dtype(np.int32))]
     elif isinstance(data, Mapping) and data:
@@ -534,30 +532,27 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *, 
     """A ``Loader`` over ``data`` on ``devices`` (shard k on ``devices[k]``, or mesh position k).
 
     Args:
-      data: a dict ``{name: array}`` (any string names but "mask", "index" and
-        "logical_shards", any dtype JAX holds as it is, every array N first), delivered as
-        stored unless ``normalize`` names it; or the notebooks' tuple ``(samples, labels)``,
-        delivered as {"images", "labels" (int32)}; or a CIFAR-10 folder, read with
+      data: a dict ``{name: array}`` (any string names but "mask", "index" and "logical_shards", any dtype JAX holds as
+        it is, every array N first), delivered as stored unless ``normalize`` names it; or the notebooks' tuple
+        ``(samples, labels)``, delivered as {"images", "labels" (int32)}; or a CIFAR-10 folder, read with
         ``filename_prefix`` (the tuple form over its files).
       batch_size: b, rows per logical shard (per device, without ``logical_shards``) per step.
       layout: "sharded" ((n*B, ...) for jit) or "pmap" ((n, B, ...)).
-      shuffle, seed, last_batch: the plan's (plan.epoch_plan): shuffle a bool, seed in
-        [0, 2**32), last_batch "fill" (pad, masked) or "drop".
-      normalize: for a dict dataset, None or ``{name: Normalize}``; for the tuple form, the
-        Normalize of "images" ("default": the rocAL notebook's ``Normalize()``), or None.
-        A Normalize needs uint8 images (N, C, H, W), channels first.
+      shuffle, seed, last_batch: the plan's (plan.epoch_plan): shuffle a bool, seed in [0, 2**32), last_batch "fill"
+        (pad, masked) or "drop".
+      normalize: for a dict dataset, None or ``{name: Normalize}``; for the tuple form, the Normalize of "images"
+        ("default": the rocAL notebook's ``Normalize()``), or None. A Normalize needs uint8 (N, C, H, W) images.
       prefetch: steps made ahead on a thread (placement "host"), an int >= 0.
-      placement: "host" or "device" (the module docstring); "device" refuses a dataset whose
-        shard does not fit ``device_budget`` bytes per device.
-      logical_shards: L, the plan's shards (at least the device count), so that the
-        L shards of b rows of a step are the same on every n from 1 to L; None: L = n.
+      placement: "host" or "device" (the module docstring); "device" refuses a dataset whose shard does not fit
+        ``device_budget`` bytes per device.
+      logical_shards: L, the plan's shards (at least the device count), so that the L shards of b rows of a step are
+        the same on every n from 1 to L; None: L = n.
 
     Raises:
-      ValueError, naming the parameter and the value: for any argument outside the above, a
-      batch larger than the smallest shard, more shards than samples, an array of a dtype JAX
-      would convert (int64 without ``jax_enable_x64``: the message says which dtype keeps
-      its values), arrays of different N, a Normalize that does not fit its images.
-    """
+      ValueError, naming the parameter and the value: for any argument outside the above, a batch larger than the
+      smallest shard, more shards than samples, an array of a dtype JAX would convert (int64 without ``jax_enable_x64``:
+      the message says which dtype keeps its values), arrays of different N, a Normalize that does not fit its
+      images."""
     arrays, normalize = _dataset(data, filename_prefix, normalize)
     mesh = data_mesh(devices)
     check_policy(last_batch)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import hashlib
 import numbers
 import os
@@ -39,7 +38,7 @@ from jax.sharding import Mesh
 import loaders
 from arithmetic import Normalize, aligned_empty
 from cifar_mnist import IMAGE_SHAPE, RECORD_BYTES, TRAIN_PREFIX, write_cifar10
-from plan import LoaderState, Plan, Schedule, check_seed, dataset_digest, on_devices, shard_bounds
+from plan import LoaderState, Plan, check_seed, on_devices, shard_bounds
 from rocal_api import (_call, _check_remaining, _hardware_id, check_dlpack, copy_output, device_images, import_rocal,
                        release_pipelines, rocal_pipeline, rocal_version)
 
@@ -151,7 +150,7 @@ class ShardInfo:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class RocalLoader:
+class RocalLoader(loaders.Scheduled):
     """Epochs read by rocAL (the module docstring). It holds no pipeline: each epoch's iterator has its own, so epochs
     are independent and may overlap."""
     images: np.ndarray = dataclasses.field(repr=False)  # uint8 (N, 3, 32, 32), read_cifar10's order
@@ -178,37 +177,9 @@ class RocalLoader:
     known_real: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
 
     @property
-    def num_shards(self) -> int:
-        return self.logical_shards or self.mesh.devices.size
-
-    @property
-    def device_rows(self) -> int:
-        """Samples per pipeline per step: ceil(L/n) x batch_size (a spare slot included)."""
-        return -(-self.num_shards // self.mesh.devices.size) * self.batch_size
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.labels)
-
-    @functools.cached_property
-    def dataset(self) -> str:
-        """``loaders.make_loader``'s over the same data: a state moves between the two."""
-        return dataset_digest({"images": self.images, "labels": self.labels})
-
-    @functools.cached_property
-    def schedule(self) -> Schedule:
-        return Schedule(self.num_samples, self.num_shards, self.batch_size, self.seed, self.shuffle,
-                        self.last_batch, dataset=lambda: self.dataset)
-
-    @property
-    def num_steps(self) -> int:
-        return self.schedule.num_steps
-
-    def __len__(self) -> int:
-        return self.num_steps
-
-    def plan(self, epoch: int) -> Plan:
-        return self.schedule.plan(epoch)
+    def arrays(self) -> dict:
+        """The data as ``loaders.make_loader`` holds it: ``dataset``, the digest a state names, is its loader's."""
+        return {"images": self.images, "labels": self.labels}
 
     def describe(self) -> str:
         if self.order == "plan":
@@ -470,8 +441,7 @@ def make_rocal_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: in
       ValueError: anything ``loaders.make_loader`` refuses; an argument outside its line above; devices not all CPU
         or all AMD GPUs; a folder rocAL would read otherwise.
       RuntimeError: a GPU rocAL built without DLPack; sharding "rocal" while rocAL ignores shard_id; a pipeline that
-        cannot be built.
-    """
+        cannot be built."""
     if not isinstance(normalize, Normalize) or normalize.arithmetic != "rocal":
         raise ValueError(f"make_rocal_loader: normalize={normalize!r}: rocAL computes rocAL's "
                          f"arithmetic; pass arithmetic.Normalize(..., arithmetic='rocal'), the spec of its bits")

@@ -9,8 +9,7 @@ Every strategy has one signature::
   in. ``opt_state`` None means ``optimizer.init``.
 * ``loss_terms(params, batch) -> (total, count)``: your model, on the rows one program sees (the batch's fields but
   "logical_shards"). ``total``: the sum of the real (mask-True) rows' losses, a float scalar; ``count``: how many terms
-  it sums (the real rows, or their tokens), a scalar. Every strategy minimises the global
-  sum(total) / max(sum(count), 1).
+  it sums (real rows, or their tokens), a scalar. Each strategy minimises the global sum(total) / max(sum(count), 1).
 * ``optimizer``: optax's ``GradientTransformation`` (any optax optimizer) or ``sgd``.
 * ``batches``: dicts with a bool "mask", one entry per row: (n*B,) in layout "sharded", (n, B) in layout "pmap"
   (``LAYOUT[strategy]``), as ``loaders.make_loader`` yields them.
@@ -37,13 +36,12 @@ The reductions, how a step's gradient is summed:
       params, state = update_program(state, g, t, c)   # g / max(c, 1), then optax
 
   ``exact_sum``: per leaf, every block's entries on one grid (a power of two below the leaf's largest entry), added as
-  integers, rounded once: the same bits in any order and grouping. Each block runs the same single-device code on every
-  device, whatever the mesh (one program per block, ``block_program``; on LOOP_PLATFORMS one loop program per device,
-  ``loop_program``), and so does the update. The sum (``sum_program``) adds int32 limbs; its float operations are
-  exact ones (scalings by powers of two, roundings to integers). So params, optimizer state and losses are the same
-  bits on every device count n from 1 to L, in one process or several, through every strategy, on one device adding
-  the L blocks as microbatches (``single``), across a stop and a resume on another n, at any learning rate. Not across
-  L, jaxlib versions, platforms or device kinds. The XLA options the programs need are set here
+  integers, rounded once: the same bits in any order and grouping (``sum_program``). Each block runs the same
+  single-device code on every device, whatever the mesh (one program per block, ``block_program``; on LOOP_PLATFORMS
+  one loop program per device, ``loop_program``), and so does the update. So params, optimizer state and losses are the
+  same bits on every device count n from 1 to L, in one process or several, through every strategy, on one device
+  adding the L blocks as microbatches (``single``), across a stop and a resume on another n, at any learning rate. Not
+  across L, jaxlib versions, platforms or device kinds. The XLA options the programs need are set here
   (``CANONICAL_XLA_OPTIONS``). L comes from the batches (a loader's carry a "logical_shards" entry) or from
   ``logical_shards``; given both, they must agree; given neither, the step is refused.
 
@@ -180,7 +178,6 @@ def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_st
 
 
 def _check_reduction(name: str, reduction: str, logical_shards, mesh: Mesh) -> None:
-    n = mesh.devices.size
     if reduction not in REDUCTIONS:
         raise ValueError(f"strategy {name!r}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if reduction == "plain" and logical_shards is not None:
@@ -192,7 +189,7 @@ def _check_reduction(name: str, reduction: str, logical_shards, mesh: Mesh) -> N
         raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be an int")
     if logical_shards < 1:
         raise ValueError(f"strategy {name!r}: logical_shards={logical_shards!r} must be at least 1")
-    _check_devices(f"strategy {name!r}", logical_shards, n)
+    _check_devices(f"strategy {name!r}", logical_shards, mesh.devices.size)
 
 
 def _check_devices(where: str, logical_shards: int, n: int) -> None:
@@ -239,13 +236,11 @@ def _batch_shards(batch) -> int | None:
 
 
 def checked(batches: Iterable[dict], strategy: str, mesh: Mesh) -> Iterator[dict]:
-    """``batches``, each checked to be in ``strategy``'s layout and on the mesh.
-
-    Every step: a dict with a "mask"; jax.Array leaves sharded on 'data' over exactly the mesh's devices; NumPy leaves
-    placed so in one process, refused across processes (a host array could be the whole batch or this process's rows).
-    Once per signature (the keys and each leaf's shape, dtype and whether a jax.Array; in a loop of one shape, the first
-    batch): the layout, told from "mask", (n*B,) in "sharded", (n, B) in "pmap", and the host leaves' dtypes. ValueError
-    naming the strategy, the step and what is wrong; the step's ``door`` checks the rest."""
+    """``batches``, each checked to be in ``strategy``'s layout and on the mesh. Every step: a dict with a "mask";
+    jax.Array leaves sharded on 'data' over exactly the mesh's devices; NumPy leaves placed so in one process, refused
+    across processes (a host array could be the whole batch or this process's rows). Once per ``_signature`` (in a loop
+    of one shape, the first batch): the layout, told from "mask", (n*B,) in "sharded", (n, B) in "pmap", and the host
+    leaves' dtypes. ValueError naming the strategy, the step and what is wrong; the step's ``door`` checks the rest."""
     layout, n, seen = LAYOUT[strategy], mesh.devices.size, set()
     want = NamedSharding(mesh, P(AXIS))
     for step, batch in enumerate(batches):
@@ -348,9 +343,8 @@ def door(where: str, loss_terms: LossTerms, layout: str, logical_shards: int | N
                                  f"topology hold only for the plan's own L")
             held = devices * -(-logical_shards // devices)
             if logical_shards < devices or rows % held:
-                raise ValueError(f"{where}: the batch's {rows} rows on {devices} device(s) do not split into "
-                                 f"{held} slots of one size (logical_shards={logical_shards}: ceil(L/n) slots a "
-                                 f"device)")
+                raise ValueError(f"{where}: the batch's {rows} rows on {devices} device(s) do not split into {held} "
+                                 f"slots of one size (logical_shards={logical_shards}: ceil(L/n) slots a device)")
         _check_contract(where, loss_terms, params, batch, layout, stacked)
     return check
 
@@ -390,8 +384,7 @@ def _dtype(x) -> np.dtype:
 
 
 def _signature(batch) -> tuple:
-    """What ``door`` and ``checked`` judge a batch by, once each: its tree, and per leaf its shape, dtype and whether it
-    is a jax.Array."""
+    """The tree, and per leaf the shape, dtype and whether a jax.Array: what ``door`` and ``checked`` judge once."""
     return jax.tree.structure(batch), tuple((np.shape(x), _dtype(x), isinstance(x, jax.Array))
                                             for x in jax.tree.leaves(batch))
 
@@ -525,13 +518,11 @@ def check_dtypes(tree, where: str) -> None:
 
 def train_loop(step: Callable, state, batches: Iterable,
                callback: Callable[[int, Any], None] | None = None) -> tuple[Any, list]:
-    """Runs ``state, value = step(state, batch)`` over ``batches``; returns (state, values).
-
-    At most two steps are in flight: step s is dispatched, then step s - 1 is waited for. Unbounded asynchronous
-    dispatch while a loader's thread transfers batches deadlocked XLA's CPU all-reduce (8 virtual devices, per-device
-    batch 128). ``callback(t, value)`` gets each step's value once, in step order, after the step has finished.
-    ``step`` is any function of (state, batch), e.g. ``sharded_step``'s or ``canonical_step``'s with state =
-    ``replicate((params, opt_state), mesh)``; on accelerators the plain steps consume (donate) the state passed in."""
+    """Runs ``state, value = step(state, batch)`` over ``batches``; returns (state, values). At most two steps are in
+    flight: step s is dispatched, then step s - 1 is waited for (unbounded dispatch beside a loader's transfer thread
+    deadlocked XLA's CPU all-reduce). ``callback(t, value)`` gets each step's value once, in step order, after the step
+    has finished. ``step`` is any function of (state, batch), e.g. ``sharded_step``'s or ``canonical_step``'s with state
+    = ``replicate((params, opt_state), mesh)``; on accelerators the plain steps consume (donate) the state passed in."""
     values = []
     for batch in batches:
         state, value = step(state, batch)
@@ -646,8 +637,7 @@ def plain_step(name: str, loss_terms: LossTerms, update: Callable, mesh: Mesh) -
 @functools.lru_cache(maxsize=64)
 def sharded_gradient(loss_terms: LossTerms) -> Callable:
     """``sharded_step``'s gradient program: jit of (params, batch) -> (gradient sums, loss sum, count), one per
-    ``loss_terms`` whatever the optimizer (each step program below likewise compiles its gradient once, apart from
-    ``update``)."""
+    ``loss_terms`` for any optimizer (each step below likewise compiles its gradient once, apart from ``update``)."""
     return jax.jit(_total_gradient(loss_terms))
 
 
@@ -674,8 +664,7 @@ def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callab
     A pmap without ``devices=`` maps over the default backend's devices."""
     mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
     donate = donates(devices)
-    gradient = _pmap_gradient(loss_terms, devices)
-    apply = update_program(update, donate)
+    gradient, apply = _pmap_gradient(loss_terms, devices), update_program(update, donate)
     first = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[0], x), mesh=mesh, in_specs=P(AXIS),
                                   out_specs=P(), check_vma=False), donate_argnums=(0,) if donate else ())
     stacked = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[None], x), mesh=mesh, in_specs=P(),
@@ -699,11 +688,10 @@ def _pmap_gradient(loss_terms: LossTerms, devices: tuple) -> Callable:
 
 @functools.lru_cache(maxsize=64)
 def shard_map_step(loss_terms: LossTerms, update: Callable, mesh: Mesh) -> Callable:
-    """The shard_map step for ``mesh``: the gradient of psum(total) by a jit(shard_map), then ``update_program``.
-
-    The trap this form avoids: with ``check_vma=True`` (the default) and params entering replicated (``P()``), JAX
-    already sums the gradient over devices (the transpose of the implicit broadcast is a psum). Porting pmap's ``grad``
-    then ``pmean(grads)`` trains with n times the gradient."""
+    """The shard_map step for ``mesh``: the gradient of psum(total) by a jit(shard_map), then ``update_program``. The
+    trap this form avoids: with ``check_vma=True`` (the default) and params entering replicated (``P()``), JAX already
+    sums the gradient over devices (the transpose of the implicit broadcast is a psum). Porting pmap's ``grad`` then
+    ``pmean(grads)`` trains with n times the gradient."""
     gradient = _shard_map_gradient(loss_terms, mesh)
     apply, check = update_program(update, donates(mesh.devices.flat)), door("shard_map_step", loss_terms, "sharded")
 
@@ -754,12 +742,11 @@ def loop_program(loss_terms: LossTerms, blocks: int, summed: bool) -> Callable:
     can neither remove the loop (at k = 1) nor unroll it, so every block runs the loop body's one compiled code, and the
     body is the same for every k, k's own dimension aside (the HLO test compares them). The sums go into a buffer that
     the sum reads after the loop: no add can join a block's arithmetic. The buffer starts uninitialised (``lax.empty``;
-    zeros on CPUs) but for its slot k - 1, zeros: the iterations write every other entry, so zeroing them would be a
-    pass over k gradients for nothing, and a device with a spare slot runs k - 1 trips and leaves that slot zero.
-
-    The rows and the buffer have ``max(k, LOOP_SLOTS)`` slots; a slot past k is zeros, never visited. At one slot,
-    every iteration would read slot 0, a fact XLA sees: it hoists the block's arithmetic out of the loop and fuses it
-    with its neighbours, and on AVX2 CPUs a LayerNorm bias's gradient came out one rounding apart from k = 8's."""
+    zeros on CPUs) but for its slot k - 1, zeros: the iterations write every other entry (zeroing them would be a pass
+    over k gradients for nothing), and a device with a spare slot runs k - 1 trips and leaves that slot zero. The rows
+    and the buffer have ``max(k, LOOP_SLOTS)`` slots; a slot past k is zeros, never visited. At one slot, every
+    iteration would read slot 0, a fact XLA sees: it hoists the block's arithmetic out of the loop and fuses it with its
+    neighbours, and on AVX2 CPUs a LayerNorm bias's gradient came out one rounding apart from k = 8's."""
     gradient = _total_gradient(loss_terms)
     slots = max(blocks, LOOP_SLOTS)
 
@@ -774,9 +761,8 @@ def loop_program(loss_terms: LossTerms, blocks: int, summed: bool) -> Callable:
             block = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, 0, keepdims=False), stacked)
             return jax.tree.map(lambda buffer, x: lax.dynamic_update_index_in_dim(buffer, x, i, 0), sums,
                                 gradient(params, block))
-        empty = jax.tree.map(lambda s: lax.dynamic_update_index_in_dim(lax.empty((slots,) + s.shape, s.dtype),
-                                                                        jnp.zeros(s.shape, s.dtype), blocks - 1, 0),
-                             shapes)
+        empty = jax.tree.map(lambda s: lax.dynamic_update_index_in_dim(
+            lax.empty((slots,) + s.shape, s.dtype), jnp.zeros(s.shape, s.dtype), blocks - 1, 0), shapes)
         sums = jax.tree.map(lambda x: x[:blocks], lax.fori_loop(0, trips, body, empty))
         return exact_sum(sums) if summed else sums
     return jax.jit(run, compiler_options=CANONICAL_XLA_OPTIONS)
@@ -819,19 +805,16 @@ def exact_sum(blocks, axis: str | None = None):
     has no sign: blocks all -0.0 give +0.0. An entry with a NaN in some block, or +Inf in one and -Inf in another,
     is NaN (float32 0x7fc00000, bfloat16 0x7fc0, float16 0x7e00); +Inf or -Inf alone, that infinity.
 
-    How: each integer as K = 3 int32 limbs, v = top * 2**40 + mid * 2**20 + low, each sign(v) times 20 bits of |v|, so
-    L blocks' limbs, and their carries, stay inside int32 for L <= 2047 (MAX_BLOCKS). Onto the grid by float operations
-    that are exact: x times two powers of two (|x| / q < 2**59), rounded to an integer, then split by truncation and
-    subtraction; an entry that would land below 2**-126 there rounds to 0 whether or not the backend flushes it. That
-    is why subnormal entries count as 0: XLA's CPU and TPU arithmetic flushes them, a GPU's need not, and the grid's
-    multiplies must read the same numbers everywhere. The limbs are added locally, then one ``psum_scatter`` a leaf
-    (where a device holds at most LIMBS blocks, one ``all_to_all`` of the floats instead, each device converting every
-    block's 1/n of the entries): each device carries (arithmetic shifts) and rounds 1/n of the entries, by integer
-    operations alone (no float sum of limbs, which would round more than once), and one ``all_gather`` returns the
-    results. One scale per leaf, not per entry: an entry-wise max would be an all-reduce of a whole gradient, a
-    per-leaf one is a scalar. K = 3 limbs move 3x a float32 all-reduce's bytes; a fourth would give p = 55 at 4x. The
-    non-finite entries go by a side channel, counted beside the moved floats, or reduced only in a step that has one.
-    Leaves: float32, bfloat16, float16 (FORMATS); ValueError for another dtype."""
+    How: each integer as K = 3 int32 limbs (``_to_limbs``: float operations that are exact), so L blocks' limbs, and
+    their carries, stay inside int32 for L <= 2047 (MAX_BLOCKS). An entry that would land below 2**-126 on the way to
+    the grid rounds to 0 whether or not the backend flushes it. That is why subnormal entries count as 0: XLA's CPU and
+    TPU arithmetic flushes them, a GPU's need not, and the grid's multiplies must read the same numbers everywhere. Each
+    device carries (arithmetic shifts) and rounds 1/n of the entries, by integer operations alone (no float sum of
+    limbs, which would round more than once); ``sum_program`` says what moves. One scale per leaf, not per entry: an
+    entry-wise max would be an all-reduce of a whole gradient, a per-leaf one is a scalar. K = 3 limbs move 3x a float32
+    all-reduce's bytes; a fourth would give p = 55 at 4x. The non-finite entries go by a side channel, counted beside
+    the moved floats, or reduced only in a step that has one. Leaves: float32, bfloat16, float16 (FORMATS); ValueError
+    for another dtype."""
     leaves, tree = jax.tree.flatten(blocks)
     for x in leaves:
         if np.dtype(x.dtype) not in FORMATS:
