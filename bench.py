@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.metadata
+import inspect
 import itertools
 import json
 import os
@@ -37,6 +38,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # GPU memory on demand, not 75% up front
 
@@ -47,7 +49,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dali_loader
 import loaders
@@ -349,8 +351,9 @@ def reduction_section(args, out: dict) -> None:
                    "rows": int(batch["mask"].shape[0]),
                    "gradient_mb": sum(np.asarray(x).nbytes for x in jax.tree.leaves(start[0])) / 2**20}
             for s in states:
-                row[s] = {"step_ms": 1e3 * statistics.median(times[s]),
-                          "memory_mb": step_memory(s, states[s], batch, mesh, name, shards), "compile": compiled[s]}
+                make = lambda s=s: reduction_steps(MODELS[name][1], mesh, shards, uncached=True)[s]
+                row[s] = {"step_ms": 1e3 * statistics.median(times[s]), "compile": compiled[s],
+                          "memory_mb": step_memory(make, states[s], batch)}
             row["floor_ms"] = 1e3 * statistics.median(times["floor"])
             row["ratio"] = {"step_time": row["canonical"]["step_ms"] / row["plain"]["step_ms"],
                             "floor": row["floor_ms"] / row["plain"]["step_ms"],
@@ -409,47 +412,58 @@ def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
     return lambda: jax.block_until_ready([folded(s) if fold else s for s in sums().values()])
 
 
-def step_memory(step: str, state, batch, mesh, name: str, shards: int) -> float:
-    """MiB one device holds at the step's peak, from XLA's memory_analysis of each of the step's programs (arguments +
-    outputs - aliased + temporaries) plus what the step keeps alive beside it: the state, the batch (and its blocks,
-    split), and the block sums waiting for the sum (k - 1 beside the last block program; a loop's k are its output).
-    ``state`` is the step's own (replicated on the mesh): each program is analysed with the arguments it runs on, so
-    that it is the program already compiled, not another."""
-    _, loss_terms, _ = MODELS[name]
-    n, d, k = mesh.devices.size, mesh.devices.flat[0], shards // mesh.devices.size
-    local = lambda tree: jax.tree.map(lambda x: x.addressable_data(0), tree)
-    params, opt, rows = local(state[0]), local(state[1]), local(batch)
-    size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-    held = lambda program, *args: (lambda m: m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                                   + m.temp_size_in_bytes)(program.lower(*args).compile().memory_analysis())
-    if step == "plain":  # its programs run on the global arrays
-        gradient = strategies.sharded_gradient(loss_terms)
-        update = strategies.update_program(strategies.sgd_update, strategies.donates(mesh.devices.flat))
-        return max(held(update, state, *gradient(state[0], batch)) + size(rows),
-                   held(gradient, state[0], batch) + size(opt)) / 2**20
-    update = strategies.update_program(strategies.sgd_update)
-    on_d = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(d))
-    shape = lambda tree, drop=0: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[drop:], s.dtype), tree)
-    if d.platform in strategies.LOOP_PLATFORMS:  # the loop's own trace gives the sums' shapes
-        loop, trips = strategies.loop_program(loss_terms, k, n == 1), jax.device_put(np.int32(k), d)
-        sums = jax.eval_shape(loop, params, rows, trips)  # (k, ...) each, or at n = 1 folded
-        sums = shape(sums, 0 if n == 1 else 1)
-        peaks = [held(loop, params, rows, trips) + size(opt)]
-        rounds, split = [jax.tree.map(lambda s: jax.ShapeDtypeStruct((n * k,) + s.shape, s.dtype), sums)], 1
-    else:
-        block = jax.tree.map(lambda x: on_d((x.shape[0] // k,) + x.shape[1:], x.dtype), rows)
-        sums = shape(jax.eval_shape(strategies.block_program(loss_terms), params, block), 1)  # one block's
-        split = 2 if k > 1 else 1  # the batch, and its blocks once split
-        peaks = [held(strategies.block_program(loss_terms), params, block) + size(opt) + split * size(rows)
-                 + (k - 1) * size(sums)]
-        rounds = [jax.tree.map(lambda s: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype), sums)] * k
-    folded = jax.tree.map(lambda s: on_d(s.shape, s.dtype), sums)
-    peaks.append(held(update, (params, opt), *folded) + size(rows))
-    if n > 1 or d.platform not in strategies.LOOP_PLATFORMS:
-        sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
-        rounds = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), rounds)
-        peaks.append(held(strategies.sum_program(mesh, k), rounds) + size((params, opt)) + split * size(rows))
-    return max(peaks) / 2**20
+def step_memory(make: Callable, state, batch) -> float:
+    """MiB one device holds at the peak of one step: the step ``make()`` builds, called once on (``state``, ``batch``),
+    each program it calls measured at the call. On each of the program's devices: the buffers of the arrays alive
+    then (each once; not those alive before the step but its state and batch), plus the program's outputs and
+    temporaries less what it aliases (XLA's ``memory_analysis`` of the compiled program the call runs). The figure:
+    the largest over the devices and the calls.
+
+    The programs heard are those strategies' program factories (lru-cached, each program made once per key) hand
+    out while the step is built and runs: ``make`` must build it anew, past strategies' cache of steps
+    (``inspect.unwrap``). The state is donated where the step donates it. Not thread-safe: meanwhile strategies'
+    factories are replaced. ValueError if the step called none of their programs."""
+    peaks, others = {}, set(_buffers()) - set(_buffers((state, batch)))
+
+    def recorded(program):
+        def call(*args, **kwargs):
+            memory = program.lower(*args, **kwargs).compile().memory_analysis()
+            extra = memory.output_size_in_bytes + memory.temp_size_in_bytes - memory.alias_size_in_bytes
+            held = {}
+            for (device, address), size in _buffers().items():
+                if (device, address) not in others:
+                    held[device] = held.get(device, 0) + size
+            for device in {d for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array) for d in x.devices()}:
+                peaks[device] = max(peaks.get(device, 0), held.get(device, 0) + extra)
+            return program(*args, **kwargs)
+        return call
+
+    def fetching(factory):
+        @functools.wraps(factory)  # inspect.unwrap still reaches the factory's own function
+        def fetch(*args, **kwargs):
+            made = factory(*args, **kwargs)
+            return recorded(made) if isinstance(made, jax.stages.Wrapped) else made  # a step or a check as it is
+        return fetch
+    factories = {name: f for name, f in vars(strategies).items() if hasattr(f, "cache_info")}
+    try:
+        for name, factory in factories.items():
+            setattr(strategies, name, fetching(factory))
+        jax.block_until_ready(make()(state, batch))
+    finally:
+        for name, factory in factories.items():
+            setattr(strategies, name, factory)
+    if not peaks:
+        raise ValueError(f"step_memory: make={make!r} built a step that called none of the programs of strategies' "
+                         f"factories {sorted(factories)}")
+    return max(peaks.values()) / 2**20
+
+
+def _buffers(tree=None) -> dict:
+    """{(device, buffer address): bytes} of the arrays in ``tree`` (None: every live array), each buffer once (a
+    device's shard of a global array and the array made of that shard share theirs)."""
+    arrays = jax.live_arrays() if tree is None else [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    return {(s.device, s.data.unsafe_buffer_pointer()): s.data.nbytes
+            for x in arrays if not x.is_deleted() for s in x.addressable_shards}
 
 
 def anew(loss_terms):
@@ -468,9 +482,15 @@ def reduction_case(name: str, global_batch: int, shards: int, mesh, smoke: bool 
     b, slots = max(1, round(global_batch / shards)), device_slots(shards, mesh.devices.size).reshape(-1)
     mask = np.repeat(slots >= 0, b)
     batch = jax.device_put(dict(rows(rng, mask.size), mask=mask), NamedSharding(mesh, P(loaders.DATA_AXIS)))
-    steps = {"plain": strategies.sharded_step(loss_terms, strategies.sgd_update),
-             "canonical": strategies.canonical_step(loss_terms, strategies.sgd_update, mesh, shards)}
-    return (params, strategies.sgd(LEARNING_RATE).init(params)), batch, steps
+    return (params, strategies.sgd(LEARNING_RATE).init(params)), batch, reduction_steps(loss_terms, mesh, shards)
+
+
+def reduction_steps(loss_terms, mesh, shards: int, uncached: bool = False) -> dict:
+    """{"plain": sharded_step, "canonical": canonical_step at L = ``shards``}, with SGD's update; ``uncached``: each
+    built anew, past strategies' cache of steps, so that it fetches its programs again (``step_memory``)."""
+    made = inspect.unwrap if uncached else (lambda factory: factory)
+    return {"plain": made(strategies.sharded_step)(loss_terms, strategies.sgd_update),
+            "canonical": made(strategies.canonical_step)(loss_terms, strategies.sgd_update, mesh, shards)}
 
 
 def layer_norm(x, p):
@@ -635,8 +655,9 @@ def markdown(results: dict) -> str:
         red = results["reduction"]
         lines += table(f"**The canonical reduction** (canonical_step against sharded_step on the same batch of L*b "
                        f"rows, SGD, matmul precision {red['precision']}; step median over interleaved rounds; memory "
-                       f"per device at the step's peak, from XLA's memory_analysis; extra = the difference in "
-                       f"gradients; floor = the block gradients and their exact sum, nothing moved)",
+                       f"per device at the step's peak, measured on one step: the arrays alive at each program and "
+                       f"its outputs and temporaries; extra = the difference in gradients; floor = the block gradients "
+                       f"and their exact sum, nothing moved)",
                        "model | devices | global batch | L | plain ms | canonical ms | canonical / plain | "
                        "floor / plain | plain MiB | canonical MiB | canonical / plain | extra", "lrrrrrrrrrrr",
                        "{model} | {devices} | {rows} | {logical_shards} | {plain[step_ms]:.2f} | "
