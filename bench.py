@@ -394,9 +394,10 @@ def reduction_section(args, out: dict) -> None:
 def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
     """A call that runs the canonical step's arithmetic with nothing moved between devices, no update: on each device
     its rows split and its k = L/n block gradients, one program each (on LOOP_PLATFORMS its loop program), then with
-    ``fold`` their ``strategies.exact_sum``, a program each device (strategies' own split, block and sum); it returns
-    the devices' results in device order. Any construction that gives each block a gradient of its own and adds them
-    exactly does at least this on some device: the floor under the canonical step's time."""
+    ``fold`` their ``strategies.exact_sum``, each device its own, in one program on the mesh that moves nothing (one
+    compile, not one per device; strategies' own split, block and sum); it returns the devices' results in device
+    order. Any construction that gives each block a gradient of its own and adds them exactly does at least this on
+    some device: the floor under the canonical step's time."""
     _, loss_terms, _ = MODELS[name]
     k, devices = shards // mesh.devices.size, list(mesh.devices.flat)
     params = {d: jax.device_put(start[0], d) for d in devices}
@@ -407,9 +408,17 @@ def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
         return lambda: jax.block_until_ready([loop(params[d], rows[d], trips[d]) for d in devices])
     block = strategies.block_program(loss_terms)
     split = strategies._split_program(k, False) if k > 1 else (lambda r: [r])
-    folded = jax.jit(lambda sums: strategies.exact_sum(jax.tree.map(lambda *x: jnp.concatenate(x), *sums)))
-    sums = lambda: {d: [block(params[d], r) for r in split(rows[d])] for d in devices}
-    return lambda: jax.block_until_ready([folded(s) if fold else s for s in sums().values()])
+    spec = P(loaders.DATA_AXIS)
+    folded = jax.jit(jax.shard_map(lambda rounds: jax.tree.map(lambda x: x[None], strategies.exact_sum(
+        jax.tree.map(lambda *x: jnp.concatenate(x), *rounds))), mesh=mesh, in_specs=spec, out_specs=spec))
+
+    def run():
+        sums = {d: [block(params[d], r) for r in split(rows[d])] for d in devices}
+        if fold:
+            sums = strategies._by_device(folded([strategies._assembled({d: sums[d][i] for d in devices}, mesh, spec)
+                                                 for i in range(k)]), devices)
+        return jax.block_until_ready([sums[d] for d in devices])
+    return run
 
 
 def step_memory(make: Callable, state, batch) -> float:
