@@ -438,12 +438,9 @@ def step_memory(make: Callable, state, batch) -> float:
         def call(*args, **kwargs):
             memory = program.lower(*args, **kwargs).compile().memory_analysis()
             extra = memory.output_size_in_bytes + memory.temp_size_in_bytes - memory.alias_size_in_bytes
-            held = {}
-            for (device, address), size in _buffers().items():
-                if (device, address) not in others:
-                    held[device] = held.get(device, 0) + size
+            held = [(d, size) for (d, address), size in _buffers().items() if (d, address) not in others]
             for device in {d for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array) for d in x.devices()}:
-                peaks[device] = max(peaks.get(device, 0), held.get(device, 0) + extra)
+                peaks[device] = max(peaks.get(device, 0), extra + sum(size for d, size in held if d == device))
             return program(*args, **kwargs)
         return call
 
