@@ -250,10 +250,10 @@ def train(strategy, params, batches, mesh):
 
 def training_section(images, labels, mesh, args, out: dict) -> None:
     """Per global batch and strategy, its plain step program (``strategy_step``) on the notebooks' MLP: the step time,
-    ``args.train_steps`` (at least 20) steps queued back to back (``queued``), per step, the median over interleaved
-    rounds; its ratio to single's; and what JAX spent compiling during the first step, by phase (its gradient
-    program new). In the same rounds, ``transfer_ms``: the global batch's uint8 images put on the devices, sharded as
-    a step takes them, and waited for: what feeding from host memory moves per step."""
+    ``args.train_steps`` (20; quick and smoke 3) steps queued back to back (``queued``), per step, the median over
+    interleaved rounds; its ratio to single's; and what JAX spent compiling during the first step, by phase (its
+    gradient program new). In the same rounds, ``transfer_ms``: the global batch's uint8 images put on the devices,
+    sharded as a step takes them, and waited for: what feeding from host memory moves per step."""
     params = model.init_model(args.layers)
     sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
     for global_batch in args.training_batches:
@@ -311,9 +311,10 @@ def reduction_section(args, out: dict) -> None:
     step's device memory (``step_memory``). On a one-device mesh (no collective whose order threads could cross) the
     warm-ups of the (model, global batch) pairs run side by side, one thread each: a chip's conv programs take XLA
     half a minute each, so one after another they would not fit in ten minutes; a pair's compile seconds are then
-    its thread's, slowed by the others'. Then the compile time of the canonical and the plain steps on 1, 2, 4 and 8
-    devices (those there are), one after another: the MLP at the largest global batch, L = 8, with a new loss_terms,
-    so that its programs compile anew: what JAX spent compiling in the first call."""
+    its thread's, slowed by the others'. Then, for the MLP at global batch ``args.mlp_batch`` and L = 8: the compile
+    time of the canonical and the plain steps on ``args.compile_devices`` devices (those there are), one after another,
+    with a new loss_terms, so that its programs compile anew (what JAX spent compiling in the first call); and both
+    steps' times on ``args.any_devices`` devices, which do not divide L."""
     n = args.reduction_devices
     mesh = loaders.data_mesh(jax.devices()[:n])
     rows, compiles = out.setdefault("cases", []), out.setdefault("compile_s", [])
@@ -366,8 +367,8 @@ def reduction_section(args, out: dict) -> None:
                       f"{compiled['canonical']['s']:.1f} s", f"reduction, {name}, global {global_batch}, L = {shards}")
     for devices in (d for d in args.compile_devices if d <= len(jax.devices())):
         on = loaders.data_mesh(jax.devices()[:devices])
-        start, batch, steps = reduction_case("mlp", max(GLOBAL_BATCHES), 8, on, args.smoke, fresh=True)
-        row = {"devices": devices}
+        start, batch, steps = reduction_case("mlp", args.mlp_batch, 8, on, args.smoke, fresh=True)
+        row = {"devices": devices, "global_batch": args.mlp_batch}
         for s, step in steps.items():
             mark = len(args.compiles.heard)
             jax.block_until_ready(step(strategies.replicate(start, on), batch))
@@ -376,7 +377,7 @@ def reduction_section(args, out: dict) -> None:
         args.note(f"plain {row['plain']:.2f} s, canonical {row['canonical']:.2f} s", f"compile, {devices} devices")
     for devices in (d for d in args.any_devices if d <= len(jax.devices())):  # n that do not divide L = 8
         on = loaders.data_mesh(jax.devices()[:devices])
-        start, batch, steps = reduction_case("mlp", max(GLOBAL_BATCHES), 8, on, args.smoke)
+        start, batch, steps = reduction_case("mlp", args.mlp_batch, 8, on, args.smoke)
         states = {s: strategies.replicate(start, on) for s in steps}
 
         def call(s, steps=steps, states=states, batch=batch):
@@ -385,7 +386,7 @@ def reduction_section(args, out: dict) -> None:
         for s in [*steps, *steps]:  # warm-up
             call(s)
         times = rounds({s: functools.partial(call, s) for s in steps}, args.step_rounds)
-        row = {"devices": devices, "rows": int(batch["mask"].shape[0]),
+        row = {"devices": devices, "global_batch": args.mlp_batch, "rows": int(batch["mask"].shape[0]),
                **{s: 1e3 * statistics.median(times[s]) for s in steps}}
         out.setdefault("any_n", []).append(row)
         args.note(f"plain {row['plain']:.2f} ms, canonical {row['canonical']:.2f} ms", f"any n, {devices} devices")
@@ -670,12 +671,13 @@ def markdown(results: dict) -> str:
                        "{canonical[step_ms]:.2f} | {ratio[step_time]:.2f} | {ratio[floor]:.2f} | "
                        "{plain[memory_mb]:.0f} | {canonical[memory_mb]:.0f} | {ratio[memory]:.2f} | "
                        "{extra_gradients:.1f}", red["cases"])
-        lines += table("**Compile time** (s; the MLP, global batch 1024, L = 8; first call - warm call)",
-                       "devices | plain | canonical", "rrr", "{devices} | {plain:.2f} | {canonical:.2f}",
+        lines += table("**Compile time** (s; the MLP, L = 8; what JAX spent compiling in the first call)",
+                       "devices | global batch | plain | canonical", "rrrr",
+                       "{devices} | {global_batch} | {plain:.2f} | {canonical:.2f}",
                        red["compile_s"])
-        lines += table("**Any n** (the MLP, global batch 1024, L = 8 on n devices that do not divide it: ceil(8/n) "
-                       "slots of 128 rows a device, a spare one masked; step medians)", "devices | rows | plain ms | "
-                       "canonical ms", "rrrr", "{devices} | {rows} | {plain:.2f} | {canonical:.2f}",
+        lines += table("**Any n** (the MLP, L = 8 on n devices that do not divide it: ceil(8/n) slots of G/8 rows a "
+                       "device, a spare one masked; step medians)", "devices | global batch G | rows | plain ms | "
+                       "canonical ms", "rrrrr", "{devices} | {global_batch} | {rows} | {plain:.2f} | {canonical:.2f}",
                        red.get("any_n", []))
     lines += table("**Goals**", "goal | measured | target | met", "lrll", "{goal} | {measured:.2f} | {target} | {met}",
                    [dict(g, met="yes" if g["met"] else "no") for g in results["goals"]])
@@ -688,10 +690,10 @@ def markdown(results: dict) -> str:
 def main(argv=None) -> dict:
     """Runs the chosen sections, prints the report and returns the figures (``--json``: also to a file)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller data, fewer cases and repeats")
+    parser.add_argument("--quick", action="store_true", help="smaller data, fewer cases, steps, repeats and devices")
     parser.add_argument("--smoke", action="store_true",
                         help="the smallest run through every code path, for the test suite: its figures are noise")
-    parser.add_argument("--num-train", type=int, help="synthetic images (default 50,000; quick 4,096)")
+    parser.add_argument("--num-train", type=int, help="synthetic images (default 50,000; quick 2,048)")
     parser.add_argument("--repeats", type=int, help="rounds per median (default 3; quick 2); a single step's "
                                                     "median takes 3 times as many")
     parser.add_argument("--json", metavar="FILE", help="also write the figures here")
@@ -701,21 +703,23 @@ def main(argv=None) -> dict:
                         help="comma-separated sections to run, in this order (default: all of them)")
     args = parser.parse_args(argv)
     size = 2 if args.smoke else 1 if args.quick else 0  # (full, quick, smoke)
-    args.num_train = args.num_train or (50_000, 4_096, 1_024)[size]  # 1024: 8 devices x B 128
+    args.num_train = args.num_train or (50_000, 2_048, 1_024)[size]  # 1024: 8 devices x B 128
     args.repeats = args.repeats or (3, 2, 1)[size]
     args.step_rounds = 3 * args.repeats
-    args.train_steps = 20
+    args.train_steps = (20, 3, 3)[size]
     args.fed_batches = [(*GLOBAL_BATCHES, 8192), GLOBAL_BATCHES[:1], (64,)][size]
     args.fed_strategies = (tuple(strategies.STRATEGIES), ("sharded",), ("sharded",))[size]
-    args.fed_steps = (32, 8, 4)[size]
+    args.fed_steps = (32, 4, 4)[size]
     args.training_batches = GLOBAL_BATCHES if size == 0 else GLOBAL_BATCHES[:1]
-    # (model, G, L / n): L = n, 4n, 8n; --quick: two models at global 128; --smoke: each model once
+    # (model, G, L / n) on n = reduction_devices: L = n, 4n, 8n; --quick: two models at global 128 on 2 devices;
+    # --smoke: each model once, on one device (its warm-ups side by side)
     args.reduction_cases = [list(itertools.product(MODELS, GLOBAL_BATCHES, (1, 4, 8))),
                             [("mlp", 128, 1), ("attention", 128, 8)],
                             [("mlp", 16, 4), ("conv", 16, 1), ("attention", 16, 1)]][size]
-    args.reduction_devices = len(jax.devices()) if size < 2 else min(2, len(jax.devices()))
-    args.compile_devices = ((1, 2, 4, 8), (8,), (1, 8))[size]
+    args.reduction_devices = min((8, 2, 1)[size], len(jax.devices()))
+    args.compile_devices = ((1, 2, 4, 8), (3,), (1, 2))[size]  # quick's 3: any n then finds its sum compiled
     args.any_devices = ((3, 5, 6, 7), (3,), (3,))[size]
+    args.mlp_batch = (max(GLOBAL_BATCHES), GLOBAL_BATCHES[0], 16)[size]  # G of the compile and any-n rows
     args.layers = model.LAYERS if size < 2 else SMOKE_LAYERS
     chosen = args.sections.split(",")
     args.compiles = Compiles()

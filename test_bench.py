@@ -74,7 +74,9 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
             assert number(r[step]["step_ms"]) and number(r[step]["memory_mb"]), r
         assert number(r["ratio"]["step_time"]) and number(r["ratio"]["memory"]), r
         assert number(r["floor_ms"]) and number(r["ratio"]["floor"]), r
-    assert [c["devices"] for c in reduction["compile_s"]] == [1, 8]
+    assert [c["devices"] for c in reduction["compile_s"]] == [1, 2]
+    assert [r["devices"] for r in reduction["any_n"]] == [3] and "**Any n**" in stdout  # 3 devices, L = 8
+    assert all(number(r[step]) for r in reduction["any_n"] for step in ("plain", "canonical")), reduction["any_n"]
     assert reduction["precision"] == "highest" and "| mlp |" in stdout and "L = 4n" in stdout
 
     assert results["goals"] and all({"goal", "measured", "target", "met"} <= set(g) for g in results["goals"])
