@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.metadata
+import inspect
 import itertools
 import json
 import os
@@ -37,6 +38,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # GPU memory on demand, not 75% up front
 
@@ -47,7 +49,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dali_loader
 import loaders
@@ -248,10 +250,10 @@ def train(strategy, params, batches, mesh):
 
 def training_section(images, labels, mesh, args, out: dict) -> None:
     """Per global batch and strategy, its plain step program (``strategy_step``) on the notebooks' MLP: the step time,
-    ``args.train_steps`` (at least 20) steps queued back to back (``queued``), per step, the median over interleaved
-    rounds; its ratio to single's; and what JAX spent compiling during the first step, by phase (its gradient
-    program new). In the same rounds, ``transfer_ms``: the global batch's uint8 images put on the devices, sharded as
-    a step takes them, and waited for: what feeding from host memory moves per step."""
+    ``args.train_steps`` (20; quick and smoke 3) steps queued back to back (``queued``), per step, the median over
+    interleaved rounds; its ratio to single's; and what JAX spent compiling during the first step, by phase (its
+    gradient program new). In the same rounds, ``transfer_ms``: the global batch's uint8 images put on the devices,
+    sharded as a step takes them, and waited for: what feeding from host memory moves per step."""
     params = model.init_model(args.layers)
     sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
     for global_batch in args.training_batches:
@@ -309,9 +311,10 @@ def reduction_section(args, out: dict) -> None:
     step's device memory (``step_memory``). On a one-device mesh (no collective whose order threads could cross) the
     warm-ups of the (model, global batch) pairs run side by side, one thread each: a chip's conv programs take XLA
     half a minute each, so one after another they would not fit in ten minutes; a pair's compile seconds are then
-    its thread's, slowed by the others'. Then the compile time of the canonical and the plain steps on 1, 2, 4 and 8
-    devices (those there are), one after another: the MLP at the largest global batch, L = 8, with a new loss_terms,
-    so that its programs compile anew: what JAX spent compiling in the first call."""
+    its thread's, slowed by the others'. Then, for the MLP at global batch ``args.mlp_batch`` and L = 8: the compile
+    time of the canonical and the plain steps on ``args.compile_devices`` devices (those there are), one after another,
+    with a new loss_terms, so that its programs compile anew (what JAX spent compiling in the first call); and both
+    steps' times on ``args.any_devices`` devices, which do not divide L."""
     n = args.reduction_devices
     mesh = loaders.data_mesh(jax.devices()[:n])
     rows, compiles = out.setdefault("cases", []), out.setdefault("compile_s", [])
@@ -349,8 +352,9 @@ def reduction_section(args, out: dict) -> None:
                    "rows": int(batch["mask"].shape[0]),
                    "gradient_mb": sum(np.asarray(x).nbytes for x in jax.tree.leaves(start[0])) / 2**20}
             for s in states:
-                row[s] = {"step_ms": 1e3 * statistics.median(times[s]),
-                          "memory_mb": step_memory(s, states[s], batch, mesh, name, shards), "compile": compiled[s]}
+                make = lambda s=s: reduction_steps(MODELS[name][1], mesh, shards, uncached=True)[s]
+                row[s] = {"step_ms": 1e3 * statistics.median(times[s]), "compile": compiled[s],
+                          "memory_mb": step_memory(make, states[s], batch)}
             row["floor_ms"] = 1e3 * statistics.median(times["floor"])
             row["ratio"] = {"step_time": row["canonical"]["step_ms"] / row["plain"]["step_ms"],
                             "floor": row["floor_ms"] / row["plain"]["step_ms"],
@@ -363,8 +367,8 @@ def reduction_section(args, out: dict) -> None:
                       f"{compiled['canonical']['s']:.1f} s", f"reduction, {name}, global {global_batch}, L = {shards}")
     for devices in (d for d in args.compile_devices if d <= len(jax.devices())):
         on = loaders.data_mesh(jax.devices()[:devices])
-        start, batch, steps = reduction_case("mlp", max(GLOBAL_BATCHES), 8, on, args.smoke, fresh=True)
-        row = {"devices": devices}
+        start, batch, steps = reduction_case("mlp", args.mlp_batch, 8, on, args.smoke, fresh=True)
+        row = {"devices": devices, "global_batch": args.mlp_batch}
         for s, step in steps.items():
             mark = len(args.compiles.heard)
             jax.block_until_ready(step(strategies.replicate(start, on), batch))
@@ -373,7 +377,7 @@ def reduction_section(args, out: dict) -> None:
         args.note(f"plain {row['plain']:.2f} s, canonical {row['canonical']:.2f} s", f"compile, {devices} devices")
     for devices in (d for d in args.any_devices if d <= len(jax.devices())):  # n that do not divide L = 8
         on = loaders.data_mesh(jax.devices()[:devices])
-        start, batch, steps = reduction_case("mlp", max(GLOBAL_BATCHES), 8, on, args.smoke)
+        start, batch, steps = reduction_case("mlp", args.mlp_batch, 8, on, args.smoke)
         states = {s: strategies.replicate(start, on) for s in steps}
 
         def call(s, steps=steps, states=states, batch=batch):
@@ -382,7 +386,7 @@ def reduction_section(args, out: dict) -> None:
         for s in [*steps, *steps]:  # warm-up
             call(s)
         times = rounds({s: functools.partial(call, s) for s in steps}, args.step_rounds)
-        row = {"devices": devices, "rows": int(batch["mask"].shape[0]),
+        row = {"devices": devices, "global_batch": args.mlp_batch, "rows": int(batch["mask"].shape[0]),
                **{s: 1e3 * statistics.median(times[s]) for s in steps}}
         out.setdefault("any_n", []).append(row)
         args.note(f"plain {row['plain']:.2f} ms, canonical {row['canonical']:.2f} ms", f"any n, {devices} devices")
@@ -391,9 +395,10 @@ def reduction_section(args, out: dict) -> None:
 def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
     """A call that runs the canonical step's arithmetic with nothing moved between devices, no update: on each device
     its rows split and its k = L/n block gradients, one program each (on LOOP_PLATFORMS its loop program), then with
-    ``fold`` their ``strategies.exact_sum``, a program each device (strategies' own split, block and sum); it returns
-    the devices' results in device order. Any construction that gives each block a gradient of its own and adds them
-    exactly does at least this on some device: the floor under the canonical step's time."""
+    ``fold`` their ``strategies.exact_sum``, each device its own, in one program on the mesh that moves nothing (one
+    compile, not one per device; strategies' own split, block and sum); it returns the devices' results in device
+    order. Any construction that gives each block a gradient of its own and adds them exactly does at least this on
+    some device: the floor under the canonical step's time."""
     _, loss_terms, _ = MODELS[name]
     k, devices = shards // mesh.devices.size, list(mesh.devices.flat)
     params = {d: jax.device_put(start[0], d) for d in devices}
@@ -404,52 +409,68 @@ def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
         return lambda: jax.block_until_ready([loop(params[d], rows[d], trips[d]) for d in devices])
     block = strategies.block_program(loss_terms)
     split = strategies._split_program(k, False) if k > 1 else (lambda r: [r])
-    folded = jax.jit(lambda sums: strategies.exact_sum(jax.tree.map(lambda *x: jnp.concatenate(x), *sums)))
-    sums = lambda: {d: [block(params[d], r) for r in split(rows[d])] for d in devices}
-    return lambda: jax.block_until_ready([folded(s) if fold else s for s in sums().values()])
+    spec = P(loaders.DATA_AXIS)
+    folded = jax.jit(jax.shard_map(lambda rounds: jax.tree.map(lambda x: x[None], strategies.exact_sum(
+        jax.tree.map(lambda *x: jnp.concatenate(x), *rounds))), mesh=mesh, in_specs=spec, out_specs=spec))
+
+    def run():
+        sums = {d: [block(params[d], r) for r in split(rows[d])] for d in devices}
+        if fold:
+            sums = strategies._by_device(folded([strategies._assembled({d: sums[d][i] for d in devices}, mesh, spec)
+                                                 for i in range(k)]), devices)
+        return jax.block_until_ready([sums[d] for d in devices])
+    return run
 
 
-def step_memory(step: str, state, batch, mesh, name: str, shards: int) -> float:
-    """MiB one device holds at the step's peak, from XLA's memory_analysis of each of the step's programs (arguments +
-    outputs - aliased + temporaries) plus what the step keeps alive beside it: the state, the batch (and its blocks,
-    split), and the block sums waiting for the sum (k - 1 beside the last block program; a loop's k are its output).
-    ``state`` is the step's own (replicated on the mesh): each program is analysed with the arguments it runs on, so
-    that it is the program already compiled, not another."""
-    _, loss_terms, _ = MODELS[name]
-    n, d, k = mesh.devices.size, mesh.devices.flat[0], shards // mesh.devices.size
-    local = lambda tree: jax.tree.map(lambda x: x.addressable_data(0), tree)
-    params, opt, rows = local(state[0]), local(state[1]), local(batch)
-    size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-    held = lambda program, *args: (lambda m: m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                                   + m.temp_size_in_bytes)(program.lower(*args).compile().memory_analysis())
-    if step == "plain":  # its programs run on the global arrays
-        gradient = strategies.sharded_gradient(loss_terms)
-        update = strategies.update_program(strategies.sgd_update, strategies.donates(mesh.devices.flat))
-        return max(held(update, state, *gradient(state[0], batch)) + size(rows),
-                   held(gradient, state[0], batch) + size(opt)) / 2**20
-    update = strategies.update_program(strategies.sgd_update)
-    on_d = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(d))
-    shape = lambda tree, drop=0: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[drop:], s.dtype), tree)
-    if d.platform in strategies.LOOP_PLATFORMS:  # the loop's own trace gives the sums' shapes
-        loop, trips = strategies.loop_program(loss_terms, k, n == 1), jax.device_put(np.int32(k), d)
-        sums = jax.eval_shape(loop, params, rows, trips)  # (k, ...) each, or at n = 1 folded
-        sums = shape(sums, 0 if n == 1 else 1)
-        peaks = [held(loop, params, rows, trips) + size(opt)]
-        rounds, split = [jax.tree.map(lambda s: jax.ShapeDtypeStruct((n * k,) + s.shape, s.dtype), sums)], 1
-    else:
-        block = jax.tree.map(lambda x: on_d((x.shape[0] // k,) + x.shape[1:], x.dtype), rows)
-        sums = shape(jax.eval_shape(strategies.block_program(loss_terms), params, block), 1)  # one block's
-        split = 2 if k > 1 else 1  # the batch, and its blocks once split
-        peaks = [held(strategies.block_program(loss_terms), params, block) + size(opt) + split * size(rows)
-                 + (k - 1) * size(sums)]
-        rounds = [jax.tree.map(lambda s: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype), sums)] * k
-    folded = jax.tree.map(lambda s: on_d(s.shape, s.dtype), sums)
-    peaks.append(held(update, (params, opt), *folded) + size(rows))
-    if n > 1 or d.platform not in strategies.LOOP_PLATFORMS:
-        sharding = NamedSharding(mesh, P(loaders.DATA_AXIS))
-        rounds = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), rounds)
-        peaks.append(held(strategies.sum_program(mesh, k), rounds) + size((params, opt)) + split * size(rows))
-    return max(peaks) / 2**20
+def step_memory(make: Callable, state, batch) -> float:
+    """MiB one device holds at the peak of one step: the step ``make()`` builds, called once on (``state``, ``batch``),
+    each program it calls measured at the call. On each of the program's devices: the buffers of the arrays alive
+    then (each once; not those alive before the step but its state and batch), plus the program's outputs and
+    temporaries less what it aliases (XLA's ``memory_analysis`` of the compiled program the call runs). The figure:
+    the largest over the devices and the calls.
+
+    The programs heard are those strategies' program factories (lru-cached, each program made once per key) hand
+    out while the step is built and runs: ``make`` must build it anew, past strategies' cache of steps
+    (``inspect.unwrap``). The state is donated where the step donates it. Not thread-safe: meanwhile strategies'
+    factories are replaced. ValueError if the step called none of their programs."""
+    peaks, others = {}, set(_buffers()) - set(_buffers((state, batch)))
+
+    def recorded(program):
+        def call(*args, **kwargs):
+            memory = program.lower(*args, **kwargs).compile().memory_analysis()
+            extra = memory.output_size_in_bytes + memory.temp_size_in_bytes - memory.alias_size_in_bytes
+            held = [(d, size) for (d, address), size in _buffers().items() if (d, address) not in others]
+            for device in {d for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array) for d in x.devices()}:
+                peaks[device] = max(peaks.get(device, 0), extra + sum(size for d, size in held if d == device))
+            return program(*args, **kwargs)
+        return call
+
+    def fetching(factory):
+        @functools.wraps(factory)  # inspect.unwrap still reaches the factory's own function
+        def fetch(*args, **kwargs):
+            made = factory(*args, **kwargs)
+            return recorded(made) if isinstance(made, jax.stages.Wrapped) else made  # a step or a check as it is
+        return fetch
+    factories = {name: f for name, f in vars(strategies).items() if hasattr(f, "cache_info")}
+    try:
+        for name, factory in factories.items():
+            setattr(strategies, name, fetching(factory))
+        jax.block_until_ready(make()(state, batch))
+    finally:
+        for name, factory in factories.items():
+            setattr(strategies, name, factory)
+    if not peaks:
+        raise ValueError(f"step_memory: make={make!r} built a step that called none of the programs of strategies' "
+                         f"factories {sorted(factories)}")
+    return max(peaks.values()) / 2**20
+
+
+def _buffers(tree=None) -> dict:
+    """{(device, buffer address): bytes} of the arrays in ``tree`` (None: every live array), each buffer once (a
+    device's shard of a global array and the array made of that shard share theirs)."""
+    arrays = jax.live_arrays() if tree is None else [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    return {(s.device, s.data.unsafe_buffer_pointer()): s.data.nbytes
+            for x in arrays if not x.is_deleted() for s in x.addressable_shards}
 
 
 def anew(loss_terms):
@@ -468,9 +489,15 @@ def reduction_case(name: str, global_batch: int, shards: int, mesh, smoke: bool 
     b, slots = max(1, round(global_batch / shards)), device_slots(shards, mesh.devices.size).reshape(-1)
     mask = np.repeat(slots >= 0, b)
     batch = jax.device_put(dict(rows(rng, mask.size), mask=mask), NamedSharding(mesh, P(loaders.DATA_AXIS)))
-    steps = {"plain": strategies.sharded_step(loss_terms, strategies.sgd_update),
-             "canonical": strategies.canonical_step(loss_terms, strategies.sgd_update, mesh, shards)}
-    return (params, strategies.sgd(LEARNING_RATE).init(params)), batch, steps
+    return (params, strategies.sgd(LEARNING_RATE).init(params)), batch, reduction_steps(loss_terms, mesh, shards)
+
+
+def reduction_steps(loss_terms, mesh, shards: int, uncached: bool = False) -> dict:
+    """{"plain": sharded_step, "canonical": canonical_step at L = ``shards``}, with SGD's update; ``uncached``: each
+    built anew, past strategies' cache of steps, so that it fetches its programs again (``step_memory``)."""
+    made = inspect.unwrap if uncached else (lambda factory: factory)
+    return {"plain": made(strategies.sharded_step)(loss_terms, strategies.sgd_update),
+            "canonical": made(strategies.canonical_step)(loss_terms, strategies.sgd_update, mesh, shards)}
 
 
 def layer_norm(x, p):
@@ -635,20 +662,22 @@ def markdown(results: dict) -> str:
         red = results["reduction"]
         lines += table(f"**The canonical reduction** (canonical_step against sharded_step on the same batch of L*b "
                        f"rows, SGD, matmul precision {red['precision']}; step median over interleaved rounds; memory "
-                       f"per device at the step's peak, from XLA's memory_analysis; extra = the difference in "
-                       f"gradients; floor = the block gradients and their exact sum, nothing moved)",
+                       f"per device at the step's peak, measured on one step: the arrays alive at each program and "
+                       f"its outputs and temporaries; extra = the difference in gradients; floor = the block gradients "
+                       f"and their exact sum, nothing moved)",
                        "model | devices | global batch | L | plain ms | canonical ms | canonical / plain | "
                        "floor / plain | plain MiB | canonical MiB | canonical / plain | extra", "lrrrrrrrrrrr",
                        "{model} | {devices} | {rows} | {logical_shards} | {plain[step_ms]:.2f} | "
                        "{canonical[step_ms]:.2f} | {ratio[step_time]:.2f} | {ratio[floor]:.2f} | "
                        "{plain[memory_mb]:.0f} | {canonical[memory_mb]:.0f} | {ratio[memory]:.2f} | "
                        "{extra_gradients:.1f}", red["cases"])
-        lines += table("**Compile time** (s; the MLP, global batch 1024, L = 8; first call - warm call)",
-                       "devices | plain | canonical", "rrr", "{devices} | {plain:.2f} | {canonical:.2f}",
+        lines += table("**Compile time** (s; the MLP, L = 8; what JAX spent compiling in the first call)",
+                       "devices | global batch | plain | canonical", "rrrr",
+                       "{devices} | {global_batch} | {plain:.2f} | {canonical:.2f}",
                        red["compile_s"])
-        lines += table("**Any n** (the MLP, global batch 1024, L = 8 on n devices that do not divide it: ceil(8/n) "
-                       "slots of 128 rows a device, a spare one masked; step medians)", "devices | rows | plain ms | "
-                       "canonical ms", "rrrr", "{devices} | {rows} | {plain:.2f} | {canonical:.2f}",
+        lines += table("**Any n** (the MLP, L = 8 on n devices that do not divide it: ceil(8/n) slots of G/8 rows a "
+                       "device, a spare one masked; step medians)", "devices | global batch G | rows | plain ms | "
+                       "canonical ms", "rrrrr", "{devices} | {global_batch} | {rows} | {plain:.2f} | {canonical:.2f}",
                        red.get("any_n", []))
     lines += table("**Goals**", "goal | measured | target | met", "lrll", "{goal} | {measured:.2f} | {target} | {met}",
                    [dict(g, met="yes" if g["met"] else "no") for g in results["goals"]])
@@ -661,10 +690,10 @@ def markdown(results: dict) -> str:
 def main(argv=None) -> dict:
     """Runs the chosen sections, prints the report and returns the figures (``--json``: also to a file)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller data, fewer cases and repeats")
+    parser.add_argument("--quick", action="store_true", help="smaller data, fewer cases, steps, repeats and devices")
     parser.add_argument("--smoke", action="store_true",
                         help="the smallest run through every code path, for the test suite: its figures are noise")
-    parser.add_argument("--num-train", type=int, help="synthetic images (default 50,000; quick 4,096)")
+    parser.add_argument("--num-train", type=int, help="synthetic images (default 50,000; quick 2,048)")
     parser.add_argument("--repeats", type=int, help="rounds per median (default 3; quick 2); a single step's "
                                                     "median takes 3 times as many")
     parser.add_argument("--json", metavar="FILE", help="also write the figures here")
@@ -674,21 +703,23 @@ def main(argv=None) -> dict:
                         help="comma-separated sections to run, in this order (default: all of them)")
     args = parser.parse_args(argv)
     size = 2 if args.smoke else 1 if args.quick else 0  # (full, quick, smoke)
-    args.num_train = args.num_train or (50_000, 4_096, 1_024)[size]  # 1024: 8 devices x B 128
+    args.num_train = args.num_train or (50_000, 2_048, 1_024)[size]  # 1024: 8 devices x B 128
     args.repeats = args.repeats or (3, 2, 1)[size]
     args.step_rounds = 3 * args.repeats
-    args.train_steps = 20
+    args.train_steps = (20, 3, 3)[size]
     args.fed_batches = [(*GLOBAL_BATCHES, 8192), GLOBAL_BATCHES[:1], (64,)][size]
     args.fed_strategies = (tuple(strategies.STRATEGIES), ("sharded",), ("sharded",))[size]
-    args.fed_steps = (32, 8, 4)[size]
+    args.fed_steps = (32, 4, 4)[size]
     args.training_batches = GLOBAL_BATCHES if size == 0 else GLOBAL_BATCHES[:1]
-    # (model, G, L / n): L = n, 4n, 8n; --quick: two models at global 128; --smoke: each model once
+    # (model, G, L / n) on n = reduction_devices: L = n, 4n, 8n; --quick: two models at global 128 on 2 devices;
+    # --smoke: each model once, on one device (its warm-ups side by side)
     args.reduction_cases = [list(itertools.product(MODELS, GLOBAL_BATCHES, (1, 4, 8))),
                             [("mlp", 128, 1), ("attention", 128, 8)],
                             [("mlp", 16, 4), ("conv", 16, 1), ("attention", 16, 1)]][size]
-    args.reduction_devices = len(jax.devices()) if size < 2 else min(2, len(jax.devices()))
-    args.compile_devices = ((1, 2, 4, 8), (8,), (1, 8))[size]
+    args.reduction_devices = min((8, 2, 1)[size], len(jax.devices()))
+    args.compile_devices = ((1, 2, 4, 8), (3,), (1, 2))[size]  # quick's 3: any n then finds its sum compiled
     args.any_devices = ((3, 5, 6, 7), (3,), (3,))[size]
+    args.mlp_batch = (max(GLOBAL_BATCHES), GLOBAL_BATCHES[0], 16)[size]  # G of the compile and any-n rows
     args.layers = model.LAYERS if size < 2 else SMOKE_LAYERS
     chosen = args.sections.split(",")
     args.compiles = Compiles()

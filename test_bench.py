@@ -17,6 +17,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import bench
 import loaders
@@ -73,7 +74,9 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
             assert number(r[step]["step_ms"]) and number(r[step]["memory_mb"]), r
         assert number(r["ratio"]["step_time"]) and number(r["ratio"]["memory"]), r
         assert number(r["floor_ms"]) and number(r["ratio"]["floor"]), r
-    assert [c["devices"] for c in reduction["compile_s"]] == [1, 8]
+    assert [c["devices"] for c in reduction["compile_s"]] == [1, 2]
+    assert [r["devices"] for r in reduction["any_n"]] == [3] and "**Any n**" in stdout  # 3 devices, L = 8
+    assert all(number(r[step]) for r in reduction["any_n"] for step in ("plain", "canonical")), reduction["any_n"]
     assert reduction["precision"] == "highest" and "| mlp |" in stdout and "L = 4n" in stdout
 
     assert results["goals"] and all({"goal", "measured", "target", "met"} <= set(g) for g in results["goals"])
@@ -109,25 +112,62 @@ def test_the_floor_runs_the_canonical_steps_own_arithmetic(devices, monkeypatch,
                    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(exact(stacked(own)))))
 
 
-@pytest.mark.parametrize("loop", [pytest.param(False, marks=pytest.mark.slow), True])
-def test_the_memory_figures_analyse_the_programs_the_steps_ran(devices, monkeypatch, loop):
+@pytest.mark.parametrize("shards,loop", [(3, False), pytest.param(3, True, marks=pytest.mark.slow),
+                                         pytest.param(4, False, marks=pytest.mark.slow),
+                                         pytest.param(4, True, marks=pytest.mark.slow)])
+def test_the_memory_figures_analyse_the_programs_the_steps_ran(devices, monkeypatch, shards, loop):
     """bench.step_memory reads XLA's analysis of the programs each step has already compiled:
-    after one plain and one canonical step (the smoke MLP, L = 4 on 2 devices; also with a
-    TPU's loop schedule), it compiles nothing. The control: Compiles hears a new program.
-    The default tier holds this guarantee with [True] (here [False] is the extended tier's)."""
+    after one plain and one canonical step (the smoke MLP, L = 3 and 4 on 2 devices, n dividing L
+    or not; also with a TPU's loop schedule), measuring compiles nothing. The control: Compiles
+    hears a new program. The default tier holds this guarantee at L = 3 without the loop (the
+    rest is the extended tier's)."""
     monkeypatch.setattr(strategies, "LOOP_PLATFORMS", ("cpu",) if loop else ())
     mesh = loaders.data_mesh(devices[:2])
-    start, batch, steps = bench.reduction_case("mlp", 16, 4, mesh, smoke=True)
+    start, batch, steps = bench.reduction_case("mlp", 12, shards, mesh, smoke=True)
     compiles = bench.Compiles()
     for name, step in steps.items():
         state = strategies.replicate(start, mesh)
         jax.block_until_ready(step(state, batch))
         mark = len(compiles.heard)
-        assert bench.step_memory(name, state, batch, mesh, "mlp", 4) > 0
+        make = lambda: bench.reduction_steps(bench.MODELS["mlp"][1], mesh, shards, uncached=True)[name]
+        assert bench.step_memory(make, state, batch) > 0
         assert compiles.heard[mark:] == [], (name, compiles.heard[mark:])
     mark = len(compiles.heard)
     jax.jit(lambda x: x * 3 + 1)(np.ones(5, np.float32))
     assert compiles.since(mark)["xla"] > 0 and {p for p, *_ in compiles.heard[mark:]} == {"trace", "lower", "xla"}
+
+
+def test_the_memory_figures_follow_what_the_step_holds(devices, monkeypatch):
+    """The reduction section measures the step it times, not a model of it: a canonical step that
+    holds 16 MiB more on each device while its programs run reads 16 MiB more, and the plain
+    step's figure stays (the smoke MLP, L = 4 on 2 devices). The control: the same step without
+    the ballast."""
+    made = strategies.canonical_step
+
+    def ballasted(mib):
+        def canonical_step(loss_terms, update, mesh, logical_shards):
+            step = made(loss_terms, update, mesh, logical_shards)
+
+            def held(state, batch):
+                ballast = jax.device_put(np.zeros((mesh.devices.size, mib << 18), np.float32),
+                                         NamedSharding(mesh, P(loaders.DATA_AXIS)))
+                out = step(state, batch)
+                del ballast  # alive through every program of the step
+                return out
+            return held
+        return canonical_step
+    figures = []
+    for mib in (0, 16):
+        monkeypatch.setattr(strategies, "canonical_step", ballasted(mib))
+        args = argparse.Namespace(reduction_devices=2, reduction_cases=[("mlp", 16, 2)], smoke=True, step_rounds=1,
+                                  compile_devices=(), any_devices=(), compiles=bench.Compiles(),
+                                  note=lambda *_: None)
+        out = {}
+        bench.reduction_section(args, out)
+        [row] = out["cases"]
+        figures.append((row["plain"]["memory_mb"], row["canonical"]["memory_mb"]))
+    (plain, canonical), (plain16, canonical16) = figures
+    assert plain16 == plain and canonical16 - canonical == 16, figures
 
 
 @pytest.mark.slow
