@@ -58,6 +58,7 @@ no test file imports another.
 """
 
 import collections
+import functools
 import os
 import resource
 import shutil
@@ -507,13 +508,38 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "dali: needs nvidia.dali (runs its CPU pipelines)")
 
 
-# rocAL 2.3.0's CPU backend, rarely, segfaults inside rocalVerify (Pipeline.build): a native race
-# of its own, which a loop of thousands of builds does not reproduce. A segfault ends the worker. pytest.ini lets xdist replace it (--max-worker-restart), and xdist's
-# loadfile runs the crashed test again on the new worker. For a test of CRASH_RERUN_FILES, the
+# rocAL 2.3.0's CPU backend, rarely, segfaults in a thread of its own (while a pipeline is built
+# or released): a native race, which a loop of thousands of builds does not reproduce. It ends the
+# worker; pytest.ini lets xdist replace it (--max-worker-restart), and xdist's loadfile runs the
+# crashed test again on the new worker (with _never_one_test_alone's mend). For a test of CRASH_RERUN_FILES, the
 # first crash's report is set aside (a passed set-up: not counted) and the summary names it, so
 # the test's outcome is that second run's; a second crash of it, or a crash anywhere else, fails.
 CRASH_RERUN_FILES = ("test_rocal.py",)
 CRASH_RERUNS: list[str] = []  # the tests whose first crash was set aside
+
+
+def _never_one_test_alone(reschedule):
+    """pytest-xdist 3.8's loadfile scheduler after a worker died: a worker runs a test only once it
+    holds the next one, or has been told there is none, but a replacement worker is given one file
+    (with one test left, or none: the dead worker's finished files are put back too), and the run
+    waits for ever (pytest-dev/pytest-xdist#1323, #1327). So a worker left with fewer than two tests
+    gets another file or, with none left, that word."""
+    @functools.wraps(reschedule)
+    def ensure_two(self, node):
+        reschedule(self, node)
+        while not node.shutting_down and self._pending_of(self.assigned_work[node]) < 2:
+            if not self.workqueue:
+                node.shutdown()
+                break
+            self._assign_work_unit(node)
+    return ensure_two
+
+
+try:
+    from xdist.scheduler.loadscope import LoadScopeScheduling
+    LoadScopeScheduling._reschedule = _never_one_test_alone(LoadScopeScheduling._reschedule)
+except ImportError:  # no xdist: one process, nothing to replace
+    pass
 
 
 @pytest.hookimpl(optionalhook=True)
