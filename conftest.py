@@ -511,9 +511,10 @@ def pytest_configure(config):
 # rocAL 2.3.0's CPU backend, rarely, segfaults in a thread of its own (while a pipeline is built
 # or released): a native race, which a loop of thousands of builds does not reproduce. It ends the
 # worker; pytest.ini lets xdist replace it (--max-worker-restart), and xdist's loadfile runs the
-# crashed test again on the new worker (with _never_one_test_alone's mend). For a test of CRASH_RERUN_FILES, the
-# first crash's report is set aside (a passed set-up: not counted) and the summary names it, so
-# the test's outcome is that second run's; a second crash of it, or a crash anywhere else, fails.
+# crashed test again on the new worker (with _never_one_test_alone's mend). For a test of
+# CRASH_RERUN_FILES, the first crash's report is set aside (a passed set-up: not counted) and the
+# summary names it, so the test's outcome is that second run's; a second crash of it, or a crash
+# anywhere else, fails.
 CRASH_RERUN_FILES = ("test_rocal.py",)
 CRASH_RERUNS: list[str] = []  # the tests whose first crash was set aside
 

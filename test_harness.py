@@ -240,12 +240,12 @@ def test_a_crashed_worker_reruns_a_rocal_test_once_and_fails_any_other(tmp_path,
     suite.mkdir()
     sleepers = lambda count, seconds: "import time\n" + "".join(f"def test_{i}():\n    time.sleep({seconds})\n"
                                                                    for i in range(count))
-    for name, count, seconds in (("test_strategies.py", 2, 0.3), ("test_equivalence.py", 2, 0.3),
-                                 ("test_refimpl.py", 2, 0.3), ("test_a.py", 6, 0.2), ("test_b.py", 6, 0.2),
-                                 ("test_c.py", 6, 0.2), ("test_d.py", 6, 0.2)):
+    for name, count, seconds in (("test_strategies.py", 2, 0.15), ("test_equivalence.py", 2, 0.15),
+                                 ("test_refimpl.py", 2, 0.15), ("test_a.py", 6, 0.1), ("test_b.py", 6, 0.1),
+                                 ("test_c.py", 6, 0.1), ("test_d.py", 6, 0.1)):
         (suite / name).write_text(sleepers(count, seconds))
     crash_once = CRASHING_TESTS.split("def test_crashes_always")[0].split("def test_runs_first():\n    pass\n")[1]
-    (suite / "test_rocal.py").write_text(sleepers(4, 0.2) + "import os, signal\n\n" + crash_once)
+    (suite / "test_rocal.py").write_text(sleepers(4, 0.1) + "import os, signal\n\n" + crash_once)
     for name in ("test_rocal.py", "test_other.py"):
         (tmp_path / name).write_text(CRASHING_TESTS)
     common = [sys.executable, "-m", "pytest", "-c", os.path.join(HERE, "pytest.ini"), "-p", "conftest",
