@@ -218,14 +218,17 @@ def feeding_section(images, labels, mesh, args, out: dict) -> None:
     """Per global batch, placement and strategy: the data cost, the median over rounds of the fed epoch's time
     (``strategy(params, loader.epoch(0), ...)``, the loader's own prefetch) over the prebuilt one's (the same strategy
     over ``list(loader.epoch(0))``, made before). Epochs of ``args.fed_steps`` steps (32; fewer where the data runs
-    out); 8192, sharded only."""
-    n = mesh.devices.size
+    out); 8192, sharded only. The limit of placement "host": a step's images and labels to the devices (``transfer``,
+    timed in the same rounds), overlapped with the steps, max(step, transfer) a step plus the first transfer, over the
+    prebuilt epoch."""
+    n, sharding = mesh.devices.size, NamedSharding(mesh, P(loaders.DATA_AXIS))
     params = model.init_model(args.layers)
     for global_batch in args.fed_batches:
         count = min(len(labels), args.fed_steps * global_batch)
         row = out[f"global_{global_batch}"] = {"images": count}
+        step_rows = (images[:global_batch], labels[:global_batch].astype(np.int32))
         for name in args.fed_strategies if global_batch in GLOBAL_BATCHES else ("sharded",):
-            cases = {}
+            cases = {"transfer": lambda r=step_rows: jax.block_until_ready(jax.device_put(r, sharding))}
             for p in loaders.PLACEMENTS:
                 loader = loaders.make_loader((images[:count], labels[:count]), mesh, global_batch // n, shuffle=True,
                                              placement=p, layout=strategies.LAYOUT[name])
@@ -234,12 +237,16 @@ def feeding_section(images, labels, mesh, args, out: dict) -> None:
                 cases[f"prebuilt {p}"] = lambda b=prebuilt, s=name: train(strategies.STRATEGIES[s], params, b, mesh)
                 cases[f"fed {p}"] = lambda l=loader, s=name: train(strategies.STRATEGIES[s], params, l.epoch(0), mesh)
             times = rounds(cases, args.repeats)
-            row["steps"] = len(prebuilt)
+            row["steps"], transfer = len(prebuilt), 1e3 * statistics.median(times["transfer"])
             row[name] = {p: {"fed_over_prebuilt": paired(times, f"fed {p}", f"prebuilt {p}", lambda a, b: a / b),
                              "prebuilt_step_ms": 1e3 * statistics.median(times[f"prebuilt {p}"]) / len(prebuilt)}
                          for p in loaders.PLACEMENTS}
+            step = row[name]["host"]["prebuilt_step_ms"]
+            row[name]["host"].update(transfer_ms=transfer, limit=(len(prebuilt) * max(step, transfer) + transfer) /
+                                     (len(prebuilt) * step))
             args.note("; ".join(f"{p}: fed / prebuilt {r['fed_over_prebuilt']:.2f}x, prebuilt "
-                                f"{r['prebuilt_step_ms']:.2f} ms per step" for p, r in row[name].items()),
+                                f"{r['prebuilt_step_ms']:.2f} ms per step" for p, r in row[name].items()) +
+                      f"; a step's transfer {transfer:.2f} ms, host's limit {row[name]['host']['limit']:.2f}x",
                       f"feeding, global {global_batch}, {name}")
 
 
@@ -585,6 +592,10 @@ def goals(results: dict) -> list[dict]:
             rows += [(f"fed / prebuilt epoch, {name}, placement {p}, global batch {key.split('_')[1]}",
                       row[name][p]["fed_over_prebuilt"], "<=", 1.05)
                      for name in strategies.STRATEGIES if name in row for p in loaders.PLACEMENTS]
+        else:
+            rows += [(f"fed / prebuilt epoch over its limit, {name}, placement host, global batch "
+                      f"{key.split('_')[1]}", row[name]["host"]["fed_over_prebuilt"] / row[name]["host"]["limit"],
+                      "<=", 1.1) for name in strategies.STRATEGIES if name in row]
     training = results.get("training", {})
     for batch, transfer in training.get("transfer_ms", {}).items():  # measured at that global batch
         step = training.get(f"global_{batch}", {}).get("sharded", {}).get("step_ms")
@@ -642,10 +653,14 @@ def markdown(results: dict) -> str:
                        "{reference_speedup:.2f}", [dict(r, name=name) for name, r in section["loaders"].items()])
     if "feeding" in results:
         lines += table("**Feeding** (fed epoch / the same epoch prebuilt on the devices, median of rounds; the "
-                       "prebuilt epoch's time per step)", "global batch | steps | strategy | placement | "
-                       "fed / prebuilt | prebuilt ms per step", "rrllrr",
-                       "{batch} | {steps} | {name} | {p} | {fed_over_prebuilt:.2f}x | {prebuilt_step_ms:.2f}",
-                       [dict(row[name][p], batch=key.split("_")[1], steps=row["steps"], name=name, p=p)
+                       "prebuilt epoch's time per step; placement host's limit, its step's transfer overlapped)",
+                       "global batch | steps | strategy | placement | fed / prebuilt | prebuilt ms per step | "
+                       "transfer ms | limit", "rrllrrrr",
+                       "{batch} | {steps} | {name} | {p} | {fed_over_prebuilt:.2f}x | {prebuilt_step_ms:.2f} | "
+                       "{transfer} | {limit}",
+                       [dict(row[name][p], batch=key.split("_")[1], steps=row["steps"], name=name, p=p,
+                             transfer=f"{row[name][p]['transfer_ms']:.2f}" if p == "host" else "",
+                             limit=f"{row[name][p]['limit']:.2f}x" if p == "host" else "")
                         for key, row in results["feeding"].items()
                         for name in strategies.STRATEGIES if name in row for p in loaders.PLACEMENTS])
     if "training" in results:

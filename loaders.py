@@ -20,9 +20,10 @@ Resuming: ``it = loader.epoch(e)``; after k steps ``saved = it.get_state()`` (a 
 with ``loader.epoch(e, state=saved)``: each sample not yet delivered in a real slot is delivered exactly once (fill;
 drop skips ``plan.elastic_plan``'s stated count). A state of other data is refused.
 
-Placements: "host" gathers uint8 rows on the host, one ``jax.make_array_from_process_local_data`` a name, and normalises
-on the devices; "device" keeps each shard resident on its device and gathers there (faster: docs/performance.md). Both
-give the same bits, on the mesh given (never JAX's default device); shard k is mesh position k, never ``device.id``.
+Placements: "host" gathers uint8 rows on the host, a chunk of steps (``chunk_steps``) in one
+``jax.make_array_from_process_local_data``, and normalises on the devices; "device" keeps each shard resident on its
+device and gathers there (faster: docs/performance.md). Both give the same bits, on the mesh given (never JAX's
+default device); shard k is mesh position k, never ``device.id``.
 
 Imports: plan.py, arithmetic.py, cifar_mnist.py, NumPy and JAX.
 """
@@ -276,18 +277,19 @@ class Loader(Scheduled):
         plan, row = start.plan()
         if not start.step <= step < start.num_steps:
             raise IndexError(f"step={step} is outside [{start.step}, {start.num_steps})")
-        return _steps(self, len(start.segments) == 1, plan, row + step - start.step, row + step - start.step + 1)[0]()
+        row += step - start.step
+        return _steps(self, len(start.segments) == 1, plan, row, row + 1)[0]()()[0]
 
     def epoch(self, epoch: int, *, state: LoaderState | None = None) -> EpochIterator:
         """The batches of ``epoch``, or its rest from ``state`` (a ``get_state()``; the module's Resuming). Placement
-        "host" prepares ``prefetch`` steps ahead on a background thread, started at the first ``next()``; its errors are
-        raised in the caller (``EpochIterator``: how it ends). ValueError for a state that is not a LoaderState or of
-        another run or epoch."""
+        "host" prepares ``prefetch`` chunks (``chunk_steps``) ahead on a background thread, started at the first
+        ``next()``; its errors are raised in the caller (``EpochIterator``: how it ends). ValueError for a state that is
+        not a LoaderState or of another run or epoch."""
         start = self._start("Loader.epoch", epoch, state)
         plan, row = start.plan()
         makers = _steps(self, len(start.segments) == 1, plan, row, len(plan.indices))
-        batches = (make() for make in makers) if self.placement == "device" or not self.prefetch else \
-            _Prefetched(lambda make: make(), makers, self.prefetch)
+        batches = (batch for prepare in makers for batch in prepare()()) if self.placement == "device" or \
+            not self.prefetch else _Prefetched(lambda prepare: prepare(), makers, self.prefetch)
         return EpochIterator(batches, start if state is not None else lambda: self.schedule.start(epoch))
 
     def _start(self, where: str, epoch: int, state) -> LoaderState:
@@ -300,14 +302,30 @@ class Loader(Scheduled):
         return self.schedule.resume(where, epoch, state)
 
 
+# A chunk of steps shares one transfer (placement "host") and one program: on an accelerator's host a call costs more
+# than its bytes (a TPU v5e's: a transfer 0.2 ms and a program 0.13 ms of Python a call, 3 GB/s).
+CHUNK_BYTES = 4 << 20  # a chunk's rows, all devices' together, at most this much, but for a chunk of one step
+CHUNK_STEPS = 8  # and at most this many steps (a random access, ``Loader.batch``, makes its whole chunk)
+
+
+def chunk_steps(loader: Loader, plan_rows: int) -> int:
+    """c, the steps of a chunk, for a plan of ``plan_rows`` steps: the most, up to CHUNK_STEPS and ``plan_rows``, whose
+    rows on all devices take at most CHUNK_BYTES; at least 1. A function of the loader's arrays, devices and batch size
+    alone, the same in every process."""
+    step_bytes = loader.num_devices * loader.device_rows * sum(a[:1].nbytes for a in loader.arrays.values())
+    return max(1, min(CHUNK_STEPS, plan_rows, CHUNK_BYTES // max(step_bytes, 1)))
+
+
 def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> list[Callable]:
-    """One function per row ``first .. stop - 1`` of ``plan``, each making that step's batch. Per epoch, placed once:
-    the plan's mask, sample indices and logical shards, every row of the plan, so that a resume at any row runs the
-    programs its epoch compiled; in placement "device" also each device's local indices into its resident shard (on
-    GATHER_ONCE_PLATFORMS, for more than one step, the epoch's rows gathered by them at once, ``_epoch_rows``; a single
-    step, as ``Loader.batch`` makes, gathers its own rows), or for a resized segment (not ``fresh``: its samples may lie
-    in any shard) rows ``first .. stop - 1`` from the host. Per step, one ``_step_program`` (``_counted``): one dispatch
-    and, in "host", one transfer per name; no host sync."""
+    """One function per chunk of ``chunk_steps`` = c rows of ``plan`` (rows j*c .. j*c + c - 1) that meets rows
+    ``first .. stop - 1``: it prepares the chunk's rows and returns a function that makes the chunk's batches of those
+    rows, a list (``_counted``). Per epoch, placed once: the plan's mask, sample indices and logical shards, every row
+    of the plan, so that a resume at any row runs the programs its epoch compiled; in placement "device" also each
+    device's local indices into its resident shard (on GATHER_ONCE_PLATFORMS, for more than one step, the epoch's rows
+    gathered by them at once, ``_epoch_rows``; a single step, as ``Loader.batch`` makes, gathers its own rows), or for
+    a resized segment (not ``fresh``: its samples may lie in any shard) rows ``first .. stop - 1`` from the host. Per
+    chunk: in "host", preparing is one gather and one transfer; making is one ``_step_program`` dispatch, no host
+    sync."""
     if first >= stop:
         return []
     n, names = loader.num_devices, tuple(loader.arrays)
@@ -322,55 +340,90 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
     windows = tuple((name, tuple(int(v) for v in f.window(loader.arrays[name].shape[2:])), f.mirror)
                     for name, f in loader.normalizers.items())
     source = "host" if loader.placement == "host" else "resident" if fresh else "epoch"
+    c = chunk_steps(loader, len(on.indices))
     if source == "host":
-        return _counted(_step_program(loader.mesh, loader.layout, names, windows, source), loader.mesh, placed, hows,
-                        lambda s: _host_rows(loader, on, s), first, stop)
-    if fresh:
+        rows = functools.partial(_host_rows, loader, on, local_positions(loader.mesh), c)
+    elif fresh:
         starts = np.array([start for start, _ in held_samples(loader.num_samples, loader.num_shards, n)])
         placed["local"] = _by_position((on.indices - starts[:, None]).astype(np.int32).swapaxes(0, 1), loader.mesh)
-        rows = loader.resident
+        resident = loader.resident
         if loader.mesh.devices.flat[0].platform in GATHER_ONCE_PLATFORMS and stop - first > 1:
-            rows, source = _epoch_rows(loader.mesh, names)(rows, placed["local"]), "epoch"
+            resident, source = _epoch_rows(loader.mesh, names)(resident, placed["local"]), "epoch"
+        rows = lambda j: resident
     else:
-        rows = {name: _by_position(on.indices.swapaxes(0, 1).reshape(n, -1), loader.mesh, source_)
-                for name, source_ in loader.arrays.items()}
-    program = _step_program(loader.mesh, loader.layout, names, windows, source)
-    return _counted(program, loader.mesh, placed, hows, lambda s: rows, first, stop)
+        segment = {name: _by_position(on.indices.swapaxes(0, 1).reshape(n, -1), loader.mesh, source_)
+                   for name, source_ in loader.arrays.items()}
+        rows = lambda j: segment
+    program = _step_program(loader.mesh, loader.layout, names, windows, source, c)
+    return _counted(program, loader.mesh, placed, hows, rows, first, stop, c)
 
 
-def _counted(program, mesh: Mesh, placed: dict, hows: dict, rows: Callable, first: int, stop: int) -> list[Callable]:
-    """Step s's maker for each s in first .. stop - 1: ``program(rows(s), placed, s, hows)``'s batch, s given on the
-    devices, as the step before made it (its second output; made from the host for the first step, or a step made
-    out of order), never as a host scalar, which a TPU v5e transfers at each call (0.17 ms)."""
+def _counted(program, mesh: Mesh, placed: dict, hows: dict, rows: Callable, first: int, stop: int,
+             c: int) -> list[Callable]:
+    """For each chunk j of ``c`` plan rows that meets ``first .. stop - 1``, a function preparing ``rows(j)`` and
+    returning the maker of that chunk's batches of those steps, ``program(rows(j), placed, j*c, hows)``'s. The makers
+    run in chunk order: j*c is given on the devices, as the chunk before made it (its second output; made from the host
+    for the first chunk, or a chunk made out of order), never as a host scalar, which a TPU v5e transfers at each call
+    (0.17 ms). Preparing (a transfer) and making (a program on its rows) are apart so that a program is queued only when
+    it is needed: a device runs its programs in the order queued, and one waiting for its rows' transfer would hold
+    up the training steps queued behind it."""
     made = {}
 
-    def make(s: int) -> dict[str, jax.Array]:
-        index = made.pop(s, None)
+    def make(j: int, prepared) -> list[dict[str, jax.Array]]:
+        index = made.pop(j, None)
         if index is None:
-            index = jax.make_array_from_callback((), NamedSharding(mesh, P()), lambda _: np.int32(s))
-        batch, made[s + 1] = program(rows(s), placed, index, hows)
-        return batch
-    return [functools.partial(make, s) for s in range(first, stop)]
+            index = jax.make_array_from_callback((), NamedSharding(mesh, P()), lambda _: np.int32(j * c))
+        batches, made[j + 1] = program(prepared, placed, index, hows)
+        return batches[max(first - j * c, 0):stop - j * c]
+    return [lambda j=j: functools.partial(make, j, rows(j)) for j in range(first // c, (stop - 1) // c + 1)]
 
 
 # Placement "host": rows gathered on the host, normalised on the devices ---------------------------
+PARALLEL_GATHER_BYTES = 8 << 20  # a larger gather is split over threads (NumPy's take leaves the GIL)
 
 
-def _host_rows(loader: Loader, on: Plan, step: int) -> dict[str, jax.Array]:
-    idx, mesh = on.indices[step, local_positions(loader.mesh)].reshape(-1), loader.mesh
-    return {name: _from_local_rows(_gather(source, idx), mesh, "sharded") for name, source in loader.arrays.items()}
+def _host_rows(loader: Loader, on: Plan, positions: list[int], c: int, j: int) -> dict[str, jax.Array]:
+    """Chunk j's rows of every name, one transfer: each local device's rows of plan rows j*c .. j*c + c - 1 in step
+    order ((n*c*rows, ...) sharded), a row past the plan's end repeating its last (the chunk keeps its shape)."""
+    steps = np.minimum(np.arange(j * c, (j + 1) * c), len(on.indices) - 1)
+    idx, n = on.indices[steps][:, positions].swapaxes(0, 1).reshape(-1), loader.num_devices
+    local = {name: _gather(source, idx) for name, source in loader.arrays.items()}
+    shapes = {name: (n * c * loader.device_rows,) + x.shape[1:] for name, x in local.items()}
+    return jax.make_array_from_process_local_data(NamedSharding(loader.mesh, P(DATA_AXIS)), local, shapes)
 
 
 def _gather(source: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """``source[indices]`` into one 64-byte-aligned buffer."""
+    """``source[indices]`` into one 64-byte-aligned buffer; past PARALLEL_GATHER_BYTES in parts on threads."""
     out = aligned_empty((len(indices),) + source.shape[1:], source.dtype)
-    if source.flags.c_contiguous:
-        # mode="clip": with the default "raise" NumPy buffers the whole gather, 30x slower.
-        np.take(source, indices, axis=0, out=out, mode="clip")
+    parts = min(os.cpu_count() or 1, 8, out.nbytes // PARALLEL_GATHER_BYTES + 1)
+    if parts > 1:
+        bounds = np.linspace(0, len(indices), parts + 1).astype(int)
+        errors: list[BaseException] = []
+        workers = [threading.Thread(target=_take, args=(source, indices[a:b], out[a:b], errors), name="loader-gather")
+                   for a, b in zip(bounds[:-1], bounds[1:])]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        if errors:
+            raise errors[0]
     else:
-        # read_cifar10's images are a strided view: np.take would copy the whole dataset.
-        np.copyto(out, source[indices])
+        _take(source, indices, out)
     return out
+
+
+def _take(source: np.ndarray, indices: np.ndarray, out: np.ndarray, errors: list | None = None) -> None:
+    try:
+        if source.flags.c_contiguous:
+            # mode="clip": with the default "raise" NumPy buffers the whole gather, 30x slower.
+            np.take(source, indices, axis=0, out=out, mode="clip")
+        else:
+            # read_cifar10's images are a strided view: np.take would copy the whole dataset.
+            np.copyto(out, source[indices])
+    except BaseException as error:  # on a thread: raised by _gather
+        if errors is None:
+            raise
+        errors.append(error)
 
 
 # Where the devices normalise by the table's arithmetic, not a lookup: where a lookup is a slow gather (a TPU v5e's).
@@ -397,32 +450,38 @@ def normalizer(key: tuple[bytes, bytes, str], mesh: Mesh) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _step_program(mesh: Mesh, layout: str, names: tuple[str, ...], windows: tuple, source: str):
-    """One step's batch on the devices, jit(shard_map): (rows by name, the placed plan, the step s (int32, replicated),
-    the normalisers) -> ({name: normalised rows, "mask", "index", "logical_shards"} in ``layout``, s + 1 replicated: the
-    next step's s). Step s's rows of a name are, by ``source``: "host", the rows given (just placed); "epoch",
-    rows s*b .. (s+1)*b - 1 of the epoch's; "resident", the resident shard's rows at the plan's local indices (placed
-    "local"), gathered."""
+def _step_program(mesh: Mesh, layout: str, names: tuple[str, ...], windows: tuple, source: str, steps: int = 1):
+    """``steps`` steps' batches on the devices, jit(shard_map): (rows by name, the placed plan, the first step s (int32,
+    replicated), the normalisers) -> ([one batch per step s + i: {name: normalised rows, "mask", "index",
+    "logical_shards"} in ``layout``], s + steps replicated: the next call's s). Step s + i's rows of a name are, by
+    ``source``: "host", rows i*b .. (i+1)*b - 1 of the rows given (just placed, a chunk); "epoch", rows s*b ..
+    (s+1)*b - 1 of the epoch's; "resident", the resident shard's rows at the plan's local indices (placed "local"),
+    gathered. A step past the plan's end (a chunk's tail) reads its last row of the plan."""
     how = {name: (window, mirror) for name, window, mirror in windows}
 
     def step(rows, placed, s, hows):
-        out, b = {}, placed[MASK].shape[-1]
-        for name in names:
-            x = rows[name]
-            if source == "epoch":
-                x = lax.dynamic_slice_in_dim(x[0], s * b, b)
-            elif source == "resident":
-                x = x.at[placed["local"][0, s]].get(mode="promise_in_bounds")
-            out[name] = device_normalize(x, hows[name], *how[name]) if name in how else x
-        out[MASK], out[INDEX], out[SHARDS] = placed[MASK][0, s], placed[INDEX][0, s], placed[SHARDS][0]
-        return out if layout == "sharded" else jax.tree.map(lambda x: x[None], out), s + 1
+        b, last, batches = placed[MASK].shape[-1], placed[MASK].shape[1] - 1, []
+        for i in range(steps):
+            out, t = {}, jnp.minimum(s + i, last)
+            for name in names:
+                x = rows[name]
+                if source == "host":
+                    x = x[i * b:(i + 1) * b]
+                elif source == "epoch":
+                    x = lax.dynamic_slice_in_dim(x[0], t * b, b)
+                else:
+                    x = x.at[placed["local"][0, t]].get(mode="promise_in_bounds")
+                out[name] = device_normalize(x, hows[name], *how[name]) if name in how else x
+            out[MASK], out[INDEX], out[SHARDS] = placed[MASK][0, t], placed[INDEX][0, t], placed[SHARDS][0]
+            batches.append(out if layout == "sharded" else jax.tree.map(lambda x: x[None], out))
+        return batches, s + steps
 
     specs = (P(DATA_AXIS), P(DATA_AXIS), P(), P())
     # out_shardings: on a one-device mesh jit would otherwise return some outputs as P().
     run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P(DATA_AXIS), P())),
                   out_shardings=(NamedSharding(mesh, P(DATA_AXIS)), NamedSharding(mesh, P())))
     order = (*names, *ADDED)
-    return lambda *args: (lambda out, s: ({name: out[name] for name in order}, s))(*run(*args))  # jit sorts keys
+    return lambda *args: (lambda out, s: ([{name: b[name] for name in order} for b in out], s))(*run(*args))
 
 
 # Placement "device": each shard resident on its device, gathered there once per epoch --------------
@@ -542,7 +601,7 @@ def make_loader(data, devices: Sequence[jax.Device] | Mesh, batch_size: int, *, 
         (pad, masked) or "drop".
       normalize: for a dict dataset, None or ``{name: Normalize}``; for the tuple form, the Normalize of "images"
         ("default": the rocAL notebook's ``Normalize()``), or None. A Normalize needs uint8 (N, C, H, W) images.
-      prefetch: steps made ahead on a thread (placement "host"), an int >= 0.
+      prefetch: chunks of steps made ahead on a thread (placement "host", ``chunk_steps``), an int >= 0.
       placement: "host" or "device" (the module docstring); "device" refuses a dataset whose shard does not fit
         ``device_budget`` bytes per device.
       logical_shards: L, the plan's shards (at least the device count), so that the L shards of b rows of a step are
@@ -745,17 +804,18 @@ class EpochIterator:
 
 
 class _Prefetched:
-    """``make(s)`` for each s of ``steps``, made ``depth`` ahead by a worker thread started at the first ``next()``:
-    at most ``depth`` made and not yet taken (the worker waits for a free slot before it makes the next); a worker
-    error is raised in the consumer. The worker is stopped and joined once, at the first of: the end, an error,
-    ``close()``, collection, or exit. It references the queue, the slots, the stop event, ``make`` and ``steps``,
-    never this object."""
+    """``prepare(s)`` for each s of ``steps`` by a worker thread started at the first ``next()``, ``depth`` ahead; each
+    returns a maker of a list of batches, which the consumer calls when it needs them, yielding their batches in order.
+    At most ``depth`` prepared and not yet wholly taken (the worker waits for a free slot before it prepares the next;
+    a slot frees at its list's last batch's taking). A worker error is raised in the consumer. The worker is stopped and
+    joined once, at the first of: the end, an error, ``close()``, collection, or exit. It references the queue, the
+    slots, the stop event, ``prepare`` and ``steps``, never this object."""
 
-    def __init__(self, make: Callable, steps, depth: int):
+    def __init__(self, prepare: Callable, steps, depth: int):
         self._out: queue.Queue = queue.Queue()
-        self._slots = threading.Semaphore(depth)
+        self._slots, self._held = threading.Semaphore(depth), []
         stop = threading.Event()
-        self._worker = threading.Thread(target=_prefetch_work, args=(make, steps, self._out, self._slots, stop),
+        self._worker = threading.Thread(target=_prefetch_work, args=(prepare, steps, self._out, self._slots, stop),
                                         name="loader-prefetch", daemon=True)
         self._end = weakref.finalize(self, _stop_worker, stop, self._worker)
 
@@ -765,22 +825,27 @@ class _Prefetched:
     def __next__(self):
         if not self._end.alive:
             raise StopIteration
-        if self._worker.ident is None:
-            self._worker.start()
-        kind, value = self._out.get()
-        if kind == "batch":
+        if not self._held:
+            if self._worker.ident is None:
+                self._worker.start()
+            kind, value = self._out.get()
+            if kind != "batches":
+                self._end()
+                if kind == "error":
+                    raise value
+                raise StopIteration
+            self._held = value()[::-1]
+        batch = self._held.pop()
+        if not self._held:
             self._slots.release()
-            return value
-        self._end()
-        if kind == "error":
-            raise value
-        raise StopIteration
+        return batch
 
     def close(self) -> None:
         self._end()
 
 
-def _prefetch_work(make: Callable, steps, out: queue.Queue, slots: threading.Semaphore, stop: threading.Event) -> None:
+def _prefetch_work(prepare: Callable, steps, out: queue.Queue, slots: threading.Semaphore,
+                   stop: threading.Event) -> None:
     try:
         for s in steps:
             while not slots.acquire(timeout=0.05):  # a free slot, or the stop
@@ -788,7 +853,7 @@ def _prefetch_work(make: Callable, steps, out: queue.Queue, slots: threading.Sem
                     return
             if stop.is_set():
                 return
-            out.put(("batch", make(s)))
+            out.put(("batches", prepare(s)))
         out.put(("end", None))
     except BaseException as error:  # handed to the consumer, raised there
         out.put(("error", error))

@@ -961,10 +961,12 @@ def prefetch_threads(before=()) -> list:
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_worker_error_reaches_the_consumer(devices, monkeypatch, prefetch):
-    """An error making step 2 is raised at the consumer's third next(), after two batches,
-    and leaves no thread behind."""
+    """An error making the third chunk of 2 steps is raised at the consumer's fifth next(), after
+    four batches, and leaves no thread behind."""
     spec = dataset("dict")
+    monkeypatch.setattr(loaders, "CHUNK_STEPS", 2)
     loader = loaders.make_loader(spec.data, devices, B, prefetch=prefetch, normalize=spec.normalize)
+    assert loaders.chunk_steps(loader, len(loader)) == 2 and len(loader) == 5
     calls, gather = [], loaders._gather
 
     def fails_at_step_2(source, indices):
@@ -978,46 +980,76 @@ def test_a_worker_error_reaches_the_consumer(devices, monkeypatch, prefetch):
     with pytest.raises(RuntimeError, match="on purpose"):
         for _ in loader.epoch(0):
             received += 1
-    assert received == 2 and not prefetch_threads(before)
+    assert received == 4 and not prefetch_threads(before)
 
 
-def test_prefetch_does_not_change_the_batches(devices):
-    """An epoch made ahead is the epoch made on demand, and its worker ends with it."""
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_prefetch_and_chunks_do_not_change_the_batches(devices, monkeypatch, chunk):
+    """An epoch made ahead in chunks of ``chunk`` steps (3: a short last chunk; 8: one chunk, cut
+    to the epoch's 5 steps) is the epoch made on demand a step at a time, and so is each step made
+    alone (``Loader.batch``, its chunk made whole); its worker ends with it."""
     spec = dataset("dict")
     loader = loaders.make_loader(spec.data, devices, B, shuffle=True, seed=5, prefetch=2, normalize=spec.normalize)
+    monkeypatch.setattr(loaders, "CHUNK_STEPS", 1)
+    one = [host(b) for b in dataclasses.replace(loader, prefetch=0).epoch(2)]
+    monkeypatch.setattr(loaders, "CHUNK_STEPS", chunk)
+    assert len(loader) == 5 and loaders.chunk_steps(loader, 5) == min(chunk, 5)
     before = prefetch_threads()
-    assert_same_batches([host(b) for b in loader.epoch(2)],
-                        [host(b) for b in dataclasses.replace(loader, prefetch=0).epoch(2)], "prefetch 2 vs 0")
+    assert_same_batches([host(b) for b in loader.epoch(2)], one, f"prefetch 2, chunks of {chunk}")
+    assert_same_batches([host(loader.batch(2, s)) for s in range(5)], one, f"batch(), chunks of {chunk}")
     assert not prefetch_threads(before)
 
 
-@pytest.mark.parametrize("placement, prefetch", [("host", 1), ("host", 3), ("host", 0), ("device", 2)])
-def test_the_loader_holds_no_more_batches_ahead_than_its_depth(devices, monkeypatch, placement, prefetch):
-    """Device batches made and not yet taken, seen after each next() of a slow consumer: at most
-    ``prefetch`` in placement host, and the worker fills them (the control: it reaches
-    ``prefetch``); none in placement device or with prefetch 0 (made when asked). A host batch
-    lives only inside its step's making, which ends with its device batch."""
-    made, real = [], loaders._step_program
+def test_a_gather_in_parts_is_the_gather(monkeypatch):
+    """Past PARALLEL_GATHER_BYTES ``_gather`` splits its rows over threads: the same bytes as one NumPy gather, from a
+    contiguous source and from a strided view, and an error on a thread is raised in the caller."""
+    monkeypatch.setattr(loaders, "PARALLEL_GATHER_BYTES", 64)
+    source = np.random.default_rng(0).integers(0, 256, (40, 2, 3, 4), np.uint8)
+    idx = np.random.default_rng(1).permutation(40)[:33]
+    for what, src in (("contiguous", source), ("strided", source.transpose(0, 3, 1, 2))):
+        got = loaders._gather(src, idx)
+        assert got.ctypes.data % 64 == 0
+        assert_same_bits(got, src[idx], what)
+    with pytest.raises(IndexError):
+        loaders._gather(source.transpose(0, 3, 1, 2), np.array([0, 1, 2, 99] * 8))
+
+
+@pytest.mark.parametrize("placement, prefetch, chunk", [("host", 1, 1), ("host", 3, 1), ("host", 0, 2), ("host", 1, 2),
+                                                        ("device", 2, 2)])
+def test_the_loader_holds_no_more_batches_ahead_than_its_depth(devices, monkeypatch, placement, prefetch, chunk):
+    """Seen after each next() of a slow consumer, host and device apart. Chunks of ``chunk`` steps prepared (their rows
+    gathered and moved, ``_host_rows``) and not yet made into batches: at most ``prefetch``, in placement host, and the
+    worker fills them (the control: it reaches ``prefetch``); none in placement device or with prefetch 0. Device
+    batches made and not yet taken: the rest of the chunk being taken alone, at most chunk - 1 (the control: reached): a
+    chunk's program is queued when its first batch is asked for. A chunk's host rows live only inside its preparing."""
+    made, calls, real = [], [], loaders._step_program
+    moved, rows = [], loaders._host_rows
 
     def counting(*key):
         program = real(*key)
-        return lambda *args: made.append(1) or program(*args)
+        return lambda *args: (lambda out: calls.append(1) or made.extend(out[0]) or out)(program(*args))
     monkeypatch.setattr(loaders, "_step_program", counting)
+    monkeypatch.setattr(loaders, "_host_rows", lambda *args: moved.append(1) or rows(*args))
+    monkeypatch.setattr(loaders, "CHUNK_STEPS", chunk)
     spec = dataset("dict")
     loader = loaders.make_loader(spec.data, devices, B, prefetch=prefetch, placement=placement,
                                  normalize=spec.normalize)
-    ahead = []
+    chunks, batches = [], []
     for taken, _ in enumerate(loader.epoch(0), 1):
         time.sleep(0.05)  # the worker fills what it may
-        ahead.append(len(made) - taken)
-    assert len(ahead) == len(loader) > prefetch + 1
-    most = prefetch if placement == "host" else 0
-    assert max(ahead) == most and min(ahead) >= 0, ahead
+        chunks.append(len(moved) - (len(calls) if placement == "host" else 0))  # "device" moves none
+        batches.append(min(len(made), len(loader)) - taken)
+    depth = prefetch if placement == "host" else 0
+    assert len(batches) == len(loader) > (depth + 1) * chunk
+    assert max(chunks) == depth and min(chunks) >= 0, chunks
+    assert max(batches) == chunk - 1 and min(batches) >= 0, batches
 
 
-def test_an_epoch_left_early_ends_its_worker(devices):
+def test_an_epoch_left_early_ends_its_worker(devices, monkeypatch):
     """close() ends the worker; so does dropping the last reference, at once (the worker holds
-    the queue, not the iterator), and a held iterator runs on (the control)."""
+    the queue, not the iterator), and a held iterator runs on (the control). Chunks of one step:
+    the worker has more to prepare after the first."""
+    monkeypatch.setattr(loaders, "CHUNK_STEPS", 1)
     spec = dataset("dict")
     loader = loaders.make_loader(spec.data, devices, B, prefetch=2, normalize=spec.normalize)
     before = prefetch_threads()
