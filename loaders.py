@@ -305,7 +305,10 @@ class Loader(Scheduled):
 # A chunk of steps shares one transfer (placement "host") and one program: on an accelerator's host a call costs more
 # than its bytes (a TPU v5e's: a transfer 0.2 ms and a program 0.13 ms of Python a call, 3 MB moved in 0.26 ms).
 CHUNK_BYTES = 4 << 20  # a chunk's rows, all devices' together, at most this much, but for a chunk of one step
-CHUNK_STEPS = 8  # and at most this many steps (a random access, ``Loader.batch``, makes its whole chunk)
+CHUNK_STEPS = 8  # and at most this many steps (a random access, ``Loader.batch``, moves its whole chunk)
+# Where one program makes a chunk's batches, not one a step: where a call costs more than a small step's loading (a TPU
+# v5e's). Not on CPUs, where XLA compiles each of a chunk's outputs apart (5 steps a call compile 10x as long as one).
+CHUNK_PROGRAM_PLATFORMS = ("tpu",)
 
 
 def chunk_steps(loader: Loader, plan_rows: int) -> int:
@@ -341,6 +344,7 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
                     for name, f in loader.normalizers.items())
     source = "host" if loader.placement == "host" else "resident" if fresh else "epoch"
     c = chunk_steps(loader, len(on.indices))
+    steps = c if loader.mesh.devices.flat[0].platform in CHUNK_PROGRAM_PLATFORMS else 1
     if source == "host":
         rows = functools.partial(_host_rows, loader, on, local_positions(loader.mesh), c)
     elif fresh:
@@ -354,26 +358,32 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
         segment = {name: _by_position(on.indices.swapaxes(0, 1).reshape(n, -1), loader.mesh, source_)
                    for name, source_ in loader.arrays.items()}
         rows = lambda j: segment
-    program = _step_program(loader.mesh, loader.layout, names, windows, source, c)
-    return _counted(program, loader.mesh, placed, hows, rows, first, stop, c)
+    program = _step_program(loader.mesh, loader.layout, names, windows, source, steps)
+    return _counted(program, loader.mesh, placed, hows, rows, first, stop, c, steps)
 
 
-def _counted(program, mesh: Mesh, placed: dict, hows: dict, rows: Callable, first: int, stop: int,
-             c: int) -> list[Callable]:
-    """For each chunk j of ``c`` plan rows that meets ``first .. stop - 1``, a function preparing ``rows(j)`` and
-    returning the maker of that chunk's batches of those steps, ``program(rows(j), placed, j*c, hows)``'s. The makers
-    run in chunk order: j*c is given on the devices, as the chunk before made it (its second output; made from the host
-    for the first chunk, or a chunk made out of order), never as a host scalar, which a TPU v5e transfers at each call
-    (0.17 ms). Preparing (the transfer) and making (the program) are apart: what is moved ahead stays as stored (uint8
-    images), and a chunk's normalised batches (float32: 4x their bytes) exist only once its first batch is asked for."""
+def _counted(program, mesh: Mesh, placed: dict, hows: dict, rows: Callable, first: int, stop: int, c: int,
+             steps: int) -> list[Callable]:
+    """For each chunk j of ``c`` plan rows (j*c .. j*c + c - 1) that meets ``first .. stop - 1``, a function preparing
+    ``rows(j)`` and returning the maker of that chunk's batches of those steps: ``program(rows(j), placed, s, hows)``'s
+    for s = j*c, j*c + ``steps``, .. (those that make a step asked for). The makers run in chunk order: s is given on
+    the devices, as the call before made it (its second output; made from the host for the first call, or a call made
+    out of order), never as a host scalar, which a TPU v5e transfers at each call (0.17 ms). Preparing (the transfer)
+    and making (the programs) are apart: what is moved ahead stays as stored (uint8 images), and a chunk's normalised
+    batches (float32: 4x their bytes) exist only once its first batch is asked for."""
     made = {}
 
     def make(j: int, prepared) -> list[dict[str, jax.Array]]:
-        index = made.pop(j, None)
-        if index is None:
-            index = jax.make_array_from_callback((), NamedSharding(mesh, P()), lambda _: np.int32(j * c))
-        batches, made[j + 1] = program(prepared, placed, index, hows)
-        return batches[max(first - j * c, 0):stop - j * c]
+        out = []
+        for s in range(j * c, min(stop, (j + 1) * c), steps):
+            if s + steps <= first:
+                continue
+            index = made.pop(s, None)
+            if index is None:
+                index = jax.make_array_from_callback((), NamedSharding(mesh, P()), lambda _, s=s: np.int32(s))
+            batches, made[s + steps] = program(prepared, placed, index, hows)
+            out += batches[max(first - s, 0):stop - s]
+        return out
     return [lambda j=j: functools.partial(make, j, rows(j)) for j in range(first // c, (stop - 1) // c + 1)]
 
 
@@ -453,27 +463,29 @@ def _step_program(mesh: Mesh, layout: str, names: tuple[str, ...], windows: tupl
     """``steps`` steps' batches on the devices, jit(shard_map): (rows by name, the placed plan, the first step s (int32,
     replicated), the normalisers) -> ([one batch per step s + i: {name: normalised rows, "mask", "index",
     "logical_shards"} in ``layout``], s + steps replicated: the next call's s). Step s + i's rows of a name are, by
-    ``source``: "host", rows i*b .. (i+1)*b - 1 of the rows given (just placed, a chunk); "epoch", rows s*b ..
-    (s+1)*b - 1 of the epoch's; "resident", the resident shard's rows at the plan's local indices (placed "local"),
-    gathered. A step past the plan's end (a chunk's tail) reads its last row of the plan."""
+    ``source``: "host", rows k*b .. (k+1)*b - 1 of the rows given (just placed: a chunk of c steps, k = (s+i) mod c,
+    so ``steps`` divides c); "epoch", rows (s+i)*b ..
+    (s+i+1)*b - 1 of the epoch's; "resident", the resident shard's rows at the plan's local indices (placed "local"),
+    gathered. A step past the plan's end (a chunk's tail) reads its last row of the plan. The steps' rows are
+    normalised together (row by row, so the same bits), then split: the program grows little with ``steps``."""
     how = {name: (window, mirror) for name, window, mirror in windows}
 
     def step(rows, placed, s, hows):
-        b, last, batches = placed[MASK].shape[-1], placed[MASK].shape[1] - 1, []
-        for i in range(steps):
-            out, t = {}, jnp.minimum(s + i, last)
-            for name in names:
-                x = rows[name]
-                if source == "host":
-                    x = x[i * b:(i + 1) * b]
-                elif source == "epoch":
-                    x = lax.dynamic_slice_in_dim(x[0], t * b, b)
-                else:
-                    x = x.at[placed["local"][0, t]].get(mode="promise_in_bounds")
-                out[name] = device_normalize(x, hows[name], *how[name]) if name in how else x
-            out[MASK], out[INDEX], out[SHARDS] = placed[MASK][0, t], placed[INDEX][0, t], placed[SHARDS][0]
-            batches.append(out if layout == "sharded" else jax.tree.map(lambda x: x[None], out))
-        return batches, s + steps
+        b = placed[MASK].shape[-1]
+        t = jnp.minimum(s + jnp.arange(steps), placed[MASK].shape[1] - 1)  # the steps' plan rows
+        out = {MASK: placed[MASK][0][t], INDEX: placed[INDEX][0][t]}
+        for name in names:
+            x = rows[name]
+            if source == "host":  # a chunk's rows: the call's steps start at its step s mod c
+                x = lax.dynamic_slice_in_dim(x, s % (x.shape[0] // b) * b, steps * b)
+            elif source == "epoch":
+                x = jnp.concatenate([lax.dynamic_slice_in_dim(x[0], t[i] * b, b) for i in range(steps)])
+            elif source == "resident":
+                x = x.at[placed["local"][0][t].reshape(-1)].get(mode="promise_in_bounds")
+            x = device_normalize(x, hows[name], *how[name]) if name in how else x
+            out[name] = x.reshape((steps, b) + x.shape[1:])
+        batches = [{**{name: x[i] for name, x in out.items()}, SHARDS: placed[SHARDS][0]} for i in range(steps)]
+        return batches if layout == "sharded" else jax.tree.map(lambda x: x[None], batches), s + steps
 
     specs = (P(DATA_AXIS), P(DATA_AXIS), P(), P())
     # out_shardings: on a one-device mesh jit would otherwise return some outputs as P().

@@ -189,11 +189,13 @@ def test_blocks_follow_the_plan_in_both_placements(devices, count, kind, layout,
     dict(count=3, kind="images", layout="pmap", per=2, shuffle=True, last_batch="fill", seed=7, epoch=1),
     dict(count=8, kind="dict", layout="sharded", per=1, shuffle=True, last_batch="drop", seed=5, epoch=2)])
 def test_a_tpus_delivery_played_on_cpu_devices_follows_the_plan(devices, monkeypatch, example):
-    """On a TPU (ARITHMETIC_PLATFORMS, GATHER_ONCE_PLATFORMS) the loader normalises by the
-    table's arithmetic and placement "device" gathers an epoch's rows at once: played here by
-    CPU devices, every block still follows the plan in both placements (the test above)."""
+    """On a TPU (ARITHMETIC_PLATFORMS, GATHER_ONCE_PLATFORMS, CHUNK_PROGRAM_PLATFORMS) the loader
+    normalises by the table's arithmetic, placement "device" gathers an epoch's rows at once, and
+    a program makes a chunk's batches: played here by CPU devices, every block still follows the
+    plan in both placements (the test above)."""
     monkeypatch.setattr(loaders, "ARITHMETIC_PLATFORMS", ("cpu",))
     monkeypatch.setattr(loaders, "GATHER_ONCE_PLATFORMS", ("cpu",))
+    monkeypatch.setattr(loaders, "CHUNK_PROGRAM_PLATFORMS", ("cpu",))
     loaders.normalizer.cache_clear()
     try:
         blocks_follow_the_plan(devices, **example)
@@ -983,16 +985,18 @@ def test_a_worker_error_reaches_the_consumer(devices, monkeypatch, prefetch):
     assert received == 4 and not prefetch_threads(before)
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 8])
-def test_prefetch_and_chunks_do_not_change_the_batches(devices, monkeypatch, chunk):
+@pytest.mark.parametrize("chunk, programs", [(1, ()), (3, ()), (3, ("cpu",)), (8, ("cpu",))])
+def test_prefetch_and_chunks_do_not_change_the_batches(devices, monkeypatch, chunk, programs):
     """An epoch made ahead in chunks of ``chunk`` steps (3: a short last chunk; 8: one chunk, cut
-    to the epoch's 5 steps) is the epoch made on demand a step at a time, and so is each step made
-    alone (``Loader.batch``, its chunk made whole); its worker ends with it."""
+    to the epoch's 5 steps), by a program a step or a program a chunk (CHUNK_PROGRAM_PLATFORMS), is
+    the epoch made on demand a step at a time, and so is each step made alone (``Loader.batch``);
+    its worker ends with it."""
     spec = dataset("dict")
     loader = loaders.make_loader(spec.data, devices, B, shuffle=True, seed=5, prefetch=2, normalize=spec.normalize)
     monkeypatch.setattr(loaders, "CHUNK_STEPS", 1)
     one = [host(b) for b in dataclasses.replace(loader, prefetch=0).epoch(2)]
     monkeypatch.setattr(loaders, "CHUNK_STEPS", chunk)
+    monkeypatch.setattr(loaders, "CHUNK_PROGRAM_PLATFORMS", programs)
     assert len(loader) == 5 and loaders.chunk_steps(loader, 5) == min(chunk, 5)
     before = prefetch_threads()
     assert_same_batches([host(b) for b in loader.epoch(2)], one, f"prefetch 2, chunks of {chunk}")
@@ -1022,12 +1026,12 @@ def test_the_loader_holds_no_more_batches_ahead_than_its_depth(devices, monkeypa
     worker fills them (the control: it reaches ``prefetch``); none in placement device or with prefetch 0. Device
     batches made and not yet taken: the rest of the chunk being taken alone, at most chunk - 1 (the control: reached): a
     chunk's program is queued when its first batch is asked for. A chunk's host rows live only inside its preparing."""
-    made, calls, real = [], [], loaders._step_program
+    made, real = [], loaders._step_program
     moved, rows = [], loaders._host_rows
 
     def counting(*key):
         program = real(*key)
-        return lambda *args: (lambda out: calls.append(1) or made.extend(out[0]) or out)(program(*args))
+        return lambda *args: (lambda out: made.extend(out[0]) or out)(program(*args))
     monkeypatch.setattr(loaders, "_step_program", counting)
     monkeypatch.setattr(loaders, "_host_rows", lambda *args: moved.append(1) or rows(*args))
     monkeypatch.setattr(loaders, "CHUNK_STEPS", chunk)
@@ -1037,8 +1041,9 @@ def test_the_loader_holds_no_more_batches_ahead_than_its_depth(devices, monkeypa
     chunks, batches = [], []
     for taken, _ in enumerate(loader.epoch(0), 1):
         time.sleep(0.05)  # the worker fills what it may
-        chunks.append(len(moved) - (len(calls) if placement == "host" else 0))  # "device" moves none
-        batches.append(min(len(made), len(loader)) - taken)
+        batched = min(len(made), len(loader))  # a chunk is made whole, or to the epoch's end
+        chunks.append(len(moved) - (-(-batched // chunk) if placement == "host" else 0))  # "device" moves none
+        batches.append(batched - taken)
     depth = prefetch if placement == "host" else 0
     assert len(batches) == len(loader) > (depth + 1) * chunk
     assert max(chunks) == depth and min(chunks) >= 0, chunks
