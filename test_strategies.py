@@ -1154,6 +1154,7 @@ def exact_cases() -> dict:
             "odd width": (rng.standard_normal((4, 7)) * 10.0 ** rng.integers(-3, 3, (4, 7))).astype(np.float32),
             "overflow": np.array([[3e38, -3e38, 3e38], [3e38, -3e38, -1.0], [1e38, 0.0, 0.0]], np.float32),
             "ties": ties, "signed zeros": np.full((3, 5), -0.0, np.float32),
+            "many blocks": (rng.standard_normal((70, 9)) * 10.0 ** rng.integers(-3, 3, (70, 9))).astype(np.float32),
             "bfloat16": rng.standard_normal((6, 32)).astype(jnp.bfloat16),
             "float16": (rng.standard_normal((6, 32)) * 1000).astype(np.float16),
             "float16 tiny": (rng.standard_normal((6, 32)) * 1e-6).astype(np.float16)}
@@ -1164,8 +1165,8 @@ def test_the_exact_sum_is_the_rounding_of_the_sum_of_the_grid_values(devices):
     """exact_sum entry for entry against its docstring in Python integers (grid_sum): float32,
     bfloat16 and float16; values from 1e-44 to 3e38, subnormals (counted as 0), the least
     normals (the grid's largest scaling), overflow to +-Inf, ties of the last rounding, blocks
-    all -0.0 (+0.0). The same bits through sum_program for five of the cases on 1, 2 and 4
-    devices (L/n blocks each; a leaf's width not a multiple of n included). Where every entry
+    all -0.0 (+0.0), more blocks than GROUP. The same bits through sum_program for six of the
+    cases on 1, 2 and 4 devices (L/n blocks each; a leaf's width not a multiple of n included). Where every entry
     is 0 or at least 2**-35 of the largest, it is the correctly rounded sum of the blocks
     themselves. The controls: a float32 left fold of the blocks, and a psum, give other bits."""
     for name, blocks in exact_cases().items():
@@ -1173,7 +1174,7 @@ def test_the_exact_sum_is_the_rounding_of_the_sum_of_the_grid_values(devices):
         got = np.asarray(jax.jit(strategies.exact_sum)(blocks))
         assert_same_bits(got, want, name)
         L = len(blocks)
-        spread = name in ("normal", "odd width", "ties", "bfloat16", "wide range")  # compiles: a few cases suffice
+        spread = name in ("normal", "odd width", "ties", "bfloat16", "wide range", "many blocks")  # a few compile
         for n in [n for n in (1, 2, 4) if n <= len(devices) and L % n == 0 and spread]:
             mesh = loaders.data_mesh(devices[:n])
             rounds = [jax.device_put(blocks.reshape(n, L // n, -1)[:, i], NamedSharding(mesh, P("data")))
