@@ -826,7 +826,9 @@ def exact_sum(blocks, axis: str | None = None):
                              f"{sorted(str(d) for d in FORMATS)} leaves (a float64 significand needs more limbs)")
     n = 1 if axis is None else lax.axis_size(axis)
     padded = lambda x, d: jnp.pad(x, [(0, -x.shape[d] % n if i == d else 0) for i in range(x.ndim)])
-    moved = axis is not None and leaves and leaves[0].shape[0] <= LIMBS  # move the floats, not the limbs (same sums)
+    # at k = 1 move the floats, not the limbs (a third of the bytes, the same sums); at k > 1 the all_to_all's
+    # chunks of (k, entries) are strided, and XLA copies them: the limbs' reduce-scatter costs less
+    moved = axis is not None and leaves and leaves[0].shape[0] == 1
     scatter = (lambda x: x) if axis is None or moved else (
         lambda x: lax.psum_scatter(padded(x, 0), axis, scatter_dimension=0, tiled=True))
     rows = []  # per leaf: at most GROUP slices (G, entries) of its blocks, each a block where it lies if G = 1
@@ -951,11 +953,10 @@ def _from_limbs(S, E, man: int, bias: int, ebits: int):
 def sum_program(mesh: Mesh, per_device: int) -> Callable:
     """jit(shard_map) on ``mesh``: ``rounds``, pytrees whose leaves are sharded on 'data' -> ``exact_sum`` over the
     L = n*k blocks, k = ``per_device``, replicated. Device d's entries of the rounds are its k blocks (k rounds of one
-    block each, or one round of k). What moves: one pmax of per-leaf scalars; at k <= LIMBS the blocks' float32
-    entries by one all_to_all (each device then converts and adds every block's 1/n of the entries), else K int32
-    limbs per entry by one reduce-scatter (in a step with a NaN or an infinity, another pmax, and two int32 counts per
-    entry by another reduce-scatter); then one all_gather of the results. At k = 1 that is a float32 all-reduce's
-    bytes."""
+    block each, or one round of k). What moves: one pmax of per-leaf scalars; at k = 1 the blocks' float32 entries
+    by one all_to_all (each device then converts and adds every block's 1/n of the entries), else K int32 limbs per
+    entry by one reduce-scatter (in a step with a NaN or an infinity, another pmax, and two int32 counts per entry by
+    another reduce-scatter); then one all_gather of the results. At k = 1 that is a float32 all-reduce's bytes."""
     def run(rounds):  # exact_sum's slices of the concatenation are its rounds: XLA reads each where it lies
         return exact_sum(jax.tree.map(lambda *xs: jnp.concatenate(xs), *rounds), AXIS)
     return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False),
