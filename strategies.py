@@ -784,9 +784,11 @@ LIMB_BITS = 20  # w: bits per limb below the top one
 LIMBS = 3  # K: int32 limbs per entry, value bits 0..59
 GRID_BITS = 59  # p: the grid's step is 2**(E - p), 2**E the least power of two above the leaf's largest |entry|
 MAX_BLOCKS = 2047  # the largest L: each limb's sum over L blocks, and its carry, stay inside int32
+GROUP = 32  # the most slices of a device's blocks read side by side in one pass (beyond, a slice holds several)
 # Leaf dtypes the sum rounds to: (significand bits stored, exponent bias, exponent bits)
 FORMATS = {np.dtype(np.float32): (23, 127, 8), np.dtype(jnp.bfloat16): (7, 127, 8), np.dtype(np.float16): (10, 15, 5)}
 _MASK = (1 << LIMB_BITS) - 1
+_INF = 0x7F800000  # float32 +Inf's bits: |x|'s bits at or above it are an infinity or a NaN
 
 
 def exact_sum(blocks, axis: str | None = None):
@@ -808,52 +810,64 @@ def exact_sum(blocks, axis: str | None = None):
     How: each integer as K = 3 int32 limbs (``_to_limbs``: float operations that are exact), so L blocks' limbs, and
     their carries, stay inside int32 for L <= 2047 (MAX_BLOCKS). An entry that would land below 2**-126 on the way to
     the grid rounds to 0 whether or not the backend flushes it. That is why subnormal entries count as 0: XLA's CPU and
-    TPU arithmetic flushes them, a GPU's need not, and the grid's multiplies must read the same numbers everywhere. Each
-    device carries (arithmetic shifts) and rounds 1/n of the entries, by integer operations alone (no float sum of
+    TPU arithmetic flushes them, a GPU's need not, and the grid's multiplies must read the same numbers everywhere. M is
+    the max of |x|'s bits as integers (their order is |x|'s; a subnormal max gives E = -125, as 0 does), so one pass
+    over the blocks finds it and whether a NaN or an infinity is there; a second finds the finite M, only in a step that
+    has one. Each device reads its blocks in place (up to GROUP slices side by side) and, entry by entry, adds their
+    limbs; it carries (arithmetic shifts) and rounds 1/n of the entries, by integer operations alone (no float sum of
     limbs, which would round more than once); ``sum_program`` says what moves. One scale per leaf, not per entry: an
     entry-wise max would be an all-reduce of a whole gradient, a per-leaf one is a scalar. K = 3 limbs move 3x a float32
-    all-reduce's bytes; a fourth would give p = 55 at 4x. The non-finite entries go by a side channel, counted beside
-    the moved floats, or reduced only in a step that has one. Leaves: float32, bfloat16, float16 (FORMATS); ValueError
-    for another dtype."""
+    all-reduce's bytes; a fourth would give p = 55 at 4x. The non-finite entries go by a side channel, counted and moved
+    only in a step that has one. Leaves: float32, bfloat16, float16 (FORMATS); ValueError for another dtype."""
     leaves, tree = jax.tree.flatten(blocks)
     for x in leaves:
         if np.dtype(x.dtype) not in FORMATS:
             raise ValueError(f"exact_sum: a gradient leaf of dtype {x.dtype}; the canonical reduction sums "
                              f"{sorted(str(d) for d in FORMATS)} leaves (a float64 significand needs more limbs)")
     n = 1 if axis is None else lax.axis_size(axis)
-    up = [x.astype(jnp.float32).reshape(x.shape[0], -1) for x in leaves]
-    kept = lambda x: jnp.isfinite(x) & (jnp.abs(x) >= np.float32(2.0 ** -126))  # finite, not subnormal
-    largest = jnp.stack([jnp.max(jnp.where(kept(x), jnp.abs(x), 0), initial=0) for x in up])
-    specials = sum(jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in up)
-    if axis is not None:
-        largest, specials = lax.pmax(largest, axis), lax.psum(specials, axis)
-    E = _grid_exponent(largest)
-    padded = lambda x: x if x.shape[-1] % n == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -x.shape[-1] % n)])
-    moved = axis is not None and up and up[0].shape[0] <= LIMBS  # move the floats, not the limbs (same sums)
+    padded = lambda x, d: jnp.pad(x, [(0, -x.shape[d] % n if i == d else 0) for i in range(x.ndim)])
+    # at k = 1 move the floats, not the limbs (a third of the bytes, the same sums); at k > 1 the all_to_all's
+    # chunks of (k, entries) are strided, and XLA copies them: the limbs' reduce-scatter costs less
+    moved = axis is not None and leaves and leaves[0].shape[0] == 1
     scatter = (lambda x: x) if axis is None or moved else (
-        lambda x: lax.psum_scatter(padded(x), axis, scatter_dimension=x.ndim - 1, tiled=True))
-
-    def side(x):  # per entry: NaN count, and +Inf + 2**16 * -Inf counts, over every block and device
-        inf = jnp.sum(x == np.inf, 0, dtype=jnp.int32) + (jnp.sum(x == -np.inf, 0, dtype=jnp.int32) << 16)
-        return scatter(jnp.stack([jnp.sum(jnp.isnan(x), 0, dtype=jnp.int32), inf]))
-    out = []
-    for i, (leaf, x) in enumerate(zip(leaves, up)):
-        width = x.shape[1]
+        lambda x: lax.psum_scatter(padded(x, 0), axis, scatter_dimension=0, tiled=True))
+    rows = []  # per leaf: at most GROUP slices (G, entries) of its blocks, each a block where it lies if G = 1
+    for x in leaves:
         if moved:  # each device gets every block's own 1/n of the entries: (n*k, width/n)
-            x = lax.all_to_all(padded(x), axis, 1, 0, tiled=True)
-        limbs = jnp.stack([scatter(jnp.sum(limb, 0, dtype=jnp.int32)) for limb in _to_limbs(jnp.where(kept(x), x, 0),
-                                                                                          E[i])])
-        nan, inf = side(x) if axis is None or moved else lax.cond(
-            specials > 0, side, lambda x: jnp.zeros((2, limbs.shape[1]), jnp.int32), x)
-        man, bias, ebits = FORMATS[np.dtype(leaf.dtype)]
-        bits, top = _from_limbs(limbs, E[i], man, bias, ebits), ((1 << ebits) - 1) << man
-        pos, neg = (inf & 0xFFFF) > 0, (inf >> 16) > 0
+            x = lax.all_to_all(padded(x.astype(jnp.float32).reshape(x.shape[0], -1), 1), axis, 1, 0, tiled=True)
+        G = -(-x.shape[0] // GROUP)
+        x = jnp.pad(x, [(0, -x.shape[0] % G)] + [(0, 0)] * (x.ndim - 1))  # zero blocks add nothing
+        rows.append([x[i:i + G].astype(jnp.float32).reshape(G, -1) for i in range(0, x.shape[0], G)])
+    magnitude = lambda x: lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF  # ordered as |x|; NaN, Inf: >= _INF
+    largest = lambda keep: jnp.stack([jnp.max(functools.reduce(jnp.maximum, (keep(magnitude(x)) for x in r)),
+                                              initial=0) for r in rows])
+    every = (lambda m: m) if axis is None else (lambda m: lax.pmax(m, axis))
+    top = every(largest(lambda m: m))
+    specials = jnp.any(top >= _INF)
+    E = _grid_exponent(lax.cond(specials, lambda: every(largest(lambda m: jnp.where(m < _INF, m, 0))), lambda: top))
+
+    def rounded(limbs, r, E, man: int, bias: int, ebits: int, special: bool):
+        bits = _from_limbs([limbs[:, j] for j in range(LIMBS)], E, man, bias, ebits)
+        if not special:
+            return bits
+        count = lambda found: jnp.sum(sum(found(x).astype(jnp.int32) for x in r), 0, dtype=jnp.int32)
+        # per entry, over every block and device: NaNs, and +Inf + 2**16 * -Inf
+        nan, inf = scatter(jnp.stack([count(jnp.isnan), count(lambda x: x == np.inf) + (
+            count(lambda x: x == -np.inf) << 16)], 1)).T
+        pos, neg, top = (inf & 0xFFFF) > 0, (inf >> 16) > 0, ((1 << ebits) - 1) << man
         bits = jnp.where(pos, top, jnp.where(neg, top | _bit(ebits + man), bits))
-        bits = jnp.where((nan > 0) | (pos & neg), top | (1 << (man - 1)), bits)
+        return jnp.where((nan > 0) | (pos & neg), top | (1 << (man - 1)), bits)
+    out = []
+    for i, (leaf, r) in enumerate(zip(leaves, rows)):
+        limbs = scatter(jnp.sum(sum(_to_limbs(x, E[i]) for x in r), 0, dtype=jnp.int32))  # (entries, K)
+        man, bias, ebits = FORMATS[np.dtype(leaf.dtype)]
+        # limbs go in whole (a cond's operand): fused into the rounding, XLA would make each block's limbs again
+        bits = lax.cond(specials, *(functools.partial(rounded, man=man, bias=bias, ebits=ebits, special=special)
+                                    for special in (True, False)), limbs, r, E[i])
         bits = bits if ebits + man == 31 else bits.astype(jnp.uint16)  # 16-bit formats: bits in [0, 2**16)
         value = lax.bitcast_convert_type(bits, leaf.dtype)
         value = value if axis is None else lax.all_gather(value, axis, tiled=True)
-        out.append(value[:width].reshape(leaf.shape[1:]))
+        out.append(value[:int(np.prod(leaf.shape[1:]))].reshape(leaf.shape[1:]))
     return jax.tree.unflatten(tree, out)
 
 
@@ -869,23 +883,29 @@ def _shift(x, t):
     return jnp.where(t >= 32, 0, jnp.where(t >= 0, left, jnp.where(t <= -32, 0, right)))
 
 
-def _grid_exponent(m):
-    """E with m < 2**E from float32 m's bits: 2**(e-127) <= m < 2**(e-126) for exponent field e; -125 for e = 0."""
-    e = lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), 23) & 0xFF
-    return jnp.maximum(e, 1) - 126
+def _grid_exponent(bits):
+    """E with m < 2**E from the bits of float32 m >= 0 (finite): 2**(e-127) <= m < 2**(e-126) for exponent field e;
+    -125 for e = 0 (m zero or subnormal)."""
+    return jnp.maximum(lax.shift_right_logical(bits, 23), 1) - 126
 
 
 def _to_limbs(x, E):
-    """float32 x (finite, normal or 0, |x| < 2**E) -> [low, mid, top] int32: v = round(x / 2**(E - GRID_BITS)), half to
-    even, = top * 2**40 + mid * 2**20 + low, each limb sign(v) times 20 bits of |v| (so |limb| < 2**20, the top's
-    < 2**19). Every float operation here is exact: the scaling (two powers of two, each within float32's range), the
-    round, the truncations, and subtractions that leave v's own low bits (never a complement, as floor would)."""
-    d = GRID_BITS - E
-    v = lax.round(x * _power_of_two(d // 2) * _power_of_two(d - d // 2), lax.RoundingMethod.TO_NEAREST_EVEN)
-    top = jnp.trunc(v * np.float32(2.0 ** -(2 * LIMB_BITS)))
-    rest = v - top * np.float32(2.0 ** (2 * LIMB_BITS))
-    mid = jnp.trunc(rest * np.float32(2.0 ** -LIMB_BITS))
-    return [(rest - mid * np.float32(2.0 ** LIMB_BITS)).astype(jnp.int32), mid.astype(jnp.int32), top.astype(jnp.int32)]
+    """float32 x (..., m), finite, |x| < 2**E, subnormals read as 0 -> int32 (..., m, K) [low, mid, top]: v = round(x /
+    2**(E - GRID_BITS)), half to even, = top * 2**40 + mid * 2**20 + low, each limb rounded to nearest (|limb| <=
+    2**19): with z = x * 2**(19 - E) (two powers of two, each within float32's range), top = round(z), mid = round((z -
+    top) * 2**20), low = round(((z - top) * 2**20 - mid) * 2**20). Every float operation is exact (products by powers
+    of two; differences that leave a number's own low bits), and as top * 2**40 and mid * 2**20 are even, rounding the
+    rest half to even rounds v so. The limbs' axis is last, so one pass over the blocks reads each entry once."""
+    x = jnp.where(jnp.abs(x) >= np.float32(2.0 ** -126), x, 0)
+    d = GRID_BITS - 2 * LIMB_BITS - E
+    z = jnp.broadcast_to((x * _power_of_two(d // 2) * _power_of_two(d - d // 2))[..., None], x.shape + (LIMBS,))
+    nearest = functools.partial(lax.round, rounding_method=lax.RoundingMethod.TO_NEAREST_EVEN)
+    top = nearest(z)
+    rest = (z - top) * np.float32(2.0 ** LIMB_BITS)
+    mid = nearest(rest)
+    low = nearest((rest - mid) * np.float32(2.0 ** LIMB_BITS))
+    limb = lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+    return jnp.where(limb == 0, low, jnp.where(limb == 1, mid, top)).astype(jnp.int32)
 
 
 def _power_of_two(e):
@@ -904,11 +924,11 @@ def _carried(S):
 
 
 def _from_limbs(S, E, man: int, bias: int, ebits: int):
-    """Summed limbs (LIMBS, m) -> the bits (int32) of v * 2**(E - GRID_BITS), v = sum_i S[i] * 2**(20 i), rounded
+    """K summed limbs, each (m,) -> the bits (int32) of v * 2**(E - GRID_BITS), v = sum_i S[i] * 2**(20 i), rounded
     once to nearest even in the format of ``man`` stored significand bits, ``bias`` and ``ebits`` exponent bits."""
     D = _carried(S)
     negative = D[-1] < 0
-    D = _carried(jnp.stack([jnp.where(negative, -d, d) for d in D]))  # |v|
+    D = _carried([jnp.where(negative, -d, d) for d in D])  # |v|
     length = [32 - lax.clz(d) for d in D]
     h = jnp.where(D[2] > 0, 2 * LIMB_BITS + length[2], jnp.where(D[1] > 0, LIMB_BITS + length[1], length[0])) - 1
     s = jnp.maximum(h - man, 1 - bias - man - (E - GRID_BITS))  # the significand's lowest bit (subnormals: fixed)
@@ -933,11 +953,11 @@ def _from_limbs(S, E, man: int, bias: int, ebits: int):
 def sum_program(mesh: Mesh, per_device: int) -> Callable:
     """jit(shard_map) on ``mesh``: ``rounds``, pytrees whose leaves are sharded on 'data' -> ``exact_sum`` over the
     L = n*k blocks, k = ``per_device``, replicated. Device d's entries of the rounds are its k blocks (k rounds of one
-    block each, or one round of k). What moves: one pmax and one psum of per-leaf scalars; at k <= LIMBS the blocks'
-    float32 entries by one all_to_all (each device then converts and adds every block's 1/n of the entries), else K
-    int32 limbs per entry by one reduce-scatter (two more in a step with a NaN or an infinity); then one all_gather
-    of the results. At k = 1 that is a float32 all-reduce's bytes."""
-    def run(rounds):
+    block each, or one round of k). What moves: one pmax of per-leaf scalars; at k = 1 the blocks' float32 entries
+    by one all_to_all (each device then converts and adds every block's 1/n of the entries), else K int32 limbs per
+    entry by one reduce-scatter (in a step with a NaN or an infinity, another pmax, and two int32 counts per entry by
+    another reduce-scatter); then one all_gather of the results. At k = 1 that is a float32 all-reduce's bytes."""
+    def run(rounds):  # exact_sum's slices of the concatenation are its rounds: XLA reads each where it lies
         return exact_sum(jax.tree.map(lambda *xs: jnp.concatenate(xs), *rounds), AXIS)
     return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False),
                    compiler_options=CANONICAL_XLA_OPTIONS)
