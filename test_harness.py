@@ -273,6 +273,19 @@ def test_a_crashed_worker_reruns_a_rocal_test_once_and_fails_any_other(tmp_path,
     assert "FAILED test_rocal.py::test_crashes_always" in always_out, always_out
 
 
+def test_xdist_hands_out_files_whole_but_the_named_tests_case_by_case():
+    """conftest.xdist_unit, the unit of pytest.ini's --dist loadfile: a test's file, but a case
+    of a test in CASE_UNITS on its own; each test CASE_UNITS names is one of its file's (a
+    renamed one would silently go back to its file's worker)."""
+    assert conftest.xdist_unit("test_model.py::test_loss[3]") == "test_model.py"
+    for name in conftest.CASE_UNITS:
+        assert conftest.xdist_unit(f"{name}[a-b]") == f"{name}[a-b]"
+        assert conftest.xdist_unit(f"{name}x[a-b]") == name.split("::")[0]
+        file, test = name.split("::")
+        with open(os.path.join(HERE, file)) as f:
+            assert f"\ndef {test}(" in f.read(), name
+
+
 def test_the_deeper_profiles_scale_the_watchdog(request):
     # dev and thorough draw 4 and 40 times the examples (conftest.examples): their tests
     # get as much longer, through the same ini values the plugins read.
