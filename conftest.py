@@ -453,12 +453,16 @@ HEAVY_FIRST = ("test_strategies.py", "test_equivalence.py", "test_refimpl.py", "
                "test_dali.py", "test_rocal.py", "test_model.py", "test_arithmetic.py", "test_conformance.py",
                "test_plan.py", "test_grain.py", "test_harness.py", "test_cifar_mnist.py", "test_own_job.py",
                "test_multiprocess.py", "test_encoding.py")
-# Tests whose cases are units of their own, not part of their file's: the canonical matrices,
-# minutes of compiling in the extended tier, would otherwise all queue on the one worker that
-# holds test_strategies.py. Their module fixtures are cheap (a worker that runs a case makes
-# them too); the XLA cache (above) is shared by every worker.
+# Tests whose cases are units of their own, not part of their file's: the extended tier's longest,
+# which would otherwise queue on the one worker that holds their file (the canonical matrices:
+# minutes of compiling, all in test_strategies.py). Their module fixtures are cheap (a worker
+# that runs a case makes them too); the XLA cache (above) is shared by every worker.
 CASE_UNITS = ("test_strategies.py::test_canonical_reduction_is_the_same_bits_on_every_topology",
-              "test_strategies.py::test_the_loop_schedule_is_the_same_bits_on_every_topology")
+              "test_strategies.py::test_the_loop_schedule_is_the_same_bits_on_every_topology",
+              "test_strategies.py::test_the_canonical_programs_compile_alike_on_every_topology",
+              "test_equivalence.py::test_no_correct_pair_is_outside_over_drawn_models_rules_and_rates",
+              "test_bench.py::test_bench_smoke_runs_and_writes_a_well_formed_report",
+              "test_harness.py::test_a_crashed_worker_reruns_a_rocal_test_once_and_fails_any_other")
 
 
 def xdist_unit(nodeid: str) -> str:
