@@ -446,13 +446,13 @@ def pytest_addoption(parser):
 # The default tier's files, longest first. xdist's loadfile hands each worker two units (files, or
 # the cases of CASE_UNITS) at the start and then one more whenever it has fewer than two tests
 # waiting; so the first n files go one to each of the n workers, the n shortest next (each
-# worker's second file, short, so no two long files queue on one worker), then the cases of
-# CASE_UNITS (the extended tier's long ones, to whichever worker is free), then the rest of the
-# files longest first (none long left to run alone at the end).
-HEAVY_FIRST = ("test_strategies.py", "test_equivalence.py", "test_refimpl.py", "test_bench.py", "test_loaders.py",
-               "test_dali.py", "test_rocal.py", "test_model.py", "test_arithmetic.py", "test_conformance.py",
-               "test_plan.py", "test_grain.py", "test_harness.py", "test_cifar_mnist.py", "test_own_job.py",
-               "test_multiprocess.py", "test_encoding.py")
+# worker's second file, short, so no two long files queue on one worker), then the rest longest
+# first (none long left to run alone at the end), then the cases of CASE_UNITS, each to whichever
+# worker is free (so the files meet the same predecessors on their workers as without them).
+HEAVY_FIRST = ("test_strategies.py", "test_equivalence.py", "test_refimpl.py", "test_loaders.py", "test_dali.py",
+               "test_rocal.py", "test_model.py", "test_arithmetic.py", "test_conformance.py", "test_plan.py",
+               "test_grain.py", "test_harness.py", "test_cifar_mnist.py", "test_own_job.py", "test_multiprocess.py",
+               "test_bench.py", "test_encoding.py")
 # Tests whose cases are units of their own, not part of their file's: the extended tier's longest,
 # which would otherwise queue on the one worker that holds their file (the canonical matrices:
 # minutes of compiling, all in test_strategies.py). Their module fixtures are cheap (a worker
@@ -483,7 +483,7 @@ def pytest_collection_modifyitems(config, items):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     order = file_order(names, workers)
     rank = {name: i for i, name in enumerate(order)}
-    cases = 2 * workers - 0.5  # the cases of CASE_UNITS: after the first and the shortest files
+    cases = len(order)  # the cases of CASE_UNITS: after every file
     items.sort(key=lambda item: cases if workers > 1 and xdist_unit(item.nodeid) == item.nodeid
                else rank[os.path.basename(str(item.path))])  # stable
     for item in items:
