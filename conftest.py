@@ -443,14 +443,32 @@ def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run the extended tier (tests marked slow)")
 
 
-# The default tier's files, longest first. xdist's loadfile hands each worker two files at the
-# start and then one more whenever it has fewer than two waiting; so the first n go one to each
-# of the n workers, the n shortest next (each worker's second file, short, so no two long files
-# queue on one worker), then the rest longest first (none long left to run alone at the end).
+# The default tier's files, longest first. xdist's loadfile hands each worker two units (files, or
+# the cases of CASE_UNITS) at the start and then one more whenever it has fewer than two tests
+# waiting; so the first n files go one to each of the n workers, the n shortest next (each
+# worker's second file, short, so no two long files queue on one worker), then the rest longest
+# first (none long left to run alone at the end), then the cases of CASE_UNITS, each to whichever
+# worker is free (so the files meet the same predecessors on their workers as without them).
 HEAVY_FIRST = ("test_strategies.py", "test_equivalence.py", "test_refimpl.py", "test_loaders.py", "test_dali.py",
                "test_rocal.py", "test_model.py", "test_arithmetic.py", "test_conformance.py", "test_plan.py",
                "test_grain.py", "test_harness.py", "test_cifar_mnist.py", "test_own_job.py", "test_multiprocess.py",
                "test_bench.py", "test_encoding.py")
+# Tests whose cases are units of their own, not part of their file's: the extended tier's longest,
+# which would otherwise queue on the one worker that holds their file (the canonical matrices:
+# minutes of compiling, all in test_strategies.py). Their module fixtures are cheap (a worker
+# that runs a case makes them too); the XLA cache (above) is shared by every worker.
+CASE_UNITS = ("test_strategies.py::test_canonical_reduction_is_the_same_bits_on_every_topology",
+              "test_strategies.py::test_the_loop_schedule_is_the_same_bits_on_every_topology",
+              "test_strategies.py::test_the_canonical_programs_compile_alike_on_every_topology",
+              "test_equivalence.py::test_no_correct_pair_is_outside_over_drawn_models_rules_and_rates",
+              "test_bench.py::test_bench_smoke_runs_and_writes_a_well_formed_report",
+              "test_harness.py::test_a_crashed_worker_reruns_a_rocal_test_once_and_fails_any_other")
+
+
+def xdist_unit(nodeid: str) -> str:
+    """What xdist hands a worker whole, for ``nodeid``: the case itself for a test of
+    CASE_UNITS, else its file."""
+    return nodeid if nodeid.split("[")[0] in CASE_UNITS else nodeid.split("::")[0]
 
 
 def file_order(names, workers: int) -> list:
@@ -462,9 +480,12 @@ def file_order(names, workers: int) -> list:
 
 def pytest_collection_modifyitems(config, items):
     names = {os.path.basename(str(item.path)) for item in items}
-    order = file_order(names, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    order = file_order(names, workers)
     rank = {name: i for i, name in enumerate(order)}
-    items.sort(key=lambda item: rank[os.path.basename(str(item.path))])  # stable
+    cases = len(order)  # the cases of CASE_UNITS: after every file
+    items.sort(key=lambda item: cases if workers > 1 and xdist_unit(item.nodeid) == item.nodeid
+               else rank[os.path.basename(str(item.path))])  # stable
     for item in items:
         if "multiprocess" in item.keywords and NO_SOCKETS:
             item.add_marker(pytest.mark.skip(reason=NO_SOCKETS))
@@ -537,8 +558,19 @@ def _never_one_test_alone(reschedule):
 
 
 try:
+    from xdist.scheduler.loadfile import LoadFileScheduling
     from xdist.scheduler.loadscope import LoadScopeScheduling
     LoadScopeScheduling._reschedule = _never_one_test_alone(LoadScopeScheduling._reschedule)
+
+    class LoadUnitScheduling(LoadFileScheduling):
+        """pytest.ini's --dist loadfile, its units xdist_unit's: files, and the cases of CASE_UNITS."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_unit(nodeid)
+
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)  # before xdist's own
+    def pytest_xdist_make_scheduler(config, log):
+        return LoadUnitScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 except ImportError:  # no xdist: one process, nothing to replace
     pass
 

@@ -31,8 +31,6 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-pytest.importorskip("nvidia.dali", reason="needs NVIDIA DALI: pip install -r requirements-dali.txt")
-
 if __name__ != "__main__":  # the worker below runs in a child process that sets its own devices
     from conftest import (assert_same_bits, assert_same_params, bits_differ, exactly_once, refimpl_resized,
                           run_children)
@@ -51,6 +49,13 @@ pytestmark = pytest.mark.dali
 
 DALI = Normalize(arithmetic="dali_cpu")  # mean = std = 127.5: every index decodes
 CIFAR_MEAN, CIFAR_STD = (125.3, 123.0, 113.9), (63.0, 62.1, 66.7)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dali_imports():
+    """nvidia.dali, imported by the module's first test, not where every xdist worker collects
+    the file; without it every test skips, saying so."""
+    pytest.importorskip("nvidia.dali", reason="needs NVIDIA DALI: pip install -r requirements-dali.txt")
 
 
 @pytest.fixture(scope="module")

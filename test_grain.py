@@ -33,14 +33,14 @@ each fact; docs/vendors.md ("Grain") says it in words.
 import numpy as np
 import pytest
 
-grain = pytest.importorskip("grain")
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-import conformance  # noqa: E402
-import encoding  # noqa: E402
-import loaders  # noqa: E402
+import conformance
+import encoding
+import loaders
 from plan import epoch_plan, num_steps, shard_bounds, shard_permutation
+
+grain = None  # imported by the module's first test (grain_imported), not where every xdist worker collects the file
 
 N, n, B, SEED = 27, 4, 2, 42  # Grain's shards 7, 7, 7, 6; the plan's [0, 6), [6, 13), [13, 20), [20, 27)
 S = num_steps(N, n, B, "drop")  # 3 = floor(floor(27/4)/2) = floor(27/(4*2)): both recipes' epoch
@@ -48,14 +48,22 @@ SAMPLES = encoding.encoded_images(np.arange(N), (4,), np.int16)
 LABELS = (np.arange(N) * 7 % 10).astype(np.int32)
 
 
-class Records(grain.sources.RandomAccessDataSource):
+@pytest.fixture(scope="module", autouse=True)
+def grain_imported():
+    """Grain, or the module's tests skip, naming why."""
+    global grain
+    grain = pytest.importorskip("grain")
+
+
+def records():
     """The dataset as a Grain data source: sample i encodes i (int16, every element)."""
+    class Records(grain.sources.RandomAccessDataSource):
+        def __len__(self):
+            return N
 
-    def __len__(self):
-        return N
-
-    def __getitem__(self, i):
-        return {"image": SAMPLES[i], "label": LABELS[i]}
+        def __getitem__(self, i):
+            return {"image": SAMPLES[i], "label": LABELS[i]}
+    return Records()
 
 
 def grain_bounds(k: int, drop_remainder: bool) -> tuple[int, int]:
@@ -74,7 +82,7 @@ def split_epochs(per_shard: list) -> dict:
 
 
 @pytest.fixture(scope="module")
-def dataloader():
+def dataloader(grain_imported):
     """Both epochs of the per-device DataLoaders, by drop_remainder: (indices, labels)."""
     out = {}
     for drop_remainder in (False, True):
@@ -83,13 +91,13 @@ def dataloader():
             options = grain.sharding.ShardOptions(shard_index=k, shard_count=n, drop_remainder=drop_remainder)
             sampler = grain.samplers.IndexSampler(num_records=N, shard_options=options, shuffle=True,
                                                   seed=SEED, num_epochs=2)
-            batches = list(grain.DataLoader(data_source=Records(), sampler=sampler, worker_count=0,
+            batches = list(grain.DataLoader(data_source=records(), sampler=sampler, worker_count=0,
                                             operations=[grain.transforms.Batch(B, drop_remainder=True)]))
             assert len(batches) == 2 * S, f"shard {k}: {len(batches)} batches in two epochs"
             if k == 0 and not drop_remainder:  # one epoch alone is the first S batches
                 sampler = grain.samplers.IndexSampler(num_records=N, shuffle=True, seed=SEED, num_epochs=1,
                                                       shard_options=options)
-                one = list(grain.DataLoader(data_source=Records(), sampler=sampler, worker_count=0,
+                one = list(grain.DataLoader(data_source=records(), sampler=sampler, worker_count=0,
                                             operations=[grain.transforms.Batch(B, drop_remainder=True)]))
                 assert len(one) == S and all(np.array_equal(a["image"], b["image"])
                                              for a, b in zip(one, batches)), "epoch 0 alone"
@@ -100,14 +108,14 @@ def dataloader():
 
 
 @pytest.fixture(scope="module")
-def tutorial(devices):
+def tutorial(grain_imported, devices):
     """Both epochs (2*S global batches) of the JAX tutorial's template on n devices:
     (indices, labels), each device's block read from its own addressable shard."""
     mesh = loaders.data_mesh(devices[:n])
     positions = {d: k for k, d in enumerate(mesh.devices.flat)}
     shard = grain.sharding.ShardByJaxProcess(drop_remainder=True)
     assert (shard.shard_index, shard.shard_count) == (0, 1)  # per process, not per device: 1 shard
-    ds = (grain.MapDataset.source(Records())[shard.shard_index::shard.shard_count]
+    ds = (grain.MapDataset.source(records())[shard.shard_index::shard.shard_count]
           .seed(SEED).shuffle().repeat()
           .map(lambda r: {"image": r["image"].astype(np.float32), "label": r["label"]})
           .batch(n * B, drop_remainder=True)

@@ -233,7 +233,8 @@ def test_a_crashed_worker_reruns_a_rocal_test_once_and_fails_any_other(tmp_path,
     # the crash at test_rocal.py's last test, with files left to run: without conftest's mend of
     # xdist's loadfile (_never_one_test_alone) the run on 2 hangs (a worker given one test
     # alone). A crash once is run again and passes; a crash twice fails; the same crash in a
-    # file not in CRASH_RERUN_FILES fails at once.
+    # file not in CRASH_RERUN_FILES fails at once (on 1 worker, test_other.py's: the run's
+    # second crash, which pytest.ini's --max-worker-restart=2 still replaces).
     assert conftest.CRASH_RERUN_FILES == ("test_rocal.py",)
     marks, suite = tmp_path / "marks", tmp_path / "suite"
     marks.mkdir()
@@ -246,30 +247,43 @@ def test_a_crashed_worker_reruns_a_rocal_test_once_and_fails_any_other(tmp_path,
         (suite / name).write_text(sleepers(count, seconds))
     crash_once = CRASHING_TESTS.split("def test_crashes_always")[0].split("def test_runs_first():\n    pass\n")[1]
     (suite / "test_rocal.py").write_text(sleepers(4, 0.1) + "import os, signal\n\n" + crash_once)
-    for name in ("test_rocal.py", "test_other.py"):
-        (tmp_path / name).write_text(CRASHING_TESTS)
+    (suite / "test_other.py").write_text("import os, signal\n\n" + crash_once.replace('"once"', '"other"'))
+    (tmp_path / "test_rocal.py").write_text(CRASHING_TESTS)
     common = [sys.executable, "-m", "pytest", "-c", os.path.join(HERE, "pytest.ini"), "-p", "conftest",
               "-p", "no:cacheprovider", "-rA"]
     monkeypatch.setenv("CRASH_MARKS", str(marks))
     monkeypatch.setenv("PYTHONPATH", HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for workers in ("1", "2"):
+    for workers, other in (("1", []), ("2", ["--ignore", "test_other.py"])):
         for mark in marks.iterdir():
             mark.unlink()
-        ((once_code, once_out, once_err),) = run_children([common + ["--rootdir", str(suite), "-n", workers]],
+        ((once_code, once_out, once_err),) = run_children([common + ["--rootdir", str(suite), "-n", workers, *other]],
                                                            timeout=60, cwd=suite)
-        assert once_code == 0 and "35 passed" in once_out, (workers, once_out, once_err)
+        counts = once_out.strip().splitlines()[-1].split(" in ")[0].strip("= ")  # xdist reruns test_other's too
+        want = (1, "1 failed, 36 passed") if workers == "1" else (0, "35 passed")
+        assert (once_code, counts) == want, (workers, once_out, once_err)
         assert "crash rerun: test_rocal.py::test_crashes_once: its worker crashed" in once_out, once_out
+        if workers == "1":
+            assert "FAILED test_other.py::test_crashes_once" in once_out, once_out
+            assert "crash rerun: test_other.py" not in once_out, once_out
+            assert "crashed while running 'test_other.py::test_crashes_once'" in once_out + once_err
     ((always_code, always_out, always_err),) = run_children(
         [common + ["--rootdir", str(tmp_path), "-n", "1", "test_rocal.py", "-k", "always"]], timeout=60, cwd=tmp_path)
     summary = always_out.strip().splitlines()[-1]  # xdist runs it again while workers may restart
     assert always_code == 1 and " failed" in summary and "passed" not in summary, (always_out, always_err)
     assert "FAILED test_rocal.py::test_crashes_always" in always_out, always_out
-    (marks / "once").unlink()
-    ((other_code, other_out, other_err),) = run_children(
-        [common + ["--rootdir", str(tmp_path), "-n", "1", "test_other.py", "-k", "once"]],
-        timeout=60, cwd=tmp_path)
-    assert other_code == 1 and "1 failed" in other_out and "crash rerun" not in other_out, (other_out, other_err)
-    assert "crashed while running 'test_other.py::test_crashes_once'" in other_out + other_err
+
+
+def test_xdist_hands_out_files_whole_but_the_named_tests_case_by_case():
+    """conftest.xdist_unit, the unit of pytest.ini's --dist loadfile: a test's file, but a case
+    of a test in CASE_UNITS on its own; each test CASE_UNITS names is one of its file's (a
+    renamed one would silently go back to its file's worker)."""
+    assert conftest.xdist_unit("test_model.py::test_loss[3]") == "test_model.py"
+    for name in conftest.CASE_UNITS:
+        assert conftest.xdist_unit(f"{name}[a-b]") == f"{name}[a-b]"
+        assert conftest.xdist_unit(f"{name}x[a-b]") == name.split("::")[0]
+        file, test = name.split("::")
+        with open(os.path.join(HERE, file)) as f:
+            assert f"\ndef {test}(" in f.read(), name
 
 
 def test_the_deeper_profiles_scale_the_watchdog(request):

@@ -900,12 +900,12 @@ CANONICAL_CASES = [
     pytest.param("token", "nesterov", 4, 3, False, id="token-nesterov-L4", marks=pytest.mark.slow),
     pytest.param("conv", "adamw", 8, 1, True, id="conv-adamw-L8-every-n", marks=pytest.mark.slow),
     pytest.param("token", "chaotic", 8, 2, True, id="token-chaotic-L8-every-n", marks=pytest.mark.slow),
-    pytest.param("relu", "adamw", 8, 2, True, id="relu-adamw-L8-every-n", marks=pytest.mark.slow),
+    pytest.param("relu", "adamw", 8, 2, False, id="relu-adamw-L8", marks=pytest.mark.slow),
     pytest.param("conv", "chaotic", 4, 2, False, id="conv-chaotic-L4", marks=pytest.mark.slow),
     pytest.param("relu", "nesterov", 8, 1, False, id="relu-nesterov-L8", marks=pytest.mark.slow),
     pytest.param("token", "chaotic-adam", 4, 2, False, id="token-chaotic-adam-L4", marks=pytest.mark.slow),
     pytest.param("relu", "sgd", 24, 1, True, id="relu-sgd-L24-every-n", marks=pytest.mark.slow),
-    pytest.param("conv", "sgd", 8, 2, True, id="conv-sgd-L8-every-n", marks=pytest.mark.slow),
+    pytest.param("conv", "sgd", 8, 2, False, id="conv-sgd-L8", marks=pytest.mark.slow),
     pytest.param("token", "adamw", 24, 1, False, id="token-adamw-L24", marks=pytest.mark.slow),
 ]
 
@@ -916,7 +916,8 @@ def test_canonical_reduction_is_the_same_bits_on_every_topology(devices, canonic
     """Params, optimizer state and losses, as bytes (NaN payloads included), through every
     strategy at n = L, at an n < L (dividing L or not), and on one device adding the L blocks
     as microbatches (single); the extended tier: every n from 1 to 8 (3, 5, 6 and 7
-    included; every strategy at 3), at L = 8 and 24; attention at L = 24 on 2 devices."""
+    included; every strategy at 3) once a model (conv and attention at L = 8, the ReLU MLP at
+    24), the other cases at n = L and 2; attention at L = 24 on 2 devices."""
     runs = {key: canonical_run(devices, *key, kind=kind, rule=canonical_rules[rule], L=L, b=b)
             for key in topologies(L, len(devices), every)}
     assert not differences(runs), differences(runs)[:3]
