@@ -1102,6 +1102,7 @@ def at_exit():
 weakref.finalize(sentinel, at_exit)
 
 import loaders
+loaders.CHUNK_STEPS = 1  # a chunk a step: each worker has more to prepare after its first
 devices, cache = jax.devices(), tempfile.mkdtemp()
 rng = np.random.default_rng(0)
 data = (rng.integers(0, 256, (40, 3, 32, 32)).astype(np.uint8), rng.integers(0, 10, 40).astype(np.int32))
