@@ -327,8 +327,8 @@ def _steps(loader: Loader, fresh: bool, plan: Plan, first: int, stop: int) -> li
     device's local indices into its resident shard (on GATHER_ONCE_PLATFORMS, for more than one step, the epoch's rows
     gathered by them at once, ``_epoch_rows``; a single step, as ``Loader.batch`` makes, gathers its own rows), or for
     a resized segment (not ``fresh``: its samples may lie in any shard) rows ``first .. stop - 1`` from the host. Per
-    chunk: in "host", preparing is one gather and one transfer; making is one ``_step_program`` dispatch, no host
-    sync."""
+    chunk: in "host", preparing is one gather and one transfer; making is one ``_step_program`` dispatch (one a step
+    off CHUNK_PROGRAM_PLATFORMS), no host sync."""
     if first >= stop:
         return []
     n, names = loader.num_devices, tuple(loader.arrays)
