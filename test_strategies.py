@@ -717,6 +717,22 @@ def test_stack_losses_stacks_any_pytree(devices):
         strategies.stack_losses([sharded])
 
 
+def test_stack_losses_starts_every_copy_before_it_waits(devices, monkeypatch):
+    """stack_losses fetches all values in one jax.device_get (each copy started before any is waited for), not one
+    blocking fetch per value; and _train hands it pmap's first replicas, so its losses need no program per step."""
+    values = [jax.device_put(np.float32(t), devices[0]) for t in range(5)]
+    calls, fetch = [], jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda tree: calls.append(len(jax.tree.leaves(tree))) or fetch(tree))
+    assert_same_bits(strategies.stack_losses(values), np.arange(5, dtype=np.float32), "the losses")
+    assert calls == [5], calls
+    mesh, calls[:] = loaders.data_mesh(devices[:2]), []
+    batches = [{"x": np.full((2, 1, 1), t, np.float32), "mask": np.ones((2, 1), bool)} for t in range(3)]
+    terms = lambda p, b: (jnp.sum(b["mask"] * (b["x"][..., 0] * p["w"]) ** 2), jnp.sum(b["mask"]).astype(jnp.float32))
+    got = strategies.pmap({"w": np.float32(1)}, batches, mesh, loss_terms=terms, optimizer=strategies.sgd(0.0)).losses
+    assert calls[0] == 3, calls  # the 3 losses in one fetch
+    assert_same_bits(got, np.float32([0, 1, 4]), "pmap's losses, the first replica's")
+
+
 # --------------------------------------------------------------------------
 # Issue 30.7: check_dtypes refuses a NumPy 64-bit scalar leaf (np.float64 is a Python float)
 # --------------------------------------------------------------------------
