@@ -58,6 +58,7 @@ no test file imports another.
 """
 
 import collections
+import contextlib
 import functools
 import os
 import resource
@@ -77,19 +78,56 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # the same steps; a quarter of the suite's CPU time on 2 cores). It starts empty and is
 # removed at the end (pytest_unconfigure), so every run is timed cold; a JAX cache the user
 # configured (JAX_COMPILATION_CACHE_DIR) is used as it is instead. A hit returns the
-# executable that the same program, options, backend and JAX version compiled to: the bits
-# the tests check are those of a fresh compilation.
-_OWN_XLA_CACHE = None
+# executable that the same program, options, backend and JAX version compiled to (for a
+# single-device program, on another device: below): the bits the tests check are those of a
+# fresh compilation.
+_OWN_XLA_CACHE = None  # the folder, in the process that made it
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     _OWN_XLA_CACHE = tempfile.mkdtemp(prefix="refimpl-tests-xla-cache-")
     os.environ.update(JAX_COMPILATION_CACHE_DIR=_OWN_XLA_CACHE,
                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",  # JAX's defaults skip
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # the small programs
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",  # the small programs
+                      REFIMPL_TESTS_XLA_CACHE=_OWN_XLA_CACHE)  # the workers' word that it is the suite's
 
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# In that cache, a single-device program compiles once for every device, not once per device.
+# JAX keys an executable by the devices it runs on as well; on GPUs it leaves them out of the key
+# (jax/_src/cache_key.py, ``get``: strip_device_assignment) and loads the executable onto the
+# devices asked for, on CPUs it does not: the canonical step's programs (a block's, the update:
+# strategies.block_program) compiled once per device. XLA compiles a single-device program to the
+# same code whatever its device (test_the_canonical_programs_compile_alike_on_every_topology holds
+# that, compiling on each device: ``compiled_on_each_device``). So here a single-device program's
+# key leaves its device out, as JAX's does on GPUs: the first device compiles, every other loads
+# that executable. Those keys are apart from the ones that name a device, which hold that device's
+# own compilation. This process and its xdist workers only: a child process, and a cache the user
+# configured (above), key as JAX does.
+_SHARED_ACROSS_DEVICES = [False]
+
+
+def _key_without_a_single_device():
+    try:
+        from jax._src import cache_key
+        keyed = cache_key._hash_serialized_compile_options
+    except (ImportError, AttributeError):  # another JAX: every device compiles its own
+        return
+
+    def hashed(hash_obj, options, strip_device_assignment=False):
+        devices = options.device_assignment
+        if (_SHARED_ACROSS_DEVICES[0] and devices is not None
+                and devices.replica_count() * devices.computation_count() == 1):
+            hash_obj.update(b"one executable for every device")  # apart from the keys naming a device
+            strip_device_assignment = True
+        return keyed(hash_obj, options, strip_device_assignment=strip_device_assignment)
+    cache_key._hash_serialized_compile_options = hashed
+    _SHARED_ACROSS_DEVICES[0] = True
+
+
+if os.environ.get("REFIMPL_TESTS_XLA_CACHE") == os.environ["JAX_COMPILATION_CACHE_DIR"]:
+    _key_without_a_single_device()
 
 import jax.numpy as jnp
 import numpy as np
@@ -150,12 +188,25 @@ def child_env(**extra: str) -> dict:
     return env
 
 
+@contextlib.contextmanager
+def compiled_on_each_device():
+    """Inside: a single-device program compiles anew on each device, its key naming the device, as
+    JAX keys it (the suite's own cache otherwise loads the first device's executable on every
+    other). What a test compiles here must be a program new to this process (JAX keeps the
+    executables it made in memory too)."""
+    shared = _SHARED_ACROSS_DEVICES[0]
+    _SHARED_ACROSS_DEVICES[0] = False
+    try:
+        yield
+    finally:
+        _SHARED_ACROSS_DEVICES[0] = shared
+
+
 def run_refimpl(argv) -> "types.SimpleNamespace":
     """``refimpl.main(argv)`` in this process, on CPU devices as the device policy says
     (``--platform cpu`` unless argv names a platform), never on JAX's default platform (an
     accelerator, on a host that has one). Returns its exit status (argparse's too), stdout
     and stderr. Every in-process run goes through here (test_harness.py holds it)."""
-    import contextlib
     import io
     import types
     import refimpl

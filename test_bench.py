@@ -121,16 +121,18 @@ def test_the_memory_figures_analyse_the_programs_the_steps_ran(devices, monkeypa
     after one plain and one canonical step (the smoke MLP, L = 3 and 4 on 2 devices, n dividing L
     or not; also with a TPU's loop schedule), measuring compiles nothing. The control: Compiles
     hears a new program. The default tier holds this guarantee at L = 3 without the loop (the
-    rest is the extended tier's)."""
+    rest is the extended tier's). The steps train a loss_terms of this test's own (bench.anew):
+    every program and door the steps fetch is made here, whatever ran before in this process."""
     monkeypatch.setattr(strategies, "LOOP_PLATFORMS", ("cpu",) if loop else ())
     mesh = loaders.data_mesh(devices[:2])
-    start, batch, steps = bench.reduction_case("mlp", 12, shards, mesh, smoke=True)
+    start, batch, _ = bench.reduction_case("mlp", 12, shards, mesh, smoke=True)
+    loss_terms = bench.anew(bench.MODELS["mlp"][1])
     compiles = bench.Compiles()
-    for name, step in steps.items():
+    for name, step in bench.reduction_steps(loss_terms, mesh, shards).items():
         state = strategies.replicate(start, mesh)
         jax.block_until_ready(step(state, batch))
         mark = len(compiles.heard)
-        make = lambda: bench.reduction_steps(bench.MODELS["mlp"][1], mesh, shards, uncached=True)[name]
+        make = lambda: bench.reduction_steps(loss_terms, mesh, shards, uncached=True)[name]
         assert bench.step_memory(make, state, batch) > 0
         assert compiles.heard[mark:] == [], (name, compiles.heard[mark:])
     mark = len(compiles.heard)

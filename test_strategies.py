@@ -41,8 +41,8 @@ import equivalence
 import loaders
 import model
 import strategies
-from conftest import (B, CLASSES, FEATURES, SMALL_LAYERS, assert_same_bits, bits_differ, examples, host_batches,
-                      linear_init, linear_loss_terms, place, train)
+from conftest import (B, CLASSES, FEATURES, SMALL_LAYERS, assert_same_bits, bits_differ, compiled_on_each_device,
+                      examples, host_batches, linear_init, linear_loss_terms, place, train)
 
 
 def batch(mask_shape, images_tail=(3, 4, 4)):
@@ -980,7 +980,9 @@ def first_instruction_apart(a: str, b: str) -> str | None:
 @pytest.mark.slow
 def test_the_canonical_programs_compile_alike_on_every_topology(devices, canonical_rules):
     """Statically: on two devices (the programs are single-device and take no n), the block
-    program (one block of b rows) and the update program compile to the same optimized HLO;
+    program (one block of b rows) and the update program compile to the same optimized HLO,
+    each compiled anew on each device (conftest.compiled_on_each_device: elsewhere the suite's
+    own cache loads one device's executable on every other, which this test shows safe);
     on meshes of 1, 2 and 4 devices (k = 8, 4 and 2 blocks a device) the sum program adds no
     floats: its float operations are exact ones (multiplies by powers of two, roundings to
     integers, subtractions of an integer's own bits) beside moves, |x| and the max; its sums
@@ -993,15 +995,18 @@ def test_the_canonical_programs_compile_alike_on_every_topology(devices, canonic
     L, b = 8, 2
     rule = canonical_rules["adamw"]
     rows = {k: v[:b] for k, v in data.items()} | {"mask": np.ones(b, bool), "index": np.arange(b, dtype=np.int32)}
-    block, update = strategies.block_program(loss_terms), strategies.update_program(rule.update)
+    # programs new to this process (functions of their own), so that each device compiles its own
+    block = strategies.block_program(lambda p, batch: loss_terms(p, batch))
+    update = strategies.update_program(lambda g, s, p=None: rule.update(g, s, p))
     sums = jax.eval_shape(block, params, rows)
     texts = {}
-    for d in devices[:2]:
-        on_d = lambda tree: jax.device_put(tree, d)
-        texts[d.id, "block"] = compiled_text(block, on_d(params), on_d(rows))
-        state = on_d((params, rule.init(params)))
-        folded = on_d(jax.tree.map(lambda s: np.zeros(s.shape[1:], s.dtype), sums))
-        texts[d.id, "update"] = compiled_text(update, state, *folded)
+    with compiled_on_each_device():
+        for d in devices[:2]:
+            on_d = lambda tree: jax.device_put(tree, d)
+            texts[d.id, "block"] = compiled_text(block, on_d(params), on_d(rows))
+            state = on_d((params, rule.init(params)))
+            folded = on_d(jax.tree.map(lambda s: np.zeros(s.shape[1:], s.dtype), sums))
+            texts[d.id, "update"] = compiled_text(update, state, *folded)
     for n in [n for n in (1, 2, 4) if n <= len(devices)]:
         mesh = loaders.data_mesh(devices[:n])
         half = {"half": jax.ShapeDtypeStruct((1, 300), jnp.bfloat16)}
