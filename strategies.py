@@ -784,6 +784,7 @@ LIMB_BITS = 20  # w: bits per limb below the top one
 LIMBS = 3  # K: int32 limbs per entry, value bits 0..59
 GRID_BITS = 59  # p: the grid's step is 2**(E - p), 2**E the least power of two above the leaf's largest |entry|
 MAX_BLOCKS = 2047  # the largest L: each limb's sum over L blocks, and its carry, stay inside int32
+PIECE = 1 << 19  # the most entries of a leaf whose limbs are made, moved and rounded at once
 GROUP = 32  # the most slices of a device's blocks read side by side in one pass (beyond, a slice holds several)
 # Leaf dtypes the sum rounds to: (significand bits stored, exponent bias, exponent bits)
 FORMATS = {np.dtype(np.float32): (23, 127, 8), np.dtype(jnp.bfloat16): (7, 127, 8), np.dtype(np.float16): (10, 15, 5)}
@@ -815,10 +816,14 @@ def exact_sum(blocks, axis: str | None = None):
     over the blocks finds it and whether a NaN or an infinity is there; a second finds the finite M, only in a step that
     has one. Each device reads its blocks in place (up to GROUP slices side by side) and, entry by entry, adds their
     limbs; it carries (arithmetic shifts) and rounds 1/n of the entries, by integer operations alone (no float sum of
-    limbs, which would round more than once); ``sum_program`` says what moves. One scale per leaf, not per entry: an
-    entry-wise max would be an all-reduce of a whole gradient, a per-leaf one is a scalar. K = 3 limbs move 3x a float32
-    all-reduce's bytes; a fourth would give p = 55 at 4x. The non-finite entries go by a side channel, counted and moved
-    only in a step that has one. Leaves: float32, bfloat16, float16 (FORMATS); ValueError for another dtype."""
+    limbs, which would round more than once); ``sum_program`` says what moves. A leaf goes a piece of at most PIECE
+    entries at a time (limbs made, moved, rounded), each piece's limbs made only once the last piece is rounded
+    (``_after``): else XLA makes every piece's limbs first, and on CPUs a buffer that large (12 bytes an entry) is
+    mapped anew, page by page, every call (on 8 CPU devices at L = 8n, 330 MiB of page faults a call; the sum took
+    1.7x as long). One scale per leaf, not per entry: an entry-wise max would be an all-reduce of a whole gradient, a
+    per-leaf one is a scalar. K = 3 limbs move 3x a float32 all-reduce's bytes; a fourth would give p = 55 at 4x. The
+    non-finite entries go by a side channel, counted and moved only in a step that has one. Leaves: float32, bfloat16,
+    float16 (FORMATS); ValueError for another dtype."""
     leaves, tree = jax.tree.flatten(blocks)
     for x in leaves:
         if np.dtype(x.dtype) not in FORMATS:
@@ -831,25 +836,32 @@ def exact_sum(blocks, axis: str | None = None):
     moved = axis is not None and leaves and leaves[0].shape[0] == 1
     scatter = (lambda x: x) if axis is None or moved else (
         lambda x: lax.psum_scatter(padded(x, 0), axis, scatter_dimension=0, tiled=True))
-    rows = []  # per leaf: at most GROUP slices (G, entries) of its blocks, each a block where it lies if G = 1
-    for x in leaves:
-        if moved:  # each device gets every block's own 1/n of the entries: (n*k, width/n)
-            x = lax.all_to_all(padded(x.astype(jnp.float32).reshape(x.shape[0], -1), 1), axis, 1, 0, tiled=True)
+    def sliced(x):  # at most GROUP slices (G, entries) of blocks (k, ...), each a block where it lies if G = 1
         G = -(-x.shape[0] // GROUP)
         x = jnp.pad(x, [(0, -x.shape[0] % G)] + [(0, 0)] * (x.ndim - 1))  # zero blocks add nothing
-        rows.append([x[i:i + G].astype(jnp.float32).reshape(G, -1) for i in range(0, x.shape[0], G)])
+        return [x[i:i + G].astype(jnp.float32).reshape(G, -1) for i in range(0, x.shape[0], G)]
+    rows, lying = [], []  # per leaf: its slices; and the buffers they lie in, a cond's operands (a slice would be
+    for x in leaves:      # copied to go in): the slices, or the one array the floats moved into
+        if moved:  # each device gets every block's own 1/n of the entries: (n*k, width/n)
+            x = lax.all_to_all(padded(x.astype(jnp.float32).reshape(x.shape[0], -1), 1), axis, 1, 0, tiled=True)
+        rows.append(sliced(x))
+        lying.append([x] if moved else rows[-1])
+    unpacked = lambda blocks: [sliced(b[0]) if moved else b for b in blocks]  # lying -> rows, inside a cond
     magnitude = lambda x: lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF  # ordered as |x|; NaN, Inf: >= _INF
-    largest = lambda keep: jnp.stack([jnp.max(functools.reduce(jnp.maximum, (keep(magnitude(x)) for x in r)),
-                                              initial=0) for r in rows])
+    largest = lambda keep, rows: jnp.stack([jnp.max(functools.reduce(jnp.maximum, (keep(magnitude(x)) for x in r)),
+                                                    initial=0) for r in rows])
     every = (lambda m: m) if axis is None else (lambda m: lax.pmax(m, axis))
-    top = every(largest(lambda m: m))
+    top = every(largest(lambda m: m, rows))
     specials = jnp.any(top >= _INF)
-    E = _grid_exponent(lax.cond(specials, lambda: every(largest(lambda m: jnp.where(m < _INF, m, 0))), lambda: top))
+    E = _grid_exponent(lax.cond(specials, lambda blocks: every(largest(lambda m: jnp.where(m < _INF, m, 0),
+                                                                       unpacked(blocks))), lambda blocks: top, lying))
+    step = 1 if axis is None or moved else n  # a piece's entries: a multiple of what the reduce-scatter splits
 
-    def rounded(limbs, r, E, man: int, bias: int, ebits: int, special: bool):
+    def rounded(limbs, r, E, a: int, b: int, man: int, bias: int, ebits: int, special: bool):
         bits = _from_limbs([limbs[:, j] for j in range(LIMBS)], E, man, bias, ebits)
         if not special:
             return bits
+        r = [x[:, a:b] for x in unpacked([r])[0]]
         count = lambda found: jnp.sum(sum(found(x).astype(jnp.int32) for x in r), 0, dtype=jnp.int32)
         # per entry, over every block and device: NaNs, and +Inf + 2**16 * -Inf
         nan, inf = scatter(jnp.stack([count(jnp.isnan), count(lambda x: x == np.inf) + (
@@ -857,18 +869,35 @@ def exact_sum(blocks, axis: str | None = None):
         pos, neg, top = (inf & 0xFFFF) > 0, (inf >> 16) > 0, ((1 << ebits) - 1) << man
         bits = jnp.where(pos, top, jnp.where(neg, top | _bit(ebits + man), bits))
         return jnp.where((nan > 0) | (pos & neg), top | (1 << (man - 1)), bits)
-    out = []
-    for i, (leaf, r) in enumerate(zip(leaves, rows)):
-        limbs = scatter(jnp.sum(sum(_to_limbs(x, E[i]) for x in r), 0, dtype=jnp.int32))  # (entries, K)
+    out, last = [], None
+    for i, (leaf, r, whole) in enumerate(zip(leaves, rows, lying)):
         man, bias, ebits = FORMATS[np.dtype(leaf.dtype)]
-        # limbs go in whole (a cond's operand): fused into the rounding, XLA would make each block's limbs again
-        bits = lax.cond(specials, *(functools.partial(rounded, man=man, bias=bias, ebits=ebits, special=special)
-                                    for special in (True, False)), limbs, r, E[i])
-        bits = bits if ebits + man == 31 else bits.astype(jnp.uint16)  # 16-bit formats: bits in [0, 2**16)
-        value = lax.bitcast_convert_type(bits, leaf.dtype)
-        value = value if axis is None else lax.all_gather(value, axis, tiled=True)
+        width = r[0].shape[1]
+        pieces = 1 if moved else -(-width // PIECE)  # moved: each device's entries are 1/n of the leaf's
+        size = -(-width // (pieces * step)) * step
+        values = []
+        for a in range(0, width, size):  # a leaf's limbs a piece at a time: each piece's die before the next's
+            b = a + size
+            e = E[i] if last is None else _after(E[i], last)
+            limbs = scatter(jnp.sum(sum(_to_limbs(x[:, a:b], e) for x in r), 0, dtype=jnp.int32))  # (entries, K)
+            # limbs go in whole (a cond's operand): fused into the rounding, XLA would make each block's limbs again
+            bits = lax.cond(specials, *(functools.partial(rounded, a=a, b=b, man=man, bias=bias, ebits=ebits,
+                                                          special=special) for special in (True, False)),
+                            limbs, whole, e)
+            last = bits
+            bits = bits if ebits + man == 31 else bits.astype(jnp.uint16)  # 16-bit formats: bits in [0, 2**16)
+            value = lax.bitcast_convert_type(bits, leaf.dtype)
+            values.append(value if axis is None else lax.all_gather(value, axis, tiled=True))
+        value = values[0] if len(values) == 1 else jnp.concatenate(values)
         out.append(value[:int(np.prod(leaf.shape[1:]))].reshape(leaf.shape[1:]))
     return jax.tree.unflatten(tree, out)
+
+
+def _after(E, done):
+    """E, an int32 grid exponent (>= -125), read only once ``done`` (int32, at least one entry) is: max(E, min(done's
+    first entry, -1000)) is E, a fact XLA does not see. So it cannot convert a piece before the last piece is rounded,
+    and the pieces' limbs take turns in one buffer."""
+    return jnp.maximum(E, jnp.minimum(done.reshape(-1)[0], -1000))
 
 
 def _bit(n: int):
