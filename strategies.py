@@ -784,7 +784,7 @@ LIMB_BITS = 20  # w: bits per limb below the top one
 LIMBS = 3  # K: int32 limbs per entry, value bits 0..59
 GRID_BITS = 59  # p: the grid's step is 2**(E - p), 2**E the least power of two above the leaf's largest |entry|
 MAX_BLOCKS = 2047  # the largest L: each limb's sum over L blocks, and its carry, stay inside int32
-PIECE = 1 << 19  # the most entries of a leaf whose limbs are made, moved and rounded at once
+PIECE = 1 << 20  # the most entries of a leaf whose limbs are made, moved and rounded at once
 GROUP = 32  # the most slices of a device's blocks read side by side in one pass (beyond, a slice holds several)
 # Leaf dtypes the sum rounds to: (significand bits stored, exponent bias, exponent bits)
 FORMATS = {np.dtype(np.float32): (23, 127, 8), np.dtype(jnp.bfloat16): (7, 127, 8), np.dtype(np.float16): (10, 15, 5)}
