@@ -792,6 +792,7 @@ LIMB_BITS = 20  # w: bits per limb below the top one
 LIMBS = 3  # K: int32 limbs per entry, value bits 0..59
 GRID_BITS = 59  # p: the grid's step is 2**(E - p), 2**E the least power of two above the leaf's largest |entry|
 MAX_BLOCKS = 2047  # the largest L: each limb's sum over L blocks, and its carry, stay inside int32
+PIECE = 1 << 20  # the most entries of a leaf whose limbs are made, moved and rounded at once
 GROUP = 32  # the most slices of a device's blocks read side by side in one pass (beyond, a slice holds several)
 # Leaf dtypes the sum rounds to: (significand bits stored, exponent bias, exponent bits)
 FORMATS = {np.dtype(np.float32): (23, 127, 8), np.dtype(jnp.bfloat16): (7, 127, 8), np.dtype(np.float16): (10, 15, 5)}
@@ -823,10 +824,15 @@ def exact_sum(blocks, axis: str | None = None):
     over the blocks finds it and whether a NaN or an infinity is there; a second finds the finite M, only in a step that
     has one. Each device reads its blocks in place (up to GROUP slices side by side) and, entry by entry, adds their
     limbs; it carries (arithmetic shifts) and rounds 1/n of the entries, by integer operations alone (no float sum of
-    limbs, which would round more than once); ``sum_program`` says what moves. One scale per leaf, not per entry: an
-    entry-wise max would be an all-reduce of a whole gradient, a per-leaf one is a scalar. K = 3 limbs move 3x a float32
-    all-reduce's bytes; a fourth would give p = 55 at 4x. The non-finite entries go by a side channel, counted and moved
-    only in a step that has one. Leaves: float32, bfloat16, float16 (FORMATS); ValueError for another dtype."""
+    limbs, which would round more than once); ``sum_program`` says what moves. A leaf goes a piece of at most PIECE
+    entries at a time (scaled, moved, made into limbs, rounded), each piece scaled only once the last piece is rounded
+    (``_after``): else XLA makes every piece's limbs first, and on CPUs a buffer that large (12 bytes an entry) is
+    mapped anew, page by page, every call (on 8 CPU devices at L = 8n, 330 MiB of page faults a call; the sum took
+    1.7x as long; at L = n a whole leaf's moved floats held a device at 1.5x a plain step's memory). One scale per
+    leaf, not per entry: an entry-wise max would be an all-reduce of a whole gradient, a per-leaf one is a scalar.
+    K = 3 limbs move 3x a float32 all-reduce's bytes; a fourth would give p = 55 at 4x. The non-finite entries go by a
+    side channel, counted and moved only in a step that has one. Leaves: float32, bfloat16, float16 (FORMATS);
+    ValueError for another dtype."""
     leaves, tree = jax.tree.flatten(blocks)
     for x in leaves:
         if np.dtype(x.dtype) not in FORMATS:
@@ -839,25 +845,26 @@ def exact_sum(blocks, axis: str | None = None):
     moved = axis is not None and leaves and leaves[0].shape[0] == 1
     scatter = (lambda x: x) if axis is None or moved else (
         lambda x: lax.psum_scatter(padded(x, 0), axis, scatter_dimension=0, tiled=True))
-    rows = []  # per leaf: at most GROUP slices (G, entries) of its blocks, each a block where it lies if G = 1
-    for x in leaves:
-        if moved:  # each device gets every block's own 1/n of the entries: (n*k, width/n)
-            x = lax.all_to_all(padded(x.astype(jnp.float32).reshape(x.shape[0], -1), 1), axis, 1, 0, tiled=True)
+
+    def sliced(x):  # at most GROUP slices (G, entries) of blocks (k, ...), each a block where it lies if G = 1
         G = -(-x.shape[0] // GROUP)
         x = jnp.pad(x, [(0, -x.shape[0] % G)] + [(0, 0)] * (x.ndim - 1))  # zero blocks add nothing
-        rows.append([x[i:i + G].astype(jnp.float32).reshape(G, -1) for i in range(0, x.shape[0], G)])
+        return [x[i:i + G].astype(jnp.float32).reshape(G, -1) for i in range(0, x.shape[0], G)]
+    rows = [sliced(x) for x in leaves]  # per leaf, this device's blocks where they lie (a cond's operands as they are)
     magnitude = lambda x: lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF  # ordered as |x|; NaN, Inf: >= _INF
-    largest = lambda keep: jnp.stack([jnp.max(functools.reduce(jnp.maximum, (keep(magnitude(x)) for x in r)),
-                                              initial=0) for r in rows])
+    largest = lambda keep, rows: jnp.stack([jnp.max(functools.reduce(jnp.maximum, (keep(magnitude(x)) for x in r)),
+                                                    initial=0) for r in rows])
     every = (lambda m: m) if axis is None else (lambda m: lax.pmax(m, axis))
-    top = every(largest(lambda m: m))
+    top = every(largest(lambda m: m, rows))
     specials = jnp.any(top >= _INF)
-    E = _grid_exponent(lax.cond(specials, lambda: every(largest(lambda m: jnp.where(m < _INF, m, 0))), lambda: top))
+    E = _grid_exponent(lax.cond(specials, lambda rows: every(largest(lambda m: jnp.where(m < _INF, m, 0), rows)),
+                                lambda rows: top, rows))
 
-    def rounded(limbs, r, E, man: int, bias: int, ebits: int, special: bool):
+    def rounded(limbs, r, E, a: int, b: int, man: int, bias: int, ebits: int, special: bool):
         bits = _from_limbs([limbs[:, j] for j in range(LIMBS)], E, man, bias, ebits)
         if not special:
             return bits
+        r = sliced(r[0]) if moved else [x[:, a:b] for x in r]  # scaled or not, a NaN and an infinity stay so
         count = lambda found: jnp.sum(sum(found(x).astype(jnp.int32) for x in r), 0, dtype=jnp.int32)
         # per entry, over every block and device: NaNs, and +Inf + 2**16 * -Inf
         nan, inf = scatter(jnp.stack([count(jnp.isnan), count(lambda x: x == np.inf) + (
@@ -865,18 +872,40 @@ def exact_sum(blocks, axis: str | None = None):
         pos, neg, top = (inf & 0xFFFF) > 0, (inf >> 16) > 0, ((1 << ebits) - 1) << man
         bits = jnp.where(pos, top, jnp.where(neg, top | _bit(ebits + man), bits))
         return jnp.where((nan > 0) | (pos & neg), top | (1 << (man - 1)), bits)
-    out = []
+    out, last = [], None
     for i, (leaf, r) in enumerate(zip(leaves, rows)):
-        limbs = scatter(jnp.sum(sum(_to_limbs(x, E[i]) for x in r), 0, dtype=jnp.int32))  # (entries, K)
         man, bias, ebits = FORMATS[np.dtype(leaf.dtype)]
-        # limbs go in whole (a cond's operand): fused into the rounding, XLA would make each block's limbs again
-        bits = lax.cond(specials, *(functools.partial(rounded, man=man, bias=bias, ebits=ebits, special=special)
-                                    for special in (True, False)), limbs, r, E[i])
-        bits = bits if ebits + man == 31 else bits.astype(jnp.uint16)  # 16-bit formats: bits in [0, 2**16)
-        value = lax.bitcast_convert_type(bits, leaf.dtype)
-        value = value if axis is None else lax.all_gather(value, axis, tiled=True)
+        width = r[0].shape[1]
+        step = 1 if axis is None else n  # a piece's entries: a multiple of what the collective splits
+        size = -(-width // (-(-width // PIECE) * step)) * step
+        values = []
+        for a in range(0, width, size):  # a leaf a piece at a time: each piece's buffers die before the next's
+            b = a + size
+            e = E[i] if last is None else _after(E[i], last)
+            if moved:  # each device gets every block's own 1/n of the piece's entries, scaled: (n*k, size/n)
+                z = lax.all_to_all(padded(_scaled(r[0][:, a:b], e), 1), axis, 1, 0, tiled=True)
+                parts, blocks = sliced(z), [z]
+            else:
+                parts, blocks = [_scaled(x[:, a:b], e) for x in r], r
+            limbs = scatter(jnp.sum(sum(_to_limbs(z) for z in parts), 0, dtype=jnp.int32))  # (entries, K)
+            # limbs go in whole (a cond's operand): fused into the rounding, XLA would make each block's limbs again
+            bits = lax.cond(specials, *(functools.partial(rounded, a=a, b=b, man=man, bias=bias, ebits=ebits,
+                                                          special=special) for special in (True, False)),
+                            limbs, blocks, e)
+            last = bits
+            bits = bits if ebits + man == 31 else bits.astype(jnp.uint16)  # 16-bit formats: bits in [0, 2**16)
+            value = lax.bitcast_convert_type(bits, leaf.dtype)
+            values.append(value if axis is None else lax.all_gather(value, axis, tiled=True))
+        value = values[0] if len(values) == 1 else jnp.concatenate(values)
         out.append(value[:int(np.prod(leaf.shape[1:]))].reshape(leaf.shape[1:]))
     return jax.tree.unflatten(tree, out)
+
+
+def _after(E, done):
+    """E, an int32 grid exponent (>= -125), read only once ``done`` (int32, at least one entry) is: max(E, min(done's
+    first entry, -1000)) is E, a fact XLA does not see. So it cannot convert a piece before the last piece is rounded,
+    and the pieces' limbs take turns in one buffer."""
+    return jnp.maximum(E, jnp.minimum(done.reshape(-1)[0], -1000))
 
 
 def _bit(n: int):
@@ -897,16 +926,23 @@ def _grid_exponent(bits):
     return jnp.maximum(lax.shift_right_logical(bits, 23), 1) - 126
 
 
-def _to_limbs(x, E):
-    """float32 x (..., m), finite, |x| < 2**E, subnormals read as 0 -> int32 (..., m, K) [low, mid, top]: v = round(x /
-    2**(E - GRID_BITS)), half to even, = top * 2**40 + mid * 2**20 + low, each limb rounded to nearest (|limb| <=
-    2**19): with z = x * 2**(19 - E) (two powers of two, each within float32's range), top = round(z), mid = round((z -
-    top) * 2**20), low = round(((z - top) * 2**20 - mid) * 2**20). Every float operation is exact (products by powers
-    of two; differences that leave a number's own low bits), and as top * 2**40 and mid * 2**20 are even, rounding the
-    rest half to even rounds v so. The limbs' axis is last, so one pass over the blocks reads each entry once."""
-    x = jnp.where(jnp.abs(x) >= np.float32(2.0 ** -126), x, 0)
+def _scaled(x, E):
+    """float32 x, |x| < 2**E where finite -> z = x * 2**(19 - E), exact, by two powers of two, each within float32's
+    range (a product that would land below 2**-126 is one far under the grid's step, 0 to it whether or not the
+    backend flushes it); subnormal x read as 0, a NaN or an infinity stays one. ``_to_limbs`` takes z."""
+    x = jnp.where(jnp.abs(x) < np.float32(2.0 ** -126), 0, x)
     d = GRID_BITS - 2 * LIMB_BITS - E
-    z = jnp.broadcast_to((x * _power_of_two(d // 2) * _power_of_two(d - d // 2))[..., None], x.shape + (LIMBS,))
+    return x * _power_of_two(d // 2) * _power_of_two(d - d // 2)
+
+
+def _to_limbs(z):
+    """z = ``_scaled`` x (..., m), finite -> int32 (..., m, K) [low, mid, top]: v = round(x / 2**(E - GRID_BITS)),
+    half to even, = top * 2**40 + mid * 2**20 + low, each limb rounded to nearest (|limb| <= 2**19): top = round(z),
+    mid = round((z - top) * 2**20), low = round(((z - top) * 2**20 - mid) * 2**20). Every float operation is exact
+    (products by powers of two; differences that leave a number's own low bits), and as top * 2**40 and mid * 2**20
+    are even, rounding the rest half to even rounds v so. The limbs' axis is last, so one pass over the blocks reads
+    each entry once."""
+    z = jnp.broadcast_to(z[..., None], z.shape + (LIMBS,))
     nearest = functools.partial(lax.round, rounding_method=lax.RoundingMethod.TO_NEAREST_EVEN)
     top = nearest(z)
     rest = (z - top) * np.float32(2.0 ** LIMB_BITS)
@@ -961,10 +997,11 @@ def _from_limbs(S, E, man: int, bias: int, ebits: int):
 def sum_program(mesh: Mesh, per_device: int) -> Callable:
     """jit(shard_map) on ``mesh``: ``rounds``, pytrees whose leaves are sharded on 'data' -> ``exact_sum`` over the
     L = n*k blocks, k = ``per_device``, replicated. Device d's entries of the rounds are its k blocks (k rounds of one
-    block each, or one round of k). What moves: one pmax of per-leaf scalars; at k = 1 the blocks' float32 entries
-    by one all_to_all (each device then converts and adds every block's 1/n of the entries), else K int32 limbs per
-    entry by one reduce-scatter (in a step with a NaN or an infinity, another pmax, and two int32 counts per entry by
-    another reduce-scatter); then one all_gather of the results. At k = 1 that is a float32 all-reduce's bytes."""
+    block each, or one round of k). What moves: one pmax of per-leaf scalars; then a piece of at most PIECE entries of
+    a leaf at a time: at k = 1 the blocks' float32 entries, scaled to the grid (``_scaled``), by an all_to_all (each
+    device then converts and adds every block's 1/n of the piece's entries), else K int32 limbs per entry by a
+    reduce-scatter (in a step with a NaN or an infinity, another pmax, and two int32 counts per entry by another
+    reduce-scatter); then an all_gather of the piece's results. At k = 1 that is a float32 all-reduce's bytes."""
     def run(rounds):  # exact_sum's slices of the concatenation are its rounds: XLA reads each where it lies
         return exact_sum(jax.tree.map(lambda *xs: jnp.concatenate(xs), *rounds), AXIS)
     return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False),

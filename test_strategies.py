@@ -1242,6 +1242,35 @@ def test_nan_and_infinities_take_their_side_channel_and_padding_sums_to_plus_zer
         assert not np.signbit(got).any() and not got.any(), got
 
 
+@pytest.mark.bits
+def test_a_leaf_in_pieces_sums_to_the_same_bits(devices, monkeypatch):
+    """A leaf wider than PIECE is made into limbs, moved and rounded a piece at a time: with PIECE = 8, entry for entry
+    grid_sum's bits, on one device (pieces of 8, the last shorter) and through sum_program on 2 and 4 devices (pieces
+    a multiple of n, the last padded; at a block a device the scaled floats move), a NaN and the infinities in a piece
+    past the first included."""
+    monkeypatch.setattr(strategies, "PIECE", 8)
+    cases = exact_cases()
+    for name in ("normal", "wide range", "odd width", "many blocks", "float16"):
+        blocks, want = cases[name], grid_sum(cases[name])
+        assert_same_bits(np.asarray(jax.jit(lambda b: strategies.exact_sum(b))(blocks)), want, f"{name}, pieces")
+        L = len(blocks)
+        for n in [n for n in (2, 4) if n <= len(devices) and L % n == 0]:
+            mesh = loaders.data_mesh(devices[:n])
+            rounds = [jax.device_put(blocks.reshape(n, L // n, -1)[:, i], NamedSharding(mesh, P("data")))
+                      for i in range(L // n)]
+            got = strategies.sum_program.__wrapped__(mesh, L // n)(rounds).addressable_data(0)
+            assert_same_bits(np.asarray(got), want, f"{name}, pieces, {n} devices")
+    blocks = np.ones((4, 22), np.float32)
+    blocks[1, 17], blocks[2, 18], blocks[3, 18], blocks[0, 19] = np.nan, np.inf, -np.inf, -np.inf
+    for n in [n for n in (1, 2, 4) if n <= len(devices)]:
+        mesh = loaders.data_mesh(devices[:n])
+        rounds = [jax.device_put(blocks.reshape(n, 4 // n, 22)[:, i], NamedSharding(mesh, P("data")))
+                  for i in range(4 // n)]
+        got = np.asarray(strategies.sum_program.__wrapped__(mesh, 4 // n)(rounds).addressable_data(0))
+        assert list(got[17:19].view(np.uint32)) == [0x7FC00000] * 2 and got[19] == -np.inf, (n, got[16:20])
+        assert_same_bits(np.delete(got, [17, 18, 19]), np.full(19, 4, np.float32), f"pieces, specials, {n} devices")
+
+
 def test_a_leaf_the_exact_sum_cannot_round_to_is_refused():
     """float64 (x64) and integer leaves are refused naming exact_sum and the dtype; L over
     MAX_BLOCKS is refused by canonical_step naming it."""
