@@ -1187,7 +1187,7 @@ def test_the_exact_sum_is_the_rounding_of_the_sum_of_the_grid_values(devices):
     """exact_sum entry for entry against its docstring in Python integers (grid_sum): float32,
     bfloat16 and float16; values from 1e-44 to 3e38, subnormals (counted as 0), the least
     normals (the grid's largest scaling), overflow to +-Inf, ties of the last rounding, blocks
-    all -0.0 (+0.0), more blocks than GROUP. The same bits through sum_program for six of the
+    all -0.0 (+0.0), more blocks than GROUP; in pieces and ``whole``. The same bits through sum_program for six of the
     cases on 1, 2 and 4 devices (L/n blocks each; a leaf's width not a multiple of n included). Where every entry
     is 0 or at least 2**-35 of the largest, it is the correctly rounded sum of the blocks
     themselves. The controls: a float32 left fold of the blocks, and a psum, give other bits."""
@@ -1195,6 +1195,8 @@ def test_the_exact_sum_is_the_rounding_of_the_sum_of_the_grid_values(devices):
         want = grid_sum(blocks)
         got = np.asarray(jax.jit(strategies.exact_sum)(blocks))
         assert_same_bits(got, want, name)
+        assert_same_bits(np.asarray(jax.jit(functools.partial(strategies.exact_sum, whole=True))(blocks)), want,
+                         f"{name}, whole")
         L = len(blocks)
         spread = name in ("normal", "odd width", "ties", "bfloat16", "wide range", "many blocks")  # a few compile
         for n in [n for n in (1, 2, 4) if n <= len(devices) and L % n == 0 and spread]:
@@ -1220,7 +1222,8 @@ def test_nan_and_infinities_take_their_side_channel_and_padding_sums_to_plus_zer
     """Per entry: a NaN in any block, or +Inf in one block and -Inf in another, gives NaN
     (float32 0x7fc00000, bfloat16 0x7fc0, float16 0x7e00); +Inf or -Inf alone, that infinity;
     the other entries sum as without them. Blocks of padding (all zeros, or -0.0) give +0.0.
-    On 1, 2 and 4 devices alike (on 4, a block each: the floats move, not the limbs); the
+    On 1, 2 and 4 devices alike (on 4, a block each: the floats move, not the limbs), and
+    ``whole``; the
     control: a float32 sum of the same blocks gives another NaN only by chance, and the finite
     entries' sums are held against grid_sum."""
     nan_bits = {np.float32: 0x7FC00000, jnp.bfloat16: 0x7FC0, np.float16: 0x7E00}
@@ -1237,9 +1240,13 @@ def test_nan_and_infinities_take_their_side_channel_and_padding_sums_to_plus_zer
             assert list(unsigned[:2]) == [pattern] * 2, (dtype, n, [hex(x) for x in unsigned])
             assert got[2] == np.inf and got[3] == -np.inf, (dtype, n, got)
             assert_same_bits(got[4:], grid_sum(blocks[:, 4:]), f"{dtype}, the finite entries")
+        got = np.asarray(jax.jit(functools.partial(strategies.exact_sum, whole=True))(blocks))
+        assert list(got[:2].view(unsigned.dtype)) == [pattern] * 2 and got[2] == np.inf and got[3] == -np.inf, got
+        assert_same_bits(got[4:], grid_sum(blocks[:, 4:]), f"{dtype}, whole, the finite entries")
     for padding in (np.zeros((3, 4), np.float32), np.full((3, 4), -0.0, np.float32)):
-        got = np.asarray(jax.jit(strategies.exact_sum)(padding))
-        assert not np.signbit(got).any() and not got.any(), got
+        for whole in (False, True):
+            got = np.asarray(jax.jit(functools.partial(strategies.exact_sum, whole=whole))(padding))
+            assert not np.signbit(got).any() and not got.any(), (whole, got)
 
 
 @pytest.mark.bits
@@ -1272,10 +1279,12 @@ def test_a_leaf_in_pieces_sums_to_the_same_bits(devices, monkeypatch):
 
 
 def test_a_leaf_the_exact_sum_cannot_round_to_is_refused():
-    """float64 (x64) and integer leaves are refused naming exact_sum and the dtype; L over
-    MAX_BLOCKS is refused by canonical_step naming it."""
+    """float64 (x64) and integer leaves are refused naming exact_sum and the dtype, ``whole``
+    with an axis naming the axis; L over MAX_BLOCKS is refused by canonical_step naming it."""
     with pytest.raises(ValueError, match=r"exact_sum: a gradient leaf of dtype int32"):
         strategies.exact_sum({"w": jnp.zeros((2, 3), jnp.int32)})
+    with pytest.raises(ValueError, match=r"exact_sum: whole=True sums on one device; axis='data'"):
+        strategies.exact_sum({"w": jnp.zeros((2, 3))}, "data", whole=True)
     mesh = loaders.data_mesh(jax.devices("cpu")[:1])
     with pytest.raises(ValueError, match=r"logical_shards=2048 is over 2047 \(MAX_BLOCKS\)"):
         strategies.canonical_step(linear_terms, strategies.sgd_update, mesh, 2048)

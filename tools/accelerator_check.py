@@ -25,9 +25,9 @@ The report is written as it goes.
   block's gradient sums its own rows). Flag sets (all with --platform gpu, else "none"): none;
   ``--xla_gpu_deterministic_ops=true``; ``--xla_gpu_exclude_nondeterministic_ops=true``;
   ``--xla_gpu_autotune_level=0``. Every run sets ``JAX_DEFAULT_MATMUL_PRECISION=highest``.
-* exact_sum: ``strategies.exact_sum`` on the platform's first device against its docstring read
-  with Python fractions on the host (``exact_reference``), bit for bit: the grid conversion,
-  the limbs' carries (300 blocks near the largest entry, of either sign, so every limb
+* exact_sum: ``strategies.exact_sum`` (in pieces and ``whole``) on the platform's first
+  device against its docstring read with Python fractions on the host (``exact_reference``),
+  bit for bit: the grid conversion, the limbs' carries (300 blocks near the largest entry, of either sign, so every limb
   carries), ties of the final rounding, overflow, the least normals, subnormals (counted as
   0), -0.0, NaN and the infinities, in float32, bfloat16 and float16.
 
@@ -206,6 +206,7 @@ def exact_reference(blocks):
 def exact_sum_child(out: str) -> None:
     """One process: ``exact_sum_section``'s cases on the platform's first device; writes {"device", "checked",
     "differ"}. NaN is compared by its bits too (float32 0x7fc00000, bfloat16 0x7fc0, float16 0x7e00)."""
+    import functools
     import numpy as np
     import jax
     import jax.numpy as jnp
@@ -228,15 +229,16 @@ def exact_sum_child(out: str) -> None:
              "signed zeros": np.full((3, 5), -0.0, np.float32), "specials": special,
              "bfloat16": rng.standard_normal((6, 64)).astype(jnp.bfloat16),
              "float16": (rng.standard_normal((6, 64)) * 1000).astype(np.float16)}
-    summed = jax.jit(strategies.exact_sum)
     differ = []
-    for name, blocks in cases.items():
-        got = np.asarray(summed(jax.device_put(blocks, device)))
-        want = exact_reference(blocks)
-        if got.dtype != want.dtype or got.tobytes() != want.tobytes():
-            differ.append(f"{name}: {got.ravel()[:4]} against {want.ravel()[:4]}")
+    for whole in (False, True):  # in pieces, and whole (a chip's loop program sums so)
+        summed = jax.jit(functools.partial(strategies.exact_sum, whole=whole))
+        for name, blocks in cases.items():
+            got = np.asarray(summed(jax.device_put(blocks, device)))
+            want = exact_reference(blocks)
+            if got.dtype != want.dtype or got.tobytes() != want.tobytes():
+                differ.append(f"{name}{', whole' if whole else ''}: {got.ravel()[:4]} against {want.ravel()[:4]}")
     with open(out, "w") as f:
-        json.dump({"device": f"{device.platform} ({device.device_kind})", "checked": len(cases), "differ": differ}, f)
+        json.dump({"device": f"{device.platform} ({device.device_kind})", "checked": 2 * len(cases), "differ": differ}, f)
 
 
 def by_strategy(arrays: dict) -> dict:

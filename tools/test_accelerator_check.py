@@ -34,7 +34,7 @@ def test_the_delivery_and_canonical_sections_report_agreement_on_cpu(tmp_path):
     # The control: the same comparison tells L = 1 from L = 8 (other blocks, each its own rows' gradient).
     assert rows[-1] == {"flags": "none", "different L the same bits (not promised)": False}, rows
     exact = found["sections"]["exact_sum"]
-    assert exact["ok"] and exact["differ"] == [] and exact["checked"] == 11, exact
+    assert exact["ok"] and exact["differ"] == [] and exact["checked"] == 22, exact
     refused = subprocess.run([sys.executable, "tools/accelerator_check.py", "--sections", "nonsense"], cwd=ROOT,
                              env=CPU, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--sections: unknown ['nonsense']" in refused.stderr
@@ -62,7 +62,8 @@ def test_the_exact_sum_check_catches_a_sum_that_is_not_exact(tmp_path, monkeypat
     import accelerator_check
     import jax
     import strategies
-    monkeypatch.setattr(strategies, "exact_sum", lambda blocks: jax.tree.map(lambda x: x.sum(0), blocks))
+    monkeypatch.setattr(strategies, "exact_sum", lambda blocks, whole: jax.tree.map(lambda x: x.sum(0), blocks))
     accelerator_check.exact_sum_child(str(tmp_path / "out.json"))
     differ = json.loads((tmp_path / "out.json").read_text())["differ"]
     assert any(line.startswith("carries:") for line in differ), differ
+    assert any(line.startswith("carries, whole:") for line in differ), differ
