@@ -746,15 +746,16 @@ LOOP_SLOTS = 2  # the fewest slots loop_program's loop indexes (its docstring sa
 def loop_program(loss_terms: LossTerms, blocks: int, summed: bool) -> Callable:
     """A device's k = ``blocks`` slots in one single-device jit: (params, its k*b rows in either layout, an int32 array
     holding its blocks, k or k - 1) -> the k slots' sums stacked (k, ...) in slot order, or with ``summed`` their
-    ``exact_sum`` (``whole``). Block i is iteration i of a ``while`` loop whose trip count is that array, a value XLA cannot see: it
-    can neither remove the loop (at k = 1) nor unroll it, so every block runs the loop body's one compiled code, and the
-    body is the same for every k, k's own dimension aside (the HLO test compares them). The sums go into a buffer that
-    the sum reads after the loop: no add can join a block's arithmetic. The buffer starts uninitialised (``lax.empty``;
-    zeros on CPUs) but for its slot k - 1, zeros: the iterations write every other entry (zeroing them would be a pass
-    over k gradients for nothing), and a device with a spare slot runs k - 1 trips and leaves that slot zero. The rows
-    and the buffer have ``max(k, LOOP_SLOTS)`` slots; a slot past k is zeros, never visited. At one slot, every
-    iteration would read slot 0, a fact XLA sees: it hoists the block's arithmetic out of the loop and fuses it with its
-    neighbours, and on AVX2 CPUs a LayerNorm bias's gradient came out one rounding apart from k = 8's."""
+    ``exact_sum`` (``whole``). Block i is iteration i of a ``while`` loop whose trip count is that array, a value XLA
+    cannot see: it can neither remove the loop (at k = 1) nor unroll it, so every block runs the loop body's one
+    compiled code, and the body is the same for every k, k's own dimension aside (the HLO test compares them). The sums
+    go into a buffer that the sum reads after the loop: no add can join a block's arithmetic. The buffer starts
+    uninitialised (``lax.empty``; zeros on CPUs) but for its slot k - 1, zeros: the iterations write every other entry
+    (zeroing them would be a pass over k gradients for nothing), and a device with a spare slot runs k - 1 trips and
+    leaves that slot zero. The rows and the buffer have ``max(k, LOOP_SLOTS)`` slots; a slot past k is zeros, never
+    visited. At one slot, every iteration would read slot 0, a fact XLA sees: it hoists the block's arithmetic out of
+    the loop and fuses it with its neighbours, and on AVX2 CPUs a LayerNorm bias's gradient came out one rounding apart
+    from k = 8's."""
     gradient = _total_gradient(loss_terms)
     slots = max(blocks, LOOP_SLOTS)
 

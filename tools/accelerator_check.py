@@ -236,9 +236,11 @@ def exact_sum_child(out: str) -> None:
             got = np.asarray(summed(jax.device_put(blocks, device)))
             want = exact_reference(blocks)
             if got.dtype != want.dtype or got.tobytes() != want.tobytes():
-                differ.append(f"{name}{', whole' if whole else ''}: {got.ravel()[:4]} against {want.ravel()[:4]}")
+                where = f"{name}, whole" if whole else name
+                differ.append(f"{where}: {got.ravel()[:4]} against {want.ravel()[:4]}")
     with open(out, "w") as f:
-        json.dump({"device": f"{device.platform} ({device.device_kind})", "checked": 2 * len(cases), "differ": differ}, f)
+        json.dump({"device": f"{device.platform} ({device.device_kind})", "checked": 2 * len(cases),
+                   "differ": differ}, f)
 
 
 def by_strategy(arrays: dict) -> dict:
