@@ -55,6 +55,7 @@ import dali_loader
 import loaders
 import model
 import strategies
+import summation
 from arithmetic import Normalize
 from cifar_mnist import read_cifar10, synthetic_cifar10
 from plan import device_slots, shard_bounds
@@ -399,7 +400,7 @@ def reduction_section(args, out: dict) -> None:
 def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
     """A call that runs the canonical step's arithmetic with nothing moved between devices, no update: on each device
     its rows split and its k = L/n block gradients, one program each (on LOOP_PLATFORMS its loop program), then with
-    ``fold`` their ``strategies.exact_sum``, each device its own, in one program on the mesh that moves nothing (one
+    ``fold`` their ``summation.exact_sum``, each device its own, in one program on the mesh that moves nothing (one
     compile, not one per device; strategies' own split, block and sum); it returns the devices' results in device
     order. Any construction that gives each block a gradient of its own and adds them exactly does at least this on
     some device: the floor under the canonical step's time."""
@@ -414,7 +415,7 @@ def block_work(name: str, start, batch, mesh, shards: int, fold: bool = True):
     block = strategies.block_program(loss_terms)
     split = strategies._split_program(k, False) if k > 1 else (lambda r: [r])
     spec = P(loaders.DATA_AXIS)
-    folded = jax.jit(jax.shard_map(lambda rounds: jax.tree.map(lambda x: x[None], strategies.exact_sum(
+    folded = jax.jit(jax.shard_map(lambda rounds: jax.tree.map(lambda x: x[None], summation.exact_sum(
         jax.tree.map(lambda *x: jnp.concatenate(x), *rounds))), mesh=mesh, in_specs=spec, out_specs=spec))
 
     def run():

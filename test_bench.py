@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import bench
 import loaders
 import strategies
+import summation
 from conftest import run_children
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -89,7 +90,7 @@ def test_bench_smoke_runs_and_writes_a_well_formed_report(tmp_path):
 @pytest.mark.parametrize("loop", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_floor_runs_the_canonical_steps_own_arithmetic(devices, monkeypatch, loop):
     """bench.block_work runs what the canonical step computes on each device: its block sums,
-    summed exactly (strategies.exact_sum, whole, on one device) and updated, are the canonical step's
+    summed exactly (summation.exact_sum, whole, on one device) and updated, are the canonical step's
     state, bit for bit, and with ``fold`` each device returns the exact sum of its own blocks
     (the smoke MLP, L = 6 on 2 devices; also with a TPU's loop schedule). The control: a
     float32 left fold of the blocks gives other bits.
@@ -101,7 +102,7 @@ def test_the_floor_runs_the_canonical_steps_own_arithmetic(devices, monkeypatch,
     outs = bench.block_work("mlp", start, batch, mesh, 6, fold=False)()  # per device: its 3 blocks, stacked or not
     per_device = [[jax.tree.map(lambda x: np.asarray(x)[i], out) for i in range(3)] if loop else
                   [jax.tree.map(lambda x: np.asarray(x)[0], s) for s in out] for out in outs]
-    exact = jax.jit(functools.partial(strategies.exact_sum, whole=True))
+    exact = jax.jit(functools.partial(summation.exact_sum, whole=True))
     stacked = lambda blocks: jax.tree.map(lambda *x: np.stack(x), *blocks)
     left_fold = lambda blocks: jax.tree.map(lambda *x: functools.reduce(np.add, x), *blocks)
     update, blocks = strategies.update_program(strategies.sgd_update), sum(per_device, [])

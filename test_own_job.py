@@ -315,16 +315,18 @@ def my_loader(samples, n, B):
 
 # What each job copies: the module and what the README's module table says to copy with it
 # (the strategies job also judges with equivalence.py; conformance also runs the reference loader).
-NEEDS = {"plan.py": [], "arithmetic.py": [], "cifar_mnist.py": [], "strategies.py": [], "model.py": [],
+NEEDS = {"plan.py": [], "arithmetic.py": [], "cifar_mnist.py": [], "summation.py": [],
+         "strategies.py": ["summation.py"], "model.py": [],
          "loaders.py": ["plan.py", "arithmetic.py", "cifar_mnist.py"], "processes.py": [],
          "conformance.py": ["plan.py", "arithmetic.py"], "encoding.py": ["arithmetic.py", "cifar_mnist.py"],
          "equivalence.py": ["strategies.py"]}
 LOADERS = ["loaders.py", *NEEDS["loaders.py"]]
-MODULES = {"loaders": LOADERS, "strategies": ["strategies.py", "equivalence.py"],
-           "randomness": [*LOADERS, "strategies.py"],
+STRATEGIES = ["strategies.py", *NEEDS["strategies.py"]]
+MODULES = {"loaders": LOADERS, "strategies": [*STRATEGIES, "equivalence.py"],
+           "randomness": [*LOADERS, *STRATEGIES],
            "conformance": list(dict.fromkeys(["conformance.py", *NEEDS["conformance.py"], "encoding.py",
                                               *NEEDS["encoding.py"], "loaders.py"])),
-           "checkpoints": [*LOADERS, "strategies.py"]}
+           "checkpoints": [*LOADERS, *STRATEGIES]}
 PEERS = {"checkpoints": ("orbax.checkpoint", "optax")}  # the jobs that need peers
 
 

@@ -25,7 +25,7 @@ The report is written as it goes.
   block's gradient sums its own rows). Flag sets (all with --platform gpu, else "none"): none;
   ``--xla_gpu_deterministic_ops=true``; ``--xla_gpu_exclude_nondeterministic_ops=true``;
   ``--xla_gpu_autotune_level=0``. Every run sets ``JAX_DEFAULT_MATMUL_PRECISION=highest``.
-* exact_sum: ``strategies.exact_sum`` (in pieces and ``whole``) on the platform's first
+* exact_sum: ``summation.exact_sum`` (in pieces and ``whole``) on the platform's first
   device against its docstring read with Python fractions on the host (``exact_reference``),
   bit for bit: the grid conversion, the limbs' carries (300 blocks near the largest entry, of either sign, so every limb
   carries), ties of the final rounding, overflow, the least normals, subnormals (counted as
@@ -165,22 +165,22 @@ def exact_sum_section(args, env: dict) -> dict:
 
 
 def exact_reference(blocks):
-    """``strategies.exact_sum`` of blocks (L, m) read literally, on the host with Python fractions: subnormals as 0,
+    """``summation.exact_sum`` of blocks (L, m) read literally, on the host with Python fractions: subnormals as 0,
     the grid q = 2**(E - GRID_BITS), each column's sum of round(x / q), rounded once to the dtype (nearest even);
     a NaN, or +Inf beside -Inf, NaN; one infinity, itself."""
     import math
     from fractions import Fraction
     import numpy as np
-    import strategies
+    import summation
 
     dtype = blocks.dtype
-    man, bias, ebits = strategies.FORMATS[np.dtype(dtype)]
+    man, bias, ebits = summation.FORMATS[np.dtype(dtype)]
     up = blocks.astype(np.float32)
     up = np.where(np.abs(up) < 2.0**-126, np.float32(0), up)
     finite = np.isfinite(up)
     M = float(np.max(np.abs(up[finite]), initial=0))
     E = max(math.frexp(M)[1], -125)
-    q = Fraction(2) ** (E - strategies.GRID_BITS)
+    q = Fraction(2) ** (E - summation.GRID_BITS)
     out = []
     for column in up.T:
         if np.isnan(column).any() or ((column == np.inf).any() and (column == -np.inf).any()):
@@ -210,7 +210,7 @@ def exact_sum_child(out: str) -> None:
     import numpy as np
     import jax
     import jax.numpy as jnp
-    import strategies
+    import summation
 
     device = jax.devices((os.environ.get("JAX_PLATFORMS") or "").split(",")[0] or None)[0]
     rng = np.random.default_rng(7)
@@ -231,7 +231,7 @@ def exact_sum_child(out: str) -> None:
              "float16": (rng.standard_normal((6, 64)) * 1000).astype(np.float16)}
     differ = []
     for whole in (False, True):  # in pieces, and whole (a chip's loop program sums so)
-        summed = jax.jit(functools.partial(strategies.exact_sum, whole=whole))
+        summed = jax.jit(functools.partial(summation.exact_sum, whole=whole))
         for name, blocks in cases.items():
             got = np.asarray(summed(jax.device_put(blocks, device)))
             want = exact_reference(blocks)

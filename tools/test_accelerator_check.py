@@ -61,8 +61,8 @@ def test_the_exact_sum_check_catches_a_sum_that_is_not_exact(tmp_path, monkeypat
     by case, on the cases where rounding order shows (the carries' 300 blocks among them)."""
     import accelerator_check
     import jax
-    import strategies
-    monkeypatch.setattr(strategies, "exact_sum", lambda blocks, whole: jax.tree.map(lambda x: x.sum(0), blocks))
+    import summation
+    monkeypatch.setattr(summation, "exact_sum", lambda blocks, whole: jax.tree.map(lambda x: x.sum(0), blocks))
     accelerator_check.exact_sum_child(str(tmp_path / "out.json"))
     differ = json.loads((tmp_path / "out.json").read_text())["differ"]
     assert any(line.startswith("carries:") for line in differ), differ
