@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import shutil
 import socket
 import sys
@@ -352,14 +353,27 @@ def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def loopback_port(flag: str) -> int:
-    """A free TCP port on 127.0.0.1; ConnectionError naming ``flag`` where no socket opens."""
+    """A free TCP port on 127.0.0.1 for a coordinator, drawn at random from the 8,192 ports below the kernel's
+    ephemeral range (ip_local_port_range; 32768 if unread). A port the kernel hands out itself (a bind to port 0, an
+    outgoing connection's own end) could be taken by another socket between this probe and the coordinator's bind, and
+    gRPC then fails to listen (JAX ended such a child with a segmentation fault); below that range only an explicit
+    bind can take it. ConnectionError naming ``flag`` where no socket opens."""
     try:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            return probe.getsockname()[1]
-    except OSError as error:
-        raise ConnectionError(f"{flag}: this machine cannot open a TCP socket ({error}), which several "
-                              f"processes (jax.distributed) need; run one process instead") from None
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    ports = random.SystemRandom().sample(range(max(1024, low - 8192), low), 64) if low > 2048 else []
+    error = None
+    for port in [*ports, 0]:  # 0: the kernel's choice, where none of these is free
+        try:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port))
+                return probe.getsockname()[1]
+        except OSError as failed:
+            error = failed
+    raise ConnectionError(f"{flag}: this machine cannot open a TCP socket ({error}), which several "
+                          f"processes (jax.distributed) need; run one process instead") from None
 
 
 # The run ------------------------------------------------------------------------------------------

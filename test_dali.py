@@ -20,7 +20,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import sys
 import types
 import weakref
@@ -1155,9 +1154,8 @@ def worker(out_dir: str, coordinator: str, process_id: int) -> None:
 @pytest.mark.multiprocess
 def test_two_processes_read_the_plan_bit_for_bit(tmp_path):
     """Two jax.distributed processes (worker above): each local shard is the reference's."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{probe.getsockname()[1]}"
+    import refimpl
+    coordinator = f"127.0.0.1:{refimpl.loopback_port('coordinator')}"
     here = os.path.dirname(os.path.abspath(__file__))
     results = run_children([[sys.executable, os.path.abspath(__file__), str(tmp_path), coordinator, str(i)]
                             for i in range(2)], timeout=120, cwd=here, grace=10)

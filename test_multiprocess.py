@@ -24,7 +24,6 @@ This file is also the worker program of the first slow test.
 """
 
 import os
-import socket
 import sys
 
 import numpy as np
@@ -108,9 +107,8 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    import refimpl
+    return refimpl.loopback_port("test_multiprocess")
 
 
 # --------------------------------------------------------------------------

@@ -899,3 +899,23 @@ def test_only_the_main_job_gives_freed_memory_back(data, monkeypatch, devices):
                         "sharded,single"])
     assert done.status == 0, done.out + done.err
     assert len(trims) >= 2, trims  # an epoch each, then the verdict's steps
+
+
+def test_a_coordinators_port_is_drawn_below_the_ephemeral_range_and_binds():
+    """refimpl.loopback_port draws the coordinator's port from the 8,192 ports below the kernel's
+    ephemeral range, where no bind to port 0 nor outgoing connection can take it between the
+    probe and the coordinator's bind; the port binds. The control: a bind to port 0 lands in the
+    range."""
+    import socket
+    import refimpl
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except OSError:
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range here (not Linux)")
+    ports = {refimpl.loopback_port("test") for _ in range(16)}
+    assert all(low - 8192 <= port < low for port in ports) and len(ports) > 1, (low, ports)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", min(ports)))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        assert probe.getsockname()[1] >= low, "control: the kernel's own choice"

@@ -2155,12 +2155,10 @@ def two_process_worker(folder: str, cache: str, coordinator: str, process_id: in
 @pytest.mark.slow
 def test_rocal_plan_order_in_two_processes_equals_the_reference(rocal_mesh, encoded_dir, tmp_path):
     """Two jax.distributed processes (two_process_worker): each local shard is the reference's."""
-    import socket
     from conftest import run_children
     folder = encoded_for(encoded_dir, 8)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{probe.getsockname()[1]}"
+    import refimpl
+    coordinator = f"127.0.0.1:{refimpl.loopback_port('coordinator')}"
     results = run_children([[sys.executable, os.path.abspath(__file__), folder, str(tmp_path / "cache"),
                              coordinator, str(i)] for i in range(2)], timeout=120, cwd=HERE, grace=10)
     report = "\n".join(f"process {i} exited {code} (None: still running at the deadline):\n"
