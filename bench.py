@@ -222,9 +222,10 @@ def feeding_section(images, labels, mesh, args, out: dict) -> None:
     out); 8192, sharded only. The limit of placement "host", over the prebuilt epoch: max(step, transfer) a step plus
     the first transfer, nothing else overlapped. Timed in the same rounds: the first transfer, a step's images and
     labels put on the devices and waited for; a step's transfer, the same put 8 times back to back, over 8 (a chip
-    moves several in flight faster than one: a TPU v5e 3.1 MB in 0.26 ms each, one alone in 1.8 ms)."""
+    moves several in flight faster than one: a TPU v5e 3.1 MB in 0.26 ms each, one alone in 1.8 ms). The params start
+    on the devices, as in a chain of epochs (a strategy hands them back where they went in)."""
     n, sharding = mesh.devices.size, NamedSharding(mesh, P(loaders.DATA_AXIS))
-    params = model.init_model(args.layers)
+    params = strategies.replicate(model.init_model(args.layers), mesh)
     for global_batch in args.fed_batches:
         count = min(len(labels), args.fed_steps * global_batch)
         row = out[f"global_{global_batch}"] = {"images": count}

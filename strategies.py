@@ -5,8 +5,11 @@ Every strategy has one signature::
     strategy(params, batches, mesh, *, loss_terms, optimizer=sgd(0.001), opt_state=None,
              reduction="plain", logical_shards=None) -> Trained(params, losses, opt_state)
 
-* ``params``, ``opt_state``: any pytrees of arrays, host-side (NumPy) in and out, so epochs chain by passing both back
-  in. ``opt_state`` None means ``optimizer.init``.
+* ``params``, ``opt_state``: any pytrees of arrays; epochs chain by passing both back in. They come back where they
+  went in: host (NumPy) params in, host params and state out; params whose every leaf is a ``jax.Array`` (a strategy's
+  own output), ``jax.Array`` leaves out, replicated on the devices the strategy ran on (``single``: the mesh's first), so
+  a chain of epochs never moves them through the host. Arrays passed in are copied, never consumed (``replicate``).
+  ``opt_state`` None means ``optimizer.init``.
 * ``loss_terms(params, batch) -> (total, count)``: your model, on the rows one program sees (the batch's fields but
   "logical_shards"). ``total``: the sum of the real (mask-True) rows' losses, a float scalar; ``count``: how many terms
   it sums (real rows, or their tokens), a scalar. Each strategy minimises the global sum(total) / max(sum(count), 1).
@@ -113,7 +116,8 @@ def apply_updates(params: Params, updates: Params) -> Params:
 
 
 class Trained(NamedTuple):
-    """What a strategy returns: host params, (steps,) losses, host optimizer state."""
+    """What a strategy returns: params, (steps,) host losses, optimizer state; params and state on the host or the
+    devices, as the params went in."""
     params: Params
     losses: np.ndarray
     opt_state: Any
@@ -175,10 +179,14 @@ def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_st
     else:
         step, place = plain_step(name, loss_terms, optimizer.update, mesh)
     state, values = train_loop(step, place(state, run_mesh), batches)
-    host = first_replica if stacked else to_host
     if stacked:  # pmap's values (n, ...): the first device's (1, ...), stacked, then its row
         values = [jax.tree.map(lambda x: x.addressable_data(0), v) for v in values]
     losses = stack_losses(values)
+    leaves = jax.tree.leaves(params)
+    if leaves and all(isinstance(x, jax.Array) for x in leaves):  # on the devices in, on the devices out
+        state, host = _unstacked(tuple(mesh.devices.flat), False)(state) if stacked else state, lambda x: x
+    else:
+        host = first_replica if stacked else to_host
     return Trained(host(state[0]), jax.tree.map(lambda x: x[:, 0], losses) if stacked and values else losses,
                    host(state[1]))
 
@@ -464,24 +472,36 @@ def start_state(name: str, optimizer: Optimizer, params: Params, opt_state, mesh
 
 def replicate(params: Params, mesh: Mesh) -> Params:
     """Every leaf copied to every device of ``mesh`` (``NamedSharding(mesh, P())``); each process fills its own devices,
-    so every process must pass the same values. The arrays passed in are copied, never consumed; a 64-bit leaf JAX
-    would narrow is refused (``check_dtypes``)."""
+    so every process must pass the same values. A ``jax.Array`` leaf goes device to device: ``jax.device_put`` there,
+    then copied by a program (``device_put(..., may_alias=False)`` onto a subset of the leaf's devices hands back the
+    leaf's own buffer). The arrays passed in are copied, never consumed; a 64-bit leaf JAX would narrow is refused
+    (``check_dtypes``)."""
     check_dtypes(params, "strategies.replicate")
     sharding = NamedSharding(mesh, P())
 
     def put(leaf):
+        if isinstance(leaf, jax.Array):
+            return _copy_program(sharding)(jax.device_put(leaf, sharding))
         leaf = np.array(leaf)
         return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
     return jax.tree.map(put, params)
 
 
+@functools.lru_cache(maxsize=64)
+def _copy_program(sharding: NamedSharding) -> Callable:
+    return jax.jit(jnp.copy, out_shardings=sharding)  # XLA writes a new buffer: an output is never a parameter
+
+
 def stack_replicas(params: Params, mesh: Mesh) -> Params:
-    """Every leaf as (n, ...), one copy per device, sharded on axis 0: pmap's layout."""
+    """Every leaf as (n, ...), one copy per device, sharded on axis 0: pmap's layout; a ``jax.Array`` leaf is copied
+    device to device (``replicate``, then each device's copy stacked where it lies)."""
     check_dtypes(params, "strategies.stack_replicas")
     sharding = NamedSharding(mesh, P(AXIS))
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
 
     def stack(leaf):
+        if isinstance(leaf, jax.Array):
+            return _stacked(tuple(mesh.devices.flat))(replicate(leaf, mesh))
         leaf = np.array(leaf)
         parts = [jax.device_put(leaf[None], d) for d in devices]
         return jax.make_array_from_single_device_arrays((mesh.devices.size,) + leaf.shape, sharding, parts)
@@ -490,7 +510,7 @@ def stack_replicas(params: Params, mesh: Mesh) -> Params:
 
 def first_replica(stacked: Params) -> Params:
     """Host copy of this process's first replica of pmap-layout params."""
-    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[0], stacked)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[0, ...], stacked)  # 0-d: an array too
 
 
 def to_host(params: Params) -> Params:
@@ -672,13 +692,9 @@ def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callab
     (n,)). Each device's gradient of its total, psummed, then ``update_program`` on one replica and stacked again. (The
     notebooks' ``pmean`` of per-device mean gradients is this gradient only when every device holds as many real rows.)
     A pmap without ``devices=`` maps over the default backend's devices."""
-    mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
     donate = donates(devices)
     gradient, apply = _pmap_gradient(loss_terms, devices), update_program(update, donate)
-    first = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[0], x), mesh=mesh, in_specs=P(AXIS),
-                                  out_specs=P(), check_vma=False), donate_argnums=(0,) if donate else ())
-    stacked = jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[None], x), mesh=mesh, in_specs=P(),
-                                    out_specs=P(AXIS), check_vma=False))
+    first, stacked = _unstacked(devices, donate), _stacked(devices)
     check = door("pmap_step", loss_terms, "pmap", stacked=True, n=len(devices))
 
     def step(state, batch):
@@ -686,6 +702,22 @@ def pmap_step(loss_terms: LossTerms, update: Callable, devices: tuple) -> Callab
         sums = gradient(state[0], batch)
         return stacked(apply(first(state), *first(sums)))
     return step
+
+
+@functools.lru_cache(maxsize=64)
+def _unstacked(devices: tuple, donate: bool) -> Callable:
+    """pmap's layout (n, ...) to one replicated copy, each device keeping its own row (the rows are equal)."""
+    mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
+    return jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[0], x), mesh=mesh, in_specs=P(AXIS),
+                                 out_specs=P(), check_vma=False), donate_argnums=(0,) if donate else ())
+
+
+@functools.lru_cache(maxsize=64)
+def _stacked(devices: tuple) -> Callable:
+    """Replicated to pmap's layout (n, ...), each device stacking its own copy."""
+    mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
+    return jax.jit(jax.shard_map(lambda x: jax.tree.map(lambda y: y[None], x), mesh=mesh, in_specs=P(),
+                                 out_specs=P(AXIS), check_vma=False))
 
 
 @functools.lru_cache(maxsize=64)

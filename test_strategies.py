@@ -692,6 +692,40 @@ def test_where_the_policy_donates_every_step_consumes_the_state_it_replaces(mesh
             assert_same_bits(got, want, name)
 
 
+def test_params_come_back_where_they_went_in_and_chain_on_the_devices(mesh, monkeypatch):
+    """Host params in, host params and state out; jax.Array params in, jax.Arrays out, replicated on the devices the
+    strategy ran on (single: the mesh's first), never the caller's buffers. Two epochs chained on the devices give the
+    bits of the same two chained through the host, every step donating (as on accelerators) and the caller's arrays
+    kept. An epoch of no steps still gives new arrays."""
+    n = mesh.devices.size
+    hosts = host_batches(seed=20, steps=2, n=n, real_per_device=[B, 1] + [B] * (n - 2), kind="linear")
+    monkeypatch.setattr(strategies, "donates", lambda devices: True)
+    for name, fn in strategies.STRATEGIES.items():
+        terms = lambda p, b: linear_loss_terms(p, b)  # fresh: the step builders are cached by the functions they get
+        train = lambda params, batches, state=None: fn(params, [place(h, mesh, strategies.LAYOUT[name])
+                                                                for h in batches], mesh, loss_terms=terms,
+                                                       optimizer=strategies.sgd(0.1), opt_state=state)
+        host = train(linear_init(), hosts[:1])
+        host = train(host.params, hosts[1:], host.opt_state)
+        assert all(type(x) is np.ndarray for x in jax.tree.leaves((host.params, host.opt_state))), name
+        mine = strategies.replicate(linear_init(), mesh)
+        first = train(mine, hosts[:1])
+        on = train(first.params, hosts[1:], first.opt_state)
+        where = {mesh.devices.flat[0]} if name == "single" else set(mesh.devices.flat)
+        for x in jax.tree.leaves((first.params, first.opt_state, on.params, on.opt_state)):
+            assert isinstance(x, jax.Array) and x.sharding.is_fully_replicated and x.devices() == where, (name, x)
+        for got, want in zip(jax.tree.leaves((on.params, on.opt_state, on.losses)),
+                             jax.tree.leaves((host.params, host.opt_state, host.losses))):
+            assert_same_bits(np.asarray(got), want, f"{name}: chained on the devices")
+        for key, leaf in mine.items():
+            assert not leaf.is_deleted(), f"{name} consumed the caller's params[{key!r}]"
+            assert_same_bits(np.asarray(leaf), linear_init()[key], f"{name}: the caller's params[{key!r}]")
+        none = train(mine, [])
+        for a, b in zip(jax.tree.leaves(none.params), jax.tree.leaves(mine)):
+            assert a.addressable_data(0).unsafe_buffer_pointer() != b.addressable_data(0).unsafe_buffer_pointer()
+            assert_same_bits(np.asarray(a), np.asarray(b), f"{name}: no steps")
+
+
 # --------------------------------------------------------------------------
 # stack_losses: any pytree of values
 # --------------------------------------------------------------------------
