@@ -6,10 +6,10 @@ Every strategy has one signature::
              reduction="plain", logical_shards=None) -> Trained(params, losses, opt_state)
 
 * ``params``, ``opt_state``: any pytrees of arrays; epochs chain by passing both back in. They come back where they
-  went in: host (NumPy) params in, host params and state out; params whose every leaf is a ``jax.Array`` (a strategy's
-  own output), ``jax.Array`` leaves out, replicated on the devices the strategy ran on (``single``: the mesh's first), so
-  a chain of epochs never moves them through the host. Arrays passed in are copied, never consumed (``replicate``).
-  ``opt_state`` None means ``optimizer.init``.
+  went in: host (NumPy) params in, host params and state out; params whose every leaf is a ``jax.Array`` (a
+  strategy's own output), ``jax.Array`` leaves out, replicated on the devices the strategy ran on (``single``: the
+  mesh's first), so a chain of epochs never moves them through the host. Arrays passed in are copied, never consumed
+  (``replicate``). ``opt_state`` None means ``optimizer.init``.
 * ``loss_terms(params, batch) -> (total, count)``: your model, on the rows one program sees (the batch's fields but
   "logical_shards"). ``total``: the sum of the real (mask-True) rows' losses, a float scalar; ``count``: how many terms
   it sums (real rows, or their tokens), a scalar. Each strategy minimises the global sum(total) / max(sum(count), 1).
@@ -165,8 +165,10 @@ def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_st
     first = next(batches, None)
     batches = checked(itertools.chain([] if first is None else [first], batches), name, mesh)
     run_mesh = Mesh(np.array([mesh.devices.flat[0]]), (AXIS,)) if name == "single" else mesh
-    if name == "single":
-        batches = (jax.device_put(b, mesh.devices.flat[0]) for b in batches)
+    if name == "single":  # a batch already there (a mesh of one device) is taken as it is
+        there = {mesh.devices.flat[0]}
+        batches = (b if all(getattr(x, "sharding", None) is not None and x.sharding.device_set == there
+                            for x in jax.tree.leaves(b)) else jax.device_put(b, mesh.devices.flat[0]) for b in batches)
     stacked = name == "pmap" and reduction == "plain"  # pmap's layout: state (n, ...), values (n,)
     if reduction == "canonical":
         L = logical_shards or (_batch_shards(first) if first is not None else None)
@@ -472,24 +474,27 @@ def start_state(name: str, optimizer: Optimizer, params: Params, opt_state, mesh
 
 def replicate(params: Params, mesh: Mesh) -> Params:
     """Every leaf copied to every device of ``mesh`` (``NamedSharding(mesh, P())``); each process fills its own devices,
-    so every process must pass the same values. A ``jax.Array`` leaf goes device to device: ``jax.device_put`` there,
-    then copied by a program (``device_put(..., may_alias=False)`` onto a subset of the leaf's devices hands back the
-    leaf's own buffer). The arrays passed in are copied, never consumed; a 64-bit leaf JAX would narrow is refused
-    (``check_dtypes``)."""
+    so every process must pass the same values. The ``jax.Array`` leaves go device to device: ``jax.device_put``
+    there, then copied by one program (``device_put(..., may_alias=False)`` onto a subset of a leaf's devices hands
+    back the leaf's own buffer). The arrays passed in are copied, never consumed; a 64-bit leaf JAX would narrow is
+    refused (``check_dtypes``)."""
     check_dtypes(params, "strategies.replicate")
     sharding = NamedSharding(mesh, P())
+    leaves, tree = jax.tree.flatten(params)
+    on = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    copies = dict(zip(on, _copy_program(sharding)(jax.device_put([leaves[i] for i in on], sharding)) if on else []))
 
-    def put(leaf):
-        if isinstance(leaf, jax.Array):
-            return _copy_program(sharding)(jax.device_put(leaf, sharding))
+    def put(i, leaf):
+        if i in copies:
+            return copies[i]
         leaf = np.array(leaf)
         return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
-    return jax.tree.map(put, params)
+    return jax.tree.unflatten(tree, [put(i, leaf) for i, leaf in enumerate(leaves)])
 
 
 @functools.lru_cache(maxsize=64)
-def _copy_program(sharding: NamedSharding) -> Callable:
-    return jax.jit(jnp.copy, out_shardings=sharding)  # XLA writes a new buffer: an output is never a parameter
+def _copy_program(sharding: NamedSharding) -> Callable:  # XLA writes new buffers: an output is never a parameter
+    return jax.jit(lambda xs: [jnp.copy(x) for x in xs], out_shardings=sharding)
 
 
 def stack_replicas(params: Params, mesh: Mesh) -> Params:
@@ -498,14 +503,17 @@ def stack_replicas(params: Params, mesh: Mesh) -> Params:
     check_dtypes(params, "strategies.stack_replicas")
     sharding = NamedSharding(mesh, P(AXIS))
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    leaves, tree = jax.tree.flatten(params)
+    on = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    copies = dict(zip(on, _stacked(tuple(mesh.devices.flat))(replicate([leaves[i] for i in on], mesh)) if on else []))
 
-    def stack(leaf):
-        if isinstance(leaf, jax.Array):
-            return _stacked(tuple(mesh.devices.flat))(replicate(leaf, mesh))
+    def stack(i, leaf):
+        if i in copies:
+            return copies[i]
         leaf = np.array(leaf)
         parts = [jax.device_put(leaf[None], d) for d in devices]
         return jax.make_array_from_single_device_arrays((mesh.devices.size,) + leaf.shape, sharding, parts)
-    return jax.tree.map(stack, params)
+    return jax.tree.unflatten(tree, [stack(i, leaf) for i, leaf in enumerate(leaves)])
 
 
 def first_replica(stacked: Params) -> Params:
