@@ -222,10 +222,11 @@ def feeding_section(images, labels, mesh, args, out: dict) -> None:
     out); 8192, sharded only. The limit of placement "host", over the prebuilt epoch: max(step, transfer) a step plus
     the first transfer, nothing else overlapped. Timed in the same rounds: the first transfer, a step's images and
     labels put on the devices and waited for; a step's transfer, the same put 8 times back to back, over 8 (a chip
-    moves several in flight faster than one: a TPU v5e 3.1 MB in 0.26 ms each, one alone in 1.8 ms). The params start
-    on the devices, as in a chain of epochs (a strategy hands them back where they went in)."""
+    moves several in flight faster than one: a TPU v5e 3.1 MB in 0.26 ms each, one alone in 1.8 ms). Params and
+    optimizer state start on the devices, as in a chain of epochs (a strategy hands them back where they went in)."""
     n, sharding = mesh.devices.size, NamedSharding(mesh, P(loaders.DATA_AXIS))
     params = strategies.replicate(model.init_model(args.layers), mesh)
+    state = strategies.replicate(strategies.sgd(LEARNING_RATE).init(params), mesh)
     for global_batch in args.fed_batches:
         count = min(len(labels), args.fed_steps * global_batch)
         row = out[f"global_{global_batch}"] = {"images": count}
@@ -237,9 +238,11 @@ def feeding_section(images, labels, mesh, args, out: dict) -> None:
                 loader = loaders.make_loader((images[:count], labels[:count]), mesh, global_batch // n, shuffle=True,
                                              placement=p, layout=strategies.LAYOUT[name])
                 prebuilt = list(loader.epoch(0))
-                train(strategies.STRATEGIES[name], params, [loader.batch(0, 0)], mesh)  # compile: one step
-                cases[f"prebuilt {p}"] = lambda b=prebuilt, s=name: train(strategies.STRATEGIES[s], params, b, mesh)
-                cases[f"fed {p}"] = lambda l=loader, s=name: train(strategies.STRATEGIES[s], params, l.epoch(0), mesh)
+                train(strategies.STRATEGIES[name], params, [loader.batch(0, 0)], mesh, state)  # compile: one step
+                cases[f"prebuilt {p}"] = lambda b=prebuilt, s=name: train(strategies.STRATEGIES[s], params, b, mesh,
+                                                                          state)
+                cases[f"fed {p}"] = lambda l=loader, s=name: train(strategies.STRATEGIES[s], params, l.epoch(0), mesh,
+                                                                   state)
             times = rounds(cases, args.repeats)
             row["steps"], transfer = len(prebuilt), 1e3 * statistics.median(times["transfer"]) / 8
             first = 1e3 * statistics.median(times["first"])
@@ -255,9 +258,10 @@ def feeding_section(images, labels, mesh, args, out: dict) -> None:
                       f"feeding, global {global_batch}, {name}")
 
 
-def train(strategy, params, batches, mesh):
-    """``strategy`` on ``batches`` with the notebooks' MLP and SGD(LEARNING_RATE)."""
-    return strategy(params, batches, mesh, loss_terms=model.loss_terms, optimizer=strategies.sgd(LEARNING_RATE))
+def train(strategy, params, batches, mesh, opt_state=None):
+    """``strategy`` on ``batches`` with the notebooks' MLP and SGD(LEARNING_RATE), from ``opt_state``."""
+    return strategy(params, batches, mesh, loss_terms=model.loss_terms, optimizer=strategies.sgd(LEARNING_RATE),
+                    opt_state=opt_state)
 
 
 def training_section(images, labels, mesh, args, out: dict) -> None:
