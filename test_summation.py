@@ -75,12 +75,16 @@ def test_the_exact_sum_is_the_rounding_of_the_sum_of_the_grid_values(devices, fu
     Where every entry is 0 or at least 2**-35 of the largest, it is the correctly rounded sum of
     the blocks themselves. The controls: a float32 left fold of the blocks, and a psum, give
     other bits."""
-    for name, blocks in exact_cases().items():
-        want = grid_sum(blocks)
-        if not full:
-            assert_same_bits(np.asarray(jax.jit(summation.exact_sum)(blocks)), want, name)
-            assert_same_bits(np.asarray(jax.jit(functools.partial(summation.exact_sum, whole=True))(blocks)), want,
-                             f"{name}, whole")
+    cases = exact_cases()
+    wants = {name: grid_sum(blocks) for name, blocks in cases.items()}
+    for L in sorted({len(blocks) for blocks in cases.values()}) if not full else ():
+        tree = {name: blocks for name, blocks in cases.items() if len(blocks) == L}  # a leaf each: one program
+        for whole in (False, True):
+            got = jax.jit(functools.partial(summation.exact_sum, whole=whole))(tree)
+            for name in tree:
+                assert_same_bits(np.asarray(got[name]), wants[name], f"{name}, whole" if whole else name)
+    for name, blocks in cases.items():
+        want = wants[name]
         L = len(blocks)
         spread = name in (("ties", "bfloat16", "wide range") if full else ("normal", "odd width", "many blocks"))
         for n in [n for n in (1, 2, 4) if n <= len(devices) and L % n == 0 and spread]:
