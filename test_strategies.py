@@ -4,7 +4,9 @@ the canonical reduction.
 * ``checked`` refuses each wrong layout (told from "mask"), batches on other devices or not
   sharded on 'data', host arrays across processes; it places host arrays in one process.
 * The strategies follow the mesh, not JAX's default devices (permuted CPU devices, a pmap
-  without ``devices=`` caught); ``single`` keeps its state on the mesh's first device.
+  without ``devices=`` caught); ``single`` keeps its state on the mesh's first device and
+  moves only batches not already there. Params come back where they went in (host or devices),
+  epochs chained on the devices giving the host chain's bits, the caller's arrays kept.
 * The refusals name the contract: float64 params without x64, a ``loss_terms`` that returns a
   mean or a vector, or whose count is not the first batch's real rows, an optimizer that
   breaks optax's contract, a reduction or logical_shards outside its domain.
@@ -225,6 +227,26 @@ def test_single_keeps_its_state_on_the_meshs_first_device():
     assert jax.config.jax_default_device not in mesh.devices.flat
     strategies.single(linear_init(), batches(), mesh, loss_terms=linear_loss_terms, optimizer=strategies.sgd(0.1))
     assert seen[1:] == [{mesh.devices.flat[0]}] * 2, seen
+
+
+def test_single_moves_a_batch_only_when_it_is_not_on_the_meshs_first_device(monkeypatch):
+    """On a mesh of one device a batch placed on it goes to the step as it is (each jax.device_put is a transfer a
+    chip pays every step); on a mesh of two, each batch moves to the first device. Both train to the same bits."""
+    hosts = host_batches(seed=16, steps=2, n=2, real_per_device=[B, 2], kind="linear")
+    puts = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: puts.append(x) or real(x, *a, **k))
+    out = {}
+    for ids in ((3,), (3, 4)):
+        mesh = cpu_mesh(ids)
+        batches = [place(h, mesh, "sharded") if len(ids) == 2 else loaders.global_batch({0: h}, mesh) for h in hosts]
+        del puts[:]
+        out[ids] = strategies.single(linear_init(), batches, mesh, loss_terms=linear_loss_terms,
+                                     optimizer=strategies.sgd(0.1))
+        moved = [x for x in puts if isinstance(x, dict) and "mask" in x]  # the batches put, not the state
+        assert len(moved) == (0 if len(ids) == 1 else len(batches)), (ids, len(moved))
+    for got, want in zip(jax.tree.leaves(out[(3,)]), jax.tree.leaves(out[(3, 4)])):
+        assert_same_bits(np.asarray(got), np.asarray(want), "single on one device and on two")
 
 
 @pytest.mark.slow
