@@ -12,7 +12,8 @@ With --run-slow (child processes, bounded by conftest.run_children):
   placement, also on a mesh that interleaves the processes' devices; together they read
   every sample once; the plain reduction's step is the one-process step within float32
   rounding (one_step_tolerance, derived); the canonical reduction is the same bits as one
-  process of 8 devices and one device adding 8 microbatches;
+  process of 8 devices and one device adding 8 microbatches, and as its steps in two epochs
+  chained on the devices (params handed back as global arrays);
 * refimpl.py --local-processes 2 prints one report and trains the bits of one process
   (canonical, --compare-to); a canonical run stopped on 8 devices and resumed in 2
   processes ends on the uninterrupted run's bits; a process whose peer never comes fails
@@ -84,6 +85,16 @@ def worker(data_dir: str, out_dir: str, coordinator: str, process_id: int) -> No
                                                      reduction="canonical", logical_shards=8)
             np.savez(os.path.join(out_dir, f"canonical-{process_id}.npz"), *jax.tree.leaves(params),
                      losses=losses)
+            # The same steps as two epochs chained on the devices (1 step, then 2 from the state handed back).
+            canonical = dict(loss_terms=model.loss_terms, optimizer=strategies.sgd(LR), reduction="canonical",
+                             logical_shards=8)
+            first = strategies.shard_map(strategies.replicate(model.init_model(LAYERS), mesh), [device.batch(0, 0)],
+                                         mesh, **canonical)
+            rest = strategies.shard_map(first.params, (device.batch(0, s) for s in range(1, STEPS)), mesh,
+                                        opt_state=first.opt_state, **canonical)
+            assert all(isinstance(x, jax.Array) for x in jax.tree.leaves((rest.params, rest.opt_state)))
+            np.savez(os.path.join(out_dir, f"chained-{process_id}.npz"), *jax.tree.leaves(strategies.to_host(
+                rest.params)))
     # What this process was delivered over a whole epoch: the sample index of each real row.
     for batch in loader.epoch(0):
         real = {shard.device: np.asarray(shard.data).reshape(-1) for shard in batch["mask"].addressable_shards}
@@ -383,6 +394,10 @@ def test_two_processes_train_like_one(two_workers, dataset):
     leaves = [[g[f"arr_{j}"] for j in range(len(g.files) - 1)] + [g["losses"]] for g in got]
     for j, (a, b) in enumerate(zip(leaves[0], leaves[1])):
         assert_same_bits(a, b, f"canonical: leaf {j} of the two processes")
+    for i in range(2):  # params chained on the devices across the processes: the same bits
+        chained = np.load(tmp_path / f"chained-{i}.npz")
+        for j in range(len(chained.files)):
+            assert_same_bits(chained[f"arr_{j}"], leaves[0][j], f"canonical, chained on the devices: leaf {j}")
     for where, strategy in (("1 process x 8 devices", "shard_map"), ("1 device x 8 microbatches", "single")):
         one = strategies.STRATEGIES[strategy](
             params0, (loader.batch(0, s) for s in range(STEPS)), mesh, loss_terms=model.loss_terms,
