@@ -8,8 +8,8 @@ Every strategy has one signature::
 * ``params``, ``opt_state``: any pytrees of arrays; epochs chain by passing both back in. They come back where they
   went in: host (NumPy) params in, host params and state out; params whose every leaf is a ``jax.Array`` (a
   strategy's own output), ``jax.Array`` leaves out, replicated on the devices the strategy ran on (``single``: the
-  mesh's first), so a chain of epochs never moves them through the host. Arrays passed in are copied, never consumed
-  (``replicate``). ``opt_state`` None means ``optimizer.init``.
+  mesh's first), so a chain of epochs never moves them through the host. Arrays passed in are never consumed (copied
+  where the steps donate: ``replicate``). ``opt_state`` None means ``optimizer.init``.
 * ``loss_terms(params, batch) -> (total, count)``: your model, on the rows one program sees (the batch's fields but
   "logical_shards"). ``total``: the sum of the real (mask-True) rows' losses, a float scalar; ``count``: how many terms
   it sums (real rows, or their tokens), a scalar. Each strategy minimises the global sum(total) / max(sum(count), 1).
@@ -180,7 +180,8 @@ def _train(name: str, params, batches, mesh: Mesh, loss_terms, optimizer, opt_st
         step, place = canonical_step(loss_terms, optimizer.update, run_mesh, L) if L else None, replicate
     else:
         step, place = plain_step(name, loss_terms, optimizer.update, mesh)
-    state, values = train_loop(step, place(state, run_mesh), batches)
+    donating = reduction == "plain" and donates(run_mesh.devices.flat)  # else the caller's arrays need no copy
+    state, values = train_loop(step, place(state, run_mesh, copy=donating), batches)
     if stacked:  # pmap's values (n, ...): the first device's (1, ...), stacked, then its row
         values = [jax.tree.map(lambda x: x.addressable_data(0), v) for v in values]
     losses = stack_losses(values)
@@ -472,24 +473,26 @@ def start_state(name: str, optimizer: Optimizer, params: Params, opt_state, mesh
 # Moving params (and optimizer state) between layouts ----------------------------------------------
 
 
-def replicate(params: Params, mesh: Mesh) -> Params:
+def replicate(params: Params, mesh: Mesh, *, copy: bool = True) -> Params:
     """Every leaf copied to every device of ``mesh`` (``NamedSharding(mesh, P())``); each process fills its own devices,
     so every process must pass the same values. The ``jax.Array`` leaves go device to device: ``jax.device_put``
     there, then copied by one program (``device_put(..., may_alias=False)`` onto a subset of a leaf's devices hands
     back the leaf's own buffer). The arrays passed in are copied, never consumed; a 64-bit leaf JAX would narrow is
-    refused (``check_dtypes``)."""
+    refused (``check_dtypes``). ``copy=False``, for steps that never donate (on CPU devices a copy is new memory, page
+    by page): the ``jax.Array`` leaves are only put there, and may share the caller's buffers."""
     check_dtypes(params, "strategies.replicate")
     sharding = NamedSharding(mesh, P())
     leaves, tree = jax.tree.flatten(params)
     on = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-    copies = dict(zip(on, _copy_program(sharding)(jax.device_put([leaves[i] for i in on], sharding)) if on else []))
+    put = jax.device_put([leaves[i] for i in on], sharding) if on else []
+    copies = dict(zip(on, _copy_program(sharding)(put) if on and copy else put))
 
-    def put(i, leaf):
+    def place(i, leaf):
         if i in copies:
             return copies[i]
         leaf = np.array(leaf)
         return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
-    return jax.tree.unflatten(tree, [put(i, leaf) for i, leaf in enumerate(leaves)])
+    return jax.tree.unflatten(tree, [place(i, leaf) for i, leaf in enumerate(leaves)])
 
 
 @functools.lru_cache(maxsize=64)
@@ -497,15 +500,16 @@ def _copy_program(sharding: NamedSharding) -> Callable:  # XLA writes new buffer
     return jax.jit(lambda xs: [jnp.copy(x) for x in xs], out_shardings=sharding)
 
 
-def stack_replicas(params: Params, mesh: Mesh) -> Params:
-    """Every leaf as (n, ...), one copy per device, sharded on axis 0: pmap's layout; a ``jax.Array`` leaf is copied
-    device to device (``replicate``, then each device's copy stacked where it lies)."""
+def stack_replicas(params: Params, mesh: Mesh, *, copy: bool = True) -> Params:
+    """Every leaf as (n, ...), one copy per device, sharded on axis 0: pmap's layout; a ``jax.Array`` leaf goes device
+    to device (``replicate(..., copy=copy)``, then each device's copy stacked where it lies)."""
     check_dtypes(params, "strategies.stack_replicas")
     sharding = NamedSharding(mesh, P(AXIS))
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     leaves, tree = jax.tree.flatten(params)
     on = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-    copies = dict(zip(on, _stacked(tuple(mesh.devices.flat))(replicate([leaves[i] for i in on], mesh)) if on else []))
+    put = replicate([leaves[i] for i in on], mesh, copy=copy) if on else []
+    copies = dict(zip(on, _stacked(tuple(mesh.devices.flat))(put) if on else []))
 
     def stack(i, leaf):
         if i in copies:
@@ -662,11 +666,13 @@ def donates(devices) -> bool:
 
 
 def plain_step(name: str, loss_terms: LossTerms, update: Callable, mesh: Mesh) -> tuple[Callable, Callable]:
-    """Strategy ``name``'s plain step as the strategy runs it, and ``place(state, run_mesh)``, which puts (params,
-    opt_state) in the step's layout: ``pmap_step`` (stacked on ``mesh``), ``shard_map_step`` or ``sharded_step``
-    (replicated on ``run_mesh``: the mesh, or for ``single`` its first device, where the batches go too)."""
+    """Strategy ``name``'s plain step as the strategy runs it, and ``place(state, run_mesh, copy=True)``, which puts
+    (params, opt_state) in the step's layout: ``pmap_step`` (stacked on ``mesh``), ``shard_map_step`` or
+    ``sharded_step`` (replicated on ``run_mesh``: the mesh, or for ``single`` its first device, where the batches go
+    too)."""
     if name == "pmap":
-        return pmap_step(loss_terms, update, tuple(mesh.devices.flat)), lambda state, _: stack_replicas(state, mesh)
+        return (pmap_step(loss_terms, update, tuple(mesh.devices.flat)),
+                lambda state, _, copy=True: stack_replicas(state, mesh, copy=copy))
     if name == "shard_map":
         return shard_map_step(loss_terms, update, mesh), replicate
     return sharded_step(loss_terms, update), replicate

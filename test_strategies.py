@@ -716,13 +716,19 @@ def test_where_the_policy_donates_every_step_consumes_the_state_it_replaces(mesh
 
 def test_params_come_back_where_they_went_in_and_chain_on_the_devices(mesh, monkeypatch):
     """Host params in, host params and state out; jax.Array params in, jax.Arrays out, replicated on the devices the
-    strategy ran on (single: the mesh's first), never the caller's buffers. Two epochs chained on the devices give the
-    bits of the same two chained through the host, every step donating (as on accelerators) and the caller's arrays
-    kept. An epoch of no steps still gives new arrays."""
+    strategy ran on (single: the mesh's first). Two epochs chained on the devices give the bits of the same two chained
+    through the host, the steps donating (as on accelerators) or not, and the caller's arrays kept. Where the steps
+    donate, the caller's arrays are copied (an epoch of no steps still gives new buffers); where not, only put
+    (``replicate(..., copy=False)`` shares them)."""
     n = mesh.devices.size
     hosts = host_batches(seed=20, steps=2, n=n, real_per_device=[B, 1] + [B] * (n - 2), kind="linear")
-    monkeypatch.setattr(strategies, "donates", lambda devices: True)
-    for name, fn in strategies.STRATEGIES.items():
+    mine = strategies.replicate(linear_init(), mesh)
+    pointers = lambda tree: [x.addressable_data(0).unsafe_buffer_pointer() for x in jax.tree.leaves(tree)]
+    assert pointers(strategies.replicate(mine, mesh, copy=False)) == pointers(mine)
+    assert set(pointers(strategies.replicate(mine, mesh))).isdisjoint(pointers(mine))
+    for name, donating in [(name, d) for d in (False, True) for name in strategies.STRATEGIES]:
+        monkeypatch.setattr(strategies, "donates", lambda devices, d=donating: d)
+        fn = strategies.STRATEGIES[name]
         terms = lambda p, b: linear_loss_terms(p, b)  # fresh: the step builders are cached by the functions they get
         train = lambda params, batches, state=None: fn(params, [place(h, mesh, strategies.LAYOUT[name])
                                                                 for h in batches], mesh, loss_terms=terms,
@@ -730,7 +736,6 @@ def test_params_come_back_where_they_went_in_and_chain_on_the_devices(mesh, monk
         host = train(linear_init(), hosts[:1])
         host = train(host.params, hosts[1:], host.opt_state)
         assert all(type(x) is np.ndarray for x in jax.tree.leaves((host.params, host.opt_state))), name
-        mine = strategies.replicate(linear_init(), mesh)
         first = train(mine, hosts[:1])
         on = train(first.params, hosts[1:], first.opt_state)
         where = {mesh.devices.flat[0]} if name == "single" else set(mesh.devices.flat)
@@ -744,7 +749,8 @@ def test_params_come_back_where_they_went_in_and_chain_on_the_devices(mesh, monk
             assert_same_bits(np.asarray(leaf), linear_init()[key], f"{name}: the caller's params[{key!r}]")
         none = train(mine, [])
         for a, b in zip(jax.tree.leaves(none.params), jax.tree.leaves(mine)):
-            assert a.addressable_data(0).unsafe_buffer_pointer() != b.addressable_data(0).unsafe_buffer_pointer()
+            if donating:
+                assert a.addressable_data(0).unsafe_buffer_pointer() != b.addressable_data(0).unsafe_buffer_pointer()
             assert_same_bits(np.asarray(a), np.asarray(b), f"{name}: no steps")
 
 
