@@ -500,15 +500,15 @@ def _copy_program(sharding: NamedSharding) -> Callable:  # XLA writes new buffer
     return jax.jit(lambda xs: [jnp.copy(x) for x in xs], out_shardings=sharding)
 
 
-def stack_replicas(params: Params, mesh: Mesh, *, copy: bool = True) -> Params:
+def stack_replicas(params: Params, mesh: Mesh) -> Params:
     """Every leaf as (n, ...), one copy per device, sharded on axis 0: pmap's layout; a ``jax.Array`` leaf goes device
-    to device (``replicate(..., copy=copy)``, then each device's copy stacked where it lies)."""
+    to device (``replicate(..., copy=False)``, then each device's copy stacked where it lies, into new buffers)."""
     check_dtypes(params, "strategies.stack_replicas")
     sharding = NamedSharding(mesh, P(AXIS))
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     leaves, tree = jax.tree.flatten(params)
     on = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-    put = replicate([leaves[i] for i in on], mesh, copy=copy) if on else []
+    put = replicate([leaves[i] for i in on], mesh, copy=False) if on else []
     copies = dict(zip(on, _stacked(tuple(mesh.devices.flat))(put) if on else []))
 
     def stack(i, leaf):
@@ -672,7 +672,7 @@ def plain_step(name: str, loss_terms: LossTerms, update: Callable, mesh: Mesh) -
     too)."""
     if name == "pmap":
         return (pmap_step(loss_terms, update, tuple(mesh.devices.flat)),
-                lambda state, _, copy=True: stack_replicas(state, mesh, copy=copy))
+                lambda state, _, copy=True: stack_replicas(state, mesh))  # stacking writes new buffers
     if name == "shard_map":
         return shard_map_step(loss_terms, update, mesh), replicate
     return sharded_step(loss_terms, update), replicate
